@@ -1,0 +1,45 @@
+# Everything runs from a local virtualenv that these targets create and fill.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+PORT ?= 8080
+
+.PHONY: demo test lint typecheck bench install simulate clean prometheus
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[dev,bench]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/gateway demo --port $(PORT)
+
+simulate: $(STAMP)
+	$(BIN)/gateway simulate --config config/demo.yaml
+
+# Real Prometheus binaries for the metrics/rules tests (Debian package `prometheus`).
+prometheus:
+	./scripts/install-prometheus.sh
+
+test: $(STAMP) prometheus
+	$(BIN)/ruff check gateway tests bench
+	$(BIN)/mypy
+	$(BIN)/pytest -n 2 -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check gateway tests bench
+	$(BIN)/ruff format --check gateway tests bench
+	$(BIN)/mypy
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+bench: $(STAMP)
+	$(BIN)/python -m bench.run_all
+
+clean:
+	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache

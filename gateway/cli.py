@@ -1,0 +1,65 @@
+"""Command line entry point: `gateway <command>`.
+
+Each command lives next to the code it drives and registers itself through a
+``register(subparsers)`` function that sets ``func`` on its parser; this module
+only assembles them, so commands stay independent of each other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Callable, Sequence
+
+# (module, doc) pairs; every module exposes register(subparsers) -> None.
+_COMMAND_MODULES: tuple[str, ...] = (
+    "gateway.commands.serve",
+    "gateway.commands.demo",
+    "gateway.commands.check",
+    "gateway.capacity.cli",
+    "gateway.simulator.cli",
+    "gateway.commands.top",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gateway",
+        description=(
+            "KV-capacity-aware OpenAI-compatible gateway for vLLM fleets: counts every "
+            "prompt, reserves prompt+output tokens against each node's KV cache and routes "
+            "only to nodes where the request fits."
+        ),
+    )
+    parser.add_argument("--version", action="version", version=_version())
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name in _COMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name == name:
+                continue  # command not built into this install
+            raise
+        module.register(sub)
+    return parser
+
+
+def _version() -> str:
+    from gateway import __version__
+
+    return f"gateway {__version__}"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    func: Callable[[argparse.Namespace], int] = args.func
+    try:
+        return func(args)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""CLI commands that drive the gateway server."""

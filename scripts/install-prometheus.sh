@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Installs the real Prometheus server and promtool (Debian package `prometheus`) when they are
+# missing. Used by `make test` so the metrics and alert-rule tests run against the real tools.
+set -euo pipefail
+if command -v promtool >/dev/null 2>&1 && command -v prometheus >/dev/null 2>&1; then
+  exit 0
+fi
+if [ "$(id -u)" -ne 0 ]; then
+  SUDO=sudo
+else
+  SUDO=
+fi
+export DEBIAN_FRONTEND=noninteractive
+$SUDO apt-get update -qq
+# --no-install-recommends keeps node-exporter & co. off the machine; we only need the binaries.
+$SUDO apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+# The package starts a system service on some machines; tests run their own on loopback.
+if command -v systemctl >/dev/null 2>&1; then
+  $SUDO systemctl stop prometheus >/dev/null 2>&1 || true
+fi
+command -v promtool >/dev/null
