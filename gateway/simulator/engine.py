@@ -1,0 +1,342 @@
+"""The engine core of a simulated vLLM V1 node: KV block pool and scheduler.
+
+Pure and synchronous: no I/O, no clock. The driver calls :meth:`EngineCore.step` with
+the current simulated time; the core schedules one batch the way vLLM V1's scheduler
+does, computes how long that batch takes with :class:`CostModel`, and returns a
+:class:`StepResult` describing what happened by the end of the step.
+
+Scheduling, after ``vllm/v1/core/sched/scheduler.py`` (FCFS policy):
+
+1. Running sequences first, oldest first, sharing a token budget of
+   ``max_num_batched_tokens``: a prefilling sequence gets a chunk of its remaining
+   prompt (chunked prefill), a decoding one gets one token. If a sequence needs a new
+   block and none is free, the newest running sequence is preempted (blocks freed,
+   progress dropped, put back at the *front* of the waiting queue to be recomputed from
+   scratch), repeatedly, until the block fits or the sequence preempted itself.
+2. Only if nothing was preempted this step, waiting sequences in FCFS order: the head is
+   admitted only if its whole prompt (plus output generated before a preemption) fits in
+   free blocks and fewer than ``max_num_seqs`` run; otherwise admission stops there
+   (head-of-line blocking, so a request bigger than the whole pool stalls the queue
+   forever, as in vLLM).
+
+vLLM allocates blocks chunk by chunk; here the admitted prompt's blocks are reserved at
+admission, which is what "the whole prompt must fit" amounts to and keeps a half-done
+prefill from being preempted by its own later chunks.
+
+Block 0 is reserved (vLLM's null block): ``num_gpu_blocks - 1`` blocks are usable.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class SeqState(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True, slots=True)
+class CostModel:
+    """Duration of one engine step in simulated seconds: a roofline in four terms.
+
+    ``step_overhead_s + offload_s + max(tokens * prefill_s_per_token, weight_read_s)
+    + context_tokens * kv_read_s_per_token``
+
+    - every forward pass reads all GPU-resident weights once (``weight_read_s`` =
+      weight bytes / HBM bandwidth) and streams CPU-offloaded weights over PCIe
+      (``offload_s``);
+    - compute is ~2 * params FLOPs per scheduled token, prefill chunk or decode token
+      alike (``prefill_s_per_token``); a step is bound by the larger of compute and the
+      weight read, so small decode batches cost the weight read, big prefills their FLOPs;
+    - attention reads the KV of every scheduled sequence's context
+      (``kv_read_s_per_token`` = KV bytes per token / HBM bandwidth).
+
+    So a bigger batch makes each step slower but yields more tokens per second overall.
+    Estimates from public datasheet figures (see profiles.py), right in shape, not exact.
+    """
+
+    step_overhead_s: float = 0.002
+    weight_read_s: float = 0.016
+    offload_s: float = 0.0
+    prefill_s_per_token: float = 0.0002
+    kv_read_s_per_token: float = 1.31e-7
+
+    def step_duration(self, scheduled_tokens: int, context_tokens: int) -> float:
+        if scheduled_tokens <= 0:
+            return 0.0
+        compute = scheduled_tokens * self.prefill_s_per_token
+        return (
+            self.step_overhead_s
+            + self.offload_s
+            + max(compute, self.weight_read_s)
+            + context_tokens * self.kv_read_s_per_token
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    num_gpu_blocks: int
+    block_size: int = 16
+    max_model_len: int = 8192
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 2048
+    cost: CostModel = field(default_factory=CostModel)
+
+    @property
+    def usable_blocks(self) -> int:
+        return self.num_gpu_blocks - 1
+
+    @property
+    def kv_tokens(self) -> int:
+        return self.usable_blocks * self.block_size
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """One sequence in the engine (a request with ``n`` > 1 is ``n`` of these)."""
+
+    seq_id: int
+    prompt_tokens: int
+    # Output tokens after which the sequence ends, and the reason it then reports.
+    target_tokens: int
+    target_reason: str
+    arrival: float
+    state: SeqState = SeqState.WAITING
+    num_computed: int = 0
+    output_tokens: int = 0
+    num_blocks: int = 0
+    scheduled_at: float | None = None
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    finished_at: float | None = None
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return self.prompt_tokens + self.output_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    """What one step did; every token in it becomes visible at ``end``."""
+
+    start: float
+    end: float
+    num_scheduled: int
+    prefill_tokens: int
+    decode_tokens: int
+    # Sequences that gained one output token at `end` (in scheduling order).
+    sampled: tuple[Sequence, ...]
+    finished: tuple[Sequence, ...]
+    preempted: tuple[Sequence, ...]
+    # Prompt tokens of sequences whose first token came out in this step.
+    prompt_tokens_done: int
+    ttfts: tuple[float, ...]
+    inter_token_latencies: tuple[float, ...]
+
+
+def blocks_for(tokens: int, block_size: int) -> int:
+    return -(-tokens // block_size)
+
+
+class EngineCore:
+    """Scheduler state; mutate only through :meth:`add`, :meth:`abort`, :meth:`step`."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        if config.num_gpu_blocks < 2:
+            raise ValueError("num_gpu_blocks must be at least 2 (block 0 is reserved)")
+        self.config = config
+        self.clock = 0.0
+        self.free_blocks = config.usable_blocks
+        self.running: list[Sequence] = []
+        self.waiting: deque[Sequence] = deque()
+        self.num_preemptions = 0
+        self.num_steps = 0
+        self._next_id = 0
+
+    # -- queries -------------------------------------------------------------------
+
+    @property
+    def used_blocks(self) -> int:
+        return self.config.usable_blocks - self.free_blocks
+
+    @property
+    def usage(self) -> float:
+        """vLLM's kv_cache_usage_perc: used / usable blocks, 0..1."""
+        return self.used_blocks / self.config.usable_blocks
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    # -- mutations -----------------------------------------------------------------
+
+    def add(
+        self, *, prompt_tokens: int, target_tokens: int, target_reason: str, arrival: float
+    ) -> Sequence:
+        """Queue a sequence at the back of the waiting queue."""
+        if prompt_tokens < 1 or target_tokens < 1:
+            raise ValueError("a sequence needs at least one prompt and one output token")
+        if prompt_tokens + target_tokens - 1 > self.config.max_model_len:
+            raise ValueError("sequence would exceed max_model_len")
+        seq = Sequence(
+            seq_id=self._next_id,
+            prompt_tokens=prompt_tokens,
+            target_tokens=target_tokens,
+            target_reason=target_reason,
+            arrival=arrival,
+        )
+        self._next_id += 1
+        self.waiting.append(seq)
+        return seq
+
+    def abort(self, seq: Sequence, now: float) -> bool:
+        """Drop a sequence wherever it is and free its blocks; False if already done."""
+        if seq.state is SeqState.FINISHED:
+            return False
+        if seq.state is SeqState.RUNNING:
+            self.running.remove(seq)
+            self._release(seq)
+        else:
+            self.waiting.remove(seq)
+        seq.state = SeqState.FINISHED
+        seq.finish_reason = "abort"
+        seq.finished_at = max(now, seq.arrival)
+        return True
+
+    def step(self, not_before: float) -> StepResult | None:
+        """Schedule and run one batch starting at ``max(clock, not_before)``.
+
+        Returns None (and leaves the clock alone) when nothing can be scheduled: the
+        engine is idle or stalled, and only a new arrival or an abort can change that.
+        """
+        start = max(self.clock, not_before)
+        if not self.running and self.waiting:
+            # Idle engine: it starts when the first queued request arrived, not before.
+            start = max(start, self.waiting[0].arrival)
+        cfg = self.config
+        bs = cfg.block_size
+        budget = cfg.max_num_batched_tokens
+        scheduled: list[tuple[Sequence, int]] = []
+        preempted: list[Sequence] = []
+        running = self.running
+
+        i = 0
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            num_new = min(seq.num_tokens - seq.num_computed, budget)
+            need = blocks_for(seq.num_computed + num_new, bs) - seq.num_blocks
+            if need > self.free_blocks:
+                preempted_self = False
+                while need > self.free_blocks:
+                    victim = running.pop()  # the newest running sequence
+                    self._preempt(victim)
+                    preempted.append(victim)
+                    if victim is seq:
+                        preempted_self = True
+                        break
+                if preempted_self:
+                    break
+            if need > 0:
+                self.free_blocks -= need
+                seq.num_blocks += need
+            scheduled.append((seq, num_new))
+            budget -= num_new
+            i += 1
+
+        if not preempted:
+            waiting = self.waiting
+            while waiting and budget > 0 and len(running) < cfg.max_num_seqs:
+                seq = waiting[0]
+                if seq.arrival > start:
+                    break  # not arrived yet in simulated time
+                need = blocks_for(seq.num_tokens, bs)
+                if need > self.free_blocks:
+                    break  # FCFS: nobody overtakes the head
+                waiting.popleft()
+                self.free_blocks -= need
+                seq.num_blocks = need
+                seq.state = SeqState.RUNNING
+                if seq.scheduled_at is None:
+                    seq.scheduled_at = start
+                num_new = min(seq.num_tokens, budget)
+                running.append(seq)
+                scheduled.append((seq, num_new))
+                budget -= num_new
+
+        if not scheduled:
+            if preempted:
+                # Everything running was preempted (a sequence bigger than the pool);
+                # time still passes so the loop cannot spin without progress.
+                self.num_steps += 1
+                return StepResult(start, start, 0, 0, 0, (), (), tuple(preempted), 0, (), ())
+            return None
+
+        prefill_tokens = decode_tokens = context = 0
+        for seq, num_new in scheduled:
+            if num_new == 1 and seq.num_computed == seq.num_tokens - 1 and seq.output_tokens:
+                decode_tokens += 1
+            else:
+                prefill_tokens += num_new
+            context += seq.num_computed + num_new
+        end = start + cfg.cost.step_duration(prefill_tokens + decode_tokens, context)
+
+        sampled: list[Sequence] = []
+        finished: list[Sequence] = []
+        ttfts: list[float] = []
+        itls: list[float] = []
+        prompt_done = 0
+        for seq, num_new in scheduled:
+            seq.num_computed += num_new
+            if seq.num_computed < seq.num_tokens:
+                continue  # prefill chunk: no token sampled yet
+            seq.output_tokens += 1
+            if seq.first_token_at is None:
+                seq.first_token_at = end
+                ttfts.append(end - seq.arrival)
+                prompt_done += seq.prompt_tokens
+            elif seq.last_token_at is not None:
+                itls.append(end - seq.last_token_at)
+            seq.last_token_at = end
+            sampled.append(seq)
+            if seq.output_tokens >= seq.target_tokens:
+                seq.state = SeqState.FINISHED
+                seq.finish_reason = seq.target_reason
+                seq.finished_at = end
+                self._release(seq)
+                finished.append(seq)
+        if finished:
+            self.running = [s for s in running if s.state is SeqState.RUNNING]
+        self.clock = end
+        self.num_steps += 1
+        return StepResult(
+            start=start,
+            end=end,
+            num_scheduled=len(scheduled),
+            prefill_tokens=prefill_tokens,
+            decode_tokens=decode_tokens,
+            sampled=tuple(sampled),
+            finished=tuple(finished),
+            preempted=tuple(preempted),
+            prompt_tokens_done=prompt_done,
+            ttfts=tuple(ttfts),
+            inter_token_latencies=tuple(itls),
+        )
+
+    # -- internals -----------------------------------------------------------------
+
+    def _release(self, seq: Sequence) -> None:
+        self.free_blocks += seq.num_blocks
+        seq.num_blocks = 0
+
+    def _preempt(self, seq: Sequence) -> None:
+        self._release(seq)
+        seq.num_computed = 0  # recomputed from scratch (prompt + output so far)
+        seq.state = SeqState.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
