@@ -6,10 +6,12 @@ and the only ``await`` is a waiter parked on a future. A waiter that is cancelle
 times out is removed in ``except BaseException``; if the cancellation raced with a
 grant, the granted reservation is released there, so nothing leaks.
 
-The wait queue is a bounded FIFO. Whenever capacity may have appeared (a release, a
-backend turning healthy, a reload) waiters are offered it in arrival order; a waiter
-that still does not fit keeps its place and later waiters may pass it (first fit in
-FIFO order), so one huge request cannot block short ones that fit elsewhere.
+The wait queue is a bounded FIFO, fair per backend: a waiting request *claims* every
+backend that could ever hold it, and nobody who arrived later may take capacity on a
+claimed backend. Whenever capacity may have appeared (a release, a backend turning
+healthy, a reload) waiters are offered it in arrival order. Requests that fit only on
+unclaimed backends still pass: a huge prompt waiting for a large node does not hold up
+short chats on small nodes, and a stream of short chats cannot starve it either.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import asyncio
 import itertools
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from gateway.backends import Backend
 from gateway.errors import ContextLengthExceeded, NoHealthyBackend, Saturated
@@ -45,6 +47,7 @@ class _Waiter:
     demand: Demand
     future: asyncio.Future[Reservation]
     since: float
+    claims: frozenset[str]
 
 
 class Admission:
@@ -89,11 +92,34 @@ class Admission:
         return Reservation(backend, demand.tokens, demand.sequences, reason)
 
     def try_admit(self, demand: Demand) -> Decision | Reservation:
-        """Reserve now if the policy finds room; otherwise say why not."""
+        """Reserve now if the policy finds room that no earlier waiter claims."""
         decision = self.decide(demand)
+        if isinstance(decision, Routed) and self._waiters:
+            claimed = self._claimed(self._waiters)
+            if decision.backend.name in claimed:
+                decision = self.decide(_with_exclude(demand, claimed))
+                if not isinstance(decision, Routed):
+                    return Wait()
         if isinstance(decision, Routed):
             return self._grant(decision.backend, demand, decision.reason)
         return decision
+
+    def _claims(self, demand: Demand) -> frozenset[str]:
+        return frozenset(
+            b.name
+            for b in self._backends_for(demand.model)
+            if b.limits.known
+            and b.context_limit >= demand.longest_sequence
+            and b.budget_tokens >= demand.tokens
+        )
+
+    @staticmethod
+    def _claimed(waiters: deque[_Waiter]) -> frozenset[str]:
+        out: frozenset[str] = frozenset()
+        for w in waiters:
+            if not w.future.done():
+                out |= w.claims
+        return out
 
     def release(self, reservation: Reservation) -> bool:
         """Return a reservation's tokens and slot; only the first call has an effect."""
@@ -113,17 +139,20 @@ class Admission:
             return
         now = self._clock()
         kept: deque[_Waiter] = deque()
+        claimed: frozenset[str] = frozenset()
         while self._waiters:
             w = self._waiters.popleft()
             if w.future.done():
                 continue
-            decision = self.decide(w.demand)
+            d = _with_exclude(w.demand, claimed) if claimed else w.demand
+            decision = self.decide(d)
             if isinstance(decision, Routed):
                 r = self._grant(decision.backend, w.demand, decision.reason)
                 r.queued_s = now - w.since
                 w.future.set_result(r)
             else:
                 kept.append(w)
+                claimed |= w.claims
         self._waiters = kept
 
     @property
@@ -158,7 +187,7 @@ class Admission:
                 retry_after=max(1.0, timeout),
             )
         loop = asyncio.get_running_loop()
-        waiter = _Waiter(demand, loop.create_future(), self._clock())
+        waiter = _Waiter(demand, loop.create_future(), self._clock(), self._claims(demand))
         self._waiters.append(waiter)
         try:
             async with asyncio.timeout(timeout):
@@ -185,6 +214,10 @@ class Admission:
             self.release(fut.result())
         else:
             fut.cancel()
+
+
+def _with_exclude(d: Demand, names: frozenset[str]) -> Demand:
+    return replace(d, exclude=d.exclude | names)
 
 
 def context_error(demand: Demand, largest: int) -> ContextLengthExceeded:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import aiohttp
 from aiohttp import web
@@ -221,10 +221,7 @@ async def _forward(
 
 
 def _excluding(d: Demand, excluded: set[str]) -> Demand:
-    return Demand(
-        d.model, d.prompt_tokens, d.longest_prompt, d.output_tokens, d.sequences, d.tokens,
-        frozenset(excluded),
-    )
+    return replace(d, exclude=frozenset(excluded))
 
 
 def _note_admitted(
