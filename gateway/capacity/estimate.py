@@ -44,6 +44,7 @@ class CapacityEstimate:
     kv_cache_tokens: int  # usable: reserved null block excluded
     vllm_logged_tokens: int  # what "GPU KV cache size: N tokens" would say
     max_model_len_fit: int  # longest single request that can be scheduled
+    kv_limited_len: int  # the same, ignoring the model's max_position_embeddings
     target_len: int  # the context the concurrency figure is for
     max_concurrency: float  # requests of target_len that fit at once (null block excluded)
     vllm_logged_concurrency: float  # what "Maximum concurrency for ..." would say
@@ -145,8 +146,10 @@ def estimate(spec: CapacitySpec) -> CapacityEstimate:
     blocks = lay.num_gpu_blocks(layout, pool.pool_bytes, spec.block_size)
     if blocks <= 1:
         notes.append("no KV blocks fit: the model does not run with these settings")
-    model_limit = spec.model.max_position_embeddings or _UNBOUNDED_CONTEXT
-    fit = lay.max_context_fitting(layout, blocks - 1, spec.block_size, mnbt, model_limit)
+    kv_limit = lay.max_context_fitting(
+        layout, blocks - 1, spec.block_size, mnbt, _UNBOUNDED_CONTEXT
+    )
+    fit = min(kv_limit, spec.model.max_position_embeddings or kv_limit)
     target = spec.max_model_len or spec.model.max_position_embeddings or max(fit, 1)
     limit = spec.model.max_position_embeddings
     if spec.max_model_len and limit and spec.max_model_len > limit:
@@ -166,6 +169,7 @@ def estimate(spec: CapacitySpec) -> CapacityEstimate:
         kv_cache_tokens=lay.usable_tokens(layout, blocks, spec.block_size),
         vllm_logged_tokens=lay.vllm_logged_tokens(layout, blocks, spec.block_size),
         max_model_len_fit=fit,
+        kv_limited_len=kv_limit,
         target_len=target,
         max_concurrency=0.0,
         vllm_logged_concurrency=logged_concurrency,
