@@ -84,6 +84,26 @@ def _fits_sentence(est: CapacityEstimate, length: int) -> str:
     return f"at --max-model-len {length}, {n} concurrent {noun} ({conc:.2f}x)"
 
 
+def len_for_concurrency(est: CapacityEstimate, requests: int) -> int:
+    """Longest --max-model-len at which ``requests`` full-length requests fit at once."""
+    lo, hi = 0, max(0, est.max_model_len_fit)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if est.concurrency_at(mid) >= requests:
+            lo = mid
+        else:
+            hi = mid - 1
+    return round_down(lo, est.block_size)
+
+
+def _more_sentence(est: CapacityEstimate, length: int) -> str:
+    more = math.floor(est.concurrency_at(length)) + 1
+    shorter = len_for_concurrency(est, more)
+    if shorter <= 0:
+        return ""
+    return f"; to run {more} at once, --max-model-len {shorter}"
+
+
 def _step_max_model_len(spec: CapacitySpec, est: CapacityEstimate, length: int) -> Recommendation:
     fit, target = est.max_model_len_fit, est.target_len
     kv_max = est.kv_limited_len
@@ -104,12 +124,13 @@ def _step_max_model_len(spec: CapacitySpec, est: CapacityEstimate, length: int) 
             f"{need / GIB:.2f} GiB of KV but the pool is {est.kv_pool_bytes / GIB:.2f} GiB, "
             f"so vLLM refuses to start. The longest context that fits is {fit}; start at "
             f"60-80% of it ({lo}-{hi}): {_fits_sentence(est, length)}"
+            f"{_more_sentence(est, length)}"
         )
     elif length < target:
         detail = (
             f"--max-model-len {target} fits, but {_fits_sentence(est, target)}; "
             f"start at 60-80% of the {kv_max}-token maximum ({lo}-{hi}): "
-            f"{_fits_sentence(est, length)}"
+            f"{_fits_sentence(est, length)}{_more_sentence(est, length)}"
         )
     else:
         detail = (
