@@ -59,9 +59,7 @@ class _TextFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         access = getattr(record, "access", None)
         if isinstance(access, dict):
-            record.msg = " ".join(
-                f"{k}={_fmt(v)}" for k, v in access.items() if v is not None
-            )
+            record.msg = " ".join(f"{k}={_fmt(v)}" for k, v in access.items() if v is not None)
             record.args = None
         return super().format(record)
 

@@ -17,6 +17,7 @@ short chats on small nodes, and a stream of short chats cannot starve it either.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -205,10 +206,8 @@ class Admission:
     def _abandon(self, waiter: _Waiter) -> None:
         # The waiter gave up (timeout, cancellation). If a grant raced with that, the
         # caller never received the reservation: give it back here.
-        try:
+        with contextlib.suppress(ValueError):
             self._waiters.remove(waiter)
-        except ValueError:
-            pass
         fut = waiter.future
         if fut.done() and not fut.cancelled():
             self.release(fut.result())

@@ -211,9 +211,18 @@ async def _admin_backends(request: web.Request) -> web.Response:
                 "reserved_seqs": b.reserved_seqs,
                 "in_flight": b.in_flight,
                 "limits": {
-                    "max_model_len": {"value": lim.max_model_len.value, "source": lim.max_model_len.source},
-                    "kv_cache_tokens": {"value": lim.kv_cache_tokens.value, "source": lim.kv_cache_tokens.source},
-                    "max_num_seqs": {"value": lim.max_num_seqs.value, "source": lim.max_num_seqs.source},
+                    "max_model_len": {
+                        "value": lim.max_model_len.value,
+                        "source": lim.max_model_len.source,
+                    },
+                    "kv_cache_tokens": {
+                        "value": lim.kv_cache_tokens.value,
+                        "source": lim.kv_cache_tokens.source,
+                    },
+                    "max_num_seqs": {
+                        "value": lim.max_num_seqs.value,
+                        "source": lim.max_num_seqs.source,
+                    },
                     "warnings": list(lim.warnings),
                 },
                 "load": None

@@ -16,7 +16,9 @@ from gateway.limits import Observed
 from gateway.yamlread import ConfigError
 
 
-def derive_backend(cfg: BackendConfig, base_dir: Path | None) -> tuple[Observed, CapacityEstimate] | None:
+def derive_backend(
+    cfg: BackendConfig, base_dir: Path | None
+) -> tuple[Observed, CapacityEstimate] | None:
     if cfg.capacity is None:
         return None
     where = f"{cfg.path}.capacity"

@@ -23,7 +23,7 @@ POLICIES = ("kv_aware", "round_robin", "least_loaded", "length_aware")
 
 @dataclass(frozen=True, slots=True)
 class TokenizerConfig:
-    encoding: EncodingSpec = EncodingSpec()
+    encoding: EncodingSpec = field(default_factory=EncodingSpec)
     # Chat-template overhead: tokens a template adds around each message, for a
     # message's `name`, and to prime the assistant's reply. Defaults follow OpenAI's
     # published accounting; Llama-3 templates add ~5 per message.
@@ -243,8 +243,8 @@ def _read_keys_file(path: str, where: str) -> list[str]:
     except OSError as exc:
         raise ConfigError(where, f"cannot read {path!r}: {exc.strerror}") from exc
     keys = []
-    for line in lines:
-        line = line.strip()
+    for raw in lines:
+        line = raw.strip()
         if not line or line.startswith("#"):
             continue
         keys.append(line.split("=", 1)[1].strip() if "=" in line else line)
@@ -260,9 +260,7 @@ def _model(s: Section) -> ModelConfig:
         pattern=tok.text("pattern", "cl100k"),
     )
     if enc.file is not None and enc.pattern not in PATTERNS and len(enc.pattern) < 8:
-        raise ConfigError(
-            tok.where("pattern"), f"expected one of {', '.join(PATTERNS)} or a regex"
-        )
+        raise ConfigError(tok.where("pattern"), f"expected one of {', '.join(PATTERNS)} or a regex")
     tokenizer = TokenizerConfig(
         encoding=enc,
         per_message_tokens=tok.integer("per_message_tokens", 4, minimum=0),
@@ -343,14 +341,11 @@ def _timeouts(s: Section, base: TimeoutConfig) -> TimeoutConfig:
     return cfg
 
 
-def _tier(
-    s: Section, models: Mapping[str, ModelConfig], timeouts: TimeoutConfig
-) -> TierConfig:
+def _tier(s: Section, models: Mapping[str, ModelConfig], timeouts: TimeoutConfig) -> TierConfig:
     name = s.text("name")
     offload = s.flag("offload", False)
     backends = tuple(
-        _backend(b, name, offload, models, timeouts)
-        for b in s.sections("backends", required=True)
+        _backend(b, name, offload, models, timeouts) for b in s.sections("backends", required=True)
     )
     s.reject_unknown()
     return TierConfig(name=name, offload=offload, backends=backends)

@@ -11,6 +11,7 @@ import aiohttp
 
 from gateway.config import BackendConfig
 from gateway.limits import Observed, usable_tokens
+from gateway.upstream import read_capped
 from gateway.vllm_metrics import NodeMetrics, parse_node_metrics
 
 log = logging.getLogger("gateway.discovery")
@@ -40,9 +41,7 @@ async def fetch_max_model_len(
             value = m.get("max_model_len")
             return value if isinstance(value, int) and value > 0 else None
     served = [m.get("id") for m in models if isinstance(m, dict)]
-    raise ProbeError(
-        f"{cfg.url} does not serve model {cfg.served_model!r} (it serves {served})"
-    )
+    raise ProbeError(f"{cfg.url} does not serve model {cfg.served_model!r} (it serves {served})")
 
 
 async def fetch_metrics(
@@ -81,12 +80,14 @@ async def _get_text(session: aiohttp.ClientSession, url: str, timeout: float) ->
             async with session.get(url) as resp:
                 if resp.status != 200:
                     raise ProbeError(f"{url}: HTTP {resp.status}")
-                raw = await resp.content.read(_MAX_METRICS_BYTES)
+                raw = await read_capped(resp.content, _MAX_METRICS_BYTES)
                 return raw.decode("utf-8", "replace")
     except TimeoutError as exc:
         raise ProbeError(f"{url}: no answer within {timeout:g}s") from exc
     except aiohttp.ClientError as exc:
         raise ProbeError(f"{url}: {exc.__class__.__name__}: {exc}") from exc
+    except ValueError as exc:
+        raise ProbeError(f"{url}: answer too large ({exc})") from exc
 
 
 async def _get_json(session: aiohttp.ClientSession, url: str, timeout: float) -> object:

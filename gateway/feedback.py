@@ -59,17 +59,26 @@ def apply_metrics(b: Backend, m: NodeMetrics, now: float, cfg: LoadFeedbackConfi
     reason = ""
     until = 0.0
     if m.kv_usage is not None:
-        limit = cfg.kv_low_watermark if was_paused and b.pause_reason == "kv_full" else cfg.kv_high_watermark
+        limit = (
+            cfg.kv_low_watermark
+            if was_paused and b.pause_reason == "kv_full"
+            else cfg.kv_high_watermark
+        )
         if m.kv_usage >= limit:
             reason = "kv_full"
     if not reason and m.waiting is not None and m.waiting > cfg.max_waiting:
         prev_waiting = prev.waiting if prev is not None else None
         if prev_waiting is not None and prev_waiting > cfg.max_waiting:
             reason = "queueing"
-    if not reason and prev is not None and prev.preemptions is not None and m.preemptions is not None:
-        if m.preemptions > prev.preemptions:
-            reason = "preempting"
-            until = now + cfg.preemption_cooldown_s
+    if (
+        not reason
+        and prev is not None
+        and prev.preemptions is not None
+        and m.preemptions is not None
+        and m.preemptions > prev.preemptions
+    ):
+        reason = "preempting"
+        until = now + cfg.preemption_cooldown_s
     if not reason and was_paused and b.pause_reason == "preempting" and now < b.paused_until:
         return False  # still cooling down
     b.paused = bool(reason)

@@ -16,11 +16,38 @@ from prometheus_client.registry import Collector
 from gateway.backends import Backend
 
 TOKEN_BUCKETS = (
-    64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072, 262144,
+    64,
+    128,
+    256,
+    512,
+    1024,
+    2048,
+    4096,
+    8192,
+    16384,
+    32768,
+    65536,
+    131072,
+    262144,
 )
 LATENCY_BUCKETS = (
-    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0,
-    320.0, 640.0,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    320.0,
+    640.0,
 )
 WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 RATIO_BUCKETS = (0.5, 0.8, 0.9, 0.95, 0.98, 1.0, 1.02, 1.05, 1.1, 1.2, 1.5, 2.0)
@@ -140,23 +167,34 @@ class FleetCollector(Collector):
             return GaugeMetricFamily(name, doc, labels=labels)
 
         fams = {
-            "budget": gauge("gateway_backend_kv_budget_tokens",
-                            "KV tokens the gateway may reserve on the backend."),
-            "kv": gauge("gateway_backend_kv_cache_tokens",
-                        "The backend's KV-cache capacity in tokens."),
-            "reserved": gauge("gateway_backend_reserved_tokens",
-                              "KV tokens reserved by requests in flight."),
+            "budget": gauge(
+                "gateway_backend_kv_budget_tokens",
+                "KV tokens the gateway may reserve on the backend.",
+            ),
+            "kv": gauge(
+                "gateway_backend_kv_cache_tokens", "The backend's KV-cache capacity in tokens."
+            ),
+            "reserved": gauge(
+                "gateway_backend_reserved_tokens", "KV tokens reserved by requests in flight."
+            ),
             "in_flight": gauge("gateway_backend_in_flight", "Requests in flight."),
-            "cap": gauge("gateway_backend_max_num_seqs",
-                         "Concurrency cap (sequences) of the backend."),
+            "cap": gauge(
+                "gateway_backend_max_num_seqs", "Concurrency cap (sequences) of the backend."
+            ),
             "ctx": gauge("gateway_backend_max_model_len", "The backend's context length."),
             "healthy": gauge("gateway_backend_healthy", "1 when the backend passes checks."),
-            "accepting": gauge("gateway_backend_accepting",
-                               "1 when the backend takes new work (healthy, not paused)."),
-            "usage": gauge("gateway_backend_scraped_kv_usage_ratio",
-                           "KV-cache usage the node last reported (0..1)."),
-            "waiting": gauge("gateway_backend_scraped_requests_waiting",
-                             "Requests waiting on the node, as it last reported."),
+            "accepting": gauge(
+                "gateway_backend_accepting",
+                "1 when the backend takes new work (healthy, not paused).",
+            ),
+            "usage": gauge(
+                "gateway_backend_scraped_kv_usage_ratio",
+                "KV-cache usage the node last reported (0..1).",
+            ),
+            "waiting": gauge(
+                "gateway_backend_scraped_requests_waiting",
+                "Requests waiting on the node, as it last reported.",
+            ),
         }
         preempt = CounterMetricFamily(
             "gateway_backend_node_preemptions",

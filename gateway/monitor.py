@@ -15,6 +15,7 @@ import aiohttp
 
 from gateway import discovery, feedback
 from gateway.backends import Backend
+from gateway.limits import usable_tokens
 from gateway.state import GatewayState
 
 log = logging.getLogger("gateway.monitor")
@@ -33,9 +34,7 @@ class Monitor:
                 self._tasks.pop(key).cancel()
         for key, b in active.items():
             if key not in self._tasks:
-                self._tasks[key] = asyncio.create_task(
-                    self._watch(b), name=f"monitor:{b.name}"
-                )
+                self._tasks[key] = asyncio.create_task(self._watch(b), name=f"monitor:{b.name}")
 
     async def probe_all_once(self) -> None:
         """One health check + discovery round for every backend (used at start-up)."""
@@ -82,7 +81,9 @@ class Monitor:
         if change.became_healthy:
             log.info(
                 "backend %s is healthy (max_model_len=%s, kv_cache_tokens=%s)",
-                b.name, b.limits.max_model_len.value, b.limits.kv_cache_tokens.value,
+                b.name,
+                b.limits.max_model_len.value,
+                b.limits.kv_cache_tokens.value,
             )
             st.admission.rebalance()
 
@@ -99,8 +100,10 @@ class Monitor:
             log.info(
                 "backend %s limits: max_model_len=%s (%s) kv_cache_tokens=%s (%s)",
                 b.name,
-                b.limits.max_model_len.value, b.limits.max_model_len.source,
-                b.limits.kv_cache_tokens.value, b.limits.kv_cache_tokens.source,
+                b.limits.max_model_len.value,
+                b.limits.max_model_len.source,
+                b.limits.kv_cache_tokens.value,
+                b.limits.kv_cache_tokens.source,
             )
             st.admission.rebalance()
 
@@ -112,16 +115,23 @@ class Monitor:
         except discovery.ProbeError as exc:
             log.debug("backend %s: scrape failed: %s", b.name, exc)
             return
+        was = b.pause_reason
         if feedback.apply_metrics(b, m, st.clock(), fb):
             st.admission.rebalance()
-        if b.paused:
-            log.info("backend %s paused: %s", b.name, b.pause_reason)
+        if b.pause_reason != was:
+            if b.paused:
+                log.warning("backend %s: no new work (%s)", b.name, b.pause_reason)
+            else:
+                log.info("backend %s takes work again", b.name)
         # A node restarted with a different pool: learn its new limits.
-        kv = m.kv_cache_tokens
         disc = b.limits.kv_cache_tokens
-        if kv is not None and disc.source == "discovered" and disc.value is not None:
-            if abs((kv - (m.block_size or 16)) - disc.value) > 0:
-                await self._discover(b)
+        if (
+            m.num_gpu_blocks is not None
+            and m.block_size
+            and disc.source == "discovered"
+            and usable_tokens(m.num_gpu_blocks, m.block_size) != disc.value
+        ):
+            await self._discover(b)
 
 
 async def _health(session: aiohttp.ClientSession, b: Backend, timeout: float) -> tuple[bool, str]:

@@ -132,9 +132,7 @@ def parse_chat(body: dict[str, Any]) -> ParsedRequest:
         if isinstance(content, list):
             for j, part in enumerate(content):
                 if not isinstance(part, dict) or not isinstance(part.get("type"), str):
-                    raise _type_error(
-                        f"{where}.content[{j}]", "an object with a 'type'", part
-                    )
+                    raise _type_error(f"{where}.content[{j}]", "an object with a 'type'", part)
     for key in ("tools", "functions"):
         if body.get(key) is not None and not isinstance(body[key], list):
             raise _type_error(key, "an array", body[key])

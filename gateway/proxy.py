@@ -49,10 +49,10 @@ class Counted:
 async def read_limited(request: web.Request, limit: int) -> bytes:
     if request.content_length is not None and request.content_length > limit:
         raise BodyTooLarge(f"Request body is {request.content_length} bytes; the limit is {limit}.")
-    data = await request.content.read(limit + 1)
-    if len(data) > limit:
-        raise BodyTooLarge(f"Request body exceeds the limit of {limit} bytes.")
-    return data
+    try:
+        return await upstream.read_capped(request.content, limit)
+    except ValueError as exc:
+        raise BodyTooLarge(f"Request body exceeds the limit of {limit} bytes.") from exc
 
 
 async def count_request(state: GatewayState, raw: bytes, kind: str) -> Counted:
@@ -112,7 +112,9 @@ def upstream_body(counted: Counted, inject_output: bool) -> bytes | None:
     return json.dumps(body, separators=(",", ":")).encode() if changed else None
 
 
-async def handle_completion(request: web.Request, state: GatewayState, kind: str) -> web.StreamResponse:
+async def handle_completion(
+    request: web.Request, state: GatewayState, kind: str
+) -> web.StreamResponse:
     rid = request.headers.get("x-request-id") or uuid.uuid4().hex
     rec = AccessRecord(request_id=rid, method=request.method, path=request.path)
     start = state.clock()
@@ -327,7 +329,9 @@ async def _relay_stream(
                     first = False
                     ttft = state.clock() - start
                     rec.ttft_ms = ttft * 1000
-                    state.metrics.ttft.labels(model=counted.model.name, tier=r.backend.tier).observe(ttft)
+                    state.metrics.ttft.labels(
+                        model=counted.model.name, tier=r.backend.tier
+                    ).observe(ttft)
                 await out.write(events)
                 last = events
                 if events.endswith(b"data: [DONE]\n\n"):
@@ -336,16 +340,24 @@ async def _relay_stream(
     except upstream.MidStreamError as err:
         state.metrics.upstream_failures.labels(backend=r.backend.name, cause="mid_stream").inc()
         rec.outcome = f"mid_stream_{err.cause}"
-        await out.write(_error_event(f"Backend {r.backend.name} failed mid-stream: {err}", "upstream_" + err.cause))
+        await out.write(
+            _error_event(
+                f"Backend {r.backend.name} failed mid-stream: {err}", "upstream_" + err.cause
+            )
+        )
         done = True
     except TimeoutError:
         rec.outcome = "mid_stream_total_timeout"
         state.metrics.upstream_failures.labels(backend=r.backend.name, cause="timeout").inc()
-        await out.write(_error_event("The response exceeded the gateway's total timeout.", "upstream_timeout"))
+        await out.write(
+            _error_event("The response exceeded the gateway's total timeout.", "upstream_timeout")
+        )
         done = True
     if not done:
         rec.outcome = "mid_stream_truncated"
-        await out.write(_error_event(f"Backend {r.backend.name} ended the stream early.", "upstream_reset"))
+        await out.write(
+            _error_event(f"Backend {r.backend.name} ended the stream early.", "upstream_reset")
+        )
     elif rec.outcome == "-":
         rec.outcome = "ok"
         if b'"usage"' in last:

@@ -34,7 +34,11 @@ def reload_config(app: web.Application, path: str) -> bool:
         return False
     old = state.config
     if (new.server.host, new.server.port) != (old.server.host, old.server.port):
-        log.warning("server.host/port changes need a restart; keeping %s:%s", old.server.host, old.server.port)
+        log.warning(
+            "server.host/port changes need a restart; keeping %s:%s",
+            old.server.host,
+            old.server.port,
+        )
     summary = state.fleet.apply(new, derived)
     state.config = new
     app[MONITOR].sync()
@@ -42,7 +46,10 @@ def reload_config(app: web.Application, path: str) -> bool:
     state.metrics.reloads.labels(result="ok").inc()
     log.info(
         "reloaded %s: added=%s removed=%s changed=%s",
-        path, list(summary.added), list(summary.removed), list(summary.changed),
+        path,
+        list(summary.added),
+        list(summary.removed),
+        list(summary.changed),
     )
     return True
 

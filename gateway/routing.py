@@ -120,7 +120,11 @@ def route_kv_aware(
             first_gpu_tier = b.tier_index
         if best is not None and b.tier_index != best.tier_index:
             break
-        if b.accepting(now) and _has_room(b, d) and (best is None or b.free_tokens > best.free_tokens):
+        if (
+            b.accepting(now)
+            and _has_room(b, d)
+            and (best is None or b.free_tokens > best.free_tokens)
+        ):
             best = b
     if best is not None:
         return Routed(best, "fit" if best.tier_index == first_gpu_tier else "spill")

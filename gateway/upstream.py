@@ -10,6 +10,7 @@ failures while relaying    -> MidStreamError                  (bytes already rea
 from __future__ import annotations
 
 import asyncio
+import io
 import re
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
@@ -23,11 +24,20 @@ from gateway.errors import UpstreamError, UpstreamTimeout
 # Hop-by-hop and length headers are recomputed by each side.
 _DROP_RESPONSE_HEADERS = frozenset(
     {
-        "connection", "keep-alive", "transfer-encoding", "content-length", "content-encoding",
-        "server", "date", "proxy-authenticate", "trailer", "upgrade",
+        "connection",
+        "keep-alive",
+        "transfer-encoding",
+        "content-length",
+        "content-encoding",
+        "server",
+        "date",
+        "proxy-authenticate",
+        "trailer",
+        "upgrade",
     }
 )
 _MAX_ERROR_BODY = 64 * 1024
+_LARGE_BODY = 512 * 1024
 _USAGE_RE = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
 _COMPLETION_RE = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
 
@@ -81,7 +91,8 @@ async def open_request(
         async with asyncio.timeout(head_timeout):
             resp = await session.post(
                 url,
-                data=body,
+                # Big bodies as a stream: aiohttp writes raw bytes in one piece.
+                data=io.BytesIO(body) if len(body) > _LARGE_BODY else body,
                 headers=headers,
                 timeout=aiohttp.ClientTimeout(
                     total=None, connect=timeouts.connect_s, sock_connect=timeouts.connect_s
@@ -119,10 +130,25 @@ async def open_request(
         raise
 
 
+async def read_capped(stream: aiohttp.StreamReader, limit: int) -> bytes:
+    """Read to EOF, failing with ValueError past ``limit`` bytes (``read(n)`` alone may
+    return any prefix)."""
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        chunk = await stream.readany()
+        if not chunk:
+            return b"".join(chunks)
+        size += len(chunk)
+        if size > limit:
+            raise ValueError(f"more than {limit} bytes")
+        chunks.append(chunk)
+
+
 async def _read_bounded(resp: aiohttp.ClientResponse) -> str:
     try:
-        raw = await resp.content.read(_MAX_ERROR_BODY)
-    except (aiohttp.ClientError, TimeoutError):
+        raw = await read_capped(resp.content, _MAX_ERROR_BODY)
+    except (aiohttp.ClientError, TimeoutError, ValueError):
         raw = b""
     finally:
         resp.close()
@@ -132,16 +158,15 @@ async def _read_bounded(resp: aiohttp.ClientResponse) -> str:
 async def read_body(resp: aiohttp.ClientResponse, limit: int) -> bytes:
     """Whole non-streaming body; errors here are upstream failures (nothing sent yet)."""
     try:
-        data = await resp.content.read(limit + 1)
+        return await read_capped(resp.content, limit)
     except (aiohttp.ClientError, ConnectionError) as exc:
         raise UpstreamError(
             f"Backend connection broke while reading the response: {exc.__class__.__name__}",
             code="upstream_reset",
             retryable=False,
         ) from exc
-    if len(data) > limit:
-        raise UpstreamError("Backend response too large.", retryable=False)
-    return data
+    except ValueError as exc:
+        raise UpstreamError("Backend response too large.", retryable=False) from exc
 
 
 async def sse_events(resp: aiohttp.ClientResponse, idle_s: float) -> AsyncIterator[bytes]:
@@ -156,9 +181,7 @@ async def sse_events(resp: aiohttp.ClientResponse, idle_s: float) -> AsyncIterat
             async with asyncio.timeout(idle_s):
                 chunk = await resp.content.readany()
         except TimeoutError as exc:
-            raise MidStreamError(
-                "timeout", f"the backend sent nothing for {idle_s:g}s"
-            ) from exc
+            raise MidStreamError("timeout", f"the backend sent nothing for {idle_s:g}s") from exc
         except (aiohttp.ClientError, ConnectionError) as exc:
             raise MidStreamError("reset", f"the backend connection broke ({exc})") from exc
         if not chunk:

@@ -40,9 +40,7 @@ class NodeMetrics:
 
 def _keep(line: str) -> bool:
     if line.startswith("#"):
-        return line.startswith(("# TYPE vllm:", "# HELP vllm:")) and any(
-            w in line for w in _WANTED
-        )
+        return line.startswith(("# TYPE vllm:", "# HELP vllm:")) and any(w in line for w in _WANTED)
     return line.startswith(_WANTED)
 
 

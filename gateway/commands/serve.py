@@ -41,7 +41,7 @@ def _main(args: argparse.Namespace) -> int:
     try:
         config = load_config(args.config)
     except ConfigError as exc:
-        print(f"gateway: invalid config: {exc}", file=sys.stderr)
+        sys.stderr.write(f"gateway: invalid config: {exc}\n")
         return 2
     server = replace(
         config.server,
@@ -114,7 +114,9 @@ async def serve(
     try:
         await stop.wait()
     finally:
-        log.info("shutting down: draining in-flight requests (up to %gs)", config.server.shutdown_grace_s)
+        log.info(
+            "shutting down: draining in-flight requests (up to %gs)", config.server.shutdown_grace_s
+        )
         app[STATE].shutting_down = True
         if watcher is not None:
             watcher.cancel()

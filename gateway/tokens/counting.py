@@ -108,7 +108,7 @@ def _content_text(plan: CountPlan, content: Any, cfg: TokenizerConfig) -> None:
         if not isinstance(part, dict):
             continue
         kind = part.get("type")
-        if kind == "text" or kind == "input_text":
+        if kind in {"text", "input_text"}:
             text = part.get("text")
             if isinstance(text, str):
                 plan.add_text(text)
@@ -168,9 +168,9 @@ def plan_completion(prompt: Any) -> tuple[CountPlan, list[int]]:
     plan = CountPlan()
     known: list[int] = []
     prompts: list[Any]
-    if isinstance(prompt, str):
-        prompts = [prompt]
-    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+    if isinstance(prompt, str) or (
+        isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)
+    ):
         prompts = [prompt]
     else:
         prompts = list(prompt)

@@ -40,7 +40,9 @@ _O200K_PATTERN = "|".join(
         r"""\s+""",
     ]
 )
-_P50K_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
+_P50K_PATTERN = (
+    r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
+)
 
 PATTERNS: dict[str, str] = {
     "cl100k": _CL100K_PATTERN,

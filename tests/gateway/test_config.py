@@ -39,13 +39,21 @@ def test_defaults_and_aliases():
 @pytest.mark.parametrize(
     ("patch", "message"),
     [
-        (("max_num_seqs: 8", 'max_num_seqs: "four"'),
-         'tiers[0].backends[0].max_num_seqs: expected a positive integer, got "four"'),
+        (
+            ("max_num_seqs: 8", 'max_num_seqs: "four"'),
+            'tiers[0].backends[0].max_num_seqs: expected a positive integer, got "four"',
+        ),
         (("model: m,", "model: nope,"), 'tiers[0].backends[0].model: unknown model "nope"'),
         (("http://127.0.0.1:9000", "ftp://x"), "tiers[0].backends[0].url: expected an http(s) URL"),
-        (("http://127.0.0.1:9000", "http://h:1/v1"), "tiers[0].backends[0].url: give the server root"),
+        (
+            ("http://127.0.0.1:9000", "http://h:1/v1"),
+            "tiers[0].backends[0].url: give the server root",
+        ),
         (("max_num_seqs: 8", "max_num_seq: 8"), "tiers[0].backends[0].max_num_seq: unknown key"),
-        (("name: small", "name: small\n    offload: maybe"), 'tiers[0].offload: expected true or false'),
+        (
+            ("name: small", "name: small\n    offload: maybe"),
+            "tiers[0].offload: expected true or false",
+        ),
     ],
 )
 def test_errors_name_the_yaml_path(patch, message):
@@ -57,7 +65,9 @@ def test_errors_name_the_yaml_path(patch, message):
 def test_policy_and_fraction_validation():
     with pytest.raises(ConfigError, match=r"routing.policy: expected one of kv_aware"):
         parse(BASE + "routing: {policy: random}\n")
-    with pytest.raises(ConfigError, match=r"admission.budget_fraction: expected a number > 0.0 and <= 1.0"):
+    with pytest.raises(
+        ConfigError, match=r"admission.budget_fraction: expected a number > 0.0 and <= 1.0"
+    ):
         parse(BASE + "admission: {budget_fraction: 1.5}\n")
 
 
@@ -76,5 +86,7 @@ def test_api_keys_from_file_and_env(tmp_path, monkeypatch):
     keys = tmp_path / "keys.env"
     keys.write_text("# keys\nGATEWAY_KEY=k-file\n\nk-bare\n")
     monkeypatch.setenv("MY_KEYS", "k-env1,k-env2")
-    cfg = parse(BASE + f"server: {{api_keys: [k-inline], api_keys_file: {keys}, api_keys_env: MY_KEYS}}\n")
+    cfg = parse(
+        BASE + f"server: {{api_keys: [k-inline], api_keys_file: {keys}, api_keys_env: MY_KEYS}}\n"
+    )
     assert set(cfg.server.api_keys) == {"k-inline", "k-file", "k-bare", "k-env1", "k-env2"}

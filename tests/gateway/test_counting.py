@@ -50,7 +50,9 @@ async def test_content_parts_images_and_tools_are_counted():
             }
         ]
     }
-    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    tools = [
+        {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    ]
     c = counter()
     a = (await c.count(plan_chat(text_only, CFG))).total
     b = (await c.count(plan_chat(with_image, CFG))).total
