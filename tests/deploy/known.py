@@ -68,9 +68,12 @@ def promtool() -> str:
 # Aggregation operators, keywords and modifiers: identifiers that are not metric names even
 # when not followed by "(".
 PROMQL_WORDS = frozenset(
-    """sum min max avg group stddev stdvar count count_values bottomk topk quantile limitk
-    limit_ratio by without on ignoring group_left group_right bool and or unless offset atan2
-    inf nan start end""".split()
+    {
+        *("sum", "min", "max", "avg", "group", "stddev", "stdvar", "count", "count_values"),
+        *("bottomk", "topk", "quantile", "limitk", "limit_ratio"),
+        *("by", "without", "on", "ignoring", "group_left", "group_right"),
+        *("bool", "and", "or", "unless", "offset", "atan2", "inf", "nan", "start", "end"),
+    }
 )
 _STRING = re.compile(r'"(?:[^"\\]|\\.)*"|\'(?:[^\'\\]|\\.)*\'|`[^`]*`')
 _MATCHERS = re.compile(r"\{[^{}]*\}")

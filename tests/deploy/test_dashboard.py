@@ -139,9 +139,9 @@ def test_provisioning_points_at_the_dashboard_and_prometheus() -> None:
     home = compose["grafana"]["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
     assert home == provider["options"]["path"] + "/" + DASHBOARD.name
 
-    ds = yaml.safe_load(
-        (GRAFANA / "provisioning" / "datasources" / "prometheus.yml").read_text()
-    )["datasources"]
+    ds = yaml.safe_load((GRAFANA / "provisioning" / "datasources" / "prometheus.yml").read_text())[
+        "datasources"
+    ]
     assert [d["type"] for d in ds] == ["prometheus"]
     # Prometheus shares the fleet service's network namespace and listens on 9090 there.
     assert ds[0]["url"] == "http://fleet:9090"

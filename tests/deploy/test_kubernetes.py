@@ -56,7 +56,10 @@ def test_all_kinds_present() -> None:
 
 
 def test_configmap_is_the_demo_config_and_valid() -> None:
-    assert _config_text() == (REPO / "config" / "demo.yaml").read_text()
+    assert _config_text() == (REPO / "config" / "demo.yaml").read_text(), (
+        "deploy/kubernetes/configmap.yaml must embed config/demo.yaml verbatim: re-indent "
+        "the file by 4 spaces under `gateway.yaml: |`"
+    )
     parse_config_text(_config_text(), source="configmap")
 
 
@@ -68,9 +71,7 @@ def test_containers_read_the_mounted_config() -> None:
         c = _container(name)
         args = parser.parse_args(c["args"])
         assert args.command == command
-        mount = next(
-            m for m in c["volumeMounts"] if args.config.startswith(m["mountPath"] + "/")
-        )
+        mount = next(m for m in c["volumeMounts"] if args.config.startswith(m["mountPath"] + "/"))
         volume = volumes[mount["name"]]
         assert volume["configMap"]["name"] == docs["ConfigMap"]["metadata"]["name"]
         key = args.config[len(mount["mountPath"]) + 1 :]
@@ -118,7 +119,9 @@ def test_selectors_match_the_pod() -> None:
     assert selects(docs["Service"]["spec"]["selector"], labels)
     assert selects(docs["PodDisruptionBudget"]["spec"]["selector"]["matchLabels"], labels)
     svc = docs["Service"]
-    assert selects(docs["ServiceMonitor"]["spec"]["selector"]["matchLabels"], svc["metadata"]["labels"])
+    assert selects(
+        docs["ServiceMonitor"]["spec"]["selector"]["matchLabels"], svc["metadata"]["labels"]
+    )
     port_names = {p["name"] for p in svc["spec"]["ports"]}
     assert {e["port"] for e in docs["ServiceMonitor"]["spec"]["endpoints"]} <= port_names
     assert {p["targetPort"] for p in svc["spec"]["ports"]} <= {

@@ -88,7 +88,10 @@ def test_preemption_alerts_cover_gateway_and_node_metrics() -> None:
         ("x / on (instance, backend) group_left(model) y offset 5m > 0.9", {"x", "y"}),
         ('up{job="gateway"} == 0 or absent(up{job="gateway"})', {"up"}),
         ("histogram_quantile(0.99, sum by (le) (rate(h_bucket[5m]))) > 1e-3", {"h_bucket"}),
-        ("vllm:kv_cache_usage_perc > bool 0.9 unless topk(3, z)", {"vllm:kv_cache_usage_perc", "z"}),
+        (
+            "vllm:kv_cache_usage_perc > bool 0.9 unless topk(3, z)",
+            {"vllm:kv_cache_usage_perc", "z"},
+        ),
     ],
 )
 def test_promql_name_extraction(expr: str, names: set[str]) -> None:
