@@ -28,13 +28,23 @@ _SSM_MODEL_TYPES = (
     "zamba2", "granitemoehybrid", "lfm2", "minimax", "kimi_linear",
 )  # fmt: skip
 _EVERY_LAYER_WINDOW_TYPES = ("mistral", "mixtral", "mistral3", "ministral")
+# transformers' class defaults for keys that released config.json files leave out
+# (Gemma 3's text_config has no sliding_window_pattern, vocab_size or context length).
+_TYPE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "gemma3_text": {
+        "sliding_window_pattern": 6,
+        "vocab_size": 262208,
+        "max_position_embeddings": 131072,
+        "tie_word_embeddings": True,
+    },
+}
 
 
 def _merged(config: Mapping[str, Any]) -> dict[str, Any]:
     text = config.get("text_config")
-    if isinstance(text, Mapping):
-        return {**config, **text}
-    return dict(config)
+    merged = {**config, **text} if isinstance(text, Mapping) else dict(config)
+    defaults = _TYPE_DEFAULTS.get(str(merged.get("model_type", "")), {})
+    return {**defaults, **merged}
 
 
 def _int(cfg: Mapping[str, Any], *keys: str, required: bool = True) -> int | None:
