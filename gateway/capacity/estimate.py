@@ -149,7 +149,9 @@ def estimate(spec: CapacitySpec) -> CapacityEstimate:
     kv_limit = lay.max_context_fitting(
         layout, blocks - 1, spec.block_size, mnbt, _UNBOUNDED_CONTEXT
     )
-    fit = min(kv_limit, spec.model.max_position_embeddings or kv_limit)
+    # An explicit max_model_len above the config's limit (rope scaling) raises the cap.
+    model_limit = max(spec.model.max_position_embeddings or 0, spec.max_model_len or 0)
+    fit = min(kv_limit, model_limit or kv_limit)
     target = spec.max_model_len or spec.model.max_position_embeddings or max(fit, 1)
     limit = spec.model.max_position_embeddings
     if spec.max_model_len and limit and spec.max_model_len > limit:
