@@ -251,6 +251,12 @@ def _step_bigger(spec: CapacitySpec, est: CapacityEstimate, length: int) -> Reco
             f"a {bigger:g} GiB GPU: {_fmt_tokens(alt.kv_cache_tokens)} tokens, longest "
             f"context {alt.max_model_len_fit}, {_fits_sentence(alt, length)}"
         )
+    else:
+        per_gib = GIB // max(1, est.bytes_per_token)
+        parts.append(
+            f"a larger-memory GPU: each extra GiB of KV memory adds about {per_gib:,} tokens "
+            "(give --gpu-memory-gib to size a specific card)"
+        )
     offload = _offload_gib(spec, est)
     if spec.kv_cache_memory_gib is not None:
         moved = replace(spec, kv_cache_memory_gib=spec.kv_cache_memory_gib + offload)

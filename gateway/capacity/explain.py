@@ -100,7 +100,7 @@ def _findings(facts: LogFacts, bs: int) -> list[str]:
         out.append(
             f"'Maximum concurrency {facts.max_concurrency:.2f}x' for "
             f"{facts.concurrency_len:,}-token requests includes the null block; really "
-            f"{usable:.2f}x, i.e. {math.floor(usable)} full-length requests at once."
+            f"{usable:.2f}x: at full length, {_requests(usable)}."
         )
     if facts.total_gpu_gib and facts.gpu_memory_utilization:
         parts = [f"{facts.total_gpu_gib:.2f} GiB x {facts.gpu_memory_utilization:.2f}"]
@@ -135,6 +135,13 @@ def _cross_check(facts: LogFacts, spec: CapacitySpec) -> tuple[CrossCheck | None
         kv_cache_dtype=dtype or spec.kv_cache_dtype,
         max_model_len=facts.max_model_len or spec.max_model_len,
     )
+    if spec.gpu_memory_gib is None and facts.total_gpu_gib:
+        # Lets the what-ifs (utilization steps, bigger GPUs) use the node's real card.
+        logged_spec = replace(
+            logged_spec,
+            gpu_memory_gib=facts.total_gpu_gib,
+            gpu_memory_utilization=facts.gpu_memory_utilization or spec.gpu_memory_utilization,
+        )
     est = estimate(logged_spec)
     tokens = logged_tokens(facts, spec.block_size)
     if facts.needed_kv_gib is not None and facts.max_model_len:
@@ -173,6 +180,11 @@ def _cross_check(facts: LogFacts, spec: CapacitySpec) -> tuple[CrossCheck | None
     return CrossCheck(predicted, tokens, deviation, detail), logged_spec
 
 
+def _requests(concurrency: float) -> str:
+    n = math.floor(concurrency)
+    return f"{n} concurrent request fits" if n == 1 else f"{n} concurrent requests fit"
+
+
 def _log_only(facts: LogFacts, bs: int) -> tuple[tuple[Recommendation, ...], Settings | None]:
     tokens = logged_tokens(facts, bs)
     if facts.estimated_max_model_len is not None:
@@ -193,8 +205,7 @@ def _log_only(facts: LogFacts, bs: int) -> tuple[tuple[Recommendation, ...], Set
             "Lower --max-model-len",
             f"the pool holds {usable:,} usable tokens; start at 60-80% of that "
             f"({round_down(0.6 * usable, bs)}-{round_down(0.8 * usable, bs)}): at "
-            f"--max-model-len {length}, {math.floor(usable / length)} concurrent requests fit "
-            f"({usable / length:.2f}x)",
+            f"--max-model-len {length}, {_requests(usable / length)} ({usable / length:.2f}x)",
         ),
         Recommendation(
             2,
@@ -203,34 +214,36 @@ def _log_only(facts: LogFacts, bs: int) -> tuple[tuple[Recommendation, ...], Set
             "keep --max-num-batched-tokens small (2048): its activation peak comes out of KV",
         ),
     ]
+    util_title = "Raise --gpu-memory-utilization in small steps (dedicated GPU only)"
     if per_token and facts.total_gpu_gib:
         extra = facts.total_gpu_gib * 0.02 * GIB / per_token
-        recs.append(
-            Recommendation(
-                3,
-                "Raise --gpu-memory-utilization in small steps (dedicated GPU only)",
-                f"+0.02 adds {facts.total_gpu_gib * 0.02:.2f} GiB, about {extra:,.0f} tokens; "
-                "only if nothing else uses the GPU; stay at or below 0.95",
-            )
+        util_detail = (
+            f"+0.02 adds {facts.total_gpu_gib * 0.02:.2f} GiB, about {extra:,.0f} tokens; "
+            "only if nothing else uses the GPU; stay at or below 0.95"
         )
+    else:
+        util_detail = (
+            "each +0.01 adds 1% of the GPU's memory to the pool (the log does not say how "
+            "much memory the GPU has); only if nothing else uses it; stay at or below 0.95"
+        )
+    recs.append(Recommendation(3, util_title, util_detail))
     if facts.kv_cache_dtype in (None, "auto", "bfloat16", "float16"):
-        recs.append(
-            Recommendation(
-                4,
-                "fp8 KV cache (--kv-cache-dtype fp8)",
-                f"about {2 * usable:,} tokens (twice as many); accuracy loss, needs fp8 "
-                "attention support (Hopper/Ada/Blackwell) and calibrated k/v scales",
-            )
+        fp8 = (
+            f"about {2 * usable:,} tokens (twice as many); some accuracy loss, needs fp8 "
+            "attention support (native on Hopper/Ada/Blackwell) and calibrated k/v scales"
         )
-    if per_token:
-        recs.append(
-            Recommendation(
-                5,
-                "Larger-memory node, or a CPU-offload node",
-                f"each GiB freed (bigger GPU, or --cpu-offload-gb moving weights to host RAM "
-                f"at ~20-40 ms per decode step per GiB) adds about {GIB / per_token:,.0f} tokens",
-            )
+    else:
+        fp8 = f"already {facts.kv_cache_dtype}"
+    recs.append(Recommendation(4, "fp8 KV cache (--kv-cache-dtype fp8)", fp8))
+    gained = f"about {GIB / per_token:,.0f} tokens" if per_token else "tokens"
+    recs.append(
+        Recommendation(
+            5,
+            "Larger-memory node, or a CPU-offload node",
+            f"each GiB freed (a bigger GPU, or --cpu-offload-gb moving weights to host RAM at "
+            f"~20-40 ms more per decode step per GiB) adds {gained}",
         )
+    )
     settings = Settings(length, min(seqs, 256), usable, usable / length)
     return tuple(recs), settings
 
@@ -240,7 +253,17 @@ def explain_log(facts: LogFacts, spec: CapacitySpec | None = None) -> LogReport:
     findings = _findings(facts, bs)
     if spec is not None and facts.available_kv_gib is not None and facts.available_kv_gib > 0:
         check, logged_spec = _cross_check(facts, spec)
-        return LogReport(facts, tuple(findings), check, plan=make_plan(logged_spec))
+        plan = make_plan(logged_spec)
+        tokens = logged_tokens(facts, bs)
+        if plan.settings is not None and tokens and not facts.startup_failed:
+            # The node's own count beats our prediction from a GiB figure rounded to 0.01.
+            budget = tokens - bs
+            plan = replace(plan, settings=replace(plan.settings, kv_cache_tokens=budget))
+            findings.append(
+                f"The backend entry uses kv_cache_tokens {budget}: the node's own count "
+                "less the null block; the plan's other figures are computed from the logged GiB."
+            )
+        return LogReport(facts, tuple(findings), check, plan=plan)
     if spec is not None:
         findings.append("the log has no 'Available KV cache memory': nothing to cross-check")
     recs, settings = _log_only(facts, bs)

@@ -92,7 +92,8 @@ def render_plan(plan: Plan, *, header: bool = True) -> str:
             + f", tp {spec.tp}, KV cache {spec.kv_cache_dtype}, block size {spec.block_size}",
             "",
         ]
-    limit = model.max_position_embeddings
+    # An explicit max_model_len above the config's (rope scaling) is the working limit.
+    limit = max(model.max_position_embeddings or 0, spec.max_model_len or 0)
     conc = "  ".join(f"{n // 1024}k: {est.concurrency_at(n):.2f}x" for n in CONTEXTS)
     lines += [
         f"KV bytes per token   {est.bytes_per_token:,} B per GPU ({model.num_layers} layers x "
@@ -216,8 +217,9 @@ def log_json(report: LogReport) -> dict[str, Any]:
             {"step": r.step, "title": r.title, "detail": r.detail} for r in report.recommendations
         ],
     }
-    if report.settings is not None:
-        out["kv_cache_tokens"] = report.settings.kv_cache_tokens
+    settings = report.settings or (report.plan.settings if report.plan else None)
+    if settings is not None:
+        out["kv_cache_tokens"] = settings.kv_cache_tokens
     elif report.plan is not None:
         out["kv_cache_tokens"] = report.plan.estimate.kv_cache_tokens
     return out
