@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from dataclasses import dataclass
+import json
 from typing import Any
 
 from aiohttp import web
 
 from gateway.simulator import protocol as p
 from gateway.simulator.driver import RequestHandle
-from gateway.simulator.generation import filler_text
+from gateway.simulator.generation import filler_text, token_json, token_text
 from gateway.simulator.node import NODE_KEY, SimNode
 
 # While a handler waits for tokens it checks this often whether its client is gone:
@@ -30,12 +30,31 @@ class ClientGone(Exception):
     """The client closed the connection; the request is aborted."""
 
 
-@dataclass(frozen=True, slots=True)
 class _Format:
-    chat: bool
-    id: str
-    created: int
-    model: str
+    """Builds one response's chunks; the per-token event is a string template because a
+    busy node writes tens of thousands of them per second."""
+
+    __slots__ = ("_head", "chat", "created", "id", "model")
+
+    def __init__(self, *, chat: bool, id: str, created: int, model: str) -> None:
+        self.chat = chat
+        self.id = id
+        self.created = created
+        self.model = model
+        head = json.dumps(self.chunk([]), separators=(",", ":"))
+        self._head = "data: " + head.removesuffix("]}")  # ends with `"choices":[`
+
+    def token_event(self, index: int, token_index: int) -> str:
+        """``sse(chunk([delta(index, token_text(token_index), None)]))``, pre-serialized."""
+        text = token_json(token_index)
+        if self.chat:
+            body = f'{{"index":{index},"delta":{{"content":{text}}},"logprobs":null,"finish_reason":null}}'
+        else:
+            body = (
+                f'{{"index":{index},"text":{text},"logprobs":null,'
+                f'"finish_reason":null,"stop_reason":null}}'
+            )
+        return f"{self._head}{body}]}}\n\n"
 
     @property
     def object(self) -> str:
@@ -237,10 +256,11 @@ async def _stream_events(
                 events.append(p.sse(fmt.chunk([fmt.role(index)])))
             started[index] = True
             for k in range(count):
-                last = k == count - 1
-                chunk = fmt.chunk(
-                    [fmt.delta(index, filler_text(start + k, 1), reason if last else None)]
-                )
+                finish = reason if k == count - 1 else None
+                if finish is None and not req.continuous_usage:
+                    events.append(fmt.token_event(index, start + k))
+                    continue
+                chunk = fmt.chunk([fmt.delta(index, token_text(start + k), finish)])
                 if req.continuous_usage:
                     chunk["usage"] = p.usage(handle.prompt_tokens, handle.completion_tokens)
                 events.append(p.sse(chunk))

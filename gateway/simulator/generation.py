@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import random
 from dataclasses import dataclass
@@ -14,6 +15,15 @@ _WORDS = (
     " the", " quick", " brown", " fox", " jumps", " over", " a", " lazy", " dog",
     " and", " then", " it", " runs", " back", " home", ".",
 )  # fmt: skip
+
+
+# The same words as JSON string literals, for building SSE events without json.dumps.
+_WORDS_JSON = tuple(json.dumps(w) for w in _WORDS)
+
+
+def token_json(index: int) -> str:
+    """``token_text(index)`` as a JSON string literal."""
+    return _WORDS_JSON[index % len(_WORDS_JSON)]
 
 
 def token_text(index: int) -> str:

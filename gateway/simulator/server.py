@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from aiohttp import web
 
 from gateway.simulator import protocol as p
-from gateway.simulator.completions import handle_chat, handle_completion
+from gateway.simulator.completions import ClientGone, handle_chat, handle_completion
 from gateway.simulator.faults import FaultError, parse_fault
 from gateway.simulator.node import NODE_KEY, SimNode
 from gateway.simulator.settings import NodeSettings
@@ -76,6 +76,9 @@ async def _error_middleware(request: web.Request, handler: Handler) -> web.Strea
         return await handler(request)
     except p.ApiError as exc:
         return p.json_response(exc.body(), status=exc.status)
+    except ClientGone:
+        # Nobody is listening; aiohttp discards whatever is returned on a closed socket.
+        return web.Response(status=499)
 
 
 async def _health(request: web.Request) -> web.Response:

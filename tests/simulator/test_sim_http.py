@@ -254,3 +254,47 @@ async def test_openai_client_sees_bad_request(sim: SimFactory, path: str) -> Non
         await client.close()
     assert info.value.status_code == 400
     assert "maximum context length is 512 tokens" in info.value.message
+
+
+async def test_chat_chunks_are_exactly_vllms_shape(sim: SimFactory) -> None:
+    node = await sim(output_dist="fixed", output_mean=2)
+    async with node.session.post(
+        node.url + "/v1/chat/completions", json=chat("hi", stream=True, max_tokens=9)
+    ) as r:
+        raw = (await r.read()).decode()
+    events = [json.loads(e.removeprefix("data: ")) for e in raw.split("\n\n")[:-2]]
+    head = {k: events[0][k] for k in ("id", "created")}
+    assert head["id"].startswith("chatcmpl-")
+    common = {**head, "object": "chat.completion.chunk", "model": MODEL}
+    assert events == [
+        {
+            **common,
+            "choices": [
+                {
+                    "index": 0,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+            ],
+        },
+        {
+            **common,
+            "choices": [
+                {"index": 0, "delta": {"content": " the"}, "logprobs": None, "finish_reason": None}
+            ],
+        },
+        {
+            **common,
+            "choices": [
+                {
+                    "index": 0,
+                    "delta": {"content": " quick"},
+                    "logprobs": None,
+                    "finish_reason": "stop",
+                    "stop_reason": None,
+                }
+            ],
+        },
+    ]
+    assert all(e["id"] == head["id"] for e in events)
