@@ -89,6 +89,16 @@ def test_probes_and_ports() -> None:
     assert c["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
 
 
+def test_sidecar_probe_reaches_the_nodes_it_checks() -> None:
+    """The kubelet's httpGet runs outside the pod, so the simulated nodes (bound to the
+    pod's 127.0.0.1) are probed with an exec, on a port the config really uses."""
+    probe = _container("fleet")["livenessProbe"]
+    assert "httpGet" not in probe
+    script = probe["exec"]["command"][-1]
+    urls = {b.url for b in parse_config_text(_config_text()).backends}
+    assert any(f"{url}/health" in script for url in urls), script
+
+
 def test_pod_runs_as_the_images_non_root_user_with_resources() -> None:
     pod = _pod()["spec"]
     sc = pod["securityContext"]
