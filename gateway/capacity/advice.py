@@ -145,6 +145,9 @@ def _blocks(est: CapacityEstimate, length: int) -> int:
 
 
 def _step_caps(spec: CapacitySpec, est: CapacityEstimate, length: int) -> Recommendation:
+    title = "Cap --max-num-seqs and --max-num-batched-tokens"
+    if est.kv_cache_tokens <= 0:
+        return Recommendation(2, title, "nothing to cap until the model fits (steps 4-5)")
     seqs = suggested_max_num_seqs(est.kv_cache_tokens, length)
     parts = [
         f"cap --max-num-seqs at {seqs}: {seqs} requests averaging {length // 4} tokens "
@@ -174,7 +177,7 @@ def _step_caps(spec: CapacitySpec, est: CapacityEstimate, length: int) -> Recomm
             f"keep --max-num-batched-tokens at {mnbt}: larger prefill chunks raise the "
             "activation peak vLLM profiles, and that memory comes out of the KV pool"
         )
-    return Recommendation(2, "Cap --max-num-seqs and --max-num-batched-tokens", "; ".join(parts))
+    return Recommendation(2, title, "; ".join(parts))
 
 
 def _step_utilization(spec: CapacitySpec, est: CapacityEstimate, length: int) -> Recommendation:
@@ -234,7 +237,8 @@ def _offload_gib(spec: CapacitySpec, est: CapacityEstimate) -> int:
     if est.fits_target:
         return 4
     need = est.layout.group_size * est.bytes_per_token_per_layer * est.block_size
-    missing = need * (_blocks(est, est.target_len) + 1) - est.kv_pool_bytes
+    # pool_bytes, not kv_pool_bytes: when the weights alone overflow it is negative.
+    missing = need * (_blocks(est, est.target_len) + 1) - est.pool.pool_bytes
     return max(1, math.ceil(missing / GIB))
 
 
@@ -257,6 +261,18 @@ def _step_bigger(spec: CapacitySpec, est: CapacityEstimate, length: int) -> Reco
             f"a larger-memory GPU: each extra GiB of KV memory adds about {per_gib:,} tokens "
             "(give --gpu-memory-gib to size a specific card)"
         )
+    if not est.fits_target and spec.kv_cache_memory_gib is None and spec.tp < 8:
+        # The smallest TP that fits the target, else the widest one tried.
+        wider = est
+        for tp in (t for t in (2, 4, 8) if t > spec.tp):
+            wider = estimate(replace(spec, tp=tp))
+            if wider.fits_target:
+                break
+        parts.append(
+            f"--tensor-parallel-size {wider.tp} over {wider.tp} such GPUs (weights and KV "
+            f"heads split): {_fmt_tokens(wider.kv_cache_tokens)} tokens, longest context "
+            f"{wider.max_model_len_fit}, {_fits_sentence(wider, est.target_len)}"
+        )
     offload = _offload_gib(spec, est)
     if spec.kv_cache_memory_gib is not None:
         moved = replace(spec, kv_cache_memory_gib=spec.kv_cache_memory_gib + offload)
@@ -264,6 +280,7 @@ def _step_bigger(spec: CapacitySpec, est: CapacityEstimate, length: int) -> Reco
         weights = spec.weights_gib
         if weights is None:
             weights = est.pool.weights_bytes / GIB
+        offload = max(1, min(offload, math.floor(weights)))  # cannot offload more than all
         moved = replace(spec, weights_gib=max(0.0, weights - offload))
     alt = estimate(moved)
     parts.append(

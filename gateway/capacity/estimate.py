@@ -49,6 +49,7 @@ class CapacityEstimate:
     max_concurrency: float  # requests of target_len that fit at once (null block excluded)
     vllm_logged_concurrency: float  # what "Maximum concurrency for ..." would say
     max_num_batched_tokens: int
+    tp: int
     pool: PoolBreakdown
     layout: lay.KVLayout
     notes: tuple[str, ...] = ()
@@ -144,7 +145,13 @@ def estimate(spec: CapacitySpec) -> CapacityEstimate:
     notes.extend(_layout_notes(spec, layout))
     pool = _pool(spec, mnbt, notes)
     blocks = lay.num_gpu_blocks(layout, pool.pool_bytes, spec.block_size)
-    if blocks <= 1:
+    if pool.pool_bytes < 0 and not pool.measured:
+        notes.append(
+            f"the weights ({pool.weights_bytes / GIB:.2f} GiB per GPU) and overheads exceed "
+            f"the {pool.requested_bytes / GIB:.2f} GiB vLLM may use: the model does not load "
+            "on this GPU with these settings"
+        )
+    elif blocks <= 1:
         notes.append("no KV blocks fit: the model does not run with these settings")
     kv_limit = lay.max_context_fitting(
         layout, blocks - 1, spec.block_size, mnbt, _UNBOUNDED_CONTEXT
@@ -176,6 +183,7 @@ def estimate(spec: CapacitySpec) -> CapacityEstimate:
         max_concurrency=0.0,
         vllm_logged_concurrency=logged_concurrency,
         max_num_batched_tokens=mnbt,
+        tp=spec.tp,
         pool=pool,
         layout=layout,
         notes=tuple(notes),

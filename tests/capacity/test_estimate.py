@@ -89,7 +89,7 @@ def test_model_that_does_not_load() -> None:
     est = estimate(spec(preset="llama-3.1-70b", gpu_memory_gib=24))
     assert est.num_gpu_blocks == 0 and est.kv_cache_tokens == 0 and est.max_model_len_fit == 0
     assert est.max_concurrency == 0
-    assert any("does not run" in n for n in est.notes)
+    assert any("does not load" in n for n in est.notes)
 
 
 def test_hybrid_counts_every_group_conservatively() -> None:
