@@ -122,3 +122,11 @@ def test_scrape_targets_are_the_demo_fleet() -> None:
     assert nodes == expected
     gateway_targets = [t for sc in scrape["gateway"]["static_configs"] for t in sc["targets"]]
     assert gateway_targets == [f"127.0.0.1:{config.server.port}"]
+
+
+def test_install_script_is_valid_and_idempotent() -> None:
+    """`make test` runs it before pytest; here both tools exist, so it must be a quiet no-op."""
+    script = REPO / "scripts" / "install-prometheus.sh"
+    assert subprocess.run(["bash", "-n", str(script)], check=False).returncode == 0
+    res = subprocess.run([str(script)], capture_output=True, text=True, timeout=60, check=False)
+    assert (res.returncode, res.stdout, res.stderr) == (0, "", "")
