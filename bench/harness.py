@@ -86,20 +86,18 @@ async def fleet_and_gateway(
         await site.start()
         try:
             url = f"http://127.0.0.1:{port}"
-            await _wait_ready(url, app)
+            await _wait_ready(app)
             yield Running(url, fleet, app)
         finally:
             await runner.cleanup()
 
 
-async def _wait_ready(url: str, app: web.Application, timeout: float = 30.0) -> None:
+async def _wait_ready(app: web.Application, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
-    async with aiohttp.ClientSession() as s:
-        while time.monotonic() < deadline:
-            state = app[STATE]
-            if all(b.usable for b in state.fleet.active):
-                return
-            await asyncio.sleep(0.1)
+    while time.monotonic() < deadline:
+        if all(b.usable for b in app[STATE].fleet.active):
+            return
+        await asyncio.sleep(0.1)
     raise RuntimeError("the fleet did not become ready")
 
 
