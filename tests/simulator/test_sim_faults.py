@@ -85,7 +85,7 @@ async def test_request_bigger_than_the_pool_stalls_until_aborted(sim: SimFactory
 
 async def test_max_num_queued_reqs_answers_503(sim: SimFactory) -> None:
     node = await sim(max_num_queued_reqs=2, time_scale=5.0)
-    body = chat("hi", max_tokens=200, ignore_eos=True)
+    body = chat("hi", max_tokens=400, ignore_eos=True)
     load = [
         asyncio.create_task(node.post("/v1/chat/completions", body), name=f"q{i}") for i in range(2)
     ]

@@ -169,7 +169,7 @@ async def _get(url: str) -> tuple[int, Any]:
 
 async def test_in_process_fleet_serves_every_node() -> None:
     specs = [
-        node_spec("tiny", name="t-1", overrides={"time_scale": 50.0}),
+        node_spec("tiny", name="t-1", overrides={"time_scale": 5.0}),
         node_spec("tiny", name="t-2", overrides={"max_model_len": 256, "time_scale": 50.0}),
     ]
     async with start_fleet(specs) as fleet:
@@ -180,7 +180,23 @@ async def test_in_process_fleet_serves_every_node() -> None:
             assert status == 200
             assert models["data"][0]["max_model_len"] == node.settings.max_model_len
         assert fleet["t-2"].node.settings.max_model_len == 256
-        url = fleet["t-1"].url
+        # These runners cancel handlers on disconnect: the abort path must hold there too.
+        t1 = fleet["t-1"]
+        async with aiohttp.ClientSession() as session:
+            resp = await session.post(
+                t1.url + "/v1/completions",
+                json={"prompt": "hi", "max_tokens": 500, "ignore_eos": True, "stream": True},
+            )
+            await resp.content.readline()
+            assert t1.node.driver.core.used_blocks > 0
+            resp.close()
+        for _ in range(100):
+            if t1.node.driver.core.used_blocks == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert t1.node.driver.core.used_blocks == 0
+        assert t1.node.driver.finished["abort"] == 1
+        url = t1.url
     with pytest.raises(aiohttp.ClientConnectionError):
         await _get(url + "/health")  # stopped on exit
 

@@ -104,7 +104,7 @@ async def _long_requests(node: SimClient, count: int, body: dict[str, Any]) -> l
 
 async def test_overcommitted_pool_preempts_and_recovers(sim: SimFactory) -> None:
     # 64 usable blocks; 8 sequences growing to ~100 + 200 tokens (19 blocks) each.
-    node = await sim()
+    node = await sim(time_scale=10.0)  # slow enough for the watcher to see the peak
     body = chat("hello " * 90, max_tokens=200, ignore_eos=True)
     peak = 0.0
 
@@ -133,8 +133,8 @@ async def test_overcommitted_pool_preempts_and_recovers(sim: SimFactory) -> None
 
 
 async def test_waiting_and_running_gauges_under_load(sim: SimFactory) -> None:
-    node = await sim(max_num_seqs=2, time_scale=20.0)
-    body = chat("hi", max_tokens=60, ignore_eos=True)
+    node = await sim(max_num_seqs=2, time_scale=5.0)  # ~0.3 s per request
+    body = chat("hi", max_tokens=150, ignore_eos=True)
     load = asyncio.create_task(_long_requests(node, 5, body), name="load")
     try:
         for _ in range(200):
