@@ -39,6 +39,14 @@ _PER_TOKEN_HEAD_KV = ("int8_per_token_head", "fp8_per_token_head")
 # DeepSeek V3.2's sparse-MLA cache: 512 fp8 latent + scales + 64 bf16 rope = 656 B/token.
 FP8_DS_MLA_BYTES_PER_TOKEN = 656
 
+# Short spellings accepted in YAML and on the command line.
+KV_DTYPE_ALIASES: dict[str, str] = {
+    "bf16": "bfloat16",
+    "fp16": "float16",
+    "half": "float16",
+    "fp32": "float32",
+}
+
 KV_CACHE_DTYPES: tuple[str, ...] = (
     "auto",
     "bfloat16",

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway.capacity.advice import make_plan
-from gateway.capacity.arch import DTYPE_BYTES, KV_CACHE_DTYPES
+from gateway.capacity.arch import DTYPE_BYTES, KV_CACHE_DTYPES, KV_DTYPE_ALIASES
 from gateway.capacity.errors import CapacityConfigError
 from gateway.capacity.explain import explain_log
 from gateway.capacity.logparse import parse_vllm_log
@@ -93,7 +93,9 @@ def register(subparsers: Any) -> None:
         type=_fraction,
         help=f"default {DEFAULT_GPU_MEMORY_UTILIZATION} (vLLM's since 2026-04; 0.90 before)",
     )
-    node.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None)
+    node.add_argument(
+        "--kv-cache-dtype", choices=(*KV_CACHE_DTYPES, *KV_DTYPE_ALIASES), default=None
+    )
     node.add_argument(
         "--kv-cache-memory-gib",
         type=_positive_float,

@@ -112,6 +112,11 @@ def _pool(spec: CapacitySpec, mnbt: int, notes: list[str]) -> PoolBreakdown:
 def _layout_notes(spec: CapacitySpec, layout: lay.KVLayout) -> list[str]:
     notes: list[str] = []
     model = spec.model
+    if spec.kv_cache_dtype == "float32" and spec.weights_gib is None and model.dtype != "float32":
+        notes.append(
+            "an fp32 KV cache means serving with --dtype float32, which also doubles the "
+            f"{model.dtype} weights; the weight estimate does not: pass weights_gib"
+        )
     if model.is_mla:
         notes.append(
             "MLA: one latent of kv_lora_rank + qk_rope_head_dim per token per layer, "

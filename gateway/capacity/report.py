@@ -30,8 +30,9 @@ def serve_command(spec: CapacitySpec, settings: Settings) -> str:
     ]
     if spec.tp > 1:
         flags.append(f"--tensor-parallel-size {spec.tp}")
-    if spec.kv_cache_dtype == "float32":
-        flags.append("--dtype float32")
+    if spec.kv_cache_dtype in ("float32", "float16"):
+        # vLLM's --kv-cache-dtype has no such choice: the KV cache follows --dtype.
+        flags.append(f"--dtype {spec.kv_cache_dtype}")
     elif spec.kv_cache_dtype != "auto":
         flags.append(f"--kv-cache-dtype {spec.kv_cache_dtype}")
     if spec.block_size != 16:

@@ -24,7 +24,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gateway.capacity.arch import KV_CACHE_DTYPES, ModelArch, kv_bytes_per_token_per_layer
+from gateway.capacity.arch import (
+    KV_CACHE_DTYPES,
+    KV_DTYPE_ALIASES,
+    ModelArch,
+    kv_bytes_per_token_per_layer,
+)
 from gateway.capacity.errors import CapacityConfigError, show
 from gateway.capacity.hf_config import arch_from_hf_config
 from gateway.capacity.memory import DEFAULT_GPU_MEMORY_UTILIZATION
@@ -168,11 +173,13 @@ def _parse(
         raise CapacityConfigError(
             "gpu_memory_utilization", f"expected a fraction in (0, 1], got {show(utilization)}"
         )
-    kv_dtype = data.get("kv_cache_dtype", "auto")
-    if not isinstance(kv_dtype, str) or kv_dtype.lower() not in KV_CACHE_DTYPES:
+    raw_dtype = data.get("kv_cache_dtype", "auto")
+    kv_dtype = raw_dtype.lower() if isinstance(raw_dtype, str) else ""
+    kv_dtype = KV_DTYPE_ALIASES.get(kv_dtype, kv_dtype)
+    if kv_dtype not in KV_CACHE_DTYPES:
         raise CapacityConfigError(
             "kv_cache_dtype",
-            f"expected one of {', '.join(KV_CACHE_DTYPES)}, got {show(kv_dtype)}",
+            f"expected one of {', '.join(KV_CACHE_DTYPES)}, got {show(raw_dtype)}",
         )
     block_size = _positive_int(data, "block_size") or 16
     if block_size not in _BLOCK_SIZES and block_size % 16:
@@ -193,7 +200,7 @@ def _parse(
         gpu_memory_gib=gpu_gib,
         gpu_memory_utilization=utilization or DEFAULT_GPU_MEMORY_UTILIZATION,
         tp=tp,
-        kv_cache_dtype=kv_dtype.lower(),
+        kv_cache_dtype=kv_dtype,
         block_size=block_size,
         kv_cache_memory_gib=kv_gib,
         weights_gib=_non_negative_float(data, "weights_gib"),

@@ -115,6 +115,13 @@ def test_inline_model_config_and_weights_requirement() -> None:
     )
 
 
+def test_kv_dtype_aliases() -> None:
+    assert parse({"gpu_memory_gib": 24, "preset": "qwen3-8b", "kv_cache_dtype": "FP32"}
+                 ).kv_cache_dtype == "float32"  # fmt: skip
+    assert parse({"gpu_memory_gib": 24, "preset": "qwen3-8b", "kv_cache_dtype": "bf16"}
+                 ).kv_cache_dtype == "bfloat16"  # fmt: skip
+
+
 def test_dtype_that_does_not_fit_the_model_is_rejected() -> None:
     message = error({"gpu_memory_gib": 24, "preset": "qwen3-8b", "kv_cache_dtype": "fp8_ds_mla"})
     assert message.startswith(f"{PATH}.kv_cache_dtype:")
