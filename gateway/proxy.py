@@ -23,6 +23,7 @@ from gateway.errors import (
     BodyTooLarge,
     GatewayError,
     ModelNotFound,
+    NoHealthyBackend,
     ShuttingDown,
     UpstreamError,
     UpstreamTimeout,
@@ -182,10 +183,12 @@ async def _forward(
     demand = counted.demand
     deadline = start + state.config.admission.queue_timeout_s
     excluded: set[str] = set()
+    last_error: UpstreamError | None = None
+    last_failed = ""
     while True:
         rec.attempts += 1
         waited_from = state.clock()
-        reservation = await state.admission.admit(demand, max(0.0, deadline - state.clock()))
+        reservation = await _admit_retry(state, demand, deadline, excluded, last_failed, last_error)
         _note_admitted(state, reservation, rec, waited_from)
         backend = reservation.backend
         try:
@@ -206,7 +209,7 @@ async def _forward(
             if err.retryable and rec.attempts < MAX_ATTEMPTS:
                 state.metrics.upstream_retries.labels(backend=backend.name, cause=err.code).inc()
                 excluded.add(backend.name)
-                demand = _excluding(demand, excluded)
+                last_error, last_failed = err, backend.name
                 continue
             raise
         except BaseException:
@@ -222,8 +225,32 @@ async def _forward(
             state.admission.release(reservation)
 
 
-def _excluding(d: Demand, excluded: set[str]) -> Demand:
-    return replace(d, exclude=frozenset(excluded))
+async def _admit_retry(
+    state: GatewayState,
+    demand: Demand,
+    deadline: float,
+    excluded: set[str],
+    last_failed: str,
+    last_error: UpstreamError | None,
+) -> Reservation:
+    """Admit, avoiding backends that already failed this request. When every fitting
+    backend has failed once, try again anywhere but the last one; when nothing is left,
+    the client gets the upstream failure rather than a misleading 503."""
+    if not excluded:
+        return await state.admission.admit(demand, max(0.0, deadline - state.clock()))
+    try:
+        return await state.admission.admit(
+            replace(demand, exclude=frozenset(excluded)), max(0.0, deadline - state.clock())
+        )
+    except NoHealthyBackend:
+        pass
+    assert last_error is not None
+    try:
+        return await state.admission.admit(
+            replace(demand, exclude=frozenset({last_failed})), max(0.0, deadline - state.clock())
+        )
+    except NoHealthyBackend:
+        raise last_error from None
 
 
 def _note_admitted(
