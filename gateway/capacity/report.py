@@ -218,11 +218,25 @@ def log_json(report: LogReport) -> dict[str, Any]:
             {"step": r.step, "title": r.title, "detail": r.detail} for r in report.recommendations
         ],
     }
-    settings = report.settings or (report.plan.settings if report.plan else None)
-    if settings is not None:
-        out["kv_cache_tokens"] = settings.kv_cache_tokens
-    elif report.plan is not None:
-        out["kv_cache_tokens"] = report.plan.estimate.kv_cache_tokens
+    # The headline figures at the top level, whichever way they were obtained.
+    facts = report.facts
+    if report.plan is not None:
+        est = report.plan.estimate
+        out["bytes_per_token"] = est.bytes_per_token
+        out["kv_cache_tokens"] = est.kv_cache_tokens
+        out["max_model_len_fit"] = est.max_model_len_fit
+        out["max_concurrency"] = round(est.max_concurrency, 4)
+        if report.plan.settings is not None:
+            out["kv_cache_tokens"] = report.plan.settings.kv_cache_tokens
+    elif report.settings is not None:
+        usable = report.settings.kv_cache_tokens
+        tokens = usable + 16
+        implied = facts.available_kv_gib * GIB / tokens if facts.available_kv_gib else None
+        out["bytes_per_token"] = round(implied) if implied else None  # from the log: approximate
+        out["kv_cache_tokens"] = usable
+        out["max_model_len_fit"] = usable  # one group of full attention assumed
+        length = facts.max_model_len
+        out["max_concurrency"] = round(usable / length, 4) if length else None
     return out
 
 

@@ -197,6 +197,7 @@ def test_from_log_with_preset_cross_checks(capsys: pytest.CaptureFixture[str]) -
     data = run_json(["--from-log", log, "--preset", "llama-3.1-8b"], capsys)
     assert data["cross_check"]["ok"] and data["cross_check"]["logged_tokens"] == 460_496
     assert data["kv_cache_tokens"] == 460_480
+    assert data["bytes_per_token"] == 131_072 and data["max_model_len_fit"] == 131_072
     assert data["log"]["total_gpu_gib"] == 79.25
     assert data["plan"]["bytes_per_token"] == 131_072
 
@@ -214,6 +215,9 @@ def test_from_log_stdin(
     data = run_json(["--from-log", "-"], capsys)
     assert data["log"]["kv_cache_tokens"] == 290_096
     assert data["kv_cache_tokens"] == 290_080
+    assert data["max_model_len_fit"] == 290_080
+    assert data["max_concurrency"] == pytest.approx(290_080 / 40_960, abs=1e-4)
+    assert data["bytes_per_token"] == pytest.approx(147_456, rel=0.001)  # implied by the log
 
 
 def test_module_entry_point() -> None:
