@@ -21,9 +21,8 @@ from gateway.simulator.driver import RequestHandle
 from gateway.simulator.generation import filler_text, token_json, token_text
 from gateway.simulator.node import NODE_KEY, SimNode
 
-# While a handler waits for tokens it checks this often whether its client is gone:
-# aiohttp does not cancel handlers on disconnect unless the runner asks for it.
-_DISCONNECT_POLL_S = 0.05
+# How often a fault-injected hang checks whether its client is gone.
+_HANG_POLL_S = 0.05
 
 
 class ClientGone(Exception):
@@ -146,13 +145,14 @@ async def _generate(
         created=p.now_ts(),
         model=settings.model,
     )
+    poll = node.disconnect_poll_s
     handle = node.driver.submit(
         prompt_tokens, budget, n=req.n, ignore_eos=req.ignore_eos, min_tokens=req.min_tokens
     )
     try:
         if req.stream:
-            return await _stream(request, handle, fmt, req, drop_after)
-        return await _collect(request, handle, fmt)
+            return await _stream(request, handle, fmt, req=req, drop_after=drop_after, poll=poll)
+        return await _collect(request, handle, fmt, poll=poll)
     except ClientGone:
         # Nobody is listening; aiohttp discards whatever is returned on a closed socket.
         return web.Response(status=499)
@@ -160,11 +160,20 @@ async def _generate(
         node.driver.release(handle)
 
 
-async def _wait_news(request: web.Request, handle: RequestHandle) -> None:
+async def _wait_news(request: web.Request, handle: RequestHandle, poll: float | None) -> None:
+    """Wait for tokens; with ``poll`` also notice a client that is gone.
+
+    aiohttp cancels handlers on disconnect only if the runner asks for it
+    (``handler_cancellation=True``, as ``fleet.start_node`` does); other runners, such as
+    the test server, need the poll.
+    """
+    if poll is None:
+        await handle.wait()
+        return
     while not handle.has_news:
         _check_client(request)
         try:
-            async with asyncio.timeout(_DISCONNECT_POLL_S):
+            async with asyncio.timeout(poll):
                 await handle.wait()
         except TimeoutError:
             pass
@@ -181,7 +190,7 @@ async def _sleep_unless_gone(request: web.Request, seconds: float) -> None:
     deadline = loop.time() + seconds
     while (left := deadline - loop.time()) > 0:
         _check_client(request)
-        await asyncio.sleep(min(left, _DISCONNECT_POLL_S))
+        await asyncio.sleep(min(left, _HANG_POLL_S))
 
 
 def _drop(request: web.Request) -> None:
@@ -190,7 +199,9 @@ def _drop(request: web.Request) -> None:
         transport.abort()
 
 
-async def _collect(request: web.Request, handle: RequestHandle, fmt: _Format) -> web.Response:
+async def _collect(
+    request: web.Request, handle: RequestHandle, fmt: _Format, *, poll: float | None
+) -> web.Response:
     finish: list[str | None] = [None] * len(handle.seqs)
     while True:
         for index, _start, _count, reason in handle.take():
@@ -200,7 +211,7 @@ async def _collect(request: web.Request, handle: RequestHandle, fmt: _Format) ->
             raise p.ApiError(500, handle.error, "InternalServerError")
         if handle.done:
             break
-        await _wait_news(request, handle)
+        await _wait_news(request, handle, poll)
     make = p.chat_message_choice if fmt.chat else p.completion_choice
     choices = [
         make(i, filler_text(0, handle.emitted[i]), finish[i]) for i in range(len(handle.seqs))
@@ -224,8 +235,10 @@ async def _stream(
     request: web.Request,
     handle: RequestHandle,
     fmt: _Format,
+    *,
     req: p.GenerationRequest,
     drop_after: int | None,
+    poll: float | None,
 ) -> web.StreamResponse:
     resp = web.StreamResponse(
         status=200,
@@ -233,7 +246,7 @@ async def _stream(
     )
     await resp.prepare(request)
     with contextlib.suppress(ClientGone):
-        await _stream_events(request, resp, handle, fmt, req=req, drop_after=drop_after)
+        await _stream_events(request, resp, handle, fmt, req=req, drop_after=drop_after, poll=poll)
     return resp
 
 
@@ -245,6 +258,7 @@ async def _stream_events(
     *,
     req: p.GenerationRequest,
     drop_after: int | None,
+    poll: float | None,
 ) -> None:
     started = [False] * len(handle.seqs)
     sent = 0
@@ -278,7 +292,7 @@ async def _stream_events(
             sent += len(events)
         if handle.done:
             break
-        await _wait_news(request, handle)
+        await _wait_news(request, handle, poll)
     tail = ""
     if req.include_usage and handle.error is None:
         final = fmt.chunk([])

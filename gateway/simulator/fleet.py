@@ -111,7 +111,8 @@ async def start_node(
     clock: Callable[[], float] = time.monotonic,
 ) -> RunningNode:
     """Serve one node on ``spec.host:spec.port`` (port 0: any free port) in this loop."""
-    app = create_app(spec.settings, encodings=encodings, clock=clock)
+    # This runner cancels handlers on disconnect, so they need not poll for it.
+    app = create_app(spec.settings, encodings=encodings, clock=clock, disconnect_poll_s=None)
     runner = web.AppRunner(
         app, handler_cancellation=True, shutdown_timeout=SHUTDOWN_TIMEOUT_S, access_log=None
     )

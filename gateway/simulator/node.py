@@ -25,8 +25,11 @@ class SimNode:
         *,
         clock: Callable[[], float] = time.monotonic,
         encodings: EncodingCache | None = None,
+        disconnect_poll_s: float | None = 0.05,
     ) -> None:
         self.settings = settings
+        # None when the runner cancels handlers on disconnect (no polling needed).
+        self.disconnect_poll_s = disconnect_poll_s
         self.metrics = NodeMetrics(settings)
         self.driver = EngineDriver(settings, self.metrics, clock=clock)
         self.tokenizer = NodeTokenizer(settings, encodings or EncodingCache())

@@ -37,9 +37,15 @@ def create_app(
     *,
     clock: Callable[[], float] = time.monotonic,
     encodings: EncodingCache | None = None,
+    disconnect_poll_s: float | None = 0.05,
 ) -> web.Application:
-    """A fresh node: its own engine, registry and faults; nothing is shared."""
-    node = SimNode(settings, clock=clock, encodings=encodings)
+    """A fresh node: its own engine, registry and faults; nothing is shared.
+
+    ``disconnect_poll_s``: how often a handler waiting for tokens checks whether its
+    client left. Pass None only when serving with ``AppRunner(handler_cancellation=True)``
+    (aiohttp then cancels the handler itself); the default suits any runner.
+    """
+    node = SimNode(settings, clock=clock, encodings=encodings, disconnect_poll_s=disconnect_poll_s)
     app = web.Application(middlewares=[_error_middleware], client_max_size=MAX_BODY_BYTES)
     app[NODE_KEY] = node
     app.cleanup_ctx.append(_engine_ctx)
