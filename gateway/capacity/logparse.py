@@ -130,7 +130,8 @@ _RULES: tuple[tuple[re.Pattern[str], _Handler], ...] = (
     ),
     (re.compile(rf"Available KV cache memory:\s*{_NUM}\s*GiB"), _available),
     (
-        re.compile(rf"GPU KV cache size:\s*{_INT}\s*tokens"),
+        # An open PR (#54840) may label the figure "(max_concurrency x max_model_len)".
+        re.compile(rf"GPU KV cache size(?:\s*\([^)]*\))?:\s*{_INT}\s*tokens"),
         lambda m, s: {"kv_cache_tokens": _to_int(m.group(1)), "engine": s.get("engine", "v1")},
     ),
     (

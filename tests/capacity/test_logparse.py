@@ -139,6 +139,16 @@ def test_hybrid_padding_and_auto_fit() -> None:
     assert facts.padding_layers == 3 and facts.max_model_len == 98_304
 
 
+def test_labelled_token_count() -> None:
+    line = (
+        "INFO 09-02 10:00:00 [kv_cache_utils.py:2040] GPU KV cache size (max_concurrency x "
+        "max_model_len): 1,553,140 tokens, Maximum concurrency for 1,000,000 tokens per "
+        "request: 1.55x"
+    )
+    facts = parse_vllm_log(line)
+    assert facts.kv_cache_tokens == 1_553_140 and facts.max_concurrency == 1.55
+
+
 def test_unrelated_text_is_empty() -> None:
     facts = parse_vllm_log("hello\nINFO Uvicorn running on http://0.0.0.0:8000\n")
     assert facts.is_empty
