@@ -178,7 +178,7 @@ async def _health(request: web.Request) -> web.Response:
 async def _ready(request: web.Request) -> web.Response:
     state = request.app[STATE]
     healthy = [b.name for b in state.fleet.active if b.usable]
-    if state.shutting_down:
+    if state.draining or state.shutting_down:
         return web.json_response({"ready": False, "reason": "shutting down"}, status=503)
     if not healthy:
         return web.json_response({"ready": False, "reason": "no healthy backend"}, status=503)

@@ -29,8 +29,15 @@ def derive_backend(
         raise ConfigError("", str(exc)) from exc
     except ValueError as exc:
         raise ConfigError(where, str(exc)) from exc
+    # A max_model_len longer than the pool holds would fail vLLM's start-up check: the
+    # derived limit never exceeds what fits (gateway check shows the note).
+    mml = (
+        est.max_model_len_fit
+        if spec.max_model_len is None
+        else min(spec.max_model_len, est.max_model_len_fit)
+    )
     observed = Observed(
-        max_model_len=spec.max_model_len or est.max_model_len_fit,
+        max_model_len=mml,
         kv_cache_tokens=est.kv_cache_tokens,
         max_num_seqs=spec.max_num_seqs,
         block_size=spec.block_size,

@@ -132,6 +132,9 @@ class ServerConfig:
     access_log: bool = True
     log_format: str = "text"
     shutdown_grace_s: float = 30.0
+    # Seconds /ready fails before the listener closes, so load balancers (a Kubernetes
+    # Service) stop sending new connections first.
+    drain_delay_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,6 +233,7 @@ def _server(s: Section) -> ServerConfig:
         access_log=s.flag("access_log", True),
         log_format=s.choice("log_format", ("text", "json"), "text"),
         shutdown_grace_s=s.number("shutdown_grace_s", 30.0),
+        drain_delay_s=s.number("drain_delay_s", 0.0, exclusive_min=False),
     )
     s.reject_unknown()
     return cfg

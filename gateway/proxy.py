@@ -8,6 +8,7 @@ Failover happens only before a response byte has reached the client.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import uuid
 from dataclasses import dataclass, replace
@@ -120,6 +121,9 @@ async def handle_completion(
     rec = AccessRecord(request_id=rid, method=request.method, path=request.path)
     start = state.clock()
     status = 500
+    task = asyncio.current_task()
+    if task is not None:
+        state.active.add(task)
     try:
         if state.shutting_down:
             raise ShuttingDown("The gateway is shutting down; retry.", retry_after=1)
@@ -144,11 +148,19 @@ async def handle_completion(
             state.metrics.rejections.labels(reason=err.rejection_reason).inc()
         return error_response(err, rid)
     except asyncio.CancelledError:
+        if _shutdown_cancel(state):
+            status = 503
+            rec.outcome = "cancelled_shutdown"
+            return error_response(
+                ShuttingDown("The gateway is shutting down; retry.", retry_after=1), rid
+            )
         status = 499  # client closed the connection (nginx's convention)
         rec.outcome = "client_disconnect"
         state.metrics.client_disconnects.inc()
         raise
     finally:
+        if task is not None:
+            state.active.discard(task)
         rec.status = status
         rec.latency_ms = (state.clock() - start) * 1000
         state.metrics.requests.labels(
@@ -160,6 +172,16 @@ async def handle_completion(
             )
         if state.config.server.access_log:
             log_access(rec)
+
+
+def _shutdown_cancel(state: GatewayState) -> bool:
+    """True when this cancellation is the gateway's shutdown ending the request (it is
+    then taken back, so the client still gets a proper answer)."""
+    task = asyncio.current_task()
+    if not state.shutdown_reason or task is None or task.cancelling() == 0:
+        return False
+    task.uncancel()
+    return True
 
 
 def error_response(err: GatewayError, request_id: str) -> web.Response:
@@ -373,6 +395,15 @@ async def _relay_stream(
             )
         )
         done = True
+    except asyncio.CancelledError:
+        if not _shutdown_cancel(state):
+            raise
+        # Cancelled by the gateway's own shutdown: end the stream properly, with a reason.
+        rec.outcome = "cancelled_shutdown"
+        with contextlib.suppress(ConnectionError, RuntimeError):
+            await out.write(_error_event("The gateway is shutting down; retry.", "shutting_down"))
+            await out.write_eof()
+        return out
     except TimeoutError:
         rec.outcome = "mid_stream_total_timeout"
         state.metrics.upstream_failures.labels(backend=r.backend.name, cause="timeout").inc()

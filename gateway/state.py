@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from collections.abc import Callable
@@ -62,7 +63,12 @@ class GatewayState:
         self.clock = clock
         self.started_at = clock()
         self.started_at_wall = time.time()
+        # Shutdown phases: `draining` makes /ready fail while requests are still
+        # served (load balancers stop sending); `shutting_down` refuses new requests.
+        self.draining = False
         self.shutting_down = False
+        self.shutdown_reason = ""
+        self.active: set[asyncio.Task[object]] = set()
         self.session: aiohttp.ClientSession | None = None
         # Backend-reported prompt tokens / gateway estimate, per model (EWMA).
         self.estimate_ratio: dict[str, float] = {}

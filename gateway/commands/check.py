@@ -118,7 +118,9 @@ def _text(config: GatewayConfig, rows: list[dict[str, Any]]) -> str:
             value = "?" if v["value"] is None else f"{v['value']:,}"
             return f"{value} [{v['source']}]"
 
-        out.append(f"{r['name']}  tier={tier}  {r['url']}  model={r['model']} ({r['served_model']})")
+        out.append(
+            f"{r['name']}  tier={tier}  {r['url']}  model={r['model']} ({r['served_model']})"
+        )
         out.append(f"    max_model_len    {show('max_model_len')}")
         out.append(f"    kv_cache_tokens  {show('kv_cache_tokens')}")
         seqs = r["max_num_seqs"]

@@ -87,12 +87,8 @@ async def serve(
     except ConfigError as exc:
         raise SystemExit(f"gateway: invalid config: {exc}") from exc
     app = create_app(config, derived=derived)
-    runner = web.AppRunner(
-        app,
-        handler_cancellation=True,
-        access_log=None,
-        shutdown_timeout=config.server.shutdown_grace_s,
-    )
+    # Draining is ours (see _shutdown); aiohttp only has to close what is left.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0)
     await runner.setup()
     site = web.TCPSite(runner, config.server.host, config.server.port, backlog=2048)
     await site.start()
@@ -114,15 +110,43 @@ async def serve(
     try:
         await stop.wait()
     finally:
-        log.info(
-            "shutting down: draining in-flight requests (up to %gs)", config.server.shutdown_grace_s
-        )
-        app[STATE].shutting_down = True
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            loop.remove_signal_handler(sig)
         if watcher is not None:
             watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await watcher
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            loop.remove_signal_handler(sig)
-        await runner.cleanup()
-        log.info("gateway stopped")
+        await _shutdown(app, runner, site, config)
+
+
+async def _shutdown(
+    app: web.Application, runner: web.AppRunner, site: web.TCPSite, config: GatewayConfig
+) -> None:
+    """uvicorn's order: fail readiness, stop accepting, drain with a deadline, cancel the
+    rest with a reason, close resources."""
+    state = app[STATE]
+    server = config.server
+    state.draining = True
+    if server.drain_delay_s > 0:
+        log.info("shutting down: /ready fails for %gs first", server.drain_delay_s)
+        await asyncio.sleep(server.drain_delay_s)
+    state.shutting_down = True
+    await site.stop()
+    log.info(
+        "listener closed; waiting up to %gs for %d in-flight request(s)",
+        server.shutdown_grace_s,
+        len(state.active),
+    )
+    if state.active:
+        await asyncio.wait(set(state.active), timeout=server.shutdown_grace_s)
+    if state.active:
+        log.warning(
+            "cancelling %d request(s) still running after the grace period", len(state.active)
+        )
+        state.shutdown_reason = "shutdown"
+        left = set(state.active)
+        for task in left:
+            task.cancel()
+        await asyncio.wait(left, timeout=2.0)
+    await runner.cleanup()
+    log.info("gateway stopped")
