@@ -147,6 +147,12 @@ async def handle_completion(
         if err.rejection_reason is not None:
             state.metrics.rejections.labels(reason=err.rejection_reason).inc()
         return error_response(err, rid)
+    except ConnectionResetError:
+        # The client went away between two writes, before aiohttp cancelled us.
+        status = 499
+        rec.outcome = "client_disconnect"
+        state.metrics.client_disconnects.inc()
+        raise
     except asyncio.CancelledError:
         if _shutdown_cancel(state):
             status = 503

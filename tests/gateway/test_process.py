@@ -52,7 +52,12 @@ async def start_gateway(tmp_path, cfg: dict[str, Any]):
     path = tmp_path / "gateway.yaml"
     path.write_text(yaml.safe_dump(cfg))
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "gateway", "serve", "--config", str(path),
+        sys.executable,
+        "-m",
+        "gateway",
+        "serve",
+        "--config",
+        str(path),
         stderr=asyncio.subprocess.PIPE,
     )
     url = f"http://127.0.0.1:{cfg['server']['port']}"
@@ -70,8 +75,15 @@ async def start_gateway(tmp_path, cfg: dict[str, Any]):
     raise AssertionError("gateway did not become ready")
 
 
-async def stream_events(s: aiohttp.ClientSession, url: str, max_tokens: int, started: asyncio.Event):
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": max_tokens, "stream": True}
+async def stream_events(
+    s: aiohttp.ClientSession, url: str, max_tokens: int, started: asyncio.Event
+):
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": max_tokens,
+        "stream": True,
+    }
     events = []
     async with s.post(url + "/v1/chat/completions", json=body) as r:
         async for line in r.content:
@@ -94,7 +106,9 @@ async def procs():
 
 async def test_sigterm_fails_ready_then_drains_in_flight_streams(aiohttp_server, tmp_path, procs):
     node = await start_node(aiohttp_server, "n0", time_scale=2.0)
-    cfg = config(free_port(), [str(node.make_url("")).rstrip("/")], drain_delay_s=0.5, shutdown_grace_s=20)
+    cfg = config(
+        free_port(), [str(node.make_url("")).rstrip("/")], drain_delay_s=0.5, shutdown_grace_s=20
+    )
     proc, url, _ = await start_gateway(tmp_path, cfg)
     procs.append(proc)
     async with aiohttp.ClientSession() as s:

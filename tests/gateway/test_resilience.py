@@ -40,7 +40,9 @@ async def test_node_dying_mid_stream_ends_stream_cleanly(start_fleet: StartFleet
     for node in fleet.nodes.values():
         await node.fault(drop_after_chunks=3, remaining=1)
     async with aiohttp.ClientSession() as s:
-        async with s.post(fleet.url + "/v1/chat/completions", json=chat(max_tokens=200, stream=True)) as r:
+        async with s.post(
+            fleet.url + "/v1/chat/completions", json=chat(max_tokens=200, stream=True)
+        ) as r:
             assert r.status == 200
             events = await read_sse(r)
         assert events[-1] == "[DONE]"
@@ -65,7 +67,9 @@ async def test_stopped_node_is_skipped_and_request_succeeds_elsewhere(start_flee
                 tiers.append(r.headers["x-gateway-backend"])
     assert set(tiers) == {"small-2"}
     assert fleet.leaks() == {}
-    retries = fleet.state.metrics.upstream_retries.labels(backend="small-1", cause="upstream_connect")
+    retries = fleet.state.metrics.upstream_retries.labels(
+        backend="small-1", cause="upstream_connect"
+    )
     assert retries._value.get() >= 1
 
 
@@ -103,7 +107,9 @@ async def test_idle_stream_timeout_ends_stream_with_error(start_fleet: StartFlee
     )
     async with aiohttp.ClientSession() as s:
         # An offload node takes ~250 ms per decode step: longer than the idle limit.
-        async with s.post(fleet.url + "/v1/chat/completions", json=chat(max_tokens=50, stream=True)) as r:
+        async with s.post(
+            fleet.url + "/v1/chat/completions", json=chat(max_tokens=50, stream=True)
+        ) as r:
             events = await read_sse(r)
     assert events[-1] == "[DONE]"
     assert events[-2]["error"]["code"] == "upstream_timeout"
@@ -118,7 +124,8 @@ async def test_client_disconnect_cancels_upstream_promptly(start_fleet: StartFle
             with pytest.raises(TimeoutError):
                 async with asyncio.timeout(0.3):
                     async with s.post(
-                        fleet.url + "/v1/chat/completions", json=chat(max_tokens=2000, stream=stream)
+                        fleet.url + "/v1/chat/completions",
+                        json=chat(max_tokens=2000, stream=stream),
                     ) as r:
                         await r.read()
             for _ in range(50):
@@ -132,12 +139,21 @@ async def test_client_disconnect_cancels_upstream_promptly(start_fleet: StartFle
 
 
 async def test_node_filled_by_outside_client_gets_no_gateway_traffic(start_fleet: StartFleet):
-    fleet = await start_fleet(TWO_SMALL, time_scale=2, gateway={"load_feedback": {"interval_s": 0.1}})
+    fleet = await start_fleet(
+        TWO_SMALL, time_scale=2, gateway={"load_feedback": {"interval_s": 0.1}}
+    )
     hot = fleet.nodes["small-1"]
     # Someone else fills small-1 directly (not through the gateway).
     async with aiohttp.ClientSession() as s:
-        body = {"model": "meta-llama/Llama-3.1-8B-Instruct", "messages": [{"role": "user", "content": "hi " * 3000}], "max_tokens": 4000}
-        outside = [asyncio.create_task(s.post(hot.url + "/v1/chat/completions", json=body)) for _ in range(12)]
+        body = {
+            "model": "meta-llama/Llama-3.1-8B-Instruct",
+            "messages": [{"role": "user", "content": "hi " * 3000}],
+            "max_tokens": 4000,
+        }
+        outside = [
+            asyncio.create_task(s.post(hot.url + "/v1/chat/completions", json=body))
+            for _ in range(12)
+        ]
         b = fleet.backend("small-1")
         for _ in range(100):
             if b.paused:
@@ -161,9 +177,7 @@ async def test_node_filled_by_outside_client_gets_no_gateway_traffic(start_fleet
 
 
 def write_config(path, fleet, names, **extra) -> None:
-    backends = {
-        n: {"name": n, "url": fleet.nodes[n].url, "model": MODEL} for n in names
-    }
+    backends = {n: {"name": n, "url": fleet.nodes[n].url, "model": MODEL} for n in names}
     tiers: dict[str, list] = {}
     for n in names:
         tiers.setdefault(fleet.nodes[n].tier, []).append(backends[n])
@@ -185,7 +199,9 @@ async def test_reload_under_load_fails_nothing(start_fleet: StartFleet, tmp_path
     async with aiohttp.ClientSession() as s:
 
         async def one(i: int) -> None:
-            async with s.post(fleet.url + "/v1/chat/completions", json=chat(max_tokens=64, stream=i % 2 == 0)) as r:
+            async with s.post(
+                fleet.url + "/v1/chat/completions", json=chat(max_tokens=64, stream=i % 2 == 0)
+            ) as r:
                 await r.read()
                 statuses.append(r.status)
 
@@ -207,7 +223,9 @@ async def test_invalid_reload_keeps_old_config(start_fleet: StartFleet, tmp_path
     app = fleet.gateway.app
     before = app[STATE].config
     cfg = tmp_path / "bad.yaml"
-    cfg.write_text("models: [{name: x}]\ntiers: [{name: t, backends: [{name: a, url: nope, model: x}]}]\n")
+    cfg.write_text(
+        "models: [{name: x}]\ntiers: [{name: t, backends: [{name: a, url: nope, model: x}]}]\n"
+    )
     assert reload_config(app, str(cfg)) is False
     assert app[STATE].config is before
     assert app[STATE].metrics.reloads.labels(result="invalid")._value.get() == 1
