@@ -77,10 +77,12 @@ async def test_node_503_before_first_byte_is_retried_on_another(start_fleet: Sta
     fleet = await start_fleet(TWO_SMALL, time_scale=50)
     for node in fleet.nodes.values():
         await node.fault(status=503, remaining=1)
-    async with aiohttp.ClientSession() as s:
-        async with s.post(fleet.url + "/v1/chat/completions", json=chat()) as r:
-            # Both nodes refuse once: the third attempt (back on the first) succeeds.
-            assert r.status == 200, await r.text()
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(fleet.url + "/v1/chat/completions", json=chat()) as r,
+    ):
+        # Both nodes refuse once: the third attempt (back on the first) succeeds.
+        assert r.status == 200, await r.text()
     assert fleet.leaks() == {}
 
 
@@ -105,12 +107,12 @@ async def test_idle_stream_timeout_ends_stream_with_error(start_fleet: StartFlee
         time_scale=1,
         backend_extra={"only": {"timeouts": {"idle_s": 0.1}}},
     )
-    async with aiohttp.ClientSession() as s:
-        # An offload node takes ~250 ms per decode step: longer than the idle limit.
-        async with s.post(
-            fleet.url + "/v1/chat/completions", json=chat(max_tokens=50, stream=True)
-        ) as r:
-            events = await read_sse(r)
+    # An offload node takes ~250 ms per decode step: longer than the idle limit.
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(fleet.url + "/v1/chat/completions", json=chat(max_tokens=50, stream=True)) as r,
+    ):
+        events = await read_sse(r)
     assert events[-1] == "[DONE]"
     assert events[-2]["error"]["code"] == "upstream_timeout"
     assert fleet.leaks() == {}
@@ -229,6 +231,8 @@ async def test_invalid_reload_keeps_old_config(start_fleet: StartFleet, tmp_path
     assert reload_config(app, str(cfg)) is False
     assert app[STATE].config is before
     assert app[STATE].metrics.reloads.labels(result="invalid")._value.get() == 1
-    async with aiohttp.ClientSession() as s:
-        async with s.post(fleet.url + "/v1/chat/completions", json=chat()) as r:
-            assert r.status == 200
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(fleet.url + "/v1/chat/completions", json=chat()) as r,
+    ):
+        assert r.status == 200
