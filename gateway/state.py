@@ -41,6 +41,7 @@ class Counters:
                 TextCountCache(self.cache_chars),
                 self.executor,
                 inline_chars=self.inline_chars,
+                chunked=spec.chunk_safe,
             )
             self._by_spec[spec] = counter
         return counter

@@ -244,8 +244,11 @@ async def _stream(
         status=200,
         headers={"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"},
     )
-    await resp.prepare(request)
     with contextlib.suppress(ClientGone):
+        try:
+            await resp.prepare(request)
+        except ConnectionError as exc:  # gone before the headers went out
+            raise ClientGone from exc
         await _stream_events(request, resp, handle, fmt, req=req, drop_after=drop_after, poll=poll)
     return resp
 

@@ -126,7 +126,18 @@ async def start_node(
     port = _bound_port(runner.addresses, spec.port)
     spec = dataclasses.replace(spec, port=port)
     log.info("simulated node %s listening on %s", spec.name, spec.url)
-    return RunningNode(spec, spec.url, app, runner.cleanup)
+
+    async def stop() -> None:
+        # Stop listening first and let the loop finish connections it accepted just
+        # before: aiohttp's shutdown forgets (and never closes) a connection that
+        # registers while it is sweeping, which a node restarted under load hits.
+        for listening in list(runner.sites):
+            await listening.stop()
+        for _ in range(3):
+            await asyncio.sleep(0)
+        await runner.cleanup()
+
+    return RunningNode(spec, spec.url, app, stop)
 
 
 def _bound_port(addresses: list[Any], fallback: int) -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
@@ -24,6 +25,33 @@ from gateway.tokens.encoding import Encoder
 
 # Text shorter than this is cheaper to re-encode than to keep in the cache.
 _MIN_CACHED_CHARS = 256
+
+# Long texts are counted in chunks cut where a line starts with a letter or digit: no
+# piece of the cl100k/o200k/p50k split patterns spans "\n" followed by one (their optional
+# one-character prefix excludes newlines), so the counts of the chunks add up to the
+# count of the whole text (property-tested). A chunk seen before -- a shared system
+# prompt, a document pasted into many requests -- is not encoded again. Cuts are chosen
+# by content (a hash of the text after the cut), so an edit early in a document does not
+# shift the chunks after it.
+_BOUNDARY = re.compile(r"\n(?=[A-Za-z0-9])")
+CHUNK_MIN = 1024
+CHUNK_MAX = 8192
+
+
+def split_chunks(text: str, min_chars: int = CHUNK_MIN, max_chars: int = CHUNK_MAX) -> list[str]:
+    """Cut ``text`` at safe boundaries into chunks of roughly min..max characters."""
+    if len(text) < 2 * min_chars:
+        return [text]
+    out: list[str] = []
+    start = 0
+    for m in _BOUNDARY.finditer(text):
+        cut = m.end()
+        size = cut - start
+        if size >= min_chars and (size >= max_chars or hash(text[cut : cut + 16]) % 4 == 0):
+            out.append(text[start:cut])
+            start = cut
+    out.append(text[start:])
+    return out
 
 
 @dataclass(slots=True)
@@ -194,11 +222,14 @@ class PromptCounter:
         executor: Executor | None,
         *,
         inline_chars: int = 24_000,
+        chunked: bool = False,
     ) -> None:
         self._encoder = encoder
         self._cache = cache
         self._executor = executor
         self._inline_chars = inline_chars
+        # Only for encodings whose split pattern makes chunk counts additive.
+        self._chunked = chunked
 
     @property
     def encoding_name(self) -> str:
@@ -209,11 +240,18 @@ class PromptCounter:
         return len(self._encoder.encode_ordinary(text))
 
     async def count(self, plan: CountPlan, known: Sequence[int] = ()) -> PromptTokens:
-        counts: list[int | None] = [self._cache.get(p) for p in plan.pieces]
+        # Units to look up: each piece, or its chunks when it is long.
+        units: list[str] = []
+        owner: list[int] = []
+        for i, piece in enumerate(plan.pieces):
+            parts = split_chunks(piece) if self._chunked else [piece]
+            units.extend(parts)
+            owner.extend([i] * len(parts))
+        counts: list[int | None] = [self._cache.get(u) for u in units]
         missing = [i for i, c in enumerate(counts) if c is None]
-        chars = sum(len(plan.pieces[i]) for i in missing)
+        chars = sum(len(units[i]) for i in missing)
         if missing:
-            texts = [plan.pieces[i] for i in missing]
+            texts = [units[i] for i in missing]
             if chars > self._inline_chars and self._executor is not None:
                 loop = asyncio.get_running_loop()
                 fresh = await loop.run_in_executor(self._executor, self._encode_many, texts)
@@ -221,10 +259,13 @@ class PromptCounter:
                 fresh = self._encode_many(texts)
             for i, n in zip(missing, fresh, strict=True):
                 counts[i] = n
-                self._cache.put(plan.pieces[i], n)
+                self._cache.put(units[i], n)
+        piece_tokens = [0] * len(plan.pieces)
+        for u, c in zip(owner, counts, strict=True):
+            piece_tokens[u] += c or 0
         per_prompt = []
         for g, group in enumerate(plan.groups):
-            n = plan.fixed[g] + sum(counts[i] or 0 for i in group)
+            n = plan.fixed[g] + sum(piece_tokens[i] for i in group)
             if g < len(known):
                 n += known[g]
             per_prompt.append(n)

