@@ -235,7 +235,7 @@ async def _admin_backends(request: web.Request) -> web.Response:
                     "age_s": round(now - b.load.at, 3),
                 },
                 "last_error": b.last_error,
-                "recent_rejections": b.recent_rejections,
+                "recent_rejections": b.recent_rejections(now),
             }
         )
     return web.json_response(

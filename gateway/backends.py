@@ -7,6 +7,7 @@ health checker and the metrics scraper write health and load; reservations chang
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 from gateway.config import BackendConfig
@@ -68,10 +69,10 @@ class Backend:
     health_failures: int = 0
     health_successes: int = 0
     last_error: str = ""
-    recent_rejections: int = 0
+    # Times (monotonic) the node refused or failed a request: 4xx/5xx answers, resets.
+    rejection_times: deque[float] = field(default_factory=lambda: deque(maxlen=1024))
     # Ratio of the node's own prompt count to the gateway's estimate (EWMA).
     estimate_ratio: float = 1.0
-    history: dict[str, int] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -124,6 +125,15 @@ class Backend:
     def usable(self) -> bool:
         """Healthy, limits known and not leaving the fleet."""
         return self.healthy and self.limits.known and not self.draining
+
+    def note_rejection(self, now: float) -> None:
+        self.rejection_times.append(now)
+
+    def recent_rejections(self, now: float, window_s: float = 60.0) -> int:
+        times = self.rejection_times
+        while times and times[0] < now - window_s:
+            times.popleft()
+        return len(times)
 
     def accepting(self, now: float) -> bool:
         if not self.usable:

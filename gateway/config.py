@@ -81,6 +81,8 @@ class HealthConfig:
     healthy_threshold: int = 1
     # Consecutive request failures that eject a backend until a probe succeeds.
     eject_after_failures: int = 3
+    # Ask healthy nodes for their limits again this often (catches quick restarts).
+    rediscover_interval_s: float = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -313,6 +315,7 @@ def _health(s: Section) -> HealthConfig:
         unhealthy_threshold=s.integer("unhealthy_threshold", 2),
         healthy_threshold=s.integer("healthy_threshold", 1),
         eject_after_failures=s.integer("eject_after_failures", 3),
+        rediscover_interval_s=s.number("rediscover_interval_s", 30.0),
     )
     s.reject_unknown()
     return cfg

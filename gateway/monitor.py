@@ -53,11 +53,17 @@ class Monitor:
         st = self._state
         next_health = 0.0
         next_load = 0.0
+        next_discovery = st.clock() + st.config.health.rediscover_interval_s
         while not b.draining:
             now = st.clock()
             if now >= next_health:
                 await self._check(b)
                 next_health = st.clock() + st.config.health.interval_s
+            if b.healthy and st.clock() >= next_discovery:
+                # A node restarted between two probes (say with a new --max-model-len)
+                # never looked unhealthy: ask it again now and then.
+                await self._discover(b)
+                next_discovery = st.clock() + st.config.health.rediscover_interval_s
             fb = st.config.load_feedback
             if fb.enabled and b.healthy and st.clock() >= next_load:
                 await self._scrape(b)
@@ -116,6 +122,13 @@ class Monitor:
             log.debug("backend %s: scrape failed: %s", b.name, exc)
             return
         was = b.pause_reason
+        prev = b.load
+        restarted = (
+            prev is not None
+            and prev.preemptions is not None
+            and m.preemptions is not None
+            and m.preemptions < prev.preemptions
+        )
         if feedback.apply_metrics(b, m, st.clock(), fb):
             st.admission.rebalance()
         if b.pause_reason != was:
@@ -125,7 +138,7 @@ class Monitor:
                 log.info("backend %s takes work again", b.name)
         # A node restarted with a different pool: learn its new limits.
         disc = b.limits.kv_cache_tokens
-        if (
+        if restarted or (
             m.num_gpu_blocks is not None
             and m.block_size
             and disc.source == "discovered"

@@ -299,6 +299,7 @@ def _note_failure(state: GatewayState, backend_name: str, err: UpstreamError) ->
     b = state.fleet.get(backend_name)
     if b is None:
         return
+    b.note_rejection(state.clock())
     b.last_error = err.message
     b.consecutive_failures += 1
     if err.retryable and b.consecutive_failures >= state.config.health.eject_after_failures:
@@ -344,6 +345,7 @@ async def _relay_body(
         rec.outcome = "ok"
     else:
         rec.outcome = f"backend_{resp.status}"
+        r.backend.note_rejection(state.clock())
     ttft = state.clock() - start
     rec.ttft_ms = ttft * 1000
     state.metrics.ttft.labels(model=counted.model.name, tier=r.backend.tier).observe(ttft)
@@ -394,6 +396,7 @@ async def _relay_stream(
                     break
     except upstream.MidStreamError as err:
         state.metrics.upstream_failures.labels(backend=r.backend.name, cause="mid_stream").inc()
+        r.backend.note_rejection(state.clock())
         rec.outcome = f"mid_stream_{err.cause}"
         await out.write(
             _error_event(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 
 import aiohttp
@@ -236,3 +237,57 @@ async def test_invalid_reload_keeps_old_config(start_fleet: StartFleet, tmp_path
         s.post(fleet.url + "/v1/chat/completions", json=chat()) as r,
     ):
         assert r.status == 200
+
+
+async def test_node_restarted_with_new_limits_is_rediscovered(
+    start_fleet: StartFleet, aiohttp_server
+):
+    import dataclasses
+
+    from gateway.simulator.profiles import get_profile
+    from gateway.simulator.server import create_app as create_node
+    from tests.gateway.conftest import ENCODINGS, SERVED
+
+    fleet = await start_fleet(
+        TWO_SMALL, time_scale=50, gateway={"health": {"rediscover_interval_s": 0.3}}
+    )
+    b = fleet.backend("small-1")
+    assert b.max_model_len == 8192
+    port = fleet.nodes["small-1"].server.port
+    await fleet.nodes["small-1"].server.close()
+    settings = dataclasses.replace(
+        get_profile("gpu24-8b"),
+        name="small-1",
+        model=SERVED,
+        max_model_len=4096,
+        num_gpu_blocks=1000,
+        time_scale=50,
+    )
+    await aiohttp_server(create_node(settings, encodings=ENCODINGS), port=port)
+    for _ in range(100):
+        if b.max_model_len == 4096 and b.kv_cache_tokens == 999 * 16:
+            break
+        await asyncio.sleep(0.05)
+    assert (b.max_model_len, b.kv_cache_tokens) == (4096, 999 * 16)
+    assert b.limits.max_model_len.source == "discovered"
+
+
+async def test_watch_reloads_on_file_change(start_fleet: StartFleet, tmp_path):
+    from gateway.reload import watch_file
+
+    fleet = await start_fleet(TWO_SMALL, time_scale=50)
+    cfg = tmp_path / "gw.yaml"
+    write_config(cfg, fleet, ["small-1", "small-2"])
+    watcher = asyncio.create_task(watch_file(fleet.gateway.app, str(cfg), interval=0.05))
+    try:
+        await asyncio.sleep(0.1)
+        write_config(cfg, fleet, ["small-2"])
+        for _ in range(100):
+            if [x.name for x in fleet.state.fleet.active] == ["small-2"]:
+                break
+            await asyncio.sleep(0.05)
+        assert [x.name for x in fleet.state.fleet.active] == ["small-2"]
+    finally:
+        watcher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watcher
