@@ -12,7 +12,7 @@ import importlib
 import sys
 from collections.abc import Callable, Sequence
 
-# (module, doc) pairs; every module exposes register(subparsers) -> None.
+# Every module exposes register(subparsers) -> None.
 _COMMAND_MODULES: tuple[str, ...] = (
     "gateway.commands.serve",
     "gateway.commands.demo",
@@ -35,13 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in _COMMAND_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name == name:
-                continue  # command not built into this install
-            raise
-        module.register(sub)
+        importlib.import_module(name).register(sub)
     return parser
 
 
