@@ -20,12 +20,13 @@ import asyncio
 import contextlib
 import itertools
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from gateway.backends import Backend
 from gateway.errors import ContextLengthExceeded, NoHealthyBackend, Saturated
 from gateway.routing import Decision, Demand, NoBackend, Routed, RouterState, TooLong, Wait, route
+from gateway.routing_index import ModelIndex
 
 _ids = itertools.count(1)
 
@@ -58,14 +59,16 @@ class Admission:
     def __init__(
         self,
         *,
-        backends_for: Callable[[str], Sequence[Backend]],
+        index_for: Callable[[str], ModelIndex],
+        adjust: Callable[[Backend, int, int, int], None],
         policy: Callable[[], str],
         offload_overflow: Callable[[], bool],
         queue_size: Callable[[], int],
         clock: Callable[[], float],
         on_decision: Callable[[Decision, Demand], None] | None = None,
     ) -> None:
-        self._backends_for = backends_for
+        self._index_for = index_for
+        self._adjust = adjust
         self._policy = policy
         self._offload_overflow = offload_overflow
         self._queue_size = queue_size
@@ -79,7 +82,7 @@ class Admission:
     def decide(self, demand: Demand) -> Decision:
         return route(
             self._policy(),
-            self._backends_for(demand.model),
+            self._index_for(demand.model),
             demand,
             self._router,
             self._clock(),
@@ -87,9 +90,7 @@ class Admission:
         )
 
     def _grant(self, backend: Backend, demand: Demand, reason: str) -> Reservation:
-        backend.reserved_tokens += demand.tokens
-        backend.reserved_seqs += demand.sequences
-        backend.in_flight += 1
+        self._adjust(backend, demand.tokens, demand.sequences, 1)
         return Reservation(backend, demand.tokens, demand.sequences, reason)
 
     def try_admit(self, demand: Demand) -> Decision | Reservation:
@@ -108,7 +109,7 @@ class Admission:
     def _claims(self, demand: Demand) -> frozenset[str]:
         return frozenset(
             b.name
-            for b in self._backends_for(demand.model)
+            for b in self._index_for(demand.model).backends
             if b.limits.known
             and b.context_limit >= demand.longest_sequence
             and b.budget_tokens >= demand.tokens
@@ -127,10 +128,7 @@ class Admission:
         if reservation.released:
             return False
         reservation.released = True
-        b = reservation.backend
-        b.reserved_tokens -= reservation.tokens
-        b.reserved_seqs -= reservation.seqs
-        b.in_flight -= 1
+        self._adjust(reservation.backend, -reservation.tokens, -reservation.seqs, -1)
         self.rebalance()
         return True
 

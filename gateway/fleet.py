@@ -15,8 +15,12 @@ from dataclasses import dataclass
 from gateway.backends import Backend
 from gateway.config import BackendConfig, GatewayConfig
 from gateway.limits import Observed, resolve_limits
+from gateway.routing_index import ModelIndex
 
 log = logging.getLogger("gateway.fleet")
+
+
+_EMPTY = ModelIndex(())
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,7 +38,7 @@ class Fleet:
         self._discovered: dict[str, Observed] = {}
         self._active: list[Backend] = []
         self._draining: list[Backend] = []
-        self._by_model: dict[str, list[Backend]] = {}
+        self._by_model: dict[str, ModelIndex] = {}
         self.config = config
         self._build(config)
 
@@ -57,7 +61,7 @@ class Fleet:
         by_model: dict[str, list[Backend]] = {}
         for b in self._active:
             by_model.setdefault(b.model, []).append(b)
-        self._by_model = by_model
+        self._by_model = {m: ModelIndex(bs) for m, bs in by_model.items()}
 
     @property
     def backends(self) -> Sequence[Backend]:
@@ -69,7 +73,16 @@ class Fleet:
         return self._active
 
     def for_model(self, model: str) -> Sequence[Backend]:
-        return self._by_model.get(model, ())
+        idx = self._by_model.get(model)
+        return idx.backends if idx is not None else ()
+
+    def index(self, model: str) -> ModelIndex:
+        idx = self._by_model.get(model)
+        return idx if idx is not None else _EMPTY
+
+    def adjust(self, b: Backend, tokens: int, seqs: int, in_flight: int) -> None:
+        """Change a backend's reservations through its model's routing index."""
+        self.index(b.model).adjust(b, tokens, seqs, in_flight)
 
     def get(self, name: str) -> Backend | None:
         for b in self._active:
@@ -87,6 +100,7 @@ class Fleet:
                 if w not in backend.limits.warnings:
                     log.warning("backend %s: %s", backend.name, w)
             backend.limits = new
+            self._index()  # budgets and contexts are part of the routing index
         return changed
 
     def reap_drained(self) -> None:

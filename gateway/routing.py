@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from gateway.backends import Backend
+from gateway.routing_index import ModelIndex
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,9 +95,63 @@ def _has_room(b: Backend, d: Demand) -> bool:
     return b.free_tokens >= d.tokens and b.free_seqs >= d.sequences
 
 
+def _eligible(b: Backend, d: Demand, now: float) -> bool:
+    """Can ``b`` take ``d`` right now (fits, healthy, accepting, has room)?"""
+    return (
+        b.limits.known
+        and b.context_limit >= d.longest_sequence
+        and b.budget_tokens >= d.tokens
+        and b.max_num_seqs >= d.sequences
+        and b.name not in d.exclude
+        and b.accepting(now)
+        and _has_room(b, d)
+    )
+
+
+def _could_use(b: Backend, d: Demand) -> bool:
+    return (
+        b.usable
+        and b.name not in d.exclude
+        and b.context_limit >= d.longest_sequence
+        and b.budget_tokens >= d.tokens
+        and b.max_num_seqs >= d.sequences
+    )
+
+
 def route_kv_aware(
+    index: ModelIndex, d: Demand, now: float, *, offload_overflow: bool = False
+) -> Decision:
+    """The indexed decision: looks at a few backends per tier, not all of them."""
+
+    def accept(b: Backend) -> bool:
+        return _eligible(b, d, now)
+
+    first_fit: int | None = None
+    for tier in index.tiers:
+        if tier.offload or not tier.could_hold(d.longest_sequence, d.tokens, d.sequences):
+            continue
+        if first_fit is None:
+            if not tier.any_usable(lambda b: _could_use(b, d)):
+                continue  # the whole tier is down for this request: not a preference
+            first_fit = tier.tier_index
+        b = tier.best(accept, d.tokens)
+        if b is not None:
+            return Routed(b, "fit" if tier.tier_index == first_fit else "spill")
+    if first_fit is None or offload_overflow:
+        for tier in index.tiers:
+            if tier.offload and tier.could_hold(d.longest_sequence, d.tokens, d.sequences):
+                b = tier.best(accept, d.tokens)
+                if b is not None:
+                    return Routed(b, "offload" if first_fit is None else "overflow")
+    # Nothing can take it now: the exact (slower) scan says why.
+    return kv_aware_scan(index.backends, d, now, offload_overflow=offload_overflow)
+
+
+def kv_aware_scan(
     backends: Sequence[Backend], d: Demand, now: float, *, offload_overflow: bool = False
 ) -> Decision:
+    """The reference decision over every backend (tier order): used to explain a miss,
+    and by the tests as the oracle for :func:`route_kv_aware`."""
     could = [
         b
         for b in backends
@@ -107,32 +162,34 @@ def route_kv_aware(
     ]
     if not could:
         return _never_fits(backends, d)
-    usable = [b for b in could if b.usable and b.name not in d.exclude]
-    if not usable:
+    if not any(b.usable and b.name not in d.exclude for b in could):
         return NoBackend("no healthy backend can hold this request")
+    first_fit = next((b.tier_index for b in could if not b.offload and _could_use(b, d)), None)
     best: Backend | None = None
-    first_gpu_tier: int | None = None
-    # Backends arrive in tier order; find the first tier with room.
-    for b in usable:
+    for b in could:
         if b.offload:
             continue
-        if first_gpu_tier is None:
-            first_gpu_tier = b.tier_index
         if best is not None and b.tier_index != best.tier_index:
             break
-        if (
-            b.accepting(now)
-            and _has_room(b, d)
-            and (best is None or b.free_tokens > best.free_tokens)
-        ):
+        if _eligible(b, d, now) and (best is None or _key_better(b, best)):
             best = b
     if best is not None:
-        return Routed(best, "fit" if best.tier_index == first_gpu_tier else "spill")
-    offload = [b for b in usable if b.offload and b.accepting(now) and _has_room(b, d)]
-    if offload and (first_gpu_tier is None or offload_overflow):
-        pick = max(offload, key=lambda b: b.free_tokens)
-        return Routed(pick, "offload" if first_gpu_tier is None else "overflow")
+        return Routed(best, "fit" if best.tier_index == first_fit else "spill")
+    if first_fit is None or offload_overflow:
+        offload = [b for b in could if b.offload and _eligible(b, d, now)]
+        if offload:
+            first_tier = min(b.tier_index for b in offload)
+            pick = min((b for b in offload if b.tier_index == first_tier), key=_sort_key)
+            return Routed(pick, "offload" if first_fit is None else "overflow")
     return Wait()
+
+
+def _sort_key(b: Backend) -> tuple[int, str]:
+    return (-b.free_tokens, b.name)
+
+
+def _key_better(a: Backend, b: Backend) -> bool:
+    return _sort_key(a) < _sort_key(b)
 
 
 def _never_fits(backends: Sequence[Backend], d: Demand) -> Decision:
@@ -162,14 +219,14 @@ def route_simple(
 
 def route(
     policy: str,
-    backends: Sequence[Backend],
+    index: ModelIndex,
     d: Demand,
     state: RouterState,
     now: float,
     *,
     offload_overflow: bool = False,
 ) -> Decision:
-    """Decide for one demand; ``backends`` are this model's backends in tier order."""
+    """Decide for one demand over one model's backends."""
     if policy == "kv_aware":
-        return route_kv_aware(backends, d, now, offload_overflow=offload_overflow)
-    return route_simple(policy, backends, d, state, now)
+        return route_kv_aware(index, d, now, offload_overflow=offload_overflow)
+    return route_simple(policy, index.backends, d, state, now)

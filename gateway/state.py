@@ -74,7 +74,8 @@ class GatewayState:
         # Backend-reported prompt tokens / gateway estimate, per model (EWMA).
         self.estimate_ratio: dict[str, float] = {}
         self.admission = Admission(
-            backends_for=self.fleet.for_model,
+            index_for=self.fleet.index,
+            adjust=self.fleet.adjust,
             policy=lambda: self.config.routing.policy,
             offload_overflow=lambda: self.config.routing.offload_overflow,
             queue_size=lambda: self.config.admission.queue_size,

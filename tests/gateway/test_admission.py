@@ -5,13 +5,16 @@ import pytest
 
 from gateway.admission import Admission
 from gateway.errors import ContextLengthExceeded, NoHealthyBackend, Saturated
+from gateway.routing_index import ModelIndex
 from tests.gateway.helpers import backend, demand
 
 
 def make(backends, queue_size=100):
     clock = [0.0]
+    idx = ModelIndex(backends)
     adm = Admission(
-        backends_for=lambda m: backends,
+        index_for=lambda m: idx,
+        adjust=idx.adjust,
         policy=lambda: "kv_aware",
         offload_overflow=lambda: False,
         queue_size=lambda: queue_size,

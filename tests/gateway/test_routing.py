@@ -1,7 +1,17 @@
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gateway.routing import NoBackend, Routed, RouterState, TooLong, Wait, demand_tokens, route
+from gateway.routing import (
+    NoBackend,
+    Routed,
+    RouterState,
+    TooLong,
+    Wait,
+    demand_tokens,
+    kv_aware_scan,
+    route,
+)
+from gateway.routing_index import ModelIndex
 from tests.gateway.helpers import backend, demand
 
 
@@ -15,7 +25,7 @@ def fleet():
 
 
 def decide(backends, d, policy="kv_aware", **kw):
-    return route(policy, backends, d, RouterState(), 0.0, **kw)
+    return route(policy, ModelIndex(backends), d, RouterState(), 0.0, **kw)
 
 
 def test_short_request_prefers_first_tier_with_most_free_budget():
@@ -97,7 +107,8 @@ def test_excluded_backends_are_skipped_but_do_not_make_it_too_long():
 def test_round_robin_ignores_context():
     b = fleet()
     state = RouterState()
-    names = [route("round_robin", b, demand(20000), state, 0.0).backend.name for _ in range(4)]
+    idx = ModelIndex(b)
+    names = [route("round_robin", idx, demand(20000), state, 0.0).backend.name for _ in range(4)]
     assert names == ["s1", "s2", "l1", "o1"]
 
 
@@ -134,3 +145,76 @@ def test_kv_aware_never_overcommits_or_exceeds_context(prompt, output, reserved)
         assert r.backend.context_limit >= prompt + output
     elif isinstance(r, TooLong):
         assert all(x.context_limit < prompt + output or x.budget_tokens < d.tokens for x in b)
+
+
+backend_st = st.fixed_dictionaries(
+    {
+        "tier": st.integers(0, 3),
+        "ctx": st.sampled_from([4096, 8192, 32768, 131072]),
+        "kv": st.integers(1000, 500_000),
+        "seqs": st.integers(1, 64),
+        "healthy": st.booleans(),
+        "paused": st.integers(0, 4),
+        "reserved": st.floats(0, 1),
+        "rseqs": st.floats(0, 1),
+    }
+)
+
+
+@given(
+    specs=st.lists(backend_st, min_size=1, max_size=12),
+    prompt=st.integers(1, 140_000),
+    output=st.integers(1, 8000),
+    n=st.integers(1, 3),
+    overflow=st.booleans(),
+    exclude=st.sets(st.integers(0, 11), max_size=3),
+)
+def test_indexed_kv_aware_matches_the_full_scan(specs, prompt, output, n, overflow, exclude):
+    specs = sorted(specs, key=lambda s: s["tier"])
+    bs = []
+    for i, s in enumerate(specs):
+        b = backend(
+            f"b{i}",
+            tier=f"t{s['tier']}",
+            tier_index=s["tier"],
+            offload=s["tier"] == 3,
+            max_model_len=s["ctx"],
+            kv=s["kv"],
+            seqs=s["seqs"],
+            healthy=s["healthy"],
+        )
+        b.reserved_tokens = int(b.budget_tokens * s["reserved"])
+        b.reserved_seqs = int(b.max_num_seqs * s["rseqs"])
+        b.paused = s["paused"] == 0
+        b.pause_reason = "kv_full" if b.paused else ""
+        bs.append(b)
+    d = demand(prompt, output, n=n)
+    d = type(d)(
+        **{
+            **{f: getattr(d, f) for f in d.__slots__},
+            "exclude": frozenset(f"b{i}" for i in exclude),
+        }
+    )
+    fast = route("kv_aware", ModelIndex(bs), d, RouterState(), 0.0, offload_overflow=overflow)
+    slow = kv_aware_scan(bs, d, 0.0, offload_overflow=overflow)
+    assert fast == slow
+
+
+def test_index_stays_sorted_through_reservations():
+    bs = [backend(f"b{i}", kv=10_000 + i) for i in range(50)]
+    idx = ModelIndex(bs)
+    import random
+
+    rnd = random.Random(5)
+    held = []
+    for _ in range(500):
+        if held and rnd.random() < 0.5:
+            b, t = held.pop(rnd.randrange(len(held)))
+            idx.adjust(b, -t, -1, -1)
+        else:
+            b = rnd.choice(bs)
+            t = rnd.randint(1, 500)
+            idx.adjust(b, t, 1, 1)
+            held.append((b, t))
+        order = [x.free_tokens for x in idx.tiers[0]._sorted]
+        assert order == sorted(order, reverse=True)
