@@ -1,4 +1,5 @@
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -90,3 +91,30 @@ def test_api_keys_from_file_and_env(tmp_path, monkeypatch):
         BASE + f"server: {{api_keys: [k-inline], api_keys_file: {keys}, api_keys_env: MY_KEYS}}\n"
     )
     assert set(cfg.server.api_keys) == {"k-inline", "k-file", "k-bare", "k-env1", "k-env2"}
+
+
+def test_example_config_documents_every_setting():
+    import dataclasses
+    import re
+
+    from gateway import config as c
+
+    text = Path("config/gateway.example.yaml").read_text(encoding="utf-8")
+    keys = set(re.findall(r"^\s*#?\s*([a-z_]+):", text, flags=re.M))
+    keys |= set(re.findall(r"[{,]\s*([a-z_]+):", text))
+    aliases = {"encoding": "encoding"}  # TokenizerConfig.encoding is spelled encoding/file/pattern
+    missing = []
+    for cls in (
+        c.ServerConfig,
+        c.AdmissionConfig,
+        c.RoutingConfig,
+        c.HealthConfig,
+        c.LoadFeedbackConfig,
+        c.TimeoutConfig,
+        c.TokenizerConfig,
+    ):
+        for f in dataclasses.fields(cls):
+            name = aliases.get(f.name, f.name)
+            if name not in keys:
+                missing.append(f"{cls.__name__}.{f.name}")
+    assert not missing, missing
