@@ -319,9 +319,8 @@ def _gateway_headers(counted: Counted, r: Reservation, rec: AccessRecord) -> dic
 def _reconcile(state: GatewayState, counted: Counted, data: bytes) -> None:
     usage = upstream.find_usage(data)
     if usage is not None and counted.prompt.prompts == 1:
-        state.observe_usage(
-            counted.model.name, counted.prompt.total * counted.parsed.n, usage.prompt_tokens * 1
-        )
+        # vLLM reports the prompt once per request, whatever n is.
+        state.observe_usage(counted.model.name, counted.prompt.total, usage.prompt_tokens)
 
 
 async def _relay_body(
