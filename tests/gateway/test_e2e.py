@@ -334,3 +334,24 @@ async def test_api_keys(start_fleet: StartFleet, clients):
     assert r.choices
     async with aiohttp.ClientSession() as s, s.get(fleet.url + "/health") as r2:
         assert r2.status == 200
+
+
+async def test_reservations_learn_from_the_nodes_own_token_counts(start_fleet: StartFleet):
+    # The node's tokenizer counts 25% more than the gateway's tiktoken estimate.
+    fleet = await start_fleet([("only", "small", "gpu24-8b", {"tokenizer_scale": 1.25})])
+    body = {"model": MODEL, "messages": [{"role": "user", "content": words(1000)}], "max_tokens": 4}
+    reserved = []
+    async with aiohttp.ClientSession() as s:
+        for _ in range(30):
+            async with s.post(fleet.url + "/v1/chat/completions", json=body) as r:
+                assert r.status == 200
+                usage = (await r.json())["usage"]
+            reserved.append(
+                fleet.state.scaled_prompt(MODEL, int(r.headers["x-gateway-prompt-tokens"]))
+            )
+    counted = int(r.headers["x-gateway-prompt-tokens"])
+    assert usage["prompt_tokens"] > counted * 1.2
+    ratio = fleet.state.estimate_ratio[MODEL]
+    assert 1.15 < ratio < 1.3
+    # What admission reserves for this prompt grew toward the node's own count.
+    assert reserved[-1] > counted * 1.15 and reserved[0] < reserved[-1]
