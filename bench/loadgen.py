@@ -3,7 +3,7 @@
 Raw asyncio protocols on uvloop (no HTTP client library on the hot path): a connection
 sends its next request from the callback that completed the previous one, so the
 generator costs ~30-60 us of CPU per request. Every request body is distinct (a counter
-tag at the start of the last message), so no cache along the way can answer it.
+tag in the last message), so no cache along the way can answer it.
 
 Workloads (several may run at once in one process):
 
@@ -14,9 +14,9 @@ Workloads (several may run at once in one process):
 ``hold``    ``concurrency`` streaming requests opened at ``ramp`` per second and held until
             the server ends them (memory per open stream).
 
-Bodies: ``distinct`` (one ~N-token user message with a unique tag), ``history`` (the same
-long N-token history every time plus a new short last message), ``small`` (a short
-distinct message). Latency is to the last byte, TTFC to the first body byte.
+Bodies: ``distinct`` (one ~N-token user message with a unique tag at the start of every
+8th line), ``history`` (the same long N-token history every time plus a new short last
+message with a unique tag), ``small`` (a short distinct message). Latency is to the last byte, TTFC to the first body byte.
 
     python -m bench.loadgen '<json spec>'   # prints JSON-line events, the last is the result
 
@@ -86,8 +86,19 @@ class BodyMaker:
         else:
             head = b'{"model":%s,"messages":[{"role":"user","content":"' % model
             rest = b" " + _esc(text(w.text, w.prompt_tokens))
+        # A distinct prompt carries its tag at the start of every 8th line too: the
+        # gateway caches counts of line-aligned chunks of >= 1 KB, and a tag at the start
+        # alone would leave every later chunk a cache hit. The tag starts with a letter,
+        # so those lines still start where the chunker may cut.
+        lines = rest.split(b"\\n")
+        self._lines = (
+            [b"\\n".join(lines[i : i + 8]) for i in range(0, len(lines), 8)]
+            if w.body == "distinct"
+            else [rest]
+        )
         self._head = head
         self._rest = rest + tail
+        self._tail = tail
         self._salt = salt.encode()
         self._req = b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n" % (
             w.path.encode(),
@@ -95,12 +106,18 @@ class BodyMaker:
         )
         self.size = len(head) + len(self._rest) + 24
 
-    def parts(self) -> tuple[bytes, bytes]:
-        """The body before and after the per-request tag (for wrk's Lua script)."""
-        return self._head, self._rest
+    def parts(self) -> tuple[bytes, list[bytes], bytes]:
+        """The body's head, its line groups (a tag goes before each) and its tail, for
+        wrk's Lua script."""
+        return self._head, self._lines, self._tail
 
     def make(self, i: int) -> bytes:
-        body = b"%s[%s-%d]%s" % (self._head, self._salt, i, self._rest)
+        tag = b"r%s-%dz " % (self._salt, i)
+        if len(self._lines) > 1:
+            rest = (b"\\nr%dz " % i).join(self._lines) + self._tail
+        else:
+            rest = self._rest
+        body = b"%s%s%s" % (self._head, tag, rest)
         return b"%sContent-Length: %d\r\n\r\n%s" % (self._req, len(body), body)
 
 
@@ -372,7 +389,7 @@ class Generator:
         print(json.dumps({"event": name, "t": time.time(), **kw}), flush=True)
 
     async def run(self) -> dict[str, Any]:
-        from bench.procs import cpu_seconds, tree
+        from bench.procs import cpu_times, tree
 
         tasks = [asyncio.create_task(w.run(), name=f"workload-{w.w.name}") for w in self.workloads]
         await asyncio.sleep(0)
@@ -385,7 +402,7 @@ class Generator:
         self.ready.set()
         await asyncio.sleep(max(0.0, self.window_start - time.perf_counter()))
         pids = {k: [p for pid in v for p in tree(pid)] for k, v in self.cpu_pids.items()}
-        cpu0 = {k: cpu_seconds(v) for k, v in pids.items()}
+        cpu0 = {k: cpu_times(v) for k, v in pids.items()}
         self_cpu0 = sum(os.times()[:2])
         self.measuring = True
         self.event("window_start")
@@ -398,14 +415,15 @@ class Generator:
         else:
             await asyncio.sleep(self.window_end - time.perf_counter())
         wall = time.perf_counter() - self.window_start
-        cpu1 = {k: cpu_seconds(v) for k, v in pids.items()}
+        cpu1 = {k: cpu_times(v) for k, v in pids.items()}
         self_cpu = sum(os.times()[:2]) - self_cpu0
         self.event("window_end")
         for t in tasks:
             t.cancel()
         out: dict[str, Any] = {
             "wall_s": wall,
-            "cpu_s": {k: cpu1[k] - cpu0[k] for k in cpu0},
+            "cpu_s": {k: sum(cpu1[k]) - sum(cpu0[k]) for k in cpu0},
+            "cpu_sys_s": {k: cpu1[k][1] - cpu0[k][1] for k in cpu0},
             "loadgen_cpu_s": self_cpu,
             "workloads": {},
         }

@@ -254,6 +254,11 @@ def measure(
         "ttfc_p50_ms": load["ttfc_p50_ms"],
         "ttfc_p99_ms": load["ttfc_p99_ms"],
         "proxy_cpu_ms_per_req": res["cpu_s"]["proxy"] * 1000 / n if target.pids else None,
+        "proxy_sys_share": (
+            res["cpu_sys_s"]["proxy"] / res["cpu_s"]["proxy"]
+            if target.pids and res["cpu_s"]["proxy"]
+            else None
+        ),
         "upstream_cpu_ms_per_req": res["cpu_s"]["upstream"] * 1000 / n,
         "loadgen_cpu_ms_per_req": res["loadgen_cpu_s"] * 1000 / n,
         "non_200": non200,
@@ -269,9 +274,12 @@ def wrk_run(
     wrk = shutil.which("wrk")
     if wrk is None:
         return None
-    head, rest = BodyMaker(Workload(prompt_tokens=1000), f"127.0.0.1:{target.port}", "x").parts()
+    head, groups, tail = BodyMaker(
+        Workload(prompt_tokens=1000), f"127.0.0.1:{target.port}", "x"
+    ).parts()
     (workdir / "head.bin").write_bytes(head)
-    (workdir / "tail.bin").write_bytes(rest)
+    (workdir / "groups.bin").write_bytes(b"\x01".join(groups))
+    (workdir / "tail.bin").write_bytes(tail)
     pids = {
         "proxy": procs.tree(target.pids[0]) if target.pids else [],
         "upstream": procs.tree(upstream.pid),
@@ -433,6 +441,7 @@ def print_report(out: dict[str, Any]) -> None:
         "TTFC p50",
         "TTFC p99",
         "proxy CPU ms/req",
+        "kernel %",
         "upstream",
         "loadgen",
         "non-200",
@@ -447,6 +456,7 @@ def print_report(out: dict[str, Any]) -> None:
             r["ttfc_p50_ms"],
             r["ttfc_p99_ms"],
             r["proxy_cpu_ms_per_req"],
+            None if r["proxy_sys_share"] is None else round(100 * r["proxy_sys_share"]),
             r["upstream_cpu_ms_per_req"],
             r["loadgen_cpu_ms_per_req"],
             r["non_200"],

@@ -65,15 +65,21 @@ def tree(pid: int) -> list[int]:
     return seen
 
 
-def cpu_seconds(pids: Sequence[int]) -> float:
-    """utime + stime of each given process (threads included), in seconds."""
-    ticks = 0
+def cpu_times(pids: Sequence[int]) -> tuple[float, float]:
+    """(utime, stime) summed over the given processes (threads included), in seconds."""
+    user = system = 0
     for pid in pids:
         with contextlib.suppress(OSError):
             stat = Path(f"/proc/{pid}/stat").read_text()
             fields = stat[stat.rindex(")") + 2 :].split()
-            ticks += int(fields[11]) + int(fields[12])
-    return ticks / CLK_TCK
+            user += int(fields[11])
+            system += int(fields[12])
+    return user / CLK_TCK, system / CLK_TCK
+
+
+def cpu_seconds(pids: Sequence[int]) -> float:
+    """utime + stime of each given process (threads included), in seconds."""
+    return sum(cpu_times(pids))
 
 
 def rss_bytes(pids: Sequence[int]) -> int:
