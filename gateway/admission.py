@@ -107,13 +107,19 @@ class Admission:
         return decision
 
     def _claims(self, demand: Demand) -> frozenset[str]:
-        return frozenset(
-            b.name
+        """The backends routing could give this request: those that can hold it, minus
+        the offload tier when a GPU tier can hold it (unless overflow is on)."""
+        could = [
+            b
             for b in self._index_for(demand.model).backends
             if b.limits.known
             and b.context_limit >= demand.longest_sequence
             and b.budget_tokens >= demand.tokens
-        )
+            and b.max_num_seqs >= demand.sequences
+        ]
+        if any(not b.offload for b in could) and not self._offload_overflow():
+            could = [b for b in could if not b.offload]
+        return frozenset(b.name for b in could)
 
     @staticmethod
     def _claimed(waiters: deque[_Waiter]) -> frozenset[str]:

@@ -153,3 +153,22 @@ async def test_random_cancellations_never_leak():
     assert adm.queue_depth == 0
     for b in backends:
         assert (b.reserved_tokens, b.reserved_seqs, b.in_flight) == (0, 0, 0)
+
+
+async def test_waiter_for_gpu_nodes_does_not_claim_the_offload_tier():
+    gpu = backend("g", kv=1024, max_model_len=1024)
+    off = backend(
+        "o", kv=100_000, max_model_len=100_000, tier_index=1, tier="offload", offload=True
+    )
+    adm = make([gpu, off])
+    hold = await adm.admit(demand(700, 100), 1.0)
+    assert hold.backend is gpu
+    short = asyncio.create_task(adm.admit(demand(500, 100), 5.0))
+    await asyncio.sleep(0)
+    assert adm.queue_depth == 1  # waits for the GPU node, not sent to offload
+    long = await adm.admit(demand(50_000, 100), 1.0)
+    assert long.backend is off  # the short waiter did not block the offload tier
+    adm.release(long)
+    adm.release(hold)
+    adm.release(await short)
+    assert (gpu.reserved_tokens, off.reserved_tokens) == (0, 0)
