@@ -125,6 +125,7 @@ class BodyMaker:
 class Stats:
     latencies: list[float] = field(default_factory=list)
     ttfc: list[float] = field(default_factory=list)
+    other: dict[int, list[float]] = field(default_factory=dict)  # non-200 latencies
     statuses: Counter[int] = field(default_factory=Counter)
     errors: Counter[str] = field(default_factory=Counter)
     done_in_window: int = 0
@@ -200,7 +201,7 @@ class Conn(asyncio.Protocol):
         if buf and not self.first:
             self.first = now
             if self.wl.w.mode == "hold":
-                self.wl.stream_opened()
+                self.wl.stream_opened(now - self.started)
         if not self.chunked:
             take = min(len(buf), self.remaining)
             self.got += take
@@ -252,6 +253,7 @@ class WorkloadRun:
         self.idle: list[Conn] = []
         self.backlog: list[float] = []  # scheduled start times waiting for a connection
         self.all_done = asyncio.get_running_loop().create_future()
+        self.all_open = asyncio.get_running_loop().create_future()
         self.finished_holds = 0
 
     def next_request(self) -> bytes:
@@ -267,11 +269,13 @@ class WorkloadRun:
         self.conns.append(conn)
         return conn
 
-    def stream_opened(self) -> None:
+    def stream_opened(self, ttfc: float) -> None:
         s = self.stats
+        s.ttfc.append(ttfc)
         s.open_streams += 1
         s.max_open_streams = max(s.max_open_streams, s.open_streams)
-        if s.open_streams == self.w.concurrency:
+        if s.open_streams == self.w.concurrency and not self.all_open.done():
+            self.all_open.set_result(None)
             self.gen.event("all_open", workload=self.w.name)
 
     def complete(self, conn: Conn, ok: bool, now: float) -> None:
@@ -285,8 +289,6 @@ class WorkloadRun:
                 s.open_streams -= 1
             self.finished_holds += 1
             s.latencies.append(now - conn.started)
-            if conn.first:
-                s.ttfc.append(conn.first - conn.started)
             if self.finished_holds >= self.w.concurrency and not self.all_done.done():
                 self.all_done.set_result(None)
             return
@@ -295,6 +297,8 @@ class WorkloadRun:
             if ok and conn.status == 200:
                 s.latencies.append(now - conn.started)
                 s.ttfc.append((conn.first or now) - conn.started)
+            elif ok:
+                s.other.setdefault(conn.status, []).append(now - conn.started)
         if conn.closed:
             return
         if now >= gen.window_end:
@@ -376,6 +380,7 @@ class Generator:
         self.warmup = float(spec.get("warmup_s", 1.0))
         self.duration = float(spec.get("duration_s", 5.0))
         self.hold_timeout = float(spec.get("hold_timeout_s", 120.0))
+        self.hold_s = float(spec.get("hold_s", 3.0))
         self.cpu_pids: dict[str, list[int]] = spec.get("cpu_pids", {})
         self.workloads = [
             WorkloadRun(self, Workload(**w), i) for i, w in enumerate(spec["workloads"])
@@ -407,9 +412,14 @@ class Generator:
         self.measuring = True
         self.event("window_start")
         if holds:
+            # Until every stream is open (or has ended), then ``hold_s`` more.
             try:
                 async with asyncio.timeout(self.hold_timeout):
-                    await asyncio.gather(*(w.all_done for w in self.workloads))
+                    for w in self.workloads:
+                        await asyncio.wait(
+                            [w.all_open, w.all_done], return_when=asyncio.FIRST_COMPLETED
+                        )
+                    await asyncio.sleep(self.hold_s)
             except TimeoutError:
                 self.event("hold_timeout")
         else:
@@ -429,7 +439,7 @@ class Generator:
         }
         for w in self.workloads:
             s = w.stats
-            done = s.done_in_window if w.w.mode != "hold" else len(s.latencies)
+            done = s.done_in_window if w.w.mode != "hold" else s.max_open_streams
             out["workloads"][w.w.name] = {
                 "requests": done,
                 "ok": len(s.latencies),
@@ -444,6 +454,14 @@ class Generator:
                 "ttfc_p50_ms": _ms(_pct(s.ttfc, 0.5)),
                 "ttfc_p99_ms": _ms(_pct(s.ttfc, 0.99)),
                 "max_open_streams": s.max_open_streams,
+                "non_200": {
+                    str(k): {
+                        "count": len(v),
+                        "p50_ms": _ms(_pct(v, 0.5)),
+                        "p99_ms": _ms(_pct(v, 0.99)),
+                    }
+                    for k, v in s.other.items()
+                },
             }
         for w in self.workloads:
             for c in w.conns:
