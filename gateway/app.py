@@ -24,7 +24,7 @@ from gateway.fleet import Fleet
 from gateway.limits import Observed
 from gateway.metrics import FleetCollector, GatewayMetrics
 from gateway.monitor import Monitor
-from gateway.proxy import error_response, handle_completion
+from gateway.proxy import error_response, handle_completion, request_id
 from gateway.state import Clock, Counters, GatewayState
 from gateway.tokens.encoding import EncodingCache
 
@@ -115,7 +115,7 @@ async def _monitor(app: web.Application) -> AsyncIterator[None]:
 
 @web.middleware
 async def _errors_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    rid = request.headers.get("x-request-id", "-")
+    rid = request_id(request)
     try:
         return await handler(request)
     except GatewayError as err:

@@ -22,6 +22,7 @@ from gateway.admission import Reservation
 from gateway.config import ModelConfig
 from gateway.errors import (
     BodyTooLarge,
+    ContextLengthExceeded,
     GatewayError,
     ModelNotFound,
     NoHealthyBackend,
@@ -77,9 +78,12 @@ async def count_request(state: GatewayState, raw: bytes, kind: str) -> Counted:
     output = parsed.requested_output or default_out
     scaled_total = state.scaled_prompt(model.name, prompt.total)
     scaled_longest = state.scaled_prompt(model.name, prompt.longest)
-    per_prompt = [scaled_longest] if prompt.prompts == 1 else _spread(scaled_total, prompt)
-    backends = state.fleet.for_model(model.name)
-    block = backends[0].limits.block_size if backends else 16
+    per_prompt = (
+        [scaled_longest]
+        if prompt.prompts == 1
+        else _spread(scaled_total, scaled_longest, prompt.prompts)
+    )
+    block = max((b.limits.block_size for b in state.fleet.for_model(model.name)), default=16)
     demand = Demand(
         model=model.name,
         prompt_tokens=scaled_total,
@@ -91,12 +95,12 @@ async def count_request(state: GatewayState, raw: bytes, kind: str) -> Counted:
     return Counted(model, parsed, prompt, output, demand)
 
 
-def _spread(total: int, prompt: PromptTokens) -> list[int]:
-    # Batched completion prompts: reserve each as long as the average, the longest as
-    # itself; the sum never falls below the counted total.
-    rest = max(0, total - prompt.longest)
-    others = prompt.prompts - 1
-    return [prompt.longest] + [-(-rest // others)] * others
+def _spread(total: int, longest: int, prompts: int) -> list[int]:
+    # Batched completion prompts: the longest as itself, the others as their average;
+    # the sum never falls below the counted total.
+    rest = max(0, total - longest)
+    others = prompts - 1
+    return [longest] + [-(-rest // others)] * others
 
 
 def upstream_body(counted: Counted, inject_output: bool) -> bytes | None:
@@ -114,10 +118,18 @@ def upstream_body(counted: Counted, inject_output: bool) -> bytes | None:
     return json.dumps(body, separators=(",", ":")).encode() if changed else None
 
 
+def request_id(request: web.Request) -> str:
+    """The client's X-Request-Id when it is a sane token (it is logged and echoed)."""
+    rid = request.headers.get("x-request-id", "")
+    if 0 < len(rid) <= 128 and rid.isascii() and rid.isprintable() and " " not in rid:
+        return rid
+    return uuid.uuid4().hex
+
+
 async def handle_completion(
     request: web.Request, state: GatewayState, kind: str
 ) -> web.StreamResponse:
-    rid = request.headers.get("x-request-id") or uuid.uuid4().hex
+    rid = request_id(request)
     rec = AccessRecord(request_id=rid, method=request.method, path=request.path)
     start = state.clock()
     status = 500
@@ -142,6 +154,8 @@ async def handle_completion(
         status = resp.status
         return resp
     except GatewayError as err:
+        if isinstance(err, ContextLengthExceeded) and kind == "completion":
+            err.param = "prompt"
         status = err.status
         rec.outcome = err.code
         if err.rejection_reason is not None:

@@ -355,3 +355,28 @@ async def test_reservations_learn_from_the_nodes_own_token_counts(start_fleet: S
     assert 1.15 < ratio < 1.3
     # What admission reserves for this prompt grew toward the node's own count.
     assert reserved[-1] > counted * 1.15 and reserved[0] < reserved[-1]
+
+
+async def test_completions_n_and_too_long_prompt(start_fleet: StartFleet):
+    fleet = await start_fleet()
+    async with aiohttp.ClientSession() as s:
+        # (The simulator serves one prompt per completions request; batches of prompts
+        # are counted per prompt by the gateway, see test_counting.)
+        body = {"model": MODEL, "prompt": "one two three", "max_tokens": 5, "n": 3}
+        async with s.post(fleet.url + "/v1/completions", json=body) as r:
+            assert r.status == 200
+            data = await r.json()
+            assert len(data["choices"]) == 3
+        body = {"model": MODEL, "prompt": words(140_000), "max_tokens": 5}
+        async with s.post(fleet.url + "/v1/completions", json=body) as r:
+            assert r.status == 400
+            err = (await r.json())["error"]
+            assert err["code"] == "context_length_exceeded" and err["param"] == "prompt"
+        bad_id = "x" * 500
+        async with s.post(
+            fleet.url + "/v1/completions",
+            json={"model": MODEL, "prompt": "hi", "max_tokens": 2},
+            headers={"x-request-id": bad_id},
+        ) as r:
+            assert r.status == 200 and r.headers["x-request-id"] != bad_id
+    assert fleet.leaks() == {}
