@@ -17,15 +17,24 @@ short chats on small nodes, and a stream of short chats cannot starve it either.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from gateway.backends import Backend
 from gateway.errors import ContextLengthExceeded, NoHealthyBackend, Saturated
-from gateway.routing import Decision, Demand, NoBackend, Routed, RouterState, TooLong, Wait, route
+from gateway.routing import (
+    Decision,
+    Demand,
+    NoBackend,
+    Routed,
+    RouterState,
+    TooLong,
+    Wait,
+    route,
+    route_to,
+)
 from gateway.routing_index import ModelIndex
 
 _ids = itertools.count(1)
@@ -76,6 +85,8 @@ class Admission:
         self._on_decision = on_decision
         self._router = RouterState()
         self._waiters: deque[_Waiter] = deque()
+        # How many waiters claim each backend: "is it claimed?" without walking the queue.
+        self._claim_counts: Counter[str] = Counter()
 
     # ---- synchronous core -------------------------------------------------------
 
@@ -96,12 +107,11 @@ class Admission:
     def try_admit(self, demand: Demand) -> Decision | Reservation:
         """Reserve now if the policy finds room that no earlier waiter claims."""
         decision = self.decide(demand)
-        if isinstance(decision, Routed) and self._waiters:
-            claimed = self._claimed(self._waiters)
-            if decision.backend.name in claimed:
-                decision = self.decide(_with_exclude(demand, claimed))
-                if not isinstance(decision, Routed):
-                    return Wait()
+        if isinstance(decision, Routed) and self._claim_counts[decision.backend.name] > 0:
+            claimed = frozenset(n for n, c in self._claim_counts.items() if c > 0)
+            decision = self.decide(_with_exclude(demand, claimed))
+            if not isinstance(decision, Routed):
+                return Wait()
         if isinstance(decision, Routed):
             return self._grant(decision.backend, demand, decision.reason)
         return decision
@@ -121,13 +131,12 @@ class Admission:
             could = [b for b in could if not b.offload]
         return frozenset(b.name for b in could)
 
-    @staticmethod
-    def _claimed(waiters: deque[_Waiter]) -> frozenset[str]:
-        out: frozenset[str] = frozenset()
-        for w in waiters:
-            if not w.future.done():
-                out |= w.claims
-        return out
+    def _enqueue(self, w: _Waiter) -> None:
+        self._waiters.append(w)
+        self._claim_counts.update(w.claims)
+
+    def _dequeued(self, w: _Waiter) -> None:
+        self._claim_counts.subtract(w.claims)
 
     def release(self, reservation: Reservation) -> bool:
         """Return a reservation's tokens and slot; only the first call has an effect."""
@@ -135,11 +144,12 @@ class Admission:
             return False
         reservation.released = True
         self._adjust(reservation.backend, -reservation.tokens, -reservation.seqs, -1)
-        self.rebalance()
+        self._offer(reservation.backend)
         return True
 
     def rebalance(self) -> None:
-        """Offer capacity to waiters in FIFO order (first fit)."""
+        """Offer every backend's capacity to the waiters in FIFO order; after changes that
+        may touch any backend (health, load feedback, reload)."""
         if not self._waiters:
             return
         now = self._clock()
@@ -148,17 +158,41 @@ class Admission:
         while self._waiters:
             w = self._waiters.popleft()
             if w.future.done():
+                self._dequeued(w)
                 continue
             d = _with_exclude(w.demand, claimed) if claimed else w.demand
             decision = self.decide(d)
             if isinstance(decision, Routed):
-                r = self._grant(decision.backend, w.demand, decision.reason)
-                r.queued_s = now - w.since
-                w.future.set_result(r)
+                self._hand_over(w, decision, now)
             else:
                 kept.append(w)
                 claimed |= w.claims
         self._waiters = kept
+
+    def _offer(self, b: Backend) -> None:
+        """Only ``b`` gained room: walk the waiters that claim it, in order, and stop at
+        the first one it cannot take (later ones may not pass it). Nobody else's options
+        changed, so nobody else is asked."""
+        if self._claim_counts[b.name] <= 0:
+            return
+        now = self._clock()
+        overflow = self._offload_overflow()
+        for w in list(self._waiters):
+            if w.future.done() or b.name not in w.claims:
+                continue
+            routed = route_to(
+                self._index_for(w.demand.model), b, w.demand, now, offload_overflow=overflow
+            )
+            if routed is None:
+                return
+            self._waiters.remove(w)
+            self._hand_over(w, routed, now)
+
+    def _hand_over(self, w: _Waiter, decision: Routed, now: float) -> None:
+        self._dequeued(w)
+        r = self._grant(decision.backend, w.demand, decision.reason)
+        r.queued_s = now - w.since
+        w.future.set_result(r)
 
     @property
     def queue_depth(self) -> int:
@@ -193,7 +227,7 @@ class Admission:
             )
         loop = asyncio.get_running_loop()
         waiter = _Waiter(demand, loop.create_future(), self._clock(), self._claims(demand))
-        self._waiters.append(waiter)
+        self._enqueue(waiter)
         try:
             async with asyncio.timeout(timeout):
                 return await waiter.future
@@ -210,8 +244,12 @@ class Admission:
     def _abandon(self, waiter: _Waiter) -> None:
         # The waiter gave up (timeout, cancellation). If a grant raced with that, the
         # caller never received the reservation: give it back here.
-        with contextlib.suppress(ValueError):
+        try:
             self._waiters.remove(waiter)
+        except ValueError:
+            pass  # already handed over (granted) or dropped by a rebalance
+        else:
+            self._dequeued(waiter)
         fut = waiter.future
         if fut.done() and not fut.cancelled():
             self.release(fut.result())

@@ -118,6 +118,34 @@ def _could_use(b: Backend, d: Demand) -> bool:
     )
 
 
+def _first_fit_tier(index: ModelIndex, d: Demand) -> int | None:
+    """The first GPU tier that could hold ``d`` and has a live backend for it: the
+    tier a request "fits"; landing in a later one is a spill."""
+    for tier in index.tiers:
+        if (
+            not tier.offload
+            and tier.could_hold(d.longest_sequence, d.tokens, d.sequences)
+            and tier.any_usable(lambda b: _could_use(b, d))
+        ):
+            return tier.tier_index
+    return None
+
+
+def route_to(
+    index: ModelIndex, b: Backend, d: Demand, now: float, *, offload_overflow: bool = False
+) -> Routed | None:
+    """kv_aware's answer restricted to one backend: the reason it would be chosen, or
+    None when it cannot take the request (used when only ``b`` gained room)."""
+    if not _eligible(b, d, now):
+        return None
+    first_fit = _first_fit_tier(index, d)
+    if b.offload:
+        if first_fit is None:
+            return Routed(b, "offload")
+        return Routed(b, "overflow") if offload_overflow else None
+    return Routed(b, "fit" if b.tier_index == first_fit else "spill")
+
+
 def route_kv_aware(
     index: ModelIndex, d: Demand, now: float, *, offload_overflow: bool = False
 ) -> Decision:
@@ -126,14 +154,15 @@ def route_kv_aware(
     def accept(b: Backend) -> bool:
         return _eligible(b, d, now)
 
-    first_fit: int | None = None
+    first_fit = _first_fit_tier(index, d)
     for tier in index.tiers:
-        if tier.offload or not tier.could_hold(d.longest_sequence, d.tokens, d.sequences):
+        if (
+            tier.offload
+            or first_fit is None
+            or tier.tier_index < first_fit
+            or not tier.could_hold(d.longest_sequence, d.tokens, d.sequences)
+        ):
             continue
-        if first_fit is None:
-            if not tier.any_usable(lambda b: _could_use(b, d)):
-                continue  # the whole tier is down for this request: not a preference
-            first_fit = tier.tier_index
         b = tier.best(accept, d.tokens)
         if b is not None:
             return Routed(b, "fit" if tier.tier_index == first_fit else "spill")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
@@ -47,7 +48,10 @@ def split_chunks(text: str, min_chars: int = CHUNK_MIN, max_chars: int = CHUNK_M
     for m in _BOUNDARY.finditer(text):
         cut = m.end()
         size = cut - start
-        if size >= min_chars and (size >= max_chars or hash(text[cut : cut + 16]) % 4 == 0):
+        # crc32, not hash(): str hashes change with every process (PYTHONHASHSEED).
+        if size >= min_chars and (
+            size >= max_chars or zlib.crc32(text[cut : cut + 16].encode()) % 4 == 0
+        ):
             out.append(text[start:cut])
             start = cut
     out.append(text[start:])
