@@ -1,0 +1,573 @@
+"""Part 4, fleet outcome: what each routing policy does for a simulated mixed fleet.
+
+The demo fleet (3 x 24 GB-class nodes: 8k context, ~30k KV tokens, 16 sequences;
+2 x 80 GB: 32k context, ~400k KV tokens; 1 CPU-offload node: 128k context, slow) runs as
+simulated vLLM processes (``bench.harness.fleet_and_gateway``), the gateway in this
+process in front of them with one policy at a time: ``round_robin``, ``least_loaded``,
+``length_aware`` and ``kv_aware``.
+
+Workload (every request a streaming chat with a distinct prompt, the same seeded
+sequence of requests and arrival times for every policy):
+  80% short chats: 200-2,000 prompt tokens, max_tokens 256-1,024;
+  18% long: 4k-16k prompt tokens, max_tokens 256-1,024;
+   2% very long: 24k-100k prompt tokens, max_tokens 128-256.
+The nodes draw each answer's length themselves (lognormal, mean 512 tokens, capped by
+max_tokens), so reservations (prompt + max_tokens) exceed what is used.
+
+Capacity: measured once per run of this module, as the successful requests completed
+per second by the fleet under ``kv_aware`` with ``--clients`` (768) closed-loop clients
+sending this mix, over the last 3/4 of ``--calibrate`` seconds: more clients than the
+fleet has sequence slots (576), so every node is as full as the policy lets it be.
+Arrivals are then Poisson at 50%, 90% and 120% of it for ``--window`` wall seconds.
+Clients give up after ``--timeout`` simulated seconds; whatever is still running
+``--drain`` seconds after the window is cancelled and counted as failed.
+
+Times are simulated seconds (wall x time_scale). Goodput: output tokens received
+during the arrival window by requests that succeeded (200, stream ended with [DONE],
+no error event), per simulated second: the fleet's useful serving rate, neither
+inflated by a backlog finishing after the window nor by failed work. Preemptions come
+from the nodes' own /metrics. The gateway's queue timeout and load-feedback periods are
+divided by time_scale so they keep their meaning in simulated time.
+
+    python -m bench.fleet [--quick] [--time-scale 10] [--window 15] [--capacity R]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import re
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import aiohttp
+
+from bench.harness import Outcome, fleet_and_gateway, is_backend_400, node_metrics, words
+from bench.report import RESULTS, machine, pyplot, save, table, verdict
+
+POLICIES = ("round_robin", "least_loaded", "length_aware", "kv_aware")
+LOADS = (0.5, 0.9, 1.2)
+SHORT_MAX = 4_000  # prompts below this count as short
+OUTPUT_MEAN = 512.0  # the nodes' mean answer length (lognormal), capped by max_tokens
+
+
+@dataclass(frozen=True)
+class Request:
+    at: float  # wall seconds after the window opens
+    prompt: int
+    max_tokens: int
+
+
+def shape(rnd: random.Random) -> tuple[int, int]:
+    x = rnd.random()
+    if x < 0.80:
+        return rnd.randint(200, 2_000), rnd.randint(256, 1_024)
+    if x < 0.98:
+        return rnd.randint(4_000, 16_000), rnd.randint(256, 1_024)
+    return rnd.randint(24_000, 100_000), rnd.randint(128, 256)
+
+
+def schedule(rate: float, window: float, seed: int) -> list[Request]:
+    """Poisson arrivals at ``rate``/s (wall) for ``window`` seconds, seeded."""
+    rnd = random.Random(seed)
+    out, t = [], rnd.expovariate(rate)
+    while t < window:
+        p, o = shape(rnd)
+        out.append(Request(t, p, o))
+        t += rnd.expovariate(rate)
+    return out
+
+
+def overrides(ts: float) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Gateway and simulator settings for a run at time scale ``ts``.
+
+    The gateway's own clocks are wall time while the nodes run ``ts`` times faster, so
+    the demo config's waits are divided by ``ts`` to keep their meaning in simulated
+    time (a 10 s queue timeout stays 10 simulated seconds)."""
+    gateway = {
+        "admission": {"queue_timeout_s": 10.0 / ts},
+        "load_feedback": {
+            "interval_s": 2.0 / ts,
+            "preemption_cooldown_s": 5.0 / ts,
+            "stale_after_s": 15.0 / ts,
+        },
+    }
+    sim = {"output_mean": OUTPUT_MEAN}
+    return gateway, sim
+
+
+def fleet(policy: str, args: argparse.Namespace) -> Any:
+    gw, sim = overrides(args.time_scale)
+    return fleet_and_gateway(
+        policy, time_scale=args.time_scale, seed=args.seed, gateway_overrides=gw, sim_overrides=sim
+    )
+
+
+async def _preemptions(run: Any) -> float:
+    return sum(m["preemptions"] for m in (await node_metrics(run.fleet)).values())
+
+
+async def _lag_trimmed(run: Any) -> float:
+    """Wall seconds the simulated nodes fell behind and skipped (the machine could not
+    keep up with time_scale); near zero means the simulation ran as modelled."""
+    total = 0.0
+    async with aiohttp.ClientSession() as s:
+        for node in run.fleet:
+            async with s.get(node.url + "/sim/state") as r:
+                total += float((await r.json()).get("lag_trimmed_s", 0.0))
+    return total
+
+
+async def calibrate(args: argparse.Namespace) -> dict[str, Any]:
+    """Closed loop under kv_aware: the fleet's throughput in requests per wall second."""
+    async with fleet("kv_aware", args) as run:
+        rnd = random.Random(args.seed)
+        results: list[tuple[float, Outcome]] = []
+        begin = time.monotonic()
+        warm = begin + args.calibrate / 4
+        stop = begin + args.calibrate
+        timeout = args.timeout / args.time_scale
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+
+            async def client() -> None:
+                while time.monotonic() < stop:
+                    p, o = shape(rnd)
+                    r = await stream_chat(s, run.url, p, o, rnd, timeout=timeout)
+                    results.append((time.monotonic(), r.outcome))
+
+            await asyncio.gather(*(client() for _ in range(args.clients)))
+    counted = [o for t, o in results if warm <= t <= stop and o.status == 200]
+    rate = len(counted) / (stop - warm)
+    return {
+        "clients": args.clients,
+        "seconds": args.calibrate,
+        "measured_from_s": args.calibrate / 4,
+        "requests": len(results),
+        "ok": sum(1 for _, o in results if o.status == 200),
+        "capacity_rps_wall": rate,
+        "capacity_rps_simulated": rate / args.time_scale,
+    }
+
+
+async def run_load(run: Any, reqs: list[Request], args: argparse.Namespace) -> list[Result]:
+    rnd = random.Random(args.seed)
+    timeout = args.timeout / args.time_scale
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+        start = time.monotonic()
+        window_end = start + args.window
+        tasks = []
+        for i, r in enumerate(reqs):
+            delay = start + r.at - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(
+                asyncio.create_task(
+                    stream_chat(
+                        s,
+                        run.url,
+                        r.prompt,
+                        r.max_tokens,
+                        rnd,
+                        timeout=timeout,
+                        window_end=window_end,
+                    ),
+                    name=f"req-{i}",
+                )
+            )
+        left = max(1.0, window_end + args.drain - time.monotonic())
+        done, pending = await asyncio.wait(tasks, timeout=left)
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+    return [
+        t.result() if t in done else Result(Outcome(0, "unfinished", None, 0, 0, None, 0.0, False))
+        for t in tasks
+    ]
+
+
+_TOKEN = re.compile(rb'"delta":\s*\{"content"')
+_USAGE = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+_ERROR = re.compile(rb'data: (\{"error".*)')
+
+
+@dataclass
+class Result:
+    outcome: Outcome
+    tokens_in_window: int = 0  # output tokens received before the arrival window closed
+
+
+async def stream_chat(
+    session: aiohttp.ClientSession,
+    url: str,
+    prompt_tokens: int,
+    max_tokens: int,
+    rnd: random.Random,
+    *,
+    timeout: float,
+    window_end: float = math.inf,
+) -> Result:
+    """``bench.harness.send_chat`` without parsing every event: the client shares this
+    process with the gateway, so it only looks for the first token, token events, an
+    error event and the final usage."""
+    body = (
+        b'{"model":"llama-3.1-8b","messages":[{"role":"user","content":"'
+        + words(prompt_tokens, rnd).encode()
+        + b'"}],"max_tokens":%d,"stream":true,"stream_options":{"include_usage":true}}' % max_tokens
+    )
+    short = prompt_tokens < SHORT_MAX
+    start = time.monotonic()
+    ttft = None
+    tail = b""
+    in_window = 0
+
+    def out(status: int, code: str | None, tier: str | None, completion: int = 0) -> Result:
+        o = Outcome(
+            status, code, tier, prompt_tokens, completion, ttft, time.monotonic() - start, short
+        )
+        return Result(o, in_window)
+
+    try:
+        async with asyncio.timeout(timeout):
+            async with session.post(
+                url + "/v1/chat/completions",
+                data=body,
+                headers={"Content-Type": "application/json"},
+            ) as r:
+                tier = r.headers.get("x-gateway-tier")
+                if r.status != 200:
+                    data = await r.json(content_type=None)
+                    return out(r.status, str(data.get("error", {}).get("code")), tier)
+                async for chunk in r.content.iter_any():
+                    now = time.monotonic()
+                    if ttft is None and b'"choices":[{' in chunk:
+                        ttft = now - start
+                    if now <= window_end:
+                        in_window += len(_TOKEN.findall(chunk))
+                    tail = (tail + chunk)[-8192:]
+        m = _ERROR.search(tail)
+        if m is not None:
+            code = json.loads(m.group(1).split(b"\n")[0])["error"].get("code") or "stream_error"
+            return out(502, str(code), tier)
+        if not tail.endswith(b"data: [DONE]\n\n"):
+            return out(502, "truncated", tier)
+        u = _USAGE.findall(tail)
+        return out(200, None, tier, int(u[-1]) if u else 0)
+    except (TimeoutError, aiohttp.ClientError) as exc:
+        return out(0, exc.__class__.__name__, None)
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    v = sorted(values)
+    return v[min(len(v) - 1, round(q * (len(v) - 1)))]
+
+
+def summarize_run(
+    policy: str,
+    load: float,
+    rate: float,
+    reqs: list[Request],
+    res: list[Result],
+    preempt: float,
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    ts = args.time_scale
+    pairs = list(zip(reqs, res, strict=True))
+    ok = [r for _, r in pairs if r.outcome.status == 200]
+
+    def ttfts(short: bool) -> list[float]:
+        return [
+            r.outcome.ttft_s * ts
+            for q, r in pairs
+            if r.outcome.status == 200
+            and r.outcome.ttft_s is not None
+            and (q.prompt < SHORT_MAX) == short
+        ]
+
+    short, long_ = ttfts(True), ttfts(False)
+    failures: dict[str, int] = {}
+    for _, r in pairs:
+        o = r.outcome
+        if o.status != 200:
+            k = f"{o.status}:{o.code}"
+            failures[k] = failures.get(k, 0) + 1
+    return {
+        "policy": policy,
+        "load": load,
+        "rate_rps_wall": rate,
+        "requests": len(res),
+        "ok": len(ok),
+        "success_rate": len(ok) / max(1, len(res)),
+        "backend_400": sum(1 for r in res if is_backend_400(r.outcome)),
+        "gateway_400": sum(1 for r in res if r.outcome.code == "context_length_exceeded"),
+        "gateway_429": sum(1 for r in res if r.outcome.status == 429),
+        "other_failures": sum(1 for r in res if r.outcome.status not in (200, 400, 429)),
+        "failures": failures,
+        "preemptions": int(preempt),
+        "goodput_tok_s": sum(r.tokens_in_window for r in ok) / (args.window * ts),
+        "output_tokens_ok": sum(r.outcome.completion_tokens for r in ok),
+        "ttft_short_p50_s": _pct(short, 0.5),
+        "ttft_short_p99_s": _pct(short, 0.99),
+        "ttft_long_p50_s": _pct(long_, 0.5),
+        "ttft_long_p99_s": _pct(long_, 0.99),
+        "short_ok": len(short),
+        "long_ok": len(long_),
+    }
+
+
+async def run_policy(
+    policy: str, capacity: float, args: argparse.Namespace
+) -> list[dict[str, Any]]:
+    rows = []
+    async with fleet(policy, args) as run:
+        for i, load in enumerate(args.loads):
+            rate = capacity * load
+            reqs = schedule(rate, args.window, args.seed * 100 + i)
+            before, lag0 = await _preemptions(run), await _lag_trimmed(run)
+            res = await run_load(run, reqs, args)
+            after, lag1 = await _preemptions(run), await _lag_trimmed(run)
+            rows.append(summarize_run(policy, load, rate, reqs, res, after - before, args))
+            rows[-1]["sim_lag_trimmed_wall_s"] = round(lag1 - lag0, 3)
+            if args.raw:
+                rows[-1]["raw"] = [
+                    (
+                        round(q.at, 3),
+                        q.prompt,
+                        q.max_tokens,
+                        r.outcome.status,
+                        r.outcome.code,
+                        r.outcome.tier,
+                        None
+                        if r.outcome.ttft_s is None
+                        else round(r.outcome.ttft_s * args.time_scale, 3),
+                        round(r.outcome.latency_s * args.time_scale, 3),
+                        r.outcome.completion_tokens,
+                    )
+                    for q, r in zip(reqs, res, strict=True)
+                ]
+            print(
+                f"  {policy} at {load:.0%}: {rows[-1]['ok']}/{rows[-1]['requests']} ok", flush=True
+            )
+            await _idle(run)
+    return rows
+
+
+async def _idle(run: Any, timeout: float = 30.0) -> None:
+    """Wait until no request is in flight at the gateway (the fleet drains with it)."""
+    from gateway.app import STATE
+
+    state = run.app[STATE]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(b.in_flight for b in state.fleet.backends):
+        await asyncio.sleep(0.2)
+    await asyncio.sleep(0.5)
+
+
+def targets(rows: list[dict[str, Any]], loads: list[float]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    kv = {r["load"]: r for r in rows if r["policy"] == "kv_aware"}
+    base = [r for r in rows if r["policy"] != "kv_aware"]
+    out["kv_aware_zero_backend_400"] = all(r["backend_400"] == 0 for r in kv.values())
+    out["kv_aware_zero_preemptions"] = all(r["preemptions"] == 0 for r in kv.values())
+    goodput_ok, details = True, {}
+    for load in loads:
+        best = max((r["goodput_tok_s"] for r in base if r["load"] == load), default=0.0)
+        ratio = kv[load]["goodput_tok_s"] / best if best else math.inf
+        need = 1.2 if load >= 1.2 else 1.0
+        details[f"{load:.0%}"] = {
+            "best_baseline_goodput": best,
+            "kv_aware_ratio": ratio,
+            "need": need,
+        }
+        goodput_ok &= ratio >= need
+    out["goodput_vs_best_baseline"] = details
+    out["kv_aware_goodput_target"] = goodput_ok
+    ttft_ok, tdetails = True, {}
+    for load in [x for x in loads if x >= 0.9]:
+        vals = [
+            r["ttft_short_p99_s"]
+            for r in base
+            if r["load"] == load and r["ttft_short_p99_s"] is not None
+        ]
+        best = min(vals, default=None)
+        mine = kv[load]["ttft_short_p99_s"]
+        ratio = mine / best if mine is not None and best else None
+        tdetails[f"{load:.0%}"] = {
+            "best_baseline_p99_s": best,
+            "kv_aware_p99_s": mine,
+            "ratio": ratio,
+        }
+        ttft_ok &= ratio is not None and ratio <= 0.5
+    out["short_ttft_p99_vs_best_baseline"] = tdetails
+    out["kv_aware_short_ttft_target"] = ttft_ok
+    return out
+
+
+def plot(rows: list[dict[str, Any]], capacity_sim: float) -> None:
+    plt = pyplot()
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for policy in POLICIES:
+        rs = sorted((r for r in rows if r["policy"] == policy), key=lambda r: r["load"])
+        if not rs:
+            continue
+        xs = [100 * r["load"] for r in rs]
+        style = {"linewidth": 2.5} if policy == "kv_aware" else {"linestyle": "--"}
+        ax1.plot(xs, [r["goodput_tok_s"] for r in rs], marker="o", label=policy, **style)
+        ax2.plot(xs, [r["ttft_short_p99_s"] for r in rs], marker="o", label=f"{policy}", **style)
+    ax1.set_xlabel("offered load, % of measured capacity")
+    ax1.set_ylabel("goodput, output tokens / s (simulated)")
+    ax1.set_title("Goodput (successful requests)")
+    ax2.set_xlabel("offered load, % of measured capacity")
+    ax2.set_ylabel("p99 time to first token, s (simulated)")
+    ax2.set_title("p99 TTFT of short requests (< 4k tokens)")
+    ax2.set_yscale("log")
+    for ax in (ax1, ax2):
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(
+        f"Demo fleet (6 simulated vLLM nodes), capacity {capacity_sim:.2f} req/s simulated",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    RESULTS.mkdir(exist_ok=True)
+    fig.savefig(RESULTS / "fleet.png", dpi=110)
+    plt.close(fig)
+
+
+def print_report(out: dict[str, Any]) -> None:
+    c = out["calibration"]
+    print(
+        f"Fleet outcome: demo fleet, time_scale {out['settings']['time_scale']:g}; capacity "
+        f"{c['capacity_rps_simulated']:.2f} req/s simulated ({c['capacity_rps_wall']:.1f}/s wall, kv_aware, "
+        f"{c['clients']} closed-loop clients); Poisson arrivals for {out['settings']['window_s']:g} s wall; "
+        "TTFT in simulated s"
+    )
+    print(
+        table(
+            (
+                "policy",
+                "load",
+                "reqs",
+                "success",
+                "backend 400",
+                "429",
+                "other fail",
+                "preempt",
+                "goodput tok/s",
+                "short TTFT p50",
+                "p99",
+                "long TTFT p50",
+                "p99",
+            ),
+            [
+                (
+                    r["policy"],
+                    f"{r['load']:.0%}",
+                    r["requests"],
+                    f"{100 * r['success_rate']:.1f}%",
+                    r["backend_400"],
+                    r["gateway_429"],
+                    r["other_failures"],
+                    r["preemptions"],
+                    r["goodput_tok_s"],
+                    r["ttft_short_p50_s"],
+                    r["ttft_short_p99_s"],
+                    r["ttft_long_p50_s"],
+                    r["ttft_long_p99_s"],
+                )
+                for r in sorted(out["rows"], key=lambda r: (r["load"], POLICIES.index(r["policy"])))
+            ],
+            digits=2,
+        )
+    )
+    t = out["targets"]
+    print(
+        f"kv_aware: zero backend 400s {verdict(t['kv_aware_zero_backend_400'])}; zero preemptions "
+        f"{verdict(t['kv_aware_zero_preemptions'])}; goodput vs best baseline "
+        + ", ".join(
+            f"{k} {v['kv_aware_ratio']:.2f}x (need {v['need']:g}x)"
+            for k, v in t["goodput_vs_best_baseline"].items()
+        )
+        + f": {verdict(t['kv_aware_goodput_target'])}; short p99 TTFT vs best baseline "
+        + ", ".join(
+            f"{k} {v['ratio']:.2f}x" if v["ratio"] is not None else f"{k} n/a"
+            for k, v in t["short_ttft_p99_vs_best_baseline"].items()
+        )
+        + f" (need <= 0.5x): {verdict(t['kv_aware_short_ttft_target'])}"
+    )
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="short windows (about 2 minutes)")
+    p.add_argument("--time-scale", type=float, default=10.0)
+    p.add_argument("--window", type=float, default=None, help="wall seconds of arrivals per run")
+    p.add_argument("--drain", type=float, default=None, help="wall seconds for stragglers")
+    p.add_argument("--timeout", type=float, default=200.0, help="client timeout, simulated s")
+    p.add_argument("--calibrate", type=float, default=None, help="wall seconds of calibration")
+    p.add_argument("--capacity", type=float, default=None, help="skip calibration: req/s wall")
+    p.add_argument("--clients", type=int, default=768)
+    p.add_argument("--seed", type=int, default=5)
+    p.add_argument("--raw", action="store_true", help="keep every request's outcome in the JSON")
+    p.add_argument("--policies", default=",".join(POLICIES))
+    p.add_argument("--loads", default=",".join(str(x) for x in LOADS))
+    args = p.parse_args(argv)
+    args.window = args.window or (6.0 if args.quick else 15.0)
+    args.drain = args.drain or args.timeout / args.time_scale
+    args.calibrate = args.calibrate or (8.0 if args.quick else 12.0)
+    args.loads = [float(x) for x in args.loads.split(",")]
+    import uvloop
+
+    from bench.procs import raise_nofile
+
+    raise_nofile()
+    info = machine()
+    t0 = time.monotonic()
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as r:
+        if args.capacity:
+            cal = {
+                "clients": 0,
+                "seconds": 0,
+                "requests": 0,
+                "ok": 0,
+                "capacity_rps_wall": args.capacity,
+                "capacity_rps_simulated": args.capacity / args.time_scale,
+                "given": True,
+            }
+        else:
+            cal = r.run(calibrate(args))
+        print(f"capacity: {cal['capacity_rps_wall']:.2f} req/s wall", flush=True)
+        rows: list[dict[str, Any]] = []
+        for policy in args.policies.split(","):
+            rows += r.run(run_policy(policy, cal["capacity_rps_wall"], args))
+    out = {
+        "machine": info,
+        "settings": {
+            "time_scale": args.time_scale,
+            "window_s": args.window,
+            "drain_s": args.drain,
+            "timeout_sim_s": args.timeout,
+            "seed": args.seed,
+            "short_below_tokens": SHORT_MAX,
+            "mix": "80% 200-2k prompt / 128-512 out; 18% 4k-16k / 256-1024; 2% 24k-100k / 128-256",
+        },
+        "calibration": cal,
+        "rows": rows,
+        "seconds": time.monotonic() - t0,
+    }
+    out["targets"] = targets(rows, args.loads) if "kv_aware" in args.policies else {}
+    print_report(out)
+    save("fleet", out)
+    plot(rows, cal["capacity_rps_simulated"])
+    return out
+
+
+__all__ = ["Request", "asdict", "main"]
+
+if __name__ == "__main__":
+    main()
