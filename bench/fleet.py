@@ -118,6 +118,19 @@ async def _preemptions(run: Any) -> float:
     return sum(m["preemptions"] for m in (await node_metrics(run.fleet)).values())
 
 
+async def _sample_usage(run: Any, out: dict[str, list[float]], window: float) -> None:
+    """The nodes' own KV usage (from /sim/state) once a second during the arrival window,
+    by tier (small / large / offload): how much of the memory the policy put to work."""
+    end = time.monotonic() + window
+    async with aiohttp.ClientSession() as s:
+        while time.monotonic() < end:
+            for node in run.fleet:
+                async with s.get(node.url + "/sim/state") as r:
+                    usage = float((await r.json()).get("kv_usage", 0.0))
+                out.setdefault(node.name.rsplit("-", 1)[0], []).append(usage)
+            await asyncio.sleep(1.0)
+
+
 async def _lag_trimmed(run: Any) -> float:
     """Wall seconds the simulated nodes fell behind and skipped (the machine could not
     keep up with time_scale); near zero means the simulation ran as modelled."""
@@ -331,6 +344,10 @@ def summarize_run(
         "ttft_long_p99_s": _pct(long_, 0.99),
         "short_ok": len(short),
         "long_ok": len(long_),
+        # Short chats fit every GPU tier; the slow offload node is the wrong place.
+        "short_sent_to_offload": sum(
+            1 for q, r in pairs if q.prompt < SHORT_MAX and r.outcome.tier == "offload"
+        ),
     }
 
 
@@ -343,10 +360,16 @@ async def run_policy(
             rate = capacity * load
             reqs = schedule(rate, args.window, args.seed * 100 + i)
             before, lag0 = await _preemptions(run), await _lag_trimmed(run)
+            usage: dict[str, list[float]] = {}
+            sampler = asyncio.create_task(_sample_usage(run, usage, args.window), name="kv-usage")
             res = await run_load(run, reqs, args)
+            await sampler
             after, lag1 = await _preemptions(run), await _lag_trimmed(run)
             rows.append(summarize_run(policy, load, rate, reqs, res, after - before, args))
             rows[-1]["sim_lag_trimmed_wall_s"] = round(lag1 - lag0, 3)
+            rows[-1]["kv_usage_mean_by_tier"] = {
+                tier: round(sum(v) / len(v), 3) for tier, v in usage.items() if v
+            }
             if args.raw:
                 rows[-1]["raw"] = [
                     (
@@ -386,6 +409,15 @@ def targets(rows: list[dict[str, Any]], loads: list[float]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     kv = {r["load"]: r for r in rows if r["policy"] == "kv_aware"}
     base = [r for r in rows if r["policy"] != "kv_aware"]
+    if not base:
+        return {
+            "kv_aware_zero_backend_400": all(r["backend_400"] == 0 for r in kv.values()),
+            "kv_aware_zero_preemptions": all(r["preemptions"] == 0 for r in kv.values()),
+            "goodput_vs_best_baseline": {},
+            "kv_aware_goodput_target": None,
+            "short_ttft_p99_vs_best_baseline": {},
+            "kv_aware_short_ttft_target": None,
+        }
     out["kv_aware_zero_backend_400"] = all(r["backend_400"] == 0 for r in kv.values())
     out["kv_aware_zero_preemptions"] = all(r["preemptions"] == 0 for r in kv.values())
     goodput_ok, details = True, {}
@@ -453,6 +485,11 @@ def plot(rows: list[dict[str, Any]], capacity_sim: float) -> None:
     plt.close(fig)
 
 
+def _usage(r: dict[str, Any]) -> str:
+    u = r.get("kv_usage_mean_by_tier", {})
+    return f"{u.get('small', 0):.0%}/{u.get('large', 0):.0%}"
+
+
 def print_report(out: dict[str, Any]) -> None:
     c = out["calibration"]
     print(
@@ -477,6 +514,7 @@ def print_report(out: dict[str, Any]) -> None:
                 "p99",
                 "long TTFT p50",
                 "p99",
+                "KV used S/L",
             ),
             [
                 (
@@ -493,6 +531,7 @@ def print_report(out: dict[str, Any]) -> None:
                     r["ttft_short_p99_s"],
                     r["ttft_long_p50_s"],
                     r["ttft_long_p99_s"],
+                    _usage(r),
                 )
                 for r in sorted(out["rows"], key=lambda r: (r["load"], POLICIES.index(r["policy"])))
             ],
@@ -514,6 +553,20 @@ def print_report(out: dict[str, Any]) -> None:
         )
         + f" (need <= 0.5x): {verdict(t['kv_aware_short_ttft_target'])}"
     )
+
+
+def _log_to_file() -> None:
+    """The in-process gateway's log (node pauses, limit warnings, and aiohttp's traceback
+    for every client that disconnects mid-stream when a run is cut off) goes to
+    bench/results/fleet-gateway.log instead of the console."""
+    import logging
+
+    RESULTS.mkdir(exist_ok=True)
+    handler = logging.FileHandler(RESULTS / "fleet-gateway.log", mode="w")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    root = logging.getLogger()
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -541,6 +594,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from bench.procs import raise_nofile
 
     raise_nofile()
+    _log_to_file()
     info = machine()
     t0 = time.monotonic()
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as r:
