@@ -250,6 +250,7 @@ async def stream_chat(
     ttft = None
     tail = b""
     in_window = 0
+    tier: str | None = None
 
     def out(status: int, code: str | None, tier: str | None, completion: int = 0) -> Result:
         o = Outcome(
@@ -284,7 +285,7 @@ async def stream_chat(
         u = _USAGE.findall(tail)
         return out(200, None, tier, int(u[-1]) if u else 0)
     except (TimeoutError, aiohttp.ClientError) as exc:
-        return out(0, exc.__class__.__name__, None)
+        return out(0, exc.__class__.__name__, tier)
 
 
 def _pct(values: list[float], q: float) -> float | None:
