@@ -7,7 +7,9 @@ functions with the most samples, self and inclusive, plus the gateway's CPU per 
 measured from /proc in the same window. py-spy samples wall-clock stacks of running
 threads: on a busy 2-core machine a thread that is runnable but preempted inside a
 socket write still counts, so compare with the ``kernel %`` column of bench.overhead
-(most of the gateway's CPU is user space).
+(most of the gateway's CPU is user space). Sampling does not pause the process
+(``--nonblocking``), so some coroutine stacks come back cut short: self shares are sound,
+inclusive shares are lower bounds.
 
 Needs py-spy (``.venv/bin/pip install py-spy``; not a project dependency).
 
