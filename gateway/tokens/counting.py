@@ -244,29 +244,42 @@ class PromptCounter:
         return len(self._encoder.encode_ordinary(text))
 
     async def count(self, plan: CountPlan, known: Sequence[int] = ()) -> PromptTokens:
-        # Units to look up: each piece, or its chunks when it is long.
+        piece_tokens: list[int] = [0] * len(plan.pieces)
+        # A piece counted before (the history of a chat) is one lookup. Other pieces are
+        # looked up chunk by chunk (a known document inside a new message) and whatever
+        # is still unknown is encoded.
         units: list[str] = []
         owner: list[int] = []
+        split: list[int] = []
         for i, piece in enumerate(plan.pieces):
+            whole = self._cache.get(piece)
+            if whole is not None:
+                piece_tokens[i] = whole
+                continue
             parts = split_chunks(piece) if self._chunked else [piece]
-            units.extend(parts)
-            owner.extend([i] * len(parts))
-        counts: list[int | None] = [self._cache.get(u) for u in units]
-        missing = [i for i, c in enumerate(counts) if c is None]
-        chars = sum(len(units[i]) for i in missing)
-        if missing:
-            texts = [units[i] for i in missing]
+            if len(parts) > 1:
+                split.append(i)
+                counts = [self._cache.get(u) for u in parts]
+            else:
+                counts = [None]  # the whole piece was just looked up
+            for u, c in zip(parts, counts, strict=True):
+                if c is None:
+                    units.append(u)
+                    owner.append(i)
+                else:
+                    piece_tokens[i] += c
+        chars = sum(len(u) for u in units)
+        if units:
             if chars > self._inline_chars and self._executor is not None:
                 loop = asyncio.get_running_loop()
-                fresh = await loop.run_in_executor(self._executor, self._encode_many, texts)
+                fresh = await loop.run_in_executor(self._executor, self._encode_many, units)
             else:
-                fresh = self._encode_many(texts)
-            for i, n in zip(missing, fresh, strict=True):
-                counts[i] = n
-                self._cache.put(units[i], n)
-        piece_tokens = [0] * len(plan.pieces)
-        for u, c in zip(owner, counts, strict=True):
-            piece_tokens[u] += c or 0
+                fresh = self._encode_many(units)
+            for u, i, n in zip(units, owner, fresh, strict=True):
+                piece_tokens[i] += n
+                self._cache.put(u, n)
+        for i in split:
+            self._cache.put(plan.pieces[i], piece_tokens[i])
         per_prompt = []
         for g, group in enumerate(plan.groups):
             n = plan.fixed[g] + sum(piece_tokens[i] for i in group)
