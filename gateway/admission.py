@@ -109,7 +109,7 @@ class Admission:
         decision = self.decide(demand)
         if isinstance(decision, Routed) and self._claim_counts[decision.backend.name] > 0:
             claimed = frozenset(n for n, c in self._claim_counts.items() if c > 0)
-            decision = self.decide(_with_exclude(demand, claimed))
+            decision = self.decide(_with_busy(demand, claimed))
             if not isinstance(decision, Routed):
                 return Wait()
         if isinstance(decision, Routed):
@@ -160,7 +160,7 @@ class Admission:
             if w.future.done():
                 self._dequeued(w)
                 continue
-            d = _with_exclude(w.demand, claimed) if claimed else w.demand
+            d = _with_busy(w.demand, claimed) if claimed else w.demand
             decision = self.decide(d)
             if isinstance(decision, Routed):
                 self._hand_over(w, decision, now)
@@ -257,8 +257,8 @@ class Admission:
             fut.cancel()
 
 
-def _with_exclude(d: Demand, names: frozenset[str]) -> Demand:
-    return replace(d, exclude=d.exclude | names)
+def _with_busy(d: Demand, names: frozenset[str]) -> Demand:
+    return replace(d, busy=d.busy | names)
 
 
 def context_error(demand: Demand, largest: int) -> ContextLengthExceeded:

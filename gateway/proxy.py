@@ -162,11 +162,12 @@ async def handle_completion(
             state.metrics.rejections.labels(reason=err.rejection_reason).inc()
         return error_response(err, rid)
     except ConnectionResetError:
-        # The client went away between two writes, before aiohttp cancelled us.
+        # The client went away between two writes, before aiohttp cancelled us. Nothing
+        # can reach it; returning (not raising) keeps aiohttp from logging a traceback.
         status = 499
         rec.outcome = "client_disconnect"
         state.metrics.client_disconnects.inc()
-        raise
+        return web.Response(status=499)
     except asyncio.CancelledError:
         if _shutdown_cancel(state):
             status = 503

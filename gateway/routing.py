@@ -40,7 +40,11 @@ class Demand:
     output_tokens: int
     sequences: int
     tokens: int
+    # Backends that already failed this request: treated as down for it.
     exclude: frozenset[str] = frozenset()
+    # Backends held for earlier waiters: unavailable now, but still this request's
+    # preferred tier (so claims never push a request onto the offload tier).
+    busy: frozenset[str] = frozenset()
 
     @property
     def longest_sequence(self) -> int:
@@ -103,6 +107,7 @@ def _eligible(b: Backend, d: Demand, now: float) -> bool:
         and b.budget_tokens >= d.tokens
         and b.max_num_seqs >= d.sequences
         and b.name not in d.exclude
+        and b.name not in d.busy
         and b.accepting(now)
         and _has_room(b, d)
     )

@@ -173,3 +173,26 @@ async def test_waiter_for_gpu_nodes_does_not_claim_the_offload_tier():
     adm.release(hold)
     adm.release(await short)
     assert (gpu.reserved_tokens, off.reserved_tokens) == (0, 0)
+
+
+async def test_rebalance_never_pushes_gpu_work_onto_offload():
+    # Regression: claims of earlier waiters made the GPU tier look down to later ones,
+    # which were then sent to the offload tier although offload_overflow is off.
+    gpu = [backend(f"g{i}", kv=1024, max_model_len=1024) for i in range(2)]
+    off = backend(
+        "o", kv=100_000, max_model_len=100_000, tier_index=1, tier="offload", offload=True
+    )
+    adm = make([*gpu, off])
+    held = [await adm.admit(demand(700, 100), 1.0) for _ in gpu]
+    assert {r.backend.name for r in held} == {"g0", "g1"}
+    waiters = [asyncio.create_task(adm.admit(demand(500, 100), 5.0)) for _ in range(2)]
+    await asyncio.sleep(0)
+    assert adm.queue_depth == 2
+    adm.rebalance()
+    assert adm.queue_depth == 2 and off.reserved_tokens == 0
+    for r in held:
+        adm.release(r)
+    got = [await w for w in waiters]
+    assert {r.backend.name for r in got} <= {"g0", "g1"}
+    for r in got:
+        adm.release(r)

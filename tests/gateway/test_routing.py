@@ -168,8 +168,9 @@ backend_st = st.fixed_dictionaries(
     n=st.integers(1, 3),
     overflow=st.booleans(),
     exclude=st.sets(st.integers(0, 11), max_size=3),
+    busy=st.sets(st.integers(0, 11), max_size=4),
 )
-def test_indexed_kv_aware_matches_the_full_scan(specs, prompt, output, n, overflow, exclude):
+def test_indexed_kv_aware_matches_the_full_scan(specs, prompt, output, n, overflow, exclude, busy):
     specs = sorted(specs, key=lambda s: s["tier"])
     bs = []
     for i, s in enumerate(specs):
@@ -193,6 +194,7 @@ def test_indexed_kv_aware_matches_the_full_scan(specs, prompt, output, n, overfl
         **{
             **{f: getattr(d, f) for f in d.__slots__},
             "exclude": frozenset(f"b{i}" for i in exclude),
+            "busy": frozenset(f"b{i}" for i in busy),
         }
     )
     fast = route("kv_aware", ModelIndex(bs), d, RouterState(), 0.0, offload_overflow=overflow)
