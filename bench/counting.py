@@ -191,16 +191,7 @@ async def multi_turn_live(quick: bool, workdir: Path) -> list[dict[str, Any]]:
         ),
         procs.running(
             "gateway",
-            [
-                procs.PYTHON,
-                "-m",
-                "gateway",
-                "serve",
-                "--config",
-                str(cfg),
-                "--log-level",
-                "WARNING",
-            ],
+            procs.gateway_cmd(cfg),
             gw_port,
             log=workdir / "gateway-live.log",
         ) as gw,

@@ -112,16 +112,7 @@ def targets(workdir: Path, upstream: procs.Proc, skipped: dict[str, str]) -> Ite
         gw = stack.enter_context(
             procs.running(
                 "gateway",
-                [
-                    procs.PYTHON,
-                    "-m",
-                    "gateway",
-                    "serve",
-                    "--config",
-                    str(cfg),
-                    "--log-level",
-                    "WARNING",
-                ],
+                procs.gateway_cmd(cfg),
                 gw_port,
                 log=workdir / "gateway.log",
             )

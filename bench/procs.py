@@ -165,6 +165,11 @@ def start(
     return proc
 
 
+def gateway_cmd(config: Path) -> list[str]:
+    """`gateway serve` on ``config``, quiet but for warnings (every part runs it this way)."""
+    return [PYTHON, "-m", "gateway", "serve", "--config", str(config), "--log-level", "WARNING"]
+
+
 @contextlib.contextmanager
 def running(name: str, argv: Sequence[str], port: int, **kw: object) -> Iterator[Proc]:
     proc = start(name, argv, port, **kw)  # type: ignore[arg-type]
