@@ -15,7 +15,7 @@ from gateway.admission import Admission
 from gateway.config import GatewayConfig, ModelConfig
 from gateway.fleet import Fleet
 from gateway.metrics import GatewayMetrics
-from gateway.routing import Decision, Demand, NoBackend, TooLong, Wait
+from gateway.routing import Decision, Demand, Wait
 from gateway.tokens.counting import PromptCounter, TextCountCache
 from gateway.tokens.encoding import EncodingCache, EncodingSpec
 
@@ -84,10 +84,10 @@ class GatewayState:
         )
 
     def _count_decision(self, decision: Decision, demand: Demand) -> None:
+        # Admissions are counted with their tier when granted; refusals (too long, no
+        # backend) as rejections by the handler. Here: the requests that had to queue.
         if isinstance(decision, Wait):
             self.metrics.decisions.labels(tier="-", reason="queued").inc()
-        elif isinstance(decision, TooLong | NoBackend):
-            pass  # counted as rejections by the handler
 
     def http(self) -> aiohttp.ClientSession:
         if self.session is None:
