@@ -186,7 +186,7 @@ async def multi_turn_live(quick: bool, workdir: Path) -> list[dict[str, Any]]:
     with (
         procs.running(
             "fake-upstream",
-            [procs.PYTHON, "-m", "bench.fake_upstream", "--port", str(up_port)],
+            procs.fake_upstream_cmd(up_port),
             up_port,
         ),
         procs.running(
@@ -300,7 +300,7 @@ async def loop_lag(quick: bool, workdir: Path, big_rate: float = 4.0) -> dict[st
     up_port = procs.free_port()
     with procs.running(
         "fake-upstream",
-        [procs.PYTHON, "-m", "bench.fake_upstream", "--port", str(up_port)],
+        procs.fake_upstream_cmd(up_port),
         up_port,
     ):
         config = parse_config(json.loads(json.dumps(_yaml_dict(gateway_yaml(0, up_port)))))

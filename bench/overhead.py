@@ -338,14 +338,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         with (
             procs.running(
                 "fake-upstream",
-                [
-                    procs.PYTHON,
-                    "-m",
-                    "bench.fake_upstream",
-                    "--port",
-                    str(up_port),
-                    "--stream-split",
-                ],
+                procs.fake_upstream_cmd(up_port, "--stream-split"),
                 up_port,
                 log=workdir / "upstream.log",
             ) as upstream,

@@ -165,6 +165,11 @@ def start(
     return proc
 
 
+def fake_upstream_cmd(port: int, *extra: str) -> list[str]:
+    """The fake vLLM upstream (bench/fake_upstream.py) on ``port``, with extra flags."""
+    return [PYTHON, "-m", "bench.fake_upstream", "--port", str(port), *extra]
+
+
 def gateway_cmd(config: Path) -> list[str]:
     """`gateway serve` on ``config``, quiet but for warnings (every part runs it this way)."""
     return [PYTHON, "-m", "gateway", "serve", "--config", str(config), "--log-level", "WARNING"]

@@ -74,21 +74,12 @@ def main() -> None:
         with (
             procs.running(
                 "fake-upstream",
-                [procs.PYTHON, "-m", "bench.fake_upstream", "--port", str(up_port)],
+                procs.fake_upstream_cmd(up_port),
                 up_port,
             ),
             procs.running(
                 "gateway",
-                [
-                    procs.PYTHON,
-                    "-m",
-                    "gateway",
-                    "serve",
-                    "--config",
-                    str(work / "gateway.yaml"),
-                    "--log-level",
-                    "WARNING",
-                ],
+                procs.gateway_cmd(work / "gateway.yaml"),
                 gw_port,
             ) as gw,
         ):

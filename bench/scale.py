@@ -305,17 +305,7 @@ def stream_memory(requested: int, workdir: Path) -> dict[str, Any]:
     with (
         procs.running(
             "fake-upstream",
-            [
-                procs.PYTHON,
-                "-m",
-                "bench.fake_upstream",
-                "--port",
-                str(up_port),
-                "--stream-interval",
-                "5",
-                "--stream-events",
-                "40",
-            ],
+            procs.fake_upstream_cmd(up_port, "--stream-interval", "5", "--stream-events", "40"),
             up_port,
         ) as up,
         procs.running(
@@ -397,15 +387,7 @@ def overload(workdir: Path, quick: bool) -> dict[str, Any]:
     with (
         procs.running(
             "fake-upstream",
-            [
-                procs.PYTHON,
-                "-m",
-                "bench.fake_upstream",
-                "--port",
-                str(up_port),
-                "--delay-ms",
-                str(delay_s * 1000),
-            ],
+            procs.fake_upstream_cmd(up_port, "--delay-ms", str(delay_s * 1000)),
             up_port,
         ),
         procs.running(
