@@ -83,7 +83,7 @@ async def count_request(state: GatewayState, raw: bytes, kind: str) -> Counted:
         if prompt.prompts == 1
         else _spread(scaled_total, scaled_longest, prompt.prompts)
     )
-    block = max((b.limits.block_size for b in state.fleet.for_model(model.name)), default=16)
+    block = state.fleet.index(model.name).block_size
     demand = Demand(
         model=model.name,
         prompt_tokens=scaled_total,

@@ -88,6 +88,8 @@ class ModelIndex:
 
     def __init__(self, backends: Sequence[Backend]) -> None:
         self.backends: Sequence[Backend] = backends
+        # KV block size to round reservations to (the coarsest of the model's nodes).
+        self.block_size = max((b.limits.block_size for b in backends), default=16)
         by_tier: dict[int, list[Backend]] = {}
         for b in backends:
             by_tier.setdefault(b.tier_index, []).append(b)
