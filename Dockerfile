@@ -20,13 +20,13 @@ RUN groupadd --system --gid 10001 gateway \
 
 WORKDIR /src
 COPY pyproject.toml README.md ./
-COPY gateway ./gateway
+COPY kvgateway ./kvgateway
 # Same install path as the README; the source tree is not needed afterwards.
 RUN pip install . \
  && cd / && rm -rf /src
 
 # Tokenizer files are inside the image: loading the encoding must not touch the network.
-RUN --network=none python -c "from gateway.tokens.encoding import EncodingSpec, load_encoding; load_encoding(EncodingSpec())"
+RUN --network=none python -c "from kvgateway.tokens.encoding import EncodingSpec, load_encoding; load_encoding(EncodingSpec())"
 
 COPY config/demo.yaml /etc/gateway/gateway.yaml
 COPY config/demo.yaml /etc/gateway/demo.yaml

@@ -26,13 +26,13 @@ prometheus:
 	./scripts/install-prometheus.sh
 
 test: $(STAMP) prometheus
-	$(BIN)/ruff check gateway tests bench
+	$(BIN)/ruff check kvgateway tests bench
 	$(BIN)/mypy
 	$(BIN)/pytest -n 2 -q
 
 lint: $(STAMP)
-	$(BIN)/ruff check gateway tests bench
-	$(BIN)/ruff format --check gateway tests bench
+	$(BIN)/ruff check kvgateway tests bench
+	$(BIN)/ruff format --check kvgateway tests bench
 	$(BIN)/mypy
 
 typecheck: $(STAMP)

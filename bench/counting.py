@@ -39,11 +39,12 @@ from bench import procs, texts
 from bench.loadgen import SERVED
 from bench.overhead import gateway_yaml
 from bench.report import machine, save, table, verdict
-from gateway.config import ModelConfig, parse_config
-from gateway.openai_request import parse_body
-from gateway.state import Counters
-from gateway.tokens.counting import plan_chat
-from gateway.tokens.encoding import EncodingCache
+from kvgateway.config.load import parse_config
+from kvgateway.config.model import ModelConfig
+from kvgateway.server.openai_request import parse_body
+from kvgateway.server.state import Counters
+from kvgateway.tokens.counting import plan_chat
+from kvgateway.tokens.encoding import EncodingCache
 
 TARGET_LAG_P99_MS = 5.0
 # "Near flat": the counted-before cost at the last turn stays within this factor of the
@@ -294,8 +295,8 @@ FLOOD_PHASE = "small + 100k-token prompts back to back (2 conns)"
 async def loop_lag(quick: bool, workdir: Path, big_rate: float = 4.0) -> dict[str, Any]:
     from aiohttp import web
 
-    from gateway.app import create_app
-    from gateway.capacity_limits import derive_all
+    from kvgateway.core.derived_limits import derive_all
+    from kvgateway.server.app import create_app
 
     up_port = procs.free_port()
     with procs.running(

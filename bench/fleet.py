@@ -397,7 +397,7 @@ async def run_policy(
 
 async def _idle(run: Any, timeout: float = 30.0) -> None:
     """Wait until no request is in flight at the gateway (the fleet drains with it)."""
-    from gateway.app import STATE
+    from kvgateway.server.app import STATE
 
     state = run.app[STATE]
     deadline = time.monotonic() + timeout

@@ -20,13 +20,13 @@ import aiohttp
 import yaml
 from aiohttp import web
 
-from gateway.app import STATE, create_app
-from gateway.capacity_limits import derive_all
-from gateway.commands.demo import demo_config_path
-from gateway.config import parse_config
-from gateway.simulator.fleet import Fleet, start_fleet
-from gateway.simulator.fleetconfig import parse_fleet_config
-from gateway.vllm_metrics import parse_node_metrics
+from kvgateway.commands.demo import demo_config_path
+from kvgateway.config.load import parse_config
+from kvgateway.core.derived_limits import derive_all
+from kvgateway.server.app import STATE, create_app
+from kvgateway.simulator.fleet import Fleet, start_fleet
+from kvgateway.simulator.fleetconfig import parse_fleet_config
+from kvgateway.upstream.vllm_metrics import parse_node_metrics
 
 
 def free_port() -> int:

@@ -18,9 +18,9 @@ from pathlib import Path
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.simulator.fleet import start_node
-from gateway.simulator.fleetconfig import NodeSpec
-from gateway.simulator.profiles import get_profile
+from kvgateway.simulator.fleet import start_node
+from kvgateway.simulator.fleetconfig import NodeSpec
+from kvgateway.simulator.profiles import get_profile
 
 RESULTS = Path(__file__).parent / "results"
 

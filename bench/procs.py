@@ -172,7 +172,7 @@ def fake_upstream_cmd(port: int, *extra: str) -> list[str]:
 
 def gateway_cmd(config: Path) -> list[str]:
     """`gateway serve` on ``config``, quiet but for warnings (every part runs it this way)."""
-    return [PYTHON, "-m", "gateway", "serve", "--config", str(config), "--log-level", "WARNING"]
+    return [PYTHON, "-m", "kvgateway", "serve", "--config", str(config), "--log-level", "WARNING"]
 
 
 @contextlib.contextmanager

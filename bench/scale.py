@@ -3,7 +3,7 @@
 1. Routing decision time with 10, 100 and 1,000 synthetic backends (60% in a small-GPU
    tier, 35% large, 5% offload; each already holding a random 0-80% of its KV budget and
    sequence slots), built as the server builds them (``create_app``, no sockets):
-   ``Admission.decide`` (``gateway.routing.route`` over the model's backends) for each
+   ``Admission.decide`` (``kvgateway.core.routing.route`` over the model's backends) for each
    policy, and ``Admission.try_admit`` and ``release`` (kv_aware: the whole synchronous
    admission step; a release offers the freed room to the queue), with an empty queue
    and with 64 waiters queued (every waiter claims backends, and an arrival must avoid
@@ -37,11 +37,11 @@ from typing import Any
 from bench import procs
 from bench.loadgen import SERVED
 from bench.report import machine, save, table, verdict
-from gateway.admission import Reservation
-from gateway.app import STATE, create_app
-from gateway.config import parse_config
-from gateway.routing import Demand, demand_tokens
-from gateway.tokens.encoding import EncodingCache
+from kvgateway.config.load import parse_config
+from kvgateway.core.admission import Reservation
+from kvgateway.core.routing import Demand, demand_tokens
+from kvgateway.server.app import STATE, create_app
+from kvgateway.tokens.encoding import EncodingCache
 
 TARGET_ROUTE_US_AT_1000 = 50.0
 TARGET_RSS_BYTES = 1 << 30

@@ -27,12 +27,12 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from gateway.app import STATE, create_app
-from gateway.config import parse_config
-from gateway.simulator.fleet import RunningNode, start_node
-from gateway.simulator.fleetconfig import NodeSpec
-from gateway.simulator.profiles import get_profile
-from gateway.tokens.encoding import EncodingCache
+from kvgateway.config.load import parse_config
+from kvgateway.server.app import STATE, create_app
+from kvgateway.simulator.fleet import RunningNode, start_node
+from kvgateway.simulator.fleetconfig import NodeSpec
+from kvgateway.simulator.profiles import get_profile
+from kvgateway.tokens.encoding import EncodingCache
 
 SERVED = "meta-llama/Llama-3.1-8B-Instruct"
 RESULTS = Path(__file__).parent / "results"

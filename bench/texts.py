@@ -11,7 +11,7 @@ import functools
 import os
 from collections.abc import Callable
 
-from gateway.tokens.encoding import Encoder, EncodingCache, EncodingSpec
+from kvgateway.tokens.encoding import Encoder, EncodingCache, EncodingSpec
 
 
 @functools.cache

@@ -1,0 +1,3 @@
+from kvgateway.cli import main
+
+raise SystemExit(main())

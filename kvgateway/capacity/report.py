@@ -1,0 +1,251 @@
+"""Render plans and log reports as text or JSON-ready dicts (pure; cli.py prints)."""
+
+from __future__ import annotations
+
+import textwrap
+from typing import Any
+
+from kvgateway.capacity.advice import Plan, Recommendation, Settings
+from kvgateway.capacity.arch import kv_bytes_per_token
+from kvgateway.capacity.explain import LogReport
+from kvgateway.capacity.memory import GIB
+from kvgateway.capacity.presets import preset_arch, presets
+from kvgateway.capacity.spec import CapacitySpec
+
+CONTEXTS = (4096, 8192, 16384, 32768)
+_WIDTH = 100
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:.2f}"
+
+
+def serve_command(spec: CapacitySpec, settings: Settings) -> str:
+    flags = [
+        f"vllm serve {spec.model.hf_id or spec.model.name}",
+        f"--max-model-len {settings.max_model_len}",
+        f"--max-num-seqs {settings.max_num_seqs}",
+        # Pinned because the default moved (0.90 -> 0.92) between releases.
+        f"--gpu-memory-utilization {spec.gpu_memory_utilization:.2f}",
+    ]
+    if spec.tp > 1:
+        flags.append(f"--tensor-parallel-size {spec.tp}")
+    if spec.kv_cache_dtype in ("float32", "float16"):
+        # vLLM's --kv-cache-dtype has no such choice: the KV cache follows --dtype.
+        flags.append(f"--dtype {spec.kv_cache_dtype}")
+    elif spec.kv_cache_dtype != "auto":
+        flags.append(f"--kv-cache-dtype {spec.kv_cache_dtype}")
+    if spec.block_size != 16:
+        flags.append(f"--block-size {spec.block_size}")
+    if spec.max_num_batched_tokens:
+        flags.append(f"--max-num-batched-tokens {spec.max_num_batched_tokens}")
+    return " \\\n    ".join(flags)
+
+
+def backend_entry(spec: CapacitySpec, settings: Settings) -> dict[str, Any]:
+    return {
+        "name": f"{spec.model.name}-1",
+        "url": "http://HOST:8000",
+        "model": spec.model.hf_id or spec.model.name,
+        "max_model_len": settings.max_model_len,
+        "max_num_seqs": settings.max_num_seqs,
+        "kv_cache_tokens": settings.kv_cache_tokens,
+    }
+
+
+def _yaml_entry(entry: dict[str, Any]) -> list[str]:
+    lines = []
+    for i, (key, value) in enumerate(entry.items()):
+        lines.append(f"{'- ' if i == 0 else '  '}{key}: {value}")
+    return lines
+
+
+def _recommendation_lines(recs: tuple[Recommendation, ...]) -> list[str]:
+    lines = ["Recommendations, in the order to try them:"]
+    for rec in recs:
+        lines.append(f"  {rec.step}. {rec.title}")
+        lines.extend(textwrap.wrap(rec.detail, _WIDTH, initial_indent="     ",
+                                   subsequent_indent="     "))  # fmt: skip
+    return lines
+
+
+def _pool_line(plan: Plan) -> str:
+    est, spec = plan.estimate, plan.spec
+    pool = est.pool
+    if pool.measured:
+        return f"{_gib(est.kv_pool_bytes)} GiB per GPU (given: vLLM's Available KV cache memory)"
+    return (
+        f"{_gib(pool.pool_bytes)} GiB per GPU = {_gib(pool.requested_bytes)} "
+        f"({spec.gpu_memory_gib:g} GiB x {spec.gpu_memory_utilization:.2f}) - weights "
+        f"{_gib(pool.weights_bytes)} - activation {_gib(pool.activation_bytes)} - overhead "
+        f"{_gib(pool.overhead_bytes)}"
+    )
+
+
+def render_plan(plan: Plan, *, header: bool = True) -> str:
+    est, spec = plan.estimate, plan.spec
+    model = spec.model
+    lines: list[str] = []
+    if header:
+        lines += [
+            f"gateway plan: {model.name}"
+            + (f" ({model.hf_id})" if model.hf_id and model.hf_id != model.name else "")
+            + f", tp {spec.tp}, KV cache {spec.kv_cache_dtype}, block size {spec.block_size}",
+            "",
+        ]
+    # An explicit max_model_len above the config's (rope scaling) is the working limit.
+    limit = max(model.max_position_embeddings or 0, spec.max_model_len or 0)
+    conc = "  ".join(f"{n // 1024}k: {est.concurrency_at(n):.2f}x" for n in CONTEXTS)
+    lines += [
+        f"KV bytes per token   {est.bytes_per_token:,} B per GPU ({model.num_layers} layers x "
+        f"{est.bytes_per_token_per_layer:,} B)",
+        f"KV pool              {_pool_line(plan)}",
+        f"GPU blocks           {est.num_gpu_blocks:,} x {est.block_size} tokens"
+        + (f" in {est.layout.num_groups} groups" if est.layout.is_hybrid else "")
+        + " (block 0 is vLLM's reserved null block)",
+        f"kv_cache_tokens      {est.kv_cache_tokens:,} usable (vLLM will log 'GPU KV cache "
+        f"size: {est.vllm_logged_tokens:,} tokens')",
+        f"Longest context      {est.max_model_len_fit:,} tokens for one request"
+        + (f" (model limit {limit:,})" if limit else ""),
+        f"Concurrency          {conc}",
+        f"                     at the target {est.target_len:,}: {est.max_concurrency:.2f}x "
+        f"(vLLM will log {est.vllm_logged_concurrency:.2f}x)",
+        "",
+        *_recommendation_lines(plan.recommendations),
+        "",
+    ]
+    if plan.settings is None:
+        lines.append("Nothing to paste yet: no context fits; apply step 4 or 5 first.")
+    else:
+        lines += ["Serve with:", "  " + serve_command(spec, plan.settings), ""]
+        lines += ["Gateway backend entry:"]
+        lines += ["  " + line for line in _yaml_entry(backend_entry(spec, plan.settings))]
+    if est.notes:
+        lines += ["", "Assumptions and notes:"]
+        for note in est.notes:
+            lines += textwrap.wrap(note, _WIDTH, initial_indent="  - ", subsequent_indent="    ")
+    return "\n".join(lines)
+
+
+def plan_json(plan: Plan) -> dict[str, Any]:
+    est, spec = plan.estimate, plan.spec
+    settings = plan.settings
+    return {
+        "model": spec.model.name,
+        "hf_id": spec.model.hf_id,
+        "tp": spec.tp,
+        "kv_cache_dtype": spec.kv_cache_dtype,
+        "block_size": est.block_size,
+        "bytes_per_token": est.bytes_per_token,
+        "bytes_per_token_per_layer": est.bytes_per_token_per_layer,
+        "kv_pool_bytes": est.kv_pool_bytes,
+        "kv_pool_gib": round(est.kv_pool_bytes / GIB, 3),
+        "kv_pool_measured": est.pool.measured,
+        "num_gpu_blocks": est.num_gpu_blocks,
+        "kv_cache_tokens": est.kv_cache_tokens,
+        "vllm_logged_tokens": est.vllm_logged_tokens,
+        "max_model_len_fit": est.max_model_len_fit,
+        "target_max_model_len": est.target_len,
+        "max_concurrency": round(est.max_concurrency, 4),
+        "concurrency": {str(n): round(est.concurrency_at(n), 4) for n in CONTEXTS},
+        "recommendations": [
+            {"step": r.step, "title": r.title, "detail": r.detail} for r in plan.recommendations
+        ],
+        "settings": None
+        if settings is None
+        else {
+            "max_model_len": settings.max_model_len,
+            "max_num_seqs": settings.max_num_seqs,
+            "kv_cache_tokens": settings.kv_cache_tokens,
+            "concurrency": round(settings.concurrency, 4),
+        },
+        "vllm_serve": None if settings is None else serve_command(spec, settings),
+        "gateway_backend": None if settings is None else backend_entry(spec, settings),
+        "notes": list(est.notes),
+    }
+
+
+def render_log(report: LogReport) -> str:
+    facts = report.facts
+    lines = ["gateway plan --from-log: what the vLLM start-up log says", ""]
+    seen = [f"model {facts.model}" if facts.model else None,
+            f"vLLM {facts.vllm_version}" if facts.vllm_version else None,
+            f"max_model_len {facts.max_model_len}" if facts.max_model_len else None]  # fmt: skip
+    if any(seen):
+        lines += ["Log: " + ", ".join(s for s in seen if s), ""]
+    for finding in report.findings:
+        lines += textwrap.wrap(finding, _WIDTH, initial_indent="- ", subsequent_indent="  ")
+    if report.cross_check is not None:
+        check = report.cross_check
+        verdict = "matches" if check.ok else "DOES NOT MATCH"
+        lines += ["", f"Cross-check against the model: {verdict}"]
+        lines += textwrap.wrap(check.detail, _WIDTH, initial_indent="  ", subsequent_indent="  ")
+    if report.plan is not None:
+        lines += ["", "Plan on the logged KV pool:", "", render_plan(report.plan, header=False)]
+    elif report.recommendations:
+        lines += ["", *_recommendation_lines(report.recommendations)]
+        if report.settings is not None:
+            s = report.settings
+            lines += ["", "Gateway backend entry (model from the log):"]
+            entry = {
+                "name": "node-1",
+                "url": "http://HOST:8000",
+                "model": facts.model or "MODEL",
+                "max_model_len": s.max_model_len,
+                "max_num_seqs": s.max_num_seqs,
+                "kv_cache_tokens": s.kv_cache_tokens,
+            }
+            lines += ["  " + line for line in _yaml_entry(entry)]
+    return "\n".join(lines)
+
+
+def log_json(report: LogReport) -> dict[str, Any]:
+    check = report.cross_check
+    out: dict[str, Any] = {
+        "log": report.facts.as_dict(),
+        "findings": list(report.findings),
+        "cross_check": None
+        if check is None
+        else {
+            "predicted_tokens": check.predicted_tokens,
+            "logged_tokens": check.logged_tokens,
+            "deviation": round(check.deviation, 6),
+            "ok": check.ok,
+            "detail": check.detail,
+        },
+        "plan": None if report.plan is None else plan_json(report.plan),
+        "recommendations": [
+            {"step": r.step, "title": r.title, "detail": r.detail} for r in report.recommendations
+        ],
+    }
+    # The headline figures at the top level, whichever way they were obtained.
+    facts = report.facts
+    if report.plan is not None:
+        est = report.plan.estimate
+        out["bytes_per_token"] = est.bytes_per_token
+        out["kv_cache_tokens"] = est.kv_cache_tokens
+        out["max_model_len_fit"] = est.max_model_len_fit
+        out["max_concurrency"] = round(est.max_concurrency, 4)
+        if report.plan.settings is not None:
+            out["kv_cache_tokens"] = report.plan.settings.kv_cache_tokens
+    elif report.settings is not None:
+        usable = report.settings.kv_cache_tokens
+        tokens = usable + 16
+        implied = facts.available_kv_gib * GIB / tokens if facts.available_kv_gib else None
+        out["bytes_per_token"] = round(implied) if implied else None  # from the log: approximate
+        out["kv_cache_tokens"] = usable
+        out["max_model_len_fit"] = usable  # one group of full attention assumed
+        length = facts.max_model_len
+        out["max_concurrency"] = round(usable / length, 4) if length else None
+    return out
+
+
+def render_presets() -> str:
+    lines = [f"{'preset':18} {'B/token (tp 1)':>15} {'params':>8}  model / what it shows"]
+    for preset in presets():
+        arch = preset_arch(preset.name)
+        lines.append(
+            f"{preset.name:18} {kv_bytes_per_token(arch, 1, 'auto'):>15,} "
+            f"{preset.param_count / 1e9:>7.1f}B  {preset.hf_id}: {preset.summary}"
+        )
+    return "\n".join(lines)

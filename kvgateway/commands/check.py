@@ -1,0 +1,146 @@
+"""`gateway check`: validate a config and show every backend's limits and their source."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from kvgateway.config.load import load_config
+from kvgateway.config.model import BackendConfig, GatewayConfig
+from kvgateway.config.yamlread import ConfigError
+from kvgateway.core.backends import Limits
+from kvgateway.core.derived_limits import derive_backend
+from kvgateway.core.limits import Observed, resolve_limits
+from kvgateway.upstream.probe import ProbeError, probe
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "check",
+        help="validate a config and show each backend's resolved limits",
+        description=(
+            "Validate the YAML, ask every reachable node for its limits (/v1/models, /metrics), "
+            "derive limits from capacity blocks, and print each limit with its source "
+            "(config > discovered > derived). Warns when sources disagree."
+        ),
+    )
+    p.add_argument("--config", required=True)
+    p.add_argument("--no-discover", action="store_true", help="do not contact the nodes")
+    p.add_argument("--timeout", type=float, default=3.0, help="per-node probe timeout (s)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=_main)
+
+
+def _main(args: argparse.Namespace) -> int:
+    try:
+        config = load_config(args.config)
+        base = Path(args.config).parent
+        derived = {b.name: derive_backend(b, base) for b in config.backends}
+    except ConfigError as exc:
+        sys.stderr.write(f"invalid config: {exc}\n")
+        return 2
+    discovered: dict[str, Observed | str] = {}
+    if not args.no_discover:
+        discovered = asyncio.run(_discover_all(config, args.timeout))
+    rows = []
+    for b in config.backends:
+        d = derived[b.name]
+        disc = discovered.get(b.name)
+        limits = resolve_limits(
+            b, disc if isinstance(disc, Observed) else None, d[0] if d else None
+        )
+        rows.append(_row(b, limits, disc, config.admission.budget_fraction))
+    if args.json:
+        sys.stdout.write(json.dumps({"config": args.config, "backends": rows}, indent=2) + "\n")
+    else:
+        sys.stdout.write(_text(config, rows))
+    unknown = [r["name"] for r in rows if r["max_model_len"]["value"] is None]
+    return 1 if unknown and not args.no_discover else 0
+
+
+async def _discover_all(config: GatewayConfig, timeout: float) -> dict[str, Observed | str]:
+    async with aiohttp.ClientSession() as session:
+
+        async def one(b: BackendConfig) -> tuple[str, Observed | str]:
+            if not b.discover:
+                return b.name, "discovery disabled"
+            try:
+                return b.name, (await probe(session, b, timeout)).observed
+            except ProbeError as exc:
+                return b.name, f"unreachable: {exc}"
+
+        return dict(await asyncio.gather(*(one(b) for b in config.backends)))
+
+
+def _row(
+    b: BackendConfig, limits: Limits, disc: Observed | str | None, fraction: float
+) -> dict[str, Any]:
+    def lim(name: str) -> dict[str, Any]:
+        value = getattr(limits, name)
+        return {"value": value.value, "source": value.source}
+
+    kv = limits.kv_cache_tokens.value
+    mml = limits.max_model_len.value
+    return {
+        "name": b.name,
+        "tier": b.tier,
+        "url": b.url,
+        "model": b.model,
+        "served_model": b.served_model,
+        "offload": b.offload,
+        "max_model_len": lim("max_model_len"),
+        "kv_cache_tokens": lim("kv_cache_tokens"),
+        "max_num_seqs": lim("max_num_seqs"),
+        "budget_tokens": int(kv * fraction) if kv else None,
+        "context_limit": min(mml, int(kv * fraction)) if kv and mml else None,
+        "node": disc if isinstance(disc, str) else ("reachable" if disc else "not asked"),
+        "warnings": list(limits.warnings),
+    }
+
+
+def _text(config: GatewayConfig, rows: list[dict[str, Any]]) -> str:
+    out = [
+        f"config {config.source}: OK ({len(config.models)} model(s), {len(config.tiers)} tier(s), "
+        f"{len(rows)} backend(s), policy {config.routing.policy}, "
+        f"budget_fraction {config.admission.budget_fraction:g})",
+        "",
+    ]
+    for r in rows:
+        tier = r["tier"] + (" (offload)" if r["offload"] else "")
+
+        def show(key: str, row: dict[str, Any] = r) -> str:
+            v = row[key]
+            value = "?" if v["value"] is None else f"{v['value']:,}"
+            return f"{value} [{v['source']}]"
+
+        out.append(
+            f"{r['name']}  tier={tier}  {r['url']}  model={r['model']} ({r['served_model']})"
+        )
+        out.append(f"    max_model_len    {show('max_model_len')}")
+        out.append(f"    kv_cache_tokens  {show('kv_cache_tokens')}")
+        seqs = r["max_num_seqs"]
+        if seqs["value"] is None:
+            out.append("    max_num_seqs     256 [vLLM default, assumed]")
+        else:
+            out.append(f"    max_num_seqs     {show('max_num_seqs')}")
+        if r["budget_tokens"] is not None:
+            out.append(
+                f"    budget           {r['budget_tokens']:,} tokens; longest request "
+                f"{(r['context_limit'] or 0):,} tokens"
+            )
+        out.append(f"    node             {r['node']}")
+        for w in r["warnings"]:
+            out.append(f"    WARNING          {w}")
+        if r["max_model_len"]["value"] is None:
+            out.append(
+                "    WARNING          limits unknown: the gateway will not route here until "
+                "the node answers (or set max_model_len/kv_cache_tokens, or a capacity block)"
+            )
+        out.append("")
+    return "\n".join(out)

@@ -1,0 +1,153 @@
+"""`gateway serve`: run the gateway in front of the backends a config describes."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+from dataclasses import replace
+
+from aiohttp import web
+
+from kvgateway.config.load import load_config
+from kvgateway.config.model import GatewayConfig
+from kvgateway.config.yamlread import ConfigError
+from kvgateway.core.derived_limits import derive_all
+from kvgateway.server.accesslog import setup_logging
+from kvgateway.server.app import STATE, create_app
+from kvgateway.server.reload import reload_config, watch_file
+
+log = logging.getLogger("kvgateway.server")
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="run the gateway",
+        description="Run the OpenAI-compatible gateway in front of the fleet in --config.",
+    )
+    p.add_argument("--config", required=True, help="gateway YAML (see config/gateway.example.yaml)")
+    p.add_argument("--host", help="listen address (default: server.host from the config)")
+    p.add_argument("--port", type=int, help="listen port (default: server.port from the config)")
+    p.add_argument("--watch", action="store_true", help="reload when the config file changes")
+    p.add_argument("--log-level", default="INFO", help="root log level (default INFO)")
+    p.set_defaults(func=_main)
+
+
+def _main(args: argparse.Namespace) -> int:
+    try:
+        config = load_config(args.config)
+    except ConfigError as exc:
+        sys.stderr.write(f"gateway: invalid config: {exc}\n")
+        return 2
+    server = replace(
+        config.server,
+        host=args.host or config.server.host,
+        port=args.port if args.port is not None else config.server.port,
+    )
+    config = replace(config, server=server)
+    setup_logging(config.server.log_format, args.log_level)
+    run(serve(config, config_path=args.config, watch=args.watch))
+    return 0
+
+
+def run(main: Awaitable[None]) -> None:
+    """Run on uvloop when available, through a loop factory (no global policy)."""
+    factory: Callable[[], asyncio.AbstractEventLoop] | None = None
+    try:
+        import uvloop
+
+        factory = uvloop.new_event_loop
+    except ImportError:  # pragma: no cover - uvloop is a dependency on POSIX
+        factory = None
+    with asyncio.Runner(loop_factory=factory) as runner:
+        runner.run(_as_coroutine(main))
+
+
+async def _as_coroutine(aw: Awaitable[None]) -> None:
+    await aw
+
+
+async def serve(
+    config: GatewayConfig,
+    *,
+    config_path: str | None = None,
+    watch: bool = False,
+    ready: Callable[[str], None] | None = None,
+    stop: asyncio.Event | None = None,
+) -> None:
+    """Serve until SIGINT/SIGTERM (or ``stop`` is set), then shut down in order:
+    /ready fails, the listener closes, in-flight requests get ``shutdown_grace_s`` to
+    finish, the rest are cancelled, then the upstream session and monitor close."""
+    try:
+        derived = derive_all(config)
+    except ConfigError as exc:
+        raise SystemExit(f"gateway: invalid config: {exc}") from exc
+    app = create_app(config, derived=derived)
+    # Draining is ours (see _shutdown); aiohttp only has to close what is left.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0)
+    await runner.setup()
+    site = web.TCPSite(runner, config.server.host, config.server.port, backlog=2048)
+    await site.start()
+    url = f"http://{config.server.host}:{config.server.port}"
+    log.info("gateway listening on %s (policy %s)", url, config.routing.policy)
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    if config_path is not None:
+        loop.add_signal_handler(signal.SIGHUP, reload_config, app, config_path)
+    watcher = (
+        asyncio.create_task(watch_file(app, config_path), name="config-watch")
+        if watch and config_path
+        else None
+    )
+    if ready is not None:
+        ready(url)
+    try:
+        await stop.wait()
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            loop.remove_signal_handler(sig)
+        if watcher is not None:
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
+        await _shutdown(app, runner, site, config)
+
+
+async def _shutdown(
+    app: web.Application, runner: web.AppRunner, site: web.TCPSite, config: GatewayConfig
+) -> None:
+    """uvicorn's order: fail readiness, stop accepting, drain with a deadline, cancel the
+    rest with a reason, close resources."""
+    state = app[STATE]
+    server = config.server
+    state.draining = True
+    if server.drain_delay_s > 0:
+        log.info("shutting down: /ready fails for %gs first", server.drain_delay_s)
+        await asyncio.sleep(server.drain_delay_s)
+    state.shutting_down = True
+    await site.stop()
+    log.info(
+        "listener closed; waiting up to %gs for %d in-flight request(s)",
+        server.shutdown_grace_s,
+        len(state.active),
+    )
+    if state.active:
+        await asyncio.wait(set(state.active), timeout=server.shutdown_grace_s)
+    if state.active:
+        log.warning(
+            "cancelling %d request(s) still running after the grace period", len(state.active)
+        )
+        state.shutdown_reason = "shutdown"
+        left = set(state.active)
+        for task in left:
+            task.cancel()
+        await asyncio.wait(left, timeout=2.0)
+    await runner.cleanup()
+    log.info("gateway stopped")

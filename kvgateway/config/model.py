@@ -1,0 +1,142 @@
+"""The gateway's configuration as frozen, typed objects (parsed in :mod:`.load`).
+
+Nothing downstream reads raw YAML. The annotated reference is
+``config/gateway.example.yaml``; defaults are written once, here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvgateway.tokens.spec import TokenizerConfig
+
+POLICIES = ("kv_aware", "round_robin", "least_loaded", "length_aware")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    name: str
+    served_name: str
+    aliases: tuple[str, ...]
+    tokenizer: TokenizerConfig
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionConfig:
+    default_output_tokens: int = 1024
+    budget_fraction: float = 0.95
+    queue_timeout_s: float = 10.0
+    queue_size: int = 1024
+    max_body_bytes: int = 32 * 1024 * 1024
+    # A chat request without max_tokens may generate up to the rest of the context on
+    # vLLM; the gateway caps it at the reserved default so the reservation holds.
+    inject_default_output: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingConfig:
+    policy: str = "kv_aware"
+    # Send work that fits a GPU tier to the offload tier when every GPU tier is full
+    # (instead of queueing). Off by default: offload nodes are slow.
+    offload_overflow: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class TimeoutConfig:
+    connect_s: float = 3.0
+    first_byte_s: float = 120.0
+    idle_s: float = 60.0
+    total_s: float = 900.0
+
+
+@dataclass(frozen=True, slots=True)
+class HealthConfig:
+    interval_s: float = 5.0
+    timeout_s: float = 2.0
+    unhealthy_threshold: int = 2
+    healthy_threshold: int = 1
+    # Consecutive request failures that eject a backend until a probe succeeds.
+    eject_after_failures: int = 3
+    # Ask healthy nodes for their limits again this often (catches quick restarts).
+    rediscover_interval_s: float = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class LoadFeedbackConfig:
+    enabled: bool = True
+    interval_s: float = 2.0
+    timeout_s: float = 2.0
+    # A node above this real KV usage gets no new work until it falls below
+    # `kv_low_watermark` (hysteresis keeps it from flapping).
+    kv_high_watermark: float = 0.95
+    kv_low_watermark: float = 0.85
+    # Waiting requests on the node (queued by someone else) that pause new work.
+    max_waiting: int = 0
+    # Seconds a node stays paused after it reports new preemptions.
+    preemption_cooldown_s: float = 5.0
+    # A scrape older than this is ignored (the gateway's own accounting still holds).
+    stale_after_s: float = 15.0
+
+
+@dataclass(frozen=True, slots=True)
+class BackendConfig:
+    name: str
+    url: str
+    model: str
+    tier: str
+    offload: bool
+    served_model: str
+    max_model_len: int | None = None
+    max_num_seqs: int | None = None
+    kv_cache_tokens: int | None = None
+    capacity: Mapping[str, Any] | None = None
+    discover: bool = True
+    timeouts: TimeoutConfig = TimeoutConfig()
+    path: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class TierConfig:
+    name: str
+    offload: bool
+    backends: tuple[BackendConfig, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8080
+    api_keys: tuple[str, ...] = ()
+    access_log: bool = True
+    log_format: str = "text"
+    shutdown_grace_s: float = 30.0
+    # Seconds /ready fails before the listener closes, so load balancers (a Kubernetes
+    # Service) stop sending new connections first.
+    drain_delay_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayConfig:
+    server: ServerConfig
+    models: tuple[ModelConfig, ...]
+    admission: AdmissionConfig
+    routing: RoutingConfig
+    health: HealthConfig
+    load_feedback: LoadFeedbackConfig
+    tiers: tuple[TierConfig, ...]
+    source: str = "<memory>"
+    _model_index: dict[str, ModelConfig] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        for model in self.models:
+            for name in (model.name, *model.aliases):
+                self._model_index[name] = model
+
+    def resolve_model(self, name: str) -> ModelConfig | None:
+        return self._model_index.get(name)
+
+    @property
+    def backends(self) -> tuple[BackendConfig, ...]:
+        return tuple(b for t in self.tiers for b in t.backends)

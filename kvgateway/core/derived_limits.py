@@ -1,0 +1,55 @@
+"""Limits derived from each backend's ``capacity:`` block (GPU memory, model architecture).
+
+The bridge between the gateway config and the pure maths in :mod:`kvgateway.capacity`.
+Runs once per (re)load; errors name the YAML path of the capacity block.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvgateway.capacity.errors import CapacityConfigError
+from kvgateway.capacity.estimate import CapacityEstimate, estimate
+from kvgateway.capacity.spec import CapacitySpec
+from kvgateway.config.model import BackendConfig, GatewayConfig
+from kvgateway.config.yamlread import ConfigError
+from kvgateway.core.limits import Observed
+
+
+def derive_backend(
+    cfg: BackendConfig, base_dir: Path | None
+) -> tuple[Observed, CapacityEstimate] | None:
+    if cfg.capacity is None:
+        return None
+    where = f"{cfg.path}.capacity"
+    try:
+        spec = CapacitySpec.from_mapping(cfg.capacity, where, base_dir=base_dir)
+        est = estimate(spec)
+    except CapacityConfigError as exc:
+        raise ConfigError("", str(exc)) from exc
+    except ValueError as exc:
+        raise ConfigError(where, str(exc)) from exc
+    # A max_model_len longer than the pool holds would fail vLLM's start-up check: the
+    # derived limit never exceeds what fits (gateway check shows the note).
+    mml = (
+        est.max_model_len_fit
+        if spec.max_model_len is None
+        else min(spec.max_model_len, est.max_model_len_fit)
+    )
+    observed = Observed(
+        max_model_len=mml,
+        kv_cache_tokens=est.kv_cache_tokens,
+        max_num_seqs=spec.max_num_seqs,
+        block_size=spec.block_size,
+    )
+    return observed, est
+
+
+def derive_all(config: GatewayConfig) -> dict[str, Observed]:
+    base = Path(config.source).parent if config.source and config.source != "<memory>" else None
+    out: dict[str, Observed] = {}
+    for b in config.backends:
+        derived = derive_backend(b, base)
+        if derived is not None:
+            out[b.name] = derived[0]
+    return out

@@ -1,0 +1,147 @@
+"""The set of backends the gateway routes to, rebuilt on reload without losing state.
+
+A reload keeps the :class:`Backend` object of every backend whose name survives (so its
+reservations, health and load stay), updates its config and limits, adds new ones,
+and marks removed ones ``draining``: they take no new work and vanish once their last
+reservation is released.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from kvgateway.config.model import BackendConfig, GatewayConfig
+from kvgateway.core.backends import Backend
+from kvgateway.core.limits import Observed, resolve_limits
+from kvgateway.core.routing_index import ModelIndex
+
+log = logging.getLogger("kvgateway.core.fleet")
+
+
+_EMPTY = ModelIndex(())
+
+
+@dataclass(frozen=True, slots=True)
+class ReloadSummary:
+    added: tuple[str, ...]
+    removed: tuple[str, ...]
+    changed: tuple[str, ...]
+
+
+class Fleet:
+    def __init__(
+        self, config: GatewayConfig, derived: Mapping[str, Observed] | None = None
+    ) -> None:
+        self._derived: dict[str, Observed] = dict(derived or {})
+        self._discovered: dict[str, Observed] = {}
+        self._active: list[Backend] = []
+        self._draining: list[Backend] = []
+        self._by_model: dict[str, ModelIndex] = {}
+        self.config = config
+        self._build(config)
+
+    def _new_backend(self, cfg: BackendConfig, tier_index: int) -> Backend:
+        limits = resolve_limits(cfg, self._discovered.get(cfg.name), self._derived.get(cfg.name))
+        return Backend(
+            config=cfg,
+            tier_index=tier_index,
+            limits=limits,
+            budget_fraction=self.config.admission.budget_fraction,
+        )
+
+    def _build(self, config: GatewayConfig) -> None:
+        self._active = [
+            self._new_backend(b, i) for i, tier in enumerate(config.tiers) for b in tier.backends
+        ]
+        self._index()
+
+    def _index(self) -> None:
+        by_model: dict[str, list[Backend]] = {}
+        for b in self._active:
+            by_model.setdefault(b.model, []).append(b)
+        self._by_model = {m: ModelIndex(bs) for m, bs in by_model.items()}
+
+    @property
+    def backends(self) -> Sequence[Backend]:
+        """Active backends in tier order, then those draining after a reload."""
+        return [*self._active, *self._draining]
+
+    @property
+    def active(self) -> Sequence[Backend]:
+        return self._active
+
+    def for_model(self, model: str) -> Sequence[Backend]:
+        idx = self._by_model.get(model)
+        return idx.backends if idx is not None else ()
+
+    def index(self, model: str) -> ModelIndex:
+        idx = self._by_model.get(model)
+        return idx if idx is not None else _EMPTY
+
+    def adjust(self, b: Backend, tokens: int, seqs: int, in_flight: int) -> None:
+        """Change a backend's reservations through its model's routing index."""
+        self.index(b.model).adjust(b, tokens, seqs, in_flight)
+
+    def get(self, name: str) -> Backend | None:
+        for b in self._active:
+            if b.name == name:
+                return b
+        return None
+
+    def set_discovered(self, backend: Backend, observed: Observed) -> bool:
+        """Record what the node reported; returns True when its limits changed."""
+        self._discovered[backend.name] = observed
+        new = resolve_limits(backend.config, observed, self._derived.get(backend.name))
+        changed = new != backend.limits
+        if changed:
+            for w in new.warnings:
+                if w not in backend.limits.warnings:
+                    log.warning("backend %s: %s", backend.name, w)
+            backend.limits = new
+            self._index()  # budgets and contexts are part of the routing index
+        return changed
+
+    def reap_drained(self) -> None:
+        self._draining = [b for b in self._draining if b.in_flight > 0]
+
+    def apply(self, config: GatewayConfig, derived: Mapping[str, Observed]) -> ReloadSummary:
+        old = {b.name: b for b in self._active}
+        self.config = config
+        self._derived = dict(derived)
+        active: list[Backend] = []
+        added: list[str] = []
+        changed: list[str] = []
+        for i, tier in enumerate(config.tiers):
+            for cfg in tier.backends:
+                prev = old.pop(cfg.name, None)
+                if prev is None or prev.config.url != cfg.url or prev.model != cfg.model:
+                    if prev is not None:
+                        # Same name, different node: the old one drains, the new one starts
+                        # unknown until probed.
+                        prev.draining = True
+                        self._draining.append(prev)
+                        self._discovered.pop(cfg.name, None)
+                        changed.append(cfg.name)
+                    else:
+                        added.append(cfg.name)
+                    active.append(self._new_backend(cfg, i))
+                    continue
+                if prev.config != cfg or prev.tier_index != i:
+                    changed.append(cfg.name)
+                prev.config = cfg
+                prev.tier_index = i
+                prev.budget_fraction = config.admission.budget_fraction
+                prev.limits = resolve_limits(
+                    cfg, self._discovered.get(cfg.name), self._derived.get(cfg.name)
+                )
+                active.append(prev)
+        for gone in old.values():
+            gone.draining = True
+            self._draining.append(gone)
+            self._discovered.pop(gone.name, None)
+        self._active = active
+        self._index()
+        self.reap_drained()
+        return ReloadSummary(tuple(added), tuple(old), tuple(changed))

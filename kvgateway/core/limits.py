@@ -1,0 +1,84 @@
+"""Resolving each backend's limits from what is configured, discovered and derived.
+
+Order of precedence, per limit: an explicit value in the backend's YAML entry; the
+value the live node reports (``/v1/models`` -> ``max_model_len``; ``/metrics`` ->
+``vllm:cache_config_info`` ``num_gpu_blocks`` x ``block_size``); the value derived from
+the backend's ``capacity`` block (GPU memory, model architecture). Disagreements are
+reported as warnings (``gateway check`` prints them, the server logs them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvgateway.config.model import BackendConfig
+from kvgateway.core.backends import Limit, Limits
+
+
+@dataclass(frozen=True, slots=True)
+class Observed:
+    """Limits from one source (a live node, or the capacity maths)."""
+
+    max_model_len: int | None = None
+    kv_cache_tokens: int | None = None
+    max_num_seqs: int | None = None
+    block_size: int | None = None
+
+
+def usable_tokens(num_gpu_blocks: int, block_size: int) -> int:
+    """Tokens requests can use: vLLM keeps block 0 as the reserved null block."""
+    return max(0, num_gpu_blocks - 1) * block_size
+
+
+def _pick(
+    name: str,
+    configured: int | None,
+    discovered: int | None,
+    derived: int | None,
+    warnings: list[str],
+) -> Limit:
+    if configured is not None and discovered is not None and configured != discovered:
+        risk = (
+            "the node will reject or preempt requests the gateway admits"
+            if configured > discovered
+            else "capacity is left unused"
+        )
+        warnings.append(
+            f"{name}: configured {configured} but the node reports {discovered} ({risk}); "
+            "using the configured value"
+        )
+    if derived is not None:
+        actual = discovered if discovered is not None else configured
+        if actual is not None and abs(derived - actual) > 0.05 * max(actual, 1):
+            warnings.append(
+                f"{name}: derived from the capacity block as {derived} but "
+                f"{'the node reports' if discovered is not None else 'configured'} {actual}"
+            )
+    if configured is not None:
+        return Limit(configured, "config")
+    if discovered is not None:
+        return Limit(discovered, "discovered")
+    if derived is not None:
+        return Limit(derived, "derived")
+    return Limit(None, "unknown")
+
+
+def resolve_limits(
+    cfg: BackendConfig, discovered: Observed | None, derived: Observed | None
+) -> Limits:
+    disc = discovered or Observed()
+    der = derived or Observed()
+    warnings: list[str] = []
+    mml = _pick("max_model_len", cfg.max_model_len, disc.max_model_len, der.max_model_len, warnings)
+    kv = _pick(
+        "kv_cache_tokens", cfg.kv_cache_tokens, disc.kv_cache_tokens, der.kv_cache_tokens, warnings
+    )
+    seqs = _pick("max_num_seqs", cfg.max_num_seqs, disc.max_num_seqs, der.max_num_seqs, warnings)
+    block = disc.block_size or der.block_size or 16
+    return Limits(
+        max_model_len=mml,
+        kv_cache_tokens=kv,
+        max_num_seqs=seqs,
+        block_size=block,
+        warnings=tuple(warnings),
+    )

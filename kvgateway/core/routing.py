@@ -1,0 +1,266 @@
+"""Choosing a backend for a request: pure functions of the fleet state and the demand.
+
+No I/O and no waiting here: :func:`route` says where a request goes now, that it must
+wait, or that it can never be served. :mod:`kvgateway.core.admission` acts on the answer.
+
+Policies:
+
+``kv_aware`` (default)
+    Candidates serve the model and their context limit (the smaller of
+    ``max_model_len`` and the KV budget) holds the longest prompt plus its output.
+    GPU tiers are tried in configured order; within a tier the backend with the most
+    free KV budget (that also has a free sequence slot) wins. A tier without room
+    spills to the next tier that fits. The offload tier takes what fits no GPU tier,
+    and overflow from full GPU tiers only when ``routing.offload_overflow`` is set.
+    Nothing free: wait. Nothing could ever fit: 400 ``context_length_exceeded``.
+``round_robin`` / ``least_loaded``
+    Baselines as simple routers do it: every healthy backend of the model, in turn or
+    by fewest in-flight requests; context and KV budget are ignored.
+``length_aware``
+    Least loaded among backends whose ``max_model_len`` fits (as context-window-aware
+    proxies do); KV budget is ignored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvgateway.core.backends import Backend
+from kvgateway.core.routing_index import ModelIndex
+
+
+@dataclass(frozen=True, slots=True)
+class Demand:
+    """What one request needs, in KV tokens and sequence slots."""
+
+    model: str
+    prompt_tokens: int
+    longest_prompt: int
+    output_tokens: int
+    sequences: int
+    tokens: int
+    # Backends that already failed this request: treated as down for it.
+    exclude: frozenset[str] = frozenset()
+    # Backends held for earlier waiters: unavailable now, but still this request's
+    # preferred tier (so claims never push a request onto the offload tier).
+    busy: frozenset[str] = frozenset()
+
+    @property
+    def longest_sequence(self) -> int:
+        return self.longest_prompt + self.output_tokens
+
+
+def demand_tokens(prompt_lengths: Sequence[int], output_tokens: int, n: int, block: int) -> int:
+    """KV tokens a request can occupy: every sequence's prompt and output, in whole blocks.
+
+    vLLM allocates KV in blocks of ``block`` tokens per sequence, so each sequence's
+    ``prompt + output`` is rounded up to a block.
+    """
+    total = 0
+    for p in prompt_lengths:
+        seq = p + output_tokens
+        total += n * (-(-seq // block) * block)
+    return total
+
+
+@dataclass(frozen=True, slots=True)
+class Routed:
+    backend: Backend
+    reason: str  # fit, spill, offload, overflow
+
+
+@dataclass(frozen=True, slots=True)
+class Wait:
+    reason: str = "queued"
+
+
+@dataclass(frozen=True, slots=True)
+class TooLong:
+    largest_context: int
+
+
+@dataclass(frozen=True, slots=True)
+class NoBackend:
+    detail: str
+
+
+Decision = Routed | Wait | TooLong | NoBackend
+
+
+@dataclass(slots=True)
+class RouterState:
+    """The only mutable routing state: the round-robin cursor per model."""
+
+    cursors: dict[str, int] = field(default_factory=dict)
+
+
+def _has_room(b: Backend, d: Demand) -> bool:
+    return b.free_tokens >= d.tokens and b.free_seqs >= d.sequences
+
+
+def _eligible(b: Backend, d: Demand, now: float) -> bool:
+    """Can ``b`` take ``d`` right now (fits, healthy, accepting, has room)?"""
+    return (
+        b.limits.known
+        and b.context_limit >= d.longest_sequence
+        and b.budget_tokens >= d.tokens
+        and b.max_num_seqs >= d.sequences
+        and b.name not in d.exclude
+        and b.name not in d.busy
+        and b.accepting(now)
+        and _has_room(b, d)
+    )
+
+
+def _could_use(b: Backend, d: Demand) -> bool:
+    return (
+        b.usable
+        and b.name not in d.exclude
+        and b.context_limit >= d.longest_sequence
+        and b.budget_tokens >= d.tokens
+        and b.max_num_seqs >= d.sequences
+    )
+
+
+def _first_fit_tier(index: ModelIndex, d: Demand) -> int | None:
+    """The first GPU tier that could hold ``d`` and has a live backend for it: the
+    tier a request "fits"; landing in a later one is a spill."""
+    for tier in index.tiers:
+        if (
+            not tier.offload
+            and tier.could_hold(d.longest_sequence, d.tokens, d.sequences)
+            and tier.any_usable(lambda b: _could_use(b, d))
+        ):
+            return tier.tier_index
+    return None
+
+
+def route_to(
+    index: ModelIndex, b: Backend, d: Demand, now: float, *, offload_overflow: bool = False
+) -> Routed | None:
+    """kv_aware's answer restricted to one backend: the reason it would be chosen, or
+    None when it cannot take the request (used when only ``b`` gained room)."""
+    if not _eligible(b, d, now):
+        return None
+    first_fit = _first_fit_tier(index, d)
+    if b.offload:
+        if first_fit is None:
+            return Routed(b, "offload")
+        return Routed(b, "overflow") if offload_overflow else None
+    return Routed(b, "fit" if b.tier_index == first_fit else "spill")
+
+
+def route_kv_aware(
+    index: ModelIndex, d: Demand, now: float, *, offload_overflow: bool = False
+) -> Decision:
+    """The indexed decision: looks at a few backends per tier, not all of them."""
+
+    def accept(b: Backend) -> bool:
+        return _eligible(b, d, now)
+
+    first_fit = _first_fit_tier(index, d)
+    for tier in index.tiers:
+        if (
+            tier.offload
+            or first_fit is None
+            or tier.tier_index < first_fit
+            or not tier.could_hold(d.longest_sequence, d.tokens, d.sequences)
+        ):
+            continue
+        b = tier.best(accept, d.tokens)
+        if b is not None:
+            return Routed(b, "fit" if tier.tier_index == first_fit else "spill")
+    if first_fit is None or offload_overflow:
+        for tier in index.tiers:
+            if tier.offload and tier.could_hold(d.longest_sequence, d.tokens, d.sequences):
+                b = tier.best(accept, d.tokens)
+                if b is not None:
+                    return Routed(b, "offload" if first_fit is None else "overflow")
+    # Nothing can take it now: the exact (slower) scan says why.
+    return kv_aware_scan(index.backends, d, now, offload_overflow=offload_overflow)
+
+
+def kv_aware_scan(
+    backends: Sequence[Backend], d: Demand, now: float, *, offload_overflow: bool = False
+) -> Decision:
+    """The reference decision over every backend (tier order): used to explain a miss,
+    and by the tests as the oracle for :func:`route_kv_aware`."""
+    could = [
+        b
+        for b in backends
+        if b.limits.known
+        and b.context_limit >= d.longest_sequence
+        and b.budget_tokens >= d.tokens
+        and b.max_num_seqs >= d.sequences
+    ]
+    if not could:
+        return _never_fits(backends, d)
+    if not any(b.usable and b.name not in d.exclude for b in could):
+        return NoBackend("no healthy backend can hold this request")
+    first_fit = next((b.tier_index for b in could if not b.offload and _could_use(b, d)), None)
+    best: Backend | None = None
+    for b in could:
+        if b.offload:
+            continue
+        if best is not None and b.tier_index != best.tier_index:
+            break
+        if _eligible(b, d, now) and (best is None or _key_better(b, best)):
+            best = b
+    if best is not None:
+        return Routed(best, "fit" if best.tier_index == first_fit else "spill")
+    if first_fit is None or offload_overflow:
+        offload = [b for b in could if b.offload and _eligible(b, d, now)]
+        if offload:
+            first_tier = min(b.tier_index for b in offload)
+            pick = min((b for b in offload if b.tier_index == first_tier), key=_sort_key)
+            return Routed(pick, "offload" if first_fit is None else "overflow")
+    return Wait()
+
+
+def _sort_key(b: Backend) -> tuple[int, str]:
+    return (-b.free_tokens, b.name)
+
+
+def _key_better(a: Backend, b: Backend) -> bool:
+    return _sort_key(a) < _sort_key(b)
+
+
+def _never_fits(backends: Sequence[Backend], d: Demand) -> Decision:
+    known = [b for b in backends if b.limits.known]
+    if not known:
+        return NoBackend("no backend of this model has known limits yet (still starting?)")
+    return TooLong(max(b.context_limit for b in known))
+
+
+def route_simple(
+    policy: str, backends: Sequence[Backend], d: Demand, state: RouterState, now: float
+) -> Decision:
+    pool = [b for b in backends if b.name not in d.exclude and b.healthy and not b.draining]
+    if policy == "length_aware":
+        known = [b for b in backends if b.limits.known]
+        if known and all(b.max_model_len < d.longest_sequence for b in known):
+            return TooLong(max(b.max_model_len for b in known))
+        pool = [b for b in pool if not b.limits.known or b.max_model_len >= d.longest_sequence]
+    if not pool:
+        return NoBackend("no healthy backend serves this model")
+    if policy == "round_robin":
+        i = state.cursors.get(d.model, 0)
+        state.cursors[d.model] = i + 1
+        return Routed(pool[i % len(pool)], "fit")
+    return Routed(min(pool, key=lambda b: b.in_flight), "fit")
+
+
+def route(
+    policy: str,
+    index: ModelIndex,
+    d: Demand,
+    state: RouterState,
+    now: float,
+    *,
+    offload_overflow: bool = False,
+) -> Decision:
+    """Decide for one demand over one model's backends."""
+    if policy == "kv_aware":
+        return route_kv_aware(index, d, now, offload_overflow=offload_overflow)
+    return route_simple(policy, index.backends, d, state, now)

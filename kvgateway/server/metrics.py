@@ -1,0 +1,223 @@
+"""The gateway's own Prometheus metrics, all prefixed ``gateway_``.
+
+One :class:`GatewayMetrics` per app, on its own registry (tests get fresh ones). Per
+backend gauges are not updated on the hot path: :class:`FleetCollector` reads the live
+backend state when Prometheus scrapes. No label carries per-request values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvgateway.core.backends import Backend
+
+TOKEN_BUCKETS = (
+    64,
+    128,
+    256,
+    512,
+    1024,
+    2048,
+    4096,
+    8192,
+    16384,
+    32768,
+    65536,
+    131072,
+    262144,
+)
+LATENCY_BUCKETS = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    320.0,
+    640.0,
+)
+WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+RATIO_BUCKETS = (0.5, 0.8, 0.9, 0.95, 0.98, 1.0, 1.02, 1.05, 1.1, 1.2, 1.5, 2.0)
+
+
+class GatewayMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self.requests = Counter(
+            "gateway_requests",
+            "Requests answered, by model, tier, backend and HTTP status.",
+            ["model", "tier", "backend", "status"],
+            registry=registry,
+        )
+        self.decisions = Counter(
+            "gateway_routing_decisions",
+            "Routing decisions by tier and reason (fit, spill, offload, overflow, queued).",
+            ["tier", "reason"],
+            registry=registry,
+        )
+        self.rejections = Counter(
+            "gateway_rejections",
+            "Requests refused by the gateway, by reason (context_length, saturated, "
+            "no_backend, bad_request, unknown_model, auth, shutting_down).",
+            ["reason"],
+            registry=registry,
+        )
+        self.prompt_tokens = Histogram(
+            "gateway_prompt_tokens",
+            "Prompt tokens counted by the gateway per request.",
+            ["model"],
+            buckets=TOKEN_BUCKETS,
+            registry=registry,
+        )
+        self.output_budget = Histogram(
+            "gateway_output_budget_tokens",
+            "Output tokens reserved per request (max_tokens or the default, times n).",
+            ["model"],
+            buckets=TOKEN_BUCKETS,
+            registry=registry,
+        )
+        self.queue_depth = Gauge(
+            "gateway_queue_depth",
+            "Requests waiting in the admission queue for KV budget.",
+            registry=registry,
+        )
+        self.queue_wait = Histogram(
+            "gateway_queue_wait_seconds",
+            "Time requests spent in the admission queue before a backend had room.",
+            buckets=WAIT_BUCKETS,
+            registry=registry,
+        )
+        self.duration = Histogram(
+            "gateway_request_duration_seconds",
+            "Time from request arrival to the last byte sent, by model and tier.",
+            ["model", "tier"],
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.ttft = Histogram(
+            "gateway_time_to_first_token_seconds",
+            "Time from request arrival to the first response byte, by model and tier.",
+            ["model", "tier"],
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.upstream_retries = Counter(
+            "gateway_upstream_retries",
+            "Requests retried on another backend after a failure before any byte was sent.",
+            ["backend", "cause"],
+            registry=registry,
+        )
+        self.upstream_failures = Counter(
+            "gateway_upstream_failures",
+            "Upstream failures by backend and cause (connect, timeout, status_5xx, "
+            "reset, mid_stream).",
+            ["backend", "cause"],
+            registry=registry,
+        )
+        self.client_disconnects = Counter(
+            "gateway_client_disconnects",
+            "Requests whose client went away before the response ended.",
+            registry=registry,
+        )
+        self.estimate_ratio = Histogram(
+            "gateway_prompt_estimate_ratio",
+            "Prompt tokens the backend reported divided by the gateway's estimate.",
+            ["model"],
+            buckets=RATIO_BUCKETS,
+            registry=registry,
+        )
+        self.reloads = Counter(
+            "gateway_config_reloads",
+            "Configuration reloads by result (ok, invalid).",
+            ["result"],
+            registry=registry,
+        )
+        self.build_info = Gauge(
+            "gateway_build_info",
+            "Gateway version and routing policy.",
+            ["version", "policy"],
+            registry=registry,
+        )
+
+
+class FleetCollector(Collector):
+    """Per-backend gauges read from live state at scrape time."""
+
+    def __init__(self, backends: Callable[[], Sequence[Backend]], now: Callable[[], float]) -> None:
+        self._backends = backends
+        self._now = now
+
+    def collect(self) -> Iterable[Metric]:
+        labels = ["backend", "tier", "model"]
+
+        def gauge(name: str, doc: str) -> GaugeMetricFamily:
+            return GaugeMetricFamily(name, doc, labels=labels)
+
+        fams = {
+            "budget": gauge(
+                "gateway_backend_kv_budget_tokens",
+                "KV tokens the gateway may reserve on the backend.",
+            ),
+            "kv": gauge(
+                "gateway_backend_kv_cache_tokens", "The backend's KV-cache capacity in tokens."
+            ),
+            "reserved": gauge(
+                "gateway_backend_reserved_tokens", "KV tokens reserved by requests in flight."
+            ),
+            "in_flight": gauge("gateway_backend_in_flight", "Requests in flight."),
+            "cap": gauge(
+                "gateway_backend_max_num_seqs", "Concurrency cap (sequences) of the backend."
+            ),
+            "ctx": gauge("gateway_backend_max_model_len", "The backend's context length."),
+            "healthy": gauge("gateway_backend_healthy", "1 when the backend passes checks."),
+            "accepting": gauge(
+                "gateway_backend_accepting",
+                "1 when the backend takes new work (healthy, not paused).",
+            ),
+            "usage": gauge(
+                "gateway_backend_scraped_kv_usage_ratio",
+                "KV-cache usage the node last reported (0..1).",
+            ),
+            "waiting": gauge(
+                "gateway_backend_scraped_requests_waiting",
+                "Requests waiting on the node, as it last reported.",
+            ),
+        }
+        preempt = CounterMetricFamily(
+            "gateway_backend_node_preemptions",
+            "Preemptions the node reported in its own /metrics (vllm:num_preemptions_total).",
+            labels=labels,
+        )
+        now = self._now()
+        for b in self._backends():
+            lv = [b.name, b.tier, b.model]
+            fams["budget"].add_metric(lv, b.budget_tokens)
+            fams["kv"].add_metric(lv, b.kv_cache_tokens)
+            fams["reserved"].add_metric(lv, b.reserved_tokens)
+            fams["in_flight"].add_metric(lv, b.in_flight)
+            fams["cap"].add_metric(lv, b.max_num_seqs)
+            fams["ctx"].add_metric(lv, b.max_model_len)
+            fams["healthy"].add_metric(lv, 1.0 if b.healthy else 0.0)
+            fams["accepting"].add_metric(lv, 1.0 if b.accepting(now) else 0.0)
+            if b.load is not None:
+                if b.load.kv_usage is not None:
+                    fams["usage"].add_metric(lv, b.load.kv_usage)
+                if b.load.waiting is not None:
+                    fams["waiting"].add_metric(lv, b.load.waiting)
+                if b.load.preemptions is not None:
+                    preempt.add_metric(lv, b.load.preemptions)
+        yield from fams.values()
+        yield preempt

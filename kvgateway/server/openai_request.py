@@ -1,0 +1,173 @@
+"""Validating OpenAI request bodies: the fields the gateway relies on, nothing more.
+
+The backend validates the rest; the gateway checks what admission and routing read
+(model, messages/prompt, output budget, n, stream) so a malformed request gets a 400
+naming the field instead of a reservation built on garbage.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from kvgateway.errors import BadRequest
+
+Kind = Literal["chat", "completion"]
+
+_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
+MAX_N = 128
+
+
+@dataclass(slots=True)
+class ParsedRequest:
+    kind: Kind
+    body: dict[str, Any]
+    model: str
+    stream: bool
+    n: int
+    # Output tokens the client asked for, per sequence; None when it left it open.
+    requested_output: int | None
+    # Which field carries the output budget when the gateway has to set it.
+    output_field: str
+
+
+def parse_body(raw: bytes) -> dict[str, Any]:
+    if not raw.strip():
+        raise BadRequest("The request body is empty; expected a JSON object.", code="invalid_json")
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BadRequest(
+            f"We could not parse the JSON body of your request ({exc}). "
+            "The body must be valid JSON.",
+            code="invalid_json",
+        ) from exc
+    if not isinstance(body, dict):
+        raise BadRequest(
+            f"The request body must be a JSON object, got {type(body).__name__}.",
+            code="invalid_json",
+        )
+    return body
+
+
+def _type_error(param: str, expected: str, value: Any) -> BadRequest:
+    got = "null" if value is None else type(value).__name__
+    return BadRequest(
+        f"Invalid type for '{param}': expected {expected}, but got {got}.",
+        param=param,
+        code="invalid_type",
+    )
+
+
+def _missing(param: str) -> BadRequest:
+    return BadRequest(
+        f"Missing required parameter: '{param}'.", param=param, code="missing_required_parameter"
+    )
+
+
+def _opt_positive_int(body: dict[str, Any], key: str, maximum: int | None = None) -> int | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _type_error(key, "an integer", value)
+    if value < 1 or (maximum is not None and value > maximum):
+        limit = f" and at most {maximum}" if maximum else ""
+        raise BadRequest(
+            f"Invalid value for '{key}': expected an integer of at least 1{limit}, got {value}.",
+            param=key,
+            code="invalid_value",
+        )
+    return value
+
+
+def _common(body: dict[str, Any], kind: Kind) -> tuple[str, bool, int]:
+    if "model" not in body or body["model"] is None:
+        raise _missing("model")
+    model = body["model"]
+    if not isinstance(model, str) or not model:
+        raise _type_error("model", "a non-empty string", model)
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise _type_error("stream", "a boolean", stream)
+    opts = body.get("stream_options")
+    if opts is not None and not isinstance(opts, dict):
+        raise _type_error("stream_options", "an object", opts)
+    n = _opt_positive_int(body, "n", MAX_N) or 1
+    return model, bool(stream), n
+
+
+def parse_chat(body: dict[str, Any]) -> ParsedRequest:
+    model, stream, n = _common(body, "chat")
+    if "messages" not in body:
+        raise _missing("messages")
+    messages = body["messages"]
+    if not isinstance(messages, list):
+        raise _type_error("messages", "an array", messages)
+    if not messages:
+        raise BadRequest(
+            "Invalid 'messages': empty array. Expected an array with minimum length 1.",
+            param="messages",
+            code="empty_array",
+        )
+    for i, msg in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(msg, dict):
+            raise _type_error(where, "an object", msg)
+        role = msg.get("role")
+        if role is None:
+            raise _missing(f"{where}.role")
+        if not isinstance(role, str) or role not in _ROLES:
+            raise BadRequest(
+                f"Invalid value for '{where}.role': {role!r}. Supported values are: "
+                + ", ".join(sorted(_ROLES))
+                + ".",
+                param=f"{where}.role",
+                code="invalid_value",
+            )
+        content = msg.get("content")
+        if content is not None and not isinstance(content, str | list):
+            raise _type_error(f"{where}.content", "a string or an array of parts", content)
+        if isinstance(content, list):
+            for j, part in enumerate(content):
+                if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+                    raise _type_error(f"{where}.content[{j}]", "an object with a 'type'", part)
+    for key in ("tools", "functions"):
+        if body.get(key) is not None and not isinstance(body[key], list):
+            raise _type_error(key, "an array", body[key])
+    mct = _opt_positive_int(body, "max_completion_tokens")
+    mt = _opt_positive_int(body, "max_tokens")
+    requested = mct if mct is not None else mt
+    field = "max_completion_tokens" if mct is not None or mt is None else "max_tokens"
+    return ParsedRequest("chat", body, model, stream, n, requested, field)
+
+
+def parse_completion(body: dict[str, Any]) -> ParsedRequest:
+    model, stream, n = _common(body, "completion")
+    if "prompt" not in body or body["prompt"] is None:
+        raise _missing("prompt")
+    prompt = body["prompt"]
+    if not _valid_prompt(prompt):
+        raise _type_error(
+            "prompt",
+            "a string, an array of strings, an array of token ids or an array of those",
+            prompt,
+        )
+    requested = _opt_positive_int(body, "max_tokens")
+    return ParsedRequest("completion", body, model, stream, n, requested, "max_tokens")
+
+
+def _valid_prompt(prompt: Any) -> bool:
+    if isinstance(prompt, str):
+        return True
+    if not isinstance(prompt, list) or not prompt:
+        return False
+    if all(isinstance(p, str) for p in prompt):
+        return True
+    if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return True
+    return all(
+        isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
+        for p in prompt
+    )

@@ -1,0 +1,317 @@
+"""``/v1/chat/completions`` and ``/v1/completions`` handlers: engine in, vLLM format out.
+
+A request is validated like vLLM does (model, then token count against
+``max_model_len``), submitted to the engine driver as ``n`` sequences, and answered
+either as SSE chunks, one per decode step and choice, or as one JSON body. Whatever
+happens (client gone, error, cancellation) the sequences are released from the engine
+in ``finally``, so a disconnect frees their KV blocks at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from typing import Any
+
+from aiohttp import web
+
+from kvgateway.simulator import protocol as p
+from kvgateway.simulator.driver import RequestHandle
+from kvgateway.simulator.generation import filler_text, token_json, token_text
+from kvgateway.simulator.node import NODE_KEY, SimNode
+
+# How often a fault-injected hang checks whether its client is gone.
+_HANG_POLL_S = 0.05
+
+
+class ClientGone(Exception):
+    """The client closed the connection; the request is aborted."""
+
+
+class _Format:
+    """Builds one response's chunks; the per-token event is a string template because a
+    busy node writes tens of thousands of them per second."""
+
+    __slots__ = ("_head", "chat", "created", "id", "model")
+
+    def __init__(self, *, chat: bool, id: str, created: int, model: str) -> None:
+        self.chat = chat
+        self.id = id
+        self.created = created
+        self.model = model
+        head = json.dumps(self.chunk([]), separators=(",", ":"))
+        self._head = "data: " + head.removesuffix("]}")  # ends with `"choices":[`
+
+    def token_event(self, index: int, token_index: int) -> str:
+        """``sse(chunk([delta(index, token_text(token_index), None)]))``, pre-serialized."""
+        text = token_json(token_index)
+        if self.chat:
+            body = f'{{"index":{index},"delta":{{"content":{text}}},"logprobs":null,"finish_reason":null}}'
+        else:
+            body = (
+                f'{{"index":{index},"text":{text},"logprobs":null,'
+                f'"finish_reason":null,"stop_reason":null}}'
+            )
+        return f"{self._head}{body}]}}\n\n"
+
+    @property
+    def object(self) -> str:
+        return "chat.completion.chunk" if self.chat else "text_completion"
+
+    def chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": self.object,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+
+    def delta(self, index: int, text: str, finish: str | None) -> dict[str, Any]:
+        if self.chat:
+            return {
+                "index": index,
+                "delta": {"content": text},
+                "logprobs": None,
+                "finish_reason": finish,
+                **({"stop_reason": None} if finish else {}),
+            }
+        return {
+            "index": index,
+            "text": text,
+            "logprobs": None,
+            "finish_reason": finish,
+            "stop_reason": None,
+        }
+
+    def role(self, index: int) -> dict[str, Any]:
+        return {
+            "index": index,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+        }
+
+
+async def handle_chat(request: web.Request) -> web.StreamResponse:
+    node: SimNode = request.app[NODE_KEY]
+    body = p.parse_json(await request.read())
+    req = p.parse_chat(body)
+    node.check_model(req.model)
+    prompt_tokens = await node.tokenizer.count_chat_async(req.messages)
+    return await _generate(request, node, req, prompt_tokens, chat=True)
+
+
+async def handle_completion(request: web.Request) -> web.StreamResponse:
+    node: SimNode = request.app[NODE_KEY]
+    body = p.parse_json(await request.read())
+    req = p.parse_completion(body)
+    node.check_model(req.model)
+    if req.prompt_token_count is not None:
+        prompt_tokens = req.prompt_token_count
+    else:
+        prompt_tokens = await node.tokenizer.count_prompt_async(req.prompt or "")
+    prompt_tokens = max(prompt_tokens, 1)  # vLLM adds BOS; an empty prompt is one token
+    return await _generate(request, node, req, prompt_tokens, chat=False)
+
+
+async def _generate(
+    request: web.Request,
+    node: SimNode,
+    req: p.GenerationRequest,
+    prompt_tokens: int,
+    *,
+    chat: bool,
+) -> web.StreamResponse:
+    settings = node.settings
+    budget = p.output_budget(settings.max_model_len, prompt_tokens, req.max_tokens)
+    fault = node.faults.consume()
+    if fault is not None and fault.hang_s:
+        await _sleep_unless_gone(request, fault.hang_s)
+    if fault is not None and fault.status is not None:
+        raise p.injected_error(fault.status)
+    drop_after = fault.drop_after_chunks if fault is not None else None
+    if drop_after is not None and not req.stream:
+        _drop(request)
+        return web.Response(status=499)
+    limit = settings.max_num_queued_reqs
+    if limit is not None and node.driver.in_flight + req.n > limit:
+        raise p.queue_full(node.driver.in_flight, limit)
+
+    fmt = _Format(
+        chat=chat,
+        id=p.new_id("chatcmpl" if chat else "cmpl"),
+        created=p.now_ts(),
+        model=settings.model,
+    )
+    poll = node.disconnect_poll_s
+    handle = node.driver.submit(
+        prompt_tokens, budget, n=req.n, ignore_eos=req.ignore_eos, min_tokens=req.min_tokens
+    )
+    try:
+        if req.stream:
+            return await _stream(request, handle, fmt, req=req, drop_after=drop_after, poll=poll)
+        return await _collect(request, handle, fmt, poll=poll)
+    except ClientGone:
+        # Nobody is listening; aiohttp discards whatever is returned on a closed socket.
+        return web.Response(status=499)
+    finally:
+        node.driver.release(handle)
+
+
+async def _wait_news(request: web.Request, handle: RequestHandle, poll: float | None) -> None:
+    """Wait for tokens; with ``poll`` also notice a client that is gone.
+
+    aiohttp cancels handlers on disconnect only if the runner asks for it
+    (``handler_cancellation=True``, as ``fleet.start_node`` does); other runners, such as
+    the test server, need the poll.
+    """
+    if poll is None:
+        await handle.wait()
+        return
+    while not handle.has_news:
+        _check_client(request)
+        try:
+            async with asyncio.timeout(poll):
+                await handle.wait()
+        except TimeoutError:
+            pass
+
+
+def _check_client(request: web.Request) -> None:
+    transport = request.transport
+    if transport is None or transport.is_closing():
+        raise ClientGone
+
+
+async def _sleep_unless_gone(request: web.Request, seconds: float) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + seconds
+    while (left := deadline - loop.time()) > 0:
+        _check_client(request)
+        await asyncio.sleep(min(left, _HANG_POLL_S))
+
+
+def _drop(request: web.Request) -> None:
+    transport = request.transport
+    if transport is not None:
+        transport.abort()
+
+
+async def _collect(
+    request: web.Request, handle: RequestHandle, fmt: _Format, *, poll: float | None
+) -> web.Response:
+    finish: list[str | None] = [None] * len(handle.seqs)
+    while True:
+        for index, _start, _count, reason in handle.take():
+            if reason is not None:
+                finish[index] = reason
+        if handle.error is not None:
+            raise p.ApiError(500, handle.error, "InternalServerError")
+        if handle.done:
+            break
+        await _wait_news(request, handle, poll)
+    make = p.chat_message_choice if fmt.chat else p.completion_choice
+    choices = [
+        make(i, filler_text(0, handle.emitted[i]), finish[i]) for i in range(len(handle.seqs))
+    ]
+    body: dict[str, Any] = {
+        "id": fmt.id,
+        "object": "chat.completion" if fmt.chat else "text_completion",
+        "created": fmt.created,
+        "model": fmt.model,
+        "choices": choices,
+        "usage": {**p.usage(handle.prompt_tokens, handle.completion_tokens)},
+        "prompt_logprobs": None,
+        "kv_transfer_params": None,
+    }
+    if fmt.chat:
+        body["usage"]["prompt_tokens_details"] = None
+    return p.json_response(body)
+
+
+async def _stream(
+    request: web.Request,
+    handle: RequestHandle,
+    fmt: _Format,
+    *,
+    req: p.GenerationRequest,
+    drop_after: int | None,
+    poll: float | None,
+) -> web.StreamResponse:
+    resp = web.StreamResponse(
+        status=200,
+        headers={"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"},
+    )
+    with contextlib.suppress(ClientGone):
+        try:
+            await resp.prepare(request)
+        except ConnectionError as exc:  # gone before the headers went out
+            raise ClientGone from exc
+        await _stream_events(request, resp, handle, fmt, req=req, drop_after=drop_after, poll=poll)
+    return resp
+
+
+async def _stream_events(
+    request: web.Request,
+    resp: web.StreamResponse,
+    handle: RequestHandle,
+    fmt: _Format,
+    *,
+    req: p.GenerationRequest,
+    drop_after: int | None,
+    poll: float | None,
+) -> None:
+    started = [False] * len(handle.seqs)
+    sent = 0
+    while True:
+        events: list[str] = []
+        for index, start, count, reason in handle.take():
+            if fmt.chat and not started[index]:
+                # vLLM sends the role with the first output of each choice.
+                events.append(p.sse(fmt.chunk([fmt.role(index)])))
+            started[index] = True
+            for k in range(count):
+                finish = reason if k == count - 1 else None
+                if finish is None and not req.continuous_usage:
+                    events.append(fmt.token_event(index, start + k))
+                    continue
+                chunk = fmt.chunk([fmt.delta(index, token_text(start + k), finish)])
+                if req.continuous_usage:
+                    chunk["usage"] = p.usage(handle.prompt_tokens, handle.completion_tokens)
+                events.append(p.sse(chunk))
+            if count == 0 and reason is not None:
+                events.append(p.sse(fmt.chunk([fmt.delta(index, "", reason)])))
+        if handle.error is not None:
+            error = p.error_body(handle.error, "InternalServerError", 500)
+            events.append(p.sse(error))
+        if drop_after is not None and sent + len(events) >= drop_after:
+            await _write(resp, "".join(events[: drop_after - sent]))
+            _drop(request)
+            raise ClientGone
+        if events:
+            await _write(resp, "".join(events))
+            sent += len(events)
+        if handle.done:
+            break
+        await _wait_news(request, handle, poll)
+    tail = ""
+    if req.include_usage and handle.error is None:
+        final = fmt.chunk([])
+        final["usage"] = p.usage(handle.prompt_tokens, handle.completion_tokens)
+        tail = p.sse(final)
+    await _write(resp, tail + p.SSE_DONE)
+    try:
+        await resp.write_eof()
+    except ConnectionError as exc:
+        raise ClientGone from exc
+
+
+async def _write(resp: web.StreamResponse, data: str) -> None:
+    if not data:
+        return
+    try:
+        await resp.write(data.encode())
+    except ConnectionError as exc:
+        raise ClientGone from exc

@@ -1,0 +1,45 @@
+"""One simulated node's parts, bundled for the HTTP handlers."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from aiohttp import web
+
+from kvgateway.simulator.driver import EngineDriver
+from kvgateway.simulator.faults import FaultState
+from kvgateway.simulator.metrics import NodeMetrics
+from kvgateway.simulator.protocol import model_not_found
+from kvgateway.simulator.settings import NodeSettings
+from kvgateway.simulator.tokenizer import NodeTokenizer
+from kvgateway.tokens.encoding import EncodingCache
+
+
+class SimNode:
+    """Settings, engine driver, tokenizer, metrics and faults of one node."""
+
+    def __init__(
+        self,
+        settings: NodeSettings,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        encodings: EncodingCache | None = None,
+        disconnect_poll_s: float | None = 0.05,
+    ) -> None:
+        self.settings = settings
+        # None when the runner cancels handlers on disconnect (no polling needed).
+        self.disconnect_poll_s = disconnect_poll_s
+        self.metrics = NodeMetrics(settings)
+        self.driver = EngineDriver(settings, self.metrics, clock=clock)
+        self.tokenizer = NodeTokenizer(settings, encodings or EncodingCache())
+        self.faults = FaultState()
+        self.created = int(time.time())
+
+    def check_model(self, model: str | None) -> None:
+        """vLLM serves requests without a model with its only model; others get 404."""
+        if model is not None and model != self.settings.model:
+            raise model_not_found(model)
+
+
+NODE_KEY = web.AppKey("sim_node", SimNode)

@@ -1,0 +1,357 @@
+"""vLLM's OpenAI-compatible wire format: request parsing, error bodies, response shapes.
+
+Pure functions; the handlers in ``server.py`` and ``completions.py`` do the I/O. Shapes
+follow ``vllm/entrypoints/openai/protocol.py`` and ``serving_chat.py`` /
+``serving_completion.py``; error texts follow VLLM.md (the project's reference page).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from kvgateway.simulator.tokenizer import ChatMessage
+
+
+class ApiError(Exception):
+    """An error answered as ``{"error": {message, type, param, code}}``."""
+
+    def __init__(self, status: int, message: str, err_type: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.err_type = err_type
+        self.param = param
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.err_type, self.status, self.param)
+
+
+def error_body(message: str, err_type: str, code: int, param: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
+
+
+def bad_request(message: str, param: str | None = None) -> ApiError:
+    return ApiError(400, message, "BadRequestError", param)
+
+
+def model_not_found(model: str) -> ApiError:
+    return ApiError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+
+
+def queue_full(in_flight: int, limit: int) -> ApiError:
+    return ApiError(
+        503,
+        f"The server is at capacity: {in_flight} requests in flight "
+        f"(--max-num-queued-reqs={limit}). Please retry later.",
+        "ServiceUnavailableError",
+    )
+
+
+_STATUS_TYPES = {
+    400: "BadRequestError",
+    404: "NotFoundError",
+    429: "TooManyRequestsError",
+    500: "InternalServerError",
+    502: "BadGatewayError",
+    503: "ServiceUnavailableError",
+    504: "GatewayTimeoutError",
+}
+
+
+def injected_error(status: int) -> ApiError:
+    return ApiError(
+        status,
+        f"Simulated failure (HTTP {status}) injected by /sim/fault.",
+        _STATUS_TYPES.get(status, "InternalServerError"),
+    )
+
+
+def context_length_error(max_model_len: int, prompt_tokens: int, requested: int | None) -> ApiError:
+    """vLLM's 400 for prompt + requested output > max_model_len.
+
+    vLLM tokenizes at most ``max_input + 1`` tokens (max_input = max_model_len - requested
+    output), so an over-long prompt is reported as "at least max_input + 1" tokens. A
+    prompt alone at the limit with no output requested is reported exactly.
+    """
+    out = requested or 0
+    if out > max_model_len:
+        return bad_request(
+            f"max_tokens={out} cannot be greater than max_model_len={max_model_len}. "
+            f"Please request fewer output tokens.",
+            "max_tokens",
+        )
+    max_input = max_model_len - out
+    if prompt_tokens > max_input:
+        shown = max_input + 1
+        message = (
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {out} output tokens and your prompt contains at least {shown} input "
+            f"tokens, for a total of at least {shown + out} tokens. Please reduce the length "
+            f"of the input prompt or the number of requested output tokens. "
+            f"(parameter=input_tokens, value={shown})"
+        )
+    else:
+        shown = prompt_tokens
+        message = (
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {out} output tokens and your prompt contains {shown} input tokens, "
+            f"for a total of {shown + out} tokens. Please reduce the length of the input "
+            f"prompt or the number of requested output tokens. "
+            f"(parameter=input_tokens, value={shown})"
+        )
+    return bad_request(message, "input_tokens")
+
+
+def output_budget(max_model_len: int, prompt_tokens: int, requested: int | None) -> int:
+    """Tokens the request may generate, or :class:`ApiError` if it cannot fit.
+
+    ``requested`` None means the client set no limit: vLLM then allows
+    ``max_model_len - prompt_tokens``, which needs at least one token of room.
+    """
+    if requested is None:
+        if prompt_tokens >= max_model_len:
+            raise context_length_error(max_model_len, prompt_tokens, None)
+        return max_model_len - prompt_tokens
+    if prompt_tokens + requested > max_model_len:
+        raise context_length_error(max_model_len, prompt_tokens, requested)
+    return requested
+
+
+# -- request parsing -------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    """What both endpoints ask of the engine."""
+
+    model: str | None
+    stream: bool
+    include_usage: bool
+    continuous_usage: bool
+    n: int
+    max_tokens: int | None
+    ignore_eos: bool
+    min_tokens: int
+    messages: tuple[ChatMessage, ...] = ()
+    prompt: str | None = None
+    prompt_token_count: int | None = None  # prompt given as token ids
+
+
+def parse_json(raw: bytes) -> dict[str, Any]:
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise bad_request(f"Invalid JSON body: {exc}") from exc
+    if not isinstance(body, dict):
+        raise bad_request("The request body must be a JSON object.")
+    return body
+
+
+def _opt_int(body: dict[str, Any], key: str, minimum: int) -> int | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise bad_request(f"{key} must be an integer, got {value!r}.", key)
+    if value < minimum:
+        raise bad_request(f"{key} must be at least {minimum}, got {value}.", key)
+    return value
+
+
+def _bool(body: dict[str, Any], key: str) -> bool:
+    value = body.get(key, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise bad_request(f"{key} must be a boolean, got {value!r}.", key)
+    return value
+
+
+def _common(body: dict[str, Any], max_tokens: int | None) -> dict[str, Any]:
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad_request("model must be a string.", "model")
+    stream = _bool(body, "stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise bad_request("stream_options must be an object.", "stream_options")
+    if options and not stream:
+        raise bad_request(
+            "Stream options can only be defined when `stream=True`.", "stream_options"
+        )
+    return {
+        "model": model,
+        "stream": stream,
+        "include_usage": bool(options.get("include_usage")),
+        "continuous_usage": bool(options.get("continuous_usage_stats")),
+        "n": _opt_int(body, "n", 1) or 1,
+        "max_tokens": max_tokens,
+        "ignore_eos": _bool(body, "ignore_eos"),
+        "min_tokens": _opt_int(body, "min_tokens", 0) or 0,
+    }
+
+
+def _message_text(content: Any, index: int) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts: list[str] = []
+        for part in content:
+            if isinstance(part, dict) and isinstance(part.get("text"), str):
+                parts.append(part["text"])
+            elif isinstance(part, str):
+                parts.append(part)
+        return "\n".join(parts)
+    raise bad_request(f"messages[{index}].content must be a string or a list of parts.", "messages")
+
+
+def parse_messages(value: Any) -> tuple[ChatMessage, ...]:
+    if not isinstance(value, list) or not value:
+        raise bad_request("messages must be a non-empty list.", "messages")
+    messages: list[ChatMessage] = []
+    for i, m in enumerate(value):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise bad_request(f"messages[{i}] must be an object with a role.", "messages")
+        messages.append(ChatMessage(m["role"], _message_text(m.get("content"), i)))
+    return tuple(messages)
+
+
+def parse_chat(body: dict[str, Any]) -> GenerationRequest:
+    # vLLM: max_completion_tokens wins over the deprecated max_tokens.
+    max_tokens = _opt_int(body, "max_completion_tokens", 1)
+    if max_tokens is None:
+        max_tokens = _opt_int(body, "max_tokens", 1)
+    return GenerationRequest(
+        **_common(body, max_tokens), messages=parse_messages(body.get("messages"))
+    )
+
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+
+
+def parse_completion(body: dict[str, Any]) -> GenerationRequest:
+    max_tokens = _opt_int(body, "max_tokens", 1)
+    if "max_tokens" not in body:
+        max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        return GenerationRequest(**_common(body, max_tokens), prompt=prompt)
+    if (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    ):
+        return GenerationRequest(**_common(body, max_tokens), prompt_token_count=len(prompt))
+    raise bad_request(
+        "prompt must be a string, a list of token ids, or a list of one of those "
+        "(the simulator serves one prompt per request).",
+        "prompt",
+    )
+
+
+# -- responses -------------------------------------------------------------------------
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now_ts() -> int:
+    return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "completion_tokens": completion_tokens,
+    }
+
+
+def sse(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def models_body(model: str, root: str, max_model_len: int, created: int) -> dict[str, Any]:
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": model,
+                "object": "model",
+                "created": created,
+                "owned_by": "vllm",
+                "root": root,
+                "parent": None,
+                "max_model_len": max_model_len,
+                "permission": [
+                    {
+                        "id": new_id("modelperm"),
+                        "object": "model_permission",
+                        "created": created,
+                        "allow_create_engine": False,
+                        "allow_sampling": True,
+                        "allow_logprobs": True,
+                        "allow_search_indices": False,
+                        "allow_view": True,
+                        "allow_fine_tuning": False,
+                        "organization": "*",
+                        "group": None,
+                        "is_blocking": False,
+                    }
+                ],
+            }
+        ],
+    }
+
+
+def chat_message_choice(index: int, text: str, finish: str | None) -> dict[str, Any]:
+    return {
+        "index": index,
+        "message": {
+            "role": "assistant",
+            "content": text,
+            "refusal": None,
+            "annotations": None,
+            "audio": None,
+            "function_call": None,
+            "tool_calls": [],
+            "reasoning_content": None,
+        },
+        "logprobs": None,
+        "finish_reason": finish,
+        "stop_reason": None,
+    }
+
+
+def completion_choice(index: int, text: str, finish: str | None) -> dict[str, Any]:
+    return {
+        "index": index,
+        "text": text,
+        "logprobs": None,
+        "finish_reason": finish,
+        "stop_reason": None,
+        "prompt_logprobs": None,
+    }
+
+
+def _compact(obj: Any) -> str:
+    return json.dumps(obj, separators=(",", ":"))
+
+
+def json_response(body: Any, *, status: int = 200) -> web.Response:
+    """A JSON response serialized compactly, as vLLM (FastAPI/pydantic) does."""
+    return web.json_response(body, status=status, dumps=_compact)

@@ -1,0 +1,160 @@
+"""The HTTP surface of one simulated vLLM node.
+
+vLLM's endpoints (``/health``, ``/v1/models``, ``/tokenize``, ``/metrics``,
+``/v1/chat/completions``, ``/v1/completions``) plus the simulator's own:
+
+- ``GET /sim/state``: engine state as JSON (running, waiting, used/free blocks,
+  kv_usage, preemptions, finished counts, simulated time, lag);
+- ``GET|POST|DELETE /sim/fault``: fault injection, see ``faults.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from aiohttp import web
+
+from kvgateway.simulator import protocol as p
+from kvgateway.simulator.completions import ClientGone, handle_chat, handle_completion
+from kvgateway.simulator.faults import FaultError, parse_fault
+from kvgateway.simulator.node import NODE_KEY, SimNode
+from kvgateway.simulator.settings import NodeSettings
+from kvgateway.tokens.encoding import EncodingCache
+
+log = logging.getLogger("kvgateway.simulator.server")
+
+METRICS_CONTENT_TYPE = "text/plain; version=1.0.0; charset=utf-8"
+# vLLM has no body limit of note; this one only keeps a broken client from eating memory.
+MAX_BODY_BYTES = 64 * 1024 * 1024
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def create_app(
+    settings: NodeSettings,
+    *,
+    clock: Callable[[], float] = time.monotonic,
+    encodings: EncodingCache | None = None,
+    disconnect_poll_s: float | None = 0.05,
+) -> web.Application:
+    """A fresh node: its own engine, registry and faults; nothing is shared.
+
+    ``disconnect_poll_s``: how often a handler waiting for tokens checks whether its
+    client left. Pass None only when serving with ``AppRunner(handler_cancellation=True)``
+    (aiohttp then cancels the handler itself); the default suits any runner.
+    """
+    node = SimNode(settings, clock=clock, encodings=encodings, disconnect_poll_s=disconnect_poll_s)
+    app = web.Application(middlewares=[_error_middleware], client_max_size=MAX_BODY_BYTES)
+    app[NODE_KEY] = node
+    app.cleanup_ctx.append(_engine_ctx)
+    app.on_shutdown.append(_stop_engine)
+    app.router.add_get("/health", _health)
+    app.router.add_get("/v1/models", _models)
+    app.router.add_post("/tokenize", _tokenize)
+    app.router.add_get("/metrics", _metrics)
+    app.router.add_post("/v1/chat/completions", handle_chat)
+    app.router.add_post("/v1/completions", handle_completion)
+    app.router.add_get("/sim/state", _state)
+    app.router.add_get("/sim/fault", _get_fault)
+    app.router.add_post("/sim/fault", _set_fault)
+    app.router.add_delete("/sim/fault", _clear_fault)
+    return app
+
+
+async def _engine_ctx(app: web.Application) -> AsyncIterator[None]:
+    node = app[NODE_KEY]
+    node.driver.start()
+    yield
+    await node.driver.stop()
+
+
+async def _stop_engine(app: web.Application) -> None:
+    # on_shutdown runs before aiohttp waits for open handlers: failing the in-flight
+    # requests here lets streams end at once instead of holding shutdown up.
+    await app[NODE_KEY].driver.stop()
+
+
+@web.middleware
+async def _error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except p.ApiError as exc:
+        return p.json_response(exc.body(), status=exc.status)
+    except ClientGone:
+        # Nobody is listening; aiohttp discards whatever is returned on a closed socket.
+        return web.Response(status=499)
+
+
+async def _health(request: web.Request) -> web.Response:
+    node = request.app[NODE_KEY]
+    status = node.faults.health_status
+    if status is None:
+        status = 503 if node.driver.dead else 200
+    return web.Response(status=status)
+
+
+async def _models(request: web.Request) -> web.Response:
+    node = request.app[NODE_KEY]
+    s = node.settings
+    return p.json_response(p.models_body(s.model, s.served_root, s.max_model_len, node.created))
+
+
+async def _tokenize(request: web.Request) -> web.Response:
+    node = request.app[NODE_KEY]
+    body = p.parse_json(await request.read())
+    model = body.get("model")
+    node.check_model(model if isinstance(model, str) else None)
+    if "messages" in body:
+        messages = p.parse_messages(body["messages"])
+        tokens = await node.tokenizer.encode_chat_async(messages)
+    elif isinstance(body.get("prompt"), str):
+        tokens = await node.tokenizer.encode_prompt_async(body["prompt"])
+    else:
+        raise p.bad_request("Either prompt (a string) or messages is required.", "prompt")
+    return p.json_response(
+        {
+            "count": len(tokens),
+            "max_model_len": node.settings.max_model_len,
+            "tokens": tokens,
+            "token_strs": None,
+        }
+    )
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    node = request.app[NODE_KEY]
+    body = node.metrics.render(node.driver.core)
+    return web.Response(body=body, headers={"Content-Type": METRICS_CONTENT_TYPE})
+
+
+async def _state(request: web.Request) -> web.Response:
+    node = request.app[NODE_KEY]
+    state = node.driver.snapshot()
+    fault = node.faults.current
+    state["fault"] = None if fault is None else fault.as_json()
+    return p.json_response(state)
+
+
+async def _get_fault(request: web.Request) -> web.Response:
+    fault = request.app[NODE_KEY].faults.current
+    return p.json_response({"fault": None if fault is None else fault.as_json()})
+
+
+async def _set_fault(request: web.Request) -> web.Response:
+    node = request.app[NODE_KEY]
+    body = p.parse_json(await request.read())
+    try:
+        fault = parse_fault(body)
+    except FaultError as exc:
+        raise p.bad_request(str(exc)) from exc
+    node.faults.set(fault)
+    log.info("node %s: fault set to %s", node.settings.name, fault)
+    current = node.faults.current
+    return p.json_response({"fault": None if current is None else current.as_json()})
+
+
+async def _clear_fault(request: web.Request) -> web.Response:
+    request.app[NODE_KEY].faults.clear()
+    return p.json_response({"fault": None})

@@ -1,0 +1,298 @@
+"""Counting prompt tokens cheaply enough to do on every request.
+
+A request is first reduced (pure, no encoding) to a :class:`CountPlan`: the text pieces
+to encode plus the tokens the chat template and images add. Pieces are then looked up in
+a bounded :class:`TextCountCache`: a multi-turn chat resends its whole history every
+turn, so only the newest message costs an encode. Uncached text below
+``inline_chars`` is encoded on the event loop (a thread hop costs more than encoding a
+few KB); larger text goes to a worker thread (tiktoken releases the GIL while it
+encodes), so a 200k-token prompt never stalls other requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import zlib
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvgateway.tokens.encoding import Encoder
+from kvgateway.tokens.spec import TokenizerConfig
+
+# Text shorter than this is cheaper to re-encode than to keep in the cache.
+_MIN_CACHED_CHARS = 256
+
+# Long texts are counted in chunks cut where a line starts with a letter or digit: no
+# piece of the cl100k/o200k/p50k split patterns spans "\n" followed by one (their optional
+# one-character prefix excludes newlines), so the counts of the chunks add up to the
+# count of the whole text (property-tested). A chunk seen before -- a shared system
+# prompt, a document pasted into many requests -- is not encoded again. Cuts are chosen
+# by content (a hash of the text after the cut), so an edit early in a document does not
+# shift the chunks after it.
+_BOUNDARY = re.compile(r"\n(?=[A-Za-z0-9])")
+CHUNK_MIN = 1024
+CHUNK_MAX = 8192
+
+
+def split_chunks(text: str, min_chars: int = CHUNK_MIN, max_chars: int = CHUNK_MAX) -> list[str]:
+    """Cut ``text`` at safe boundaries into chunks of roughly min..max characters."""
+    if len(text) < 2 * min_chars:
+        return [text]
+    out: list[str] = []
+    start = 0
+    for m in _BOUNDARY.finditer(text):
+        cut = m.end()
+        size = cut - start
+        # crc32, not hash(): str hashes change with every process (PYTHONHASHSEED).
+        if size >= min_chars and (
+            size >= max_chars or zlib.crc32(text[cut : cut + 16].encode()) % 4 == 0
+        ):
+            out.append(text[start:cut])
+            start = cut
+    out.append(text[start:])
+    return out
+
+
+@dataclass(slots=True)
+class CountPlan:
+    """What to count for one request: texts to encode plus fixed template tokens.
+
+    ``groups`` holds one list of piece indexes per prompt (a completions request may
+    batch several prompts, each a separate sequence on the node).
+    """
+
+    pieces: list[str] = field(default_factory=list)
+    groups: list[list[int]] = field(default_factory=list)
+    fixed: list[int] = field(default_factory=list)
+
+    def new_group(self, fixed: int = 0) -> None:
+        self.groups.append([])
+        self.fixed.append(fixed)
+
+    def add_text(self, text: str) -> None:
+        if text:
+            self.groups[-1].append(len(self.pieces))
+            self.pieces.append(text)
+
+    def add_fixed(self, tokens: int) -> None:
+        self.fixed[-1] += tokens
+
+
+@dataclass(frozen=True, slots=True)
+class PromptTokens:
+    """Counted prompt: ``total`` over all prompts, ``longest`` single prompt."""
+
+    total: int
+    longest: int
+    prompts: int
+    encoded_chars: int = 0
+
+
+class TextCountCache:
+    """LRU of text -> token count, bounded by total characters held.
+
+    Only touched from the event loop thread, so it needs no lock.
+    """
+
+    def __init__(self, max_chars: int = 32 * 1024 * 1024) -> None:
+        self._max_chars = max_chars
+        self._chars = 0
+        self._data: OrderedDict[str, int] = OrderedDict()
+        self.hits = 0
+        self.misses = 0
+
+    def get(self, text: str) -> int | None:
+        n = self._data.get(text)
+        if n is None:
+            self.misses += 1
+            return None
+        self._data.move_to_end(text)
+        self.hits += 1
+        return n
+
+    def put(self, text: str, tokens: int) -> None:
+        if len(text) < _MIN_CACHED_CHARS or len(text) > self._max_chars // 4:
+            return
+        if text in self._data:
+            return
+        self._data[text] = tokens
+        self._chars += len(text)
+        while self._chars > self._max_chars:
+            old, _ = self._data.popitem(last=False)
+            self._chars -= len(old)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+
+def _content_text(plan: CountPlan, content: Any, cfg: TokenizerConfig) -> None:
+    if isinstance(content, str):
+        plan.add_text(content)
+        return
+    if not isinstance(content, list):
+        return
+    for part in content:
+        if not isinstance(part, dict):
+            continue
+        kind = part.get("type")
+        if kind in {"text", "input_text"}:
+            text = part.get("text")
+            if isinstance(text, str):
+                plan.add_text(text)
+        elif kind in ("image_url", "input_image", "image"):
+            plan.add_fixed(cfg.image_tokens)
+        elif kind == "refusal":
+            text = part.get("refusal")
+            if isinstance(text, str):
+                plan.add_text(text)
+        else:
+            # Audio, files and future part types: count their JSON so an unknown part
+            # is never free.
+            plan.add_text(json.dumps(part, separators=(",", ":")))
+
+
+def plan_chat(body: dict[str, Any], cfg: TokenizerConfig) -> CountPlan:
+    """Token plan for a chat request (``messages`` already validated as a list of dicts)."""
+    plan = CountPlan()
+    plan.new_group(cfg.reply_priming_tokens)
+    for msg in body["messages"]:
+        plan.add_fixed(cfg.per_message_tokens)
+        role = msg.get("role")
+        if isinstance(role, str):
+            plan.add_fixed(1)  # a role name is a single token in every common template
+        _content_text(plan, msg.get("content"), cfg)
+        name = msg.get("name")
+        if isinstance(name, str):
+            plan.add_fixed(cfg.per_name_tokens)
+            plan.add_text(name)
+        tool_calls = msg.get("tool_calls")
+        if isinstance(tool_calls, list):
+            for call in tool_calls:
+                fn = call.get("function") if isinstance(call, dict) else None
+                if isinstance(fn, dict):
+                    plan.add_text(str(fn.get("name", "")))
+                    plan.add_text(str(fn.get("arguments", "")))
+        fn_call = msg.get("function_call")
+        if isinstance(fn_call, dict):
+            plan.add_text(str(fn_call.get("name", "")))
+            plan.add_text(str(fn_call.get("arguments", "")))
+    # Tool and function schemas are rendered into the prompt by the chat template.
+    for key in ("tools", "functions"):
+        schemas = body.get(key)
+        if isinstance(schemas, list) and schemas:
+            plan.add_text(json.dumps(schemas, separators=(",", ":"), sort_keys=True))
+    fmt = body.get("response_format")
+    if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
+        plan.add_text(json.dumps(fmt.get("json_schema"), separators=(",", ":"), sort_keys=True))
+    return plan
+
+
+def plan_completion(prompt: Any) -> tuple[CountPlan, list[int]]:
+    """Token plan for a completions ``prompt``; token-id prompts are counted directly.
+
+    Returns the plan and, per prompt, tokens already known (token-id lists).
+    """
+    plan = CountPlan()
+    known: list[int] = []
+    prompts: list[Any]
+    if isinstance(prompt, str) or (
+        isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)
+    ):
+        prompts = [prompt]
+    else:
+        prompts = list(prompt)
+    for p in prompts:
+        plan.new_group()
+        if isinstance(p, str):
+            plan.add_text(p)
+            known.append(0)
+        else:
+            known.append(len(p))
+    return plan, known
+
+
+class PromptCounter:
+    """Counts prompts with one encoding, a shared cache and an executor for big text."""
+
+    def __init__(
+        self,
+        encoder: Encoder,
+        cache: TextCountCache,
+        executor: Executor | None,
+        *,
+        inline_chars: int = 24_000,
+        chunked: bool = False,
+    ) -> None:
+        self._encoder = encoder
+        self._cache = cache
+        self._executor = executor
+        self._inline_chars = inline_chars
+        # Only for encodings whose split pattern makes chunk counts additive.
+        self._chunked = chunked
+
+    @property
+    def encoding_name(self) -> str:
+        return self._encoder.name
+
+    def count_text(self, text: str) -> int:
+        """Synchronous count of one text (used by tools and tests)."""
+        return len(self._encoder.encode_ordinary(text))
+
+    async def count(self, plan: CountPlan, known: Sequence[int] = ()) -> PromptTokens:
+        piece_tokens: list[int] = [0] * len(plan.pieces)
+        # A piece counted before (the history of a chat) is one lookup. Other pieces are
+        # looked up chunk by chunk (a known document inside a new message) and whatever
+        # is still unknown is encoded.
+        units: list[str] = []
+        owner: list[int] = []
+        split: list[int] = []
+        for i, piece in enumerate(plan.pieces):
+            whole = self._cache.get(piece)
+            if whole is not None:
+                piece_tokens[i] = whole
+                continue
+            parts = split_chunks(piece) if self._chunked else [piece]
+            if len(parts) > 1:
+                split.append(i)
+                counts = [self._cache.get(u) for u in parts]
+            else:
+                counts = [None]  # the whole piece was just looked up
+            for u, c in zip(parts, counts, strict=True):
+                if c is None:
+                    units.append(u)
+                    owner.append(i)
+                else:
+                    piece_tokens[i] += c
+        chars = sum(len(u) for u in units)
+        if units:
+            if chars > self._inline_chars and self._executor is not None:
+                loop = asyncio.get_running_loop()
+                fresh = await loop.run_in_executor(self._executor, self._encode_many, units)
+            else:
+                fresh = self._encode_many(units)
+            for u, i, n in zip(units, owner, fresh, strict=True):
+                piece_tokens[i] += n
+                self._cache.put(u, n)
+        for i in split:
+            self._cache.put(plan.pieces[i], piece_tokens[i])
+        per_prompt = []
+        for g, group in enumerate(plan.groups):
+            n = plan.fixed[g] + sum(piece_tokens[i] for i in group)
+            if g < len(known):
+                n += known[g]
+            per_prompt.append(n)
+        return PromptTokens(
+            total=sum(per_prompt),
+            longest=max(per_prompt, default=0),
+            prompts=len(per_prompt),
+            encoded_chars=chars,
+        )
+
+    def _encode_many(self, texts: list[str]) -> list[int]:
+        encode: Callable[[str], list[int]] = self._encoder.encode_ordinary
+        return [len(encode(t)) for t in texts]

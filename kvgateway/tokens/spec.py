@@ -1,0 +1,23 @@
+"""How a model's prompts are counted: the encoding and the template allowances."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvgateway.tokens.encoding import EncodingSpec
+
+
+@dataclass(frozen=True, slots=True)
+class TokenizerConfig:
+    encoding: EncodingSpec = field(default_factory=EncodingSpec)
+    # Chat-template overhead: tokens a template adds around each message, for a
+    # message's `name`, and to prime the assistant's reply. Defaults follow OpenAI's
+    # published accounting; Llama-3 templates add ~5 per message.
+    per_message_tokens: int = 4
+    per_name_tokens: int = 1
+    reply_priming_tokens: int = 3
+    # Cost charged per image content part (vision models tokenise images separately).
+    image_tokens: int = 765
+    # Prompts are scaled by (1 + margin) before admission: covers the gap between
+    # tiktoken and the node's own tokenizer until usage reports correct it.
+    estimate_margin: float = 0.0

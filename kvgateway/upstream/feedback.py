@@ -1,0 +1,98 @@
+"""Pure decisions from health probes and node metrics; :mod:`kvgateway.upstream.monitor` does the I/O.
+
+Health: ``unhealthy_threshold`` failed probes in a row take a backend out,
+``healthy_threshold`` good ones bring it back.
+
+Load feedback: the node's own gauges override the gateway's accounting when they say
+the node is in trouble, since other clients may share it:
+
+* KV usage at or above the high watermark pauses new work until it falls below the
+  low watermark (hysteresis);
+* requests waiting on the node in two scrapes in a row (the queue is not draining);
+* new preemptions pause it for a cool-down.
+
+A stale or failed scrape never pauses anything: the gateway's own accounting holds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvgateway.config.model import HealthConfig, LoadFeedbackConfig
+from kvgateway.core.backends import Backend, LoadSnapshot
+from kvgateway.upstream.vllm_metrics import NodeMetrics
+
+
+@dataclass(frozen=True, slots=True)
+class HealthChange:
+    became_healthy: bool = False
+    became_unhealthy: bool = False
+
+
+def apply_probe(b: Backend, ok: bool, error: str, cfg: HealthConfig) -> HealthChange:
+    if ok:
+        b.health_successes += 1
+        b.health_failures = 0
+        if not b.healthy and b.health_successes >= cfg.healthy_threshold:
+            b.healthy = True
+            b.ever_healthy = True
+            b.consecutive_failures = 0
+            return HealthChange(became_healthy=True)
+        return HealthChange()
+    b.health_successes = 0
+    b.health_failures += 1
+    b.last_error = error
+    if b.healthy and b.health_failures >= cfg.unhealthy_threshold:
+        b.healthy = False
+        return HealthChange(became_unhealthy=True)
+    return HealthChange()
+
+
+def apply_metrics(b: Backend, m: NodeMetrics, now: float, cfg: LoadFeedbackConfig) -> bool:
+    """Record a scrape and decide whether the node takes new work; returns True when it
+    just became able to take work again (waiters should be offered it)."""
+    prev = b.load
+    b.load = LoadSnapshot(now, m.kv_usage, m.running, m.waiting, m.preemptions)
+    if not cfg.enabled:
+        return False
+    was_paused = b.paused
+    reason = ""
+    until = 0.0
+    if m.kv_usage is not None:
+        limit = (
+            cfg.kv_low_watermark
+            if was_paused and b.pause_reason == "kv_full"
+            else cfg.kv_high_watermark
+        )
+        if m.kv_usage >= limit:
+            reason = "kv_full"
+    if not reason and m.waiting is not None and m.waiting > cfg.max_waiting:
+        prev_waiting = prev.waiting if prev is not None else None
+        if prev_waiting is not None and prev_waiting > cfg.max_waiting:
+            reason = "queueing"
+    if (
+        not reason
+        and prev is not None
+        and prev.preemptions is not None
+        and m.preemptions is not None
+        and m.preemptions > prev.preemptions
+    ):
+        reason = "preempting"
+        until = now + cfg.preemption_cooldown_s
+    if not reason and was_paused and b.pause_reason == "preempting" and now < b.paused_until:
+        return False  # still cooling down
+    b.paused = bool(reason)
+    b.pause_reason = reason
+    b.paused_until = until
+    return was_paused and not b.paused
+
+
+def expire_stale(b: Backend, now: float, cfg: LoadFeedbackConfig) -> bool:
+    """Forget a scrape older than ``stale_after_s``; returns True if that un-paused."""
+    if b.load is None or now - b.load.at <= cfg.stale_after_s:
+        return False
+    b.load = None
+    was = b.paused
+    b.paused = False
+    b.pause_reason = ""
+    return was

@@ -1,0 +1,46 @@
+"""Builders for unit tests of the pure core (no sockets)."""
+
+from __future__ import annotations
+
+from kvgateway.config.model import BackendConfig
+from kvgateway.core.backends import Backend, Limit, Limits
+from kvgateway.core.routing import Demand, demand_tokens
+
+
+def backend(
+    name: str,
+    *,
+    tier: str = "small",
+    tier_index: int = 0,
+    offload: bool = False,
+    max_model_len: int = 8192,
+    kv: int = 32768,
+    seqs: int = 16,
+    fraction: float = 1.0,
+    healthy: bool = True,
+    model: str = "m",
+) -> Backend:
+    cfg = BackendConfig(
+        name=name,
+        url=f"http://127.0.0.1:1/{name}",
+        model=model,
+        tier=tier,
+        offload=offload,
+        served_model=model,
+    )
+    limits = Limits(Limit(max_model_len, "config"), Limit(kv, "config"), Limit(seqs, "config"))
+    b = Backend(config=cfg, tier_index=tier_index, limits=limits, budget_fraction=fraction)
+    b.healthy = healthy
+    b.ever_healthy = healthy
+    return b
+
+
+def demand(prompt: int, output: int = 100, *, n: int = 1, model: str = "m") -> Demand:
+    return Demand(
+        model=model,
+        prompt_tokens=prompt,
+        longest_prompt=prompt,
+        output_tokens=output,
+        sequences=n,
+        tokens=demand_tokens([prompt], output, n, 16),
+    )

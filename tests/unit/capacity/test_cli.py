@@ -1,0 +1,231 @@
+"""`gateway plan`: text, JSON, errors, presets, and --from-log."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvgateway.capacity.cli import register
+
+DATA = Path(__file__).parent / "data"
+
+
+def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    # Only this command's parser: the test does not depend on the other subcommands.
+    parser = argparse.ArgumentParser(prog="gateway")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["plan", *argv])
+    code = args.func(args)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def run_json(argv: list[str], capsys: pytest.CaptureFixture[str]) -> dict[str, Any]:
+    code, out, _ = run([*argv, "--json"], capsys)
+    assert code == 0
+    loaded: dict[str, Any] = json.loads(out)
+    return loaded
+
+
+def test_qwen3_8b_on_24_gib_walks_the_fixes_in_order(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(
+        ["--preset", "qwen3-8b", "--gpu-memory-gib", "24", "--max-model-len", "32768"], capsys
+    )
+    assert code == 0
+    assert "KV bytes per token   147,456 B per GPU" in out
+    recs = out[out.index("Recommendations") : out.index("Serve with:")]
+    steps = [
+        recs.index("1. Lower --max-model-len"),
+        recs.index("2. Cap --max-num-seqs and --max-num-batched-tokens"),
+        recs.index("3. Raise --gpu-memory-utilization"),
+        recs.index("4. fp8 KV cache"),
+        recs.index("5. Larger-memory node, or a CPU-offload node"),
+    ]
+    assert steps == sorted(steps)
+    flat = " ".join(recs.split())
+    step1 = flat[: flat.index("2. Cap")]
+    # concrete numbers for this case: the 60-80% range and what fits at the suggestion
+    assert re.search(r"60-80% of the 38224-token maximum \(22928-30576\)", step1)
+    assert re.search(r"at --max-model-len 26624, 1 concurrent request fits \(1\.44x\)", step1)
+    assert "to run 2 at once, --max-model-len 19104" in step1
+    assert "cap --max-num-seqs at 5" in flat
+    assert re.search(r"0\.94 adds 0\.48 GiB: [\d,]+ tokens", flat)
+    assert "147,456 -> 73,728 B/token" in flat
+    assert "accuracy" in flat and "scales" in flat and "Hopper" in flat
+    assert re.search(r"--cpu-offload-gb \d+ moves \d+ GiB", flat)
+    assert "ms more per step" in flat
+    # ends with what to paste
+    assert "vllm serve Qwen/Qwen3-8B" in out and "--max-model-len 26624" in out
+    entry = out[out.index("Gateway backend entry:") :]
+    for field in ("name:", "url:", "model: Qwen/Qwen3-8B", "max_model_len: 26624",
+                  "max_num_seqs: 5", "kv_cache_tokens: 38224"):  # fmt: skip
+        assert field in entry
+
+
+def test_json_carries_the_key_figures(capsys: pytest.CaptureFixture[str]) -> None:
+    data = run_json(["--preset", "qwen3-8b", "--kv-cache-memory-gib", "39.84"], capsys)
+    assert data["bytes_per_token"] == 147_456
+    assert data["kv_cache_tokens"] == 290_080
+    assert data["vllm_logged_tokens"] == 290_096
+    assert data["max_model_len_fit"] == 40_960
+    assert data["max_concurrency"] == pytest.approx(18_130 / 2560, abs=1e-4)
+    assert set(data["concurrency"]) == {"4096", "8192", "16384", "32768"}
+    assert [r["step"] for r in data["recommendations"]] == [1, 2, 3, 4, 5]
+    assert data["gateway_backend"]["kv_cache_tokens"] == 290_080
+    assert data["vllm_serve"].startswith("vllm serve Qwen/Qwen3-8B")
+
+
+def test_tp_and_fp8_flags_reach_the_serve_command(capsys: pytest.CaptureFixture[str]) -> None:
+    data = run_json(["--preset", "llama-3.1-70b", "--gpu-memory-gib", "79.25", "--tp", "4",
+                     "--kv-cache-dtype", "fp8"], capsys)  # fmt: skip
+    assert data["bytes_per_token"] == 40_960
+    assert "--tensor-parallel-size 4" in data["vllm_serve"]
+    assert "--kv-cache-dtype fp8" in data["vllm_serve"]
+    assert data["recommendations"][3]["detail"].startswith("already fp8")
+
+
+def test_model_config_file_and_mla(capsys: pytest.CaptureFixture[str]) -> None:
+    data = run_json(["--model-config", str(DATA / "deepseek_v3_config.json"),
+                     "--gpu-memory-gib", "139.8", "--tp", "8"], capsys)  # fmt: skip
+    assert data["bytes_per_token"] == 70_272
+    assert any("MLA" in n for n in data["notes"])
+
+
+def test_explicit_numbers(capsys: pytest.CaptureFixture[str]) -> None:
+    data = run_json(["--num-layers", "36", "--num-kv-heads", "8", "--head-dim", "128",
+                     "--kv-cache-memory-gib", "39.84"], capsys)  # fmt: skip
+    assert data["bytes_per_token"] == 147_456 and data["vllm_logged_tokens"] == 290_096
+    mla = run_json(["--num-layers", "61", "--kv-lora-rank", "512", "--qk-rope-head-dim", "64",
+                    "--kv-cache-memory-gib", "40"], capsys)  # fmt: skip
+    assert mla["bytes_per_token"] == 70_272
+    sized = run_json(["--num-layers", "32", "--num-kv-heads", "8", "--head-dim", "128",
+                      "--params-billion", "8", "--gpu-memory-gib", "24"], capsys)  # fmt: skip
+    assert sized["kv_pool_bytes"] > 0
+
+
+def test_hybrid_preset_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(["--preset", "gemma-3-27b", "--gpu-memory-gib", "79.25"], capsys)
+    assert code == 0 and "in 7 groups" in out and "hybrid layout" in out
+
+
+def test_list_presets(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(["--list-presets"], capsys)
+    assert code == 0
+    assert re.search(r"qwen3-8b\s+147,456", out) and "deepseek-v3" in out and "gpt-oss-20b" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["--preset", "qwen3-8b", "--gpu-memory-gib", "24", "--tp", "four"], "--tp"),
+        (["--preset", "qwen3-8b", "--gpu-memory-gib", "lots"], "--gpu-memory-gib"),
+        (["--preset", "qwen3-8b", "--gpu-memory-gib", "24", "--gpu-memory-utilization", "92"],
+         "--gpu-memory-utilization"),
+        (["--preset", "qwen3-8b", "--gpu-memory-gib", "24", "--kv-cache-dtype", "int4"],
+         "--kv-cache-dtype"),
+        (["--preset", "qwen3-8b", "--gpu-memory-gib", "24", "--max-model-len", "-1"],
+         "--max-model-len"),
+    ],
+)  # fmt: skip
+def test_bad_flag_values_exit_2_naming_the_flag(
+    argv: list[str], flag: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        run(argv, capsys)
+    assert info.value.code == 2
+    assert flag in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["--gpu-memory-gib", "24"], "--preset"),
+        (["--preset", "qwen3-8b"], "--gpu-memory-gib: missing"),
+        (["--preset", "nope", "--gpu-memory-gib", "24"], "--preset: unknown preset"),
+        (["--preset", "qwen3-8b", "--model-config", "x.json", "--gpu-memory-gib", "24"],
+         "--preset: give either"),
+        (["--model-config", "/nonexistent/config.json", "--gpu-memory-gib", "24"],
+         "--model-config: cannot read"),
+        (["--model-config", str(DATA / "nemotron_h_config.json"), "--gpu-memory-gib", "24"],
+         "--model-config (nemotron_h_config.json: model_type): nemotron_h mixes attention"),
+        (["--num-layers", "32", "--num-kv-heads", "8", "--gpu-memory-gib", "24"],
+         "--head-dim"),
+        (["--num-layers", "32", "--preset", "qwen3-8b", "--gpu-memory-gib", "24"],
+         "--num-layers: explicit numbers replace"),
+        (["--from-log", "/nonexistent.log"], "--from-log: cannot read"),
+        (["--from-log", str(DATA / "qwen3_8b_config.json")], "--from-log: no vLLM KV-cache lines"),
+    ],
+)  # fmt: skip
+def test_bad_input_exits_2_with_a_message(
+    argv: list[str], words: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, err = run(argv, capsys)
+    assert code == 2 and out == ""
+    assert err.startswith("gateway plan: error: ")
+    assert words in err
+
+
+def test_from_log_alone_explains_a_failure(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(["--from-log", str(DATA / "v1_qwen25_14b_too_long.log")], capsys)
+    assert code == 0
+    flat = " ".join(out.split())
+    assert "vLLM refused to start: one request of max_model_len 131072 needs 24.00 GiB" in flat
+    assert "the schedulable maximum is 59568" in flat
+    assert "at --max-model-len 40960, 1 concurrent request fits (1.45x)" in flat
+    assert "kv_cache_tokens: 59568" in out
+
+
+def test_from_log_v0_wording(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(["--from-log", str(DATA / "v0_llama31_8b_3090_29k_too_long.log")], capsys)
+    flat = " ".join(out.split())
+    assert code == 0 and "The V0 engine refused to start" in flat and "23,648 tokens" in flat
+
+
+def test_from_log_with_preset_cross_checks(capsys: pytest.CaptureFixture[str]) -> None:
+    log = str(DATA / "v1_llama31_8b_h100_one_line.log")
+    code, out, _ = run(["--from-log", log, "--preset", "llama-3.1-8b"], capsys)
+    assert code == 0 and "Cross-check against the model: matches" in out
+    assert "kv_cache_tokens: 460480" in out  # the node's own count, less the null block
+    data = run_json(["--from-log", log, "--preset", "llama-3.1-8b"], capsys)
+    assert data["cross_check"]["ok"] and data["cross_check"]["logged_tokens"] == 460_496
+    assert data["kv_cache_tokens"] == 460_480
+    assert data["bytes_per_token"] == 131_072 and data["max_model_len_fit"] == 131_072
+    assert data["log"]["total_gpu_gib"] == 79.25
+    assert data["plan"]["bytes_per_token"] == 131_072
+
+
+def test_from_log_wrong_model_mismatch(capsys: pytest.CaptureFixture[str]) -> None:
+    log = str(DATA / "v1_qwen3_8b_h100.log")
+    code, out, _ = run(["--from-log", log, "--preset", "llama-3.1-70b"], capsys)
+    assert code == 0 and "DOES NOT MATCH" in out
+
+
+def test_from_log_stdin(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sys, "stdin", io.StringIO((DATA / "v1_qwen3_8b_h100.log").read_text()))
+    data = run_json(["--from-log", "-"], capsys)
+    assert data["log"]["kv_cache_tokens"] == 290_096
+    assert data["kv_cache_tokens"] == 290_080
+    assert data["max_model_len_fit"] == 290_080
+    assert data["max_concurrency"] == pytest.approx(290_080 / 40_960, abs=1e-4)
+    assert data["bytes_per_token"] == pytest.approx(147_456, rel=0.001)  # implied by the log
+
+
+def test_module_entry_point() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "kvgateway", "plan", "--preset", "qwen3-8b", "--gpu-memory-gib",
+         "24", "--max-model-len", "32768", "--json"],
+        capture_output=True, text=True, timeout=30, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    data = json.loads(done.stdout)
+    assert data["bytes_per_token"] == 147_456 and data["max_model_len_fit"] == 38_224

@@ -1,0 +1,92 @@
+"""Done-when: architecture + logged KV memory reproduce vLLM's logged token count.
+
+Each case is a vLLM start-up log of an ordinary-attention model (GQA). Feeding the
+logged ``Available KV cache memory`` to the architecture maths must land within 1% of
+the ``GPU KV cache size`` (or ``# GPU blocks`` x 16) vLLM printed. The only slack is
+the log rounding GiB to two decimals; the numbers below land within 0.2%.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from kvgateway.capacity import CapacitySpec, estimate, parse_vllm_log
+from kvgateway.capacity.explain import explain_log, logged_tokens
+from tests.support.capacity_data import read_data
+
+CASES = [
+    # (log file, preset, logged tokens, B/token per GPU)
+    ("v1_llama31_8b_a100_40gb.log", "llama-3.1-8b", 157_648, 131_072),
+    ("v1_llama31_8b_h100_one_line.log", "llama-3.1-8b", 460_496, 131_072),
+    ("v1_qwen3_8b_fp8_24gb.log", "qwen3-8b", 62_608, 147_456),  # fp8 weights, bf16 KV
+    ("v1_qwen3_8b_h100.log", "qwen3-8b", 290_096, 147_456),
+    ("v1_llama31_70b_awq_one_gpu.log", "llama-3.1-70b", 126_832, 327_680),
+    ("v0_llama31_8b_3090_20k.log", "llama-3.1-8b", 1952 * 16, 131_072),
+]
+
+
+@pytest.mark.parametrize(("log", "preset", "tokens", "per_token"), CASES)
+def test_predicted_tokens_within_one_percent(
+    log: str, preset: str, tokens: int, per_token: int
+) -> None:
+    facts = parse_vllm_log(read_data(log))
+    assert facts.available_kv_gib is not None
+    assert logged_tokens(facts, 16) == tokens
+    spec = CapacitySpec.from_mapping(
+        {"preset": preset, "kv_cache_memory_gib": facts.available_kv_gib}, "capacity"
+    )
+    est = estimate(spec)
+    assert est.bytes_per_token == per_token
+    assert est.vllm_logged_tokens == pytest.approx(tokens, rel=0.01)
+    # and the gateway's budget is that figure minus vLLM's reserved null block
+    assert est.kv_cache_tokens == est.vllm_logged_tokens - 16
+
+
+@pytest.mark.parametrize(("log", "preset", "tokens", "per_token"), CASES)
+def test_cross_check_reports_a_match(log: str, preset: str, tokens: int, per_token: int) -> None:
+    facts = parse_vllm_log(read_data(log))
+    spec = CapacitySpec.from_mapping({"preset": preset, "kv_cache_memory_gib": 1}, "capacity")
+    report = explain_log(facts, spec)
+    assert report.cross_check is not None and report.cross_check.ok
+    assert report.cross_check.logged_tokens == tokens
+    assert abs(report.cross_check.deviation) < 0.002
+    assert report.plan is not None and report.plan.estimate.pool.measured
+
+
+def test_exact_block_counts_where_the_log_rounding_allows() -> None:
+    # 38.71 GiB / (16 x 327,680 B) = 7,927.8 blocks -> 126,832 tokens, as logged
+    facts = parse_vllm_log(read_data("v1_llama31_70b_awq_one_gpu.log"))
+    spec = CapacitySpec.from_mapping(
+        {"preset": "llama-3.1-70b", "kv_cache_memory_gib": facts.available_kv_gib}, "c"
+    )
+    est = estimate(spec)
+    assert est.vllm_logged_tokens == 126_832
+    # vLLM's concurrency line: num_blocks / cdiv(32768, 16) = 7927 / 2048
+    at_32k = estimate(replace(spec, max_model_len=32768))
+    assert round(at_32k.vllm_logged_concurrency, 2) == facts.max_concurrency == 3.87
+
+
+@pytest.mark.parametrize(
+    ("log", "preset", "max_len"),
+    [("v1_qwen25_14b_too_long.log", "qwen2.5-14b", 59_584),
+     ("v1_qwen3_8b_too_long.log", "qwen3-8b", 32_560)],
+)  # fmt: skip
+def test_startup_failures_are_reproduced(log: str, preset: str, max_len: int) -> None:
+    facts = parse_vllm_log(read_data(log))
+    spec = CapacitySpec.from_mapping({"preset": preset, "kv_cache_memory_gib": 1}, "capacity")
+    report = explain_log(facts, spec)
+    check = report.cross_check
+    assert check is not None and check.logged_tokens == max_len
+    assert check.ok  # vLLM's "estimated maximum model length", within the GiB rounding
+    assert f"needs {facts.needed_kv_gib:.2f} GiB" in check.detail
+    assert report.plan is not None and not report.plan.estimate.fits_target
+
+
+def test_a_wrong_model_is_flagged() -> None:
+    facts = parse_vllm_log(read_data("v1_qwen3_8b_h100.log"))
+    spec = CapacitySpec.from_mapping({"preset": "llama-3.1-8b", "kv_cache_memory_gib": 1}, "c")
+    check = explain_log(facts, spec).cross_check
+    assert check is not None and not check.ok
+    assert "More than 1% apart" in check.detail

@@ -1,0 +1,128 @@
+"""`gateway check`: every limit with its source, and warnings when sources disagree."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+
+import yaml
+
+from tests.support.fleet import MODEL, SERVED, StartFleet
+
+
+def run_check(path, *extra: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvgateway", "check", "--config", str(path), *extra],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+async def test_check_shows_sources_and_disagreement(start_fleet: StartFleet, tmp_path):
+    fleet = await start_fleet([("a", "small", "gpu24-8b", {}), ("b", "large", "gpu80-8b", {})])
+    cfg = {
+        "models": [{"name": MODEL, "served_name": SERVED}],
+        "tiers": [
+            {
+                "name": "small",
+                "backends": [
+                    # Configured 32k, but the node says 8k: a warning, config wins.
+                    {
+                        "name": "a",
+                        "url": fleet.nodes["a"].url,
+                        "model": MODEL,
+                        "max_model_len": 32768,
+                        "max_num_seqs": 16,
+                    },
+                ],
+            },
+            {
+                "name": "large",
+                "backends": [
+                    {
+                        "name": "b",
+                        "url": fleet.nodes["b"].url,
+                        "model": MODEL,
+                        "capacity": {"gpu_memory_gib": 79.2, "preset": "llama-3.1-8b"},
+                    },
+                    {
+                        "name": "c",
+                        "url": "http://127.0.0.1:9",
+                        "model": MODEL,
+                        "capacity": {
+                            "gpu_memory_gib": 24,
+                            "preset": "llama-3.1-8b",
+                            "max_model_len": 8192,
+                        },
+                    },
+                ],
+            },
+        ],
+    }
+    path = tmp_path / "gw.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    # The nodes run in this test's event loop: the CLI runs as a subprocess awaited
+    # without blocking the loop.
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "kvgateway",
+        "check",
+        "--config",
+        str(path),
+        "--json",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await proc.communicate()
+    assert proc.returncode == 0, err.decode()
+    rows = {r["name"]: r for r in json.loads(out)["backends"]}
+    a, b, c = rows["a"], rows["b"], rows["c"]
+    assert a["max_model_len"] == {"value": 32768, "source": "config"}
+    assert a["kv_cache_tokens"] == {"value": 30704, "source": "discovered"}
+    assert any("configured 32768 but the node reports 8192" in w for w in a["warnings"])
+    assert b["max_model_len"]["source"] == "discovered"
+    assert b["kv_cache_tokens"]["source"] == "discovered"
+    assert c["node"].startswith("unreachable")
+    assert c["kv_cache_tokens"]["source"] == "derived" and c["kv_cache_tokens"]["value"] > 10000
+    assert c["max_model_len"] == {"value": 8192, "source": "derived"}
+
+    text = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "kvgateway",
+        "check",
+        "--config",
+        str(path),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    tout, _ = await text.communicate()
+    lines = tout.decode()
+    assert "max_model_len    32,768 [config]" in lines
+    assert "kv_cache_tokens  30,704 [discovered]" in lines
+    assert "WARNING" in lines
+
+
+def test_check_rejects_invalid_config_with_yaml_path(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text(
+        "models: [{name: m}]\n"
+        "tiers: [{name: t, backends: [{name: a, url: 'http://h:1', model: m, "
+        "capacity: {gpu_memory_gib: 24, preset: llama-3.1-8b, tp: four}}]}]\n"
+    )
+    r = run_check(path, "--no-discover")
+    assert r.returncode == 2
+    assert "tiers[0].backends[0].capacity.tp" in r.stderr
+
+
+def test_check_demo_config_without_nodes_names_every_backend():
+    r = run_check("config/demo.yaml", "--no-discover")
+    assert r.returncode == 0, r.stderr
+    for name in ("small-1", "small-2", "small-3", "large-1", "large-2", "offload-1"):
+        assert name in r.stdout
+    assert "[derived]" in r.stdout and "[config]" in r.stdout

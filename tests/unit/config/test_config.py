@@ -1,0 +1,120 @@
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from kvgateway.config.load import load_config, parse_config_text
+from kvgateway.config.yamlread import ConfigError
+
+BASE = """
+models:
+  - name: m
+    served_name: org/M
+    aliases: [alias]
+tiers:
+  - name: small
+    backends:
+      - {name: a, url: "http://127.0.0.1:9000", model: m, max_num_seqs: 8}
+"""
+
+
+def parse(text: str):
+    return parse_config_text(textwrap.dedent(text))
+
+
+def test_example_and_demo_configs_load():
+    for path in ("config/demo.yaml", "config/gateway.example.yaml"):
+        cfg = load_config(path)
+        assert cfg.backends
+        assert cfg.resolve_model(cfg.models[0].name) is cfg.models[0]
+
+
+def test_defaults_and_aliases():
+    cfg = parse(BASE)
+    assert cfg.routing.policy == "kv_aware"
+    assert cfg.resolve_model("alias").served_name == "org/M"
+    assert cfg.backends[0].served_model == "org/M"
+    assert cfg.backends[0].max_num_seqs == 8
+
+
+@pytest.mark.parametrize(
+    ("patch", "message"),
+    [
+        (
+            ("max_num_seqs: 8", 'max_num_seqs: "four"'),
+            'tiers[0].backends[0].max_num_seqs: expected a positive integer, got "four"',
+        ),
+        (("model: m,", "model: nope,"), 'tiers[0].backends[0].model: unknown model "nope"'),
+        (("http://127.0.0.1:9000", "ftp://x"), "tiers[0].backends[0].url: expected an http(s) URL"),
+        (
+            ("http://127.0.0.1:9000", "http://h:1/v1"),
+            "tiers[0].backends[0].url: give the server root",
+        ),
+        (("max_num_seqs: 8", "max_num_seq: 8"), "tiers[0].backends[0].max_num_seq: unknown key"),
+        (
+            ("name: small", "name: small\n    offload: maybe"),
+            "tiers[0].offload: expected true or false",
+        ),
+    ],
+)
+def test_errors_name_the_yaml_path(patch, message):
+    with pytest.raises(ConfigError) as err:
+        parse(BASE.replace(*patch))
+    assert str(err.value).startswith(message), str(err.value)
+
+
+def test_policy_and_fraction_validation():
+    with pytest.raises(ConfigError, match=r"routing.policy: expected one of kv_aware"):
+        parse(BASE + "routing: {policy: random}\n")
+    with pytest.raises(
+        ConfigError, match=r"admission.budget_fraction: expected a number > 0.0 and <= 1.0"
+    ):
+        parse(BASE + "admission: {budget_fraction: 1.5}\n")
+
+
+def test_duplicate_backend_names_rejected():
+    text = BASE + '      - {name: a, url: "http://127.0.0.1:9001", model: m}\n'
+    with pytest.raises(ConfigError, match="name 'a' is used twice"):
+        parse(text)
+
+
+def test_invalid_yaml_names_line():
+    with pytest.raises(ConfigError, match="invalid YAML at line"):
+        parse("models: [\n")
+
+
+def test_api_keys_from_file_and_env(tmp_path, monkeypatch):
+    keys = tmp_path / "keys.env"
+    keys.write_text("# keys\nGATEWAY_KEY=k-file\n\nk-bare\n")
+    monkeypatch.setenv("MY_KEYS", "k-env1,k-env2")
+    cfg = parse(
+        BASE + f"server: {{api_keys: [k-inline], api_keys_file: {keys}, api_keys_env: MY_KEYS}}\n"
+    )
+    assert set(cfg.server.api_keys) == {"k-inline", "k-file", "k-bare", "k-env1", "k-env2"}
+
+
+def test_example_config_documents_every_setting():
+    import dataclasses
+    import re
+
+    from kvgateway import config as c
+
+    text = Path("config/gateway.example.yaml").read_text(encoding="utf-8")
+    keys = set(re.findall(r"^\s*#?\s*([a-z_]+):", text, flags=re.M))
+    keys |= set(re.findall(r"[{,]\s*([a-z_]+):", text))
+    aliases = {"encoding": "encoding"}  # TokenizerConfig.encoding is spelled encoding/file/pattern
+    missing = []
+    for cls in (
+        c.ServerConfig,
+        c.AdmissionConfig,
+        c.RoutingConfig,
+        c.HealthConfig,
+        c.LoadFeedbackConfig,
+        c.TimeoutConfig,
+        c.TokenizerConfig,
+    ):
+        for f in dataclasses.fields(cls):
+            name = aliases.get(f.name, f.name)
+            if name not in keys:
+                missing.append(f"{cls.__name__}.{f.name}")
+    assert not missing, missing

@@ -1,0 +1,198 @@
+import asyncio
+import random
+
+import pytest
+
+from kvgateway.core.admission import Admission
+from kvgateway.core.routing_index import ModelIndex
+from kvgateway.errors import ContextLengthExceeded, NoHealthyBackend, Saturated
+from tests.support.backends import backend, demand
+
+
+def make(backends, queue_size=100):
+    clock = [0.0]
+    idx = ModelIndex(backends)
+    adm = Admission(
+        index_for=lambda m: idx,
+        adjust=idx.adjust,
+        policy=lambda: "kv_aware",
+        offload_overflow=lambda: False,
+        queue_size=lambda: queue_size,
+        clock=lambda: clock[0],
+    )
+    return adm
+
+
+async def test_reserve_and_release_exactly_once():
+    b = backend("a", kv=1000)
+    adm = make([b])
+    r = await adm.admit(demand(100, 100), 1.0)
+    assert b.reserved_tokens == r.tokens == 208 and b.in_flight == 1 and b.reserved_seqs == 1
+    assert adm.release(r) is True
+    assert adm.release(r) is False
+    assert b.reserved_tokens == 0 and b.in_flight == 0 and b.reserved_seqs == 0
+
+
+async def test_too_long_and_no_backend_raise_without_waiting():
+    b = backend("a", kv=1000)
+    adm = make([b])
+    with pytest.raises(ContextLengthExceeded) as err:
+        await adm.admit(demand(5000), 5.0)
+    assert "largest context" in err.value.message and "1000" in err.value.message
+    b.healthy = False
+    with pytest.raises(NoHealthyBackend):
+        await adm.admit(demand(100), 5.0)
+
+
+async def test_waiter_gets_capacity_released_by_another():
+    b = backend("a", kv=512)
+    adm = make([b])
+    first = await adm.admit(demand(300, 100), 1.0)
+    task = asyncio.create_task(adm.admit(demand(300, 100), 5.0))
+    await asyncio.sleep(0)
+    assert adm.queue_depth == 1 and not task.done()
+    adm.release(first)
+    second = await task
+    assert second.backend is b and b.reserved_tokens == second.tokens
+    adm.release(second)
+    assert b.reserved_tokens == 0
+
+
+async def test_queue_timeout_gives_429_with_retry_after():
+    b = backend("a", kv=512)
+    adm = make([b])
+    await adm.admit(demand(300, 100), 1.0)
+    with pytest.raises(Saturated) as err:
+        await adm.admit(demand(300, 100), 0.05)
+    assert err.value.status == 429 and "Retry-After" in err.value.headers()
+    assert adm.queue_depth == 0
+
+
+async def test_full_queue_rejects_immediately():
+    b = backend("a", kv=512)
+    adm = make([b], queue_size=1)
+    await adm.admit(demand(300, 100), 1.0)
+    waiting = asyncio.create_task(adm.admit(demand(300, 100), 5.0))
+    await asyncio.sleep(0)
+    with pytest.raises(Saturated):
+        await adm.admit(demand(300, 100), 5.0)
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    assert adm.queue_depth == 0
+
+
+async def test_later_arrivals_cannot_take_a_backend_an_earlier_waiter_claims():
+    small = backend("s", kv=1024)
+    adm = make([small])
+    hold = await adm.admit(demand(600, 100), 1.0)
+    big = asyncio.create_task(adm.admit(demand(900, 100), 5.0))
+    await asyncio.sleep(0)
+    # 304 more tokens would fit next to `hold`, but the big waiter came first.
+    little = asyncio.create_task(adm.admit(demand(200, 100), 5.0))
+    await asyncio.sleep(0)
+    assert adm.queue_depth == 2
+    adm.release(hold)
+    r_big = await big
+    assert r_big.tokens == 1008 and not little.done()
+    adm.release(r_big)
+    r_little = await little
+    adm.release(r_little)
+    assert small.reserved_tokens == 0
+
+
+async def test_waiter_does_not_block_requests_for_backends_it_cannot_use():
+    small = backend("s", kv=1024, max_model_len=1024)
+    large = backend("l", kv=8192, max_model_len=8192, tier_index=1, tier="large")
+    adm = make([small, large])
+    hold = await adm.admit(demand(7000, 100), 1.0)
+    assert hold.backend is large
+    big = asyncio.create_task(adm.admit(demand(5000, 100), 5.0))
+    await asyncio.sleep(0)
+    assert adm.queue_depth == 1
+    short = await adm.admit(demand(200, 100), 1.0)
+    assert short.backend is small
+    adm.release(short)
+    adm.release(hold)
+    adm.release(await big)
+    assert large.reserved_tokens == 0
+
+
+async def test_grant_racing_with_cancellation_is_released():
+    b = backend("a", kv=512)
+    adm = make([b])
+    hold = await adm.admit(demand(300, 100), 1.0)
+    task = asyncio.create_task(adm.admit(demand(300, 100), 5.0))
+    await asyncio.sleep(0)
+    # Grant and cancel in the same loop iteration: the waiter never sees the grant.
+    adm.release(hold)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert b.reserved_tokens == 0 and b.in_flight == 0
+
+
+async def test_random_cancellations_never_leak():
+    rnd = random.Random(7)
+    backends = [backend("a", kv=4096, seqs=4), backend("b", kv=4096, seqs=4, tier_index=1)]
+    adm = make(backends, queue_size=1000)
+
+    async def one():
+        r = await adm.admit(demand(rnd.randint(10, 1500), rnd.randint(1, 500)), 2.0)
+        try:
+            await asyncio.sleep(rnd.random() * 0.01)
+        finally:
+            adm.release(r)
+
+    tasks = [asyncio.create_task(one()) for _ in range(300)]
+    for _ in range(30):
+        await asyncio.sleep(0.002)
+        for t in rnd.sample(tasks, 8):
+            t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    assert adm.queue_depth == 0
+    assert all(c == 0 for c in adm._claim_counts.values())
+    for b in backends:
+        assert (b.reserved_tokens, b.reserved_seqs, b.in_flight) == (0, 0, 0)
+
+
+async def test_waiter_for_gpu_nodes_does_not_claim_the_offload_tier():
+    gpu = backend("g", kv=1024, max_model_len=1024)
+    off = backend(
+        "o", kv=100_000, max_model_len=100_000, tier_index=1, tier="offload", offload=True
+    )
+    adm = make([gpu, off])
+    hold = await adm.admit(demand(700, 100), 1.0)
+    assert hold.backend is gpu
+    short = asyncio.create_task(adm.admit(demand(500, 100), 5.0))
+    await asyncio.sleep(0)
+    assert adm.queue_depth == 1  # waits for the GPU node, not sent to offload
+    long = await adm.admit(demand(50_000, 100), 1.0)
+    assert long.backend is off  # the short waiter did not block the offload tier
+    adm.release(long)
+    adm.release(hold)
+    adm.release(await short)
+    assert (gpu.reserved_tokens, off.reserved_tokens) == (0, 0)
+
+
+async def test_rebalance_never_pushes_gpu_work_onto_offload():
+    # Regression: claims of earlier waiters made the GPU tier look down to later ones,
+    # which were then sent to the offload tier although offload_overflow is off.
+    gpu = [backend(f"g{i}", kv=1024, max_model_len=1024) for i in range(2)]
+    off = backend(
+        "o", kv=100_000, max_model_len=100_000, tier_index=1, tier="offload", offload=True
+    )
+    adm = make([*gpu, off])
+    held = [await adm.admit(demand(700, 100), 1.0) for _ in gpu]
+    assert {r.backend.name for r in held} == {"g0", "g1"}
+    waiters = [asyncio.create_task(adm.admit(demand(500, 100), 5.0)) for _ in range(2)]
+    await asyncio.sleep(0)
+    assert adm.queue_depth == 2
+    adm.rebalance()
+    assert adm.queue_depth == 2 and off.reserved_tokens == 0
+    for r in held:
+        adm.release(r)
+    got = [await w for w in waiters]
+    assert {r.backend.name for r in got} <= {"g0", "g1"}
+    for r in got:
+        adm.release(r)

