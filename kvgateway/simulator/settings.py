@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvgateway.capacity.layout import kv_tokens_from_blocks
 from kvgateway.simulator.engine import CostModel, EngineConfig
 
 OUTPUT_DISTRIBUTIONS = ("lognormal", "uniform", "fixed")
@@ -85,7 +86,7 @@ class NodeSettings:
     @property
     def kv_tokens(self) -> int:
         """Usable KV tokens: block 0 is reserved by vLLM's block pool."""
-        return (self.num_gpu_blocks - 1) * self.block_size
+        return kv_tokens_from_blocks(self.num_gpu_blocks, self.block_size)
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(

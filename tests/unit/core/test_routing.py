@@ -7,10 +7,10 @@ from kvgateway.core.routing import (
     RouterState,
     TooLong,
     Wait,
-    demand_tokens,
     kv_aware_scan,
     route,
 )
+from kvgateway.core.demand import demand_tokens
 from kvgateway.core.routing_index import ModelIndex
 from tests.support.backends import backend, demand
 
