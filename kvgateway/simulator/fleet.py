@@ -83,7 +83,7 @@ class RunningNode:
         )
 
 
-class Fleet:
+class SimulatedFleet:
     def __init__(self, nodes: Iterable[RunningNode]) -> None:
         self.nodes: list[RunningNode] = list(nodes)
 
@@ -219,7 +219,7 @@ async def start_fleet(
     processes: bool = False,
     encodings: EncodingCache | None = None,
     ready_timeout: float = 30.0,
-) -> AsyncIterator[Fleet]:
+) -> AsyncIterator[SimulatedFleet]:
     """Start every node; on exit (or if one fails to start) stop them in reverse order."""
     encodings = encodings or EncodingCache()
     async with contextlib.AsyncExitStack() as stack:
@@ -231,4 +231,4 @@ async def start_fleet(
                 node = await start_node(spec, encodings=encodings)
             stack.push_async_callback(node.stop)
             nodes.append(node)
-        yield Fleet(nodes)
+        yield SimulatedFleet(nodes)

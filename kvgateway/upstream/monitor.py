@@ -39,6 +39,7 @@ class Monitor:
         config: Callable[[], GatewayConfig],
         clock: Callable[[], float],
         on_crash: Callable[[Backend], None] = lambda b: None,
+        restart_delay_s: float = RESTART_DELAY_S,
     ) -> None:
         self._fleet = fleet
         self._admission = admission
@@ -46,6 +47,7 @@ class Monitor:
         self._config = config
         self._clock = clock
         self._on_crash = on_crash
+        self._restart_delay_s = restart_delay_s
         self._tasks: dict[int, asyncio.Task[None]] = {}
 
     def sync(self) -> None:
@@ -78,7 +80,7 @@ class Monitor:
             except Exception:
                 log.exception("backend %s: watcher crashed; restarting it", b.name)
                 self._on_crash(b)
-                await asyncio.sleep(RESTART_DELAY_S)
+                await asyncio.sleep(self._restart_delay_s)
 
     async def _watch(self, b: Backend) -> None:
         cfg = self._config()

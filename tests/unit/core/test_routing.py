@@ -1,6 +1,7 @@
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvgateway.core.demand import demand_tokens
 from kvgateway.core.routing import (
     NoBackend,
     Routed,
@@ -10,7 +11,6 @@ from kvgateway.core.routing import (
     kv_aware_scan,
     route,
 )
-from kvgateway.core.demand import demand_tokens
 from kvgateway.core.routing_index import ModelIndex
 from tests.support.backends import backend, demand
 
