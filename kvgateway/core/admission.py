@@ -25,9 +25,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from types import TracebackType
 
-from kvgateway.config.model import Policy
+from kvgateway.config.model import GatewayConfig, Policy
 from kvgateway.core.backends import Backend, PauseReason
 from kvgateway.core.demand import Demand, can_ever_hold
+from kvgateway.core.fleet import Fleet
 from kvgateway.core.routing import (
     Decision,
     NoBackend,
@@ -134,6 +135,25 @@ class Admission:
         self._waiters: deque[_Waiter] = deque()
         # How many waiters claim each backend: "is it claimed?" without walking the queue.
         self._claim_counts: Counter[str] = Counter()
+
+    @classmethod
+    def for_fleet(
+        cls,
+        fleet: Fleet,
+        config: Callable[[], GatewayConfig],
+        clock: Callable[[], float],
+        on_decision: Callable[[Decision, Demand], None] | None = None,
+    ) -> Admission:
+        """Admission over ``fleet``, following the live config (it changes on reload)."""
+        return cls(
+            index_for=fleet.index,
+            adjust=fleet.adjust,
+            policy=lambda: config().routing.policy,
+            offload_overflow=lambda: config().routing.offload_overflow,
+            queue_size=lambda: config().admission.queue_size,
+            clock=clock,
+            on_decision=on_decision,
+        )
 
     # ---- synchronous core -------------------------------------------------------
 

@@ -50,14 +50,8 @@ class GatewayState:
         self.calibration = PromptCalibration(
             lambda model, ratio: metrics.estimate_ratio.labels(model=model).observe(ratio)
         )
-        self.admission = Admission(
-            index_for=self.fleet.index,
-            adjust=self.fleet.adjust,
-            policy=lambda: self.config.routing.policy,
-            offload_overflow=lambda: self.config.routing.offload_overflow,
-            queue_size=lambda: self.config.admission.queue_size,
-            clock=clock,
-            on_decision=self._count_decision,
+        self.admission = Admission.for_fleet(
+            fleet, lambda: self.config, clock, on_decision=self._count_decision
         )
 
     def _count_decision(self, decision: Decision, demand: Demand) -> None:

@@ -29,7 +29,7 @@ from aiohttp import web
 
 from kvgateway.simulator.fleetconfig import NodeSpec
 from kvgateway.simulator.node import NODE_KEY, SimNode
-from kvgateway.simulator.server import create_app
+from kvgateway.simulator.server import create_node_app
 from kvgateway.simulator.settings import NodeSettings, validate
 from kvgateway.tokens.encoding import EncodingCache
 
@@ -112,7 +112,7 @@ async def start_node(
 ) -> RunningNode:
     """Serve one node on ``spec.host:spec.port`` (port 0: any free port) in this loop."""
     # This runner cancels handlers on disconnect, so they need not poll for it.
-    app = create_app(spec.settings, encodings=encodings, clock=clock, disconnect_poll_s=None)
+    app = create_node_app(spec.settings, encodings=encodings, clock=clock, disconnect_poll_s=None)
     runner = web.AppRunner(
         app, handler_cancellation=True, shutdown_timeout=SHUTDOWN_TIMEOUT_S, access_log=None
     )

@@ -15,7 +15,7 @@ from kvgateway.config.load import parse_config
 from kvgateway.server.app import STATE, create_app
 from kvgateway.server.state import GatewayState
 from kvgateway.simulator.profiles import get_profile
-from kvgateway.simulator.server import create_app as create_node
+from kvgateway.simulator.server import create_node_app as create_node
 from kvgateway.tokens.encoding import EncodingCache
 
 MODEL = "llama"

@@ -9,7 +9,7 @@ from kvgateway.config.load import parse_config
 from kvgateway.core.admission import Admission
 from kvgateway.core.fleet import Fleet
 from kvgateway.simulator.profiles import get_profile
-from kvgateway.simulator.server import create_app as create_node
+from kvgateway.simulator.server import create_node_app as create_node
 from kvgateway.upstream.monitor import Monitor
 from tests.support.fleet import ENCODINGS, SERVED
 
