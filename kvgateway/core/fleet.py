@@ -84,6 +84,10 @@ class Fleet:
         """The KV block size reservations of ``model`` are rounded to."""
         return self.index(model).block_size
 
+    def largest_context(self, model: str) -> int:
+        """The longest sequence any backend of ``model`` with known limits can hold."""
+        return max((t.max_context for t in self.index(model).tiers), default=0)
+
     def adjust(self, b: Backend, tokens: int, seqs: int, in_flight: int) -> None:
         """Change a backend's reservations through its model's routing index; a draining
         backend leaves the fleet (admin view, metrics) when its last request ends."""

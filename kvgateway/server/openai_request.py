@@ -26,10 +26,16 @@ class ParsedRequest:
     model: str
     stream: bool
     n: int
-    # Output tokens the client asked for, per sequence; None when it left it open.
+    # Output tokens the client asked for, per sequence; None when it left it open
+    # (absent or null: both mean "as much as fits" to vLLM).
     requested_output: int | None
     # Which field carries the output budget when the gateway has to set it.
     output_field: str
+    # Sequences the node runs per prompt: max(n, best_of).
+    sequences_per_prompt: int = 1
+    # Completions with echo and max_tokens 0: the node returns the prompt and generates
+    # nothing the client sees (vLLM still schedules one token).
+    echo_only: bool = False
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:
@@ -66,16 +72,19 @@ def _missing(param: str) -> BadRequest:
     )
 
 
-def _opt_positive_int(body: dict[str, Any], key: str, maximum: int | None = None) -> int | None:
+def _opt_positive_int(
+    body: dict[str, Any], key: str, maximum: int | None = None, minimum: int = 1
+) -> int | None:
     value = body.get(key)
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
         raise _type_error(key, "an integer", value)
-    if value < 1 or (maximum is not None and value > maximum):
+    if value < minimum or (maximum is not None and value > maximum):
         limit = f" and at most {maximum}" if maximum else ""
         raise BadRequest(
-            f"Invalid value for '{key}': expected an integer of at least 1{limit}, got {value}.",
+            f"Invalid value for '{key}': expected an integer of at least {minimum}{limit}, "
+            f"got {value}.",
             param=key,
             code="invalid_value",
         )
@@ -140,7 +149,7 @@ def parse_chat(body: dict[str, Any]) -> ParsedRequest:
     mt = _opt_positive_int(body, "max_tokens")
     requested = mct if mct is not None else mt
     field = "max_completion_tokens" if mct is not None or mt is None else "max_tokens"
-    return ParsedRequest("chat", body, model, stream, n, requested, field)
+    return ParsedRequest("chat", body, model, stream, n, requested, field, sequences_per_prompt=n)
 
 
 def parse_completion(body: dict[str, Any]) -> ParsedRequest:
@@ -154,8 +163,29 @@ def parse_completion(body: dict[str, Any]) -> ParsedRequest:
             "a string, an array of strings, an array of token ids or an array of those",
             prompt,
         )
-    requested = _opt_positive_int(body, "max_tokens")
-    return ParsedRequest("completion", body, model, stream, n, requested, "max_tokens")
+    echo = body.get("echo")
+    if echo is not None and not isinstance(echo, bool):
+        raise _type_error("echo", "a boolean", echo)
+    # vLLM takes max_tokens 0 only with echo (the prompt back, nothing generated).
+    requested = _opt_positive_int(body, "max_tokens", minimum=0 if echo else 1)
+    best_of = _opt_positive_int(body, "best_of", MAX_N)
+    if best_of is not None and best_of < n:
+        raise BadRequest(
+            f"Invalid value for 'best_of': it must be at least n ({n}), got {best_of}.",
+            param="best_of",
+            code="invalid_value",
+        )
+    return ParsedRequest(
+        "completion",
+        body,
+        model,
+        stream,
+        n,
+        requested,
+        "max_tokens",
+        sequences_per_prompt=max(n, best_of or 0),
+        echo_only=requested == 0,
+    )
 
 
 def _valid_prompt(prompt: Any) -> bool:

@@ -8,8 +8,8 @@ admission reserves); :func:`upstream_body` gives the bytes the node receives.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from kvgateway.config.model import GatewayConfig, ModelConfig
 from kvgateway.core.demand import Demand, demand_tokens
@@ -28,13 +28,24 @@ from kvgateway.tokens.counting import PromptTokens, plan_chat, plan_completion
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's documented default
 
 
+class FleetView(Protocol):
+    """What planning reads of the fleet (:class:`kvgateway.core.fleet.Fleet`)."""
+
+    def block_size(self, model: str) -> int: ...
+
+    def largest_context(self, model: str) -> int: ...
+
+
 @dataclass(slots=True)
 class Counted:
     model: ModelConfig
     parsed: ParsedRequest
     prompt: PromptTokens
+    # Output tokens reserved per sequence.
     output_tokens: int
     demand: Demand
+    # The max_tokens the gateway set because the client left it open (None: unchanged).
+    injected_output: int | None = None
 
 
 async def plan_request(
@@ -43,7 +54,7 @@ async def plan_request(
     config: GatewayConfig,
     counters: TokenCounters,
     calibration: PromptCalibration,
-    block_size: Callable[[str], int],
+    fleet: FleetView,
 ) -> Counted:
     body = parse_body(raw)
     parsed = parse_chat(body) if kind == "chat" else parse_completion(body)
@@ -56,49 +67,66 @@ async def plan_request(
     counter = counters.for_tokenizer(model.tokenizer)
     if parsed.kind == "chat":
         prompt = await counter.count(plan_chat(body, model.tokenizer))
-        default_out = config.admission.default_output_tokens
     else:
         plan, known = plan_completion(body["prompt"])
         prompt = await counter.count(plan, known)
-        default_out = COMPLETIONS_DEFAULT_MAX_TOKENS
-    output = parsed.requested_output or default_out
     margin = model.tokenizer.estimate_margin
-    scaled_total = calibration.scaled(model.name, prompt.total, margin)
-    scaled_longest = calibration.scaled(model.name, prompt.longest, margin)
-    per_prompt = (
-        [scaled_longest]
-        if prompt.prompts == 1
-        else _spread(scaled_total, scaled_longest, prompt.prompts)
-    )
+    each = [calibration.scaled(model.name, p, margin) for p in (prompt.each or (prompt.total,))]
+    longest = max(each)
+    output, injected = output_budget(parsed, config, longest, fleet.largest_context(model.name))
     demand = Demand(
         model=model.name,
-        prompt_tokens=scaled_total,
-        longest_prompt=scaled_longest,
+        prompt_tokens=sum(each),
+        longest_prompt=longest,
         output_tokens=output,
-        sequences=prompt.prompts * parsed.n,
-        tokens=demand_tokens(per_prompt, output, parsed.n, block_size(model.name)),
+        sequences=len(each) * parsed.sequences_per_prompt,
+        # Every prompt's sequences rounded to whole blocks on their own, as vLLM does.
+        tokens=demand_tokens(
+            each, output, parsed.sequences_per_prompt, fleet.block_size(model.name)
+        ),
     )
-    return Counted(model, parsed, prompt, output, demand)
+    return Counted(model, parsed, prompt, output, demand, injected)
 
 
-def _spread(total: int, longest: int, prompts: int) -> list[int]:
-    # Batched completion prompts: the longest as itself, the others as their average;
-    # the sum never falls below the counted total.
-    rest = max(0, total - longest)
-    others = prompts - 1
-    return [longest] + [-(-rest // others)] * others
+def output_budget(
+    parsed: ParsedRequest, config: GatewayConfig, prompt_bound: int, largest_context: int
+) -> tuple[int, int | None]:
+    """Output tokens to reserve per sequence, and the ``max_tokens`` to send when the
+    client left it open (None: the body goes unchanged).
+
+    A client-given budget is kept. Left open (absent or ``null``), vLLM would allow "the
+    rest of the context" (chat, and completions with an explicit null) or 16
+    (completions, absent): the gateway sends the node what it reserves, the default capped
+    at what the largest context leaves after the prompt, so the cap never turns a request
+    the node could serve into a 400. With ``inject_default_output: false`` the body goes
+    unchanged and the gateway reserves what vLLM would allow.
+    """
+    if parsed.echo_only:
+        return 1, None  # vLLM schedules one token for an echo of the prompt
+    if parsed.requested_output is not None:
+        return parsed.requested_output, None
+    room = max(1, largest_context - prompt_bound) if largest_context else None
+    explicit_null = parsed.output_field in parsed.body and parsed.body[parsed.output_field] is None
+    if parsed.kind == "chat":
+        default = config.admission.default_output_tokens
+        vllm_allows = room
+    else:
+        default = COMPLETIONS_DEFAULT_MAX_TOKENS
+        vllm_allows = room if explicit_null else COMPLETIONS_DEFAULT_MAX_TOKENS
+    if not config.admission.inject_default_output:
+        return (vllm_allows or default), None
+    budget = min(default, room) if room is not None else default
+    return budget, budget
 
 
-def upstream_body(counted: Counted, inject_output: bool) -> bytes | None:
+def upstream_body(counted: Counted) -> bytes | None:
     """The body to send, or None to forward the client's bytes unchanged."""
     body = counted.parsed.body
     changed = False
     if counted.parsed.model != counted.model.served_name:
         body["model"] = counted.model.served_name
         changed = True
-    if inject_output and counted.parsed.requested_output is None and counted.parsed.kind == "chat":
-        # vLLM's default for chat is "the rest of the context": cap it at what was
-        # reserved, or the reservation would not hold.
-        body[counted.parsed.output_field] = counted.output_tokens
+    if counted.injected_output is not None:
+        body[counted.parsed.output_field] = counted.injected_output
         changed = True
     return json.dumps(body, separators=(",", ":")).encode() if changed else None

@@ -122,15 +122,13 @@ async def _serve(state: GatewayState, ex: Exchange, kind: Kind) -> web.StreamRes
 async def _count_and_forward(state: GatewayState, ex: Exchange, kind: Kind) -> web.StreamResponse:
     cfg = state.config
     raw = await read_limited(ex.request, cfg.admission.max_body_bytes)
-    counted = await plan_request(
-        raw, kind, cfg, state.counters, state.calibration, state.fleet.block_size
-    )
+    counted = await plan_request(raw, kind, cfg, state.counters, state.calibration, state.fleet)
     ex.counted = counted
     rec = ex.record
     rec.model = counted.model.name
     rec.prompt_tokens = counted.prompt.total
     rec.stream = counted.parsed.stream
-    body = upstream_body(counted, cfg.admission.inject_default_output) or raw
+    body = upstream_body(counted) or raw
     return await _forward(state, ex, body)
 
 

@@ -22,12 +22,16 @@ MAX_RESPONSE_BYTES = 256 * 1024 * 1024
 
 def gateway_headers(ex: Exchange, r: Reservation) -> dict[str, str]:
     assert ex.counted is not None
-    return {
+    headers = {
         "x-request-id": ex.request_id,
         "x-gateway-backend": r.backend.name,
         "x-gateway-tier": r.backend.tier,
         "x-gateway-prompt-tokens": str(ex.counted.prompt.total),
     }
+    if ex.counted.injected_output is not None:
+        # The client left the output budget open; the node was sent this one.
+        headers["x-gateway-max-tokens"] = str(ex.counted.injected_output)
+    return headers
 
 
 def error_event(message: str, code: str) -> bytes:
@@ -35,13 +39,15 @@ def error_event(message: str, code: str) -> bytes:
     return b"data: " + err.body_bytes() + b"\n\ndata: [DONE]\n\n"
 
 
-def _reconcile(state: GatewayState, ex: Exchange, data: bytes) -> None:
+def _reconcile(state: GatewayState, ex: Exchange, r: Reservation, data: bytes) -> None:
     counted = ex.counted
     assert counted is not None
     usage = find_usage(data)
     if usage is not None and counted.prompt.prompts == 1:
         # vLLM reports the prompt once per request, whatever n is.
-        state.calibration.observe(counted.model.name, counted.prompt.total, usage.prompt_tokens)
+        state.calibration.observe(
+            r.backend.name, counted.model.name, counted.prompt.total, usage.prompt_tokens
+        )
 
 
 async def relay_body(
@@ -56,7 +62,7 @@ async def relay_body(
             f"Backend {r.backend.name} did not finish within the total timeout.", retryable=False
         ) from exc
     if resp.status == 200:
-        _reconcile(state, ex, data)
+        _reconcile(state, ex, r, data)
         ex.record.outcome = Outcome.OK
     else:
         ex.record.outcome = f"backend_{resp.status}"
@@ -116,7 +122,7 @@ async def relay_stream(
     elif rec.outcome == Outcome.PENDING:
         rec.outcome = Outcome.OK
         if b'"usage"' in last:
-            _reconcile(state, ex, last)
+            _reconcile(state, ex, r, last)
     await out.write_eof()
     return out
 

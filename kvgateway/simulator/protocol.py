@@ -238,9 +238,13 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
 
 def parse_completion(body: dict[str, Any]) -> GenerationRequest:
-    max_tokens = _opt_int(body, "max_tokens", 1)
+    echo = _bool(body, "echo")
+    # vLLM: max_tokens 0 is allowed with echo (the prompt back); it schedules one token.
+    max_tokens = _opt_int(body, "max_tokens", 0 if echo else 1)
     if "max_tokens" not in body:
         max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
+    elif max_tokens == 0:
+        max_tokens = 1
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of one

@@ -91,6 +91,8 @@ class PromptTokens:
     longest: int
     prompts: int
     encoded_chars: int = 0
+    # Each prompt's own count (a completions request may batch several).
+    each: tuple[int, ...] = ()
 
 
 class TextCountCache:
@@ -291,6 +293,7 @@ class PromptCounter:
             longest=max(per_prompt, default=0),
             prompts=len(per_prompt),
             encoded_chars=chars,
+            each=tuple(per_prompt),
         )
 
     def _encode_many(self, texts: list[str]) -> list[int]:
