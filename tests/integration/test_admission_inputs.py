@@ -129,7 +129,7 @@ async def test_tiny_chats_on_a_fixed_template_do_not_poison_a_long_prompt(
             }
             status, _, _ = await _post(s, fleet.url + "/v1/chat/completions", tiny)
             assert status == 200
-        status, headers, data = await _post(s, fleet.url + "/v1/chat/completions", big)
+        status, _, data = await _post(s, fleet.url + "/v1/chat/completions", big)
     assert status == 200, data
     assert fleet.state.calibration.ratio(MODEL) < 1.05
     state = await fleet.nodes["big-1"].state()
