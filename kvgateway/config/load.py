@@ -89,39 +89,64 @@ def _check_unique(names: list[str], where: str) -> None:
 
 
 def _server(s: Section) -> ServerConfig:
-    keys = list(s.str_list("api_keys"))
-    keys_file = s.opt_str("api_keys_file")
-    keys_env = s.opt_str("api_keys_env")
-    if keys_file:
-        keys.extend(_read_keys_file(keys_file, s.where("api_keys_file")))
-    if keys_env:
-        keys.extend(k for k in os.environ.get(keys_env, "").split(",") if k.strip())
+    keys = _keys(s, "api_keys")
+    admin_keys = _keys(s, "admin_api_keys")
+    d = ServerConfig()
     cfg = ServerConfig(
-        host=s.text("host", "127.0.0.1"),
-        port=s.integer("port", 8080, minimum=0),
-        api_keys=tuple(k.strip() for k in keys),
-        access_log=s.flag("access_log", True),
-        log_format=s.choice("log_format", ("text", "json"), "text"),
-        shutdown_grace_s=s.number("shutdown_grace_s", 30.0),
-        drain_delay_s=s.number("drain_delay_s", 0.0, exclusive_min=False),
+        host=s.text("host", d.host),
+        port=s.integer("port", d.port, minimum=0),
+        api_keys=keys,
+        admin_api_keys=admin_keys,
+        access_log=s.flag("access_log", d.access_log),
+        log_format=s.choice("log_format", ("text", "json"), d.log_format),
+        shutdown_grace_s=s.number("shutdown_grace_s", d.shutdown_grace_s),
+        drain_delay_s=s.number("drain_delay_s", d.drain_delay_s, exclusive_min=False),
+        keepalive_timeout_s=s.number("keepalive_timeout_s", d.keepalive_timeout_s),
+        body_timeout_s=s.number("body_timeout_s", d.body_timeout_s),
     )
     s.reject_unknown()
     return cfg
 
 
-def _read_keys_file(path: str, where: str) -> list[str]:
-    """One key per line (blank lines and # comments ignored), like an env file of secrets."""
+def _keys(s: Section, name: str) -> tuple[str, ...]:
+    """Keys from ``NAME``, ``NAME_file`` and ``NAME_env``; an empty or blank key is an
+    error naming where it came from (it would otherwise open the gateway to everyone)."""
+    found: list[tuple[str, str]] = [
+        (s.where(name) + f"[{i}]", k) for i, k in enumerate(s.str_list(name))
+    ]
+    keys_file = s.opt_str(f"{name}_file")
+    if keys_file:
+        found.extend(_read_keys_file(keys_file, s.where(f"{name}_file")))
+    keys_env = s.opt_str(f"{name}_env")
+    if keys_env:
+        raw = os.environ.get(keys_env)
+        if raw is None:
+            raise ConfigError(s.where(f"{name}_env"), f"environment variable {keys_env} is not set")
+        found.extend(
+            (f"{s.where(name + '_env')} (${keys_env} item {i + 1})", k)
+            for i, k in enumerate(raw.split(","))
+        )
+    for where, key in found:
+        if not key.strip():
+            raise ConfigError(where, "an empty API key would let any request in; remove it")
+    return tuple(k.strip() for _, k in found)
+
+
+def _read_keys_file(path: str, where: str) -> list[tuple[str, str]]:
+    """One key per line (blank lines and # comments ignored), or NAME=key lines like an env
+    file of secrets. Returns (where, key) pairs."""
     try:
         with open(os.path.expanduser(path), encoding="utf-8") as fh:
             lines = fh.read().splitlines()
     except OSError as exc:
         raise ConfigError(where, f"cannot read {path!r}: {exc.strerror}") from exc
     keys = []
-    for raw in lines:
+    for number, raw in enumerate(lines, start=1):
         line = raw.strip()
         if not line or line.startswith("#"):
             continue
-        keys.append(line.split("=", 1)[1].strip() if "=" in line else line)
+        key = line.split("=", 1)[1] if "=" in line else line
+        keys.append((f"{where} ({path} line {number})", key))
     return keys
 
 
@@ -155,13 +180,16 @@ def _model(s: Section) -> ModelConfig:
 
 
 def _admission(s: Section) -> AdmissionConfig:
+    d = AdmissionConfig()
     cfg = AdmissionConfig(
-        default_output_tokens=s.integer("default_output_tokens", 1024),
-        budget_fraction=s.number("budget_fraction", 0.95, maximum=1.0),
-        queue_timeout_s=s.number("queue_timeout_s", 10.0, exclusive_min=False),
-        queue_size=s.integer("queue_size", 1024, minimum=0),
-        max_body_bytes=s.integer("max_body_bytes", 32 * 1024 * 1024),
-        inject_default_output=s.flag("inject_default_output", True),
+        default_output_tokens=s.integer("default_output_tokens", d.default_output_tokens),
+        budget_fraction=s.number("budget_fraction", d.budget_fraction, maximum=1.0),
+        queue_timeout_s=s.number("queue_timeout_s", d.queue_timeout_s, exclusive_min=False),
+        queue_size=s.integer("queue_size", d.queue_size, minimum=0),
+        max_body_bytes=s.integer("max_body_bytes", d.max_body_bytes),
+        max_messages=s.integer("max_messages", d.max_messages),
+        max_content_parts=s.integer("max_content_parts", d.max_content_parts),
+        inject_default_output=s.flag("inject_default_output", d.inject_default_output),
     )
     s.reject_unknown()
     return cfg

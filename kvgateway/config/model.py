@@ -41,6 +41,9 @@ class AdmissionConfig:
     queue_timeout_s: float = 10.0
     queue_size: int = 1024
     max_body_bytes: int = 32 * 1024 * 1024
+    # Caps that keep one request from holding the event loop (clear 400 above them).
+    max_messages: int = 4096
+    max_content_parts: int = 8192
     # A chat request without max_tokens may generate up to the rest of the context on
     # vLLM; the gateway caps it at the reserved default so the reservation holds.
     inject_default_output: bool = True
@@ -120,12 +123,18 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8080
     api_keys: tuple[str, ...] = ()
+    # When set, /admin/* takes only these (client keys cannot read internal state).
+    admin_api_keys: tuple[str, ...] = ()
     access_log: bool = True
     log_format: str = "text"
     shutdown_grace_s: float = 30.0
     # Seconds /ready fails before the listener closes, so load balancers (a Kubernetes
     # Service) stop sending new connections first.
     drain_delay_s: float = 0.0
+    # A connection that sends no complete request for this long is closed (idle
+    # keep-alive and half-sent headers alike); a body must arrive within body_timeout_s.
+    keepalive_timeout_s: float = 15.0
+    body_timeout_s: float = 30.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -63,6 +63,9 @@ def create_app(
     app = web.Application(
         middlewares=[_request_id_middleware, _errors_middleware, _auth_middleware],
         client_max_size=config.admission.max_body_bytes,
+        # A connection with no complete request for this long (idle keep-alive, headers
+        # sent half-way) is closed: aiohttp's timer runs from the connection's start.
+        handler_args={"keepalive_timeout": config.server.keepalive_timeout_s},
     )
 
     async def runtime(app: web.Application) -> AsyncIterator[None]:
@@ -149,17 +152,29 @@ async def _errors_middleware(request: web.Request, handler: Handler) -> web.Stre
 @web.middleware
 async def _auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     state = request.app[STATE]
-    keys = state.config.server.api_keys
-    if keys and request.path not in _OPEN_PATHS:
-        header = request.headers.get("Authorization", "")
-        token = header[7:].strip() if header[:7].lower() == "bearer " else ""
-        # Compare against every key so timing does not reveal which prefix matched.
-        ok = False
-        for key in keys:
-            ok |= hmac.compare_digest(token.encode(), key.encode())
-        if not ok:
-            state.metrics.rejections.labels(reason="auth").inc()
-            raise Unauthorized(
-                "Incorrect API key provided. Send it as 'Authorization: Bearer <key>'."
-            )
+    server = state.config.server
+    path = request.path
+    if path in _OPEN_PATHS:
+        return await handler(request)
+    admin = path.startswith("/admin/")
+    keys = server.admin_api_keys if admin and server.admin_api_keys else server.api_keys
+    if keys and not _key_matches(request.headers.get("Authorization", ""), keys):
+        state.metrics.rejections.labels(reason="auth").inc()
+        raise Unauthorized(
+            "Incorrect API key provided. Send it as 'Authorization: Bearer <key>'."
+            + (" /admin/* takes an admin key." if admin and server.admin_api_keys else "")
+        )
     return await handler(request)
+
+
+def _key_matches(header: str, keys: tuple[str, ...]) -> bool:
+    token = header[7:].strip() if header[:7].lower() == "bearer " else ""
+    if not token:
+        return False  # an empty token never authenticates, whatever the config holds
+    # Header bytes that are not UTF-8 arrive as surrogate escapes: compare them as bytes.
+    given = token.encode("utf-8", "surrogateescape")
+    # Compare against every key so timing does not reveal which prefix matched.
+    ok = False
+    for key in keys:
+        ok |= hmac.compare_digest(given, key.encode())
+    return ok

@@ -8,6 +8,7 @@ naming the field instead of a reservation built on garbage.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -38,14 +39,38 @@ class ParsedRequest:
     echo_only: bool = False
 
 
-def parse_body(raw: bytes) -> dict[str, Any]:
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Caps that keep one request cheap to look at (``admission.max_*``)."""
+
+    max_messages: int = 4096
+    max_content_parts: int = 8192
+
+
+_ROLE_KEY = re.compile(rb'"role"\s*:')
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+def _no_constants(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def parse_body(raw: bytes, limits: Limits = Limits()) -> dict[str, Any]:
     if not raw.strip():
         raise BadRequest("The request body is empty; expected a JSON object.", code="invalid_json")
+    # Too many messages is refused before parsing: counting a key is far cheaper than
+    # building 800k message objects on the event loop.
+    if len(raw) > 64 * limits.max_messages and len(_ROLE_KEY.findall(raw)) > limits.max_messages:
+        raise _too_many("messages", limits.max_messages)
     try:
-        body = json.loads(raw)
+        body = json.loads(raw, parse_constant=_no_constants)
+    except RecursionError as exc:
+        raise BadRequest(
+            "The JSON body of your request is nested too deeply.", code="invalid_json"
+        ) from exc
     except (ValueError, UnicodeDecodeError) as exc:
         raise BadRequest(
-            f"We could not parse the JSON body of your request ({exc}). "
+            f"We could not parse the JSON body of your request ({_short(exc)}). "
             "The body must be valid JSON.",
             code="invalid_json",
         ) from exc
@@ -54,7 +79,34 @@ def parse_body(raw: bytes) -> dict[str, Any]:
             f"The request body must be a JSON object, got {type(body).__name__}.",
             code="invalid_json",
         )
+    if _SURROGATE_ESCAPE.search(raw):
+        # A lone surrogate cannot be encoded to count it: count U+FFFD in its place.
+        fixed: dict[str, Any] = _replace_lone_surrogates(body)
+        return fixed
     return body
+
+
+def _short(exc: Exception) -> str:
+    text = str(exc)
+    return text if len(text) <= 200 else text[:200] + "..."
+
+
+def _too_many(what: str, limit: int) -> BadRequest:
+    return BadRequest(
+        f"Too many {what} in one request: the limit is {limit}.",
+        param="messages",
+        code="too_many_" + what.replace(" ", "_"),
+    )
+
+
+def _replace_lone_surrogates(value: Any) -> Any:
+    if isinstance(value, str):
+        return value.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
+    if isinstance(value, list):
+        return [_replace_lone_surrogates(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _replace_lone_surrogates(v) for k, v in value.items()}
+    return value
 
 
 def _type_error(param: str, expected: str, value: Any) -> BadRequest:
@@ -107,7 +159,7 @@ def _common(body: dict[str, Any], kind: Kind) -> tuple[str, bool, int]:
     return model, bool(stream), n
 
 
-def parse_chat(body: dict[str, Any]) -> ParsedRequest:
+def parse_chat(body: dict[str, Any], limits: Limits = Limits()) -> ParsedRequest:
     model, stream, n = _common(body, "chat")
     if "messages" not in body:
         raise _missing("messages")
@@ -120,6 +172,9 @@ def parse_chat(body: dict[str, Any]) -> ParsedRequest:
             param="messages",
             code="empty_array",
         )
+    if len(messages) > limits.max_messages:
+        raise _too_many("messages", limits.max_messages)
+    parts = 0
     for i, msg in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(msg, dict):
@@ -139,6 +194,9 @@ def parse_chat(body: dict[str, Any]) -> ParsedRequest:
         if content is not None and not isinstance(content, str | list):
             raise _type_error(f"{where}.content", "a string or an array of parts", content)
         if isinstance(content, list):
+            parts += len(content)
+            if parts > limits.max_content_parts:
+                raise _too_many("content parts", limits.max_content_parts)
             for j, part in enumerate(content):
                 if not isinstance(part, dict) or not isinstance(part.get("type"), str):
                     raise _type_error(f"{where}.content[{j}]", "an object with a 'type'", part)

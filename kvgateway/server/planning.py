@@ -7,6 +7,7 @@ admission reserves); :func:`upstream_body` gives the bytes the node receives.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from dataclasses import dataclass
 from typing import Protocol
@@ -16,6 +17,7 @@ from kvgateway.core.demand import Demand, demand_tokens
 from kvgateway.errors import ModelNotFound
 from kvgateway.server.openai_request import (
     Kind,
+    Limits,
     ParsedRequest,
     parse_body,
     parse_chat,
@@ -23,9 +25,10 @@ from kvgateway.server.openai_request import (
 )
 from kvgateway.tokens.calibration import PromptCalibration
 from kvgateway.tokens.counters import TokenCounters
-from kvgateway.tokens.counting import PromptTokens, plan_chat, plan_completion
+from kvgateway.tokens.counting import CountPlan, PromptTokens, plan_chat, plan_completion
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's documented default
+OFF_LOOP_BYTES = 1024 * 1024
 
 
 class FleetView(Protocol):
@@ -56,20 +59,16 @@ async def plan_request(
     calibration: PromptCalibration,
     fleet: FleetView,
 ) -> Counted:
-    body = parse_body(raw)
-    parsed = parse_chat(body) if kind == "chat" else parse_completion(body)
-    model = config.resolve_model(parsed.model)
-    if model is None:
-        raise ModelNotFound(
-            f"The model `{parsed.model}` does not exist or you do not have access to it.",
-            param="model",
+    limits = Limits(config.admission.max_messages, config.admission.max_content_parts)
+    if len(raw) > OFF_LOOP_BYTES:
+        # Parsing and validating a large body takes milliseconds of Python: not on the loop.
+        loop = asyncio.get_running_loop()
+        parsed, model, plan, known = await loop.run_in_executor(
+            counters.executor, _parse, raw, kind, config, limits
         )
-    counter = counters.for_tokenizer(model.tokenizer)
-    if parsed.kind == "chat":
-        prompt = await counter.count(plan_chat(body, model.tokenizer))
     else:
-        plan, known = plan_completion(body["prompt"])
-        prompt = await counter.count(plan, known)
+        parsed, model, plan, known = _parse(raw, kind, config, limits)
+    prompt = await counters.for_tokenizer(model.tokenizer).count(plan, known)
     margin = model.tokenizer.estimate_margin
     each = [calibration.scaled(model.name, p, margin) for p in (prompt.each or (prompt.total,))]
     longest = max(each)
@@ -86,6 +85,23 @@ async def plan_request(
         ),
     )
     return Counted(model, parsed, prompt, output, demand, injected)
+
+
+def _parse(
+    raw: bytes, kind: Kind, config: GatewayConfig, limits: Limits
+) -> tuple[ParsedRequest, ModelConfig, CountPlan, list[int]]:
+    body = parse_body(raw, limits)
+    parsed = parse_chat(body, limits) if kind == "chat" else parse_completion(body)
+    model = config.resolve_model(parsed.model)
+    if model is None:
+        raise ModelNotFound(
+            f"The model `{parsed.model}` does not exist or you do not have access to it.",
+            param="model",
+        )
+    if parsed.kind == "chat":
+        return parsed, model, plan_chat(body, model.tokenizer), []
+    plan, known = plan_completion(body["prompt"])
+    return parsed, model, plan, known
 
 
 def output_budget(

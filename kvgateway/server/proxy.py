@@ -11,17 +11,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from dataclasses import replace
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from kvgateway.core.admission import Reservation
 from kvgateway.core.demand import Demand
 from kvgateway.errors import (
+    BadRequest,
     BodyTooLarge,
     ContextLengthExceeded,
     GatewayError,
     NoHealthyBackend,
+    RequestTimeout,
     ShuttingDown,
     UpstreamError,
     UpstreamTimeout,
@@ -34,17 +38,30 @@ from kvgateway.server.relay import error_event, relay_body, relay_stream
 from kvgateway.server.state import GatewayState
 from kvgateway.upstream.client import open_request, read_capped
 
+log = logging.getLogger("kvgateway.server.proxy")
+
 MAX_ATTEMPTS = 3
 REQUEST_ID = web.RequestKey("request_id", str)
 
 
-async def read_limited(request: web.Request, limit: int) -> bytes:
+async def read_limited(request: web.Request, limit: int, timeout: float) -> bytes:
+    """The whole body, at most ``limit`` bytes and within ``timeout`` seconds."""
     if request.content_length is not None and request.content_length > limit:
         raise BodyTooLarge(f"Request body is {request.content_length} bytes; the limit is {limit}.")
     try:
-        return await read_capped(request.content, limit)
+        async with asyncio.timeout(timeout):
+            return await read_capped(request.content, limit)
     except ValueError as exc:
         raise BodyTooLarge(f"Request body exceeds the limit of {limit} bytes.") from exc
+    except TimeoutError as exc:
+        raise RequestTimeout(
+            f"The request body did not arrive within {timeout:g}s.", code="request_timeout"
+        ) from exc
+    except HttpProcessingError as exc:
+        # A body that cannot be decoded (a broken gzip stream, bad chunking).
+        raise BadRequest(
+            f"The request body could not be read ({type(exc).__name__}).", code="invalid_body"
+        ) from exc
 
 
 def error_response(err: GatewayError, request_id: str) -> web.Response:
@@ -72,6 +89,8 @@ async def handle_completion(
     try:
         resp = await _serve(state, ex, kind)
         ex.record.status = resp.status
+        if state.draining and not resp.prepared:
+            resp.force_close()  # the gateway is leaving: the client reconnects elsewhere
         return resp
     except GatewayError as err:
         if isinstance(err, ContextLengthExceeded) and kind == "completion":
@@ -79,7 +98,10 @@ async def handle_completion(
         ex.record.status = err.status
         ex.record.outcome = err.code
         ex.rejection = err.rejection_reason
-        return error_response(err, rid)
+        resp = error_response(err, rid)
+        if state.draining:
+            resp.force_close()
+        return resp
     except ConnectionResetError:
         # The client went away between two writes, before aiohttp cancelled us. Nothing
         # can reach it; returning (not raising) keeps aiohttp from logging a traceback.
@@ -121,7 +143,7 @@ async def _serve(state: GatewayState, ex: Exchange, kind: Kind) -> web.StreamRes
 
 async def _count_and_forward(state: GatewayState, ex: Exchange, kind: Kind) -> web.StreamResponse:
     cfg = state.config
-    raw = await read_limited(ex.request, cfg.admission.max_body_bytes)
+    raw = await read_limited(ex.request, cfg.admission.max_body_bytes, cfg.server.body_timeout_s)
     counted = await plan_request(raw, kind, cfg, state.counters, state.calibration, state.fleet)
     ex.counted = counted
     rec = ex.record
@@ -212,8 +234,18 @@ def _note_failure(
     if b is None:
         return
     b.note_rejection(state.clock())
-    b.last_error = err.message
+    b.last_error = err.detail or err.message
     b.consecutive_failures += 1
-    if err.retryable and b.consecutive_failures >= state.config.health.eject_after_failures:
+    if (
+        b.healthy
+        and err.retryable
+        and b.consecutive_failures >= state.config.health.eject_after_failures
+    ):
         # Passive ejection: the health checker's next successful probe brings it back.
         b.healthy = False
+        log.warning(
+            "backend %s ejected after %d failed requests in a row: %s",
+            b.name,
+            b.consecutive_failures,
+            err.detail or err.message,
+        )

@@ -146,9 +146,10 @@ async def open_request(
             if resp.status >= 500:
                 detail = await _read_bounded(resp)
                 raise UpstreamError(
-                    f"Backend {backend.name} answered HTTP {resp.status}: {detail[:300]}",
+                    f"Backend {backend.name} answered HTTP {resp.status}.",
                     code=f"upstream_{resp.status}",
                     retryable=True,
+                    detail=f"HTTP {resp.status}: {detail[:300]}",
                 )
             return UpstreamResponse(resp, backend.name)
     except TimeoutError as exc:
@@ -162,12 +163,14 @@ async def open_request(
             f"Could not reach backend {backend.name}: {exc.__class__.__name__}",
             code="upstream_connect",
             retryable=True,
+            detail=f"{exc.__class__.__name__}: {exc}",
         ) from exc
     except aiohttp.ClientError as exc:
         raise UpstreamError(
-            f"Backend {backend.name} failed: {exc.__class__.__name__}: {exc}",
+            f"Backend {backend.name} failed: {exc.__class__.__name__}",
             code="upstream_connect",
             retryable=True,
+            detail=f"{exc.__class__.__name__}: {exc}",
         ) from exc
     except BaseException:
         if resp is not None:
@@ -214,7 +217,9 @@ async def sse_events(resp: aiohttp.ClientResponse, idle_s: float) -> AsyncIterat
         except TimeoutError as exc:
             raise MidStreamError("timeout", f"the backend sent nothing for {idle_s:g}s") from exc
         except (aiohttp.ClientError, ConnectionError) as exc:
-            raise MidStreamError("reset", f"the backend connection broke ({exc})") from exc
+            raise MidStreamError(
+                "reset", f"the backend connection broke ({exc.__class__.__name__})"
+            ) from exc
         if not chunk:
             if pending.strip():
                 yield pending + b"\n\n"
