@@ -65,7 +65,12 @@ def create_app(
         client_max_size=config.admission.max_body_bytes,
         # A connection with no complete request for this long (idle keep-alive, headers
         # sent half-way) is closed: aiohttp's timer runs from the connection's start.
-        handler_args={"keepalive_timeout": config.server.keepalive_timeout_s},
+        # After an answer sent before the body was read (413, 408, a broken body), wait
+        # at most a second for the rest of it, then close.
+        handler_args={
+            "keepalive_timeout": config.server.keepalive_timeout_s,
+            "lingering_time": 1.0,
+        },
     )
 
     async def runtime(app: web.Application) -> AsyncIterator[None]:

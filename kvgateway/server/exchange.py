@@ -54,6 +54,7 @@ class Exchange:
     record: AccessRecord
     started: float
     counted: Counted | None = None
+    body_read: bool = False
     # Every admission of this request (one per attempt), in order.
     admissions: list[tuple[str, str, float]] = field(default_factory=list)  # tier, reason, queued_s
     failures: list[Failure] = field(default_factory=list)

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import json
 import logging
+from typing import Any
 
 from aiohttp import web
-from aiohttp.web_protocol import RequestHandler
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestHandler, RequestPayloadError
 from aiohttp.web_request import BaseRequest
 
 log = logging.getLogger("kvgateway.server.protocol")
@@ -68,8 +70,25 @@ class _GatewayServer(web.Server):
         return _GatewayRequestHandler(self, loop=self._loop, **self._kwargs)
 
 
+class _AnsweredPayloadErrors(logging.Filter):
+    """aiohttp reads what is left of a request body after the answer; a body that cannot
+    be decoded (broken gzip, bad chunking) fails again there and would be logged with a
+    traceback, though the client already got its 400. Those records are dropped."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not isinstance(exc, HttpProcessingError | RequestPayloadError)
+
+
+_PAYLOAD_FILTER = _AnsweredPayloadErrors()
+
+
 class GatewayRunner(web.AppRunner):
     """An ``AppRunner`` whose connections answer unparsable requests as described above."""
+
+    def __init__(self, app: web.Application, **kwargs: Any) -> None:
+        super().__init__(app, **kwargs)
+        logging.getLogger("aiohttp.server").addFilter(_PAYLOAD_FILTER)  # a set: added once
 
     async def _make_server(self) -> web.Server:
         server = await super()._make_server()

@@ -16,6 +16,7 @@ from dataclasses import replace
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 
 from kvgateway.core.admission import Reservation
 from kvgateway.core.demand import Demand
@@ -57,7 +58,7 @@ async def read_limited(request: web.Request, limit: int, timeout: float) -> byte
         raise RequestTimeout(
             f"The request body did not arrive within {timeout:g}s.", code="request_timeout"
         ) from exc
-    except HttpProcessingError as exc:
+    except (HttpProcessingError, RequestPayloadError) as exc:
         # A body that cannot be decoded (a broken gzip stream, bad chunking).
         raise BadRequest(
             f"The request body could not be read ({type(exc).__name__}).", code="invalid_body"
@@ -99,7 +100,8 @@ async def handle_completion(
         ex.record.outcome = err.code
         ex.rejection = err.rejection_reason
         resp = error_response(err, rid)
-        if state.draining:
+        if state.draining or not ex.body_read:
+            # Leaving, or the body was not (fully) read: this connection cannot go on.
             resp.force_close()
         return resp
     except ConnectionResetError:
@@ -144,6 +146,7 @@ async def _serve(state: GatewayState, ex: Exchange, kind: Kind) -> web.StreamRes
 async def _count_and_forward(state: GatewayState, ex: Exchange, kind: Kind) -> web.StreamResponse:
     cfg = state.config
     raw = await read_limited(ex.request, cfg.admission.max_body_bytes, cfg.server.body_timeout_s)
+    ex.body_read = True
     counted = await plan_request(raw, kind, cfg, state.counters, state.calibration, state.fleet)
     ex.counted = counted
     rec = ex.record

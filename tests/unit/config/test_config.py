@@ -118,3 +118,24 @@ def test_example_config_documents_every_setting():
             if name not in keys:
                 missing.append(f"{cls.__name__}.{f.name}")
     assert not missing, missing
+
+
+def test_empty_or_blank_keys_are_start_up_errors_naming_their_source(tmp_path, monkeypatch):
+    import pytest as _pytest
+
+    base = "models: [{name: m}]\ntiers: [{name: t, backends: [{name: a, url: 'http://h:1', model: m}]}]\n"
+    with _pytest.raises(ConfigError) as err:
+        parse_config_text('server: {api_keys: ["  "]}\n' + base)
+    assert "server.api_keys[0]" in str(err.value)
+    keys = tmp_path / "keys.env"
+    keys.write_text("# keys\nTEAM_A=sk-a\nTEAM_B=\n")
+    with _pytest.raises(ConfigError) as err:
+        parse_config_text(f"server: {{api_keys_file: {keys}}}\n" + base)
+    assert "server.api_keys_file" in str(err.value) and "line 3" in str(err.value)
+    monkeypatch.setenv("GW_KEYS", "sk-1,,sk-2")
+    with _pytest.raises(ConfigError) as err:
+        parse_config_text("server: {api_keys_env: GW_KEYS}\n" + base)
+    assert "GW_KEYS" in str(err.value)
+    monkeypatch.setenv("GW_KEYS", "sk-1, sk-2")
+    cfg = parse_config_text("server: {api_keys_env: GW_KEYS, admin_api_keys: [adm]}\n" + base)
+    assert cfg.server.api_keys == ("sk-1", "sk-2") and cfg.server.admin_api_keys == ("adm",)
