@@ -75,6 +75,7 @@ def create_app(
 
     async def runtime(app: web.Application) -> AsyncIterator[None]:
         pool = ThreadPoolExecutor(max_workers=count_workers, thread_name_prefix="gateway-count")
+        huge = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gateway-count-huge")
         session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=30),
             auto_decompress=False,
@@ -82,7 +83,7 @@ def create_app(
         )
         try:
             state = GatewayState(
-                config, fleet, metrics, TokenCounters(encodings, pool), session, clock=clock
+                config, fleet, metrics, TokenCounters(encodings, pool, huge), session, clock=clock
             )
             monitor = Monitor(
                 fleet=fleet,
@@ -103,6 +104,7 @@ def create_app(
         finally:
             await session.close()
             pool.shutdown(wait=False, cancel_futures=True)
+            huge.shutdown(wait=False, cancel_futures=True)
 
     app.cleanup_ctx.append(runtime)
 

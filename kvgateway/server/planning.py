@@ -68,11 +68,13 @@ async def plan_request(
         )
     else:
         parsed, model, plan, known = _parse(raw, kind, config, limits)
-    prompt = await counters.for_tokenizer(model.tokenizer).count(plan, known)
+    # Counting stops once the prompt is past the largest context on offer: it is refused.
+    largest = fleet.largest_context(model.name)
+    prompt = await counters.for_tokenizer(model.tokenizer).count(plan, known, largest or None)
     margin = model.tokenizer.estimate_margin
     each = [calibration.scaled(model.name, p, margin) for p in (prompt.each or (prompt.total,))]
     longest = max(each)
-    output, injected = output_budget(parsed, config, longest, fleet.largest_context(model.name))
+    output, injected = output_budget(parsed, config, longest, largest)
     demand = Demand(
         model=model.name,
         prompt_tokens=sum(each),

@@ -17,6 +17,9 @@ class TokenCounters:
 
     encodings: EncodingCache
     executor: Executor
+    # Where prompts above HUGE_CHARS are counted (one thread: they queue behind each other,
+    # not in front of everyone else's).
+    huge_executor: Executor | None = None
     cache_chars: int = 32 * 1024 * 1024
     inline_chars: int = 24_000
     _by_spec: dict[EncodingSpec, PromptCounter] = field(default_factory=dict)
@@ -31,6 +34,7 @@ class TokenCounters:
                 self.executor,
                 inline_chars=self.inline_chars,
                 chunked=spec.chunk_safe,
+                huge_executor=self.huge_executor,
             )
             self._by_spec[spec] = counter
         return counter
