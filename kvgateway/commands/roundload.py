@@ -1,0 +1,378 @@
+"""The load of ``gateway round``: measure one vLLM node under a ladder of concurrencies, as one round.
+
+For each concurrency ``c`` of the ladder, ``c`` clients run a closed loop (each sends its
+next request as soon as the last one ends) of streamed ``/v1/completions`` requests with
+exactly ``--prompt-tokens`` prompt token ids (random ids, so no prefix is shared) and
+``--output-tokens`` output tokens (``ignore_eos``). At the step's end the requests still
+running are cut off (the node aborts them) and the node is given a moment to drain, so
+every step starts from an empty engine. The node's own counters give generated tokens and
+preemptions; ``/metrics`` is sampled for the peak KV usage. The ladder stops at the first
+step that preempts, times out, or fails every request; all waits are bounded.
+
+TTFT percentiles are over the requests that got a first token, plus those cut off while
+waiting longer than the slowest first token seen (as lower bounds), so an overloaded step
+does not look fast because its slowest requests never answered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import json
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from kvgateway.capacity.logparse import parse_vllm_log
+from kvgateway.commands.roundstats import (
+    GENERATION_TOKENS,
+    NodeLimits,
+    Round,
+    StepResult,
+    cache_labels,
+    counter_total,
+    default_ladder,
+    default_output_tokens,
+    default_prompt_tokens,
+    flags_from_log,
+    log_summary,
+    percentile,
+    stop_reason,
+)
+from kvgateway.core.limits import usable_tokens
+from kvgateway.upstream.vllm_metrics import parse_node_metrics
+
+_PROBE_TIMEOUT_S = 10.0
+_DRAIN_WALL_S = 10.0
+_ERROR_PAUSE_S = 0.01
+_TOKEN_ID_RANGE = (1_000, 30_000)  # inside every common vocabulary
+
+
+class RoundError(Exception):
+    """The node cannot be measured (unreachable, no model, no KV figures)."""
+
+
+@dataclass(frozen=True, slots=True)
+class LoadShape:
+    ladder: tuple[int, ...]
+    prompt_tokens: int
+    output_tokens: int
+    duration_s: float  # node seconds per step
+    timeout_s: float  # node seconds without a token before a request counts as timed out
+    time_scale: float = 1.0
+    seed: int = 0
+
+
+@dataclass(slots=True)
+class _StepTally:
+    requests: int = 0
+    completed: int = 0
+    bad_requests: int = 0
+    errors: int = 0
+    timeouts: int = 0
+    streamed_tokens: int = 0
+    ttfts: list[float] = field(default_factory=list)
+    waiting_cut: list[float] = field(default_factory=list)  # cut off before a first token
+    peak_usage: float | None = None
+
+
+class NodeClient:
+    """The node's HTTP surface, each call bounded."""
+
+    def __init__(self, session: aiohttp.ClientSession, url: str) -> None:
+        self.session = session
+        self.url = url.rstrip("/")
+
+    async def get_text(self, path: str) -> str:
+        try:
+            async with asyncio.timeout(_PROBE_TIMEOUT_S):
+                async with self.session.get(self.url + path) as resp:
+                    if resp.status != 200:
+                        raise RoundError(f"{self.url}{path}: HTTP {resp.status}")
+                    return await resp.text()
+        except TimeoutError as exc:
+            raise RoundError(f"{self.url}{path}: no answer in {_PROBE_TIMEOUT_S:g}s") from exc
+        except aiohttp.ClientError as exc:
+            raise RoundError(f"{self.url}{path}: {exc.__class__.__name__}: {exc}") from exc
+
+    async def limits(self) -> NodeLimits:
+        models = json.loads(await self.get_text("/v1/models")).get("data") or []
+        first = models[0] if models and isinstance(models[0], dict) else {}
+        model, mml = first.get("id"), first.get("max_model_len")
+        if not isinstance(model, str) or not isinstance(mml, int):
+            raise RoundError(f"{self.url}/v1/models: no model with a max_model_len")
+        text = await self.get_text("/metrics")
+        metrics = parse_node_metrics(text)
+        if metrics.num_gpu_blocks is None or not metrics.block_size:
+            raise RoundError(f"{self.url}/metrics: no vllm:cache_config_info num_gpu_blocks")
+        labels = cache_labels(text)
+        util = labels.get("gpu_memory_utilization")
+        return NodeLimits(
+            model=model,
+            max_model_len=mml,
+            num_gpu_blocks=metrics.num_gpu_blocks,
+            block_size=metrics.block_size,
+            kv_tokens=usable_tokens(metrics.num_gpu_blocks, metrics.block_size),
+            cache_dtype=labels.get("cache_dtype"),
+            gpu_memory_utilization=float(util) if util else None,
+        )
+
+    async def counters(self) -> tuple[float, float | None, float]:
+        """(preemptions, generated tokens or None, requests in the engine)."""
+        text = await self.get_text("/metrics")
+        m = parse_node_metrics(text)
+        return (
+            m.preemptions or 0.0,
+            counter_total(text, GENERATION_TOKENS),
+            ((m.running or 0.0) + (m.waiting or 0.0)),
+        )
+
+    async def kv_usage(self) -> float | None:
+        return parse_node_metrics(await self.get_text("/metrics")).kv_usage
+
+
+def _event_kind(line: bytes, seen_token: bool) -> str | None:
+    """ "token", "done", "error" or None for one SSE line; after the first token only the
+    end and errors matter, so the JSON is not parsed again."""
+    if not line.startswith(b"data:"):
+        return None
+    payload = line[5:].strip()
+    if payload == b"[DONE]":
+        return "done"
+    if seen_token:
+        return "error" if payload.startswith(b'{"error"') else "token"
+    try:
+        event = json.loads(payload)
+    except ValueError:
+        return "error"
+    if not isinstance(event, dict) or "error" in event:
+        return "error"
+    for choice in event.get("choices") or ():
+        if isinstance(choice, dict) and (
+            choice.get("text") or (choice.get("delta") or {}).get("content")
+        ):
+            return "token"
+    return None
+
+
+async def _one_request(
+    node: NodeClient, body: dict[str, Any], tally: _StepTally, deadline: float, idle_s: float
+) -> None:
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    got_first = False
+    cut = asyncio.timeout_at(deadline)
+    try:
+        async with cut, node.session.post(f"{node.url}/v1/completions", json=body) as resp:
+            if resp.status != 200:
+                await resp.read()
+                if resp.status == 400:
+                    tally.bad_requests += 1
+                else:
+                    tally.errors += 1
+                await asyncio.sleep(_ERROR_PAUSE_S)
+                return
+            while True:
+                async with asyncio.timeout(idle_s):
+                    line = await resp.content.readline()
+                if not line:
+                    tally.errors += 1  # the stream ended without [DONE]
+                    return
+                kind = _event_kind(line, got_first)
+                if kind == "token":
+                    tally.streamed_tokens += 1
+                    if not got_first:
+                        got_first = True
+                        tally.ttfts.append(loop.time() - start)
+                elif kind == "done":
+                    tally.completed += 1
+                    return
+                elif kind == "error":
+                    tally.errors += 1
+                    return
+    except TimeoutError:
+        if not cut.expired():
+            tally.timeouts += 1
+        elif not got_first:
+            tally.waiting_cut.append(loop.time() - start)
+    except (aiohttp.ClientError, ConnectionError):
+        tally.errors += 1
+        await asyncio.sleep(_ERROR_PAUSE_S)
+
+
+async def _client(
+    node: NodeClient,
+    make_body: Callable[[], dict[str, Any]],
+    tally: _StepTally,
+    deadline: float,
+    idle_s: float,
+) -> None:
+    loop = asyncio.get_running_loop()
+    while loop.time() < deadline:
+        tally.requests += 1
+        await _one_request(node, make_body(), tally, deadline, idle_s)
+
+
+async def _sample_kv(node: NodeClient, tally: _StepTally, deadline: float, every: float) -> None:
+    loop = asyncio.get_running_loop()
+    while loop.time() < deadline:
+        try:
+            usage = await node.kv_usage()
+        except RoundError:
+            usage = None  # a missed sample; the step goes on
+        if usage is not None:
+            tally.peak_usage = usage if tally.peak_usage is None else max(tally.peak_usage, usage)
+        await asyncio.sleep(min(every, max(0.0, deadline - loop.time())))
+
+
+async def _drain(node: NodeClient) -> None:
+    """Wait (bounded) until the node has no request left from the step."""
+    loop = asyncio.get_running_loop()
+    until = loop.time() + _DRAIN_WALL_S
+    while loop.time() < until:
+        if (await node.counters())[2] == 0:
+            return
+        await asyncio.sleep(0.02)
+
+
+def _body_factory(model: str, shape: LoadShape, rng: random.Random) -> Callable[[], dict[str, Any]]:
+    lo, hi = _TOKEN_ID_RANGE
+
+    def make() -> dict[str, Any]:
+        return {
+            "model": model,
+            "prompt": [rng.randrange(lo, hi) for _ in range(shape.prompt_tokens)],
+            "max_tokens": shape.output_tokens,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+
+    return make
+
+
+async def run_step(
+    node: NodeClient, shape: LoadShape, concurrency: int, make_body: Callable[[], dict[str, Any]]
+) -> StepResult:
+    loop = asyncio.get_running_loop()
+    scale = shape.time_scale
+    pre0, gen0, _ = await node.counters()
+    wall = shape.duration_s / scale
+    start = loop.time()
+    deadline = start + wall
+    tally = _StepTally()
+    idle_s = shape.timeout_s / scale
+    async with asyncio.TaskGroup() as tg:
+        for i in range(concurrency):
+            tg.create_task(
+                _client(node, make_body, tally, deadline, idle_s), name=f"round-client-{i}"
+            )
+        tg.create_task(_sample_kv(node, tally, deadline, wall / 20), name="round-kv-sampler")
+    elapsed = (loop.time() - start) * scale
+    pre1, gen1, _ = await node.counters()
+    await _drain(node)
+    tokens = gen1 - gen0 if gen0 is not None and gen1 is not None else tally.streamed_tokens
+    slowest = max(tally.ttfts, default=0.0)
+    ttfts = [t * scale for t in (*tally.ttfts, *(w for w in tally.waiting_cut if w > slowest))]
+    p50, p99 = percentile(ttfts, 50), percentile(ttfts, 99)
+    return StepResult(
+        concurrency=concurrency,
+        requests=tally.requests,
+        completed=tally.completed,
+        ttft_p50_s=None if p50 is None else round(p50, 4),
+        ttft_p99_s=None if p99 is None else round(p99, 4),
+        tokens_per_s=round(tokens / elapsed, 1) if elapsed > 0 else 0.0,
+        preemptions=round(pre1 - pre0),
+        peak_kv_usage=None if tally.peak_usage is None else round(tally.peak_usage, 4),
+        bad_requests=tally.bad_requests,
+        errors=tally.errors,
+        timeouts=tally.timeouts,
+    )
+
+
+def describe_step(step: StepResult) -> str:
+    def secs(v: float | None) -> str:
+        return "-" if v is None else f"{v:.2f}s"
+
+    usage = "-" if step.peak_kv_usage is None else f"{step.peak_kv_usage:.0%}"
+    failed = step.bad_requests + step.errors + step.timeouts
+    return (
+        f"{step.concurrency:>4} concurrent: {step.requests} requests ({step.completed} done), "
+        f"TTFT p50 {secs(step.ttft_p50_s)} p99 {secs(step.ttft_p99_s)}, "
+        f"{step.tokens_per_s:,.0f} tok/s, {step.preemptions} preemptions, KV peak {usage}"
+        + (f", {failed} failed" if failed else "")
+    )
+
+
+async def measure_round(
+    url: str,
+    name: str,
+    *,
+    ladder: Sequence[int] | None,
+    prompt_tokens: int | None,
+    output_tokens: int | None,
+    duration_s: float,
+    timeout_s: float,
+    time_scale: float = 1.0,
+    log_text: str | None = None,
+    seed: int = 0,
+    progress: Callable[[str], None] = lambda line: None,
+) -> Round:
+    """Read the node's limits, then climb the ladder until it preempts or times out."""
+    timeout = aiohttp.ClientTimeout(sock_connect=_PROBE_TIMEOUT_S)
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        node = NodeClient(session, url)
+        limits = await node.limits()
+        prompt = prompt_tokens or default_prompt_tokens(limits.max_model_len)
+        output = output_tokens or default_output_tokens(limits.max_model_len, prompt)
+        steps = tuple(ladder or default_ladder(limits.kv_tokens, prompt + output))
+        shape = LoadShape(steps, prompt, output, duration_s, timeout_s, time_scale, seed)
+        progress(
+            f"round {name}: {limits.model} at {node.url}: max_model_len "
+            f"{limits.max_model_len}, KV {limits.kv_tokens:,} tokens "
+            f"({limits.num_gpu_blocks} blocks x {limits.block_size}); "
+            f"{prompt}+{output} tokens per request, {duration_s:g}s per step, "
+            f"ladder {','.join(map(str, steps))}"
+        )
+        make_body = _body_factory(limits.model, shape, random.Random(seed))
+        results: list[StepResult] = []
+        stopped = None
+        for c in steps:
+            step = await run_step(node, shape, c, make_body)
+            results.append(step)
+            progress(describe_step(step))
+            stopped = stop_reason(step)
+            if stopped:
+                progress(f"stopping: {stopped}")
+                break
+    facts = parse_vllm_log(log_text) if log_text is not None else None
+    passed = flags_from_log(log_text or "")
+    return Round(
+        name=name,
+        url=node.url,
+        started_at=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        limits=limits,
+        flags=_effective_flags(limits, passed),
+        passed_flags=passed,
+        prompt_tokens=prompt,
+        output_tokens=output,
+        duration_s=duration_s,
+        steps=tuple(results),
+        log=log_summary(facts) if facts is not None and not facts.is_empty else None,
+        stopped=stopped,
+    )
+
+
+def _effective_flags(limits: NodeLimits, logged: dict[str, Any]) -> dict[str, Any]:
+    """What the node says it runs with, over what its log says was passed."""
+    flags = dict(logged)
+    flags["max_model_len"] = limits.max_model_len
+    if limits.cache_dtype is not None:
+        flags["kv_cache_dtype"] = limits.cache_dtype
+    if limits.gpu_memory_utilization is not None:
+        flags["gpu_memory_utilization"] = limits.gpu_memory_utilization
+    return flags
