@@ -275,7 +275,8 @@ async def run_step(
     pre1, gen1, _ = await node.counters()
     await _drain(node)
     tokens = gen1 - gen0 if gen0 is not None and gen1 is not None else tally.streamed_tokens
-    slowest = max(tally.ttfts, default=0.0)
+    # Cut-off waits count only beside real first tokens (a step of 400s has no TTFT).
+    slowest = max(tally.ttfts, default=float("inf"))
     ttfts = [t * scale for t in (*tally.ttfts, *(w for w in tally.waiting_cut if w > slowest))]
     p50, p99 = percentile(ttfts, 50), percentile(ttfts, 99)
     return StepResult(

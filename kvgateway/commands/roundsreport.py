@@ -1,8 +1,8 @@
 """Rounds side by side: a table, a verdict per change and the next step of the plan.
 
 Pure (``gateway rounds`` prints). A change is judged by two numbers: the best generated
-tokens/s a round reached without preempting, and the concurrency at which preemptions
-start. More of the first is a real improvement; a later start with the same best
+tokens/s a round reached at any step (steps with timeouts excluded), and the concurrency
+at which preemptions start. More of the first is a real improvement; a later start with the same best
 throughput only moved the out-of-KV point to a higher concurrency. The next step follows
 ``gateway plan``'s order (:data:`~kvgateway.capacity.advice.PLAN_ORDER`): the first step
 whose flags no round has touched yet.
@@ -60,8 +60,9 @@ def clean(step: StepResult) -> bool:
     return step.preemptions == 0 and step.timeouts == 0
 
 
-def best_clean(r: Round) -> StepResult | None:
-    steps = [s for s in r.steps if clean(s)]
+def best_step(r: Round) -> StepResult | None:
+    """The step with the most generated tokens/s; steps with timeouts do not count."""
+    steps = [s for s in r.steps if s.timeouts == 0]
     return max(steps, key=lambda s: s.tokens_per_s, default=None)
 
 
@@ -103,7 +104,7 @@ def verdict(before: Round, after: Round) -> Verdict:
         if sa.ttft_p99_s is not None and sb.ttft_p99_s is not None:
             parts.append(f"TTFT p99 {sa.ttft_p99_s:.2f}s -> {sb.ttft_p99_s:.2f}s")
     parts.append(_onset_sentence(before, after))
-    ba, bb = best_clean(before), best_clean(after)
+    ba, bb = best_step(before), best_step(after)
     kind, summary = _judge(before, after, ba, bb)
     what = "; ".join(changed) if changed else "no flag change recorded"
     sentence = f"{after.name} vs {before.name} ({what}): " + ", ".join(parts) + f". {summary}"
@@ -114,17 +115,17 @@ def _judge(
     before: Round, after: Round, ba: StepResult | None, bb: StepResult | None
 ) -> tuple[str, str]:
     if bb is None and ba is None:
-        return "flat", "Neither round had a step without preemption: no throughput to compare."
+        return "flat", "Both rounds timed out at every step: no throughput to compare."
     if bb is None:
-        return "worse", "Worse: every step of this round preempted or timed out."
+        return "worse", "Worse: every step of this round timed out."
     if ba is None:
         return "better", (
-            f"Better: {bb.tokens_per_s:,.0f} tokens/s at {bb.concurrency} concurrent "
-            "without preemption, where the previous round preempted at every step."
+            f"Better: {bb.tokens_per_s:,.0f} tokens/s at {bb.concurrency} concurrent, where "
+            "the previous round timed out at every step."
         )
     best = (
-        f"best tokens/s without preemption {ba.tokens_per_s:,.0f} ({ba.concurrency} "
-        f"concurrent) -> {bb.tokens_per_s:,.0f} ({bb.concurrency} concurrent)"
+        f"best tokens/s {ba.tokens_per_s:,.0f} ({ba.concurrency} concurrent) -> "
+        f"{bb.tokens_per_s:,.0f} ({bb.concurrency} concurrent)"
     )
     gain = (bb.tokens_per_s - ba.tokens_per_s) / ba.tokens_per_s if ba.tokens_per_s else 0.0
     if gain >= FLAT:

@@ -113,8 +113,8 @@ def stop_reason(step: StepResult) -> str | None:
         return f"the node preempted {step.preemptions} time(s) at {c} concurrent"
     if step.timeouts > 0:
         return f"{step.timeouts} request(s) timed out at {c} concurrent"
-    if step.requests and step.bad_requests + step.errors >= step.requests:
-        return f"every request failed at {c} concurrent (400s or errors)"
+    if step.completed == 0 and step.bad_requests + step.errors > 0:
+        return f"no request succeeded at {c} concurrent (400s or errors)"
     return None
 
 

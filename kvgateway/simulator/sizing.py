@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from kvgateway.capacity.arch import KV_DTYPE_ALIASES
 from kvgateway.capacity.errors import CapacityConfigError
 from kvgateway.capacity.estimate import CapacityEstimate, estimate
 from kvgateway.capacity.memory import (
@@ -125,7 +126,7 @@ def size_node(
     spec = dataclasses.replace(
         base,
         gpu_memory_utilization=flags.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION,
-        kv_cache_dtype=flags.kv_cache_dtype,
+        kv_cache_dtype=KV_DTYPE_ALIASES.get(flags.kv_cache_dtype, flags.kv_cache_dtype),
         weights_gib=resident_gib if flags.cpu_offload_gb else None,
         max_model_len=flags.max_model_len,
         max_num_seqs=flags.max_num_seqs,

@@ -1,0 +1,131 @@
+"""`gateway round` against simulated nodes on loopback: limits, log, ladder, the file."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Awaitable, Callable
+
+from aiohttp.test_utils import TestServer
+
+from kvgateway.cli import main
+from kvgateway.commands.roundload import measure_round
+from kvgateway.commands.roundstats import rounds_from_json
+from kvgateway.simulator.profiles import TINY
+from kvgateway.simulator.server import create_app
+from kvgateway.simulator.settings import NodeSettings
+from kvgateway.simulator.sizing import ServeFlags, size_node
+from kvgateway.tokens.encoding import EncodingCache
+
+Server = Callable[..., Awaitable[TestServer]]
+
+
+async def _serve(aiohttp_server: Server, settings: NodeSettings, enc: EncodingCache) -> str:
+    server = await aiohttp_server(create_app(settings, encodings=enc))
+    return str(server.make_url("")).rstrip("/")
+
+
+async def test_round_reads_the_nodes_own_kv_tokens_and_log(
+    aiohttp_server: Server, encodings: EncodingCache
+) -> None:
+    sized = size_node("qwen3-8b", 24, ServeFlags(max_model_len=26624, max_num_seqs=12))
+    settings = dataclasses.replace(sized.settings, time_scale=200.0, seed=1)
+    url = await _serve(aiohttp_server, settings, encodings)
+    lines: list[str] = []
+    r = await measure_round(
+        url,
+        "r1",
+        ladder=(1, 2),
+        prompt_tokens=256,
+        output_tokens=16,
+        duration_s=4.0,
+        timeout_s=30.0,
+        time_scale=200.0,
+        log_text="\n".join(sized.log),
+        progress=lines.append,
+    )
+    # The node's own figure, which is also the planner's for these flags.
+    assert r.limits.kv_tokens == settings.kv_tokens == sized.estimate.kv_cache_tokens
+    assert r.limits.kv_tokens == (settings.num_gpu_blocks - 1) * settings.block_size
+    assert r.limits.max_model_len == 26624
+    assert r.flags["max_num_seqs"] == 12 and r.passed_flags == {
+        "max_model_len": 26624,
+        "max_num_seqs": 12,
+    }
+    assert r.log is not None and r.log.kv_cache_memory_gib == round(
+        sized.estimate.kv_pool_bytes / 2**30, 2
+    )
+    pool = sized.estimate.pool
+    peak = (pool.weights_bytes + pool.activation_bytes + pool.overhead_bytes) / 2**30
+    assert r.log.peak_memory_gib is not None and abs(r.log.peak_memory_gib - peak) < 0.02
+    assert [s.concurrency for s in r.steps] == [1, 2] and r.stopped is None
+    for step in r.steps:
+        assert step.completed > 0 and step.preemptions == 0
+        assert step.ttft_p50_s is not None and step.ttft_p50_s > 0
+        assert step.tokens_per_s > 0
+        assert step.bad_requests == step.errors == step.timeouts == 0
+    assert "KV 40,240 tokens" in lines[0]
+
+
+async def test_ladder_stops_at_the_first_preempting_step(
+    aiohttp_server: Server, encodings: EncodingCache
+) -> None:
+    # 1,024 usable KV tokens: four 100+100 requests fit, eight do not once they decode.
+    settings = dataclasses.replace(TINY, time_scale=20.0, seed=1)
+    url = await _serve(aiohttp_server, settings, encodings)
+    r = await measure_round(
+        url,
+        "tiny",
+        ladder=(1, 2, 4, 8, 16),
+        prompt_tokens=100,
+        output_tokens=100,
+        duration_s=3.0,
+        timeout_s=30.0,
+        time_scale=20.0,
+    )
+    assert [s.concurrency for s in r.steps] == [1, 2, 4, 8]
+    assert [s.preemptions > 0 for s in r.steps] == [False, False, False, True]
+    assert r.stopped is not None and "at 8 concurrent" in r.stopped
+    assert r.first_preempting == 8
+    assert r.steps[2].peak_kv_usage is not None and r.steps[2].peak_kv_usage < 1.0
+
+
+async def test_too_long_requests_are_counted_as_400s_and_stop_the_ladder(
+    aiohttp_server: Server, encodings: EncodingCache
+) -> None:
+    settings = dataclasses.replace(TINY, time_scale=20.0)
+    url = await _serve(aiohttp_server, settings, encodings)
+    r = await measure_round(
+        url,
+        "too-long",
+        ladder=(1, 2),
+        prompt_tokens=500,
+        output_tokens=100,  # 600 > max_model_len 512
+        duration_s=0.5,
+        timeout_s=30.0,
+        time_scale=20.0,
+    )
+    step = r.steps[0]
+    assert len(r.steps) == 1 and step.bad_requests > 0 and step.completed == 0
+    assert step.ttft_p50_s is None and step.tokens_per_s == 0
+    assert r.stopped is not None and "no request succeeded at 1 concurrent" in r.stopped
+
+
+async def test_cli_appends_rounds_and_replaces_a_round_of_the_same_name(
+    aiohttp_server: Server, encodings: EncodingCache, tmp_path, capsys
+) -> None:
+    url = await _serve(aiohttp_server, dataclasses.replace(TINY, time_scale=50.0), encodings)
+    out = tmp_path / "rounds.json"
+    base = ["round", "--url", url, "--ladder", "1", "--prompt-tokens", "32"]
+    base += ["--output-tokens", "8", "--duration", "1", "--time-scale", "50", "--out", str(out)]
+
+    # main() runs its own event loop: run it in a thread beside the test's loop.
+    import asyncio
+
+    for name in ("a", "b", "a"):
+        assert await asyncio.to_thread(main, [*base, "--name", name]) == 0
+    rounds = rounds_from_json(json.loads(out.read_text()))
+    assert [r.name for r in rounds] == ["a", "b"]
+    err = capsys.readouterr().err
+    assert "round a added as round 1" in err and "round a replaced as round 1" in err
+    assert "1 concurrent:" in err
