@@ -28,6 +28,7 @@ def plot_rounds(rounds: Sequence[Round], path: Path) -> None:
             "--plot needs matplotlib: pip install 'kvgateway[plot]' (or matplotlib)"
         ) from exc
     fig, (tok_ax, ttft_ax) = plt.subplots(1, 2, figsize=(11, 4.2))
+    levels = sorted({s.concurrency for r in rounds for s in r.steps})
     try:
         for r in rounds:
             xs = [s.concurrency for s in r.steps]
@@ -46,6 +47,8 @@ def plot_rounds(rounds: Sequence[Round], path: Path) -> None:
             (ttft_ax, "TTFT p99 (s)"),
         ):
             ax.set_xscale("log", base=2)
+            ax.set_xticks(levels, [str(c) for c in levels])
+            ax.minorticks_off()
             ax.set_xlabel("concurrent requests (x: the node preempted)")
             ax.set_title(title)
             ax.grid(True, alpha=0.3)

@@ -11,6 +11,7 @@ whose flags no round has touched yet.
 from __future__ import annotations
 
 import itertools
+import textwrap
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +21,7 @@ from kvgateway.commands.roundstats import Round, StepResult, rounds_to_json
 
 # Relative change in best tokens/s below which a change is called flat (run-to-run noise).
 FLAT = 0.05
+_WIDTH = 100
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +71,8 @@ def best_step(r: Round) -> StepResult | None:
 def _pct(new: float, old: float) -> str:
     if old <= 0:
         return "n/a"
-    return f"{(new - old) / old:+.0%}"
+    change = (new - old) / old
+    return "±0%" if round(change * 100) == 0 else f"{change:+.0%}"
 
 
 def _onset_sentence(before: Round, after: Round) -> str:
@@ -84,7 +87,8 @@ def _onset_sentence(before: Round, after: Round) -> str:
         return f"no preemptions up to {top_b} concurrent (they started at {pa})"
     if pb is not None:
         return f"preemptions now start at {pb} (none up to {top_a} before)"
-    return f"no preemptions in either round (up to {top_a} and {top_b} concurrent)"
+    tops = f"{top_a}" if top_a == top_b else f"{top_a} and {top_b}"
+    return f"no preemptions in either round (up to {tops} concurrent)"
 
 
 def verdict(before: Round, after: Round) -> Verdict:
@@ -313,20 +317,20 @@ def render(rounds: Sequence[Round]) -> str:
         lines.extend(
             row(f"  {c} concurrent", [_cell(r.step_at(c), metric) for r in rounds]) for c in levels
         )
-    lines.append("")
-    for r in rounds:
-        if r.stopped:
-            lines.append(f"{r.name}: ladder stopped: {r.stopped}")
+    stops = [f"{r.name}: ladder stopped: {r.stopped}" for r in rounds if r.stopped]
+    if stops:
+        lines += ["", *stops]
     verdicts = [verdict(a, b) for a, b in itertools.pairwise(rounds)]
     if verdicts:
-        lines.append("")
-        lines.append("Verdicts:")
-        lines.extend(f"  {v.sentence}" for v in verdicts)
+        lines += ["", "Verdicts:"]
+        for v in verdicts:
+            lines += textwrap.wrap(
+                v.sentence, _WIDTH, initial_indent="  ", subsequent_indent="    "
+            )
     nxt = next_step(rounds)
     if nxt is not None:
-        lines.append("")
-        lines.append(f"Next (plan step {nxt.step.step}, {nxt.step.title}):")
-        lines.append(f"  {nxt.advice}")
+        lines += ["", f"Next (plan step {nxt.step.step}, {nxt.step.title}):"]
+        lines += textwrap.wrap(nxt.advice, _WIDTH, initial_indent="  ", subsequent_indent="  ")
     return "\n".join(lines)
 
 

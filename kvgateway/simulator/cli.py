@@ -154,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
     except StartupError as exc:
         for line in exc.log:
             print(line, flush=True)
-        print(f"gateway simulate: error: the node would not start: {exc}", file=sys.stderr)
+        print("gateway simulate: error: vLLM would not start (the ERROR line)", file=sys.stderr)
         return 1
     except SettingsError as exc:
         print(f"gateway simulate: error: {exc}", file=sys.stderr)
