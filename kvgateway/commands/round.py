@@ -77,8 +77,8 @@ def register(subparsers: Any) -> None:
             "(/v1/models max_model_len, /metrics vllm:cache_config_info KV blocks), then "
             "run a short closed-loop streaming load at each concurrency of the ladder and "
             "record TTFT p50/p99, generated tokens/s, preemptions (the node's counter), "
-            "peak KV usage and 400s/errors/timeouts. Stops at the first step that preempts "
-            "or times out. With --log, the node's start-up log adds KV cache memory, peak "
+            "peak KV usage and 400s/errors/timeouts. Stops at the first step that preempts, "
+            "times out or has no request succeed. With --log, the node's start-up log adds KV cache memory, peak "
             "memory and vLLM's estimated maximum length. Progress goes to stderr; the round "
             "is appended to --out (a round of the same name is replaced). Compare rounds "
             "with `gateway rounds`."
@@ -90,8 +90,8 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--ladder",
         type=_ladder,
-        help="concurrencies to climb, e.g. 1,2,4,8,16 (default: powers of two up to twice "
-        "the requests the KV cache holds at once, at most 256)",
+        help="concurrencies to climb, e.g. 1,2,4,8,16 (default: powers of two up to the "
+        "first at or above twice the requests the KV cache holds at once, at most 256)",
     )
     parser.add_argument(
         "--prompt-tokens", type=_positive_int, help="per request (default: max_model_len/8, <=2048)"

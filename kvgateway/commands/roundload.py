@@ -37,6 +37,8 @@ from kvgateway.commands.roundstats import (
     default_ladder,
     default_output_tokens,
     default_prompt_tokens,
+    describe_step,
+    effective_flags,
     flags_from_log,
     log_summary,
     percentile,
@@ -57,13 +59,11 @@ class RoundError(Exception):
 
 @dataclass(frozen=True, slots=True)
 class LoadShape:
-    ladder: tuple[int, ...]
     prompt_tokens: int
     output_tokens: int
     duration_s: float  # node seconds per step
     timeout_s: float  # node seconds without a token before a request counts as timed out
     time_scale: float = 1.0
-    seed: int = 0
 
 
 @dataclass(slots=True)
@@ -99,17 +99,25 @@ class NodeClient:
             raise RoundError(f"{self.url}{path}: {exc.__class__.__name__}: {exc}") from exc
 
     async def limits(self) -> NodeLimits:
-        models = json.loads(await self.get_text("/v1/models")).get("data") or []
-        first = models[0] if models and isinstance(models[0], dict) else {}
-        model, mml = first.get("id"), first.get("max_model_len")
+        try:
+            body = json.loads(await self.get_text("/v1/models"))
+        except ValueError as exc:
+            raise RoundError(f"{self.url}/v1/models: not JSON") from exc
+        models = body.get("data") if isinstance(body, dict) else None
+        first = models[0] if isinstance(models, list) and models else None
+        model = first.get("id") if isinstance(first, dict) else None
+        mml = first.get("max_model_len") if isinstance(first, dict) else None
         if not isinstance(model, str) or not isinstance(mml, int):
             raise RoundError(f"{self.url}/v1/models: no model with a max_model_len")
         text = await self.get_text("/metrics")
-        metrics = parse_node_metrics(text)
+        try:
+            metrics = parse_node_metrics(text)
+            labels = cache_labels(text)
+        except ValueError as exc:
+            raise RoundError(f"{self.url}/metrics: unparseable ({exc})") from exc
         if metrics.num_gpu_blocks is None or not metrics.block_size:
             raise RoundError(f"{self.url}/metrics: no vllm:cache_config_info num_gpu_blocks")
-        labels = cache_labels(text)
-        util = labels.get("gpu_memory_utilization")
+        util = _float_or_none(labels.get("gpu_memory_utilization"))
         return NodeLimits(
             model=model,
             max_model_len=mml,
@@ -117,26 +125,39 @@ class NodeClient:
             block_size=metrics.block_size,
             kv_tokens=usable_tokens(metrics.num_gpu_blocks, metrics.block_size),
             cache_dtype=labels.get("cache_dtype"),
-            gpu_memory_utilization=float(util) if util else None,
+            gpu_memory_utilization=util,
         )
 
     async def counters(self) -> tuple[float, float | None, float]:
         """(preemptions, generated tokens or None, requests in the engine)."""
         text = await self.get_text("/metrics")
-        m = parse_node_metrics(text)
-        return (
-            m.preemptions or 0.0,
-            counter_total(text, GENERATION_TOKENS),
-            ((m.running or 0.0) + (m.waiting or 0.0)),
-        )
+        try:
+            m = parse_node_metrics(text)
+            generated = counter_total(text, GENERATION_TOKENS)
+        except ValueError as exc:
+            raise RoundError(f"{self.url}/metrics: unparseable ({exc})") from exc
+        return m.preemptions or 0.0, generated, (m.running or 0.0) + (m.waiting or 0.0)
 
     async def kv_usage(self) -> float | None:
-        return parse_node_metrics(await self.get_text("/metrics")).kv_usage
+        text = await self.get_text("/metrics")
+        try:
+            return parse_node_metrics(text).kv_usage
+        except ValueError as exc:
+            raise RoundError(f"{self.url}/metrics: unparseable ({exc})") from exc
+
+
+def _float_or_none(text: str | None) -> float | None:
+    try:
+        return float(text) if text is not None else None
+    except ValueError:
+        return None
 
 
 def _event_kind(line: bytes, seen_token: bool) -> str | None:
-    """ "token", "done", "error" or None for one SSE line; after the first token only the
-    end and errors matter, so the JSON is not parsed again."""
+    """Classify one SSE line as "token", "done", "error" or None (no news).
+
+    After the first token only the end and errors matter, so the JSON is not parsed again.
+    """
     if not line.startswith(b"data:"):
         return None
     payload = line[5:].strip()
@@ -294,20 +315,6 @@ async def run_step(
     )
 
 
-def describe_step(step: StepResult) -> str:
-    def secs(v: float | None) -> str:
-        return "-" if v is None else f"{v:.2f}s"
-
-    usage = "-" if step.peak_kv_usage is None else f"{step.peak_kv_usage:.0%}"
-    failed = step.bad_requests + step.errors + step.timeouts
-    return (
-        f"{step.concurrency:>4} concurrent: {step.requests} requests ({step.completed} done), "
-        f"TTFT p50 {secs(step.ttft_p50_s)} p99 {secs(step.ttft_p99_s)}, "
-        f"{step.tokens_per_s:,.0f} tok/s, {step.preemptions} preemptions, KV peak {usage}"
-        + (f", {failed} failed" if failed else "")
-    )
-
-
 async def measure_round(
     url: str,
     name: str,
@@ -331,7 +338,7 @@ async def measure_round(
         prompt = prompt_tokens or default_prompt_tokens(limits.max_model_len)
         output = output_tokens or default_output_tokens(limits.max_model_len, prompt)
         steps = tuple(ladder or default_ladder(limits.kv_tokens, prompt + output))
-        shape = LoadShape(steps, prompt, output, duration_s, timeout_s, time_scale, seed)
+        shape = LoadShape(prompt, output, duration_s, timeout_s, time_scale)
         progress(
             f"round {name}: {limits.model} at {node.url}: max_model_len "
             f"{limits.max_model_len}, KV {limits.kv_tokens:,} tokens "
@@ -357,7 +364,7 @@ async def measure_round(
         url=node.url,
         started_at=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         limits=limits,
-        flags=_effective_flags(limits, passed),
+        flags=effective_flags(limits, passed),
         passed_flags=passed,
         prompt_tokens=prompt,
         output_tokens=output,
@@ -366,14 +373,3 @@ async def measure_round(
         log=log_summary(facts) if facts is not None and not facts.is_empty else None,
         stopped=stopped,
     )
-
-
-def _effective_flags(limits: NodeLimits, logged: dict[str, Any]) -> dict[str, Any]:
-    """What the node says it runs with, over what its log says was passed."""
-    flags = dict(logged)
-    flags["max_model_len"] = limits.max_model_len
-    if limits.cache_dtype is not None:
-        flags["kv_cache_dtype"] = limits.cache_dtype
-    if limits.gpu_memory_utilization is not None:
-        flags["gpu_memory_utilization"] = limits.gpu_memory_utilization
-    return flags

@@ -186,6 +186,31 @@ def log_summary(facts: LogFacts) -> LogSummary:
     )
 
 
+def describe_step(step: StepResult) -> str:
+    def secs(v: float | None) -> str:
+        return "-" if v is None else f"{v:.2f}s"
+
+    usage = "-" if step.peak_kv_usage is None else f"{step.peak_kv_usage:.0%}"
+    failed = step.bad_requests + step.errors + step.timeouts
+    return (
+        f"{step.concurrency:>4} concurrent: {step.requests} requests ({step.completed} done), "
+        f"TTFT p50 {secs(step.ttft_p50_s)} p99 {secs(step.ttft_p99_s)}, "
+        f"{step.tokens_per_s:,.0f} tok/s, {step.preemptions} preemptions, KV peak {usage}"
+        + (f", {failed} failed" if failed else "")
+    )
+
+
+def effective_flags(limits: NodeLimits, logged: dict[str, Any]) -> dict[str, Any]:
+    """What the node says it runs with, over what its log says was passed."""
+    flags = dict(logged)
+    flags["max_model_len"] = limits.max_model_len
+    if limits.cache_dtype is not None:
+        flags["kv_cache_dtype"] = limits.cache_dtype
+    if limits.gpu_memory_utilization is not None:
+        flags["gpu_memory_utilization"] = limits.gpu_memory_utilization
+    return flags
+
+
 # -- the file ---------------------------------------------------------------------------
 
 

@@ -129,3 +129,17 @@ async def test_cli_appends_rounds_and_replaces_a_round_of_the_same_name(
     err = capsys.readouterr().err
     assert "round a added as round 1" in err and "round a replaced as round 1" in err
     assert "1 concurrent:" in err
+
+
+async def test_an_unreachable_node_is_an_error_not_a_hang(tmp_path, capsys) -> None:
+    import asyncio
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "rounds.json"
+    argv = ["round", "--url", f"http://127.0.0.1:{port}", "--name", "x", "--out", str(out)]
+    assert await asyncio.to_thread(main, argv) == 1
+    assert f"gateway round: error: http://127.0.0.1:{port}/v1/models:" in capsys.readouterr().err
+    assert not out.exists()
