@@ -17,7 +17,9 @@ offloaded weights cross PCIe every step. Estimates, right in shape, not exact.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from kvgateway.capacity.arch import KV_DTYPE_ALIASES
 from kvgateway.capacity.errors import CapacityConfigError
@@ -161,6 +163,48 @@ def size_node(
     )
     validate(settings, "sized node")
     return SizedNode(settings, est, card, log)
+
+
+# Keys of a ``simulate:`` block that size a --preset node (the rest are NodeSettings).
+SIZING_KEYS = (
+    "preset", "gpu_memory_gib", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
+    "gpu_memory_utilization", "kv_cache_dtype", "cpu_offload_gb",
+)  # fmt: skip
+
+
+def size_from_mapping(data: Mapping[str, Any], path: str, *, name: str) -> SizedNode:
+    """A node from a YAML ``simulate:`` block with ``preset:``; errors name the YAML path."""
+
+    def number(key: str, *, integer: bool = False) -> Any:
+        value = data.get(key)
+        if value is None:
+            return None
+        ok = isinstance(value, int) if integer else isinstance(value, int | float)
+        if isinstance(value, bool) or not ok or value <= 0:
+            kind = "a positive integer" if integer else "a positive number"
+            raise SettingsError(f"{path}.{key}: expected {kind}, got {value!r}")
+        return value
+
+    preset, dtype = data.get("preset"), data.get("kv_cache_dtype", "auto")
+    if not isinstance(preset, str) or not isinstance(dtype, str):
+        raise SettingsError(f"{path}.preset: expected a preset name and a kv_cache_dtype string")
+    gib = number("gpu_memory_gib")
+    if gib is None:
+        raise SettingsError(f"{path}.gpu_memory_gib: required with preset")
+    flags = ServeFlags(
+        max_model_len=number("max_model_len", integer=True),
+        max_num_seqs=number("max_num_seqs", integer=True),
+        max_num_batched_tokens=number("max_num_batched_tokens", integer=True),
+        gpu_memory_utilization=number("gpu_memory_utilization"),
+        kv_cache_dtype=dtype,
+        cpu_offload_gb=number("cpu_offload_gb") or 0.0,
+    )
+    try:
+        return size_node(preset, float(gib), flags, name=name)
+    except StartupError as exc:
+        raise StartupError(f"{path}: {exc}", exc.log) from None
+    except SettingsError as exc:
+        raise SettingsError(f"{path}: {exc}") from None
 
 
 def _no_fit_message(est: CapacityEstimate, max_model_len: int) -> str:

@@ -115,3 +115,39 @@ def test_simulate_cli_builds_a_sized_node(capsys: pytest.CaptureFixture[str]) ->
     args = build_parser().parse_args(["simulate", "--profile", "tiny", "--kv-cache-dtype", "fp8"])
     with pytest.raises(SettingsError, match="--kv-cache-dtype applies only to a --preset node"):
         build_specs(args)
+
+
+def _config(simulate: dict[str, object]) -> dict[str, object]:
+    backend = {"name": "n1", "url": "http://127.0.0.1:9101", "simulate": simulate}
+    return {"models": [{"name": "qwen"}], "tiers": [{"name": "t", "backends": [backend]}]}
+
+
+def test_a_config_backend_can_be_a_sized_node() -> None:
+    from kvgateway.simulator.fleetconfig import parse_fleet_config
+
+    sim = {"preset": "qwen3-8b", "gpu_memory_gib": 24, "max_model_len": 26624,
+           "kv_cache_dtype": "fp8", "time_scale": 20}  # fmt: skip
+    (spec,) = parse_fleet_config(_config(sim))
+    s = spec.settings
+    assert s.kv_tokens == plan_tokens(max_model_len=26624, kv_cache_dtype="fp8")
+    assert (s.name, s.model, s.cache_dtype, s.time_scale) == ("n1", "qwen", "fp8", 20)
+
+
+@pytest.mark.parametrize(
+    ("simulate", "message"),
+    [
+        ({"preset": "qwen3-8b", "profile": "tiny", "gpu_memory_gib": 24},
+         "tiers[0].backends[0].simulate.preset: give profile or preset, not both"),
+        ({"preset": "qwen3-8b"}, "tiers[0].backends[0].simulate.gpu_memory_gib: required"),
+        ({"preset": "qwen3-8b", "gpu_memory_gib": 24, "max_num_seqs": "many"},
+         "tiers[0].backends[0].simulate.max_num_seqs: expected a positive integer"),
+        ({"preset": "qwen3-8b", "gpu_memory_gib": 24},
+         "tiers[0].backends[0].simulate: To serve at least one request"),
+    ],
+)  # fmt: skip
+def test_sized_config_errors_name_the_yaml_path(simulate: dict[str, object], message: str) -> None:
+    from kvgateway.simulator.fleetconfig import parse_fleet_config
+
+    with pytest.raises(SettingsError) as info:
+        parse_fleet_config(_config(simulate))
+    assert str(info.value).startswith(message)
