@@ -369,6 +369,7 @@ async def measure_round(
         prompt_tokens=prompt,
         output_tokens=output,
         duration_s=duration_s,
+        time_scale=time_scale,
         steps=tuple(results),
         log=log_summary(facts) if facts is not None and not facts.is_empty else None,
         stopped=stopped,

@@ -110,6 +110,13 @@ def verdict(before: Round, after: Round) -> Verdict:
     parts.append(_onset_sentence(before, after))
     ba, bb = best_step(before), best_step(after)
     kind, summary = _judge(before, after, ba, bb)
+    load_a = f"{before.prompt_tokens}+{before.output_tokens}"
+    load_b = f"{after.prompt_tokens}+{after.output_tokens}"
+    if load_a != load_b:
+        summary += (
+            f" Caution: the requests differ ({load_a} vs {load_b} tokens), so the numbers "
+            "are not for the same load."
+        )
     what = "; ".join(changed) if changed else "no flag change recorded"
     sentence = f"{after.name} vs {before.name} ({what}): " + ", ".join(parts) + f". {summary}"
     return Verdict(before.name, after.name, changed, kind, sentence)

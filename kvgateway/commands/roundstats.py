@@ -85,6 +85,7 @@ class Round:
     stopped: str | None = None  # why the ladder ended early
     notes: tuple[str, ...] = field(default_factory=tuple)
     passed_flags: Mapping[str, Any] = field(default_factory=dict)  # the log's non-default args
+    time_scale: float = 1.0  # > 1: a simulated node; times are the modelled hardware's
 
     def step_at(self, concurrency: int) -> StepResult | None:
         return next((s for s in self.steps if s.concurrency == concurrency), None)
@@ -291,6 +292,7 @@ def _round(value: Any, path: str) -> Round:
         stopped=_get(data, "stopped", path, "str", optional=True),
         notes=tuple(str(n) for n in data.get("notes") or ()),
         passed_flags=dict(_mapping(data.get("passed_flags") or {}, f"{path}.passed_flags")),
+        time_scale=_get(data, "time_scale", path, "number", optional=True) or 1.0,
     )
 
 

@@ -59,6 +59,7 @@ async def test_round_reads_the_nodes_own_kv_tokens_and_log(
     peak = (pool.weights_bytes + pool.activation_bytes + pool.overhead_bytes) / 2**30
     assert r.log.peak_memory_gib is not None and abs(r.log.peak_memory_gib - peak) < 0.02
     assert [s.concurrency for s in r.steps] == [1, 2] and r.stopped is None
+    assert r.time_scale == 200.0 and r.prompt_tokens == 256 and r.output_tokens == 16
     for step in r.steps:
         assert step.completed > 0 and step.preemptions == 0
         assert step.ttft_p50_s is not None and step.ttft_p50_s > 0

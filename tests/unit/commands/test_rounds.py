@@ -98,6 +98,11 @@ def test_verdict_worse_and_flat() -> None:
     assert verdict(a, flat).kind == "flat"
     assert "no flag change recorded" in verdict(a, flat).sentence
     assert "no preemptions in either round" in verdict(a, flat).sentence
+    other = load(rnd("d", 38224, [step(4, 201, 2)], BASE, prompt_tokens=1024))[0]
+    assert (
+        "Caution: the requests differ (2048+512 vs 1024+512 tokens)" in verdict(a, other).sentence
+    )
+    assert "Caution" not in verdict(a, flat).sentence
 
 
 def test_next_step_follows_the_plans_order() -> None:
