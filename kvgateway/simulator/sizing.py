@@ -115,9 +115,8 @@ def size_node(
         info = find_preset(preset)
         base = CapacitySpec.from_mapping({"preset": preset, "gpu_memory_gib": gpu_memory_gib}, "")
     except CapacityConfigError as exc:
-        raise SettingsError(f"--preset: {exc.detail}") from None
-    if flags.cpu_offload_gb < 0:
-        raise SettingsError("--cpu-offload-gb: must not be negative")
+        raise SettingsError(f"--{exc.path.replace('_', '-')}: {exc.detail}") from None
+    _check(flags)
     weights_gib = (info.param_count * info.weight_bytes_per_param) / GIB
     if flags.cpu_offload_gb >= weights_gib:
         raise SettingsError(
@@ -141,7 +140,9 @@ def size_node(
     max_model_len = flags.max_model_len or info.config.get("max_position_embeddings") or 8192
     card = card_class(gpu_memory_gib)
     log = _startup_log(info.hf_id, flags, est, max_model_len, resident_gib)
-    if est.num_gpu_blocks < 2 or est.max_model_len_fit < max_model_len:
+    if est.num_gpu_blocks < 2:
+        raise StartupError(_NO_MEMORY, (*log, f"ERROR [core.py] ValueError: {_NO_MEMORY}"))
+    if est.max_model_len_fit < max_model_len:
         raise StartupError(_no_fit_message(est, max_model_len), log)
     bw = card.bandwidth_bytes_per_s
     settings = NodeSettings(
@@ -207,6 +208,25 @@ def size_from_mapping(data: Mapping[str, Any], path: str, *, name: str) -> Sized
         raise SettingsError(f"{path}: {exc}") from None
 
 
+# vLLM's check_enough_kv_cache_memory when nothing is left for KV blocks.
+_NO_MEMORY = (
+    "No available memory for the cache blocks. Try increasing `gpu_memory_utilization` "
+    "when initializing the engine."
+)
+
+
+def _check(flags: ServeFlags) -> None:
+    for key in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
+        value = getattr(flags, key)
+        if value is not None and value < 1:
+            raise SettingsError(f"--{key.replace('_', '-')}: expected a positive integer")
+    util = flags.gpu_memory_utilization
+    if util is not None and not 0 < util <= 1:
+        raise SettingsError("--gpu-memory-utilization: expected a fraction in (0, 1]")
+    if flags.cpu_offload_gb < 0:
+        raise SettingsError("--cpu-offload-gb: must not be negative")
+
+
 def _no_fit_message(est: CapacityEstimate, max_model_len: int) -> str:
     per_token = est.layout.group_size * est.bytes_per_token_per_layer * est.layout.num_groups
     needed = per_token * max_model_len / GIB
@@ -246,7 +266,7 @@ def _startup_log(
             f"INFO [kv_cache_utils.py] Maximum concurrency for {max_model_len:,} tokens per "
             f"request: {est.vllm_logged_concurrency:.2f}x"
         )
-    if est.max_model_len_fit < max_model_len:
+    if est.num_gpu_blocks >= 2 and est.max_model_len_fit < max_model_len:
         lines.append(f"ERROR [core.py] ValueError: {_no_fit_message(est, max_model_len)}")
     return tuple(lines)
 

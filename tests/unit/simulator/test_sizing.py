@@ -74,6 +74,13 @@ def test_refuses_to_start_like_vllm_and_logs_why() -> None:
     assert facts.max_model_len == 40960 and facts.needed_kv_gib == 5.62
 
 
+def test_a_gpu_too_small_for_the_weights_has_no_memory_for_blocks() -> None:
+    with pytest.raises(StartupError) as info:
+        size_node("qwen3-8b", 16, ServeFlags(max_model_len=4096))
+    assert str(info.value).startswith("No available memory for the cache blocks.")
+    assert info.value.log[-1].startswith("ERROR [core.py] ValueError: No available memory")
+
+
 def test_startup_log_parses_to_the_pool() -> None:
     node = size_node("qwen3-8b", 24, ServeFlags(max_model_len=26624, max_num_seqs=12))
     facts = parse_vllm_log("\n".join(node.log))
@@ -95,6 +102,9 @@ def test_startup_log_parses_to_the_pool() -> None:
             ServeFlags(kv_cache_dtype="int3"),
             "--kv-cache-dtype: unknown KV cache dtype 'int3'",
         ),
+        ("qwen3-8b", -1, ServeFlags(), "--gpu-memory-gib: expected a positive number"),
+        ("qwen3-8b", 24, ServeFlags(gpu_memory_utilization=1.5), "--gpu-memory-utilization: "),
+        ("qwen3-8b", 24, ServeFlags(max_num_seqs=0), "--max-num-seqs: expected a positive"),
     ],
 )
 def test_bad_flags_name_the_flag(preset: str, gib: float, flags: ServeFlags, message: str) -> None:
