@@ -275,8 +275,33 @@ def _body_factory(model: str, shape: LoadShape, rng: random.Random) -> Callable[
     return make
 
 
+async def _heartbeat(
+    tally: _StepTally,
+    concurrency: int,
+    shape: LoadShape,
+    deadline: float,
+    every: float,
+    progress: Callable[[str], None],
+) -> None:
+    """A line every ``every`` wall seconds, so a long step on a real node is not silent."""
+    loop = asyncio.get_running_loop()
+    while deadline - loop.time() > every:
+        await asyncio.sleep(every)
+        done = shape.duration_s - (deadline - loop.time()) * shape.time_scale
+        progress(
+            f"{concurrency:>4} concurrent: {done:.0f}s of {shape.duration_s:g}s, "
+            f"{tally.requests} requests, {tally.completed} done"
+        )
+
+
 async def run_step(
-    node: NodeClient, shape: LoadShape, concurrency: int, make_body: Callable[[], dict[str, Any]]
+    node: NodeClient,
+    shape: LoadShape,
+    concurrency: int,
+    make_body: Callable[[], dict[str, Any]],
+    *,
+    progress: Callable[[str], None] = lambda line: None,
+    heartbeat_s: float = 10.0,
 ) -> StepResult:
     loop = asyncio.get_running_loop()
     scale = shape.time_scale
@@ -292,6 +317,10 @@ async def run_step(
                 _client(node, make_body, tally, deadline, idle_s), name=f"round-client-{i}"
             )
         tg.create_task(_sample_kv(node, tally, deadline, wall / 20), name="round-kv-sampler")
+        tg.create_task(
+            _heartbeat(tally, concurrency, shape, deadline, heartbeat_s, progress),
+            name="round-heartbeat",
+        )
     elapsed = (loop.time() - start) * scale
     pre1, gen1, _ = await node.counters()
     await _drain(node)
@@ -328,6 +357,7 @@ async def measure_round(
     log_text: str | None = None,
     seed: int = 0,
     progress: Callable[[str], None] = lambda line: None,
+    heartbeat_s: float = 10.0,
 ) -> Round:
     """Read the node's limits, then climb the ladder until it preempts or times out."""
     timeout = aiohttp.ClientTimeout(sock_connect=_PROBE_TIMEOUT_S)
@@ -350,7 +380,9 @@ async def measure_round(
         results: list[StepResult] = []
         stopped = None
         for c in steps:
-            step = await run_step(node, shape, c, make_body)
+            step = await run_step(
+                node, shape, c, make_body, progress=progress, heartbeat_s=heartbeat_s
+            )
             results.append(step)
             progress(describe_step(step))
             stopped = stop_reason(step)

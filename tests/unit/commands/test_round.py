@@ -144,3 +144,18 @@ async def test_an_unreachable_node_is_an_error_not_a_hang(tmp_path, capsys) -> N
     assert await asyncio.to_thread(main, argv) == 1
     assert f"gateway round: error: http://127.0.0.1:{port}/v1/models:" in capsys.readouterr().err
     assert not out.exists()
+
+
+async def test_a_long_step_shows_a_heartbeat(
+    aiohttp_server: Server, encodings: EncodingCache
+) -> None:
+    url = await _serve(aiohttp_server, dataclasses.replace(TINY, time_scale=20.0), encodings)
+    lines: list[str] = []
+    await measure_round(
+        url, "hb", ladder=(2,), prompt_tokens=32, output_tokens=8, duration_s=6.0,
+        timeout_s=30.0, time_scale=20.0, progress=lines.append, heartbeat_s=0.1,
+    )  # fmt: skip
+    beats = [line for line in lines if " of 6s, " in line]
+    # 0.3 s of wall time: a beat every 0.1 s while more than 0.1 s is left.
+    assert 1 <= len(beats) <= 3 and all(b.startswith("   2 concurrent: ") for b in beats)
+    assert "TTFT p50" in lines[-1] and "TTFT" not in " ".join(beats)  # then the step's result
