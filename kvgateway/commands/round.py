@@ -9,12 +9,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
 from kvgateway.commands.roundload import RoundError, measure_round
 from kvgateway.commands.roundstats import Round, rounds_from_json, rounds_to_json
+
+API_KEY_ENV = "VLLM_API_KEY"
 
 
 def save_round(path: Path, new: Round) -> tuple[int, bool]:
@@ -116,6 +119,10 @@ def register(subparsers: Any) -> None:
         "times are in the modelled hardware's seconds (default 1: a real node)",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed for the prompt token ids")
+    parser.add_argument(
+        "--api-key",
+        help=f"for a node started with --api-key (default: ${API_KEY_ENV}, as vLLM reads it)",
+    )
     parser.add_argument("--out", default="rounds.json", help="rounds file (default rounds.json)")
     parser.set_defaults(func=run)
 
@@ -153,6 +160,7 @@ def run(args: argparse.Namespace) -> int:
                 log_text=log_text,
                 seed=args.seed,
                 progress=progress,
+                api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
             )
         )
     except RoundError as exc:

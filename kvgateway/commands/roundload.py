@@ -358,11 +358,15 @@ async def measure_round(
     seed: int = 0,
     progress: Callable[[str], None] = lambda line: None,
     heartbeat_s: float = 10.0,
+    api_key: str | None = None,
 ) -> Round:
     """Read the node's limits, then climb the ladder until it preempts or times out."""
     timeout = aiohttp.ClientTimeout(sock_connect=_PROBE_TIMEOUT_S)
     connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    async with aiohttp.ClientSession(
+        timeout=timeout, connector=connector, headers=headers
+    ) as session:
         node = NodeClient(session, url)
         limits = await node.limits()
         prompt = prompt_tokens or default_prompt_tokens(limits.max_model_len)

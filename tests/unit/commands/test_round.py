@@ -5,7 +5,9 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Awaitable, Callable
+from typing import Any
 
+import pytest
 from aiohttp.test_utils import TestServer
 
 from kvgateway.cli import main
@@ -159,3 +161,30 @@ async def test_a_long_step_shows_a_heartbeat(
     # 0.3 s of wall time: a beat every 0.1 s while more than 0.1 s is left.
     assert 1 <= len(beats) <= 3 and all(b.startswith("   2 concurrent: ") for b in beats)
     assert "TTFT p50" in lines[-1] and "TTFT" not in " ".join(beats)  # then the step's result
+
+
+async def test_the_api_key_is_sent_to_a_node_that_needs_one(
+    aiohttp_server: Server, encodings: EncodingCache
+) -> None:
+    from aiohttp import web
+
+    from kvgateway.commands.roundload import RoundError
+
+    @web.middleware
+    async def require_key(request: web.Request, handler: Any) -> web.StreamResponse:
+        # Like vLLM's --api-key: /v1 routes need the bearer token, /metrics does not.
+        if request.path.startswith("/v1") and request.headers.get("Authorization") != "Bearer k":
+            return web.json_response({"error": "Unauthorized"}, status=401)
+        response: web.StreamResponse = await handler(request)
+        return response
+
+    app = create_app(dataclasses.replace(TINY, time_scale=50.0), encodings=encodings)
+    app.middlewares.append(require_key)
+    server = await aiohttp_server(app)
+    url = str(server.make_url("")).rstrip("/")
+    kw: dict[str, Any] = dict(ladder=(1,), prompt_tokens=16, output_tokens=4, duration_s=1.0,
+                              timeout_s=30.0, time_scale=50.0)  # fmt: skip
+    with pytest.raises(RoundError, match="/v1/models: HTTP 401"):
+        await measure_round(url, "no-key", **kw)
+    r = await measure_round(url, "key", api_key="k", **kw)
+    assert r.steps[0].completed > 0 and r.steps[0].errors == 0
