@@ -14,7 +14,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvgateway.commands.roundload import RoundError, measure_round
+from kvgateway.commands.nodeclient import RoundError
+from kvgateway.commands.roundload import measure_round
 from kvgateway.commands.roundstats import Round, rounds_from_json, rounds_to_json
 
 API_KEY_ENV = "VLLM_API_KEY"

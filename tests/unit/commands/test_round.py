@@ -168,7 +168,7 @@ async def test_the_api_key_is_sent_to_a_node_that_needs_one(
 ) -> None:
     from aiohttp import web
 
-    from kvgateway.commands.roundload import RoundError
+    from kvgateway.commands.nodeclient import RoundError
 
     @web.middleware
     async def require_key(request: web.Request, handler: Any) -> web.StreamResponse:
