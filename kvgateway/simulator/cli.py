@@ -46,7 +46,8 @@ _NODE_FLAGS = {
 def register(subparsers: Any) -> None:
     parser: argparse.ArgumentParser = subparsers.add_parser(
         "simulate",
-        help="run simulated vLLM nodes (a whole fleet from --config, or one --profile node)",
+        help="run simulated vLLM nodes (a whole fleet from --config, one --profile node, or "
+        "one --preset node sized like `gateway plan`)",
         description=(
             "Run simulated vLLM V1 nodes on loopback ports: vLLM's HTTP API, /metrics and "
             "scheduler behaviour (KV blocks, chunked prefill, preemption) with timings "
