@@ -21,6 +21,8 @@ _COMMAND_MODULES: tuple[str, ...] = (
     "kvgateway.capacity.cli",
     "kvgateway.simulator.cli",
     "kvgateway.commands.top",
+    "kvgateway.commands.round",
+    "kvgateway.commands.rounds",
 )
 
 

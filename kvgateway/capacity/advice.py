@@ -25,6 +25,33 @@ _LARGER_GPUS_GIB = (24.0, 48.0, 79.25, 139.8, 178.4)  # 24 GB, 48 GB, H100, H200
 
 
 @dataclass(frozen=True, slots=True)
+class PlanStep:
+    """One step of the order above: its title and the vLLM flags it changes."""
+
+    step: int
+    title: str
+    flags: tuple[str, ...]
+
+
+# The order of the module docstring, one definition for the planner and `gateway rounds`.
+PLAN_ORDER: tuple[PlanStep, ...] = (
+    PlanStep(1, "Lower --max-model-len", ("--max-model-len",)),
+    PlanStep(
+        2,
+        "Cap --max-num-seqs and --max-num-batched-tokens",
+        ("--max-num-seqs", "--max-num-batched-tokens"),
+    ),
+    PlanStep(
+        3,
+        "Raise --gpu-memory-utilization in small steps (dedicated GPU only)",
+        ("--gpu-memory-utilization",),
+    ),
+    PlanStep(4, "fp8 KV cache (--kv-cache-dtype fp8)", ("--kv-cache-dtype",)),
+    PlanStep(5, "Larger-memory node, or a CPU-offload node", ("--cpu-offload-gb",)),
+)
+
+
+@dataclass(frozen=True, slots=True)
 class Recommendation:
     step: int
     title: str
@@ -137,7 +164,7 @@ def _step_max_model_len(spec: CapacitySpec, est: CapacityEstimate, length: int) 
             f"--max-model-len {target} leaves headroom (the pool holds one request of "
             f"up to {kv_max} tokens): {_fits_sentence(est, target)}; keep it"
         )
-    return Recommendation(1, "Lower --max-model-len", detail)
+    return Recommendation(1, PLAN_ORDER[0].title, detail)
 
 
 def _blocks(est: CapacityEstimate, length: int) -> int:
@@ -145,7 +172,7 @@ def _blocks(est: CapacityEstimate, length: int) -> int:
 
 
 def _step_caps(spec: CapacitySpec, est: CapacityEstimate, length: int) -> Recommendation:
-    title = "Cap --max-num-seqs and --max-num-batched-tokens"
+    title = PLAN_ORDER[1].title
     if est.kv_cache_tokens <= 0:
         return Recommendation(2, title, "nothing to cap until the model fits (steps 4-5)")
     seqs = suggested_max_num_seqs(est.kv_cache_tokens, length)
@@ -182,7 +209,7 @@ def _step_caps(spec: CapacitySpec, est: CapacityEstimate, length: int) -> Recomm
 
 def _step_utilization(spec: CapacitySpec, est: CapacityEstimate, length: int) -> Recommendation:
     util = spec.gpu_memory_utilization
-    title = "Raise --gpu-memory-utilization in small steps (dedicated GPU only)"
+    title = PLAN_ORDER[2].title
     if spec.gpu_memory_gib is None:
         detail = (
             f"each +0.01 adds 1% of the GPU to the pool; give --gpu-memory-gib to quantify. "
@@ -216,7 +243,7 @@ def _step_utilization(spec: CapacitySpec, est: CapacityEstimate, length: int) ->
 
 
 def _step_fp8(spec: CapacitySpec, est: CapacityEstimate, length: int) -> Recommendation:
-    title = "fp8 KV cache (--kv-cache-dtype fp8)"
+    title = PLAN_ORDER[3].title
     if spec.kv_cache_dtype.startswith("fp8") or spec.kv_cache_dtype.endswith("per_token_head"):
         detail = f"already {spec.kv_cache_dtype}: {est.bytes_per_token:,} B/token"
         return Recommendation(4, title, detail)
@@ -290,7 +317,7 @@ def _step_bigger(spec: CapacitySpec, est: CapacityEstimate, length: int) -> Reco
         f"step (~{20 * offload}-{40 * offload} ms more per step at 25-50 GB/s), so use it "
         "for a slow long-context tier, not for interactive traffic"
     )
-    return Recommendation(5, "Larger-memory node, or a CPU-offload node", "; ".join(parts))
+    return Recommendation(5, PLAN_ORDER[4].title, "; ".join(parts))
 
 
 def make_plan(spec: CapacitySpec) -> Plan:

@@ -6,7 +6,10 @@ Reads only what the simulator needs, and ignores the rest of the file:
 - ``tiers[].backends[]`` with a ``simulate:`` mapping (backends without one are real
   nodes and are skipped): ``name``, ``url`` (host and port to bind), ``model`` (a
   ``models[].name``; the node serves its ``served_name``) and ``simulate.profile`` plus
-  optional overrides of any :class:`NodeSettings` field;
+  optional overrides of any :class:`NodeSettings` field; or, instead of ``profile``,
+  ``preset`` + ``gpu_memory_gib`` and vLLM's flags (``max_model_len``, ``max_num_seqs``,
+  ``max_num_batched_tokens``, ``gpu_memory_utilization``, ``kv_cache_dtype``,
+  ``cpu_offload_gb``): a node sized by the planner's maths (``sizing.py``);
 - ``simulation:`` (optional, top level): defaults for every simulated node, e.g.
   ``time_scale`` or ``seed``. A default ``seed`` is a base: node ``i`` (in file order)
   gets ``seed + i`` so nodes do not draw identical output lengths.
@@ -28,6 +31,7 @@ import yaml
 
 from kvgateway.simulator.profiles import get_profile
 from kvgateway.simulator.settings import NodeSettings, SettingsError, apply_overrides
+from kvgateway.simulator.sizing import SIZING_KEYS, size_from_mapping
 
 
 class SimulatorConfigError(SettingsError):
@@ -148,15 +152,25 @@ def _backend_spec(
     served = _served_model(backend.get("model"), models, f"{path}.model")
     sim = _mapping(backend.get("simulate"), f"{path}.simulate")
     profile = sim.get("profile")
-    if not isinstance(profile, str):
-        raise SimulatorConfigError(f"{path}.simulate.profile: required, a profile name")
-    settings = dataclasses.replace(
-        get_profile(profile, f"{path}.simulate.profile"), name=name, model=served
-    )
+    skip: tuple[str, ...] = ("profile",)
+    if "preset" in sim:
+        # A node sized by the planner's maths from vLLM's flags (simulator/sizing.py).
+        if profile is not None:
+            raise SimulatorConfigError(f"{path}.simulate.preset: give profile or preset, not both")
+        sized = size_from_mapping(sim, f"{path}.simulate", name=name)
+        base = sized.settings
+        skip = SIZING_KEYS
+    elif not isinstance(profile, str):
+        raise SimulatorConfigError(
+            f"{path}.simulate.profile: required, a profile name (or preset: a planner preset)"
+        )
+    else:
+        base = get_profile(profile, f"{path}.simulate.profile")
+    settings = dataclasses.replace(base, name=name, model=served)
     settings = apply_overrides(settings, defaults, "simulation", skip=("seed",))
     if base_seed is not None:
         settings = dataclasses.replace(settings, seed=base_seed + index)
-    settings = apply_overrides(settings, sim, f"{path}.simulate", skip=("profile",))
+    settings = apply_overrides(settings, sim, f"{path}.simulate", skip=skip)
     return NodeSpec(settings, host, port)
 
 
