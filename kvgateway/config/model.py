@@ -7,7 +7,7 @@ Nothing downstream reads raw YAML. The annotated reference is
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvgateway.tokens.spec import TokenizerConfig
@@ -98,10 +98,46 @@ class BackendConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class DiscoveryConfig:
+    """How `dns:` backend groups are looked up."""
+
+    # "10.96.0.10" or "127.0.0.1:5353"; empty: the system's resolvers (/etc/resolv.conf).
+    nameservers: tuple[str, ...] = ()
+    timeout_s: float = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class DnsGroupConfig:
+    """Backends behind one DNS name (a Kubernetes headless Service): one per A/AAAA record.
+
+    ``template`` carries the settings every member shares (model, limits, timeouts); a
+    member is the template with its own name (``pool@10.0.0.5:8000``) and URL.
+    """
+
+    name: str
+    dns: str
+    port: int
+    scheme: str
+    resolve_interval_s: float
+    template: BackendConfig
+
+    def member(self, address: str) -> BackendConfig:
+        """The backend for one resolved address (IPv4 or IPv6, without brackets)."""
+        host = f"[{address}]" if ":" in address else address
+        return replace(
+            self.template,
+            name=f"{self.name}@{host}:{self.port}",
+            url=f"{self.scheme}://{host}:{self.port}",
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class TierConfig:
     name: str
     offload: bool
     backends: tuple[BackendConfig, ...]
+    # Discovered members are not in `backends`: they come and go at run time.
+    dns_groups: tuple[DnsGroupConfig, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +162,7 @@ class GatewayConfig:
     health: HealthConfig
     load_feedback: LoadFeedbackConfig
     tiers: tuple[TierConfig, ...]
+    discovery: DiscoveryConfig = DiscoveryConfig()
     source: str = "<memory>"
     _model_index: dict[str, ModelConfig] = field(default_factory=dict, compare=False)
 
@@ -139,4 +176,9 @@ class GatewayConfig:
 
     @property
     def backends(self) -> tuple[BackendConfig, ...]:
+        """The backends named in the file (not the members of DNS groups)."""
         return tuple(b for t in self.tiers for b in t.backends)
+
+    @property
+    def dns_groups(self) -> tuple[DnsGroupConfig, ...]:
+        return tuple(g for t in self.tiers for g in t.dns_groups)
