@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
-from kvgateway.config.document import read_document
+from kvgateway.config.document import expand_env, read_document
 from kvgateway.config.model import (
     POLICIES,
     AdmissionConfig,
@@ -49,7 +49,9 @@ def parse_config_text(text: str, *, source: str = "<memory>") -> GatewayConfig:
 
 
 def parse_config(data: Any, *, source: str = "<memory>") -> GatewayConfig:
-    return _parse(Section(data), source)
+    """From already-parsed data (a dict); ``${VAR}`` references are expanded here too."""
+    reading = Reading()
+    return _parse(Section(expand_env(data, "", reading, os.environ), "", reading), source)
 
 
 def config_root_section() -> Section:

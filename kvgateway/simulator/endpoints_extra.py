@@ -5,6 +5,8 @@
   "embedding"}], "usage"}``, floats or base64 float32 (the ``openai`` SDK asks for base64);
 - ``POST /v1/rerank`` (and ``/rerank``): ``results`` sorted by ``relevance_score``;
 - ``POST /v1/score`` (and ``/score``): one ``score`` per (``text_1``, ``text_2``) pair;
+- ``POST /detokenize``: ``{"prompt": text}`` for ``{"tokens": [ids]}`` (``/tokenize`` is
+  in ``server.py``);
 - ``POST /v1/responses``: see :mod:`.responses`.
 
 Shapes follow ``vllm/entrypoints/pooling`` (EmbeddingResponse, RerankResponse,
@@ -38,6 +40,7 @@ def register_extra_endpoints(app: web.Application) -> None:
         app.router.add_post(path, _rerank)
     for path in ("/v1/score", "/score"):
         app.router.add_post(path, _score)
+    app.router.add_post("/detokenize", _detokenize)
     app.router.add_post("/v1/responses", handle_responses)
 
 
@@ -49,6 +52,23 @@ async def _model(request: web.Request) -> web.Response:
         raise p.model_not_found(model_id)
     card = p.models_body(s.model, s.served_root, s.max_model_len, node.created)["data"][0]
     return p.json_response(card)
+
+
+async def _detokenize(request: web.Request) -> web.Response:
+    node = request.app[NODE_KEY]
+    body = p.parse_json(await request.read())
+    model = body.get("model")
+    node.check_model(model if isinstance(model, str) else None)
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens
+    ):
+        raise p.bad_request("tokens must be a list of token ids.", "tokens")
+    try:
+        text = node.tokenizer.decode(tokens)
+    except ValueError as exc:
+        raise p.bad_request(str(exc), "tokens") from exc
+    return p.json_response({"prompt": text})
 
 
 def vector(text: str, dimensions: int) -> list[float]:

@@ -135,3 +135,12 @@ async def test_responses_client_gone_frees_the_engine(sim: SimFactory) -> None:
         assert (await resp.content.readline()).startswith(b"event: response.created")
         assert (await node.state())["running"] == 1
     await node.wait_idle()
+
+
+async def test_detokenize_inverts_tokenize(node: SimClient) -> None:
+    status, body = await node.post("/tokenize", {"prompt": "hello world, again"})
+    assert status == 200
+    status, back = await node.post("/detokenize", {"tokens": body["tokens"]})
+    assert status == 200 and back == {"prompt": "hello world, again"}
+    status, bad = await node.post("/detokenize", {"tokens": ["x"]})
+    assert status == 400 and bad["error"]["param"] == "tokens"
