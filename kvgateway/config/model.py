@@ -6,7 +6,7 @@ Nothing downstream reads raw YAML. The annotated reference is
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -182,3 +182,15 @@ class GatewayConfig:
     @property
     def dns_groups(self) -> tuple[DnsGroupConfig, ...]:
         return tuple(g for t in self.tiers for g in t.dns_groups)
+
+    def with_members(self, members: Mapping[str, Sequence[BackendConfig]]) -> GatewayConfig:
+        """This config (as read from the file) with each DNS group's ``members`` (by group
+        name) listed as backends of its tier, after the tier's own backends."""
+        tiers = tuple(
+            replace(
+                t,
+                backends=(*t.backends, *(m for g in t.dns_groups for m in members.get(g.name, ()))),
+            )
+            for t in self.tiers
+        )
+        return replace(self, tiers=tiers, _model_index={})

@@ -10,10 +10,11 @@ fleet, which adds the new members and drains the gone ones.
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
-from kvgateway.config.model import BackendConfig, DnsGroupConfig
+from kvgateway.config.model import BackendConfig, DnsGroupConfig, GatewayConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,3 +52,43 @@ def diff_members(
         removed=tuple(sorted(have - wanted.keys())),
         members=tuple(wanted[n] for n in sorted(wanted)),
     )
+
+
+class DiscoveredMembers:
+    """The current members of every DNS group, and the config that lists them.
+
+    The fleet is built from a config, and :meth:`Fleet.apply` already adds what is new,
+    keeps what stays (with its reservations) and drains what is gone. So a membership
+    change is applied as a config: the file's config with the members spliced in. A file
+    reload goes through :meth:`rebase`, which keeps every surviving group's members (made
+    again from the new group settings), so a reload does not drain them.
+    """
+
+    def __init__(self, base: GatewayConfig) -> None:
+        self._base = base
+        self._members: dict[str, tuple[BackendConfig, ...]] = {}
+
+    @property
+    def config(self) -> GatewayConfig:
+        return self._base.with_members(self._members)
+
+    def members(self, group: str) -> tuple[BackendConfig, ...]:
+        return self._members.get(group, ())
+
+    def set_members(self, group: str, members: Sequence[BackendConfig]) -> GatewayConfig:
+        """Record ``group``'s members; returns the config to apply to the fleet."""
+        self._members[group] = tuple(members)
+        return self.config
+
+    def rebase(self, base: GatewayConfig) -> GatewayConfig:
+        """A new file config; members of groups that still exist are kept, rebuilt from it."""
+        groups = {g.name: g for g in base.dns_groups}
+        kept: dict[str, tuple[BackendConfig, ...]] = {}
+        for name, members in self._members.items():
+            group = groups.get(name)
+            if group is not None:
+                addresses = (urlsplit(m.url).hostname or "" for m in members)
+                rebuilt = (group.member(a) for a in canonical_addresses(addresses))
+                kept[name] = tuple(sorted(rebuilt, key=lambda m: m.name))
+        self._base, self._members = base, kept
+        return self.config

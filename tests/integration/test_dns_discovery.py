@@ -14,6 +14,9 @@ import yaml
 
 from kvgateway.config.load import parse_config
 from kvgateway.config.model import BackendConfig, DnsGroupConfig
+from kvgateway.core.derived_limits import derive_all
+from kvgateway.core.fleet import Fleet
+from kvgateway.core.membership import DiscoveredMembers
 from kvgateway.upstream.dns import DnsDiscovery, DnsLookupError, resolve_addresses
 from tests.support.dnsmasq import DOMAIN, Dnsmasq, run_dnsmasq
 
@@ -138,3 +141,56 @@ def test_check_lists_the_groups_current_members(dns: Dnsmasq, tmp_path: Path) ->
     assert doc["backends"][0]["max_num_seqs"]["value"] == 4
     # Nothing listens there: the model has no routable backend.
     assert res.returncode == 1 and "m" in doc["unroutable_models"]
+
+
+def fleet_config(dns: Dnsmasq, max_num_seqs: int = 4) -> dict:
+    cfg = config(dns)
+    group = cfg["tiers"][0]["backends"][0]
+    group["max_num_seqs"] = max_num_seqs
+    cfg["tiers"][0]["backends"].insert(
+        0, {"name": "static", "url": "http://127.0.0.1:9", "model": "m", "max_num_seqs": 2}
+    )
+    return cfg
+
+
+async def test_members_join_and_drain_a_real_fleet(dns: Dnsmasq) -> None:
+    """The wiring the server needs, end to end but for HTTP: DNS answers become fleet
+    members through a config (Fleet.apply), existing members keep their state, removed
+    ones drain until their last request ends, and a file reload keeps the members."""
+    book = DiscoveredMembers(parse_config(fleet_config(dns)))
+    fleet = Fleet(book.config)
+
+    class FleetSink:
+        def set_members(self, group: str, members: Sequence[BackendConfig]) -> None:
+            cfg = book.set_members(group, members)
+            fleet.apply(cfg, derive_all(cfg))
+
+    def active() -> set[str]:
+        return {b.name for b in fleet.active}
+
+    async def until(names: set[str]) -> None:
+        async with asyncio.timeout(5):
+            while active() != names:
+                await asyncio.sleep(0.02)
+
+    dns.set_addresses({NAME: ["127.0.0.5", "127.0.0.6"]})
+    (group,) = book.config.dns_groups
+    async with DnsDiscovery([group], FleetSink(), nameservers=[dns.nameserver], timeout_s=0.5):
+        await until({"static", "pool@127.0.0.5:8000", "pool@127.0.0.6:8000"})
+        leaving, staying = fleet.get("pool@127.0.0.5:8000"), fleet.get("pool@127.0.0.6:8000")
+        assert leaving is not None and staying is not None
+        assert staying.config.max_num_seqs == 4 and staying.tier == "t"
+        fleet.adjust(leaving, 100, 1, 1)  # a request in flight on the member that goes
+        dns.set_addresses({NAME: ["127.0.0.6", "127.0.0.7"]})
+        await until({"static", "pool@127.0.0.6:8000", "pool@127.0.0.7:8000"})
+        assert fleet.get("pool@127.0.0.6:8000") is staying  # same object: state kept
+        assert leaving.draining and leaving in fleet.backends
+        fleet.adjust(leaving, -100, -1, -1)
+        fleet.reap_drained()
+        assert leaving not in fleet.backends
+    # A file reload (here: the group's max_num_seqs changed) keeps the members.
+    cfg = book.rebase(parse_config(fleet_config(dns, max_num_seqs=8)))
+    fleet.apply(cfg, derive_all(cfg))
+    assert active() == {"static", "pool@127.0.0.6:8000", "pool@127.0.0.7:8000"}
+    member = fleet.get("pool@127.0.0.7:8000")
+    assert member is not None and member.config.max_num_seqs == 8

@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvgateway.config.load import parse_config_text
-from kvgateway.core.membership import canonical_addresses, diff_members
+from kvgateway.core.membership import DiscoveredMembers, canonical_addresses, diff_members
 
 CONFIG = """
 models: [{name: m}]
@@ -62,3 +62,23 @@ def test_applying_the_change_gives_exactly_the_answer(before, after):
     assert held == {m.name for m in change.members}
     assert held == {GROUP.member(ipaddress.ip_address(a).compressed).name for a in after}
     assert not set(change.removed) & {m.name for m in change.added}
+
+
+def test_members_are_spliced_after_the_tiers_own_backends_and_rebased_on_reload():
+    text = CONFIG + '      - {name: fixed, url: "http://127.0.0.1:9", model: m}\n'
+    book = DiscoveredMembers(parse_config_text(text))
+    group = book.config.dns_groups[0]
+    cfg = book.set_members("pool", [group.member("10.0.0.6"), group.member("10.0.0.5")])
+    assert [b.name for b in cfg.backends] == ["fixed", "pool@10.0.0.6:8000", "pool@10.0.0.5:8000"]
+    assert cfg.resolve_model("m") is not None
+    # Reload with the group renamed away: its members go; with it kept, they stay.
+    assert [
+        b.name for b in book.rebase(parse_config_text(text.replace("pool", "other"))).backends
+    ] == ["fixed"]
+    book.set_members("other", [group.member("10.0.0.7")])
+    assert [
+        b.name for b in book.rebase(parse_config_text(text.replace("pool", "other"))).backends
+    ] == [
+        "fixed",
+        "other@10.0.0.7:8000",
+    ]
