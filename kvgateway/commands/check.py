@@ -17,7 +17,7 @@ from kvgateway.config.yamlread import ConfigError
 from kvgateway.core.backends import Limits
 from kvgateway.core.derived_limits import derive_backend
 from kvgateway.core.limits import Observed, resolve_limits
-from kvgateway.upstream.dns import DnsLookupError, resolve_addresses
+from kvgateway.upstream.dns import DnsLookupError, resolve_group
 from kvgateway.upstream.probe import ProbeError, probe
 
 
@@ -71,8 +71,9 @@ def _main(args: argparse.Namespace) -> int:
         for g in config.dns_groups:
             state = "members listed above" if not args.no_discover else "looked up at run time"
             sys.stdout.write(
-                f"{g.name}  tier={g.template.tier}  dns {g.dns} port {g.port} "
-                f"every {g.resolve_interval_s:g}s  model={g.template.model} ({state})\n"
+                f"{g.name}  tier={g.template.tier}  "
+                + (f"srv {g.dns} " if g.lookup == "srv" else f"dns {g.dns} port {g.port} ")
+                + f"every {g.resolve_interval_s:g}s  model={g.template.model} ({state})\n"
             )
         for model, why in unroutable.items():
             sys.stdout.write(f"ERROR: model {model}: no routable backend ({why})\n")
@@ -115,13 +116,13 @@ async def _discover_all(
     members: list[BackendConfig] = []
     for group in config.dns_groups:
         try:
-            addresses = await resolve_addresses(
-                group.dns, timeout=timeout, nameservers=config.discovery.nameservers
+            endpoints = await resolve_group(
+                group, timeout=timeout, nameservers=config.discovery.nameservers
             )
         except DnsLookupError as exc:
             sys.stderr.write(f"warning: {group.template.path}.dns: {exc}\n")
             continue
-        members += [group.member(a) for a in sorted(addresses)]
+        members += [group.member(a, port) for a, port in sorted(endpoints)]
     async with aiohttp.ClientSession() as session:
 
         async def one(b: BackendConfig) -> tuple[str, Observed | str]:

@@ -289,6 +289,9 @@ def _dns_group(
     dns = s.text("dns").rstrip(".")
     if dns and ("/" in dns or ":" in dns):
         s.fail("dns", f'expected a host name (give the port as `port:`), got "{dns}"')
+    lookup = s.choice("lookup", ("address", "srv"), "address")
+    if lookup == "srv" and s.has("port"):
+        s.fail("port", "an SRV record carries each member's port: leave `port` out")
     port = s.integer("port", 8000)
     if port > 65535:
         s.fail("port", f"expected a TCP port (1-65535), got {port}")
@@ -302,6 +305,7 @@ def _dns_group(
         scheme=scheme,
         resolve_interval_s=interval,
         template=template,
+        lookup=lookup,
     )
 
 

@@ -108,10 +108,13 @@ class DiscoveryConfig:
 
 @dataclass(frozen=True, slots=True)
 class DnsGroupConfig:
-    """Backends behind one DNS name (a Kubernetes headless Service): one per A/AAAA record.
+    """Backends behind one DNS name (a Kubernetes headless Service).
 
-    ``template`` carries the settings every member shares (model, limits, timeouts); a
-    member is the template with its own name (``pool@10.0.0.5:8000``) and URL.
+    ``lookup: address``: one member per A/AAAA record, on ``port``. ``lookup: srv``: one
+    member per SRV record (``_http._tcp.<service>``), on the record's own port, at the
+    addresses of its target. ``template`` carries the settings every member shares (model,
+    limits, timeouts); a member is the template with its own name
+    (``pool@10.0.0.5:8000``) and URL.
     """
 
     name: str
@@ -120,15 +123,13 @@ class DnsGroupConfig:
     scheme: str
     resolve_interval_s: float
     template: BackendConfig
+    lookup: str = "address"
 
-    def member(self, address: str) -> BackendConfig:
-        """The backend for one resolved address (IPv4 or IPv6, without brackets)."""
+    def member(self, address: str, port: int | None = None) -> BackendConfig:
+        """The backend at one resolved address (IPv4 or IPv6, without brackets)."""
         host = f"[{address}]" if ":" in address else address
-        return replace(
-            self.template,
-            name=f"{self.name}@{host}:{self.port}",
-            url=f"{self.scheme}://{host}:{self.port}",
-        )
+        where = f"{host}:{self.port if port is None else port}"
+        return replace(self.template, name=f"{self.name}@{where}", url=f"{self.scheme}://{where}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,11 +40,24 @@ def canonical_addresses(addresses: Iterable[str]) -> frozenset[str]:
     return frozenset(out)
 
 
+def canonical_endpoints(endpoints: Iterable[tuple[str, int]]) -> frozenset[tuple[str, int]]:
+    """(address, port) pairs with addresses in one spelling; junk dropped."""
+    out: set[tuple[str, int]] = set()
+    for address, port in endpoints:
+        for canonical in canonical_addresses([address]):
+            if 0 < port < 65536:
+                out.add((canonical, port))
+    return frozenset(out)
+
+
 def diff_members(
-    group: DnsGroupConfig, current: Iterable[str], addresses: Iterable[str]
+    group: DnsGroupConfig, current: Iterable[str], endpoints: Iterable[str | tuple[str, int]]
 ) -> MembershipChange:
-    """From the member names the fleet holds and a lookup's addresses, what changes."""
-    wanted = {m.name: m for m in (group.member(a) for a in canonical_addresses(addresses))}
+    """From the member names the fleet holds and a lookup's answer, what changes.
+
+    ``endpoints``: addresses (on the group's port) or (address, port) pairs (SRV)."""
+    pairs = [(e, group.port) if isinstance(e, str) else e for e in endpoints]
+    wanted = {m.name: m for m in (group.member(a, p) for a, p in canonical_endpoints(pairs))}
     have = set(current)
     return MembershipChange(
         group=group.name,
@@ -87,8 +100,11 @@ class DiscoveredMembers:
         for name, members in self._members.items():
             group = groups.get(name)
             if group is not None:
-                addresses = (urlsplit(m.url).hostname or "" for m in members)
-                rebuilt = (group.member(a) for a in canonical_addresses(addresses))
+                parts = [urlsplit(m.url) for m in members]
+                pairs = [(u.hostname or "", u.port or group.port) for u in parts]
+                if group.lookup == "address":  # the port is the group's, maybe changed
+                    pairs = [(a, group.port) for a, _ in pairs]
+                rebuilt = (group.member(a, p) for a, p in canonical_endpoints(pairs))
                 kept[name] = tuple(sorted(rebuilt, key=lambda m: m.name))
         self._base, self._members = base, kept
         return self.config

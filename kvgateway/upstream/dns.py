@@ -1,7 +1,8 @@
 """DNS discovery: keep each ``dns:`` backend group's members in step with its A/AAAA records.
 
 A Kubernetes headless Service answers with one address per ready pod. Every
-``resolve_interval_s`` the group's name is looked up (A and AAAA together); the answer goes
+``resolve_interval_s`` the group's name is looked up (A and AAAA together; or, with
+``lookup: srv``, its SRV records and their targets' addresses); the answer goes
 through :func:`kvgateway.core.membership.diff_members`, and a change is handed to the
 :class:`MemberSink` (the fleet), which adds new members and drains the gone ones.
 
@@ -22,13 +23,13 @@ import asyncio
 import logging
 from collections.abc import Sequence
 from types import TracebackType
-from typing import Protocol
+from typing import Any, Protocol
 
 import aiodns
 import aiodns.error
 
 from kvgateway.config.model import BackendConfig, DnsGroupConfig
-from kvgateway.core.membership import canonical_addresses, diff_members
+from kvgateway.core.membership import canonical_addresses, canonical_endpoints, diff_members
 
 log = logging.getLogger("kvgateway.upstream.dns")
 
@@ -57,15 +58,47 @@ async def resolve_addresses(
     res = make_resolver(nameservers, timeout)
     try:
         async with asyncio.timeout(timeout * 2):
-            found = await asyncio.gather(_query(res, name, "A"), _query(res, name, "AAAA"))
+            return await _addresses(res, name)
     except TimeoutError as exc:
         raise DnsLookupError(f"looking up {name} timed out after {timeout * 2:g}s") from exc
     finally:
         await res.close()
-    return canonical_addresses(a for family in found for a in family)
 
 
-async def _query(resolver: aiodns.DNSResolver, name: str, qtype: str) -> list[str]:
+async def resolve_group(
+    group: DnsGroupConfig, *, timeout: float, nameservers: Sequence[str] = ()
+) -> frozenset[tuple[str, int]]:
+    """The group's (address, port) endpoints: A/AAAA on its port, or SRV targets' own."""
+    if group.lookup == "address":
+        found = await resolve_addresses(group.dns, timeout=timeout, nameservers=nameservers)
+        return frozenset((a, group.port) for a in found)
+    res = make_resolver(nameservers, timeout)
+    try:
+        async with asyncio.timeout(timeout * 3):
+            records = await _srv(res, group.dns)
+            targets = sorted({target for target, _ in records})
+            resolved = await asyncio.gather(*(_addresses(res, t) for t in targets))
+    except TimeoutError as exc:
+        raise DnsLookupError(f"looking up {group.dns} timed out") from exc
+    finally:
+        await res.close()
+    by_target = dict(zip(targets, resolved, strict=True))
+    return canonical_endpoints((a, port) for target, port in records for a in by_target[target])
+
+
+async def _addresses(res: aiodns.DNSResolver, name: str) -> frozenset[str]:
+    if canonical_addresses([name]):  # an SRV target may be an address already
+        return canonical_addresses([name])
+    found = await asyncio.gather(_query(res, name, "A"), _query(res, name, "AAAA"))
+    return canonical_addresses(str(r.addr) for family in found for r in family)
+
+
+async def _srv(res: aiodns.DNSResolver, name: str) -> list[tuple[str, int]]:
+    return [(str(r.target).rstrip("."), int(r.port)) for r in await _query(res, name, "SRV")]
+
+
+async def _query(resolver: aiodns.DNSResolver, name: str, qtype: str) -> list[Any]:
+    """The record data of the answer (empty for "no such name" or "no such record")."""
     try:
         result = await resolver.query_dns(name, qtype)
     except aiodns.error.DNSError as exc:
@@ -74,7 +107,8 @@ async def _query(resolver: aiodns.DNSResolver, name: str, qtype: str) -> list[st
             return []
         detail = exc.args[1] if len(exc.args) > 1 else str(exc)
         raise DnsLookupError(f"looking up {name} ({qtype}) failed: {detail}") from exc
-    return [str(getattr(r.data, "addr", "")) for r in result.answer if hasattr(r.data, "addr")]
+    wanted = {"A": 1, "AAAA": 28, "SRV": 33}[qtype]
+    return [r.data for r in result.answer if r.type == wanted]
 
 
 class DnsDiscovery:
@@ -120,8 +154,8 @@ class DnsDiscovery:
     async def refresh(self, group: DnsGroupConfig) -> bool:
         """Look the group up once and apply the answer; False if the lookup failed."""
         try:
-            addresses = await resolve_addresses(
-                group.dns, timeout=self._timeout, nameservers=self._nameservers
+            endpoints = await resolve_group(
+                group, timeout=self._timeout, nameservers=self._nameservers
             )
         except DnsLookupError as exc:
             log.warning(
@@ -131,7 +165,7 @@ class DnsDiscovery:
                 len(self._members[group.name]),
             )
             return False
-        change = diff_members(group, self._members[group.name], addresses)
+        change = diff_members(group, self._members[group.name], endpoints)
         if change:
             log.info(
                 "dns group %s (%s): +%s -%s",

@@ -14,6 +14,7 @@ import yaml
 
 from kvgateway.config.load import parse_config
 from kvgateway.config.model import BackendConfig, DnsGroupConfig
+from kvgateway.config.yamlread import ConfigError
 from kvgateway.core.derived_limits import derive_all
 from kvgateway.core.fleet import Fleet
 from kvgateway.core.membership import DiscoveredMembers
@@ -104,8 +105,7 @@ async def test_members_appear_and_disappear_as_records_change(dns: Dnsmasq) -> N
         assert disc.members("pool") == ("pool@127.0.0.8:8000",)
         calls = len(sink.calls)
         # DNS down: lookups fail, the members stay.
-        dns.proc.terminate()
-        dns.proc.wait(timeout=5)
+        dns.stop()
         assert not await disc.refresh(group)
         await asyncio.sleep(0.3)
         assert len(sink.calls) == calls and disc.members("pool") == ("pool@127.0.0.8:8000",)
@@ -194,3 +194,23 @@ async def test_members_join_and_drain_a_real_fleet(dns: Dnsmasq) -> None:
     assert active() == {"static", "pool@127.0.0.6:8000", "pool@127.0.0.7:8000"}
     member = fleet.get("pool@127.0.0.7:8000")
     assert member is not None and member.config.max_num_seqs == 8
+
+
+async def test_srv_members_each_have_their_own_port(dns: Dnsmasq) -> None:
+    """`lookup: srv`: members on one address, told apart by the ports their SRV records give
+    (as a headless Service's named port publishes them)."""
+    srv_name = f"_http._tcp.vllm.{DOMAIN}"
+    dns.set_addresses({f"node-a.{DOMAIN}": ["127.0.0.1"], f"node-b.{DOMAIN}": ["127.0.0.1"]})
+    dns.set_srv({srv_name: [(f"node-a.{DOMAIN}", 9001), (f"node-b.{DOMAIN}", 9002)]})
+    cfg = config(dns)
+    backend = cfg["tiers"][0]["backends"][0]
+    backend.update({"dns": srv_name, "lookup": "srv"})
+    del backend["port"]
+    (group,) = parse_config(cfg).dns_groups
+    sink = RecordingSink()
+    async with DnsDiscovery([group], sink, nameservers=[dns.nameserver], timeout_s=0.5):
+        await sink.wait_for({"pool@127.0.0.1:9001", "pool@127.0.0.1:9002"})
+        dns.set_srv({srv_name: [(f"node-b.{DOMAIN}", 9002), (f"node-b.{DOMAIN}", 9003)]})
+        await sink.wait_for({"pool@127.0.0.1:9002", "pool@127.0.0.1:9003"})
+    with pytest.raises(ConfigError, match="leave `port` out"):
+        parse_config({**cfg, "tiers": [{"name": "t", "backends": [{**backend, "port": 1}]}]})

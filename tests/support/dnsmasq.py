@@ -1,7 +1,9 @@
-"""A real DNS server on loopback for discovery tests: dnsmasq answering from a hosts file.
+"""A real DNS server on loopback for discovery tests: dnsmasq answering from a hosts file
+(A/AAAA) and from ``--srv-host`` options (SRV).
 
-``set_addresses`` rewrites the file and sends SIGHUP; dnsmasq re-reads it and (its
-local TTL being 0) the next lookup sees the change.
+``set_addresses`` rewrites the hosts file and sends SIGHUP; dnsmasq re-reads it and (its
+local TTL being 0) the next lookup sees the change. dnsmasq does not re-read SRV options
+on SIGHUP, so ``set_srv`` restarts it on the same port.
 """
 
 from __future__ import annotations
@@ -13,21 +15,24 @@ import socket
 import subprocess
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 from tests.support.live import free_ports
 from tests.support.tools import require_tool
 
-# Names under this domain are answered from the hosts file only (NXDOMAIN otherwise).
+# Names under this domain are answered locally only (NXDOMAIN otherwise).
 DOMAIN = "kvgw.test"
 
 
-@dataclass
 class Dnsmasq:
-    port: int
-    hosts: Path
-    proc: subprocess.Popen[bytes]
+    def __init__(self, binary: str, workdir: Path) -> None:
+        self.binary = binary
+        self.hosts = workdir / "hosts"
+        self.hosts.write_text("", encoding="utf-8")
+        self.log_path = workdir / "dnsmasq.log"
+        (self.port,) = free_ports(1)
+        self.srv: Mapping[str, Sequence[tuple[str, int]]] = {}
+        self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def nameserver(self) -> str:
@@ -38,51 +43,67 @@ class Dnsmasq:
         tmp = self.hosts.with_suffix(".tmp")
         tmp.write_text("\n".join(lines) + "\n", encoding="utf-8")
         tmp.replace(self.hosts)
+        assert self.proc is not None
         self.proc.send_signal(signal.SIGHUP)
+
+    def set_srv(self, records: Mapping[str, Sequence[tuple[str, int]]]) -> None:
+        """SRV records: name -> (target, port) pairs."""
+        self.srv = records
+        self.stop()
+        self.start()
+
+    def start(self) -> None:
+        user = (
+            os.environ.get("USER")
+            or subprocess.run(
+                ["id", "-un"], capture_output=True, text=True, check=True
+            ).stdout.strip()
+        )
+        srv = [f"--srv-host={n},{t},{p}" for n, pairs in self.srv.items() for t, p in pairs]
+        with self.log_path.open("ab") as log:
+            self.proc = subprocess.Popen(
+                [
+                    self.binary,
+                    "--keep-in-foreground",
+                    "--conf-file=/dev/null",
+                    "--no-resolv",
+                    "--no-hosts",
+                    f"--addn-hosts={self.hosts}",
+                    f"--local=/{DOMAIN}/",
+                    "--listen-address=127.0.0.1",
+                    "--bind-interfaces",
+                    f"--port={self.port}",
+                    "--pid-file=",
+                    f"--user={user}",
+                    "--log-facility=-",
+                    "--log-queries",
+                    *srv,
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        _wait_listening(self.port, self.proc)
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
 
 
 @contextlib.contextmanager
 def run_dnsmasq(tmp_path: Path) -> Iterator[Dnsmasq]:
-    binary = require_tool("dnsmasq")
-    hosts = tmp_path / "hosts"
-    hosts.write_text("", encoding="utf-8")
-    (port,) = free_ports(1)
-    user = (
-        os.environ.get("USER")
-        or subprocess.run(["id", "-un"], capture_output=True, text=True, check=True).stdout.strip()
-    )
-    log = (tmp_path / "dnsmasq.log").open("wb")
-    proc = subprocess.Popen(
-        [
-            binary,
-            "--keep-in-foreground",
-            "--conf-file=/dev/null",
-            "--no-resolv",
-            "--no-hosts",
-            f"--addn-hosts={hosts}",
-            f"--local=/{DOMAIN}/",
-            "--listen-address=127.0.0.1",
-            "--bind-interfaces",
-            f"--port={port}",
-            "--pid-file=",
-            f"--user={user}",
-            "--log-facility=-",
-            "--log-queries",
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
+    server = Dnsmasq(require_tool("dnsmasq"), tmp_path)
+    server.start()
     try:
-        _wait_listening(port, proc)
-        yield Dnsmasq(port=port, hosts=hosts, proc=proc)
+        yield server
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
+        server.stop()
 
 
 def _wait_listening(port: int, proc: subprocess.Popen[bytes]) -> None:

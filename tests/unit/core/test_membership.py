@@ -82,3 +82,12 @@ def test_members_are_spliced_after_the_tiers_own_backends_and_rebased_on_reload(
         "fixed",
         "other@10.0.0.7:8000",
     ]
+
+
+def test_srv_endpoints_carry_their_own_ports():
+    change = diff_members(
+        GROUP, ["pool@10.0.0.5:8000"], [("10.0.0.5", 9001), ("10.0.0.5", 9002), ("10.0.0.5", 0)]
+    )
+    assert [m.name for m in change.added] == ["pool@10.0.0.5:9001", "pool@10.0.0.5:9002"]
+    assert change.removed == ("pool@10.0.0.5:8000",)
+    assert change.added[0].url == "http://10.0.0.5:9001"
