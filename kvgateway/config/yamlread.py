@@ -30,22 +30,22 @@ class ConfigError(ValueError):
     ``problem`` are those of the first.
     """
 
-    def __init__(self, path: str, problem: str) -> None:
-        super().__init__(f"{path}: {problem}" if path else problem)
+    def __init__(self, path: str, problem: str, errors: Sequence[ConfigError] = ()) -> None:
         self.path = path
         self.problem = problem
-        self.errors: tuple[ConfigError, ...] = (self,)
+        self.errors: tuple[ConfigError, ...] = tuple(errors) or (self,)
+        if len(self.errors) > 1:
+            lines = "\n".join(f"  {e}" for e in self.errors)
+            super().__init__(f"{len(self.errors)} problems:\n{lines}")
+        else:
+            super().__init__(f"{path}: {problem}" if path else problem)
 
     @classmethod
     def of(cls, errors: Sequence[ConfigError]) -> ConfigError:
         """One error standing for all of ``errors`` (which must not be empty)."""
         if len(errors) == 1:
             return errors[0]
-        lines = "\n".join(f"  {e}" for e in errors)
-        err = cls(errors[0].path, errors[0].problem)
-        ValueError.__init__(err, f"{len(errors)} problems:\n{lines}")
-        err.errors = tuple(errors)
-        return err
+        return cls(errors[0].path, errors[0].problem, errors)
 
 
 @dataclass
