@@ -10,6 +10,8 @@ import textwrap
 import jsonschema
 import pytest
 import yaml
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvgateway.config.document import expand_env
 from kvgateway.config.load import parse_config_text
@@ -204,3 +206,27 @@ def test_config_schema_command_prints_the_schema():
         check=True,
     ).stdout
     assert json.loads(out) == config_schema()
+
+
+no_dollar = st.text(alphabet=st.characters(blacklist_characters="$", codec="utf-8"), max_size=20)
+var_names = st.from_regex(r"[A-Za-z_][A-Za-z0-9_]{0,10}", fullmatch=True)
+
+
+@given(no_dollar)
+def test_text_without_a_dollar_is_left_alone(text):
+    reading = Reading()
+    assert expand_env(text, "k", reading, {}) == text
+    assert not reading.errors and not reading.expanded
+
+
+@given(no_dollar, var_names, st.text(max_size=20), no_dollar, no_dollar)
+def test_a_reference_is_replaced_by_its_value_or_default(prefix, name, value, default, suffix):
+    default = default.replace("}", "")
+    reading = Reading()
+    text = f"{prefix}${{{name}}}{suffix}"
+    assert expand_env(text, "k", reading, {name: value}) == prefix + value + suffix
+    with_default = f"{prefix}${{{name}:-{default}}}{suffix}"
+    expected = value if value else default
+    assert expand_env(with_default, "k", reading, {name: value}) == prefix + expected + suffix
+    assert expand_env(with_default, "k", reading, {}) == prefix + default + suffix
+    assert not reading.errors
