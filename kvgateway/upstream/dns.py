@@ -180,5 +180,9 @@ class DnsDiscovery:
 
     async def _watch(self, group: DnsGroupConfig) -> None:
         while True:
-            await self.refresh(group)
+            try:
+                await self.refresh(group)
+            except Exception:
+                # A failing sink must not end discovery for good: say so, try next round.
+                log.exception("dns group %s: applying the lookup failed", group.name)
             await asyncio.sleep(group.resolve_interval_s)

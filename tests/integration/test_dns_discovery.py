@@ -214,3 +214,20 @@ async def test_srv_members_each_have_their_own_port(dns: Dnsmasq) -> None:
         await sink.wait_for({"pool@127.0.0.1:9002", "pool@127.0.0.1:9003"})
     with pytest.raises(ConfigError, match="leave `port` out"):
         parse_config({**cfg, "tiers": [{"name": "t", "backends": [{**backend, "port": 1}]}]})
+
+
+async def test_a_failing_sink_does_not_stop_discovery(
+    dns: Dnsmasq, caplog: pytest.LogCaptureFixture
+) -> None:
+    class FlakySink(RecordingSink):
+        def set_members(self, group: str, members: Sequence[BackendConfig]) -> None:
+            if not self.calls and not getattr(self, "failed", False):
+                self.failed = True
+                raise RuntimeError("fleet not ready")
+            super().set_members(group, members)
+
+    dns.set_addresses({NAME: ["127.0.0.5"]})
+    sink = FlakySink()
+    async with DnsDiscovery([group_of(dns)], sink, nameservers=[dns.nameserver], timeout_s=0.5):
+        await sink.wait_for({"pool@127.0.0.5:8000"})
+    assert "applying the lookup failed" in caplog.text
