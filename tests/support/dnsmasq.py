@@ -44,7 +44,18 @@ class Dnsmasq:
         tmp.write_text("\n".join(lines) + "\n", encoding="utf-8")
         tmp.replace(self.hosts)
         assert self.proc is not None
+        # SIGHUP is asynchronous: wait for the "read <hosts>" line it logs once reloaded,
+        # so a lookup right after this call sees the new records.
+        before = self._reads()
         self.proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 5
+        while self._reads() == before:
+            assert time.monotonic() < deadline, "dnsmasq did not reload its hosts file"
+            time.sleep(0.01)
+
+    def _reads(self) -> int:
+        text = self.log_path.read_text(encoding="utf-8", errors="replace")
+        return text.count(f"read {self.hosts}")
 
     def set_srv(self, records: Mapping[str, Sequence[tuple[str, int]]]) -> None:
         """SRV records: name -> (target, port) pairs."""
