@@ -18,6 +18,7 @@ _COMMAND_MODULES: tuple[str, ...] = (
     "kvgateway.commands.serve",
     "kvgateway.commands.demo",
     "kvgateway.commands.check",
+    "kvgateway.commands.config_schema",
     "kvgateway.capacity.cli",
     "kvgateway.simulator.cli",
     "kvgateway.commands.top",

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from kvgateway.capacity.alternatives import Alternative, does_not_fit, what_would_fit
 from kvgateway.capacity.estimate import CapacityEstimate, estimate
 from kvgateway.capacity.layout import blocks_per_request
 from kvgateway.capacity.memory import GIB, activation_bytes
@@ -74,6 +75,9 @@ class Plan:
     estimate: CapacityEstimate
     recommendations: tuple[Recommendation, ...]
     settings: Settings | None  # None when no context fits at all
+    # The model does not fit the node at all; then what would (re-estimated), best first.
+    fits: bool = True
+    alternatives: tuple[Alternative, ...] = ()
 
 
 def round_down(value: float, step: int) -> int:
@@ -341,4 +345,12 @@ def make_plan(spec: CapacitySpec) -> Plan:
             kv_cache_tokens=est.kv_cache_tokens,
             concurrency=est.concurrency_at(length),
         )
-    return Plan(spec=spec, estimate=est, recommendations=recs, settings=settings)
+    fits = not does_not_fit(spec, est)
+    return Plan(
+        spec=spec,
+        estimate=est,
+        recommendations=recs,
+        settings=settings,
+        fits=fits,
+        alternatives=() if fits else what_would_fit(spec, est),
+    )

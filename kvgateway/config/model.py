@@ -6,8 +6,8 @@ Nothing downstream reads raw YAML. The annotated reference is
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
 
@@ -112,10 +112,47 @@ class BackendConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class DiscoveryConfig:
+    """How `dns:` backend groups are looked up."""
+
+    # "10.96.0.10" or "127.0.0.1:5353"; empty: the system's resolvers (/etc/resolv.conf).
+    nameservers: tuple[str, ...] = ()
+    timeout_s: float = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class DnsGroupConfig:
+    """Backends behind one DNS name (a Kubernetes headless Service).
+
+    ``lookup: address``: one member per A/AAAA record, on ``port``. ``lookup: srv``: one
+    member per SRV record (``_http._tcp.<service>``), on the record's own port, at the
+    addresses of its target. ``template`` carries the settings every member shares (model,
+    limits, timeouts); a member is the template with its own name
+    (``pool@10.0.0.5:8000``) and URL.
+    """
+
+    name: str
+    dns: str
+    port: int
+    scheme: str
+    resolve_interval_s: float
+    template: BackendConfig
+    lookup: str = "address"
+
+    def member(self, address: str, port: int | None = None) -> BackendConfig:
+        """The backend at one resolved address (IPv4 or IPv6, without brackets)."""
+        host = f"[{address}]" if ":" in address else address
+        where = f"{host}:{self.port if port is None else port}"
+        return replace(self.template, name=f"{self.name}@{where}", url=f"{self.scheme}://{where}")
+
+
+@dataclass(frozen=True, slots=True)
 class TierConfig:
     name: str
     offload: bool
     backends: tuple[BackendConfig, ...]
+    # Discovered members are not in `backends`: they come and go at run time.
+    dns_groups: tuple[DnsGroupConfig, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +183,7 @@ class GatewayConfig:
     health: HealthConfig
     load_feedback: LoadFeedbackConfig
     tiers: tuple[TierConfig, ...]
+    discovery: DiscoveryConfig = DiscoveryConfig()
     source: str = "<memory>"
     _model_index: dict[str, ModelConfig] = field(default_factory=dict, compare=False)
 
@@ -159,4 +197,21 @@ class GatewayConfig:
 
     @property
     def backends(self) -> tuple[BackendConfig, ...]:
+        """The backends named in the file (not the members of DNS groups)."""
         return tuple(b for t in self.tiers for b in t.backends)
+
+    @property
+    def dns_groups(self) -> tuple[DnsGroupConfig, ...]:
+        return tuple(g for t in self.tiers for g in t.dns_groups)
+
+    def with_members(self, members: Mapping[str, Sequence[BackendConfig]]) -> GatewayConfig:
+        """This config (as read from the file) with each DNS group's ``members`` (by group
+        name) listed as backends of its tier, after the tier's own backends."""
+        tiers = tuple(
+            replace(
+                t,
+                backends=(*t.backends, *(m for g in t.dns_groups for m in members.get(g.name, ()))),
+            )
+            for t in self.tiers
+        )
+        return replace(self, tiers=tiers, _model_index={})

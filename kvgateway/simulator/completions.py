@@ -160,7 +160,7 @@ async def _generate(
         node.driver.release(handle)
 
 
-async def _wait_news(request: web.Request, handle: RequestHandle, poll: float | None) -> None:
+async def wait_news(request: web.Request, handle: RequestHandle, poll: float | None) -> None:
     """Wait for tokens; with ``poll`` also notice a client that is gone.
 
     aiohttp cancels handlers on disconnect only if the runner asks for it
@@ -211,7 +211,7 @@ async def _collect(
             raise p.ApiError(500, handle.error, "InternalServerError")
         if handle.done:
             break
-        await _wait_news(request, handle, poll)
+        await wait_news(request, handle, poll)
     make = p.chat_message_choice if fmt.chat else p.completion_choice
     choices = [
         make(i, filler_text(0, handle.emitted[i]), finish[i]) for i in range(len(handle.seqs))
@@ -295,7 +295,7 @@ async def _stream_events(
             sent += len(events)
         if handle.done:
             break
-        await _wait_news(request, handle, poll)
+        await wait_news(request, handle, poll)
     tail = ""
     if req.include_usage and handle.error is None:
         final = fmt.chunk([])

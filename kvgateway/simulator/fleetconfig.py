@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-import yaml
-
+from kvgateway.config.document import read_document
+from kvgateway.config.yamlread import ConfigError, Reading
 from kvgateway.simulator.profiles import get_profile
 from kvgateway.simulator.settings import NodeSettings, SettingsError, apply_overrides
 from kvgateway.simulator.sizing import SIZING_KEYS, size_from_mapping
@@ -79,10 +79,15 @@ def load_fleet_config(
         text = Path(path).read_text(encoding="utf-8")
     except OSError as exc:
         raise SimulatorConfigError(f"{path}: cannot read: {exc.strerror or exc}") from exc
+    # Read as the gateway reads it: duplicate keys rejected, ${VAR} references expanded, so
+    # a node listens where the gateway will look for it.
+    reading = Reading()
     try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise SimulatorConfigError(f"{path}: invalid YAML: {exc}") from exc
+        data = read_document(text, str(path), reading)
+    except ConfigError as exc:
+        raise SimulatorConfigError(str(exc)) from exc
+    if reading.errors:
+        raise SimulatorConfigError(f"{path}: {ConfigError.of(reading.errors)}")
     return parse_fleet_config(data, port_offset=port_offset, overrides=overrides)
 
 

@@ -1,7 +1,8 @@
 """The HTTP surface of one simulated vLLM node.
 
 vLLM's endpoints (``/health``, ``/v1/models``, ``/tokenize``, ``/metrics``,
-``/v1/chat/completions``, ``/v1/completions``) plus the simulator's own:
+``/v1/chat/completions``, ``/v1/completions``; models/{id}, embeddings, rerank, score and
+responses in ``endpoints_extra.py``) plus the simulator's own:
 
 - ``GET /sim/state``: engine state as JSON (running, waiting, used/free blocks,
   kv_usage, preemptions, finished counts, simulated time, lag);
@@ -18,6 +19,7 @@ from aiohttp import web
 
 from kvgateway.simulator import protocol as p
 from kvgateway.simulator.completions import ClientGone, handle_chat, handle_completion
+from kvgateway.simulator.endpoints_extra import register_extra_endpoints
 from kvgateway.simulator.faults import FaultError, parse_fault
 from kvgateway.simulator.node import NODE_KEY, SimNode
 from kvgateway.simulator.settings import NodeSettings
@@ -56,6 +58,7 @@ def create_node_app(
     app.router.add_get("/metrics", _metrics)
     app.router.add_post("/v1/chat/completions", handle_chat)
     app.router.add_post("/v1/completions", handle_completion)
+    register_extra_endpoints(app)
     app.router.add_get("/sim/state", _state)
     app.router.add_get("/sim/fault", _get_fault)
     app.router.add_post("/sim/fault", _set_fault)

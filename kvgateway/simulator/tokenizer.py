@@ -56,6 +56,15 @@ class NodeTokenizer:
             return self._encoder.encode_ordinary(text)
         return list(range(1000, 1000 + self._count_text(text)))
 
+    def decode(self, tokens: list[int]) -> str:
+        """The text of ``tokens``: real BPE where ``encode`` is real, filler otherwise."""
+        if self._encoder is not None and self._scale == 1.0:
+            try:
+                return self._encoder.decode(tokens)
+            except (KeyError, ValueError) as exc:
+                raise ValueError(f"not a token of {self._encoder.name}: {exc}") from exc
+        return " x" * len(tokens)
+
     def _count_text(self, text: str) -> int:
         if not text:
             return 0

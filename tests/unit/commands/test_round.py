@@ -14,7 +14,7 @@ from kvgateway.cli import main
 from kvgateway.commands.roundload import measure_round
 from kvgateway.commands.roundstats import rounds_from_json
 from kvgateway.simulator.profiles import TINY
-from kvgateway.simulator.server import create_app
+from kvgateway.simulator.server import create_node_app as create_app
 from kvgateway.simulator.settings import NodeSettings
 from kvgateway.simulator.sizing import ServeFlags, size_node
 from kvgateway.tokens.encoding import EncodingCache
