@@ -55,8 +55,6 @@ _TIERS = (
 )
 
 
-
-
 def synthetic_gateway(n: int, policy: str, rnd: random.Random) -> Any:
     """The gateway's own state (``create_app``, no sockets) over ``n`` healthy backends in
     three tiers, each already holding a random 0-80% of its KV budget and slots. Built
