@@ -26,6 +26,7 @@ from urllib.parse import urlsplit
 
 import yaml
 
+from kvgateway.simulator.kv_events import kv_events_overrides
 from kvgateway.simulator.profiles import get_profile
 from kvgateway.simulator.settings import NodeSettings, SettingsError, apply_overrides
 
@@ -156,6 +157,9 @@ def _backend_spec(
     settings = apply_overrides(settings, defaults, "simulation", skip=("seed",))
     if base_seed is not None:
         settings = dataclasses.replace(settings, seed=base_seed + index)
+    if sim.get("kv_events") is not None:
+        events = kv_events_overrides(sim["kv_events"], f"{path}.simulate.kv_events")
+        sim = {**{k: v for k, v in sim.items() if k != "kv_events"}, **events}
     settings = apply_overrides(settings, sim, f"{path}.simulate", skip=("profile",))
     return NodeSpec(settings, host, port)
 

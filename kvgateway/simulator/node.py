@@ -9,6 +9,7 @@ from aiohttp import web
 
 from kvgateway.simulator.driver import EngineDriver
 from kvgateway.simulator.faults import FaultState
+from kvgateway.simulator.kv_events import KVEventPublisher
 from kvgateway.simulator.metrics import NodeMetrics
 from kvgateway.simulator.protocol import model_not_found
 from kvgateway.simulator.settings import NodeSettings
@@ -31,7 +32,10 @@ class SimNode:
         # None when the runner cancels handlers on disconnect (no polling needed).
         self.disconnect_poll_s = disconnect_poll_s
         self.metrics = NodeMetrics(settings)
-        self.driver = EngineDriver(settings, self.metrics, clock=clock)
+        self.publisher = (
+            KVEventPublisher(settings) if settings.kv_events_endpoint is not None else None
+        )
+        self.driver = EngineDriver(settings, self.metrics, clock=clock, publisher=self.publisher)
         self.tokenizer = NodeTokenizer(settings, encodings or EncodingCache())
         self.faults = FaultState()
         self.created = int(time.time())
