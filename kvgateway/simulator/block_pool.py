@@ -115,6 +115,10 @@ class BlockPool:
     def num_cached(self) -> int:
         return sum(len(v) for v in self._cached.values())
 
+    def cached_external_hashes(self) -> set[int]:
+        """Hashes of every cached block, as KV events name them (for tests)."""
+        return {external_hash(h) for (h, _g), blocks in self._cached.items() if blocks}
+
     def free_order(self) -> list[int]:
         """Block ids of the free queue, next to be reused first (for tests)."""
         return list(self._free)
