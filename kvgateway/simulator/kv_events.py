@@ -10,8 +10,8 @@ After ``vllm/distributed/kv_events.py`` (``ZmqEventPublisher``; read, not copied
   ``omit_defaults``: fields left at their default (``extra_keys``, ``group_idx``, ...)
   are not sent. Current vLLM encodes structs as maps; releases before that used
   ``array_like`` (``[ts, events, rank]``, events ``["BlockStored", hashes, parent,
-  tokens, block_size, lora_id, medium, lora_name]``), selected by
-  ``kv_events_array_like``.
+  tokens, block_size, lora_id, medium, lora_name, ...]`` with every field, defaults
+  included: msgspec omits nothing from arrays), selected by ``kv_events_array_like``.
 - A ROUTER replay socket answers ``[identity, b"", start_seq]`` with every buffered
   batch from ``start_seq`` on as ``[identity, b"", seq, payload]``, then ``seq = -1``.
 - The PUB socket binds when the endpoint has ``*``, ``::``, ``ipc://`` or ``inproc://``
@@ -62,6 +62,13 @@ def kv_events_overrides(value: Any, path: str) -> dict[str, Any]:
     return out
 
 
+# Fields vLLM declares with a default; ``omit_defaults`` drops them from maps while they
+# hold it (msgspec's array layout keeps every field).
+_DEFAULTED = frozenset(
+    {"extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window"}
+)
+
+
 def _event_fields(event: KVEvent) -> tuple[str, list[tuple[str, Any]]]:
     if isinstance(event, BlockStored):
         return "BlockStored", [
@@ -72,11 +79,16 @@ def _event_fields(event: KVEvent) -> tuple[str, list[tuple[str, Any]]]:
             ("lora_id", None),
             ("medium", event.medium),
             ("lora_name", None),
+            ("extra_keys", None),
+            ("group_idx", None),
+            ("kv_cache_spec_kind", None),
+            ("kv_cache_spec_sliding_window", None),
         ]
     if isinstance(event, BlockRemoved):
         return "BlockRemoved", [
             ("block_hashes", list(event.block_hashes)),
             ("medium", event.medium),
+            ("group_idx", None),
         ]
     assert isinstance(event, AllBlocksCleared)
     return "AllBlocksCleared", []
@@ -92,7 +104,8 @@ def encode_batch(
         if array_like:
             encoded.append([tag, *(v for _, v in fields)])
         else:
-            encoded.append({"type": tag, **dict(fields)})
+            kept = {k: v for k, v in fields if not (k in _DEFAULTED and v is None)}
+            encoded.append({"type": tag, **kept})
     batch: Any
     if array_like:
         batch = [ts, encoded, data_parallel_rank]
