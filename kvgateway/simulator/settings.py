@@ -13,7 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvgateway.simulator.engine import CostModel, EngineConfig
+from kvgateway.simulator.cost import CostModel
+from kvgateway.simulator.engine import EngineConfig
 
 OUTPUT_DISTRIBUTIONS = ("lognormal", "uniform", "fixed")
 
