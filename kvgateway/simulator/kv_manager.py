@@ -180,9 +180,14 @@ class KVCacheManager:
         ``computed`` are hit blocks of a request being admitted; ``num_computed`` the
         tokens already computed (the hit, or the running request's progress).
         """
-        self._remove_skipped(req_id, num_computed)
         table = self._tables.get(req_id)
         bs = self.block_size
+        if computed is None and table is not None and not self._sliding:
+            # The common case, a running request in full-attention groups only.
+            new = cdiv(num_tokens, bs) - len(table[0])
+            if new <= 0:
+                return True
+        self._remove_skipped(req_id, num_computed)
         need = 0
         plan: list[tuple[int, int]] = []  # (nulls to add, new blocks) per group
         for g, window in enumerate(self.windows):
@@ -222,10 +227,12 @@ class KVCacheManager:
         """Cache the full blocks among the first ``num_tokens`` tokens (once scheduled)."""
         if not self.pool.enable_caching:
             return
-        self.update_hashes(req)
         num_full = min(num_tokens, len(req.token_ids)) // self.block_size
-        table = self._tables[req_id]
         cached = self._num_cached[req_id]
+        if min(cached) >= num_full:
+            return
+        self.update_hashes(req)
+        table = self._tables[req_id]
         for g in range(len(self.windows)):
             if num_full > cached[g]:
                 self.pool.cache_full_blocks(
