@@ -82,19 +82,30 @@ class _Approximate:
 
 
 class _Precise:
-    __slots__ = ("by_hash", "held", "orphans", "removed", "resync_at", "resyncs", "stored")
+    __slots__ = (
+        "block_size",
+        "by_hash",
+        "held",
+        "orphans",
+        "removed",
+        "resync_at",
+        "resyncs",
+        "stored",
+    )
 
     def __init__(self) -> None:
         self.by_hash: dict[EngineHash, tuple[BlockKey, int]] = {}
         self.held: dict[BlockKey, int] = {}
         self.stored = self.removed = self.orphans = self.resyncs = 0
         self.resync_at: float | None = None
+        self.block_size: int | None = None
 
     def reset(self) -> None:
         self.by_hash.clear()
         self.held.clear()
 
     def store(self, event: BlocksStored) -> None:
+        self.block_size = event.block_size
         if event.parent_block_hash is None:
             parent: BlockKey | None = None
         else:
@@ -229,6 +240,11 @@ class PrefixIndex:
     ) -> dict[str, int]:
         """:meth:`matched_blocks` for each backend."""
         return {b: self.matched_blocks(b, keys, now) for b in backends}
+
+    def event_block_size(self, backend: str) -> int | None:
+        """The block size the backend's events use: prompts must be keyed with it."""
+        state = self._precise.get(backend)
+        return state.block_size if state is not None else None
 
     def is_precise(self, backend: str, now: float) -> bool:
         state = self._precise.get(backend)

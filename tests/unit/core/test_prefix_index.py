@@ -115,3 +115,10 @@ def test_after_a_resync_the_approximate_view_answers_for_the_grace_period() -> N
     assert stats.resyncs == 1 and stats.last_resync_at == 1.0
     index.remove_backend("n")
     assert index.matched_blocks("n", keys, now=7.0) == 0
+
+
+def test_the_event_block_size_is_remembered_for_keying_prompts() -> None:
+    index = PrefixIndex()
+    assert index.event_block_size("n") is None
+    index.apply_events("n", [BlocksStored((1,), None, (0,) * 16, 16)], now=0.0)
+    assert index.event_block_size("n") == 16

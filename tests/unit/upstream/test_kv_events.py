@@ -9,6 +9,8 @@ from typing import Any
 import msgspec
 import pytest
 import zmq.asyncio
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvgateway.core.prefix_index import AllCleared, BlocksRemoved, BlocksStored, PrefixIndex
 from kvgateway.core.prefix_keys import block_keys
@@ -18,7 +20,7 @@ from kvgateway.simulator.block_pool import (
     BlockStored,
     hash_block_tokens,
 )
-from kvgateway.simulator.engine import EngineCore
+from kvgateway.simulator.engine import EngineConfig, EngineCore
 from kvgateway.simulator.kv_events import encode_batch
 from kvgateway.simulator.tokenizer import ChatMessage
 from kvgateway.upstream.kv_events import (
@@ -303,3 +305,63 @@ async def test_a_disconnect_resyncs(sim: SimFactory, zctx: zmq.asyncio.Context) 
         assert not sub.connected.is_set()
     finally:
         await sub.close()
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    ops=st.lists(
+        st.tuples(
+            st.sampled_from(["add", "step", "step", "abort"]),
+            st.integers(0, 3),
+            st.integers(1, 40),
+            st.integers(1, 10),
+            st.booleans(),
+        ),
+        min_size=1,
+        max_size=50,
+    ),
+    array_like=st.booleans(),
+)
+def test_events_keep_the_index_equal_to_the_engines_cache(
+    ops: list[tuple[str, int, int, int, bool]], array_like: bool
+) -> None:
+    c = EngineCore(
+        EngineConfig(
+            num_gpu_blocks=24,
+            block_size=4,
+            max_model_len=512,
+            max_num_seqs=4,
+            max_num_batched_tokens=32,
+            enable_kv_events=True,
+        )
+    )
+    index = PrefixIndex()
+    prefixes = [[100 + p] * (5 * p + 2) for p in range(4)]
+    prompts: list[list[int]] = []
+    seqs = []
+
+    def publish(r: Any) -> None:
+        if r is not None and r.kv_events:
+            batch = decode_batch(encode_batch(r.kv_events, 0.0, array_like=array_like))
+            index.apply_events("n", batch.events, now=0.0)
+
+    for n, (op, prefix, own, out, _) in enumerate(ops):
+        if op == "add":
+            ids = prefixes[prefix] + [n] * own
+            if len(ids) <= 80:
+                prompts.append(ids)
+                seqs.append(
+                    c.add(
+                        prompt_token_ids=ids, target_tokens=out, target_reason="length", arrival=0.0
+                    )
+                )
+        elif op == "step":
+            publish(c.step(c.clock))
+        elif seqs:
+            c.abort(seqs[prefix % len(seqs)], c.clock)
+        assert index.precise_engine_hashes("n") == c.kv.pool.cached_external_hashes()
+        for ids in prompts[-3:]:
+            assert index.matched_blocks("n", block_keys(ids, 4), now=0.0) == (
+                node_cached_prefix(c, ids)
+            )
+    assert index.statistics("n", now=0.0).orphans == 0
