@@ -197,7 +197,7 @@ class KVEventPublisher:
                 sock.close(linger=0)
         self._pub = self._replay = None
         if self._ctx is not None:
-            self._ctx.term()
+            self._ctx.destroy(linger=0)
             self._ctx = None
 
     async def _serve_replay(self, sock: zmq.asyncio.Socket) -> None:

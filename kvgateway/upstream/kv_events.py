@@ -346,4 +346,4 @@ class KVEventHub:
         for sub in self._subs.values():
             await sub.close()
         self._subs.clear()
-        self._ctx.term()
+        self._ctx.destroy(linger=0)

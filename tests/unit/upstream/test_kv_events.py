@@ -24,6 +24,7 @@ from kvgateway.simulator.engine import EngineConfig, EngineCore
 from kvgateway.simulator.kv_events import encode_batch
 from kvgateway.simulator.tokenizer import ChatMessage
 from kvgateway.upstream.kv_events import (
+    KVEventHub,
     KVEventSource,
     KVEventSubscriber,
     SeqAction,
@@ -365,3 +366,22 @@ def test_events_keep_the_index_equal_to_the_engines_cache(
                 node_cached_prefix(c, ids)
             )
     assert index.statistics("n", now=0.0).orphans == 0
+
+
+async def test_hub_subscribes_and_detaches_backends(sim: SimFactory) -> None:
+    node = await _events_node(sim)
+    publisher = node.node.publisher
+    assert publisher is not None and publisher.endpoint
+    index = PrefixIndex()
+    hub = KVEventHub(index)
+    source = KVEventSource("sim", publisher.endpoint, "kv")
+    try:
+        await hub.sync([source])
+        sub = hub.subscriber("sim")
+        assert sub is not None
+        await asyncio.wait_for(sub.connected.wait(), 5.0)
+        assert index.is_precise("sim", now=0.0)
+        await hub.sync([])
+        assert hub.subscriber("sim") is None and not index.is_precise("sim", now=0.0)
+    finally:
+        await hub.close()
