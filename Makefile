@@ -27,12 +27,14 @@ prometheus:
 
 test: $(STAMP) prometheus
 	$(BIN)/ruff check kvgateway tests bench
+	$(BIN)/lint-imports
 	$(BIN)/mypy
 	$(BIN)/pytest -n 2 -q
 
 lint: $(STAMP)
 	$(BIN)/ruff check kvgateway tests bench
 	$(BIN)/ruff format --check kvgateway tests bench
+	$(BIN)/lint-imports
 	$(BIN)/mypy
 
 typecheck: $(STAMP)

@@ -14,9 +14,8 @@ import aiohttp
 from kvgateway.config.load import load_config
 from kvgateway.config.model import BackendConfig, GatewayConfig
 from kvgateway.config.yamlread import ConfigError
-from kvgateway.core.backends import Limits
 from kvgateway.core.derived_limits import derive_backend
-from kvgateway.core.limits import Observed, resolve_limits
+from kvgateway.core.limits import Limits, Observed, resolve_limits
 from kvgateway.upstream.probe import ProbeError, probe
 
 

@@ -14,7 +14,7 @@ from importlib import resources
 
 from kvgateway.commands.serve import run, serve
 from kvgateway.config.load import load_config
-from kvgateway.config.model import GatewayConfig
+from kvgateway.config.model import POLICIES, GatewayConfig, Policy
 from kvgateway.config.yamlread import ConfigError
 from kvgateway.server.accesslog import setup_logging
 from kvgateway.simulator.fleet import start_fleet
@@ -39,7 +39,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--config", default=None, help="fleet + gateway YAML (default: embedded demo)")
     p.add_argument(
         "--policy",
-        choices=("kv_aware", "round_robin", "least_loaded", "length_aware"),
+        choices=POLICIES,
         help="override routing.policy (compare the baselines)",
     )
     p.add_argument("--log-level", default="INFO")
@@ -71,7 +71,7 @@ def _main(args: argparse.Namespace) -> int:
         return 2
     config = replace(config, server=replace(config.server, host=args.host, port=args.port))
     if args.policy:
-        config = replace(config, routing=replace(config.routing, policy=args.policy))
+        config = replace(config, routing=replace(config.routing, policy=Policy(args.policy)))
     setup_logging(config.server.log_format, args.log_level)
     try:
         run(_demo(config, specs, path))

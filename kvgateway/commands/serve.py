@@ -19,7 +19,7 @@ from kvgateway.config.yamlread import ConfigError
 from kvgateway.core.derived_limits import derive_all
 from kvgateway.server.accesslog import setup_logging
 from kvgateway.server.app import STATE, create_app
-from kvgateway.server.reload import reload_config, watch_file
+from kvgateway.server.reload import Reloader, watch_file
 
 log = logging.getLogger("kvgateway.server")
 
@@ -99,8 +99,9 @@ async def serve(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    if config_path is not None:
-        loop.add_signal_handler(signal.SIGHUP, reload_config, app, config_path)
+    reloader = Reloader(app, config_path) if config_path is not None else None
+    if reloader is not None:
+        loop.add_signal_handler(signal.SIGHUP, reloader.request)
     watcher = (
         asyncio.create_task(watch_file(app, config_path), name="config-watch")
         if watch and config_path
@@ -117,6 +118,8 @@ async def serve(
             watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await watcher
+        if reloader is not None:
+            await reloader.close()
         await _shutdown(app, runner, site, config)
 
 
@@ -141,13 +144,12 @@ async def _shutdown(
     if state.active:
         await asyncio.wait(set(state.active), timeout=server.shutdown_grace_s)
     if state.active:
-        log.warning(
-            "cancelling %d request(s) still running after the grace period", len(state.active)
-        )
-        state.shutdown_reason = "shutdown"
-        left = set(state.active)
-        for task in left:
-            task.cancel()
-        await asyncio.wait(left, timeout=2.0)
+        log.warning("ending %d request(s) still running after the grace period", len(state.active))
+        # Their deadlines move to now: each ends with a proper answer (503, or an error
+        # event on a stream) and releases what it holds; nothing is un-cancelled.
+        left = dict(state.active)
+        for ex in left.values():
+            ex.end_now()
+        await asyncio.wait(set(left), timeout=2.0)
     await runner.cleanup()
     log.info("gateway stopped")

@@ -21,6 +21,7 @@ from kvgateway.config.model import (
     HealthConfig,
     LoadFeedbackConfig,
     ModelConfig,
+    Policy,
     RoutingConfig,
     ServerConfig,
     TierConfig,
@@ -168,7 +169,7 @@ def _admission(s: Section) -> AdmissionConfig:
 
 def _routing(s: Section) -> RoutingConfig:
     cfg = RoutingConfig(
-        policy=s.choice("policy", POLICIES, "kv_aware"),
+        policy=Policy(s.choice("policy", POLICIES, Policy.KV_AWARE.value)),
         offload_overflow=s.flag("offload_overflow", False),
     )
     s.reject_unknown()

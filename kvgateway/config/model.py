@@ -8,11 +8,22 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 from kvgateway.tokens.spec import TokenizerConfig
 
-POLICIES = ("kv_aware", "round_robin", "least_loaded", "length_aware")
+
+class Policy(StrEnum):
+    """``routing.policy``: kv_aware, or a baseline to compare it with."""
+
+    KV_AWARE = "kv_aware"
+    ROUND_ROBIN = "round_robin"
+    LEAST_LOADED = "least_loaded"
+    LENGTH_AWARE = "length_aware"
+
+
+POLICIES = tuple(p.value for p in Policy)
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,7 +48,7 @@ class AdmissionConfig:
 
 @dataclass(frozen=True, slots=True)
 class RoutingConfig:
-    policy: str = "kv_aware"
+    policy: Policy = Policy.KV_AWARE
     # Send work that fits a GPU tier to the offload tier when every GPU tier is full
     # (instead of queueing). Off by default: offload nodes are slow.
     offload_overflow: bool = False

@@ -80,9 +80,17 @@ class Fleet:
         idx = self._by_model.get(model)
         return idx if idx is not None else _EMPTY
 
+    def block_size(self, model: str) -> int:
+        """The KV block size reservations of ``model`` are rounded to."""
+        return self.index(model).block_size
+
     def adjust(self, b: Backend, tokens: int, seqs: int, in_flight: int) -> None:
-        """Change a backend's reservations through its model's routing index."""
+        """Change a backend's reservations through its model's routing index; a draining
+        backend leaves the fleet (admin view, metrics) when its last request ends."""
         self.index(b.model).adjust(b, tokens, seqs, in_flight)
+        if b.draining and b.in_flight == 0 and b in self._draining:
+            self.reap_drained()
+            log.info("backend %s drained and removed", b.name)
 
     def get(self, name: str) -> Backend | None:
         for b in self._active:

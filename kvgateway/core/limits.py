@@ -10,9 +10,36 @@ reported as warnings (``gateway check`` prints them, the server logs them).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 
+from kvgateway.capacity.layout import kv_tokens_from_blocks
 from kvgateway.config.model import BackendConfig
-from kvgateway.core.backends import Limit, Limits
+
+
+class LimitSource(StrEnum):
+    CONFIG = "config"
+    DISCOVERED = "discovered"
+    DERIVED = "derived"
+    UNKNOWN = "unknown"
+
+
+@dataclass(frozen=True, slots=True)
+class Limit:
+    value: int | None
+    source: LimitSource
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    max_model_len: Limit
+    kv_cache_tokens: Limit
+    max_num_seqs: Limit
+    block_size: int = 16
+    warnings: tuple[str, ...] = ()
+
+    @property
+    def known(self) -> bool:
+        return self.max_model_len.value is not None and self.kv_cache_tokens.value is not None
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,8 +53,8 @@ class Observed:
 
 
 def usable_tokens(num_gpu_blocks: int, block_size: int) -> int:
-    """Tokens requests can use: vLLM keeps block 0 as the reserved null block."""
-    return max(0, num_gpu_blocks - 1) * block_size
+    """Tokens requests can use on a node that reports ``num_gpu_blocks`` (one KV group)."""
+    return kv_tokens_from_blocks(num_gpu_blocks, block_size)
 
 
 def _pick(
@@ -55,12 +82,12 @@ def _pick(
                 f"{'the node reports' if discovered is not None else 'configured'} {actual}"
             )
     if configured is not None:
-        return Limit(configured, "config")
+        return Limit(configured, LimitSource.CONFIG)
     if discovered is not None:
-        return Limit(discovered, "discovered")
+        return Limit(discovered, LimitSource.DISCOVERED)
     if derived is not None:
-        return Limit(derived, "derived")
-    return Limit(None, "unknown")
+        return Limit(derived, LimitSource.DERIVED)
+    return Limit(None, LimitSource.UNKNOWN)
 
 
 def resolve_limits(

@@ -1,12 +1,16 @@
 """Hot reload: apply a new config file to a running gateway, or keep the old one.
 
-Triggered by SIGHUP and, with ``--watch``, by the file changing. In-flight requests keep
-their reservations on the backend objects they hold; see :meth:`kvgateway.core.fleet.Fleet.apply`.
+Triggered by SIGHUP and, with ``--watch``, by the file changing. A :class:`Reloader`
+owns one task that does the work: the signal handler only wakes it, so a reload never
+runs on the signal handler's stack, and any failure is logged and counted there. In-flight
+requests keep their reservations on the backend objects they hold; see
+:meth:`kvgateway.core.fleet.Fleet.apply`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 
@@ -14,20 +18,20 @@ from aiohttp import web
 
 from kvgateway.config.load import load_config
 from kvgateway.config.yamlread import ConfigError
+from kvgateway.core.derived_limits import derive_all
+from kvgateway.server.app import MONITOR, STATE
 
 log = logging.getLogger("kvgateway.server.reload")
 
 
 def reload_config(app: web.Application, path: str) -> bool:
-    from kvgateway.core.derived_limits import derive_all
-    from kvgateway.server.app import MONITOR, STATE
-
+    """Load ``path`` and apply it; False (old config kept) when it is invalid."""
     state = app[STATE]
     try:
         new = load_config(path)
         derived = derive_all(new)
         for model in new.models:
-            state.counters.for_model(model)
+            state.counters.encodings.get(model.tokenizer.encoding)
     except (ConfigError, ValueError) as exc:
         state.metrics.reloads.labels(result="invalid").inc()
         log.error("reload of %s rejected, still serving the previous config: %s", path, exc)
@@ -54,6 +58,35 @@ def reload_config(app: web.Application, path: str) -> bool:
     return True
 
 
+class Reloader:
+    """Runs reloads of one config file on its own task, one at a time."""
+
+    def __init__(self, app: web.Application, path: str) -> None:
+        self._app = app
+        self._path = path
+        self._wanted = asyncio.Event()
+        self._task = asyncio.create_task(self._run(), name="config-reload")
+
+    def request(self) -> None:
+        """Ask for a reload (safe to call from a signal handler)."""
+        self._wanted.set()
+
+    async def _run(self) -> None:
+        while True:
+            await self._wanted.wait()
+            self._wanted.clear()
+            try:
+                reload_config(self._app, self._path)
+            except Exception:
+                self._app[STATE].metrics.reloads.labels(result="error").inc()
+                log.exception("reload of %s failed; still serving the previous config", self._path)
+
+    async def close(self) -> None:
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+
+
 async def watch_file(app: web.Application, path: str, interval: float = 1.0) -> None:
     """Reload when the file's mtime or size changes (polling: works on every filesystem
     and inside ConfigMap volumes, whose symlinks swap atomically)."""
@@ -74,4 +107,5 @@ async def watch_file(app: web.Application, path: str, interval: float = 1.0) -> 
             try:
                 reload_config(app, path)
             except Exception:
+                app[STATE].metrics.reloads.labels(result="error").inc()
                 log.exception("reload of %s failed; still serving the previous config", path)

@@ -41,6 +41,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from enum import Enum
 
+from kvgateway.capacity.layout import kv_tokens_from_blocks
 from kvgateway.simulator.block_pool import BlockHash, BlockPool, KVEvent, none_hash
 from kvgateway.simulator.cost import CostModel
 from kvgateway.simulator.kv_manager import KVCacheManager
@@ -73,7 +74,7 @@ class EngineConfig:
     @property
     def kv_tokens(self) -> int:
         """Tokens of short requests the pool holds: every group keeps a copy."""
-        return self.usable_blocks // len(self.kv_windows) * self.block_size
+        return kv_tokens_from_blocks(self.num_gpu_blocks, self.block_size, len(self.kv_windows))
 
 
 @dataclass(slots=True, eq=False)

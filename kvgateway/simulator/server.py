@@ -32,7 +32,7 @@ MAX_BODY_BYTES = 64 * 1024 * 1024
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def create_app(
+def create_node_app(
     settings: NodeSettings,
     *,
     clock: Callable[[], float] = time.monotonic,

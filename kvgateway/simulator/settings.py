@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvgateway.capacity.layout import kv_tokens_from_blocks
 from kvgateway.simulator.cost import CostModel
 from kvgateway.simulator.engine import EngineConfig
 
@@ -105,7 +106,7 @@ class NodeSettings:
     @property
     def kv_tokens(self) -> int:
         """Usable KV tokens: block 0 is reserved; every KV-cache group holds a copy."""
-        return (self.num_gpu_blocks - 1) // len(self.kv_windows) * self.block_size
+        return kv_tokens_from_blocks(self.num_gpu_blocks, self.block_size, len(self.kv_windows))
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(

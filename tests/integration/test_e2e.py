@@ -347,11 +347,13 @@ async def test_reservations_learn_from_the_nodes_own_token_counts(start_fleet: S
                 assert r.status == 200
                 usage = (await r.json())["usage"]
             reserved.append(
-                fleet.state.scaled_prompt(MODEL, int(r.headers["x-gateway-prompt-tokens"]))
+                fleet.state.calibration.scaled(
+                    MODEL, int(r.headers["x-gateway-prompt-tokens"]), 0.0
+                )
             )
     counted = int(r.headers["x-gateway-prompt-tokens"])
     assert usage["prompt_tokens"] > counted * 1.2
-    ratio = fleet.state.estimate_ratio[MODEL]
+    ratio = fleet.state.calibration.ratio(MODEL)
     assert 1.15 < ratio < 1.3
     # What admission reserves for this prompt grew toward the node's own count.
     assert reserved[-1] > counted * 1.15 and reserved[0] < reserved[-1]

@@ -245,7 +245,7 @@ async def test_node_restarted_with_new_limits_is_rediscovered(
     import dataclasses
 
     from kvgateway.simulator.profiles import get_profile
-    from kvgateway.simulator.server import create_app as create_node
+    from kvgateway.simulator.server import create_node_app as create_node
     from tests.support.fleet import ENCODINGS, SERVED
 
     fleet = await start_fleet(

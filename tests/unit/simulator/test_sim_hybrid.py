@@ -9,7 +9,7 @@ from kvgateway.capacity.presets import preset_arch
 from kvgateway.simulator.engine import CostModel, EngineConfig, EngineCore, SeqState, Sequence
 from kvgateway.simulator.fleetconfig import node_spec
 from kvgateway.simulator.profiles import get_profile
-from kvgateway.simulator.server import create_app
+from kvgateway.simulator.server import create_node_app
 
 COST = CostModel(
     step_overhead_s=0.001, weight_read_s=0.01, prefill_s_per_token=1e-4, kv_read_s_per_token=0.0
@@ -122,7 +122,7 @@ def test_gateway_usable_tokens_for_a_hybrid_architecture() -> None:
 
 async def test_hybrid_node_reports_its_pool_blocks_and_group_capacity(aiohttp_client) -> None:  # type: ignore[no-untyped-def]
     spec = node_spec("gpu24-gptoss-20b", overrides={"num_gpu_blocks": 65, "max_model_len": 512})
-    client: TestClient = await aiohttp_client(create_app(spec.settings))
+    client: TestClient = await aiohttp_client(create_node_app(spec.settings))
     metrics = await (await client.get("/metrics")).text()
     info = next(line for line in metrics.splitlines() if line.startswith("vllm:cache_config_info"))
     assert 'num_gpu_blocks="65"' in info and 'sliding_window="128"' in info
