@@ -5,7 +5,8 @@ Two sources per backend, both keyed by :mod:`kvgateway.core.prefix_keys`:
 - **Approximate** (every backend): the prompt blocks the gateway routed there, each
   remembered for ``ttl_s`` after it was last routed and at most ``max_blocks`` of them
   (least recently routed forgotten first, as the node's own LRU forgets them). It guesses:
-  the node may have evicted a block sooner, or cached output blocks it never saw.
+  the node may have evicted a block sooner, or cached output blocks it never saw, so
+  :meth:`PrefixIndex.expected_blocks` weighs each block by ``0.5 ** (age / half_life_s)``.
 - **Precise** (backends with KV events): what the node reported, block by block.
   ``BlockStored`` carries token ids, so each block's key is rebuilt from its parent's key
   (found through the node's hash of the parent) and its tokens; the node's hash values
@@ -149,11 +150,17 @@ class PrefixIndex:
     """Per-backend prefix-cache views; backends are named by string."""
 
     def __init__(
-        self, *, ttl_s: float = 600.0, max_blocks: int = 1_000_000, resync_grace_s: float = 30.0
+        self,
+        *,
+        ttl_s: float = 600.0,
+        half_life_s: float = 120.0,
+        max_blocks: int = 1_000_000,
+        resync_grace_s: float = 30.0,
     ) -> None:
-        if ttl_s <= 0 or max_blocks < 1 or resync_grace_s < 0:
-            raise ValueError("ttl_s and max_blocks must be positive, resync_grace_s >= 0")
+        if ttl_s <= 0 or half_life_s <= 0 or max_blocks < 1 or resync_grace_s < 0:
+            raise ValueError("ttl_s, half_life_s, max_blocks must be positive, grace >= 0")
         self._ttl = ttl_s
+        self._half_life = half_life_s
         self._default_max = max_blocks
         self._grace = resync_grace_s
         self._approx: dict[str, _Approximate] = {}
@@ -234,6 +241,24 @@ class PrefixIndex:
                 break
             n += 1
         return n
+
+    def expected_blocks(self, backend: str, keys: Sequence[BlockKey], now: float) -> float:
+        """:meth:`matched_blocks` weighted by belief: 1 per block reported by events,
+        ``0.5 ** (age / half_life_s)`` per block the gateway only routed there."""
+        if self.is_precise(backend, now):
+            return float(self.matched_blocks(backend, keys, now))
+        view = self._approx.get(backend)
+        if view is None:
+            return 0.0
+        oldest = now - self._ttl
+        seen = view.seen
+        total = 0.0
+        for key in keys:
+            at = seen.get(key)
+            if at is None or at < oldest:
+                break
+            total += 0.5 ** (max(0.0, now - at) / self._half_life)
+        return total
 
     def match_all(
         self, keys: Sequence[BlockKey], backends: Iterable[str], now: float

@@ -122,3 +122,15 @@ def test_the_event_block_size_is_remembered_for_keying_prompts() -> None:
     assert index.event_block_size("n") is None
     index.apply_events("n", [BlocksStored((1,), None, (0,) * 16, 16)], now=0.0)
     assert index.event_block_size("n") == 16
+
+
+def test_expected_blocks_decay_with_age_unless_reported_by_events() -> None:
+    index = PrefixIndex(ttl_s=100.0, half_life_s=10.0)
+    keys = block_keys(list(range(8)), 4)
+    index.record_routed("a", keys, now=0.0)
+    assert index.expected_blocks("a", keys, now=0.0) == 2.0
+    assert index.expected_blocks("a", keys, now=10.0) == pytest.approx(1.0)
+    assert index.expected_blocks("a", keys, now=101.0) == 0.0
+    index.apply_events("b", [BlocksStored((1, 2), None, tuple(range(8)), 4)], now=0.0)
+    assert index.expected_blocks("b", keys, now=1_000.0) == 2.0
+    assert index.expected_blocks("c", keys, now=0.0) == 0.0
