@@ -19,6 +19,12 @@ After ``vllm/v1/core/kv_cache_manager.py``, ``kv_cache_coordinator.py`` and
   requests that were preempted before, as vLLM's ``PrefixCacheStats.record`` does.
 - Allocation needs the new blocks plus the hit blocks that are now free (touching them
   takes them out of the free queue), and fails without side effects if the pool is short.
+
+One simplification: the engine reserves an admitted prompt's blocks in every group at
+once (see ``engine.py``), so while a long prompt is prefilled its sliding-window group
+briefly holds blocks that vLLM, allocating chunk by chunk, would already have dropped.
+Admission on a hybrid node is therefore slightly stricter than vLLM's during long
+prefills, never looser: a budget of ``num_blocks // groups`` tokens stays safe.
 """
 
 from __future__ import annotations
