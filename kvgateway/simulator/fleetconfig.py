@@ -6,7 +6,8 @@ Reads only what the simulator needs, and ignores the rest of the file:
 - ``tiers[].backends[]`` with a ``simulate:`` mapping (backends without one are real
   nodes and are skipped): ``name``, ``url`` (host and port to bind), ``model`` (a
   ``models[].name``; the node serves its ``served_name``) and ``simulate.profile`` plus
-  optional overrides of any :class:`NodeSettings` field;
+  optional overrides of any :class:`NodeSettings` field, and ``simulate.kv_events``
+  (``{endpoint, topic, replay_endpoint, array_like}``, vLLM's ``--kv-events-config``);
 - ``simulation:`` (optional, top level): defaults for every simulated node, e.g.
   ``time_scale`` or ``seed``. A default ``seed`` is a base: node ``i`` (in file order)
   gets ``seed + i`` so nodes do not draw identical output lengths.
