@@ -19,6 +19,7 @@ import logging
 import random
 import time
 from collections.abc import Callable
+from collections.abc import Sequence as Seq
 from typing import Any
 
 from kvgateway.simulator.engine import EngineCore, SeqState, Sequence, StepResult
@@ -102,9 +103,10 @@ class EngineDriver:
         clock: Callable[[], float],
         publisher: KVEventPublisher | None = None,
         wall_clock: Callable[[], float] = time.time,
+        output_ids: Seq[int] = (),
     ) -> None:
         self.settings = settings
-        self.core = EngineCore(settings.engine_config())
+        self.core = EngineCore(settings.engine_config(), output_ids)
         self._metrics = metrics
         self._clock = clock
         self._publisher = publisher

@@ -28,8 +28,10 @@ group by :class:`~kvgateway.simulator.kv_manager.KVCacheManager`: with prefix ca
 (on by default, as in vLLM V1) an admitted sequence starts from the longest cached
 prefix of its token ids and only the rest is prefilled (and costed). Full blocks enter
 the cache as they are scheduled; freed blocks stay cached until the pool reuses them.
-Output token ids are synthetic but stable per sequence, so a preempted sequence finds
-its own blocks again if they were not evicted.
+Output token ids are those of the text the node streams (``output_ids``, one id per
+filler word, from the node's tokenizer) so that a client sending the answer back in its
+next turn presents the same ids; without them they are synthetic, distinct per
+sequence. Either way a preempted sequence finds its own blocks again if not evicted.
 
 Block 0 is reserved (vLLM's null block): ``num_gpu_blocks - 1`` blocks are usable.
 """
@@ -138,11 +140,12 @@ def output_token_id(seq_id: int, index: int) -> int:
 class EngineCore:
     """Scheduler state; mutate only through :meth:`add`, :meth:`abort`, :meth:`step`."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, output_ids: Seq[int] = ()) -> None:
         if config.num_gpu_blocks < 2:
             raise ValueError("num_gpu_blocks must be at least 2 (block 0 is reserved)")
         self.config = config
         self.clock = 0.0
+        self._output_ids = tuple(output_ids)
         pool = BlockPool(
             config.num_gpu_blocks,
             enable_caching=config.enable_prefix_caching,
@@ -317,7 +320,12 @@ class EngineCore:
             seq.num_computed += num_new
             if seq.num_computed < seq.num_tokens:
                 continue  # prefill chunk: no token sampled yet
-            seq.token_ids.append(output_token_id(seq.seq_id, seq.output_tokens))
+            ids = self._output_ids
+            seq.token_ids.append(
+                ids[seq.output_tokens % len(ids)]
+                if ids
+                else output_token_id(seq.seq_id, seq.output_tokens)
+            )
             seq.output_tokens += 1
             if seq.first_token_at is None:
                 seq.first_token_at = end
