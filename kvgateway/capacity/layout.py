@@ -135,6 +135,25 @@ def usable_tokens(layout: KVLayout, blocks: int, block_size: int) -> int:
     return kv_tokens_from_blocks(blocks, block_size, layout.num_groups)
 
 
+def kv_group_count(arch: ModelArch) -> int:
+    """KV-cache groups vLLM forms for ``arch`` (the grouping depends on layer types only)."""
+    return kv_layout(arch, 1, "auto").num_groups
+
+
+def discovered_usable_tokens(
+    num_gpu_blocks: int, block_size: int, arch: ModelArch | None = None
+) -> int:
+    """Usable KV tokens from what a node reports (``vllm:cache_config_info``).
+
+    ``num_gpu_blocks`` is the pool's size, shared by all of the model's KV-cache groups,
+    so a hybrid model holds ``(num_gpu_blocks - 1) // groups * block_size`` tokens of
+    short requests; without a known architecture the model counts as one group.
+    """
+    if arch is None:
+        return kv_tokens_from_blocks(num_gpu_blocks, block_size)
+    return usable_tokens(kv_layout(arch, 1, "auto"), num_gpu_blocks, block_size)
+
+
 def max_context_fitting(
     layout: KVLayout,
     available_blocks: int,

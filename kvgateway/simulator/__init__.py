@@ -6,7 +6,8 @@
 - ``PROFILES``: hardware profiles (``profiles.py``); ``NodeSettings``: every knob.
 """
 
-from kvgateway.simulator.engine import CostModel, EngineConfig, EngineCore
+from kvgateway.simulator.cost import CostModel
+from kvgateway.simulator.engine import EngineConfig, EngineCore
 from kvgateway.simulator.faults import Fault
 from kvgateway.simulator.profiles import PROFILES, get_profile
 from kvgateway.simulator.server import create_node_app

@@ -23,6 +23,8 @@ from kvgateway.simulator.node import NODE_KEY, SimNode
 
 # How often a fault-injected hang checks whether its client is gone.
 _HANG_POLL_S = 0.05
+# Llama 3 <|begin_of_text|>: what an empty completion prompt becomes.
+_BOS_ID = 128_000
 
 
 class ClientGone(Exception):
@@ -99,8 +101,8 @@ async def handle_chat(request: web.Request) -> web.StreamResponse:
     body = p.parse_json(await request.read())
     req = p.parse_chat(body)
     node.check_model(req.model)
-    prompt_tokens = await node.tokenizer.count_chat_async(req.messages)
-    return await _generate(request, node, req, prompt_tokens, chat=True)
+    prompt_ids = await node.tokenizer.encode_chat_async(req.messages)
+    return await _generate(request, node, req, prompt_ids, chat=True)
 
 
 async def handle_completion(request: web.Request) -> web.StreamResponse:
@@ -108,23 +110,25 @@ async def handle_completion(request: web.Request) -> web.StreamResponse:
     body = p.parse_json(await request.read())
     req = p.parse_completion(body)
     node.check_model(req.model)
-    if req.prompt_token_count is not None:
-        prompt_tokens = req.prompt_token_count
+    if req.prompt_token_ids is not None:
+        prompt_ids = list(req.prompt_token_ids)
     else:
-        prompt_tokens = await node.tokenizer.count_prompt_async(req.prompt or "")
-    prompt_tokens = max(prompt_tokens, 1)  # vLLM adds BOS; an empty prompt is one token
-    return await _generate(request, node, req, prompt_tokens, chat=False)
+        prompt_ids = await node.tokenizer.encode_prompt_async(req.prompt or "")
+    if not prompt_ids:
+        prompt_ids = [_BOS_ID]  # vLLM adds BOS; an empty prompt is one token
+    return await _generate(request, node, req, prompt_ids, chat=False)
 
 
 async def _generate(
     request: web.Request,
     node: SimNode,
     req: p.GenerationRequest,
-    prompt_tokens: int,
+    prompt_ids: list[int],
     *,
     chat: bool,
 ) -> web.StreamResponse:
     settings = node.settings
+    prompt_tokens = len(prompt_ids)
     budget = p.output_budget(settings.max_model_len, prompt_tokens, req.max_tokens)
     fault = node.faults.consume()
     if fault is not None and fault.hang_s:
@@ -147,7 +151,7 @@ async def _generate(
     )
     poll = node.disconnect_poll_s
     handle = node.driver.submit(
-        prompt_tokens, budget, n=req.n, ignore_eos=req.ignore_eos, min_tokens=req.min_tokens
+        prompt_ids, budget, n=req.n, ignore_eos=req.ignore_eos, min_tokens=req.min_tokens
     )
     try:
         if req.stream:

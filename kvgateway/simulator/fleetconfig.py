@@ -9,7 +9,9 @@ Reads only what the simulator needs, and ignores the rest of the file:
   optional overrides of any :class:`NodeSettings` field; or, instead of ``profile``,
   ``preset`` + ``gpu_memory_gib`` and vLLM's flags (``max_model_len``, ``max_num_seqs``,
   ``max_num_batched_tokens``, ``gpu_memory_utilization``, ``kv_cache_dtype``,
-  ``cpu_offload_gb``): a node sized by the planner's maths (``sizing.py``);
+  ``cpu_offload_gb``): a node sized by the planner's maths (``sizing.py``); and
+  ``simulate.kv_events`` (``{endpoint, topic, replay_endpoint, array_like}``, vLLM's
+  ``--kv-events-config``);
 - ``simulation:`` (optional, top level): defaults for every simulated node, e.g.
   ``time_scale`` or ``seed``. A default ``seed`` is a base: node ``i`` (in file order)
   gets ``seed + i`` so nodes do not draw identical output lengths.
@@ -29,6 +31,7 @@ from urllib.parse import urlsplit
 
 from kvgateway.config.document import read_document
 from kvgateway.config.yamlread import ConfigError, Reading
+from kvgateway.simulator.kv_events import kv_events_overrides
 from kvgateway.simulator.profiles import get_profile
 from kvgateway.simulator.settings import NodeSettings, SettingsError, apply_overrides
 from kvgateway.simulator.sizing import SIZING_KEYS, size_from_mapping
@@ -175,6 +178,9 @@ def _backend_spec(
     settings = apply_overrides(settings, defaults, "simulation", skip=("seed",))
     if base_seed is not None:
         settings = dataclasses.replace(settings, seed=base_seed + index)
+    if sim.get("kv_events") is not None:
+        events = kv_events_overrides(sim["kv_events"], f"{path}.simulate.kv_events")
+        sim = {**{k: v for k, v in sim.items() if k != "kv_events"}, **events}
     settings = apply_overrides(settings, sim, f"{path}.simulate", skip=skip)
     return NodeSpec(settings, host, port)
 

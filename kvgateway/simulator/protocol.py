@@ -141,6 +141,7 @@ class GenerationRequest:
     messages: tuple[ChatMessage, ...] = ()
     prompt: str | None = None
     prompt_token_count: int | None = None  # prompt given as token ids
+    prompt_token_ids: tuple[int, ...] | None = None
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
@@ -255,7 +256,11 @@ def parse_completion(body: dict[str, Any]) -> GenerationRequest:
         and prompt
         and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
     ):
-        return GenerationRequest(**_common(body, max_tokens), prompt_token_count=len(prompt))
+        return GenerationRequest(
+            **_common(body, max_tokens),
+            prompt_token_count=len(prompt),
+            prompt_token_ids=tuple(prompt),
+        )
     raise bad_request(
         "prompt must be a string, a list of token ids, or a list of one of those "
         "(the simulator serves one prompt per request).",

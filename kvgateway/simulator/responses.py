@@ -168,10 +168,10 @@ async def handle_responses(request: web.Request) -> web.StreamResponse:
     node = request.app[NODE_KEY]
     req = parse_responses(p.parse_json(await request.read()))
     node.check_model(req.model)
-    prompt_tokens = await node.tokenizer.count_chat_async(req.messages)
-    budget = p.output_budget(node.settings.max_model_len, prompt_tokens, req.max_output_tokens)
+    prompt_ids = await node.tokenizer.encode_chat_async(req.messages)
+    budget = p.output_budget(node.settings.max_model_len, len(prompt_ids), req.max_output_tokens)
     shapes = _Shapes(req, node.settings.model)
-    handle = node.driver.submit(prompt_tokens, budget, n=1, ignore_eos=False, min_tokens=0)
+    handle = node.driver.submit(prompt_ids, budget, n=1, ignore_eos=False, min_tokens=0)
     poll = node.disconnect_poll_s
     try:
         if req.stream:

@@ -68,9 +68,13 @@ def create_node_app(
 
 async def _engine_ctx(app: web.Application) -> AsyncIterator[None]:
     node = app[NODE_KEY]
+    if node.publisher is not None:
+        await node.publisher.start()
     node.driver.start()
     yield
     await node.driver.stop()
+    if node.publisher is not None:
+        await node.publisher.close()
 
 
 async def _stop_engine(app: web.Application) -> None:
