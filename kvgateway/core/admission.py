@@ -337,10 +337,13 @@ def _with_busy(d: Demand, names: frozenset[str]) -> Demand:
 
 
 def context_error(demand: Demand, largest: int) -> ContextLengthExceeded:
+    # OpenAI's and vLLM's wording first: clients (LiteLLM's ContextWindowExceededError,
+    # fallbacks to larger models) recognise a context-length error by it.
     return ContextLengthExceeded(
-        f"This request needs {demand.longest_sequence} tokens ({demand.longest_prompt} "
-        f"counted prompt tokens + {demand.output_tokens} requested output tokens), but the "
-        f"largest context any backend for model '{demand.model}' offers is {largest} tokens. "
-        "Reduce the length of the prompt or of the requested output.",
+        f"This model's maximum context length is {largest} tokens. However, you requested "
+        f"{demand.longest_sequence} tokens ({demand.longest_prompt} in the messages, "
+        f"{demand.output_tokens} in the completion). Please reduce the length of the "
+        f"messages or completion. (The largest context any backend for model "
+        f"'{demand.model}' offers is {largest} tokens.)",
         param="messages",
     )

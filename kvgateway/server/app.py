@@ -26,6 +26,8 @@ from kvgateway.errors import BodyTooLarge, GatewayError, MethodNotAllowed, NotFo
 from kvgateway.server import admin
 from kvgateway.server.admin import STATE
 from kvgateway.server.metrics import FleetCollector, GatewayMetrics
+from kvgateway.server.passthrough import PATHS as PASSTHROUGH_PATHS
+from kvgateway.server.passthrough import handle_passthrough
 from kvgateway.server.proxy import REQUEST_ID, error_response, handle_completion
 from kvgateway.server.state import Clock, GatewayState
 from kvgateway.tokens.counters import TokenCounters
@@ -114,9 +116,16 @@ def create_app(
     async def completions(request: web.Request) -> web.StreamResponse:
         return await handle_completion(request, request.app[STATE], "completion")
 
+    async def responses(request: web.Request) -> web.StreamResponse:
+        return await handle_completion(request, request.app[STATE], "responses")
+
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/responses", responses)
+    for path in PASSTHROUGH_PATHS:
+        app.router.add_post(path, handle_passthrough)
     app.router.add_get("/v1/models", admin.models)
+    app.router.add_get(r"/v1/models/{model_id:.+}", admin.model)
     app.router.add_get("/health", admin.health)
     app.router.add_get("/ready", admin.ready)
     app.router.add_get("/admin/backends", admin.admin_backends)

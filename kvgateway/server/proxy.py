@@ -177,7 +177,7 @@ async def _forward(state: GatewayState, ex: Exchange, body: bytes) -> web.Stream
                     backend,
                     ex.request.path,
                     body,
-                    {"Content-Type": "application/json", "X-Request-Id": ex.request_id},
+                    _upstream_headers(ex),
                     timeouts,
                     head_timeout=timeouts.first_byte_s
                     if counted.parsed.stream
@@ -252,3 +252,13 @@ def _note_failure(
             b.consecutive_failures,
             err.detail or err.message,
         )
+
+
+def _upstream_headers(ex: Exchange) -> dict[str, str]:
+    headers = {"Content-Type": "application/json", "X-Request-Id": ex.request_id}
+    # W3C trace context goes on to the node, so its spans join the client's trace.
+    for name in ("traceparent", "tracestate"):
+        value = ex.request.headers.get(name)
+        if value is not None:
+            headers[name] = value
+    return headers

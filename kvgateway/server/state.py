@@ -47,6 +47,8 @@ class GatewayState:
         self.shutting_down = False
         # Requests in progress, by the task serving each (shutdown waits for them).
         self.active: dict[asyncio.Task[object], Exchange] = {}
+        # Turn counter breaking ties between equally loaded nodes for pass-through calls.
+        self.passthrough_turn = 0
         self.calibration = PromptCalibration(
             lambda model, ratio: metrics.estimate_ratio.labels(model=model).observe(ratio)
         )

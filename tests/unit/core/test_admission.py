@@ -39,6 +39,7 @@ async def test_too_long_and_no_backend_raise_without_waiting():
     with pytest.raises(ContextLengthExceeded) as err:
         await adm.admit(demand(5000), 5.0)
     assert "largest context" in err.value.message and "1000" in err.value.message
+    assert err.value.message.startswith("This model's maximum context length is 1000 tokens.")
     b.healthy = False
     with pytest.raises(NoHealthyBackend):
         await adm.admit(demand(100), 5.0)
