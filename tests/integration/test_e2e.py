@@ -95,7 +95,7 @@ async def test_too_long_prompt_gets_400_and_no_backend_sees_it(start_fleet: Star
         )
     body = err.value.body
     assert err.value.code == "context_length_exceeded"
-    assert "131072" in body["message"] and "100 requested output" in body["message"]
+    assert "131072" in body["message"] and "100 in the completion" in body["message"]
     for node in fleet.nodes.values():
         state = await node.state()
         assert sum(state["finished"].values()) + state["running"] + state["waiting"] == 0, state
