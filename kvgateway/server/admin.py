@@ -10,9 +10,8 @@ from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 from kvgateway.core.backends import Backend
 from kvgateway.errors import ModelNotFound
+from kvgateway.server.appkeys import STATE
 from kvgateway.server.state import GatewayState
-
-STATE = web.AppKey("state", GatewayState)
 
 
 def _model_entries(state: GatewayState) -> list[dict[str, Any]]:

@@ -8,11 +8,13 @@ backend monitor. They close in the reverse order.
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractAsyncContextManager
 
 import aiohttp
 from aiohttp import web
@@ -24,17 +26,17 @@ from kvgateway.core.fleet import Fleet
 from kvgateway.core.limits import Observed
 from kvgateway.errors import BodyTooLarge, GatewayError, MethodNotAllowed, NotFound, Unauthorized
 from kvgateway.server import admin
-from kvgateway.server.admin import STATE
+from kvgateway.server.appkeys import MONITOR, STATE
 from kvgateway.server.metrics import FleetCollector, GatewayMetrics
 from kvgateway.server.passthrough import PATHS as PASSTHROUGH_PATHS
 from kvgateway.server.passthrough import handle_passthrough
 from kvgateway.server.proxy import REQUEST_ID, error_response, handle_completion
+from kvgateway.server.reload import FleetMembers
 from kvgateway.server.state import Clock, GatewayState
 from kvgateway.tokens.counters import TokenCounters
 from kvgateway.tokens.encoding import EncodingCache
+from kvgateway.upstream.dns import DnsDiscovery
 from kvgateway.upstream.monitor import Monitor
-
-MONITOR = web.AppKey("monitor", Monitor)
 
 _OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
 
@@ -100,7 +102,8 @@ def create_app(
             await monitor.probe_all_once()
             monitor.sync()
             try:
-                yield
+                async with _dns_discovery(app, config):
+                    yield
             finally:
                 await monitor.close()
         finally:
@@ -131,6 +134,20 @@ def create_app(
     app.router.add_get("/admin/backends", admin.admin_backends)
     app.router.add_get("/metrics", admin.metrics)
     return app
+
+
+def _dns_discovery(
+    app: web.Application, config: GatewayConfig
+) -> AbstractAsyncContextManager[object]:
+    """Backend groups named by DNS (a headless Service): members follow the answers."""
+    if not config.dns_groups:
+        return contextlib.nullcontext()
+    return DnsDiscovery(
+        config.dns_groups,
+        FleetMembers(app),
+        nameservers=config.discovery.nameservers,
+        timeout_s=config.discovery.timeout_s,
+    )
 
 
 def _client_request_id(request: web.Request) -> str:

@@ -13,7 +13,7 @@ from aiohttp import web
 
 from kvgateway.core.backends import Backend
 from kvgateway.errors import BadRequest, ModelNotFound, NoHealthyBackend, UpstreamError
-from kvgateway.server.admin import STATE
+from kvgateway.server.appkeys import STATE
 from kvgateway.server.openai_request import parse_body
 from kvgateway.server.proxy import REQUEST_ID, read_limited
 from kvgateway.server.relay import MAX_RESPONSE_BYTES

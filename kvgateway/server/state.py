@@ -13,6 +13,7 @@ from kvgateway.config.model import GatewayConfig
 from kvgateway.core.admission import Admission
 from kvgateway.core.demand import Demand
 from kvgateway.core.fleet import Fleet
+from kvgateway.core.membership import DiscoveredMembers
 from kvgateway.core.routing import Decision, Wait
 from kvgateway.server.exchange import Exchange
 from kvgateway.server.metrics import GatewayMetrics
@@ -34,6 +35,8 @@ class GatewayState:
         clock: Clock = time.monotonic,
     ) -> None:
         self.config = config
+        # Members of DNS-discovered backend groups; ``config`` lists them among the backends.
+        self.members = DiscoveredMembers(config)
         self.fleet = fleet
         self.metrics = metrics
         self.counters = counters
