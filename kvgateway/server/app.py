@@ -22,6 +22,7 @@ from prometheus_client import CollectorRegistry
 
 from kvgateway import __version__
 from kvgateway.config.model import GatewayConfig
+from kvgateway.core.derived_limits import derive_all
 from kvgateway.core.fleet import Fleet
 from kvgateway.core.limits import Observed
 from kvgateway.errors import BodyTooLarge, GatewayError, MethodNotAllowed, NotFound, Unauthorized
@@ -56,7 +57,8 @@ def create_app(
 ) -> web.Application:
     registry = registry if registry is not None else CollectorRegistry()
     metrics = GatewayMetrics(registry)
-    fleet = Fleet(config, derived)
+    # Limits derived from capacity blocks (and each hybrid model's KV groups).
+    fleet = Fleet(config, derive_all(config) if derived is None else derived)
     encodings = encodings or EncodingCache()
     registry.register(FleetCollector(lambda: fleet.backends, clock))
     metrics.build_info.labels(version=__version__, policy=config.routing.policy).set(1)
