@@ -205,6 +205,9 @@ def _admission(s: Section) -> AdmissionConfig:
         queue_timeout_s=s.number("queue_timeout_s", d.queue_timeout_s, exclusive_min=False),
         queue_size=s.integer("queue_size", d.queue_size, minimum=0),
         max_body_bytes=s.integer("max_body_bytes", d.max_body_bytes),
+        abort_release_delay_s=s.number(
+            "abort_release_delay_s", d.abort_release_delay_s, exclusive_min=False
+        ),
         max_messages=s.integer("max_messages", d.max_messages),
         max_content_parts=s.integer("max_content_parts", d.max_content_parts),
         inject_default_output=s.flag("inject_default_output", d.inject_default_output),
@@ -367,5 +370,7 @@ def _backend_settings(
         capacity=s.mapping("capacity"),
         discover=s.flag("discover", True),
         timeouts=_timeouts(s.section("timeouts"), timeouts),
+        num_speculative_tokens=s.integer("num_speculative_tokens", 0, minimum=0),
+        release_delay_s=s.number("release_delay_s", 0.0, exclusive_min=False),
         path=s.path,
     )

@@ -27,7 +27,7 @@ from types import TracebackType
 
 from kvgateway.config.model import GatewayConfig, Policy
 from kvgateway.core.backends import Backend, PauseReason
-from kvgateway.core.demand import Demand, can_ever_hold
+from kvgateway.core.demand import Demand, can_ever_hold, tokens_on
 from kvgateway.core.fleet import Fleet
 from kvgateway.core.routing import (
     Decision,
@@ -72,7 +72,9 @@ class Reservation:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self.release()
+        self.owner.release_after(
+            self, gone=exc_type is not None and issubclass(exc_type, asyncio.CancelledError)
+        )
 
 
 class Reserving:
@@ -98,7 +100,7 @@ class Reserving:
         tb: TracebackType | None,
     ) -> None:
         if self._reservation is not None:
-            self._reservation.release()
+            await self._reservation.__aexit__(exc_type, exc, tb)
 
 
 @dataclass(eq=False, slots=True)
@@ -123,7 +125,9 @@ class Admission:
         queue_size: Callable[[], int],
         clock: Callable[[], float],
         on_decision: Callable[[Decision, Demand], None] | None = None,
+        abort_delay: Callable[[], float] = lambda: 0.0,
     ) -> None:
+        self._abort_delay = abort_delay
         self._index_for = index_for
         self._adjust = adjust
         self._policy = policy
@@ -153,6 +157,7 @@ class Admission:
             queue_size=lambda: config().admission.queue_size,
             clock=clock,
             on_decision=on_decision,
+            abort_delay=lambda: config().admission.abort_release_delay_s,
         )
 
     # ---- synchronous core -------------------------------------------------------
@@ -168,8 +173,9 @@ class Admission:
         )
 
     def _grant(self, backend: Backend, demand: Demand, reason: RouteReason) -> Reservation:
-        self._adjust(backend, demand.tokens, demand.sequences, 1)
-        return Reservation(backend, demand.tokens, demand.sequences, reason, self)
+        tokens = tokens_on(backend, demand)
+        self._adjust(backend, tokens, demand.sequences, 1)
+        return Reservation(backend, tokens, demand.sequences, reason, self)
 
     def try_admit(self, demand: Demand) -> Decision | Reservation:
         """Reserve now if the policy finds room that no earlier waiter claims."""
@@ -206,6 +212,17 @@ class Admission:
         self._adjust(reservation.backend, -reservation.tokens, -reservation.seqs, -1)
         self._offer(reservation.backend)
         return True
+
+    def release_after(self, r: Reservation, *, gone: bool) -> None:
+        """Release ``r`` when the node has freed its blocks: at once, or after the
+        backend's KV-connector delay, or (client gone) once the node's abort has landed."""
+        delay = r.backend.config.release_delay_s
+        if gone:
+            delay = max(delay, self._abort_delay())
+        if delay <= 0:
+            self.release(r)
+            return
+        asyncio.get_running_loop().call_later(delay, self.release, r)
 
     def end_pause(self, b: Backend, now: float) -> bool:
         """End ``b``'s timed pause once its time has come, and offer ``b`` to the waiters

@@ -29,7 +29,7 @@ from enum import StrEnum
 
 from kvgateway.config.model import Policy
 from kvgateway.core.backends import Backend
-from kvgateway.core.demand import Demand, can_ever_hold
+from kvgateway.core.demand import Demand, can_ever_hold, tokens_on
 from kvgateway.core.routing_index import ModelIndex
 
 
@@ -74,7 +74,7 @@ class RouterState:
 
 
 def _has_room(b: Backend, d: Demand) -> bool:
-    return b.free_tokens >= d.tokens and b.free_seqs >= d.sequences
+    return b.free_tokens >= tokens_on(b, d) and b.free_seqs >= d.sequences
 
 
 def _eligible(b: Backend, d: Demand, now: float) -> bool:

@@ -265,3 +265,49 @@ async def test_reservation_is_released_on_every_way_out_of_its_block():
 async def _hold(adm):
     async with adm.reserve(demand(100, 100), 1.0):
         await asyncio.sleep(10)
+
+
+async def test_speculative_lookahead_is_reserved_per_sequence():
+    import dataclasses
+
+    b = backend("a", kv=10_000)
+    b.config = dataclasses.replace(b.config, num_speculative_tokens=5)
+    adm = make([b])
+    r = await adm.admit(demand(100, 100, n=2), 1.0)
+    # two sequences of 208 tokens, each with one more 16-token block of lookahead slots
+    assert r.tokens == b.reserved_tokens == 2 * 208 + 2 * 16
+    r.release()
+    assert b.reserved_tokens == 0
+
+
+async def test_release_waits_for_the_kv_connector_and_for_an_abort_to_land():
+    import dataclasses
+
+    b = backend("a", kv=10_000)
+    b.config = dataclasses.replace(b.config, release_delay_s=0.05)
+    adm = make([b])
+    async with adm.reserve(demand(100, 100), 1.0):
+        pass
+    assert b.in_flight == 1  # blocks still being transferred out
+    await asyncio.sleep(0.08)
+    assert b.in_flight == 0 and b.reserved_tokens == 0
+    # A client gone mid-request: held until the node's abort has landed.
+    idx = ModelIndex([b])
+    b.config = dataclasses.replace(b.config, release_delay_s=0.0)
+    adm = Admission(
+        index_for=lambda m: idx,
+        adjust=idx.adjust,
+        policy=lambda: "kv_aware",
+        offload_overflow=lambda: False,
+        queue_size=lambda: 10,
+        clock=lambda: 0.0,
+        abort_delay=lambda: 0.05,
+    )
+    task = asyncio.create_task(_hold(adm))
+    await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert b.in_flight == 1
+    await asyncio.sleep(0.08)
+    assert b.in_flight == 0 and b.reserved_tokens == 0
