@@ -28,6 +28,7 @@ from kvgateway.config.model import (
     ServerConfig,
     TierConfig,
     TimeoutConfig,
+    TracingConfig,
 )
 from kvgateway.config.yamlread import ConfigError, Reading, Section
 from kvgateway.tokens.encoding import PATTERNS, EncodingSpec
@@ -72,6 +73,9 @@ def _parse(root: Section, source: str) -> GatewayConfig:
     feedback = _feedback(root.section("load_feedback"))
     default_timeouts = _timeouts(root.section("timeouts"), TimeoutConfig())
     discovery = _discovery(root.section("discovery"))
+    tracing_section = root.section("tracing")
+    tracing = TracingConfig(enabled=tracing_section.flag("enabled", TracingConfig().enabled))
+    tracing_section.reject_unknown()
     known_models = {m.name: m for m in models}
     tiers = tuple(
         _tier(s, known_models, default_timeouts) for s in root.sections("tiers", required=True)
@@ -91,6 +95,7 @@ def _parse(root: Section, source: str) -> GatewayConfig:
         load_feedback=feedback,
         tiers=tiers,
         discovery=discovery,
+        tracing=tracing,
         source=source,
     )
 

@@ -121,6 +121,13 @@ class BackendConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class TracingConfig:
+    """OpenTelemetry spans (``pip install kvgateway[otel]``); exporters via OTEL_* env."""
+
+    enabled: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class DiscoveryConfig:
     """How `dns:` backend groups are looked up."""
 
@@ -193,6 +200,7 @@ class GatewayConfig:
     load_feedback: LoadFeedbackConfig
     tiers: tuple[TierConfig, ...]
     discovery: DiscoveryConfig = DiscoveryConfig()
+    tracing: TracingConfig = TracingConfig()
     source: str = "<memory>"
     _model_index: dict[str, ModelConfig] = field(default_factory=dict, compare=False)
 

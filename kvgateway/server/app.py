@@ -15,6 +15,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractAsyncContextManager
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -34,6 +35,7 @@ from kvgateway.server.passthrough import handle_passthrough
 from kvgateway.server.proxy import REQUEST_ID, error_response, handle_completion
 from kvgateway.server.reload import FleetMembers
 from kvgateway.server.state import Clock, GatewayState
+from kvgateway.server.tracing import from_environment
 from kvgateway.tokens.counters import TokenCounters
 from kvgateway.tokens.encoding import EncodingCache
 from kvgateway.upstream.dns import DnsDiscovery
@@ -54,8 +56,10 @@ def create_app(
     encodings: EncodingCache | None = None,
     derived: dict[str, Observed] | None = None,
     count_workers: int = 2,
+    tracer_provider: Any | None = None,
 ) -> web.Application:
     registry = registry if registry is not None else CollectorRegistry()
+    tracing = from_environment(config.tracing.enabled, tracer_provider)
     metrics = GatewayMetrics(registry)
     # Limits derived from capacity blocks (and each hybrid model's KV groups).
     fleet = Fleet(config, derive_all(config) if derived is None else derived)
@@ -89,7 +93,13 @@ def create_app(
         )
         try:
             state = GatewayState(
-                config, fleet, metrics, TokenCounters(encodings, pool, huge), session, clock=clock
+                config,
+                fleet,
+                metrics,
+                TokenCounters(encodings, pool, huge),
+                session,
+                clock=clock,
+                tracing=tracing,
             )
             monitor = Monitor(
                 fleet=fleet,

@@ -15,7 +15,7 @@ from kvgateway.core.backends import Backend
 from kvgateway.errors import BadRequest, ModelNotFound, NoHealthyBackend, UpstreamError
 from kvgateway.server.appkeys import STATE
 from kvgateway.server.openai_request import parse_body
-from kvgateway.server.proxy import REQUEST_ID, read_limited
+from kvgateway.server.proxy import REQUEST_ID, read_limited, trace_headers
 from kvgateway.server.relay import MAX_RESPONSE_BYTES
 from kvgateway.server.state import GatewayState
 from kvgateway.upstream.client import open_request
@@ -57,7 +57,7 @@ async def handle_passthrough(request: web.Request) -> web.StreamResponse:
                 backend,
                 request.path,
                 raw,
-                _headers(request),
+                _headers(state, request),
                 timeouts,
                 head_timeout=timeouts.total_s,
             )
@@ -105,10 +105,7 @@ def _pick(state: GatewayState, model: str, tried: set[str]) -> Backend | None:
     return ties[state.passthrough_turn % len(ties)]
 
 
-def _headers(request: web.Request) -> dict[str, str]:
+def _headers(state: GatewayState, request: web.Request) -> dict[str, str]:
     out = {"Content-Type": "application/json", "X-Request-Id": request[REQUEST_ID]}
-    for name in ("traceparent", "tracestate"):
-        value = request.headers.get(name)
-        if value is not None:
-            out[name] = value
+    out.update(trace_headers(state.tracing, request))
     return out

@@ -17,6 +17,7 @@ from kvgateway.core.membership import DiscoveredMembers
 from kvgateway.core.routing import Decision, Wait
 from kvgateway.server.exchange import Exchange
 from kvgateway.server.metrics import GatewayMetrics
+from kvgateway.server.tracing import Tracing
 from kvgateway.tokens.calibration import PromptCalibration
 from kvgateway.tokens.counters import TokenCounters
 
@@ -33,8 +34,10 @@ class GatewayState:
         session: aiohttp.ClientSession,
         *,
         clock: Clock = time.monotonic,
+        tracing: Tracing | None = None,
     ) -> None:
         self.config = config
+        self.tracing = tracing or Tracing()
         # Members of DNS-discovered backend groups; ``config`` lists them among the backends.
         self.members = DiscoveredMembers(config)
         self.fleet = fleet

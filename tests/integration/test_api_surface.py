@@ -110,3 +110,36 @@ async def test_context_error_uses_the_wording_clients_recognise(start_fleet: Sta
         "This model's maximum context length is 8192 tokens. However, you requested"
     )
     assert err.value.code == "context_length_exceeded"
+
+
+async def test_opentelemetry_spans_for_admission_and_the_upstream_call(start_fleet: StartFleet):
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    fleet = await start_fleet(
+        SMALL[:1], time_scale=200, gateway={"tracing": {"enabled": True}}, tracer_provider=provider
+    )
+    trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(
+            fleet.url + "/v1/chat/completions",
+            json=body,
+            headers={"traceparent": f"00-{trace_id}-00f067aa0ba902b7-01"},
+        ) as r,
+    ):
+        assert r.status == 200
+    spans = {sp.name: sp for sp in exporter.get_finished_spans()}
+    assert {"gateway.request", "gateway.admission", "gateway.upstream"} <= set(spans)
+    assert all(format(sp.context.trace_id, "032x") == trace_id for sp in spans.values())
+    assert spans["gateway.admission"].attributes["backend"] == "small-1"
+    assert spans["gateway.admission"].parent.span_id == spans["gateway.request"].context.span_id
+    # The node sees the gateway's upstream span as the parent of its work.
+    state = await fleet.nodes["small-1"].state()
+    upstream_id = format(spans["gateway.upstream"].context.span_id, "016x")
+    assert state["last_traceparent"] == f"00-{trace_id}-{upstream_id}-01"
