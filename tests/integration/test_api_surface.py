@@ -143,3 +143,34 @@ async def test_opentelemetry_spans_for_admission_and_the_upstream_call(start_fle
     state = await fleet.nodes["small-1"].state()
     upstream_id = format(spans["gateway.upstream"].context.span_id, "016x")
     assert state["last_traceparent"] == f"00-{trace_id}-{upstream_id}-01"
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.filterwarnings("ignore::pydantic.warnings.PydanticDeprecatedSince20")
+async def test_litellm_raises_its_context_window_error(start_fleet: StartFleet, monkeypatch):
+    # LiteLLM (1.80.5, pinned in the dev extra) falls back to larger-context models on
+    # ContextWindowExceededError, which it recognises by OpenAI's wording of the message.
+    # Its model price map is read from the package, never fetched.
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+    monkeypatch.setenv("LITELLM_TELEMETRY", "False")
+    import litellm
+
+    fleet = await start_fleet(SMALL[:1], time_scale=200)
+    with pytest.raises(litellm.ContextWindowExceededError):
+        await litellm.acompletion(
+            model=f"openai/{MODEL}",
+            api_base=fleet.url + "/v1",
+            api_key="unused",
+            messages=[{"role": "user", "content": "hello " * 9000}],
+            max_tokens=10,
+            num_retries=0,
+        )
+    ok = await litellm.acompletion(
+        model=f"openai/{MODEL}",
+        api_base=fleet.url + "/v1",
+        api_key="unused",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=4,
+        num_retries=0,
+    )
+    assert ok.choices[0].message.content
