@@ -19,6 +19,7 @@ from kvgateway.server.openai_request import (
     Kind,
     Limits,
     ParsedRequest,
+    check_message_count,
     parse_body,
     parse_chat,
     parse_completion,
@@ -63,6 +64,9 @@ async def plan_request(
 ) -> Counted:
     limits = Limits(config.admission.max_messages, config.admission.max_content_parts)
     if len(raw) > OFF_LOOP_BYTES:
+        # Refused here, on the loop, for the price of one bytes.count: a body of 800k
+        # messages must not even reach a worker thread (the parser holds the GIL).
+        check_message_count(raw, limits)
         # Parsing and validating a large body takes milliseconds of Python: not on the loop.
         loop = asyncio.get_running_loop()
         parsed, model, plan, known = await loop.run_in_executor(
