@@ -9,8 +9,8 @@ from kvgateway.errors import ContextLengthExceeded, NoHealthyBackend, Saturated
 from tests.support.backends import backend, demand
 
 
-def make(backends, queue_size=100):
-    clock = [0.0]
+def make(backends, queue_size=100, clock=None, abort_delay=0.0):
+    clock = clock or [0.0]
     idx = ModelIndex(backends)
     adm = Admission(
         index_for=lambda m: idx,
@@ -19,6 +19,7 @@ def make(backends, queue_size=100):
         offload_overflow=lambda: False,
         queue_size=lambda: queue_size,
         clock=lambda: clock[0],
+        abort_delay=lambda: abort_delay,
     )
     return adm
 
@@ -206,15 +207,7 @@ async def test_pause_ending_serves_every_waiter_without_a_new_request():
 
     clock = [0.0]
     b = backend("a", kv=100_000, seqs=64)
-    idx = ModelIndex([b])
-    adm = Admission(
-        index_for=lambda m: idx,
-        adjust=idx.adjust,
-        policy=lambda: "kv_aware",
-        offload_overflow=lambda: False,
-        queue_size=lambda: 100,
-        clock=lambda: clock[0],
-    )
+    adm = make([b], clock=clock)
     b.paused, b.pause_reason, b.paused_until = True, PauseReason.PREEMPTING, 5.0
     waiters = [asyncio.create_task(adm.admit(demand(500, 100), 30.0)) for _ in range(13)]
     await asyncio.sleep(0)
@@ -292,17 +285,8 @@ async def test_release_waits_for_the_kv_connector_and_for_an_abort_to_land():
     await asyncio.sleep(0.08)
     assert b.in_flight == 0 and b.reserved_tokens == 0
     # A client gone mid-request: held until the node's abort has landed.
-    idx = ModelIndex([b])
     b.config = dataclasses.replace(b.config, release_delay_s=0.0)
-    adm = Admission(
-        index_for=lambda m: idx,
-        adjust=idx.adjust,
-        policy=lambda: "kv_aware",
-        offload_overflow=lambda: False,
-        queue_size=lambda: 10,
-        clock=lambda: 0.0,
-        abort_delay=lambda: 0.05,
-    )
+    adm = make([b], abort_delay=0.05)
     task = asyncio.create_task(_hold(adm))
     await asyncio.sleep(0.01)
     task.cancel()
