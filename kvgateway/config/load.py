@@ -222,38 +222,43 @@ def _admission(s: Section) -> AdmissionConfig:
 
 
 def _routing(s: Section) -> RoutingConfig:
+    d = RoutingConfig()
     cfg = RoutingConfig(
-        policy=Policy(s.choice("policy", POLICIES, Policy.KV_AWARE.value)),
-        offload_overflow=s.flag("offload_overflow", False),
+        policy=Policy(s.choice("policy", POLICIES, d.policy.value)),
+        offload_overflow=s.flag("offload_overflow", d.offload_overflow),
     )
     s.reject_unknown()
     return cfg
 
 
 def _health(s: Section) -> HealthConfig:
+    d = HealthConfig()
     cfg = HealthConfig(
-        interval_s=s.number("interval_s", 5.0),
-        timeout_s=s.number("timeout_s", 2.0),
-        unhealthy_threshold=s.integer("unhealthy_threshold", 2),
-        healthy_threshold=s.integer("healthy_threshold", 1),
-        eject_after_failures=s.integer("eject_after_failures", 3),
-        rediscover_interval_s=s.number("rediscover_interval_s", 30.0),
+        interval_s=s.number("interval_s", d.interval_s),
+        timeout_s=s.number("timeout_s", d.timeout_s),
+        unhealthy_threshold=s.integer("unhealthy_threshold", d.unhealthy_threshold),
+        healthy_threshold=s.integer("healthy_threshold", d.healthy_threshold),
+        eject_after_failures=s.integer("eject_after_failures", d.eject_after_failures),
+        rediscover_interval_s=s.number("rediscover_interval_s", d.rediscover_interval_s),
     )
     s.reject_unknown()
     return cfg
 
 
 def _feedback(s: Section) -> LoadFeedbackConfig:
-    high = s.number("kv_high_watermark", 0.95, maximum=1.0)
+    d = LoadFeedbackConfig()
+    high = s.number("kv_high_watermark", d.kv_high_watermark, maximum=1.0)
     cfg = LoadFeedbackConfig(
-        enabled=s.flag("enabled", True),
-        interval_s=s.number("interval_s", 2.0),
-        timeout_s=s.number("timeout_s", 2.0),
+        enabled=s.flag("enabled", d.enabled),
+        interval_s=s.number("interval_s", d.interval_s),
+        timeout_s=s.number("timeout_s", d.timeout_s),
         kv_high_watermark=high,
-        kv_low_watermark=s.number("kv_low_watermark", min(0.85, high), maximum=high),
-        max_waiting=s.integer("max_waiting", 0, minimum=0),
-        preemption_cooldown_s=s.number("preemption_cooldown_s", 5.0, exclusive_min=False),
-        stale_after_s=s.number("stale_after_s", 15.0),
+        kv_low_watermark=s.number("kv_low_watermark", min(d.kv_low_watermark, high), maximum=high),
+        max_waiting=s.integer("max_waiting", d.max_waiting, minimum=0),
+        preemption_cooldown_s=s.number(
+            "preemption_cooldown_s", d.preemption_cooldown_s, exclusive_min=False
+        ),
+        stale_after_s=s.number("stale_after_s", d.stale_after_s),
     )
     s.reject_unknown()
     return cfg
