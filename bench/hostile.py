@@ -175,7 +175,10 @@ async def phase(url: str, seconds: float, gw: procs.Proc, hostile: bool) -> dict
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seconds", type=float, default=20.0)
+    p.add_argument("--quick", action="store_true", help="8 s under attack")
     args = p.parse_args(argv)
+    if args.quick:
+        args.seconds = 8.0
     with tempfile.TemporaryDirectory(prefix="bench-hostile-") as tmp:
         work = Path(tmp)
         gw_port = procs.free_port()
