@@ -1,0 +1,174 @@
+"""The two ways a model's text is turned into token ids: tiktoken and ``tokenizers``.
+
+Both recognise the model's added (special) tokens anywhere in the text, as the
+``tokenizers`` library does and so vLLM does: the text is cut at every added token
+(leftmost, longest first) and each piece between them is encoded on its own. Neither
+adds BOS/EOS; :class:`~kvgateway.tokens.modeldir.ModelTokenizer` does that.
+
+Which is used when (measured by ``bench/tokenizer_cost.py``): tiktoken runs a byte-level
+BPE vocabulary several times faster than ``tokenizers``, so it is used whenever
+:mod:`kvgateway.tokens.bytelevel` proves it exact; everything else (SentencePiece-style
+vocabularies with byte fallback and a metaspace, WordPiece, Unigram, byte-level files
+whose merge list tiktoken cannot reproduce) runs in ``tokenizers``.
+"""
+
+from __future__ import annotations
+
+import re
+import unicodedata
+from collections.abc import Mapping, Sequence
+from typing import Protocol
+
+import tiktoken
+
+
+class TextEngine(Protocol):
+    """Encodes text to ids with the model's added tokens recognised; adds nothing."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def segment_additive(self) -> bool:
+        """Whether pieces between added tokens encode alike wherever they stand.
+
+        True lets a counter cache those pieces across requests (a chat's history).
+        """
+        ...
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def count_segment(self, text: str) -> int:
+        """Tokens of ``text`` that holds no added token (only if segment_additive)."""
+        ...
+
+    def split_added(self, text: str) -> list[str]:
+        """``text`` cut into added tokens and the pieces between them, in order."""
+        ...
+
+    def is_added(self, piece: str) -> bool: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+
+def added_token_regex(added: Mapping[str, int]) -> re.Pattern[str] | None:
+    if not added:
+        return None
+    # Longest first: an alternation takes the first branch that matches, and HF's
+    # added-token matcher is leftmost-longest.
+    alts = sorted(added, key=len, reverse=True)
+    return re.compile("(" + "|".join(re.escape(a) for a in alts) + ")")
+
+
+class TiktokenEngine:
+    """A byte-level BPE vocabulary run by tiktoken, with the model's added tokens."""
+
+    def __init__(
+        self,
+        name: str,
+        pattern: str,
+        ranks: dict[bytes, int],
+        added: Mapping[str, int],
+        *,
+        nfc: bool = False,
+    ) -> None:
+        self._name = name
+        self._added = dict(added)
+        self._added_regex = added_token_regex(self._added)
+        self._nfc = nfc
+        self._enc = tiktoken.Encoding(
+            name=name, pat_str=pattern, mergeable_ranks=ranks, special_tokens=self._added
+        )
+        self._by_id = {i: t.encode() for t, i in self._added.items()}
+
+    @property
+    def name(self) -> str:
+        return f"tiktoken:{self._name}"
+
+    @property
+    def segment_additive(self) -> bool:
+        return True
+
+    def _ordinary(self, text: str) -> list[int]:
+        if self._nfc and not text.isascii():
+            text = unicodedata.normalize("NFC", text)
+        ids: list[int] = self._enc.encode_ordinary(text)
+        return ids
+
+    def count_segment(self, text: str) -> int:
+        return len(self._ordinary(text))
+
+    def split_added(self, text: str) -> list[str]:
+        if self._added_regex is None:
+            return [text]
+        return [p for p in self._added_regex.split(text) if p]
+
+    def is_added(self, piece: str) -> bool:
+        return piece in self._added
+
+    def encode(self, text: str) -> list[int]:
+        ids: list[int] = []
+        for piece in self.split_added(text):
+            special = self._added.get(piece)
+            if special is not None:
+                ids.append(special)
+            else:
+                ids.extend(self._ordinary(piece))
+        return ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        out = bytearray()
+        plain: list[int] = []
+        for i in ids:
+            special = self._by_id.get(i)
+            if special is None:
+                plain.append(i)
+                continue
+            if plain:
+                out += self._enc.decode_bytes(plain)
+                plain = []
+            out += special
+        if plain:
+            out += self._enc.decode_bytes(plain)
+        return out.decode("utf-8", errors="replace")
+
+
+class HfEngine:
+    """Any ``tokenizer.json``, run by the ``tokenizers`` library as the node runs it."""
+
+    def __init__(self, name: str, spec_text: str, added: Mapping[str, int]) -> None:
+        from tokenizers import Tokenizer
+
+        self._name = name
+        self._tok = Tokenizer.from_str(spec_text)
+        self._added = dict(added)
+        self._added_regex = added_token_regex(self._added)
+
+    @property
+    def name(self) -> str:
+        return f"tokenizers:{self._name}"
+
+    @property
+    def segment_additive(self) -> bool:
+        # Metaspace and prepend normalizers treat the start of the text differently, so a
+        # piece's count can depend on where it stands: count whole texts only.
+        return False
+
+    def count_segment(self, text: str) -> int:
+        return len(self.encode(text))
+
+    def split_added(self, text: str) -> list[str]:
+        if self._added_regex is None:
+            return [text]
+        return [p for p in self._added_regex.split(text) if p]
+
+    def is_added(self, piece: str) -> bool:
+        return piece in self._added
+
+    def encode(self, text: str) -> list[int]:
+        ids: list[int] = self._tok.encode(text, add_special_tokens=False).ids
+        return ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        text: str = self._tok.decode(list(ids), skip_special_tokens=False)
+        return text
