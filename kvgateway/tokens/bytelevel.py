@@ -25,9 +25,7 @@ from functools import cache
 from typing import Any
 
 # GPT-2's byte-level pre-tokenizer regex: what `ByteLevel(use_regex=true)` splits with.
-GPT2_PATTERN = (
-    r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
-)
+GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 
 
 class NotExact(ValueError):

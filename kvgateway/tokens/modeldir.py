@@ -269,9 +269,7 @@ def load_model_tokenizer(
         processor = ([], [])
         note = "tiktoken BPE file"
     else:
-        raise TokenizerDirError(
-            f"{directory} has neither tokenizer.json nor a *.tiktoken BPE file"
-        )
+        raise TokenizerDirError(f"{directory} has neither tokenizer.json nor a *.tiktoken BPE file")
     for name in ("bos_token", "eos_token"):
         token = special.get(name)
         if isinstance(token, str) and token not in added:
