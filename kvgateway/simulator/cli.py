@@ -30,6 +30,7 @@ _NODE_FLAGS = {
     "num_gpu_blocks": "num_gpu_blocks",
     "max_num_seqs": "max_num_seqs",
     "max_num_queued_reqs": "max_num_queued_reqs",
+    "tokenizer": "tokenizer",
 }
 
 
@@ -56,6 +57,11 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--num-gpu-blocks", type=int)
     parser.add_argument("--max-num-seqs", type=int)
     parser.add_argument("--max-num-queued-reqs", type=int)
+    parser.add_argument(
+        "--tokenizer",
+        metavar="DIR",
+        help="ad-hoc node: count with this model tokenizer directory and its chat template",
+    )
     parser.add_argument("--legacy-metrics", action="store_true", help="vllm:gpu_cache_usage_perc")
     parser.add_argument("--time-scale", type=float, help="simulated seconds per wall second")
     parser.add_argument("--seed", type=int, help="seed for output lengths")

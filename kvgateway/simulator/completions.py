@@ -20,6 +20,7 @@ from kvgateway.simulator import protocol as p
 from kvgateway.simulator.driver import RequestHandle
 from kvgateway.simulator.generation import filler_text, token_json, token_text
 from kvgateway.simulator.node import NODE_KEY, SimNode
+from kvgateway.simulator.tokenizer import TemplateError
 
 # How often a fault-injected hang checks whether its client is gone.
 _HANG_POLL_S = 0.05
@@ -99,7 +100,10 @@ async def handle_chat(request: web.Request) -> web.StreamResponse:
     body = p.parse_json(await request.read())
     req = p.parse_chat(body)
     node.check_model(req.model)
-    prompt_tokens = await node.tokenizer.count_chat_async(req.messages)
+    try:
+        prompt_tokens = await node.tokenizer.count_chat_request(body, req.messages)
+    except TemplateError as exc:
+        raise p.bad_request(str(exc)) from exc
     return await _generate(request, node, req, prompt_tokens, chat=True)
 
 
@@ -111,7 +115,7 @@ async def handle_completion(request: web.Request) -> web.StreamResponse:
     if req.prompt_token_count is not None:
         prompt_tokens = req.prompt_token_count
     else:
-        prompt_tokens = await node.tokenizer.count_prompt_async(req.prompt or "")
+        prompt_tokens = await node.tokenizer.count_completion_request(body, req.prompt or "")
     prompt_tokens = max(prompt_tokens, 1)  # vLLM adds BOS; an empty prompt is one token
     return await _generate(request, node, req, prompt_tokens, chat=False)
 

@@ -1,6 +1,6 @@
 """The HTTP surface of one simulated vLLM node.
 
-vLLM's endpoints (``/health``, ``/v1/models``, ``/tokenize``, ``/metrics``,
+vLLM's endpoints (``/health``, ``/v1/models``, ``/tokenize``, ``/detokenize``, ``/metrics``,
 ``/v1/chat/completions``, ``/v1/completions``) plus the simulator's own:
 
 - ``GET /sim/state``: engine state as JSON (running, waiting, used/free blocks,
@@ -10,9 +10,12 @@ vLLM's endpoints (``/health``, ``/v1/models``, ``/tokenize``, ``/metrics``,
 
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 from aiohttp import web
 
@@ -21,6 +24,7 @@ from kvgateway.simulator.completions import ClientGone, handle_chat, handle_comp
 from kvgateway.simulator.faults import FaultError, parse_fault
 from kvgateway.simulator.node import NODE_KEY, SimNode
 from kvgateway.simulator.settings import NodeSettings
+from kvgateway.simulator.tokenizer import TemplateError
 from kvgateway.tokens.encoding import EncodingCache
 
 log = logging.getLogger("kvgateway.simulator.server")
@@ -28,6 +32,8 @@ log = logging.getLogger("kvgateway.simulator.server")
 METRICS_CONTENT_TYPE = "text/plain; version=1.0.0; charset=utf-8"
 # vLLM has no body limit of note; this one only keeps a broken client from eating memory.
 MAX_BODY_BYTES = 64 * 1024 * 1024
+# Request bodies larger than this are tokenized in a worker thread.
+_THREAD_THRESHOLD_CHARS = 32_000
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -53,6 +59,7 @@ def create_app(
     app.router.add_get("/health", _health)
     app.router.add_get("/v1/models", _models)
     app.router.add_post("/tokenize", _tokenize)
+    app.router.add_post("/detokenize", _detokenize)
     app.router.add_get("/metrics", _metrics)
     app.router.add_post("/v1/chat/completions", handle_chat)
     app.router.add_post("/v1/completions", handle_completion)
@@ -102,25 +109,67 @@ async def _models(request: web.Request) -> web.Response:
 
 
 async def _tokenize(request: web.Request) -> web.Response:
+    """vLLM's ``POST /tokenize``: a completion form (``prompt``, ``add_special_tokens``
+    default true) or a chat form (``messages`` rendered with the template, as for
+    /v1/chat/completions; ``add_special_tokens`` default false)."""
     node = request.app[NODE_KEY]
     body = p.parse_json(await request.read())
     model = body.get("model")
     node.check_model(model if isinstance(model, str) else None)
-    if "messages" in body:
-        messages = p.parse_messages(body["messages"])
-        tokens = await node.tokenizer.encode_chat_async(messages)
-    elif isinstance(body.get("prompt"), str):
-        tokens = await node.tokenizer.encode_prompt_async(body["prompt"])
-    else:
-        raise p.bad_request("Either prompt (a string) or messages is required.", "prompt")
+    try:
+        if "messages" in body:
+            messages = p.parse_messages(body["messages"])
+            tokens = await _off_loop(node.tokenizer.encode_chat_request, body, messages)
+        elif isinstance(body.get("prompt"), str):
+            tokens = await _off_loop(node.tokenizer.encode_completion_request, body, body["prompt"])
+        else:
+            raise p.bad_request("Either prompt (a string) or messages is required.", "prompt")
+    except TemplateError as exc:
+        raise p.bad_request(str(exc)) from exc
+    strs = None
+    if body.get("return_token_strs") is True:
+        strs = [_decode_one(node, t) for t in tokens]
     return p.json_response(
         {
             "count": len(tokens),
             "max_model_len": node.settings.max_model_len,
             "tokens": tokens,
-            "token_strs": None,
+            "token_strs": strs,
         }
     )
+
+
+async def _detokenize(request: web.Request) -> web.Response:
+    """vLLM's ``POST /detokenize``: ``{"tokens": [ids]}`` to ``{"prompt": text}``."""
+    node = request.app[NODE_KEY]
+    body = p.parse_json(await request.read())
+    model = body.get("model")
+    node.check_model(model if isinstance(model, str) else None)
+    ids = body.get("tokens")
+    if not isinstance(ids, list) or not all(
+        isinstance(i, int) and not isinstance(i, bool) for i in ids
+    ):
+        raise p.bad_request("tokens must be a list of token ids.", "tokens")
+    try:
+        text = node.tokenizer.decode(ids)
+    except (ValueError, KeyError, OverflowError) as exc:
+        raise p.bad_request(f"cannot decode these tokens: {exc}", "tokens") from exc
+    return p.json_response({"prompt": text})
+
+
+def _decode_one(node: SimNode, token: int) -> str:
+    try:
+        return node.tokenizer.decode([token])
+    except (ValueError, KeyError, OverflowError):
+        return ""
+
+
+async def _off_loop(
+    fn: Callable[[dict[str, Any], Any], list[int]], body: dict[str, Any], arg: Any
+) -> list[int]:
+    if len(json.dumps(body.get("messages") or body.get("prompt") or "")) < _THREAD_THRESHOLD_CHARS:
+        return fn(body, arg)
+    return await asyncio.to_thread(fn, body, arg)
 
 
 async def _metrics(request: web.Request) -> web.Response:

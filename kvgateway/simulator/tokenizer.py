@@ -1,9 +1,12 @@
 """The simulated node's own token counting.
 
-A real node counts with the model's tokenizer and chat template, which the gateway can
-only estimate. To test estimation error the node's counting is configurable apart from
-the gateway's: another tiktoken encoding, or a plain bytes-per-token ratio, scaled by
-``tokenizer_scale``, plus a chat-template overhead per message and per request.
+A real node counts with the model's tokenizer and chat template. With ``tokenizer: DIR``
+the simulated node does the same: it renders the model's chat template and tokenizes
+with the ``tokenizers`` library, as vLLM does (never with tiktoken, so a gateway that
+counts with tiktoken is checked against an independent implementation). Without it,
+counting is configurable apart from the gateway's: another tiktoken encoding, or a
+plain bytes-per-token ratio, scaled by ``tokenizer_scale``, plus a chat-template
+overhead per message and per request.
 """
 
 from __future__ import annotations
@@ -12,9 +15,12 @@ import asyncio
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from kvgateway.simulator.settings import NodeSettings
+from kvgateway.tokens.chat_template import TemplateError
 from kvgateway.tokens.encoding import Encoder, EncodingCache, EncodingSpec
+from kvgateway.tokens.exact import ExactCounter
 
 # Texts longer than this are tokenized in a worker thread so health probes and
 # streams on the same loop keep flowing (tiktoken releases the GIL while encoding).
@@ -37,10 +43,16 @@ class NodeTokenizer:
         self._per_message = settings.chat_overhead_per_message
         self._fixed = settings.chat_overhead_fixed
         self._encoder: Encoder | None = None
-        if self._bytes_per_token is None:
+        self.exact: ExactCounter | None = None
+        if settings.tokenizer is not None:
+            model = encodings.model(settings.tokenizer, engine="tokenizers")
+            self.exact = ExactCounter(model)
+        elif self._bytes_per_token is None:
             self._encoder = encodings.get(EncodingSpec(name=settings.tokenizer_encoding))
 
     def describe(self) -> str:
+        if self.exact is not None:
+            return f"{self.exact.name} with its chat template ({self.exact.tokenizer.path})"
         base = (
             f"{self._bytes_per_token:g} bytes/token"
             if self._bytes_per_token is not None
@@ -101,3 +113,52 @@ class NodeTokenizer:
         if sum(len(m.text) for m in messages) < _THREAD_THRESHOLD_CHARS:
             return self.encode_chat(messages)
         return await asyncio.to_thread(self.encode_chat, messages)
+
+    # -- whole requests (the model's template when the node has one) -----------------
+
+    def encode_chat_request(
+        self, body: dict[str, Any], messages: Sequence[ChatMessage]
+    ) -> list[int]:
+        """Prompt ids of a chat request; TemplateError when the template refuses it."""
+        if self.exact is not None:
+            return self.exact.encode_chat(body)
+        return self.encode_chat(messages)
+
+    def encode_completion_request(self, body: dict[str, Any], prompt: str) -> list[int]:
+        if self.exact is not None:
+            add = body.get("add_special_tokens")
+            return self.exact.tokenizer.encode_prompt(
+                prompt, add_special_tokens=add if isinstance(add, bool) else True
+            )
+        return self.encode_prompt(prompt)
+
+    def count_chat_request_sync(self, body: dict[str, Any], messages: Sequence[ChatMessage]) -> int:
+        if self.exact is not None:
+            return self.exact.count_chat_sync(body)
+        return self.count_chat(messages)
+
+    async def count_chat_request(
+        self, body: dict[str, Any], messages: Sequence[ChatMessage]
+    ) -> int:
+        if self.exact is None:
+            return await self.count_chat_async(messages)
+        if sum(len(m.text) for m in messages) < _THREAD_THRESHOLD_CHARS:
+            return self.count_chat_request_sync(body, messages)
+        return await asyncio.to_thread(self.count_chat_request_sync, body, messages)
+
+    async def count_completion_request(self, body: dict[str, Any], prompt: str) -> int:
+        if self.exact is None:
+            return await self.count_prompt_async(prompt)
+        if len(prompt) < _THREAD_THRESHOLD_CHARS:
+            return len(self.encode_completion_request(body, prompt))
+        return len(await asyncio.to_thread(self.encode_completion_request, body, prompt))
+
+    def decode(self, ids: list[int]) -> str:
+        if self.exact is not None:
+            return self.exact.tokenizer.engine.decode(ids)
+        if self._encoder is not None and self._scale == 1.0:
+            return self._encoder.decode([i for i in ids if i != _TEMPLATE_ID])
+        raise ValueError("this node counts by ratio; its token ids do not decode")
+
+
+__all__ = ["ChatMessage", "NodeTokenizer", "TemplateError"]
