@@ -27,7 +27,9 @@ from kvgateway.config.model import (
     TimeoutConfig,
 )
 from kvgateway.config.yamlread import ConfigError, Section
+from kvgateway.tokens.chat_template import TemplateError
 from kvgateway.tokens.encoding import PATTERNS, EncodingSpec
+from kvgateway.tokens.modeldir import TokenizerDirError, load_model_tokenizer
 from kvgateway.tokens.spec import TokenizerConfig
 
 
@@ -141,6 +143,7 @@ def _model(s: Section) -> ModelConfig:
         reply_priming_tokens=tok.integer("reply_priming_tokens", 3, minimum=0),
         image_tokens=tok.integer("image_tokens", 765, minimum=0),
         estimate_margin=tok.number("estimate_margin", 0.0, maximum=1.0, exclusive_min=False),
+        **_tokenizer_dir(tok, enc),
     )
     tok.reject_unknown()
     cfg = ModelConfig(
@@ -151,6 +154,19 @@ def _model(s: Section) -> ModelConfig:
     )
     s.reject_unknown()
     return cfg
+
+
+def _tokenizer_dir(tok: Section, enc: EncodingSpec) -> dict[str, Any]:
+    """``path``: the model's tokenizer directory, loaded now so a bad one fails start-up."""
+    path = tok.opt_str("path")
+    if path is None:
+        return {}
+    pattern = enc.pattern if tok.has("pattern") else None
+    try:
+        model = load_model_tokenizer(path, pattern=pattern)
+    except (TokenizerDirError, TemplateError) as exc:
+        raise ConfigError(tok.where("path"), str(exc)) from exc
+    return {"path": path, "model": model}
 
 
 def _admission(s: Section) -> AdmissionConfig:

@@ -27,6 +27,7 @@ from typing import Any
 from tiktoken.load import load_tiktoken_bpe
 
 from kvgateway.tokens.bytelevel import NotExact, to_tiktoken_ranks
+from kvgateway.tokens.chat_template import ChatTemplate, TemplateError
 from kvgateway.tokens.encoding import PATTERNS
 from kvgateway.tokens.engines import HfEngine, TextEngine, TiktokenEngine
 
@@ -277,12 +278,18 @@ def load_model_tokenizer(
                 f"tokenizer_config.json {name} {token!r} is not a token of this vocabulary"
             )
     prefix, suffix = _bos_eos(cfg, special, added, processor)
+    templates = _templates(directory, cfg)
+    for name, source in templates.items():
+        try:
+            ChatTemplate(source)
+        except TemplateError as exc:
+            raise TokenizerDirError(f"{directory}: chat template {name!r}: {exc}") from exc
     return ModelTokenizer(
         path=directory,
         engine=text_engine,
         prefix=prefix,
         suffix=suffix,
         special_tokens=special,
-        templates=_templates(directory, cfg),
+        templates=templates,
         engine_note=note,
     )

@@ -65,7 +65,12 @@ def _added(content: str, id_: int, *, special: bool = True) -> dict[str, Any]:
 
 
 def _byte_level_spec(
-    ranks: dict[bytes, int], pattern: str, added: list[dict[str, Any]], *, nfc: bool, bos: str | None
+    ranks: dict[bytes, int],
+    pattern: str,
+    added: list[dict[str, Any]],
+    *,
+    nfc: bool,
+    bos: str | None,
 ) -> dict[str, Any]:
     vocab = {a["content"]: a["id"] for a in added}
     vocab.update({_byte_str(raw): rank for raw, rank in ranks.items()})
@@ -74,8 +79,14 @@ def _byte_level_spec(
         bos_id = vocab[bos]
         post = {
             "type": "TemplateProcessing",
-            "single": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
-            "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+            "single": [
+                {"SpecialToken": {"id": bos, "type_id": 0}},
+                {"Sequence": {"id": "A", "type_id": 0}},
+            ],
+            "pair": [
+                {"Sequence": {"id": "A", "type_id": 0}},
+                {"Sequence": {"id": "B", "type_id": 1}},
+            ],
             "special_tokens": {bos: {"id": bos, "ids": [bos_id], "tokens": [bos]}},
         }
     return {
@@ -87,12 +98,27 @@ def _byte_level_spec(
         "pre_tokenizer": {
             "type": "Sequence",
             "pretokenizers": [
-                {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": False},
-                {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False},
+                {
+                    "type": "Split",
+                    "pattern": {"Regex": pattern},
+                    "behavior": "Isolated",
+                    "invert": False,
+                },
+                {
+                    "type": "ByteLevel",
+                    "add_prefix_space": False,
+                    "trim_offsets": True,
+                    "use_regex": False,
+                },
             ],
         },
         "post_processor": post,
-        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+        "decoder": {
+            "type": "ByteLevel",
+            "add_prefix_space": True,
+            "trim_offsets": True,
+            "use_regex": True,
+        },
         "model": {
             "type": "BPE",
             "dropout": None,
@@ -198,7 +224,12 @@ def build_tekken(directory: Path) -> Path:
     names = TEKKEN_SPECIALS + [f"<SPECIAL_{i}>" for i in range(len(TEKKEN_SPECIALS), n_special)]
     added = [_added(n, i) for i, n in enumerate(names)]
     spec = _byte_level_spec(ranks, data["config"]["pattern"], added, nfc=False, bos="<s>")
-    config = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "chat_template": templates.MISTRAL}
+    config = {
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "unk_token": "<unk>",
+        "chat_template": templates.MISTRAL,
+    }
     return _write(directory, spec, config)
 
 
@@ -281,8 +312,14 @@ def build_sentencepiece(directory: Path) -> Path:
         "pre_tokenizer": None,
         "post_processor": {
             "type": "TemplateProcessing",
-            "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
-            "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+            "single": [
+                {"SpecialToken": {"id": "<s>", "type_id": 0}},
+                {"Sequence": {"id": "A", "type_id": 0}},
+            ],
+            "pair": [
+                {"Sequence": {"id": "A", "type_id": 0}},
+                {"Sequence": {"id": "B", "type_id": 1}},
+            ],
             "special_tokens": {"<s>": {"id": "<s>", "ids": [vocab["<s>"]], "tokens": ["<s>"]}},
         },
         "decoder": {
