@@ -14,12 +14,16 @@ Nothing is downloaded.
 from __future__ import annotations
 
 import base64
+import fcntl
+import functools
 import json
-import os
+import shutil
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from kvgateway.tokens.bytelevel import unicode_to_byte
 from tests.support import templates
@@ -35,9 +39,15 @@ def _site(package: str) -> Path:
     return Path(mod.__path__[0])
 
 
-def _byte_str(raw: bytes) -> str:
+@functools.cache
+def _byte_chars() -> list[str]:
     inverse = {b: c for c, b in unicode_to_byte().items()}
-    return "".join(inverse[b] for b in raw)
+    return [inverse[b] for b in range(256)]
+
+
+def _byte_str(raw: bytes) -> str:
+    chars = _byte_chars()
+    return "".join([chars[b] for b in raw])
 
 
 def _all_split_merges(ranks: dict[bytes, int]) -> list[list[str]]:
@@ -364,8 +374,21 @@ BUILDERS = {
 
 
 def build(kind: str, root: Path) -> Path:
-    """Build (once per ``root``) the directory for ``kind``."""
+    """Build (once per ``root``, safe across processes) the directory for ``kind``."""
     directory = root / kind
-    if not (directory / "tokenizer.json").exists():
-        BUILDERS[kind](directory)
-    return Path(os.fspath(directory))
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not directory.exists():
+            partial = root / f".{kind}.partial"
+            shutil.rmtree(partial, ignore_errors=True)
+            BUILDERS[kind](partial)
+            partial.rename(directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def vocab_dirs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """``vocab_dirs(kind)``: the built directory, shared by all xdist workers of a run."""
+    root = tmp_path_factory.getbasetemp().parent / "vocab-dirs"
+    return lambda kind: build(kind, root)
