@@ -61,7 +61,7 @@ def test_split_patterns() -> None:
 def test_missing_and_inconsistent_directories(tmp_path: Path, vocab_dirs: Dirs) -> None:
     with pytest.raises(TokenizerDirError, match="does not exist"):
         load_model_tokenizer(str(tmp_path / "nope"))
-    with pytest.raises(TokenizerDirError, match="neither tokenizer.json"):
+    with pytest.raises(TokenizerDirError, match=r"neither tokenizer\.json"):
         load_model_tokenizer(str(tmp_path))
     bad_bos = _copy(vocab_dirs("tekken"), tmp_path / "bos")
     _edit_config(bad_bos, bos_token="<|begin|>")
