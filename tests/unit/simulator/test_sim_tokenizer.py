@@ -33,8 +33,8 @@ async def test_usage_and_tokenize_equal_the_gateways_exact_count(
     directory = str(vocab_dirs(kind))
     node = await sim(tokenizer=directory, max_model_len=8192, num_gpu_blocks=2048)
     gateway = ExactCounter(encodings.model(directory))
-    for body in corpus.corpus(seed=31, n=25):
-        body = {**body, "model": MODEL, "max_tokens": 4}
+    for request in corpus.corpus(seed=31, n=25):
+        body = {**request, "model": MODEL, "max_tokens": 4}
         expected = gateway.count_chat_sync(body)
         status, reply = await node.post("/v1/chat/completions", body)
         assert status == 200, reply
