@@ -14,10 +14,11 @@ whose merge list tiktoken cannot reproduce) runs in ``tokenizers``.
 
 from __future__ import annotations
 
+import json
 import re
 import unicodedata
 from collections.abc import Mapping, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import tiktoken
 
@@ -133,16 +134,54 @@ class TiktokenEngine:
         return out.decode("utf-8", errors="replace")
 
 
+def _position_independent(spec: Mapping[str, Any]) -> bool:
+    """Whether ``tokenizers`` encodes the text between two added tokens alike wherever
+    it stands: added tokens are cut out first and each piece is normalized and
+    pre-tokenized on its own, so only a pre-tokenizer that treats "the start of the
+    text" specially (Metaspace with prepend_scheme "first") or an added token that eats
+    its neighbours' whitespace makes a piece's count depend on its position."""
+    for tok in spec.get("added_tokens") or []:
+        if (
+            tok.get("lstrip")
+            or tok.get("rstrip")
+            or tok.get("single_word")
+            or tok.get("normalized")
+        ):
+            return False
+    pre = spec.get("pre_tokenizer")
+    steps = (
+        [pre]
+        if not isinstance(pre, dict) or pre.get("type") != "Sequence"
+        else pre.get("pretokenizers") or []
+    )
+    for step in steps:
+        if isinstance(step, dict) and step.get("type") == "Metaspace":
+            scheme = step.get(
+                "prepend_scheme", "always" if step.get("add_prefix_space") else "never"
+            )
+            if scheme == "first":
+                return False
+    return True
+
+
 class HfEngine:
     """Any ``tokenizer.json``, run by the ``tokenizers`` library as the node runs it."""
 
     def __init__(self, name: str, spec_text: str, added: Mapping[str, int]) -> None:
-        from tokenizers import Tokenizer
+        from tokenizers import AddedToken, Tokenizer
 
         self._name = name
         self._tok = Tokenizer.from_str(spec_text)
+        spec = json.loads(spec_text)
+        # transformers also registers tokenizer_config's added_tokens_decoder entries
+        # that tokenizer.json lacks; so does the node.
+        known = {t.get("content") for t in spec.get("added_tokens") or []}
+        extra = [t for t in added if t not in known]
+        if extra:
+            self._tok.add_special_tokens([AddedToken(t, normalized=False) for t in extra])
         self._added = dict(added)
         self._added_regex = added_token_regex(self._added)
+        self._additive = _position_independent(spec)
 
     @property
     def name(self) -> str:
@@ -150,9 +189,7 @@ class HfEngine:
 
     @property
     def segment_additive(self) -> bool:
-        # Metaspace and prepend normalizers treat the start of the text differently, so a
-        # piece's count can depend on where it stands: count whole texts only.
-        return False
+        return self._additive
 
     def count_segment(self, text: str) -> int:
         return len(self.encode(text))

@@ -16,6 +16,7 @@ from __future__ import annotations
 import base64
 import fcntl
 import functools
+import importlib.util
 import json
 import shutil
 import struct
@@ -35,8 +36,10 @@ QWEN_PATTERN = (
 
 
 def _site(package: str) -> Path:
-    mod = __import__(package)
-    return Path(mod.__path__[0])
+    """Where an installed package's files are, without importing it."""
+    spec = importlib.util.find_spec(package)
+    assert spec is not None and spec.submodule_search_locations, f"{package} is not installed"
+    return Path(next(iter(spec.submodule_search_locations)))
 
 
 @functools.cache

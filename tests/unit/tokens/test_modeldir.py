@@ -154,3 +154,14 @@ def test_a_tiktoken_file_with_its_pattern(tmp_path: Path, vocab_dirs: Dirs) -> N
     reference = load_model_tokenizer(str(vocab_dirs("qwen")), engine="tokenizers")
     text = "<|im_start|>user\nPrices: 12345.678 USD, naïve café 東京 🙂<|im_end|>\n"
     assert tok.engine.encode(text) == reference.engine.encode(text)
+
+
+def test_which_tokenizers_can_count_pieces_apart() -> None:
+    from kvgateway.tokens.engines import _position_independent
+
+    assert _position_independent({"pre_tokenizer": None, "added_tokens": []})
+    first = {"type": "Metaspace", "replacement": "▁", "prepend_scheme": "first"}
+    assert not _position_independent({"pre_tokenizer": first})
+    always = {"type": "Sequence", "pretokenizers": [{**first, "prepend_scheme": "always"}]}
+    assert _position_independent({"pre_tokenizer": always})
+    assert not _position_independent({"added_tokens": [{"content": "<x>", "lstrip": True}]})
