@@ -53,12 +53,31 @@ class TextEngine(Protocol):
 
 
 def added_token_regex(added: Mapping[str, int]) -> re.Pattern[str] | None:
+    """A regex matching any added token, leftmost-longest as HF's matcher does.
+
+    Written as a trie (``<(?:s>|/s>|unk>)``): an alternation of a thousand literals
+    (Tekken reserves 1000 ids) is tried branch by branch at every position, a trie
+    checks one character.
+    """
     if not added:
         return None
-    # Longest first: an alternation takes the first branch that matches, and HF's
-    # added-token matcher is leftmost-longest.
-    alts = sorted(added, key=len, reverse=True)
-    return re.compile("(" + "|".join(re.escape(a) for a in alts) + ")")
+    trie: dict[str, Any] = {}
+    for token in added:
+        node = trie
+        for ch in token:
+            node = node.setdefault(ch, {})
+        node[""] = {}
+    return re.compile("(" + _trie_pattern(trie) + ")")
+
+
+def _trie_pattern(node: dict[str, Any]) -> str:
+    branches = [re.escape(ch) + _trie_pattern(child) for ch, child in node.items() if ch]
+    if not branches:
+        return ""
+    body = branches[0] if len(branches) == 1 else "(?:" + "|".join(branches) + ")"
+    if "" in node:  # a token ends here: longer ones first (greedy), then this one
+        return ("(?:" + body + ")" if len(branches) == 1 else body) + "?"
+    return body
 
 
 class TiktokenEngine:
