@@ -50,11 +50,15 @@ def unicode_to_byte() -> dict[str, int]:
     return {chr(c): b for b, c in zip(printable, chars, strict=True)}
 
 
+@cache
+def _to_latin1() -> dict[int, int]:
+    return {ord(ch): b for ch, b in unicode_to_byte().items()}
+
+
 def token_bytes(token: str) -> bytes:
-    table = unicode_to_byte()
     try:
-        return bytes(table[ch] for ch in token)
-    except KeyError as exc:
+        return token.translate(_to_latin1()).encode("latin-1")
+    except UnicodeEncodeError as exc:
         raise NotExact(f"token {token!r} is not in the byte-level alphabet") from exc
 
 
@@ -147,25 +151,26 @@ def to_tiktoken_ranks(spec: dict[str, Any]) -> TiktokenParts:
         ranks[raw] = rank
     if len(ranks) < 256 or any(bytes([b]) not in ranks for b in range(256)):
         raise NotExact("the vocabulary lacks some single bytes")
-    _check_merges(model.get("merges") or [], ranks)
+    _check_merges(model.get("merges") or [], {t: r for t, r in vocab.items() if r not in added_ids})
     return TiktokenParts(pattern=pattern, ranks=ranks, nfc=nfc)
 
 
-def _check_merges(merges: list[Any], ranks: dict[bytes, int]) -> None:
-    listed: set[tuple[bytes, bytes]] = set()
+def _check_merges(merges: list[Any], vocab: dict[str, int]) -> None:
+    """The two conditions of the module docstring, on the byte-level strings (one
+    character per byte, so their splits are the byte splits)."""
+    listed: set[tuple[str, str]] = set()
     last = -1
     for merge in merges:
-        a, b = _merge_pair(merge)
-        left, right = token_bytes(a), token_bytes(b)
-        made = ranks.get(left + right)
+        pair = _merge_pair(merge)
+        made = vocab.get(pair[0] + pair[1])
         if made is None:
-            raise NotExact(f"merge {a!r} + {b!r} makes no token")
+            raise NotExact(f"merge {pair[0]!r} + {pair[1]!r} makes no token")
         if made < last:
             raise NotExact("merges are not listed in the order of the tokens they make")
         last = made
-        listed.add((left, right))
-    for raw in ranks:
-        for cut in range(1, len(raw)):
-            left, right = raw[:cut], raw[cut:]
-            if left in ranks and right in ranks and (left, right) not in listed:
+        listed.add(pair)
+    for token in vocab:
+        for cut in range(1, len(token)):
+            left, right = token[:cut], token[cut:]
+            if left in vocab and right in vocab and (left, right) not in listed:
                 raise NotExact(f"{left!r} + {right!r} is in the vocabulary but not a merge")

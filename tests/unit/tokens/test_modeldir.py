@@ -12,7 +12,13 @@ import pytest
 
 from kvgateway.config.load import parse_config
 from kvgateway.config.yamlread import ConfigError
-from kvgateway.tokens.bytelevel import NotExact, _check_merges, split_pattern, unicode_to_byte
+from kvgateway.tokens.bytelevel import (
+    NotExact,
+    _check_merges,
+    split_pattern,
+    token_bytes,
+    unicode_to_byte,
+)
 from kvgateway.tokens.exact import ExactCounter
 from kvgateway.tokens.modeldir import TokenizerDirError, load_model_tokenizer
 from tests.support import vocab
@@ -39,15 +45,18 @@ def test_byte_alphabet_is_a_bijection() -> None:
 
 
 def test_merge_checks_catch_what_tiktoken_would_do_differently() -> None:
-    ranks = {bytes([b]): b for b in range(256)}
-    ranks[b"ab"] = 256
-    ranks[b"abc"] = 257
-    _check_merges([["a", "b"], ["ab", "c"]], ranks)
+    vocab = {chr(0x100 + b): b for b in range(3)} | {"a": 97, "b": 98, "c": 99}
+    vocab |= {"ab": 256, "abc": 257}
+    _check_merges([["a", "b"], ["ab", "c"]], vocab)
     with pytest.raises(NotExact, match="not a merge"):
-        _check_merges([["a", "b"]], ranks)  # abc is reachable by tiktoken but not listed
-    ranks[b"bc"] = 258
+        _check_merges([["a", "b"]], vocab)  # abc is reachable by tiktoken but not listed
+    vocab["bc"] = 258
     with pytest.raises(NotExact, match="order"):
-        _check_merges([["a", "b"], ["b", "c"], ["ab", "c"], ["a", "bc"]], ranks)
+        _check_merges([["a", "b"], ["b", "c"], ["ab", "c"], ["a", "bc"]], vocab)
+    with pytest.raises(NotExact, match="makes no token"):
+        _check_merges(["c a"], vocab)
+    with pytest.raises(NotExact, match="alphabet"):
+        token_bytes("\u4e2d")
 
 
 def test_split_patterns() -> None:
