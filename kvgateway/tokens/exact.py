@@ -30,6 +30,7 @@ from kvgateway.tokens.chat_template import (
 )
 from kvgateway.tokens.counting import PromptTokens, TextCountCache
 from kvgateway.tokens.modeldir import ModelTokenizer
+from kvgateway.tokens.spec import TokenizerConfig
 
 # Per-request templates compiled and kept (only when the config trusts them).
 _REQUEST_TEMPLATES = 8
@@ -68,6 +69,26 @@ class ExactCounter:
         for source in tokenizer.templates.values():
             self._templates.setdefault(source, ChatTemplate(source, self._env))
         self._request_templates: OrderedDict[str, ChatTemplate] = OrderedDict()
+
+    @classmethod
+    def for_model(
+        cls,
+        config: TokenizerConfig,
+        cache: TextCountCache | None = None,
+        executor: Executor | None = None,
+        *,
+        trust_request_chat_template: bool = False,
+    ) -> ExactCounter | None:
+        """The exact counter for a model whose config has ``tokenizer.path``, else None."""
+        if config.model is None:
+            return None
+        return cls(
+            config.model,
+            cache,
+            executor,
+            image_tokens=config.image_tokens,
+            trust_request_chat_template=trust_request_chat_template,
+        )
 
     @property
     def name(self) -> str:

@@ -10,6 +10,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvgateway.tokens.counting import TextCountCache
 from kvgateway.tokens.exact import ExactCounter
@@ -116,3 +118,25 @@ def test_special_tokens_in_user_text_count_as_the_node_counts_them(
     gateway, node = gateway_tokenizer("qwen"), node_tokenizer("qwen")
     assert gateway.engine.encode(text) == node.engine.encode(text)
     assert gateway.engine.decode(gateway.engine.encode(text)) == text
+
+
+SPECIALS = {
+    "qwen": ["<|im_start|>", "<|im_end|>", "<tool_call>"],
+    "sentencepiece": ["<s>", "</s>", "[INST]", "[/INST]"],
+}
+texty = st.text(
+    alphabet=st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=40
+) | st.sampled_from([" ", "\n", "  x", "12345", "東京", "🙂", '{"a": 1}'])
+
+
+@pytest.mark.parametrize("kind", sorted(SPECIALS))
+@given(data=st.data())
+@settings(max_examples=60, deadline=None)
+def test_pieces_between_added_tokens_add_up(
+    kind: str, data: st.DataObject, gateway_tokenizer: Loader, node_tokenizer: Loader
+) -> None:
+    """The cached fast path (count pieces apart) has a slow twin: encode the whole text."""
+    parts = data.draw(st.lists(texty | st.sampled_from(SPECIALS[kind]), max_size=8))
+    text = "".join(parts)
+    counter = ExactCounter(gateway_tokenizer(kind), TextCountCache())
+    assert counter._count_text_sync(text) == len(node_tokenizer(kind).engine.encode(text))
