@@ -12,7 +12,7 @@ import pytest
 
 from kvgateway.simulator import cli
 from kvgateway.simulator.cli import build_specs
-from kvgateway.simulator.fleetconfig import node_spec
+from kvgateway.simulator.fleetconfig import node_spec, parse_fleet_config
 from kvgateway.simulator.profiles import TINY
 from kvgateway.simulator.settings import SettingsError, apply_overrides
 from kvgateway.tokens.encoding import EncodingCache, EncodingSpec, load_encoding
@@ -111,6 +111,35 @@ def test_settings_and_cli(tmp_path: Path, vocab_dirs: Dirs) -> None:
         apply_overrides(TINY, {"tokenizer": str(tmp_path / "x")}, "simulate")
     spec = node_spec("tiny", overrides={"tokenizer": directory})
     assert spec.settings.tokenizer == directory
+    fleet = {
+        "models": [{"name": "m", "tokenizer": {"path": directory}}],
+        "tiers": [
+            {
+                "name": "t",
+                "backends": [
+                    {
+                        "name": "b",
+                        "url": "http://127.0.0.1:9101",
+                        "model": "m",
+                        "simulate": {"profile": "tiny", "tokenizer": directory},
+                    },
+                    {
+                        "name": "c",
+                        "url": "http://127.0.0.1:9102",
+                        "model": "m",
+                        "simulate": {"profile": "tiny", "tokenizer": 3},
+                    },
+                ],
+            }
+        ],
+    }
+    with pytest.raises(
+        SettingsError, match=r"backends\[1\]\.simulate\.tokenizer: expected a string"
+    ):
+        parse_fleet_config(fleet)
+    del fleet["tiers"][0]["backends"][1]  # type: ignore[index]
+    (node,) = parse_fleet_config(fleet)
+    assert node.settings.tokenizer == directory
     parser = argparse.ArgumentParser()
     cli.register(parser.add_subparsers())
     args = parser.parse_args(["simulate", "--profile", "tiny", "--tokenizer", directory])
