@@ -17,7 +17,11 @@ from kvgateway.simulator.profiles import TINY
 from kvgateway.simulator.settings import SettingsError, apply_overrides
 from kvgateway.tokens.encoding import EncodingCache, EncodingSpec, load_encoding
 from kvgateway.tokens.exact import ExactCounter
-from kvgateway.tokens.node_errors import parse_context_length_error
+from kvgateway.tokens.node_count import (
+    parse_context_length_error,
+    tokenize_body,
+    tokenize_count,
+)
 from tests.support import corpus
 from tests.support.sim import SimFactory
 
@@ -145,3 +149,21 @@ def test_settings_and_cli(tmp_path: Path, vocab_dirs: Dirs) -> None:
     args = parser.parse_args(["simulate", "--profile", "tiny", "--tokenizer", directory])
     (built,) = build_specs(args)
     assert built.settings.tokenizer == directory
+
+
+async def test_tokenize_body_asks_the_node_for_the_forwarded_count(
+    sim: SimFactory, vocab_dirs: Dirs, encodings: EncodingCache
+) -> None:
+    directory = str(vocab_dirs("qwen"))
+    node = await sim(tokenizer=directory)
+    gateway = ExactCounter(encodings.model(directory))
+    for request in corpus.corpus(seed=41, n=10):
+        body = {**request, "stream": True, "temperature": 0.3, "max_tokens": 9}
+        status, reply = await node.post("/tokenize", tokenize_body(body, MODEL, chat=True))
+        assert status == 200 and tokenize_count(reply) == gateway.count_chat_sync(body)
+    completion = {"prompt": "12345 67890", "max_tokens": 3, "echo": False}
+    status, reply = await node.post("/tokenize", tokenize_body(completion, MODEL, chat=False))
+    assert status == 200 and tokenize_count(reply) == len(
+        gateway.tokenizer.encode_prompt("12345 67890")
+    )
+    assert tokenize_count({"error": {}}) is None

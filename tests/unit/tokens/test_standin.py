@@ -14,7 +14,7 @@ from kvgateway.tokens.counting import PromptCounter, TextCountCache, plan_chat
 from kvgateway.tokens.encoding import EncodingSpec, load_encoding
 from kvgateway.tokens.exact import ExactCounter
 from kvgateway.tokens.modeldir import ModelTokenizer
-from kvgateway.tokens.node_errors import (
+from kvgateway.tokens.node_count import (
     NodeCount,
     parse_context_length_error,
     readmission_prompt_tokens,

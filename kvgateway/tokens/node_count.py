@@ -1,4 +1,9 @@
-"""Reading the node's own prompt count out of vLLM's context-length 400.
+"""The node's own prompt count: from its context-length 400, or asked via /tokenize.
+
+A gateway counting with a stand-in learns the node's exact count two ways: vLLM's
+``POST /tokenize`` (asked before forwarding a request whose bound comes near a limit;
+:func:`tokenize_body` and :func:`tokenize_count`), and the 400 a node answers when a
+prompt does not fit (:func:`parse_context_length_error`).
 
 vLLM has worded this refusal several ways over its releases; each carries the node's
 count of the prompt (exactly, or as a lower bound when vLLM stopped tokenizing early):
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,3 +103,38 @@ def readmission_prompt_tokens(count: NodeCount, max_model_len: int) -> int:
         return count.prompt_tokens
     limit = count.max_model_len if count.max_model_len is not None else max_model_len
     return max(count.prompt_tokens, limit - (count.requested_output or 0) + 1)
+
+
+# Fields of vLLM's TokenizeChatRequest / TokenizeCompletionRequest that change the count.
+_CHAT_FIELDS = (
+    "messages",
+    "tools",
+    "documents",
+    "chat_template",
+    "chat_template_kwargs",
+    "add_generation_prompt",
+    "continue_final_message",
+    "add_special_tokens",
+    "mm_processor_kwargs",
+)
+_COMPLETION_FIELDS = ("prompt", "add_special_tokens")
+
+
+def tokenize_body(request: dict[str, Any], served_model: str, *, chat: bool) -> dict[str, Any]:
+    """The ``/tokenize`` body that counts ``request`` (a chat or completions body) as the
+    node will count it when it is forwarded."""
+    fields = _CHAT_FIELDS if chat else _COMPLETION_FIELDS
+    body = {k: request[k] for k in fields if k in request}
+    body["model"] = served_model
+    return body
+
+
+def tokenize_count(response: Any) -> int | None:
+    """``count`` from a /tokenize response body, or None if it is not one."""
+    if not isinstance(response, dict):
+        return None
+    count = response.get("count")
+    if isinstance(count, int) and not isinstance(count, bool) and count >= 0:
+        return count
+    tokens = response.get("tokens")
+    return len(tokens) if isinstance(tokens, list) else None
