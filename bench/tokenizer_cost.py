@@ -7,6 +7,7 @@
    per vocabulary and template, against the cl100k stand-in's count of the same body.
 3. A 20-turn chat whose history grows (history cached between turns): CPU per turn.
 4. Start-up: loading each directory.
+5. Event-loop lag while 100k-token chats are counted (worker thread, GIL released).
 
 The model directories are built from vocabularies shipped on PyPI (dev dependencies
 ``dashscope`` and ``mistral-common``), as the tests build them.
@@ -23,6 +24,7 @@ import random
 import statistics
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -114,6 +116,40 @@ async def multi_turn(root: Path) -> None:
         )
 
 
+async def _sample_lag(done: asyncio.Event, lags: list[float]) -> None:
+    while not done.is_set():
+        start = time.perf_counter()
+        await asyncio.sleep(0.002)
+        lags.append((time.perf_counter() - start - 0.002) * 1000)
+
+
+async def loop_lag(root: Path, prompts: int) -> None:
+    """A 2 ms sleeper on the loop while distinct 100k-token chats are counted back to back
+    with a one-thread executor, as the gateway counts them."""
+    print("5. event-loop lag while ~100k-token chats are counted (p99 / max ms, ms per prompt)")
+    for kind in ("qwen", "sentencepiece"):
+        with ThreadPoolExecutor(1) as pool:
+            counter = ExactCounter(load_model_tokenizer(str(root / kind)), TextCountCache(), pool)
+            texts = [corpus.GENERATORS["prose"](random.Random(i), 90_000) for i in range(prompts)]
+            lags: list[float] = []
+            done = asyncio.Event()
+            task = asyncio.create_task(_sample_lag(done, lags), name="lag-sampler")
+            start = time.perf_counter()
+            for text in texts:
+                counted = await counter.count_chat(
+                    {"messages": [{"role": "user", "content": text}]}
+                )
+            elapsed = (time.perf_counter() - start) / prompts * 1000
+            done.set()
+            await task
+        lags.sort()
+        p99 = lags[min(len(lags) - 1, int(len(lags) * 0.99))]
+        print(
+            f"   {kind:13} {p99:.1f} / {lags[-1]:.1f}  ({elapsed:.0f} ms per "
+            f"{counted.total}-token prompt, {len(lags)} samples)"
+        )
+
+
 def loading(root: Path) -> None:
     print("4. loading a directory, s")
     for kind in ("qwen", "llama3", "tekken", "sentencepiece"):
@@ -134,6 +170,7 @@ def main() -> None:
         engines(root, 3 if args.quick else 20)
         asyncio.run(per_chat(root, 50 if args.quick else 300))
         asyncio.run(multi_turn(root))
+        asyncio.run(loop_lag(root, 2 if args.quick else 6))
         loading(root)
 
 
