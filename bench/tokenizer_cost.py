@@ -170,8 +170,8 @@ def main() -> None:
         engines(root, 3 if args.quick else 20)
         asyncio.run(per_chat(root, 50 if args.quick else 300))
         asyncio.run(multi_turn(root))
-        asyncio.run(loop_lag(root, 2 if args.quick else 6))
         loading(root)
+        asyncio.run(loop_lag(root, 2 if args.quick else 6))
 
 
 if __name__ == "__main__":
