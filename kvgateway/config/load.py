@@ -28,34 +28,41 @@ from kvgateway.config.model import (
 )
 from kvgateway.config.yamlread import ConfigError, Section
 from kvgateway.tokens.chat_template import TemplateError
-from kvgateway.tokens.encoding import PATTERNS, EncodingSpec
-from kvgateway.tokens.modeldir import TokenizerDirError, load_model_tokenizer
+from kvgateway.tokens.encoding import PATTERNS, EncodingCache, EncodingSpec
+from kvgateway.tokens.modeldir import TokenizerDirError
 from kvgateway.tokens.spec import TokenizerConfig
 
 
-def load_config(path: str) -> GatewayConfig:
+def load_config(path: str, *, encodings: EncodingCache | None = None) -> GatewayConfig:
     try:
         with open(path, encoding="utf-8") as fh:
             text = fh.read()
     except OSError as exc:
         raise ConfigError("", f"cannot read config file {path!r}: {exc.strerror}") from exc
-    return parse_config_text(text, source=path)
+    return parse_config_text(text, source=path, encodings=encodings)
 
 
-def parse_config_text(text: str, *, source: str = "<memory>") -> GatewayConfig:
+def parse_config_text(
+    text: str, *, source: str = "<memory>", encodings: EncodingCache | None = None
+) -> GatewayConfig:
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         raise ConfigError("", f"{source}: invalid YAML{where}: {exc}") from exc
-    return parse_config(data, source=source)
+    return parse_config(data, source=source, encodings=encodings)
 
 
-def parse_config(data: Any, *, source: str = "<memory>") -> GatewayConfig:
+def parse_config(
+    data: Any, *, source: str = "<memory>", encodings: EncodingCache | None = None
+) -> GatewayConfig:
+    """``encodings``: where model tokenizer directories are loaded (and kept across
+    reloads: an unchanged directory is not loaded again); a fresh one if None."""
+    encodings = encodings or EncodingCache()
     root = Section(data)
     server = _server(root.section("server"))
-    models = tuple(_model(s) for s in root.sections("models", required=True))
+    models = tuple(_model(s, encodings) for s in root.sections("models", required=True))
     _check_unique([m.name for m in models] + [a for m in models for a in m.aliases], "models")
     admission = _admission(root.section("admission"))
     routing = _routing(root.section("routing"))
@@ -126,7 +133,7 @@ def _read_keys_file(path: str, where: str) -> list[str]:
     return keys
 
 
-def _model(s: Section) -> ModelConfig:
+def _model(s: Section, encodings: EncodingCache) -> ModelConfig:
     name = s.text("name")
     tok = s.section("tokenizer")
     enc = EncodingSpec(
@@ -143,7 +150,7 @@ def _model(s: Section) -> ModelConfig:
         reply_priming_tokens=tok.integer("reply_priming_tokens", 3, minimum=0),
         image_tokens=tok.integer("image_tokens", 765, minimum=0),
         estimate_margin=tok.number("estimate_margin", 0.0, maximum=1.0, exclusive_min=False),
-        **_tokenizer_dir(tok, enc),
+        **_tokenizer_dir(tok, enc, encodings),
     )
     tok.reject_unknown()
     cfg = ModelConfig(
@@ -156,14 +163,14 @@ def _model(s: Section) -> ModelConfig:
     return cfg
 
 
-def _tokenizer_dir(tok: Section, enc: EncodingSpec) -> dict[str, Any]:
+def _tokenizer_dir(tok: Section, enc: EncodingSpec, encodings: EncodingCache) -> dict[str, Any]:
     """``path``: the model's tokenizer directory, loaded now so a bad one fails start-up."""
     path = tok.opt_str("path")
     if path is None:
         return {}
     pattern = enc.pattern if tok.has("pattern") else None
     try:
-        model = load_model_tokenizer(path, pattern=pattern)
+        model = encodings.model(path, pattern=pattern)
     except (TokenizerDirError, TemplateError) as exc:
         raise ConfigError(tok.where("path"), str(exc)) from exc
     return {"path": path, "model": model}

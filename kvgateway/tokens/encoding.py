@@ -138,13 +138,22 @@ def _from_file(spec: EncodingSpec) -> Encoder:
     return enc
 
 
+def _dir_stamp(directory: str) -> tuple[object, ...]:
+    """Names, sizes and mtimes of a directory's files: a changed tokenizer is reloaded."""
+    try:
+        entries = sorted(os.scandir(directory), key=lambda e: e.name)
+        return tuple((e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in entries)
+    except OSError:
+        return ()
+
+
 class EncodingCache:
     """Loads each spec (and each model tokenizer directory) once; thread-safe."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._cache: dict[EncodingSpec, Encoder] = {}
-        self._models: dict[tuple[str, str | None, str], ModelTokenizer] = {}
+        self._models: dict[tuple[str, str | None, str, tuple[object, ...]], ModelTokenizer] = {}
 
     def model(
         self, directory: str, *, pattern: str | None = None, engine: str = "auto"
@@ -152,7 +161,8 @@ class EncodingCache:
         """The tokenizer in ``directory`` (see :func:`~.modeldir.load_model_tokenizer`)."""
         from kvgateway.tokens.modeldir import load_model_tokenizer
 
-        key = (os.path.abspath(os.path.expanduser(directory)), pattern, engine)
+        full = os.path.abspath(os.path.expanduser(directory))
+        key = (full, pattern, engine, _dir_stamp(full))
         with self._lock:
             tok = self._models.get(key)
             if tok is None:

@@ -19,6 +19,7 @@ from kvgateway.tokens.bytelevel import (
     token_bytes,
     unicode_to_byte,
 )
+from kvgateway.tokens.encoding import EncodingCache
 from kvgateway.tokens.exact import ExactCounter
 from kvgateway.tokens.modeldir import TokenizerDirError, load_model_tokenizer
 from tests.support import vocab
@@ -174,3 +175,18 @@ def test_which_tokenizers_can_count_pieces_apart() -> None:
     always = {"type": "Sequence", "pretokenizers": [{**first, "prepend_scheme": "always"}]}
     assert _position_independent({"pre_tokenizer": always})
     assert not _position_independent({"added_tokens": [{"content": "<x>", "lstrip": True}]})
+
+
+def test_reloads_reuse_an_unchanged_directory(tmp_path: Path, vocab_dirs: Dirs) -> None:
+    directory = _copy(vocab_dirs("sentencepiece"), tmp_path / "sp")
+    data = {
+        "models": [{"name": "m", "tokenizer": {"path": str(directory)}}],
+        "tiers": [{"name": "t", "backends": [{"name": "b", "url": "http://h:1", "model": "m"}]}],
+    }
+    encodings = EncodingCache()
+    first = parse_config(data, encodings=encodings).models[0].tokenizer.model
+    again = parse_config(data, encodings=encodings).models[0].tokenizer.model
+    assert first is not None and again is first
+    _edit_config(directory, add_bos_token=False)
+    changed = parse_config(data, encodings=encodings).models[0].tokenizer.model
+    assert changed is not first and changed is not None and changed.prefix == ()
