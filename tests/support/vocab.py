@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from kvgateway.tokens.bytelevel import unicode_to_byte
+from kvgateway.tokens.bytelevel import last_merge, unicode_to_byte
 from tests.support import templates
 
 QWEN_PATTERN = (
@@ -77,6 +77,20 @@ def _added(content: str, id_: int, *, special: bool = True) -> dict[str, Any]:
     }
 
 
+def _last_merges(ranks: dict[bytes, int]) -> list[list[str]]:
+    """One merge per token, GPT-2 style (as Qwen2's merges.txt): the pair tiktoken joins
+    last when it builds the token."""
+    vocab = {_byte_str(raw): rank for raw, rank in ranks.items()}
+    out: list[tuple[int, str, str]] = []
+    for token, rank in vocab.items():
+        if len(token) > 1:
+            pair = last_merge(token, rank, vocab)
+            assert pair is not None
+            out.append((rank, *pair))
+    out.sort()
+    return [[a, b] for _, a, b in out]
+
+
 def _byte_level_spec(
     ranks: dict[bytes, int],
     pattern: str,
@@ -84,6 +98,7 @@ def _byte_level_spec(
     *,
     nfc: bool,
     bos: str | None,
+    one_merge_per_token: bool = False,
 ) -> dict[str, Any]:
     vocab = {a["content"]: a["id"] for a in added}
     vocab.update({_byte_str(raw): rank for raw, rank in ranks.items()})
@@ -142,7 +157,7 @@ def _byte_level_spec(
             "byte_fallback": False,
             "ignore_merges": False,
             "vocab": vocab,
-            "merges": _all_split_merges(ranks),
+            "merges": _last_merges(ranks) if one_merge_per_token else _all_split_merges(ranks),
         },
     }
 
@@ -164,7 +179,7 @@ def qwen_ranks() -> dict[bytes, int]:
     return ranks
 
 
-def build_qwen(directory: Path) -> Path:
+def build_qwen(directory: Path, *, one_merge_per_token: bool = False) -> Path:
     """Qwen2.5-style: ChatML template with tools, no BOS, eos <|im_end|>."""
     ranks = qwen_ranks()
     base = len(ranks)
@@ -175,7 +190,9 @@ def build_qwen(directory: Path) -> Path:
         _added("<tool_call>", base + 3, special=False),
         _added("</tool_call>", base + 4, special=False),
     ]
-    spec = _byte_level_spec(ranks, QWEN_PATTERN, added, nfc=True, bos=None)
+    spec = _byte_level_spec(
+        ranks, QWEN_PATTERN, added, nfc=True, bos=None, one_merge_per_token=one_merge_per_token
+    )
     config = {
         "tokenizer_class": "Qwen2Tokenizer",
         "bos_token": None,
@@ -368,8 +385,14 @@ def build_sentencepiece(directory: Path) -> Path:
     return _write(directory, spec, config)
 
 
+def build_qwen_gpt2_merges(directory: Path) -> Path:
+    """Qwen with one merge per token, the shape of Qwen2's own merges.txt."""
+    return build_qwen(directory, one_merge_per_token=True)
+
+
 BUILDERS = {
     "qwen": build_qwen,
+    "qwen-merges": build_qwen_gpt2_merges,
     "llama3": build_llama3_style,
     "tekken": build_tekken,
     "sentencepiece": build_sentencepiece,

@@ -10,7 +10,7 @@ import pytest
 from kvgateway.tokens.encoding import EncodingCache
 from kvgateway.tokens.modeldir import ModelTokenizer
 
-KINDS = ("qwen", "llama3", "tekken", "sentencepiece")
+KINDS = ("qwen", "qwen-merges", "llama3", "tekken", "sentencepiece")
 
 
 @pytest.fixture(scope="session")

@@ -23,7 +23,7 @@ Loader = Callable[[str], ModelTokenizer]
 
 
 def test_engine_choice(gateway_tokenizer: Loader, node_tokenizer: Loader) -> None:
-    for kind in ("qwen", "llama3", "tekken"):
+    for kind in ("qwen", "qwen-merges", "llama3", "tekken"):
         tok = gateway_tokenizer(kind)
         assert tok.name.startswith("tiktoken:"), tok.engine_note
     sp = gateway_tokenizer("sentencepiece")
@@ -51,7 +51,7 @@ async def test_completion_counts_include_bos_as_the_model_adds_it(
 ) -> None:
     gateway = ExactCounter(gateway_tokenizer(kind))
     node = node_tokenizer(kind)
-    bos = 0 if kind == "qwen" else 1
+    bos = 0 if kind.startswith("qwen") else 1
     assert len(gateway.tokenizer.prefix) == bos
     for prompt in corpus.completion_prompts(seed=5, n=80):
         counted = await gateway.count_completion({"prompt": prompt})
