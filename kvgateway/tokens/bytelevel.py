@@ -1,7 +1,7 @@
 """Running a Hugging Face byte-level BPE ``tokenizer.json`` with tiktoken, when exact.
 
 Byte-level BPE vocabularies that came from tiktoken-style training (Llama 3, Qwen 2/2.5/3,
-Mistral Tekken, DeepSeek V3, gpt-oss) store every token as a string in GPT-2's
+Mistral Tekken) store every token as a string in GPT-2's
 byte-to-unicode alphabet plus a merge list. tiktoken encodes such a vocabulary 3-6x
 faster than the ``tokenizers`` library, but its algorithm is "merge the adjacent pair
 whose concatenation has the lowest rank", while ``tokenizers`` applies the listed
