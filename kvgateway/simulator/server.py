@@ -159,7 +159,7 @@ async def _detokenize(request: web.Request) -> web.Response:
 
 def _decode_one(node: SimNode, token: int) -> str:
     try:
-        return node.tokenizer.decode([token])
+        return node.tokenizer.token_str(token)
     except (ValueError, KeyError, OverflowError):
         return ""
 

@@ -153,6 +153,15 @@ class NodeTokenizer:
             return len(self.encode_completion_request(body, prompt))
         return len(await asyncio.to_thread(self.encode_completion_request, body, prompt))
 
+    def token_str(self, token: int) -> str:
+        """transformers' convert_ids_to_tokens for one id (what /tokenize's token_strs holds)."""
+        if self.exact is not None:
+            spelled = self.exact.tokenizer.engine.token_str(token)
+            if spelled is None:
+                raise ValueError(f"token id {token} is not in the vocabulary")
+            return spelled
+        return self.decode([token])
+
     def decode(self, ids: list[int]) -> str:
         if self.exact is not None:
             return self.exact.tokenizer.engine.decode(ids)

@@ -55,6 +55,18 @@ def _to_latin1() -> dict[int, int]:
     return {ord(ch): b for ch, b in unicode_to_byte().items()}
 
 
+@cache
+def _byte_chars() -> tuple[str, ...]:
+    inverse = {b: ch for ch, b in unicode_to_byte().items()}
+    return tuple(inverse[b] for b in range(256))
+
+
+def byte_level_str(raw: bytes) -> str:
+    """``raw`` spelled in the byte-level alphabet, as tokenizer.json stores tokens."""
+    chars = _byte_chars()
+    return "".join([chars[b] for b in raw])
+
+
 def token_bytes(token: str) -> bytes:
     try:
         return token.translate(_to_latin1()).encode("latin-1")

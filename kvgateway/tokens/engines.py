@@ -22,6 +22,8 @@ from typing import Any, Protocol
 
 import tiktoken
 
+from kvgateway.tokens.bytelevel import byte_level_str
+
 
 class TextEngine(Protocol):
     """Encodes text to ids with the model's added tokens recognised; adds nothing."""
@@ -50,6 +52,11 @@ class TextEngine(Protocol):
     def is_added(self, piece: str) -> bool: ...
 
     def decode(self, ids: Sequence[int]) -> str: ...
+
+    def token_str(self, token: int) -> str | None:
+        """The vocabulary's own spelling of one id (transformers' convert_ids_to_tokens:
+        byte-level "Ġword", SentencePiece "▁word"), None if unknown."""
+        ...
 
 
 def added_token_regex(added: Mapping[str, int]) -> re.Pattern[str] | None:
@@ -152,6 +159,16 @@ class TiktokenEngine:
             out += self._enc.decode_bytes(plain)
         return out.decode("utf-8", errors="replace")
 
+    def token_str(self, token: int) -> str | None:
+        special = self._by_id.get(token)
+        if special is not None:
+            return special.decode()
+        try:
+            raw = self._enc.decode_single_token_bytes(token)
+        except KeyError:
+            return None
+        return byte_level_str(raw)
+
 
 def _position_independent(spec: Mapping[str, Any]) -> bool:
     """Whether ``tokenizers`` encodes the text between two added tokens alike wherever
@@ -239,3 +256,7 @@ class HfEngine:
     def decode(self, ids: Sequence[int]) -> str:
         text: str = self._tok.decode(list(ids), skip_special_tokens=False)
         return text
+
+    def token_str(self, token: int) -> str | None:
+        spelled: str | None = self._tok.id_to_token(token)
+        return spelled

@@ -140,3 +140,14 @@ def test_pieces_between_added_tokens_add_up(
     text = "".join(parts)
     counter = ExactCounter(gateway_tokenizer(kind), TextCountCache())
     assert counter._count_text_sync(text) == len(node_tokenizer(kind).engine.encode(text))
+
+
+@pytest.mark.parametrize("kind", ["qwen", "tekken"])
+def test_token_spelling_matches_the_tokenizers_library(
+    kind: str, gateway_tokenizer: Loader, node_tokenizer: Loader
+) -> None:
+    fast, ref = gateway_tokenizer(kind).engine, node_tokenizer(kind).engine
+    text = "".join(corpus.completion_prompts(seed=9, n=20)) + "<|im_start|>[INST]</s>"
+    ids = fast.encode(text)
+    assert [fast.token_str(i) for i in ids] == [ref.token_str(i) for i in ids]
+    assert fast.token_str(10**9) is None and ref.token_str(10**9) is None
