@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import base64
 import fcntl
-import functools
 import importlib.util
 import json
 import shutil
@@ -26,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from kvgateway.tokens.bytelevel import last_merge, unicode_to_byte
+from kvgateway.tokens.bytelevel import byte_level_str, last_merge
 from tests.support import templates
 
 QWEN_PATTERN = (
@@ -42,15 +41,8 @@ def _site(package: str) -> Path:
     return Path(next(iter(spec.submodule_search_locations)))
 
 
-@functools.cache
-def _byte_chars() -> list[str]:
-    inverse = {b: c for c, b in unicode_to_byte().items()}
-    return [inverse[b] for b in range(256)]
-
-
 def _byte_str(raw: bytes) -> str:
-    chars = _byte_chars()
-    return "".join([chars[b] for b in raw])
+    return byte_level_str(raw)
 
 
 def _all_split_merges(ranks: dict[bytes, int]) -> list[list[str]]:
