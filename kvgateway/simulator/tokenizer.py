@@ -116,11 +116,25 @@ class NodeTokenizer:
 
     # -- whole requests (the model's template when the node has one) -----------------
 
+    def check_request_template(self, body: dict[str, Any]) -> None:
+        """vLLM refuses a request's own chat template unless started with
+        --trust-request-chat-template (the simulator never is)."""
+        kwargs = body.get("chat_template_kwargs")
+        if self.exact is not None and (
+            body.get("chat_template") is not None
+            or (isinstance(kwargs, dict) and "chat_template" in kwargs)
+        ):
+            raise TemplateError(
+                "Chat template is passed with request, but --trust-request-chat-template "
+                "is not set. Refused request with untrusted chat template."
+            )
+
     def encode_chat_request(
         self, body: dict[str, Any], messages: Sequence[ChatMessage]
     ) -> list[int]:
         """Prompt ids of a chat request; TemplateError when the template refuses it."""
         if self.exact is not None:
+            self.check_request_template(body)
             return self.exact.encode_chat(body)
         return self.encode_chat(messages)
 
@@ -134,6 +148,7 @@ class NodeTokenizer:
 
     def count_chat_request_sync(self, body: dict[str, Any], messages: Sequence[ChatMessage]) -> int:
         if self.exact is not None:
+            self.check_request_template(body)
             return self.exact.count_chat_sync(body)
         return self.count_chat(messages)
 

@@ -167,3 +167,19 @@ async def test_tokenize_body_asks_the_node_for_the_forwarded_count(
         gateway.tokenizer.encode_prompt("12345 67890")
     )
     assert tokenize_count({"error": {}}) is None
+
+
+async def test_a_requests_own_template_is_refused_as_vllm_does(
+    sim: SimFactory, vocab_dirs: Dirs
+) -> None:
+    node = await sim(tokenizer=str(vocab_dirs("qwen")))
+    for extra in ({"chat_template": "{{ 1 }}"}, {"chat_template_kwargs": {"chat_template": "x"}}):
+        body = {"messages": [{"role": "user", "content": "hi"}], **extra}
+        for path in ("/tokenize", "/v1/chat/completions"):
+            status, err = await node.post(path, body)
+            assert status == 400 and "--trust-request-chat-template" in err["error"]["message"]
+    kwargs = {"chat_template_kwargs": {"unused_flag": True}}
+    status, _ = await node.post(
+        "/tokenize", {"messages": [{"role": "user", "content": "hi"}], **kwargs}
+    )
+    assert status == 200
