@@ -113,10 +113,16 @@ class ExactCounter:
             raise TemplateError(f"the tokenizer in {self.tokenizer.path} has no chat template")
         return self._templates[source]
 
-    def render_chat(self, body: dict[str, Any]) -> RenderedChat:
-        """The prompt text vLLM builds for a chat request; raises TemplateError."""
+    def render_chat(
+        self, body: dict[str, Any], template: ChatTemplate | None = None
+    ) -> RenderedChat:
+        """The prompt text vLLM builds for a chat request; raises TemplateError.
+
+        ``template``: already chosen (on the event loop; choosing one may compile and
+        cache a request's own template, which worker threads must not do)."""
         tools = tool_schemas(body.get("tools"))
-        template = self._template(body, tools is not None)
+        if template is None:
+            template = self._template(body, tools is not None)
         conv = conversation(body.get("messages") or [], template.content_format)
         kwargs = body.get("chat_template_kwargs")
         text = template.render(
@@ -207,8 +213,9 @@ class ExactCounter:
     async def _render_off_loop(self, body: dict[str, Any]) -> RenderedChat:
         size = sum(len(str(m.get("content") or "")) for m in body.get("messages") or [])
         if size > 4 * self._inline_chars and self._executor is not None:
+            template = self._template(body, isinstance(body.get("tools"), list))
             loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self._executor, self.render_chat, body)
+            return await loop.run_in_executor(self._executor, self.render_chat, body, template)
         return self.render_chat(body)
 
     async def count_completion(self, body: dict[str, Any]) -> PromptTokens:
