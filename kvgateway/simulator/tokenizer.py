@@ -149,7 +149,9 @@ class NodeTokenizer:
     def count_chat_request_sync(self, body: dict[str, Any], messages: Sequence[ChatMessage]) -> int:
         if self.exact is not None:
             self.check_request_template(body)
-            return self.exact.count_chat_sync(body)
+            # The whole prompt at once, no cache: what vLLM does (and independent of the
+            # gateway's piecewise counting, which the tests compare with it).
+            return self.exact.count_chat_uncached(body)
         return self.count_chat(messages)
 
     async def count_chat_request(

@@ -147,7 +147,17 @@ class ExactCounter:
         tok = self.tokenizer
         return len(tok.prefix) + len(tok.suffix) if add_special_tokens else 0
 
+    def count_chat_uncached(self, body: dict[str, Any]) -> int:
+        """The whole prompt encoded at once, as the node does; touches no cache, so it
+        may run in any thread (unless request templates are trusted: choosing one
+        compiles and caches it)."""
+        chat = self.render_chat(body)
+        ids = self.tokenizer.encode_prompt(chat.text, add_special_tokens=chat.add_special_tokens)
+        return len(ids) + chat.media * self._image_tokens
+
     def count_chat_sync(self, body: dict[str, Any]) -> int:
+        """Like :meth:`count_chat`, on the calling thread (the event loop's: it uses the
+        cache)."""
         chat = self.render_chat(body)
         return (
             self._count_text_sync(chat.text)
