@@ -18,8 +18,7 @@ import fcntl
 import importlib.util
 import json
 import shutil
-import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +26,7 @@ import pytest
 
 from kvgateway.tokens.bytelevel import byte_level_str, last_merge
 from tests.support import templates
+from tests.support.sentencepiece import sentencepiece_pieces
 
 QWEN_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
@@ -253,55 +253,6 @@ def build_tekken(directory: Path) -> Path:
         "chat_template": templates.MISTRAL,
     }
     return _write(directory, spec, config)
-
-
-# -- SentencePiece -------------------------------------------------------------------
-
-
-def _fields(buf: bytes) -> Iterator[tuple[int, int, Any]]:
-    """(field number, wire type, value) of a protobuf message, enough for ModelProto."""
-    pos = 0
-    while pos < len(buf):
-        key, pos = _varint(buf, pos)
-        field, wire = key >> 3, key & 7
-        if wire == 0:
-            value, pos = _varint(buf, pos)
-        elif wire == 1:
-            value, pos = buf[pos : pos + 8], pos + 8
-        elif wire == 2:
-            size, pos = _varint(buf, pos)
-            value, pos = buf[pos : pos + size], pos + size
-        elif wire == 5:
-            value, pos = struct.unpack("<f", buf[pos : pos + 4])[0], pos + 4
-        else:
-            raise ValueError(f"wire type {wire}")
-        yield field, wire, value
-
-
-def _varint(buf: bytes, pos: int) -> tuple[int, int]:
-    shift = result = 0
-    while True:
-        b = buf[pos]
-        pos += 1
-        result |= (b & 0x7F) << shift
-        if not b & 0x80:
-            return result, pos
-        shift += 7
-
-
-def sentencepiece_pieces(path: Path) -> list[tuple[str, int]]:
-    """(piece, type) in id order; type 1 normal, 2 unknown, 3 control, 6 byte."""
-    pieces: list[tuple[str, int]] = []
-    for field, _, value in _fields(path.read_bytes()):
-        if field == 1:
-            piece, kind = "", 1
-            for f, _, v in _fields(value):
-                if f == 1:
-                    piece = v.decode()
-                elif f == 3:
-                    kind = v
-            pieces.append((piece, kind))
-    return pieces
 
 
 def build_sentencepiece(directory: Path) -> Path:
