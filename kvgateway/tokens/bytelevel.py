@@ -163,13 +163,17 @@ def to_tiktoken_ranks(spec: dict[str, Any]) -> TiktokenParts:
         ranks[raw] = rank
     if len(ranks) < 256 or any(bytes([b]) not in ranks for b in range(256)):
         raise NotExact("the vocabulary lacks some single bytes")
-    _check_merges(model.get("merges") or [], {t: r for t, r in vocab.items() if r not in added_ids})
+    _check_merges(
+        model.get("merges") or [],
+        {t: r for t, r in vocab.items() if r not in added_ids},
+        ignore_merges=bool(model.get("ignore_merges")),
+    )
     return TiktokenParts(pattern=pattern, ranks=ranks, nfc=nfc)
 
 
-def _check_merges(merges: list[Any], vocab: dict[str, int]) -> None:
-    """The two conditions of the module docstring, on the byte-level strings (one
-    character per byte, so their splits are the byte splits)."""
+def _check_merges(merges: list[Any], vocab: dict[str, int], *, ignore_merges: bool = False) -> None:
+    """The conditions of the module docstring, on the byte-level strings (one character
+    per byte, so their splits are the byte splits)."""
     listed: set[tuple[str, str]] = set()
     last = -1
     for merge in merges:
@@ -181,35 +185,43 @@ def _check_merges(merges: list[Any], vocab: dict[str, int]) -> None:
             raise NotExact("merges are not listed in the order of the tokens they make")
         last = made
         listed.add(pair)
-    for token, rank in vocab.items():
+    for token in vocab:
         if len(token) < 2:
             continue
-        made_from = last_merge(token, rank, vocab)
-        if made_from not in listed:
+        made_from = last_merge(token, vocab)
+        if made_from is None:
+            # Only a whole pre-tokenized piece can be this token: tiktoken looks pieces
+            # up whole, and so does tokenizers with ignore_merges.
+            if not ignore_merges:
+                raise NotExact(f"{token!r} is unreachable by merges and ignore_merges is off")
+        elif made_from not in listed:
             raise NotExact(
                 f"tiktoken makes {token!r} from {made_from}, which is not a listed merge"
             )
 
 
-def last_merge(token: str, rank: int, vocab: dict[str, int]) -> tuple[str, str] | None:
-    """The pair tiktoken merges last when it builds ``token`` from its bytes.
+def last_merge(token: str, vocab: dict[str, int]) -> tuple[str, str] | None:
+    """The pair tiktoken merges last when it builds ``token`` from its bytes; None if
+    merging its bytes never gets there.
 
     Inside a prompt, tiktoken builds a token only out of pieces within its span (a merge
-    across the span's edge could not be undone), merging the lowest rank first, so it
+    across the span's edge could not be undone) and merges the lowest rank first, so the
+    merges inside the span are the ones it does on the token's bytes alone, and it
     always makes ``token`` from this same pair. If every token's pair is a listed merge
     and merges are listed in rank order, ``tokenizers`` makes the same choice at every
     step. This covers both merge lists in use: one merge per token (GPT-2 style, as in
-    Qwen2's) and every split of every token (transformers' tiktoken converter).
+    Qwen2's) and every split of every token (transformers' tiktoken converter, as in
+    Llama 3's).
     """
     parts = list(token)
     while len(parts) > 2:
-        best = rank
+        best = -1
         at = -1
         for i in range(len(parts) - 1):
             r = vocab.get(parts[i] + parts[i + 1])
-            if r is not None and r < best:
+            if r is not None and (at < 0 or r < best):
                 best, at = r, i
         if at < 0:
-            return None  # tiktoken cannot reach this token by merging
+            return None
         parts[at : at + 2] = [parts[at] + parts[at + 1]]
     return (parts[0], parts[1])

@@ -1,6 +1,7 @@
 """Model tokenizer directories built at test time from real vocabularies shipped on PyPI.
 
 - Qwen 2/2.5/3: ``qwen.tiktoken`` from the ``dashscope`` package;
+- Llama 3/3.1: Meta's ``tokenizer.model`` from the ``llama-models`` package;
 - Mistral Tekken: ``tekken_240911.json`` from ``mistral-common``;
 - Mistral SentencePiece (v3, 32768 pieces): ``*.model.v3`` from ``mistral-common``.
 
@@ -76,7 +77,7 @@ def _last_merges(ranks: dict[bytes, int]) -> list[list[str]]:
     out: list[tuple[int, str, str]] = []
     for token, rank in vocab.items():
         if len(token) > 1:
-            pair = last_merge(token, rank, vocab)
+            pair = last_merge(token, vocab)
             assert pair is not None
             out.append((rank, *pair))
     out.sort()
@@ -161,14 +162,17 @@ def _write(directory: Path, spec: dict[str, Any], config: dict[str, Any]) -> Pat
     return directory
 
 
-def qwen_ranks() -> dict[bytes, int]:
+def tiktoken_ranks(path: Path) -> dict[bytes, int]:
     ranks: dict[bytes, int] = {}
-    text = (_site("dashscope") / "resources" / "qwen.tiktoken").read_text()
-    for line in text.splitlines():
+    for line in path.read_text().splitlines():
         if line:
             token, rank = line.split()
             ranks[base64.b64decode(token)] = int(rank)
     return ranks
+
+
+def qwen_ranks() -> dict[bytes, int]:
+    return tiktoken_ranks(_site("dashscope") / "resources" / "qwen.tiktoken")
 
 
 def build_qwen(directory: Path, *, one_merge_per_token: bool = False) -> Path:
@@ -195,14 +199,37 @@ def build_qwen(directory: Path, *, one_merge_per_token: bool = False) -> Path:
     return _write(directory, spec, config)
 
 
-def build_llama3_style(directory: Path) -> Path:
-    """The Qwen vocabulary under Llama-3.1's template and BOS (a template/BOS variant)."""
-    ranks = qwen_ranks()
+LLAMA3_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+LLAMA3_SPECIALS = [
+    "<|begin_of_text|>",
+    "<|end_of_text|>",
+    "<|reserved_special_token_0|>",
+    "<|reserved_special_token_1|>",
+    "<|finetune_right_pad_id|>",
+    "<|step_id|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eom_id|>",
+    "<|eot_id|>",
+    "<|python_tag|>",
+    "<|image|>",
+]
+
+
+def build_llama3(directory: Path) -> Path:
+    """Llama 3.1: Meta's tokenizer.model (shipped by llama-models), 256 special ids after
+    the 128k vocabulary, BOS <|begin_of_text|>, the Llama-3.1-style template."""
+    ranks = tiktoken_ranks(_site("llama_models") / "llama3" / "tokenizer.model")
     base = len(ranks)
-    names = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>"]
-    names += ["<|eot_id|>", "<|eom_id|>", "<|python_tag|>"]
+    names = LLAMA3_SPECIALS + [
+        f"<|reserved_special_token_{2 + i}|>" for i in range(256 - len(LLAMA3_SPECIALS))
+    ]
     added = [_added(n, base + i) for i, n in enumerate(names)]
-    spec = _byte_level_spec(ranks, QWEN_PATTERN, added, nfc=False, bos="<|begin_of_text|>")
+    spec = _byte_level_spec(ranks, LLAMA3_PATTERN, added, nfc=False, bos="<|begin_of_text|>")
+    spec["model"]["ignore_merges"] = True  # as Llama 3's own tokenizer.json
     config = {
         "bos_token": "<|begin_of_text|>",
         "eos_token": "<|eot_id|>",
@@ -336,7 +363,7 @@ def build_qwen_gpt2_merges(directory: Path) -> Path:
 BUILDERS = {
     "qwen": build_qwen,
     "qwen-merges": build_qwen_gpt2_merges,
-    "llama3": build_llama3_style,
+    "llama3": build_llama3,
     "tekken": build_tekken,
     "sentencepiece": build_sentencepiece,
 }

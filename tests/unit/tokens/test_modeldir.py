@@ -56,6 +56,12 @@ def test_merge_checks_catch_what_tiktoken_would_do_differently() -> None:
     vocab["bc"] = 258
     with pytest.raises(NotExact, match="order"):
         _check_merges([["a", "b"], ["b", "c"], ["ab", "c"], ["a", "bc"]], vocab)
+    # A token merging cannot reach is only ever a whole pre-tokenized piece: exact only
+    # if tokenizers also looks pieces up whole (ignore_merges, as Llama 3's).
+    whole = {"a": 97, "b": 98, "c": 99, "abc": 300}
+    with pytest.raises(NotExact, match="unreachable"):
+        _check_merges([], whole)
+    _check_merges([], whole, ignore_merges=True)
     with pytest.raises(NotExact, match="makes no token"):
         _check_merges(["c a"], vocab)
     with pytest.raises(NotExact, match="alphabet"):

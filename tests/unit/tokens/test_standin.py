@@ -49,22 +49,23 @@ async def test_bound_holds_for_the_corpus(
         assert completion_upper_bound(len(CL100K.encode_ordinary(prompt)), prompt) >= node
 
 
-@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("content", ["numbers", "hex", "json", "emoji", "cjk", "code"])
 async def test_bound_holds_for_long_undercounted_prompts(
-    kind: str, content: str, gateway_tokenizer: Callable[[str], ModelTokenizer]
+    content: str, gateway_tokenizer: Callable[[str], ModelTokenizer]
 ) -> None:
     """Prompts built to be undercounted, at the size that meets a context limit."""
-    exact = ExactCounter(gateway_tokenizer(kind))
-    rng = random.Random(kind + content)
-    body = {"messages": [{"role": "user", "content": corpus.GENERATORS[content](rng, 2500)}]}
-    standin = await _standin(body)
-    node = exact.count_chat_sync(body)
-    bound = upper_bound(standin, body)
-    assert node <= bound
-    # ...and not absurdly above: long plain-ASCII text stays within ~40%.
+    body = {
+        "messages": [
+            {"role": "user", "content": corpus.GENERATORS[content](random.Random(content), 2500)}
+        ]
+    }
+    bound = upper_bound(await _standin(body), body)
+    counts = {k: ExactCounter(gateway_tokenizer(k)).count_chat_sync(body) for k in KINDS}
+    assert all(n <= bound for n in counts.values()), (bound, counts)
+    # ...and not absurdly above the worst vocabulary: long ASCII text stays within 40%
+    # (Llama 3 groups digits by three as cl100k does, so the bound is looser for it).
     if content in ("numbers", "hex", "json", "code"):
-        assert bound <= 1.4 * node
+        assert bound <= 1.4 * max(counts.values()), (bound, counts)
 
 
 def test_digit_runs_count_one_token_per_digit() -> None:
