@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PORT ?= 8080
 
-.PHONY: demo test lint typecheck bench install simulate clean prometheus
+.PHONY: demo test lint typecheck bench install simulate clean test-tools
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,18 +21,21 @@ demo: $(STAMP)
 simulate: $(STAMP)
 	$(BIN)/gateway simulate --config config/demo.yaml
 
-# Real Prometheus binaries for the metrics/rules tests (Debian package `prometheus`).
-prometheus:
-	./scripts/install-prometheus.sh
+# Programs some tests drive: promtool/prometheus (metrics, rules) and dnsmasq (DNS discovery).
+# Where they cannot be installed those tests skip with the reason; with CI=true they must install.
+test-tools:
+	./scripts/install-test-tools.sh
 
-test: $(STAMP) prometheus
+test: $(STAMP) test-tools
 	$(BIN)/ruff check kvgateway tests bench
+	$(BIN)/lint-imports
 	$(BIN)/mypy
 	$(BIN)/pytest -n 2 -q
 
 lint: $(STAMP)
 	$(BIN)/ruff check kvgateway tests bench
 	$(BIN)/ruff format --check kvgateway tests bench
+	$(BIN)/lint-imports
 	$(BIN)/mypy
 
 typecheck: $(STAMP)

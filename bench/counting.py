@@ -42,7 +42,7 @@ from bench.report import machine, save, table, verdict
 from kvgateway.config.load import parse_config
 from kvgateway.config.model import ModelConfig
 from kvgateway.server.openai_request import parse_body
-from kvgateway.server.state import Counters
+from kvgateway.tokens.counters import TokenCounters
 from kvgateway.tokens.counting import plan_chat
 from kvgateway.tokens.encoding import EncodingCache
 
@@ -69,7 +69,7 @@ def _model() -> ModelConfig:
 
 def fresh_counter(pool: ThreadPoolExecutor, encodings: EncodingCache) -> Any:
     """A PromptCounter exactly as the gateway builds one, with an empty cache."""
-    return Counters(encodings, pool).for_model(_model())
+    return TokenCounters(encodings, pool).for_tokenizer(_model().tokenizer)
 
 
 def chat_body(content: str | list[dict[str, str]]) -> bytes:

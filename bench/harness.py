@@ -24,7 +24,7 @@ from kvgateway.commands.demo import demo_config_path
 from kvgateway.config.load import parse_config
 from kvgateway.core.derived_limits import derive_all
 from kvgateway.server.app import STATE, create_app
-from kvgateway.simulator.fleet import Fleet, start_fleet
+from kvgateway.simulator.fleet import SimulatedFleet, start_fleet
 from kvgateway.simulator.fleetconfig import parse_fleet_config
 from kvgateway.upstream.vllm_metrics import parse_node_metrics
 
@@ -38,7 +38,7 @@ def free_port() -> int:
 @dataclass
 class Running:
     url: str
-    fleet: Fleet
+    fleet: SimulatedFleet
     app: web.Application
 
 
@@ -101,7 +101,7 @@ async def _wait_ready(app: web.Application, timeout: float = 30.0) -> None:
     raise RuntimeError("the fleet did not become ready")
 
 
-async def node_metrics(fleet: Fleet) -> dict[str, dict[str, float]]:
+async def node_metrics(fleet: SimulatedFleet) -> dict[str, dict[str, float]]:
     out: dict[str, dict[str, float]] = {}
     async with aiohttp.ClientSession() as s:
         for node in fleet:

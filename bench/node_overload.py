@@ -38,23 +38,22 @@ async def wave(n: int, time_scale: float) -> dict[str, float]:
         get_profile("gpu24-8b"), name="small", time_scale=time_scale, seed=1
     )
     node = await start_node(NodeSpec(settings, "127.0.0.1", 0))
-    body = {
-        "model": settings.model,
-        "prompt": "hello " * 1999,
-        "max_tokens": 2000,
-        "ignore_eos": True,
-        "stream": True,
-    }
+    body = {"model": settings.model, "max_tokens": 2000, "ignore_eos": True, "stream": True}
     try:
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
 
-            async def one() -> None:
-                async with s.post(node.url + "/v1/completions", json=body) as r:
+            async def one(i: int) -> None:
+                # 1,999 token ids ("hello" in cl100k), distinct from the first block on:
+                # identical prompts would share their blocks in the node's prefix cache.
+                prompt = [100 + i] + [15339] * 1998
+                async with s.post(
+                    node.url + "/v1/completions", json={**body, "prompt": prompt}
+                ) as r:
                     async for _ in r.content.iter_any():
                         pass
 
             t0 = time.monotonic()
-            await asyncio.gather(*(one() for _ in range(n)))
+            await asyncio.gather(*(one(i) for i in range(n)))
             wall = time.monotonic() - t0
             async with s.get(node.url + "/metrics") as r:
                 text = await r.text()

@@ -32,16 +32,16 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from bench import procs
 from bench.loadgen import SERVED
 from bench.report import machine, save, table, verdict
 from kvgateway.config.load import parse_config
-from kvgateway.core.admission import Reservation
-from kvgateway.core.routing import Demand, demand_tokens
-from kvgateway.server.app import STATE, create_app
-from kvgateway.tokens.encoding import EncodingCache
+from kvgateway.core.admission import Admission, Reservation
+from kvgateway.core.demand import Demand, demand_tokens
+from kvgateway.core.fleet import Fleet
 
 TARGET_ROUTE_US_AT_1000 = 50.0
 TARGET_RSS_BYTES = 1 << 30
@@ -53,9 +53,6 @@ _TIERS = (
     ("large", False, 32_768, 409_584, 256, 0.35),
     ("offload", True, 131_072, 155_632, 16, 0.05),
 )
-
-
-_ENCODINGS = EncodingCache()
 
 
 def synthetic_gateway(n: int, policy: str, rnd: random.Random) -> Any:
@@ -94,20 +91,20 @@ def synthetic_gateway(n: int, policy: str, rnd: random.Random) -> Any:
             "tiers": tiers,
         }
     )
-    state = create_app(config, encodings=_ENCODINGS)[STATE]
-    adjust = getattr(state.fleet, "adjust", None)
-    for b in state.fleet.backends:
+    fleet = Fleet(config)
+    for b in fleet.backends:
         b.healthy = b.ever_healthy = True
-    if hasattr(state.fleet, "_index"):
-        state.fleet._index()  # limits/health changed: rebuild any index, as discovery does
-    for b in state.fleet.backends:
+    fleet.apply(config, {})  # health changed: rebuild the index, as discovery does
+    for b in fleet.backends:
         fill = rnd.uniform(0.0, 0.8)
         tokens, seqs = int(b.budget_tokens * fill), int(b.max_num_seqs * fill)
-        if adjust is not None:
-            adjust(b, tokens, seqs, seqs)
-        else:
-            b.reserved_tokens, b.reserved_seqs, b.in_flight = tokens, seqs, seqs
-    return state
+        fleet.adjust(b, tokens, seqs, seqs)
+    # The same Admission the server builds (GatewayState), without sockets.
+    return SimpleNamespace(
+        fleet=fleet,
+        config=config,
+        admission=Admission.for_fleet(fleet, lambda: config, time.monotonic),
+    )
 
 
 def demand(prompt: int, output: int = 512) -> Demand:

@@ -18,9 +18,12 @@ _COMMAND_MODULES: tuple[str, ...] = (
     "kvgateway.commands.serve",
     "kvgateway.commands.demo",
     "kvgateway.commands.check",
+    "kvgateway.commands.config_schema",
     "kvgateway.capacity.cli",
     "kvgateway.simulator.cli",
     "kvgateway.commands.top",
+    "kvgateway.commands.round",
+    "kvgateway.commands.rounds",
 )
 
 

@@ -9,6 +9,7 @@
     ├── ModelNotFound                   404    invalid_request_error   model_not_found
     ├── NotFound                        404    invalid_request_error   not_found
     ├── MethodNotAllowed                405    invalid_request_error   method_not_allowed
+    ├── RequestTimeout                  408    invalid_request_error   request_timeout
     ├── BodyTooLarge                    413    invalid_request_error   request_too_large
     ├── Saturated                       429    rate_limit_error        fleet_saturated      (Retry-After)
     ├── NoHealthyBackend                503    service_unavailable     no_healthy_backend   (Retry-After)
@@ -106,6 +107,13 @@ class MethodNotAllowed(GatewayError):
     default_code = "method_not_allowed"
 
 
+class RequestTimeout(GatewayError):
+    status = 408
+    error_type = "invalid_request_error"
+    default_code = "request_timeout"
+    rejection_reason = "bad_request"
+
+
 class BodyTooLarge(GatewayError):
     status = 413
     error_type = "invalid_request_error"
@@ -139,8 +147,12 @@ class UpstreamError(GatewayError):
     error_type = "upstream_error"
     default_code = "upstream_error"
 
-    def __init__(self, message: str, *, retryable: bool = True, **kwargs: Any) -> None:
+    def __init__(
+        self, message: str, *, retryable: bool = True, detail: str = "", **kwargs: Any
+    ) -> None:
         super().__init__(message, **kwargs)
+        # What the node or the connection said: for logs and /admin, never for clients.
+        self.detail = detail
         # Whether another backend may be tried (nothing reached the client yet and the
         # failure says nothing about the request itself).
         self.retryable = retryable

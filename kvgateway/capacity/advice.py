@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from kvgateway.capacity.alternatives import Alternative, does_not_fit, what_would_fit
 from kvgateway.capacity.estimate import CapacityEstimate, estimate
 from kvgateway.capacity.layout import blocks_per_request
 from kvgateway.capacity.memory import GIB, activation_bytes
@@ -22,6 +23,33 @@ from kvgateway.capacity.spec import CapacitySpec
 
 MAX_SAFE_UTILIZATION = 0.95
 _LARGER_GPUS_GIB = (24.0, 48.0, 79.25, 139.8, 178.4)  # 24 GB, 48 GB, H100, H200, B200
+
+
+@dataclass(frozen=True, slots=True)
+class PlanStep:
+    """One step of the order above: its title and the vLLM flags it changes."""
+
+    step: int
+    title: str
+    flags: tuple[str, ...]
+
+
+# The order of the module docstring, one definition for the planner and `gateway rounds`.
+PLAN_ORDER: tuple[PlanStep, ...] = (
+    PlanStep(1, "Lower --max-model-len", ("--max-model-len",)),
+    PlanStep(
+        2,
+        "Cap --max-num-seqs and --max-num-batched-tokens",
+        ("--max-num-seqs", "--max-num-batched-tokens"),
+    ),
+    PlanStep(
+        3,
+        "Raise --gpu-memory-utilization in small steps (dedicated GPU only)",
+        ("--gpu-memory-utilization",),
+    ),
+    PlanStep(4, "fp8 KV cache (--kv-cache-dtype fp8)", ("--kv-cache-dtype",)),
+    PlanStep(5, "Larger-memory node, or a CPU-offload node", ("--cpu-offload-gb",)),
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +75,9 @@ class Plan:
     estimate: CapacityEstimate
     recommendations: tuple[Recommendation, ...]
     settings: Settings | None  # None when no context fits at all
+    # The model does not fit the node at all; then what would (re-estimated), best first.
+    fits: bool = True
+    alternatives: tuple[Alternative, ...] = ()
 
 
 def round_down(value: float, step: int) -> int:
@@ -137,7 +168,7 @@ def _step_max_model_len(spec: CapacitySpec, est: CapacityEstimate, length: int) 
             f"--max-model-len {target} leaves headroom (the pool holds one request of "
             f"up to {kv_max} tokens): {_fits_sentence(est, target)}; keep it"
         )
-    return Recommendation(1, "Lower --max-model-len", detail)
+    return Recommendation(1, PLAN_ORDER[0].title, detail)
 
 
 def _blocks(est: CapacityEstimate, length: int) -> int:
@@ -145,7 +176,7 @@ def _blocks(est: CapacityEstimate, length: int) -> int:
 
 
 def _step_caps(spec: CapacitySpec, est: CapacityEstimate, length: int) -> Recommendation:
-    title = "Cap --max-num-seqs and --max-num-batched-tokens"
+    title = PLAN_ORDER[1].title
     if est.kv_cache_tokens <= 0:
         return Recommendation(2, title, "nothing to cap until the model fits (steps 4-5)")
     seqs = suggested_max_num_seqs(est.kv_cache_tokens, length)
@@ -182,7 +213,7 @@ def _step_caps(spec: CapacitySpec, est: CapacityEstimate, length: int) -> Recomm
 
 def _step_utilization(spec: CapacitySpec, est: CapacityEstimate, length: int) -> Recommendation:
     util = spec.gpu_memory_utilization
-    title = "Raise --gpu-memory-utilization in small steps (dedicated GPU only)"
+    title = PLAN_ORDER[2].title
     if spec.gpu_memory_gib is None:
         detail = (
             f"each +0.01 adds 1% of the GPU to the pool; give --gpu-memory-gib to quantify. "
@@ -216,7 +247,7 @@ def _step_utilization(spec: CapacitySpec, est: CapacityEstimate, length: int) ->
 
 
 def _step_fp8(spec: CapacitySpec, est: CapacityEstimate, length: int) -> Recommendation:
-    title = "fp8 KV cache (--kv-cache-dtype fp8)"
+    title = PLAN_ORDER[3].title
     if spec.kv_cache_dtype.startswith("fp8") or spec.kv_cache_dtype.endswith("per_token_head"):
         detail = f"already {spec.kv_cache_dtype}: {est.bytes_per_token:,} B/token"
         return Recommendation(4, title, detail)
@@ -290,7 +321,7 @@ def _step_bigger(spec: CapacitySpec, est: CapacityEstimate, length: int) -> Reco
         f"step (~{20 * offload}-{40 * offload} ms more per step at 25-50 GB/s), so use it "
         "for a slow long-context tier, not for interactive traffic"
     )
-    return Recommendation(5, "Larger-memory node, or a CPU-offload node", "; ".join(parts))
+    return Recommendation(5, PLAN_ORDER[4].title, "; ".join(parts))
 
 
 def make_plan(spec: CapacitySpec) -> Plan:
@@ -314,4 +345,12 @@ def make_plan(spec: CapacitySpec) -> Plan:
             kv_cache_tokens=est.kv_cache_tokens,
             concurrency=est.concurrency_at(length),
         )
-    return Plan(spec=spec, estimate=est, recommendations=recs, settings=settings)
+    fits = not does_not_fit(spec, est)
+    return Plan(
+        spec=spec,
+        estimate=est,
+        recommendations=recs,
+        settings=settings,
+        fits=fits,
+        alternatives=() if fits else what_would_fit(spec, est),
+    )

@@ -70,7 +70,9 @@ def register(subparsers: Any) -> None:
             "Compute a vLLM node's KV capacity (bytes per token, pool, tokens, longest "
             "context, concurrency) from the model architecture and GPU memory, recommend "
             "settings in the order to try them, and print the vllm serve flags and the "
-            "gateway backend entry. With --from-log, explain a vLLM start-up log instead."
+            "gateway backend entry. Exits 1 when the model does not fit the node at all, "
+            "and then starts with what would (tensor parallel size, quantized weights, a "
+            "larger card). With --from-log, explain a vLLM start-up log instead."
         ),
     )
     model = parser.add_argument_group("model (one of)")
@@ -211,4 +213,4 @@ def run(args: argparse.Namespace) -> int:
     except CapacityConfigError as exc:
         return _fail(str(exc))
     print(json.dumps(plan_json(plan), indent=2) if args.json else render_plan(plan))
-    return 0
+    return 0 if plan.fits else 1

@@ -116,6 +116,15 @@ def vllm_logged_tokens(layout: KVLayout, blocks: int, block_size: int) -> int:
     return blocks // layout.num_groups * block_size
 
 
+def kv_tokens_from_blocks(num_blocks: int, block_size: int, num_groups: int = 1) -> int:
+    """KV tokens requests can hold in a pool of ``num_blocks`` blocks: the one formula.
+
+    vLLM keeps block 0 as the null block; the rest are shared by the KV-cache groups, so
+    each request's tokens take a block in every group.
+    """
+    return max(0, num_blocks - 1) // max(1, num_groups) * block_size
+
+
 def usable_tokens(layout: KVLayout, blocks: int, block_size: int) -> int:
     """Tokens requests can really hold: the null block removed.
 
@@ -123,7 +132,26 @@ def usable_tokens(layout: KVLayout, blocks: int, block_size: int) -> int:
     the request, which is exact for requests shorter than the window and conservative
     beyond it: the right bias for an admission budget.
     """
-    return max(0, blocks - 1) // layout.num_groups * block_size
+    return kv_tokens_from_blocks(blocks, block_size, layout.num_groups)
+
+
+def kv_group_count(arch: ModelArch) -> int:
+    """KV-cache groups vLLM forms for ``arch`` (the grouping depends on layer types only)."""
+    return kv_layout(arch, 1, "auto").num_groups
+
+
+def discovered_usable_tokens(
+    num_gpu_blocks: int, block_size: int, arch: ModelArch | None = None
+) -> int:
+    """Usable KV tokens from what a node reports (``vllm:cache_config_info``).
+
+    ``num_gpu_blocks`` is the pool's size, shared by all of the model's KV-cache groups,
+    so a hybrid model holds ``(num_gpu_blocks - 1) // groups * block_size`` tokens of
+    short requests; without a known architecture the model counts as one group.
+    """
+    if arch is None:
+        return kv_tokens_from_blocks(num_gpu_blocks, block_size)
+    return usable_tokens(kv_layout(arch, 1, "auto"), num_gpu_blocks, block_size)
 
 
 def max_context_fitting(

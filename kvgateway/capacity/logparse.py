@@ -22,6 +22,7 @@ V0 engine
   ``The model's max seq len (29000) is larger than the maximum number of tokens that
   can be stored in KV cache (23648).``
   ``Memory profiling results: ... kv_cache_size=3.81GiB gpu_memory_utilization=0.90``
+  ``non_torch_memory takes 0.31GiB`` (also ``Total non-torch memory: 0.31GiB``)
 
 Several TP ranks each log their own ``Available KV cache memory``; vLLM sizes the
 pool from the smallest, so the smallest is kept.
@@ -66,6 +67,7 @@ class LogFacts:
     gpu_memory_utilization: float | None = None
     activation_gib: float | None = None
     cuda_graph_gib: float | None = None
+    non_torch_gib: float | None = None
     padding_layers: int | None = None
     needed_kv_gib: float | None = None  # start-up failure: KV needed for max_model_len
     estimated_max_model_len: int | None = None  # vLLM's suggestion in that failure
@@ -212,6 +214,10 @@ _RULES: tuple[tuple[re.Pattern[str], _Handler], ...] = (
             rf"|Graph capturing finished in \d+ secs?, took\s*{_NUM}\s*GiB)"
         ),
         lambda m, s: {"cuda_graph_gib": float(next(g for g in m.groups() if g is not None))},
+    ),
+    (
+        re.compile(rf"(?:non_torch_memory takes|Total non-torch memory:)\s*{_NUM}\s*GiB"),
+        lambda m, s: {"non_torch_gib": float(m.group(1))},
     ),
     (
         re.compile(rf"(?:kv_cache_size=|reserved for KV Cache is\s*){_NUM}\s*GiB"),

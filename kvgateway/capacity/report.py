@@ -6,6 +6,7 @@ import textwrap
 from typing import Any
 
 from kvgateway.capacity.advice import Plan, Recommendation, Settings
+from kvgateway.capacity.alternatives import needed_len
 from kvgateway.capacity.arch import kv_bytes_per_token
 from kvgateway.capacity.explain import LogReport
 from kvgateway.capacity.memory import GIB
@@ -43,21 +44,55 @@ def serve_command(spec: CapacitySpec, settings: Settings) -> str:
 
 
 def backend_entry(spec: CapacitySpec, settings: Settings) -> dict[str, Any]:
+    """The gateway backend to paste. No ``kv_cache_tokens``: a configured value overrides
+    what the live node reports, and this one is only an estimate."""
     return {
         "name": f"{spec.model.name}-1",
         "url": "http://HOST:8000",
         "model": spec.model.hf_id or spec.model.name,
         "max_model_len": settings.max_model_len,
         "max_num_seqs": settings.max_num_seqs,
-        "kv_cache_tokens": settings.kv_cache_tokens,
     }
 
 
-def _yaml_entry(entry: dict[str, Any]) -> list[str]:
+def _yaml_entry(entry: dict[str, Any], kv_cache_tokens: int | None = None) -> list[str]:
     lines = []
     for i, (key, value) in enumerate(entry.items()):
         lines.append(f"{'- ' if i == 0 else '  '}{key}: {value}")
+    if kv_cache_tokens is not None:
+        lines.append(
+            f"  # kv_cache_tokens: {kv_cache_tokens}  # expected; left out so the node's own "
+            "number (its /metrics) is used"
+        )
     return lines
+
+
+def _does_not_fit_lines(plan: Plan) -> list[str]:
+    est, spec = plan.estimate, plan.spec
+    pool = est.pool
+    card = f"{spec.gpu_memory_gib:g} GiB GPU" + ("" if spec.tp == 1 else f"s x {spec.tp}")
+    lines = textwrap.wrap(
+        f"DOES NOT FIT: {spec.model.name} needs {_gib(pool.weights_bytes)} GiB of weights "
+        f"per GPU plus {_gib(pool.activation_bytes + pool.overhead_bytes)} GiB of "
+        f"activations and overhead, but vLLM may use {_gib(pool.requested_bytes)} GiB of a "
+        f"{card} ({spec.gpu_memory_utilization:.2f}); no request fits.",
+        _WIDTH,
+    )
+    need = needed_len(est)
+    if not plan.alternatives:
+        return [*lines, "", "Nothing tried fits (tensor parallel up to 8, fp8 or 4-bit weights, "
+                "cards up to 180 GB): choose a smaller model.", ""]  # fmt: skip
+    lines += ["", f"What would fit (each re-estimated; at least {need:,} tokens of context):"]
+    for alt in plan.alternatives:
+        a = alt.estimate
+        lines += textwrap.wrap(
+            f"{alt.change}: {a.kv_cache_tokens:,} KV tokens, longest context "
+            f"{a.max_model_len_fit:,}",
+            _WIDTH,
+            initial_indent="  - ",
+            subsequent_indent="    ",
+        )
+    return [*lines, ""]
 
 
 def _recommendation_lines(recs: tuple[Recommendation, ...]) -> list[str]:
@@ -93,6 +128,8 @@ def render_plan(plan: Plan, *, header: bool = True) -> str:
             + f", tp {spec.tp}, KV cache {spec.kv_cache_dtype}, block size {spec.block_size}",
             "",
         ]
+    if not plan.fits:
+        lines += _does_not_fit_lines(plan)
     # An explicit max_model_len above the config's (rope scaling) is the working limit.
     limit = max(model.max_position_embeddings or 0, spec.max_model_len or 0)
     conc = "  ".join(f"{n // 1024}k: {est.concurrency_at(n):.2f}x" for n in CONTEXTS)
@@ -115,11 +152,13 @@ def render_plan(plan: Plan, *, header: bool = True) -> str:
         "",
     ]
     if plan.settings is None:
-        lines.append("Nothing to paste yet: no context fits; apply step 4 or 5 first.")
+        fix = "one of the alternatives at the top" if not plan.fits else "step 4 or 5"
+        lines.append(f"Nothing to paste yet: no context fits; apply {fix} first.")
     else:
         lines += ["Serve with:", "  " + serve_command(spec, plan.settings), ""]
         lines += ["Gateway backend entry:"]
-        lines += ["  " + line for line in _yaml_entry(backend_entry(spec, plan.settings))]
+        entry = backend_entry(spec, plan.settings)
+        lines += ["  " + line for line in _yaml_entry(entry, plan.settings.kv_cache_tokens)]
     if est.notes:
         lines += ["", "Assumptions and notes:"]
         for note in est.notes:
@@ -134,6 +173,17 @@ def plan_json(plan: Plan) -> dict[str, Any]:
         "model": spec.model.name,
         "hf_id": spec.model.hf_id,
         "tp": spec.tp,
+        "fits": plan.fits,
+        "what_would_fit": [
+            {
+                "kind": alt.kind,
+                "change": alt.change,
+                "tp": alt.estimate.tp,
+                "kv_cache_tokens": alt.estimate.kv_cache_tokens,
+                "max_model_len_fit": alt.estimate.max_model_len_fit,
+            }
+            for alt in plan.alternatives
+        ],
         "kv_cache_dtype": spec.kv_cache_dtype,
         "block_size": est.block_size,
         "bytes_per_token": est.bytes_per_token,
@@ -193,9 +243,8 @@ def render_log(report: LogReport) -> str:
                 "model": facts.model or "MODEL",
                 "max_model_len": s.max_model_len,
                 "max_num_seqs": s.max_num_seqs,
-                "kv_cache_tokens": s.kv_cache_tokens,
             }
-            lines += ["  " + line for line in _yaml_entry(entry)]
+            lines += ["  " + line for line in _yaml_entry(entry, s.kv_cache_tokens)]
     return "\n".join(lines)
 
 

@@ -14,9 +14,9 @@ import aiohttp
 from kvgateway.config.load import load_config
 from kvgateway.config.model import BackendConfig, GatewayConfig, ModelConfig
 from kvgateway.config.yamlread import ConfigError
-from kvgateway.core.backends import Limits
 from kvgateway.core.derived_limits import derive_backend
-from kvgateway.core.limits import Observed, resolve_limits
+from kvgateway.core.limits import Limits, Observed, resolve_limits
+from kvgateway.upstream.dns import DnsLookupError, resolve_group
 from kvgateway.upstream.probe import ProbeError, probe
 
 
@@ -27,7 +27,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         description=(
             "Validate the YAML, ask every reachable node for its limits (/v1/models, /metrics), "
             "derive limits from capacity blocks, and print each limit with its source "
-            "(config > discovered > derived). Warns when sources disagree."
+            "(config > discovered > derived). Warns when sources disagree. Exits 2 on an "
+            "invalid config, 1 when some model has no routable backend (none reachable with "
+            "known limits; with --no-discover: none whose limits are known or discoverable)."
         ),
     )
     p.add_argument("--config", required=True)
@@ -46,27 +48,86 @@ def _main(args: argparse.Namespace) -> int:
         sys.stderr.write(f"invalid config: {exc}\n")
         return 2
     discovered: dict[str, Observed | str] = {}
+    backends = list(config.backends)
     if not args.no_discover:
-        discovered = asyncio.run(_discover_all(config, args.timeout))
+        members, discovered = asyncio.run(_discover_all(config, args.timeout))
+        backends += members
+        derived.update({b.name: derive_backend(b, base) for b in members})
     rows = []
-    for b in config.backends:
+    for b in backends:
         d = derived[b.name]
         disc = discovered.get(b.name)
         limits = resolve_limits(
             b, disc if isinstance(disc, Observed) else None, d[0] if d else None
         )
         rows.append(_row(b, limits, disc, config.admission.budget_fraction))
+    unroutable = _unroutable_models(config, rows, asked=not args.no_discover)
     models = [_model_row(m) for m in config.models]
     if args.json:
-        doc = {"config": args.config, "models": models, "backends": rows}
+        doc = {
+            "config": args.config,
+            "models": models,
+            "backends": rows,
+            "unroutable_models": unroutable,
+        }
         sys.stdout.write(json.dumps(doc, indent=2) + "\n")
     else:
         sys.stdout.write(_text(config, rows, models))
-    unknown = [r["name"] for r in rows if r["max_model_len"]["value"] is None]
-    return 1 if unknown and not args.no_discover else 0
+        for g in config.dns_groups:
+            state = "members listed above" if not args.no_discover else "looked up at run time"
+            sys.stdout.write(
+                f"{g.name}  tier={g.template.tier}  "
+                + (f"srv {g.dns} " if g.lookup == "srv" else f"dns {g.dns} port {g.port} ")
+                + f"every {g.resolve_interval_s:g}s  model={g.template.model} ({state})\n"
+            )
+        for model, why in unroutable.items():
+            sys.stdout.write(f"ERROR: model {model}: no routable backend ({why})\n")
+    return 1 if unroutable else 0
 
 
-async def _discover_all(config: GatewayConfig, timeout: float) -> dict[str, Observed | str]:
+def _routable(row: dict[str, Any], asked: bool) -> bool:
+    """Would the gateway send work to this backend? Without asking: could it, once up?"""
+    known = row["max_model_len"]["value"] is not None and row["kv_cache_tokens"]["value"]
+    if asked:
+        return bool(known) and not str(row["node"]).startswith("unreachable")
+    return bool(known) or bool(row["discover"])
+
+
+def _unroutable_models(
+    config: GatewayConfig, rows: list[dict[str, Any]], *, asked: bool
+) -> dict[str, str]:
+    """Each model none of whose backends is routable, with the reason."""
+    out: dict[str, str] = {}
+    groups = {g.template.model for g in config.dns_groups}
+    for model in config.models:
+        mine = [r for r in rows if r["model"] == model.name]
+        if any(_routable(r, asked) for r in mine) or (model.name in groups and not asked):
+            continue
+        if not mine:
+            out[model.name] = "no backend serves it" + (
+                " (its DNS groups resolved to no address)" if model.name in groups else ""
+            )
+        elif asked:
+            out[model.name] = "every backend is unreachable or has unknown limits"
+        else:
+            out[model.name] = "limits unknown and discovery disabled on every backend"
+    return out
+
+
+async def _discover_all(
+    config: GatewayConfig, timeout: float
+) -> tuple[list[BackendConfig], dict[str, Observed | str]]:
+    """The DNS groups' current members, and what every backend says about its limits."""
+    members: list[BackendConfig] = []
+    for group in config.dns_groups:
+        try:
+            endpoints = await resolve_group(
+                group, timeout=timeout, nameservers=config.discovery.nameservers
+            )
+        except DnsLookupError as exc:
+            sys.stderr.write(f"warning: {group.template.path}.dns: {exc}\n")
+            continue
+        members += [group.member(a, port) for a, port in sorted(endpoints)]
     async with aiohttp.ClientSession() as session:
 
         async def one(b: BackendConfig) -> tuple[str, Observed | str]:
@@ -77,7 +138,8 @@ async def _discover_all(config: GatewayConfig, timeout: float) -> dict[str, Obse
             except ProbeError as exc:
                 return b.name, f"unreachable: {exc}"
 
-        return dict(await asyncio.gather(*(one(b) for b in config.backends)))
+        backends = (*config.backends, *members)
+        return members, dict(await asyncio.gather(*(one(b) for b in backends)))
 
 
 def _row(
@@ -96,6 +158,7 @@ def _row(
         "model": b.model,
         "served_model": b.served_model,
         "offload": b.offload,
+        "discover": b.discover,
         "max_model_len": lim("max_model_len"),
         "kv_cache_tokens": lim("kv_cache_tokens"),
         "max_num_seqs": lim("max_num_seqs"),

@@ -2,7 +2,9 @@
 
 The fleet is the embedded ``demo.yaml`` (also at ``config/demo.yaml`` in the repo): three
 24 GB-class nodes, two 80 GB-class nodes and a CPU-offload node, all simulated on
-loopback ports 9101-9301. Ctrl-C stops the gateway, then the nodes.
+loopback ports 9101-9301. ``--port-offset N`` moves the nodes (and, unless ``--port`` is
+given, the gateway) by N ports, so a second demo can run beside the first. Ctrl-C stops
+the gateway, then the nodes.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from importlib import resources
 
 from kvgateway.commands.serve import run, serve
 from kvgateway.config.load import load_config
-from kvgateway.config.model import GatewayConfig
+from kvgateway.config.model import POLICIES, GatewayConfig, Policy
 from kvgateway.config.yamlread import ConfigError
 from kvgateway.server.accesslog import setup_logging
 from kvgateway.simulator.fleet import start_fleet
@@ -22,7 +24,7 @@ from kvgateway.simulator.fleetconfig import NodeSpec, load_fleet_config
 
 
 def demo_config_path() -> str:
-    return str(resources.files("gateway").joinpath("data/demo.yaml"))
+    return str(resources.files("kvgateway").joinpath("data/demo.yaml"))
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -34,12 +36,22 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
             "gateway in front of it; print how to call it; stop everything on Ctrl-C."
         ),
     )
-    p.add_argument("--port", type=int, default=8080, help="gateway port (default 8080)")
+    p.add_argument(
+        "--port", type=int, default=None, help="gateway port (default 8080 + --port-offset)"
+    )
+    p.add_argument(
+        "--port-offset",
+        type=int,
+        default=0,
+        metavar="N",
+        help="add N to every simulated node's port (and to the default gateway port), "
+        "to run beside another demo",
+    )
     p.add_argument("--host", default="127.0.0.1", help="gateway address (default 127.0.0.1)")
     p.add_argument("--config", default=None, help="fleet + gateway YAML (default: embedded demo)")
     p.add_argument(
         "--policy",
-        choices=("kv_aware", "round_robin", "least_loaded", "length_aware"),
+        choices=POLICIES,
         help="override routing.policy (compare the baselines)",
     )
     p.add_argument("--log-level", default="INFO")
@@ -63,25 +75,54 @@ print(c.chat.completions.create(model='{model}', messages=[{{'role': 'user', 'co
 
 def _main(args: argparse.Namespace) -> int:
     path = args.config or demo_config_path()
+    offset: int = args.port_offset
+    port = args.port if args.port is not None else 8080 + offset
     try:
         config = load_config(path)
-        specs = load_fleet_config(path)
+        specs = load_fleet_config(path, port_offset=offset)
     except (ConfigError, ValueError) as exc:
         sys.stderr.write(f"gateway demo: invalid config: {exc}\n")
         return 2
-    config = replace(config, server=replace(config.server, host=args.host, port=args.port))
+    config = replace(
+        with_node_urls(config, specs),
+        server=replace(config.server, host=args.host, port=port),
+    )
     if args.policy:
-        config = replace(config, routing=replace(config.routing, policy=args.policy))
+        config = replace(config, routing=replace(config.routing, policy=Policy(args.policy)))
     setup_logging(config.server.log_format, args.log_level)
+    # A reload re-reads the file, whose node URLs are not shifted: only offer it unshifted.
     try:
-        run(_demo(config, specs, path))
+        run(_demo(config, specs, path if offset == 0 else None))
     except OSError as exc:
-        sys.stderr.write(f"gateway demo: {exc} (is another demo running? try --port)\n")
+        sys.stderr.write(f"gateway demo: {exc}\n{_clash_hint(offset, port)}\n")
         return 1
     return 0
 
 
-async def _demo(config: GatewayConfig, specs: list[NodeSpec], path: str) -> None:
+def _clash_hint(offset: int, port: int) -> str:
+    nxt = offset + 1000
+    return (
+        f"  A port is taken (another demo?). Run this one beside it with "
+        f"`gateway demo --port-offset {nxt}` (nodes on their usual ports + {nxt}, the "
+        f"gateway on {8080 + nxt}), or pick the gateway port alone with --port "
+        f"(now {port})."
+    )
+
+
+def with_node_urls(config: GatewayConfig, specs: list[NodeSpec]) -> GatewayConfig:
+    """``config`` with each simulated backend's URL where its node really listens."""
+    urls = {spec.name: spec.url for spec in specs}
+    tiers = tuple(
+        replace(
+            tier,
+            backends=tuple(replace(b, url=urls.get(b.name, b.url)) for b in tier.backends),
+        )
+        for tier in config.tiers
+    )
+    return replace(config, tiers=tiers)
+
+
+async def _demo(config: GatewayConfig, specs: list[NodeSpec], path: str | None) -> None:
     async with start_fleet(specs) as fleet:
         for node in fleet:
             sys.stderr.write(f"  simulated {node.describe()}\n")

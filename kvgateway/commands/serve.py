@@ -19,7 +19,8 @@ from kvgateway.config.yamlread import ConfigError
 from kvgateway.core.derived_limits import derive_all
 from kvgateway.server.accesslog import setup_logging
 from kvgateway.server.app import STATE, create_app
-from kvgateway.server.reload import reload_config, watch_file
+from kvgateway.server.protocol import GatewayRunner
+from kvgateway.server.reload import Reloader, watch_file
 
 log = logging.getLogger("kvgateway.server")
 
@@ -34,6 +35,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--host", help="listen address (default: server.host from the config)")
     p.add_argument("--port", type=int, help="listen port (default: server.port from the config)")
     p.add_argument("--watch", action="store_true", help="reload when the config file changes")
+    p.add_argument(
+        "--drain-delay-s",
+        type=float,
+        help="seconds /ready fails on SIGTERM before the listener closes "
+        "(default: server.drain_delay_s from the config)",
+    )
     p.add_argument("--log-level", default="INFO", help="root log level (default INFO)")
     p.set_defaults(func=_main)
 
@@ -48,6 +55,9 @@ def _main(args: argparse.Namespace) -> int:
         config.server,
         host=args.host or config.server.host,
         port=args.port if args.port is not None else config.server.port,
+        drain_delay_s=(
+            args.drain_delay_s if args.drain_delay_s is not None else config.server.drain_delay_s
+        ),
     )
     config = replace(config, server=server)
     setup_logging(config.server.log_format, args.log_level)
@@ -89,7 +99,7 @@ async def serve(
         raise SystemExit(f"gateway: invalid config: {exc}") from exc
     app = create_app(config, derived=derived)
     # Draining is ours (see _shutdown); aiohttp only has to close what is left.
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0)
+    runner = GatewayRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0)
     await runner.setup()
     site = web.TCPSite(runner, config.server.host, config.server.port, backlog=2048)
     await site.start()
@@ -99,8 +109,9 @@ async def serve(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    if config_path is not None:
-        loop.add_signal_handler(signal.SIGHUP, reload_config, app, config_path)
+    reloader = Reloader(app, config_path) if config_path is not None else None
+    if reloader is not None:
+        loop.add_signal_handler(signal.SIGHUP, reloader.request)
     watcher = (
         asyncio.create_task(watch_file(app, config_path), name="config-watch")
         if watch and config_path
@@ -117,37 +128,47 @@ async def serve(
             watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await watcher
+        if reloader is not None:
+            await reloader.close()
         await _shutdown(app, runner, site, config)
 
 
 async def _shutdown(
     app: web.Application, runner: web.AppRunner, site: web.TCPSite, config: GatewayConfig
 ) -> None:
-    """uvicorn's order: fail readiness, stop accepting, drain with a deadline, cancel the
-    rest with a reason, close resources."""
+    """uvicorn's order: fail readiness, stop accepting, drain with a deadline, end the
+    rest with a reason, close resources.
+
+    While in-flight work drains, requests that still arrive on connections already open
+    are served (the nodes are fine), answered with ``Connection: close``; idle keep-alive
+    connections are closed at once, so clients reconnect to another replica.
+    """
     state = app[STATE]
     server = config.server
     state.draining = True
     if server.drain_delay_s > 0:
         log.info("shutting down: /ready fails for %gs first", server.drain_delay_s)
         await asyncio.sleep(server.drain_delay_s)
-    state.shutting_down = True
     await site.stop()
+    if runner.server is not None:
+        runner.server.pre_shutdown()  # idle connections close now, busy ones after this answer
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + server.shutdown_grace_s
     log.info(
         "listener closed; waiting up to %gs for %d in-flight request(s)",
         server.shutdown_grace_s,
         len(state.active),
     )
+    while state.active and loop.time() < deadline:
+        await asyncio.wait(set(state.active), timeout=deadline - loop.time())
+    state.shutting_down = True
     if state.active:
-        await asyncio.wait(set(state.active), timeout=server.shutdown_grace_s)
-    if state.active:
-        log.warning(
-            "cancelling %d request(s) still running after the grace period", len(state.active)
-        )
-        state.shutdown_reason = "shutdown"
-        left = set(state.active)
-        for task in left:
-            task.cancel()
-        await asyncio.wait(left, timeout=2.0)
+        log.warning("ending %d request(s) still running after the grace period", len(state.active))
+        # Their deadlines move to now: each ends with a proper answer (503, or an error
+        # event on a stream) and releases what it holds; nothing is un-cancelled.
+        left = dict(state.active)
+        for ex in left.values():
+            ex.end_now()
+        await asyncio.wait(set(left), timeout=2.0)
     await runner.cleanup()
     log.info("gateway stopped")

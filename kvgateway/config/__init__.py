@@ -5,6 +5,8 @@ from kvgateway.config.load import load_config, parse_config, parse_config_text
 from kvgateway.config.model import (
     AdmissionConfig,
     BackendConfig,
+    DiscoveryConfig,
+    DnsGroupConfig,
     GatewayConfig,
     HealthConfig,
     LoadFeedbackConfig,
@@ -21,6 +23,8 @@ __all__ = [
     "AdmissionConfig",
     "BackendConfig",
     "ConfigError",
+    "DiscoveryConfig",
+    "DnsGroupConfig",
     "GatewayConfig",
     "HealthConfig",
     "LoadFeedbackConfig",

@@ -1,7 +1,8 @@
 """Reading the YAML into :mod:`kvgateway.config.model` objects.
 
-:func:`load_config` raises :class:`~kvgateway.config.yamlread.ConfigError` naming the
-YAML path of the first problem.
+:func:`load_config` raises one :class:`~kvgateway.config.yamlread.ConfigError` listing
+every problem in the file, each with its YAML path. :func:`config_schema` runs the same
+readers over an empty document to describe the format as a JSON Schema.
 """
 
 from __future__ import annotations
@@ -11,22 +12,24 @@ from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
-import yaml
-
+from kvgateway.config.document import expand_env, read_document
 from kvgateway.config.model import (
     POLICIES,
     AdmissionConfig,
     BackendConfig,
+    DiscoveryConfig,
+    DnsGroupConfig,
     GatewayConfig,
     HealthConfig,
     LoadFeedbackConfig,
     ModelConfig,
+    Policy,
     RoutingConfig,
     ServerConfig,
     TierConfig,
     TimeoutConfig,
 )
-from kvgateway.config.yamlread import ConfigError, Section
+from kvgateway.config.yamlread import ConfigError, Reading, Section
 from kvgateway.tokens.chat_template import TemplateError
 from kvgateway.tokens.encoding import PATTERNS, EncodingCache, EncodingSpec
 from kvgateway.tokens.modeldir import TokenizerDirError
@@ -45,37 +48,51 @@ def load_config(path: str, *, encodings: EncodingCache | None = None) -> Gateway
 def parse_config_text(
     text: str, *, source: str = "<memory>", encodings: EncodingCache | None = None
 ) -> GatewayConfig:
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ConfigError("", f"{source}: invalid YAML{where}: {exc}") from exc
-    return parse_config(data, source=source, encodings=encodings)
+    reading = Reading()
+    data = read_document(text, source, reading)
+    return _parse(Section(data, "", reading), source, encodings)
 
 
 def parse_config(
     data: Any, *, source: str = "<memory>", encodings: EncodingCache | None = None
 ) -> GatewayConfig:
-    """``encodings``: where model tokenizer directories are loaded (and kept across
-    reloads: an unchanged directory is not loaded again); a fresh one if None."""
+    """From already-parsed data (a dict); ``${VAR}`` references are expanded here too.
+
+    ``encodings``: where model tokenizer directories are loaded (and kept across reloads:
+    an unchanged directory is not loaded again); a fresh one if None."""
+    reading = Reading()
+    env = expand_env(data, "", reading, os.environ)
+    return _parse(Section(env, "", reading), source, encodings)
+
+
+def config_root_section() -> Section:
+    """The root section after a schema-mode walk: it knows every key the loader reads."""
+    root = Section(None, "", Reading(schema_mode=True))
+    _parse(root, "<schema>", None)
+    return root
+
+
+def _parse(root: Section, source: str, encodings: EncodingCache | None) -> GatewayConfig:
     encodings = encodings or EncodingCache()
-    root = Section(data)
     server = _server(root.section("server"))
     models = tuple(_model(s, encodings) for s in root.sections("models", required=True))
-    _check_unique([m.name for m in models] + [a for m in models for a in m.aliases], "models")
+    _check_unique(root, [m.name for m in models] + [a for m in models for a in m.aliases], "models")
     admission = _admission(root.section("admission"))
     routing = _routing(root.section("routing"))
     health = _health(root.section("health"))
     feedback = _feedback(root.section("load_feedback"))
     default_timeouts = _timeouts(root.section("timeouts"), TimeoutConfig())
+    discovery = _discovery(root.section("discovery"))
     known_models = {m.name: m for m in models}
     tiers = tuple(
         _tier(s, known_models, default_timeouts) for s in root.sections("tiers", required=True)
     )
-    _check_unique([t.name for t in tiers], "tiers")
-    _check_unique([b.name for t in tiers for b in t.backends], "tiers[].backends")
+    _check_unique(root, [t.name for t in tiers], "tiers")
+    members = [b.name for t in tiers for b in (*t.backends, *(g.template for g in t.dns_groups))]
+    _check_unique(root, members, "tiers[].backends")
     root.reject_unknown(ignore=("simulation",))
+    if not root.reading.schema_mode:
+        root.reading.raise_if_any()
     return GatewayConfig(
         server=server,
         models=models,
@@ -84,52 +101,81 @@ def parse_config(
         health=health,
         load_feedback=feedback,
         tiers=tiers,
+        discovery=discovery,
         source=source,
     )
 
 
-def _check_unique(names: list[str], where: str) -> None:
+def _check_unique(root: Section, names: list[str], where: str) -> None:
     seen: set[str] = set()
     for name in names:
-        if name in seen:
-            raise ConfigError(where, f"name {name!r} is used twice")
+        if name in seen and name:
+            root.reading.fail(where, f"name {name!r} is used twice")
         seen.add(name)
 
 
 def _server(s: Section) -> ServerConfig:
-    keys = list(s.str_list("api_keys"))
-    keys_file = s.opt_str("api_keys_file")
-    keys_env = s.opt_str("api_keys_env")
-    if keys_file:
-        keys.extend(_read_keys_file(keys_file, s.where("api_keys_file")))
-    if keys_env:
-        keys.extend(k for k in os.environ.get(keys_env, "").split(",") if k.strip())
+    keys = _keys(s, "api_keys")
+    admin_keys = _keys(s, "admin_api_keys")
+    d = ServerConfig()
     cfg = ServerConfig(
-        host=s.text("host", "127.0.0.1"),
-        port=s.integer("port", 8080, minimum=0),
-        api_keys=tuple(k.strip() for k in keys),
-        access_log=s.flag("access_log", True),
-        log_format=s.choice("log_format", ("text", "json"), "text"),
-        shutdown_grace_s=s.number("shutdown_grace_s", 30.0),
-        drain_delay_s=s.number("drain_delay_s", 0.0, exclusive_min=False),
+        host=s.text("host", d.host),
+        port=s.integer("port", d.port, minimum=0),
+        api_keys=keys,
+        admin_api_keys=admin_keys,
+        access_log=s.flag("access_log", d.access_log),
+        log_format=s.choice("log_format", ("text", "json"), d.log_format),
+        shutdown_grace_s=s.number("shutdown_grace_s", d.shutdown_grace_s),
+        drain_delay_s=s.number("drain_delay_s", d.drain_delay_s, exclusive_min=False),
+        keepalive_timeout_s=s.number("keepalive_timeout_s", d.keepalive_timeout_s),
+        body_timeout_s=s.number("body_timeout_s", d.body_timeout_s),
     )
     s.reject_unknown()
     return cfg
 
 
-def _read_keys_file(path: str, where: str) -> list[str]:
-    """One key per line (blank lines and # comments ignored), like an env file of secrets."""
+def _keys(s: Section, name: str) -> tuple[str, ...]:
+    """Keys from ``NAME``, ``NAME_file`` and ``NAME_env``; an empty or blank key is an
+    error naming where it came from (it would otherwise open the gateway to everyone)."""
+    found: list[tuple[str, str]] = [
+        (s.where(name) + f"[{i}]", k) for i, k in enumerate(s.str_list(name))
+    ]
+    keys_file = s.opt_str(f"{name}_file")
+    if keys_file:
+        found.extend(_read_keys_file(keys_file, s, f"{name}_file"))
+    keys_env = s.opt_str(f"{name}_env")
+    if keys_env:
+        raw = os.environ.get(keys_env)
+        if raw is None:
+            s.fail(f"{name}_env", f"environment variable {keys_env} is not set")
+        else:
+            found.extend(
+                (f"{s.where(name + '_env')} (${keys_env} item {i + 1})", k)
+                for i, k in enumerate(raw.split(","))
+            )
+    for where, key in found:
+        if not key.strip():
+            s.reading.fail(where, "an empty API key would let any request in; remove it")
+    return tuple(k.strip() for _, k in found if k.strip())
+
+
+def _read_keys_file(path: str, s: Section, key: str) -> list[tuple[str, str]]:
+    """One key per line (blank lines and # comments ignored), or NAME=key lines like an env
+    file of secrets. Returns (where, key) pairs."""
+    where = s.where(key)
     try:
         with open(os.path.expanduser(path), encoding="utf-8") as fh:
             lines = fh.read().splitlines()
     except OSError as exc:
-        raise ConfigError(where, f"cannot read {path!r}: {exc.strerror}") from exc
+        s.fail(key, f"cannot read {path!r}: {exc.strerror}")
+        return []
     keys = []
-    for raw in lines:
+    for number, raw in enumerate(lines, start=1):
         line = raw.strip()
         if not line or line.startswith("#"):
             continue
-        keys.append(line.split("=", 1)[1].strip() if "=" in line else line)
+        key = line.split("=", 1)[1] if "=" in line else line
+        keys.append((f"{where} ({path} line {number})", key))
     return keys
 
 
@@ -142,7 +188,7 @@ def _model(s: Section, encodings: EncodingCache) -> ModelConfig:
         pattern=tok.text("pattern", "cl100k"),
     )
     if enc.file is not None and enc.pattern not in PATTERNS and len(enc.pattern) < 8:
-        raise ConfigError(tok.where("pattern"), f"expected one of {', '.join(PATTERNS)} or a regex")
+        tok.fail("pattern", f"expected one of {', '.join(PATTERNS)} or a regex")
     tokenizer = TokenizerConfig(
         encoding=enc,
         per_message_tokens=tok.integer("per_message_tokens", 4, minimum=0),
@@ -172,18 +218,25 @@ def _tokenizer_dir(tok: Section, enc: EncodingSpec, encodings: EncodingCache) ->
     try:
         model = encodings.model(path, pattern=pattern)
     except (TokenizerDirError, TemplateError) as exc:
-        raise ConfigError(tok.where("path"), str(exc)) from exc
+        tok.fail("path", str(exc))
+        return {}
     return {"path": path, "model": model}
 
 
 def _admission(s: Section) -> AdmissionConfig:
+    d = AdmissionConfig()
     cfg = AdmissionConfig(
-        default_output_tokens=s.integer("default_output_tokens", 1024),
-        budget_fraction=s.number("budget_fraction", 0.95, maximum=1.0),
-        queue_timeout_s=s.number("queue_timeout_s", 10.0, exclusive_min=False),
-        queue_size=s.integer("queue_size", 1024, minimum=0),
-        max_body_bytes=s.integer("max_body_bytes", 32 * 1024 * 1024),
-        inject_default_output=s.flag("inject_default_output", True),
+        default_output_tokens=s.integer("default_output_tokens", d.default_output_tokens),
+        budget_fraction=s.number("budget_fraction", d.budget_fraction, maximum=1.0),
+        queue_timeout_s=s.number("queue_timeout_s", d.queue_timeout_s, exclusive_min=False),
+        queue_size=s.integer("queue_size", d.queue_size, minimum=0),
+        max_body_bytes=s.integer("max_body_bytes", d.max_body_bytes),
+        abort_release_delay_s=s.number(
+            "abort_release_delay_s", d.abort_release_delay_s, exclusive_min=False
+        ),
+        max_messages=s.integer("max_messages", d.max_messages),
+        max_content_parts=s.integer("max_content_parts", d.max_content_parts),
+        inject_default_output=s.flag("inject_default_output", d.inject_default_output),
     )
     s.reject_unknown()
     return cfg
@@ -191,7 +244,7 @@ def _admission(s: Section) -> AdmissionConfig:
 
 def _routing(s: Section) -> RoutingConfig:
     cfg = RoutingConfig(
-        policy=s.choice("policy", POLICIES, "kv_aware"),
+        policy=Policy(s.choice("policy", POLICIES, Policy.KV_AWARE.value)),
         offload_overflow=s.flag("offload_overflow", False),
     )
     s.reject_unknown()
@@ -227,6 +280,15 @@ def _feedback(s: Section) -> LoadFeedbackConfig:
     return cfg
 
 
+def _discovery(s: Section) -> DiscoveryConfig:
+    cfg = DiscoveryConfig(
+        nameservers=s.str_list("nameservers"),
+        timeout_s=s.number("timeout_s", DiscoveryConfig().timeout_s),
+    )
+    s.reject_unknown()
+    return cfg
+
+
 def _timeouts(s: Section, base: TimeoutConfig) -> TimeoutConfig:
     cfg = TimeoutConfig(
         connect_s=s.number("connect_s", base.connect_s),
@@ -241,11 +303,21 @@ def _timeouts(s: Section, base: TimeoutConfig) -> TimeoutConfig:
 def _tier(s: Section, models: Mapping[str, ModelConfig], timeouts: TimeoutConfig) -> TierConfig:
     name = s.text("name")
     offload = s.flag("offload", False)
-    backends = tuple(
-        _backend(b, name, offload, models, timeouts) for b in s.sections("backends", required=True)
-    )
+    backends: list[BackendConfig] = []
+    groups: list[DnsGroupConfig] = []
+    for b in s.sections("backends", required=True):
+        kinds = list(b.one_of("url", "dns"))  # empty when neither is given (reported)
+        for kind in kinds:
+            if kind == "url":
+                backends.append(_backend(b, name, offload, models, timeouts))
+            else:
+                groups.append(_dns_group(b, name, offload, models, timeouts))
+        if kinds:
+            b.reject_unknown(ignore=("simulate",))
     s.reject_unknown()
-    return TierConfig(name=name, offload=offload, backends=backends)
+    return TierConfig(
+        name=name, offload=offload, backends=tuple(backends), dns_groups=tuple(groups)
+    )
 
 
 def _backend(
@@ -257,32 +329,74 @@ def _backend(
 ) -> BackendConfig:
     url = s.text("url").rstrip("/")
     parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ConfigError(s.where("url"), f'expected an http(s) URL, got "{url}"')
-    if parts.path not in ("", "/"):
-        raise ConfigError(
-            s.where("url"), "give the server root (e.g. http://host:8000), without /v1"
-        )
+    if not url:
+        pass  # already reported
+    elif parts.scheme not in ("http", "https") or not parts.hostname:
+        s.fail("url", f'expected an http(s) URL, got "{url}"')
+    elif parts.path not in ("", "/"):
+        s.fail("url", "give the server root (e.g. http://host:8000), without /v1")
+    return _backend_settings(s, url, tier, offload, models, timeouts)
+
+
+def _dns_group(
+    s: Section,
+    tier: str,
+    offload: bool,
+    models: Mapping[str, ModelConfig],
+    timeouts: TimeoutConfig,
+) -> DnsGroupConfig:
+    """A backend entry with ``dns:`` instead of ``url:``: one member per resolved address."""
+    dns = s.text("dns").rstrip(".")
+    if dns and ("/" in dns or ":" in dns):
+        s.fail("dns", f'expected a host name (give the port as `port:`), got "{dns}"')
+    lookup = s.choice("lookup", ("address", "srv"), "address")
+    if lookup == "srv" and s.has("port"):
+        s.fail("port", "an SRV record carries each member's port: leave `port` out")
+    port = s.integer("port", 8000)
+    if port > 65535:
+        s.fail("port", f"expected a TCP port (1-65535), got {port}")
+    scheme = s.choice("scheme", ("http", "https"), "http")
+    interval = s.number("resolve_interval_s", 10.0)
+    template = _backend_settings(s, f"{scheme}://{dns}:{port}", tier, offload, models, timeouts)
+    return DnsGroupConfig(
+        name=template.name,
+        dns=dns,
+        port=port,
+        scheme=scheme,
+        resolve_interval_s=interval,
+        template=template,
+        lookup=lookup,
+    )
+
+
+def _backend_settings(
+    s: Section,
+    url: str,
+    tier: str,
+    offload: bool,
+    models: Mapping[str, ModelConfig],
+    timeouts: TimeoutConfig,
+) -> BackendConfig:
+    """What a static backend and a DNS group's members share."""
     model_name = s.text("model")
     model = models.get(model_name)
-    if model is None:
-        raise ConfigError(
-            s.where("model"), f'unknown model "{model_name}"; models: {", ".join(models)}'
-        )
-    cfg = BackendConfig(
+    if model is None and model_name and not s.reading.schema_mode:
+        s.fail("model", f'unknown model "{model_name}"; models: {", ".join(models)}')
+    served = model.served_name if model is not None else model_name
+    return BackendConfig(
         name=s.text("name"),
         url=url,
-        model=model.name,
+        model=model.name if model is not None else model_name,
         tier=tier,
         offload=offload,
-        served_model=s.text("served_model", model.served_name),
+        served_model=s.opt_str("served_model") or served,
         max_model_len=s.opt_int("max_model_len"),
         max_num_seqs=s.opt_int("max_num_seqs"),
         kv_cache_tokens=s.opt_int("kv_cache_tokens"),
         capacity=s.mapping("capacity"),
         discover=s.flag("discover", True),
         timeouts=_timeouts(s.section("timeouts"), timeouts),
+        num_speculative_tokens=s.integer("num_speculative_tokens", 0, minimum=0),
+        release_delay_s=s.number("release_delay_s", 0.0, exclusive_min=False),
         path=s.path,
     )
-    s.reject_unknown(ignore=("simulate",))
-    return cfg

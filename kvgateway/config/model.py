@@ -6,13 +6,24 @@ Nothing downstream reads raw YAML. The annotated reference is
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
 from typing import Any
 
 from kvgateway.tokens.spec import TokenizerConfig
 
-POLICIES = ("kv_aware", "round_robin", "least_loaded", "length_aware")
+
+class Policy(StrEnum):
+    """``routing.policy``: kv_aware, or a baseline to compare it with."""
+
+    KV_AWARE = "kv_aware"
+    ROUND_ROBIN = "round_robin"
+    LEAST_LOADED = "least_loaded"
+    LENGTH_AWARE = "length_aware"
+
+
+POLICIES = tuple(p.value for p in Policy)
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +41,12 @@ class AdmissionConfig:
     queue_timeout_s: float = 10.0
     queue_size: int = 1024
     max_body_bytes: int = 32 * 1024 * 1024
+    # A client that disconnects frees its node's blocks when the node's abort lands:
+    # its reservation is held this much longer.
+    abort_release_delay_s: float = 0.2
+    # Caps that keep one request from holding the event loop (clear 400 above them).
+    max_messages: int = 4096
+    max_content_parts: int = 8192
     # A chat request without max_tokens may generate up to the rest of the context on
     # vLLM; the gateway caps it at the reserved default so the reservation holds.
     inject_default_output: bool = True
@@ -37,7 +54,7 @@ class AdmissionConfig:
 
 @dataclass(frozen=True, slots=True)
 class RoutingConfig:
-    policy: str = "kv_aware"
+    policy: Policy = Policy.KV_AWARE
     # Send work that fits a GPU tier to the offload tier when every GPU tier is full
     # (instead of queueing). Off by default: offload nodes are slow.
     offload_overflow: bool = False
@@ -94,7 +111,48 @@ class BackendConfig:
     capacity: Mapping[str, Any] | None = None
     discover: bool = True
     timeouts: TimeoutConfig = TimeoutConfig()
+    # Speculative decoding (vLLM --speculative-config num_speculative_tokens): each running
+    # sequence holds this many lookahead slots beyond its tokens.
+    num_speculative_tokens: int = 0
+    # A KV connector (LMCache, CPU offloading) frees a request's blocks only once their
+    # transfer is done: its reservation is held this much longer.
+    release_delay_s: float = 0.0
     path: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class DiscoveryConfig:
+    """How `dns:` backend groups are looked up."""
+
+    # "10.96.0.10" or "127.0.0.1:5353"; empty: the system's resolvers (/etc/resolv.conf).
+    nameservers: tuple[str, ...] = ()
+    timeout_s: float = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class DnsGroupConfig:
+    """Backends behind one DNS name (a Kubernetes headless Service).
+
+    ``lookup: address``: one member per A/AAAA record, on ``port``. ``lookup: srv``: one
+    member per SRV record (``_http._tcp.<service>``), on the record's own port, at the
+    addresses of its target. ``template`` carries the settings every member shares (model,
+    limits, timeouts); a member is the template with its own name
+    (``pool@10.0.0.5:8000``) and URL.
+    """
+
+    name: str
+    dns: str
+    port: int
+    scheme: str
+    resolve_interval_s: float
+    template: BackendConfig
+    lookup: str = "address"
+
+    def member(self, address: str, port: int | None = None) -> BackendConfig:
+        """The backend at one resolved address (IPv4 or IPv6, without brackets)."""
+        host = f"[{address}]" if ":" in address else address
+        where = f"{host}:{self.port if port is None else port}"
+        return replace(self.template, name=f"{self.name}@{where}", url=f"{self.scheme}://{where}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +160,8 @@ class TierConfig:
     name: str
     offload: bool
     backends: tuple[BackendConfig, ...]
+    # Discovered members are not in `backends`: they come and go at run time.
+    dns_groups: tuple[DnsGroupConfig, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,12 +169,18 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8080
     api_keys: tuple[str, ...] = ()
+    # When set, /admin/* takes only these (client keys cannot read internal state).
+    admin_api_keys: tuple[str, ...] = ()
     access_log: bool = True
     log_format: str = "text"
     shutdown_grace_s: float = 30.0
     # Seconds /ready fails before the listener closes, so load balancers (a Kubernetes
     # Service) stop sending new connections first.
     drain_delay_s: float = 0.0
+    # A connection that sends no complete request for this long is closed (idle
+    # keep-alive and half-sent headers alike); a body must arrive within body_timeout_s.
+    keepalive_timeout_s: float = 15.0
+    body_timeout_s: float = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +192,7 @@ class GatewayConfig:
     health: HealthConfig
     load_feedback: LoadFeedbackConfig
     tiers: tuple[TierConfig, ...]
+    discovery: DiscoveryConfig = DiscoveryConfig()
     source: str = "<memory>"
     _model_index: dict[str, ModelConfig] = field(default_factory=dict, compare=False)
 
@@ -139,4 +206,21 @@ class GatewayConfig:
 
     @property
     def backends(self) -> tuple[BackendConfig, ...]:
+        """The backends named in the file (not the members of DNS groups)."""
         return tuple(b for t in self.tiers for b in t.backends)
+
+    @property
+    def dns_groups(self) -> tuple[DnsGroupConfig, ...]:
+        return tuple(g for t in self.tiers for g in t.dns_groups)
+
+    def with_members(self, members: Mapping[str, Sequence[BackendConfig]]) -> GatewayConfig:
+        """This config (as read from the file) with each DNS group's ``members`` (by group
+        name) listed as backends of its tier, after the tier's own backends."""
+        tiers = tuple(
+            replace(
+                t,
+                backends=(*t.backends, *(m for g in t.dns_groups for m in members.get(g.name, ()))),
+            )
+            for t in self.tiers
+        )
+        return replace(self, tiers=tiers, _model_index={})

@@ -1,8 +1,10 @@
 """Admission: reserve a request's KV tokens and sequence slots on a backend, or wait.
 
 Shaped like httpcore's connection pool: state changes are plain synchronous methods
-(:meth:`Admission.try_admit`, :meth:`Admission.release`, :meth:`Admission.rebalance`)
-and the only ``await`` is a waiter parked on a future. A waiter that is cancelled or
+(:meth:`Admission.try_admit`, :meth:`Admission.release`, :meth:`Admission.rebalance`,
+:meth:`Admission.end_pause`) and the only ``await`` is a waiter parked on a future.
+Callers hold a reservation as an async context manager
+(``async with admission.reserve(demand, timeout) as r:``), released on every way out. A waiter that is cancelled or
 times out is removed in ``except BaseException``; if the cancellation raced with a
 grant, the granted reservation is released there, so nothing leaks.
 
@@ -21,13 +23,17 @@ import itertools
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from types import TracebackType
 
-from kvgateway.core.backends import Backend
+from kvgateway.config.model import GatewayConfig, Policy
+from kvgateway.core.backends import Backend, PauseReason
+from kvgateway.core.demand import Demand, can_ever_hold, tokens_on
+from kvgateway.core.fleet import Fleet
 from kvgateway.core.routing import (
     Decision,
-    Demand,
     NoBackend,
     Routed,
+    RouteReason,
     RouterState,
     TooLong,
     Wait,
@@ -42,15 +48,59 @@ _ids = itertools.count(1)
 
 @dataclass(eq=False, slots=True)
 class Reservation:
-    """Tokens and slots held on one backend; :meth:`Admission.release` frees it once."""
+    """Tokens and slots held on one backend; freed exactly once by :meth:`release`."""
 
     backend: Backend
     tokens: int
     seqs: int
-    reason: str
+    reason: RouteReason
+    owner: Admission
     queued_s: float = 0.0
     released: bool = False
     id: int = field(default_factory=lambda: next(_ids))
+
+    def release(self) -> bool:
+        """Give the tokens and slot back; only the first call has an effect."""
+        return self.owner.release(self)
+
+    async def __aenter__(self) -> Reservation:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.owner.release_after(
+            self, gone=exc_type is not None and issubclass(exc_type, asyncio.CancelledError)
+        )
+
+
+class Reserving:
+    """``async with admission.reserve(demand, timeout) as r``: admitted on entry (waiting
+    in the queue if need be), released on exit whatever the way out."""
+
+    __slots__ = ("_admission", "_demand", "_reservation", "_timeout")
+
+    def __init__(self, admission: Admission, demand: Demand, timeout: float) -> None:
+        self._admission = admission
+        self._demand = demand
+        self._timeout = timeout
+        self._reservation: Reservation | None = None
+
+    async def __aenter__(self) -> Reservation:
+        self._reservation = await self._admission.admit(self._demand, self._timeout)
+        return self._reservation
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._reservation is not None:
+            await self._reservation.__aexit__(exc_type, exc, tb)
 
 
 @dataclass(eq=False, slots=True)
@@ -70,12 +120,14 @@ class Admission:
         *,
         index_for: Callable[[str], ModelIndex],
         adjust: Callable[[Backend, int, int, int], None],
-        policy: Callable[[], str],
+        policy: Callable[[], Policy],
         offload_overflow: Callable[[], bool],
         queue_size: Callable[[], int],
         clock: Callable[[], float],
         on_decision: Callable[[Decision, Demand], None] | None = None,
+        abort_delay: Callable[[], float] = lambda: 0.0,
     ) -> None:
+        self._abort_delay = abort_delay
         self._index_for = index_for
         self._adjust = adjust
         self._policy = policy
@@ -87,6 +139,26 @@ class Admission:
         self._waiters: deque[_Waiter] = deque()
         # How many waiters claim each backend: "is it claimed?" without walking the queue.
         self._claim_counts: Counter[str] = Counter()
+
+    @classmethod
+    def for_fleet(
+        cls,
+        fleet: Fleet,
+        config: Callable[[], GatewayConfig],
+        clock: Callable[[], float],
+        on_decision: Callable[[Decision, Demand], None] | None = None,
+    ) -> Admission:
+        """Admission over ``fleet``, following the live config (it changes on reload)."""
+        return cls(
+            index_for=fleet.index,
+            adjust=fleet.adjust,
+            policy=lambda: config().routing.policy,
+            offload_overflow=lambda: config().routing.offload_overflow,
+            queue_size=lambda: config().admission.queue_size,
+            clock=clock,
+            on_decision=on_decision,
+            abort_delay=lambda: config().admission.abort_release_delay_s,
+        )
 
     # ---- synchronous core -------------------------------------------------------
 
@@ -100,9 +172,10 @@ class Admission:
             offload_overflow=self._offload_overflow(),
         )
 
-    def _grant(self, backend: Backend, demand: Demand, reason: str) -> Reservation:
-        self._adjust(backend, demand.tokens, demand.sequences, 1)
-        return Reservation(backend, demand.tokens, demand.sequences, reason)
+    def _grant(self, backend: Backend, demand: Demand, reason: RouteReason) -> Reservation:
+        tokens = tokens_on(backend, demand)
+        self._adjust(backend, tokens, demand.sequences, 1)
+        return Reservation(backend, tokens, demand.sequences, reason, self)
 
     def try_admit(self, demand: Demand) -> Decision | Reservation:
         """Reserve now if the policy finds room that no earlier waiter claims."""
@@ -119,14 +192,7 @@ class Admission:
     def _claims(self, demand: Demand) -> frozenset[str]:
         """The backends routing could give this request: those that can hold it, minus
         the offload tier when a GPU tier can hold it (unless overflow is on)."""
-        could = [
-            b
-            for b in self._index_for(demand.model).backends
-            if b.limits.known
-            and b.context_limit >= demand.longest_sequence
-            and b.budget_tokens >= demand.tokens
-            and b.max_num_seqs >= demand.sequences
-        ]
+        could = [b for b in self._index_for(demand.model).backends if can_ever_hold(b, demand)]
         if any(not b.offload for b in could) and not self._offload_overflow():
             could = [b for b in could if not b.offload]
         return frozenset(b.name for b in could)
@@ -145,6 +211,28 @@ class Admission:
         reservation.released = True
         self._adjust(reservation.backend, -reservation.tokens, -reservation.seqs, -1)
         self._offer(reservation.backend)
+        return True
+
+    def release_after(self, r: Reservation, *, gone: bool) -> None:
+        """Release ``r`` when the node has freed its blocks: at once, or after the
+        backend's KV-connector delay, or (client gone) once the node's abort has landed."""
+        delay = r.backend.config.release_delay_s
+        if gone:
+            delay = max(delay, self._abort_delay())
+        if delay <= 0:
+            self.release(r)
+            return
+        asyncio.get_running_loop().call_later(delay, self.release, r)
+
+    def end_pause(self, b: Backend, now: float) -> bool:
+        """End ``b``'s timed pause once its time has come, and offer ``b`` to the waiters
+        (the pause itself is read-only everywhere else). Returns True if it ended."""
+        if not b.paused or not b.paused_until or now < b.paused_until:
+            return False
+        b.paused = False
+        b.pause_reason = PauseReason.NONE
+        b.paused_until = 0.0
+        self._offer(b)
         return True
 
     def rebalance(self) -> None:
@@ -199,6 +287,10 @@ class Admission:
         return len(self._waiters)
 
     # ---- async edge -------------------------------------------------------------
+
+    def reserve(self, demand: Demand, timeout: float) -> Reserving:
+        """The reservation for ``demand`` as an async context manager."""
+        return Reserving(self, demand, timeout)
 
     async def admit(self, demand: Demand, timeout: float) -> Reservation:
         """Reserve room for ``demand``, waiting up to ``timeout`` seconds in the queue.
@@ -262,10 +354,13 @@ def _with_busy(d: Demand, names: frozenset[str]) -> Demand:
 
 
 def context_error(demand: Demand, largest: int) -> ContextLengthExceeded:
+    # OpenAI's and vLLM's wording first: clients (LiteLLM's ContextWindowExceededError,
+    # fallbacks to larger models) recognise a context-length error by it.
     return ContextLengthExceeded(
-        f"This request needs {demand.longest_sequence} tokens ({demand.longest_prompt} "
-        f"counted prompt tokens + {demand.output_tokens} requested output tokens), but the "
-        f"largest context any backend for model '{demand.model}' offers is {largest} tokens. "
-        "Reduce the length of the prompt or of the requested output.",
+        f"This model's maximum context length is {largest} tokens. However, you requested "
+        f"{demand.longest_sequence} tokens ({demand.longest_prompt} in the messages, "
+        f"{demand.output_tokens} in the completion). Please reduce the length of the "
+        f"messages or completion. (The largest context any backend for model "
+        f"'{demand.model}' offers is {largest} tokens.)",
         param="messages",
     )

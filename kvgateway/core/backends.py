@@ -1,35 +1,28 @@
 """Runtime state of each backend: resolved limits, reservations, health and live load.
 
-Mutated only from the event loop. Routing and admission read it synchronously; the
-health checker and the metrics scraper write health and load; reservations change
-``reserved_tokens`` / ``reserved_seqs`` / ``in_flight`` through :mod:`kvgateway.core.admission`.
+Mutated only from the event loop. Routing and admission read it synchronously, and every
+read here is side-effect free; the health checker and the metrics scraper write health
+and load; reservations change ``reserved_tokens`` / ``reserved_seqs`` / ``in_flight``
+through :mod:`kvgateway.core.admission`, which also ends pauses (so its waiters hear of it).
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from kvgateway.config.model import BackendConfig
+from kvgateway.core.limits import Limits
 
 
-@dataclass(frozen=True, slots=True)
-class Limit:
-    value: int | None
-    source: str  # "config", "discovered", "derived" or "unknown"
+class PauseReason(StrEnum):
+    """Why a healthy node takes no new work (live load feedback)."""
 
-
-@dataclass(frozen=True, slots=True)
-class Limits:
-    max_model_len: Limit
-    kv_cache_tokens: Limit
-    max_num_seqs: Limit
-    block_size: int = 16
-    warnings: tuple[str, ...] = ()
-
-    @property
-    def known(self) -> bool:
-        return self.max_model_len.value is not None and self.kv_cache_tokens.value is not None
+    NONE = ""
+    KV_FULL = "kv_full"
+    QUEUEING = "queueing"
+    PREEMPTING = "preempting"
 
 
 @dataclass(slots=True)
@@ -62,7 +55,8 @@ class Backend:
     draining: bool = False
     # Live load feedback: no new work while paused (node full, queueing or preempting).
     paused: bool = False
-    pause_reason: str = ""
+    pause_reason: PauseReason = PauseReason.NONE
+    # When a timed pause (preemption cool-down) ends; 0 for pauses lifted by a scrape.
     paused_until: float = 0.0
     load: LoadSnapshot | None = None
     consecutive_failures: int = 0
@@ -71,8 +65,6 @@ class Backend:
     last_error: str = ""
     # Times (monotonic) the node refused or failed a request: 4xx/5xx answers, resets.
     rejection_times: deque[float] = field(default_factory=lambda: deque(maxlen=1024))
-    # Ratio of the node's own prompt count to the gateway's estimate (EWMA).
-    estimate_ratio: float = 1.0
 
     @property
     def name(self) -> str:
@@ -129,16 +121,25 @@ class Backend:
     def note_rejection(self, now: float) -> None:
         self.rejection_times.append(now)
 
+    @property
+    def starting(self) -> bool:
+        """New and not probed to a verdict yet (a DNS member just added, a node booting):
+        worth waiting for rather than refusing the request."""
+        if self.draining or self.health_failures:
+            return False
+        return not self.ever_healthy or not self.limits.known
+
     def recent_rejections(self, now: float, window_s: float = 60.0) -> int:
-        times = self.rejection_times
-        while times and times[0] < now - window_s:
-            times.popleft()
-        return len(times)
+        start = now - window_s
+        return sum(1 for t in self.rejection_times if t >= start)
+
+    def paused_at(self, now: float) -> bool:
+        """Paused at ``now``: a timed pause counts as over once its time has come, even
+        before :meth:`Admission.end_pause` clears it."""
+        if not self.paused:
+            return False
+        return not (self.paused_until and now >= self.paused_until)
 
     def accepting(self, now: float) -> bool:
-        if not self.usable:
-            return False
-        if self.paused and now >= self.paused_until and self.pause_reason == "preempting":
-            self.paused = False
-            self.pause_reason = ""
-        return not self.paused
+        """Takes new work at ``now``. A pure read: never changes the backend."""
+        return self.usable and not self.paused_at(now)

@@ -80,15 +80,31 @@ class Fleet:
         idx = self._by_model.get(model)
         return idx if idx is not None else _EMPTY
 
+    def block_size(self, model: str) -> int:
+        """The KV block size reservations of ``model`` are rounded to."""
+        return self.index(model).block_size
+
+    def largest_context(self, model: str) -> int:
+        """The longest sequence any backend of ``model`` with known limits can hold."""
+        return max((t.max_context for t in self.index(model).tiers), default=0)
+
     def adjust(self, b: Backend, tokens: int, seqs: int, in_flight: int) -> None:
-        """Change a backend's reservations through its model's routing index."""
+        """Change a backend's reservations through its model's routing index; a draining
+        backend leaves the fleet (admin view, metrics) when its last request ends."""
         self.index(b.model).adjust(b, tokens, seqs, in_flight)
+        if b.draining and b.in_flight == 0 and b in self._draining:
+            self.reap_drained()
+            log.info("backend %s drained and removed", b.name)
 
     def get(self, name: str) -> Backend | None:
         for b in self._active:
             if b.name == name:
                 return b
         return None
+
+    def discovered(self, backend: Backend) -> Observed | None:
+        """What the node last reported of its limits."""
+        return self._discovered.get(backend.name)
 
     def set_discovered(self, backend: Backend, observed: Observed) -> bool:
         """Record what the node reported; returns True when its limits changed."""

@@ -9,10 +9,37 @@ reported as warnings (``gateway check`` prints them, the server logs them).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from enum import StrEnum
 
+from kvgateway.capacity.layout import kv_tokens_from_blocks
 from kvgateway.config.model import BackendConfig
-from kvgateway.core.backends import Limit, Limits
+
+
+class LimitSource(StrEnum):
+    CONFIG = "config"
+    DISCOVERED = "discovered"
+    DERIVED = "derived"
+    UNKNOWN = "unknown"
+
+
+@dataclass(frozen=True, slots=True)
+class Limit:
+    value: int | None
+    source: LimitSource
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    max_model_len: Limit
+    kv_cache_tokens: Limit
+    max_num_seqs: Limit
+    block_size: int = 16
+    warnings: tuple[str, ...] = ()
+
+    @property
+    def known(self) -> bool:
+        return self.max_model_len.value is not None and self.kv_cache_tokens.value is not None
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,11 +50,15 @@ class Observed:
     kv_cache_tokens: int | None = None
     max_num_seqs: int | None = None
     block_size: int | None = None
+    # Discovered: the pool's size as the node reports it (vllm:cache_config_info).
+    num_gpu_blocks: int | None = None
+    # Derived: how many KV-cache groups share the pool (2+ for hybrid attention models).
+    kv_groups: int | None = None
 
 
 def usable_tokens(num_gpu_blocks: int, block_size: int) -> int:
-    """Tokens requests can use: vLLM keeps block 0 as the reserved null block."""
-    return max(0, num_gpu_blocks - 1) * block_size
+    """Tokens requests can use on a node that reports ``num_gpu_blocks`` (one KV group)."""
+    return kv_tokens_from_blocks(num_gpu_blocks, block_size)
 
 
 def _pick(
@@ -55,18 +86,29 @@ def _pick(
                 f"{'the node reports' if discovered is not None else 'configured'} {actual}"
             )
     if configured is not None:
-        return Limit(configured, "config")
+        return Limit(configured, LimitSource.CONFIG)
     if discovered is not None:
-        return Limit(discovered, "discovered")
+        return Limit(discovered, LimitSource.DISCOVERED)
     if derived is not None:
-        return Limit(derived, "derived")
-    return Limit(None, "unknown")
+        return Limit(derived, LimitSource.DERIVED)
+    return Limit(None, LimitSource.UNKNOWN)
+
+
+def _in_groups(disc: Observed, derived: Observed | None) -> Observed:
+    """A node reports its whole block pool; for a hybrid model (several KV-cache groups,
+    known from the capacity block's architecture) each request's tokens take a block in
+    every group, so the pool holds ``(blocks - 1) // groups * block_size`` tokens."""
+    groups = derived.kv_groups if derived is not None else None
+    if not groups or groups <= 1 or disc.num_gpu_blocks is None or not disc.block_size:
+        return disc
+    tokens = kv_tokens_from_blocks(disc.num_gpu_blocks, disc.block_size, groups)
+    return replace(disc, kv_cache_tokens=tokens)
 
 
 def resolve_limits(
     cfg: BackendConfig, discovered: Observed | None, derived: Observed | None
 ) -> Limits:
-    disc = discovered or Observed()
+    disc = _in_groups(discovered or Observed(), derived)
     der = derived or Observed()
     warnings: list[str] = []
     mml = _pick("max_model_len", cfg.max_model_len, disc.max_model_len, der.max_model_len, warnings)

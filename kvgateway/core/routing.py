@@ -25,49 +25,27 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 
+from kvgateway.config.model import Policy
 from kvgateway.core.backends import Backend
+from kvgateway.core.demand import Demand, can_ever_hold, tokens_on
 from kvgateway.core.routing_index import ModelIndex
 
 
-@dataclass(frozen=True, slots=True)
-class Demand:
-    """What one request needs, in KV tokens and sequence slots."""
+class RouteReason(StrEnum):
+    """Why a request went where it did (a label on the decision metric)."""
 
-    model: str
-    prompt_tokens: int
-    longest_prompt: int
-    output_tokens: int
-    sequences: int
-    tokens: int
-    # Backends that already failed this request: treated as down for it.
-    exclude: frozenset[str] = frozenset()
-    # Backends held for earlier waiters: unavailable now, but still this request's
-    # preferred tier (so claims never push a request onto the offload tier).
-    busy: frozenset[str] = frozenset()
-
-    @property
-    def longest_sequence(self) -> int:
-        return self.longest_prompt + self.output_tokens
-
-
-def demand_tokens(prompt_lengths: Sequence[int], output_tokens: int, n: int, block: int) -> int:
-    """KV tokens a request can occupy: every sequence's prompt and output, in whole blocks.
-
-    vLLM allocates KV in blocks of ``block`` tokens per sequence, so each sequence's
-    ``prompt + output`` is rounded up to a block.
-    """
-    total = 0
-    for p in prompt_lengths:
-        seq = p + output_tokens
-        total += n * (-(-seq // block) * block)
-    return total
+    FIT = "fit"  # the first GPU tier that can hold it
+    SPILL = "spill"  # a later GPU tier, the first being full
+    OFFLOAD = "offload"  # the offload tier: no GPU tier can hold it
+    OVERFLOW = "overflow"  # the offload tier while GPU tiers are full (offload_overflow)
 
 
 @dataclass(frozen=True, slots=True)
 class Routed:
     backend: Backend
-    reason: str  # fit, spill, offload, overflow
+    reason: RouteReason
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,16 +74,13 @@ class RouterState:
 
 
 def _has_room(b: Backend, d: Demand) -> bool:
-    return b.free_tokens >= d.tokens and b.free_seqs >= d.sequences
+    return b.free_tokens >= tokens_on(b, d) and b.free_seqs >= d.sequences
 
 
 def _eligible(b: Backend, d: Demand, now: float) -> bool:
     """Can ``b`` take ``d`` right now (fits, healthy, accepting, has room)?"""
     return (
-        b.limits.known
-        and b.context_limit >= d.longest_sequence
-        and b.budget_tokens >= d.tokens
-        and b.max_num_seqs >= d.sequences
+        can_ever_hold(b, d)
         and b.name not in d.exclude
         and b.name not in d.busy
         and b.accepting(now)
@@ -114,24 +89,14 @@ def _eligible(b: Backend, d: Demand, now: float) -> bool:
 
 
 def _could_use(b: Backend, d: Demand) -> bool:
-    return (
-        b.usable
-        and b.name not in d.exclude
-        and b.context_limit >= d.longest_sequence
-        and b.budget_tokens >= d.tokens
-        and b.max_num_seqs >= d.sequences
-    )
+    return b.usable and b.name not in d.exclude and can_ever_hold(b, d)
 
 
 def _first_fit_tier(index: ModelIndex, d: Demand) -> int | None:
     """The first GPU tier that could hold ``d`` and has a live backend for it: the
     tier a request "fits"; landing in a later one is a spill."""
     for tier in index.tiers:
-        if (
-            not tier.offload
-            and tier.could_hold(d.longest_sequence, d.tokens, d.sequences)
-            and tier.any_usable(lambda b: _could_use(b, d))
-        ):
+        if not tier.offload and tier.could_hold(d) and tier.any_usable(lambda b: _could_use(b, d)):
             return tier.tier_index
     return None
 
@@ -146,9 +111,9 @@ def route_to(
     first_fit = _first_fit_tier(index, d)
     if b.offload:
         if first_fit is None:
-            return Routed(b, "offload")
-        return Routed(b, "overflow") if offload_overflow else None
-    return Routed(b, "fit" if b.tier_index == first_fit else "spill")
+            return Routed(b, RouteReason.OFFLOAD)
+        return Routed(b, RouteReason.OVERFLOW) if offload_overflow else None
+    return Routed(b, RouteReason.FIT if b.tier_index == first_fit else RouteReason.SPILL)
 
 
 def route_kv_aware(
@@ -165,18 +130,20 @@ def route_kv_aware(
             tier.offload
             or first_fit is None
             or tier.tier_index < first_fit
-            or not tier.could_hold(d.longest_sequence, d.tokens, d.sequences)
+            or not tier.could_hold(d)
         ):
             continue
         b = tier.best(accept, d.tokens)
         if b is not None:
-            return Routed(b, "fit" if tier.tier_index == first_fit else "spill")
+            return Routed(b, RouteReason.FIT if tier.tier_index == first_fit else RouteReason.SPILL)
     if first_fit is None or offload_overflow:
         for tier in index.tiers:
-            if tier.offload and tier.could_hold(d.longest_sequence, d.tokens, d.sequences):
+            if tier.offload and tier.could_hold(d):
                 b = tier.best(accept, d.tokens)
                 if b is not None:
-                    return Routed(b, "offload" if first_fit is None else "overflow")
+                    return Routed(
+                        b, RouteReason.OFFLOAD if first_fit is None else RouteReason.OVERFLOW
+                    )
     # Nothing can take it now: the exact (slower) scan says why.
     return kv_aware_scan(index.backends, d, now, offload_overflow=offload_overflow)
 
@@ -186,17 +153,12 @@ def kv_aware_scan(
 ) -> Decision:
     """The reference decision over every backend (tier order): used to explain a miss,
     and by the tests as the oracle for :func:`route_kv_aware`."""
-    could = [
-        b
-        for b in backends
-        if b.limits.known
-        and b.context_limit >= d.longest_sequence
-        and b.budget_tokens >= d.tokens
-        and b.max_num_seqs >= d.sequences
-    ]
+    could = [b for b in backends if can_ever_hold(b, d)]
     if not could:
         return _never_fits(backends, d)
     if not any(b.usable and b.name not in d.exclude for b in could):
+        if any(b.starting and b.name not in d.exclude for b in backends):
+            return Wait("starting")  # a node is coming up: wait for it, within the queue timeout
         return NoBackend("no healthy backend can hold this request")
     first_fit = next((b.tier_index for b in could if not b.offload and _could_use(b, d)), None)
     best: Backend | None = None
@@ -208,13 +170,13 @@ def kv_aware_scan(
         if _eligible(b, d, now) and (best is None or _key_better(b, best)):
             best = b
     if best is not None:
-        return Routed(best, "fit" if best.tier_index == first_fit else "spill")
+        return Routed(best, RouteReason.FIT if best.tier_index == first_fit else RouteReason.SPILL)
     if first_fit is None or offload_overflow:
         offload = [b for b in could if b.offload and _eligible(b, d, now)]
         if offload:
             first_tier = min(b.tier_index for b in offload)
             pick = min((b for b in offload if b.tier_index == first_tier), key=_sort_key)
-            return Routed(pick, "offload" if first_fit is None else "overflow")
+            return Routed(pick, RouteReason.OFFLOAD if first_fit is None else RouteReason.OVERFLOW)
     return Wait()
 
 
@@ -229,30 +191,32 @@ def _key_better(a: Backend, b: Backend) -> bool:
 def _never_fits(backends: Sequence[Backend], d: Demand) -> Decision:
     known = [b for b in backends if b.limits.known]
     if not known:
+        if any(b.starting and b.name not in d.exclude for b in backends):
+            return Wait("starting")  # limits come with the first probe: wait for them
         return NoBackend("no backend of this model has known limits yet (still starting?)")
     return TooLong(max(b.context_limit for b in known))
 
 
 def route_simple(
-    policy: str, backends: Sequence[Backend], d: Demand, state: RouterState, now: float
+    policy: Policy, backends: Sequence[Backend], d: Demand, state: RouterState, now: float
 ) -> Decision:
     pool = [b for b in backends if b.name not in d.exclude and b.healthy and not b.draining]
-    if policy == "length_aware":
+    if policy == Policy.LENGTH_AWARE:
         known = [b for b in backends if b.limits.known]
         if known and all(b.max_model_len < d.longest_sequence for b in known):
             return TooLong(max(b.max_model_len for b in known))
         pool = [b for b in pool if not b.limits.known or b.max_model_len >= d.longest_sequence]
     if not pool:
         return NoBackend("no healthy backend serves this model")
-    if policy == "round_robin":
+    if policy == Policy.ROUND_ROBIN:
         i = state.cursors.get(d.model, 0)
         state.cursors[d.model] = i + 1
-        return Routed(pool[i % len(pool)], "fit")
-    return Routed(min(pool, key=lambda b: b.in_flight), "fit")
+        return Routed(pool[i % len(pool)], RouteReason.FIT)
+    return Routed(min(pool, key=lambda b: b.in_flight), RouteReason.FIT)
 
 
 def route(
-    policy: str,
+    policy: Policy,
     index: ModelIndex,
     d: Demand,
     state: RouterState,
@@ -261,6 +225,6 @@ def route(
     offload_overflow: bool = False,
 ) -> Decision:
     """Decide for one demand over one model's backends."""
-    if policy == "kv_aware":
+    if policy == Policy.KV_AWARE:
         return route_kv_aware(index, d, now, offload_overflow=offload_overflow)
     return route_simple(policy, index.backends, d, state, now)

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable, Sequence
 from sortedcontainers import SortedKeyList
 
 from kvgateway.core.backends import Backend
+from kvgateway.core.demand import Demand, can_ever_hold, fits_limits
 
 
 def _key(b: Backend) -> tuple[int, str]:
@@ -48,18 +49,13 @@ class TierIndex:
         # Tiers are usually identical nodes; then the maxima answer exactly.
         self.uniform = len({(b.context_limit, b.budget_tokens, b.max_num_seqs) for b in known}) <= 1
 
-    def could_hold(self, longest_sequence: int, tokens: int, seqs: int) -> bool:
+    def could_hold(self, d: Demand) -> bool:
         """Could any backend of the tier ever hold this request (health aside)?"""
-        if self.max_context < longest_sequence or self.max_budget < tokens or self.max_seqs < seqs:
+        if not fits_limits(self.max_context, self.max_budget, self.max_seqs, d):
             return False
         if self.uniform:
             return True
-        return any(
-            b.context_limit >= longest_sequence
-            and b.budget_tokens >= tokens
-            and b.max_num_seqs >= seqs
-            for b in self._known
-        )
+        return any(can_ever_hold(b, d) for b in self._known)
 
     def any_usable(self, pred: Callable[[Backend], bool]) -> bool:
         return any(pred(b) for b in self._known)

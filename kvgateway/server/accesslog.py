@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 ACCESS = logging.getLogger("kvgateway.access")
 
@@ -22,6 +22,7 @@ class AccessRecord:
     model: str = "-"
     tier: str = "-"
     backend: str = "-"
+    route: str = "-"
     prompt_tokens: int = 0
     reserved_tokens: int = 0
     status: int = 0
@@ -31,13 +32,9 @@ class AccessRecord:
     attempts: int = 0
     stream: bool = False
     outcome: str = "-"
-    extra: dict[str, str] = field(default_factory=dict)
 
     def fields(self) -> dict[str, object]:
-        data = asdict(self)
-        extra = data.pop("extra")
-        data.update(extra)
-        return data
+        return asdict(self)
 
 
 class _JsonFormatter(logging.Formatter):

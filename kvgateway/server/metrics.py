@@ -139,6 +139,12 @@ class GatewayMetrics:
             buckets=RATIO_BUCKETS,
             registry=registry,
         )
+        self.watcher_restarts = Counter(
+            "gateway_monitor_watcher_restarts",
+            "Backend watchers (health, discovery, load scrapes) restarted after a crash.",
+            ["backend"],
+            registry=registry,
+        )
         self.reloads = Counter(
             "gateway_config_reloads",
             "Configuration reloads by result (ok, invalid).",

@@ -8,12 +8,13 @@ naming the field instead of a reservation built on garbage.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from kvgateway.errors import BadRequest
 
-Kind = Literal["chat", "completion"]
+Kind = Literal["chat", "completion", "responses"]
 
 _ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 MAX_N = 128
@@ -26,20 +27,50 @@ class ParsedRequest:
     model: str
     stream: bool
     n: int
-    # Output tokens the client asked for, per sequence; None when it left it open.
+    # Output tokens the client asked for, per sequence; None when it left it open
+    # (absent or null: both mean "as much as fits" to vLLM).
     requested_output: int | None
     # Which field carries the output budget when the gateway has to set it.
     output_field: str
+    # Sequences the node runs per prompt: max(n, best_of).
+    sequences_per_prompt: int = 1
+    # Completions with echo and max_tokens 0: the node returns the prompt and generates
+    # nothing the client sees (vLLM still schedules one token).
+    echo_only: bool = False
 
 
-def parse_body(raw: bytes) -> dict[str, Any]:
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Caps that keep one request cheap to look at (``admission.max_*``)."""
+
+    max_messages: int = 4096
+    max_content_parts: int = 8192
+
+
+_ROLE_KEY = re.compile(rb'"role"\s*:')
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+def _no_constants(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def parse_body(raw: bytes, limits: Limits = Limits()) -> dict[str, Any]:
     if not raw.strip():
         raise BadRequest("The request body is empty; expected a JSON object.", code="invalid_json")
+    # Too many messages is refused before parsing: counting a key is far cheaper than
+    # building 800k message objects on the event loop.
+    if len(raw) > 64 * limits.max_messages and len(_ROLE_KEY.findall(raw)) > limits.max_messages:
+        raise _too_many("messages", limits.max_messages)
     try:
-        body = json.loads(raw)
+        body = json.loads(raw, parse_constant=_no_constants)
+    except RecursionError as exc:
+        raise BadRequest(
+            "The JSON body of your request is nested too deeply.", code="invalid_json"
+        ) from exc
     except (ValueError, UnicodeDecodeError) as exc:
         raise BadRequest(
-            f"We could not parse the JSON body of your request ({exc}). "
+            f"We could not parse the JSON body of your request ({_short(exc)}). "
             "The body must be valid JSON.",
             code="invalid_json",
         ) from exc
@@ -48,7 +79,34 @@ def parse_body(raw: bytes) -> dict[str, Any]:
             f"The request body must be a JSON object, got {type(body).__name__}.",
             code="invalid_json",
         )
+    if _SURROGATE_ESCAPE.search(raw):
+        # A lone surrogate cannot be encoded to count it: count U+FFFD in its place.
+        fixed: dict[str, Any] = _replace_lone_surrogates(body)
+        return fixed
     return body
+
+
+def _short(exc: Exception) -> str:
+    text = str(exc)
+    return text if len(text) <= 200 else text[:200] + "..."
+
+
+def _too_many(what: str, limit: int) -> BadRequest:
+    return BadRequest(
+        f"Too many {what} in one request: the limit is {limit}.",
+        param="messages",
+        code="too_many_" + what.replace(" ", "_"),
+    )
+
+
+def _replace_lone_surrogates(value: Any) -> Any:
+    if isinstance(value, str):
+        return value.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
+    if isinstance(value, list):
+        return [_replace_lone_surrogates(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _replace_lone_surrogates(v) for k, v in value.items()}
+    return value
 
 
 def _type_error(param: str, expected: str, value: Any) -> BadRequest:
@@ -66,16 +124,19 @@ def _missing(param: str) -> BadRequest:
     )
 
 
-def _opt_positive_int(body: dict[str, Any], key: str, maximum: int | None = None) -> int | None:
+def _opt_positive_int(
+    body: dict[str, Any], key: str, maximum: int | None = None, minimum: int = 1
+) -> int | None:
     value = body.get(key)
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
         raise _type_error(key, "an integer", value)
-    if value < 1 or (maximum is not None and value > maximum):
+    if value < minimum or (maximum is not None and value > maximum):
         limit = f" and at most {maximum}" if maximum else ""
         raise BadRequest(
-            f"Invalid value for '{key}': expected an integer of at least 1{limit}, got {value}.",
+            f"Invalid value for '{key}': expected an integer of at least {minimum}{limit}, "
+            f"got {value}.",
             param=key,
             code="invalid_value",
         )
@@ -98,7 +159,7 @@ def _common(body: dict[str, Any], kind: Kind) -> tuple[str, bool, int]:
     return model, bool(stream), n
 
 
-def parse_chat(body: dict[str, Any]) -> ParsedRequest:
+def parse_chat(body: dict[str, Any], limits: Limits = Limits()) -> ParsedRequest:
     model, stream, n = _common(body, "chat")
     if "messages" not in body:
         raise _missing("messages")
@@ -111,6 +172,9 @@ def parse_chat(body: dict[str, Any]) -> ParsedRequest:
             param="messages",
             code="empty_array",
         )
+    if len(messages) > limits.max_messages:
+        raise _too_many("messages", limits.max_messages)
+    parts = 0
     for i, msg in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(msg, dict):
@@ -130,6 +194,9 @@ def parse_chat(body: dict[str, Any]) -> ParsedRequest:
         if content is not None and not isinstance(content, str | list):
             raise _type_error(f"{where}.content", "a string or an array of parts", content)
         if isinstance(content, list):
+            parts += len(content)
+            if parts > limits.max_content_parts:
+                raise _too_many("content parts", limits.max_content_parts)
             for j, part in enumerate(content):
                 if not isinstance(part, dict) or not isinstance(part.get("type"), str):
                     raise _type_error(f"{where}.content[{j}]", "an object with a 'type'", part)
@@ -140,7 +207,7 @@ def parse_chat(body: dict[str, Any]) -> ParsedRequest:
     mt = _opt_positive_int(body, "max_tokens")
     requested = mct if mct is not None else mt
     field = "max_completion_tokens" if mct is not None or mt is None else "max_tokens"
-    return ParsedRequest("chat", body, model, stream, n, requested, field)
+    return ParsedRequest("chat", body, model, stream, n, requested, field, sequences_per_prompt=n)
 
 
 def parse_completion(body: dict[str, Any]) -> ParsedRequest:
@@ -154,8 +221,29 @@ def parse_completion(body: dict[str, Any]) -> ParsedRequest:
             "a string, an array of strings, an array of token ids or an array of those",
             prompt,
         )
-    requested = _opt_positive_int(body, "max_tokens")
-    return ParsedRequest("completion", body, model, stream, n, requested, "max_tokens")
+    echo = body.get("echo")
+    if echo is not None and not isinstance(echo, bool):
+        raise _type_error("echo", "a boolean", echo)
+    # vLLM takes max_tokens 0 only with echo (the prompt back, nothing generated).
+    requested = _opt_positive_int(body, "max_tokens", minimum=0 if echo else 1)
+    best_of = _opt_positive_int(body, "best_of", MAX_N)
+    if best_of is not None and best_of < n:
+        raise BadRequest(
+            f"Invalid value for 'best_of': it must be at least n ({n}), got {best_of}.",
+            param="best_of",
+            code="invalid_value",
+        )
+    return ParsedRequest(
+        "completion",
+        body,
+        model,
+        stream,
+        n,
+        requested,
+        "max_tokens",
+        sequences_per_prompt=max(n, best_of or 0),
+        echo_only=requested == 0,
+    )
 
 
 def _valid_prompt(prompt: Any) -> bool:
@@ -171,3 +259,54 @@ def _valid_prompt(prompt: Any) -> bool:
         isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
         for p in prompt
     )
+
+
+def parse_responses(body: dict[str, Any], limits: Limits = Limits()) -> ParsedRequest:
+    """``POST /v1/responses``: ``instructions`` and ``input`` (a string or message items)
+    are a chat prompt to the node; ``max_output_tokens`` is the output budget. The body is
+    rewritten as chat ``messages`` only for counting (see :func:`responses_messages`)."""
+    model, stream, _ = _common(body, "responses")
+    instructions = body.get("instructions")
+    if instructions is not None and not isinstance(instructions, str):
+        raise _type_error("instructions", "a string", instructions)
+    raw = body.get("input")
+    if raw is None:
+        raise _missing("input")
+    if isinstance(raw, list):
+        if not raw:
+            raise BadRequest("Invalid 'input': empty array.", param="input", code="empty_array")
+        if len(raw) > limits.max_messages:
+            raise _too_many("messages", limits.max_messages)
+        for i, item in enumerate(raw):
+            if not isinstance(item, dict):
+                raise _type_error(f"input[{i}]", "an object", item)
+            content = item.get("content")
+            if content is not None and not isinstance(content, str | list):
+                raise _type_error(f"input[{i}].content", "a string or an array of parts", content)
+    elif not isinstance(raw, str):
+        raise _type_error("input", "a string or an array of items", raw)
+    requested = _opt_positive_int(body, "max_output_tokens")
+    return ParsedRequest(
+        "responses", body, model, stream, 1, requested, "max_output_tokens", sequences_per_prompt=1
+    )
+
+
+def responses_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The chat messages a Responses request amounts to (what the node's template renders)."""
+    messages: list[dict[str, Any]] = []
+    if isinstance(body.get("instructions"), str):
+        messages.append({"role": "system", "content": body["instructions"]})
+    raw = body["input"]
+    if isinstance(raw, str):
+        return [*messages, {"role": "user", "content": raw}]
+    for item in raw:
+        content = item.get("content")
+        if isinstance(content, list):
+            content = [
+                {"type": "text", "text": part.get("text", "")}
+                if isinstance(part, dict) and isinstance(part.get("text"), str)
+                else part
+                for part in content
+            ]
+        messages.append({"role": item.get("role", "user"), "content": content})
+    return messages

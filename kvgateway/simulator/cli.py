@@ -2,6 +2,8 @@
 
     gateway simulate --config config/demo.yaml          # every node the config describes
     gateway simulate --profile gpu24-8b --port 9101     # one ad-hoc node
+    gateway simulate --preset qwen3-8b --gpu-memory-gib 24 --max-model-len 26624
+                                                        # one node sized like `gateway plan`
 
 ``python -m kvgateway.simulator --node-json JSON`` is the child-process form used by
 ``start_fleet(processes=True)``; it prints ``READY <url>`` once listening.
@@ -20,10 +22,18 @@ from typing import Any
 from kvgateway.simulator.fleet import spec_from_json, start_fleet, start_node
 from kvgateway.simulator.fleetconfig import NodeSpec, load_fleet_config, node_spec
 from kvgateway.simulator.profiles import PROFILES
-from kvgateway.simulator.settings import SettingsError
+from kvgateway.simulator.settings import SettingsError, apply_overrides
+from kvgateway.simulator.sizing import ServeFlags, StartupError, size_node
 
 # Flag -> setting; only these may also be combined with --config (they apply to all).
 _FLEET_FLAGS = {"time_scale": "time_scale", "seed": "seed"}
+_SIZED_FLAGS = (
+    "gpu_memory_gib",
+    "max_num_batched_tokens",
+    "gpu_memory_utilization",
+    "kv_cache_dtype",
+    "cpu_offload_gb",
+)
 _NODE_FLAGS = {
     "model": "model",
     "max_model_len": "max_model_len",
@@ -37,7 +47,8 @@ _NODE_FLAGS = {
 def register(subparsers: Any) -> None:
     parser: argparse.ArgumentParser = subparsers.add_parser(
         "simulate",
-        help="run simulated vLLM nodes (a whole fleet from --config, or one --profile node)",
+        help="run simulated vLLM nodes (a whole fleet from --config, one --profile node, or "
+        "one --preset node sized like `gateway plan`)",
         description=(
             "Run simulated vLLM V1 nodes on loopback ports: vLLM's HTTP API, /metrics and "
             "scheduler behaviour (KV blocks, chunked prefill, preemption) with timings "
@@ -49,6 +60,13 @@ def register(subparsers: Any) -> None:
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--config", metavar="FILE", help="gateway YAML: start every simulate: node")
     source.add_argument("--profile", choices=sorted(PROFILES), help="start one ad-hoc node")
+    source.add_argument(
+        "--preset",
+        metavar="NAME",
+        help="start one node serving a `gateway plan` preset, its KV pool sized by the "
+        "planner's maths from --gpu-memory-gib and the vLLM flags below (it prints "
+        "vLLM-style start-up lines, and refuses to start as vLLM would)",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="ad-hoc node: bind address")
     parser.add_argument("--port", type=int, default=9101, help="ad-hoc node: port (0 = any)")
     parser.add_argument("--name", default="sim", help="ad-hoc node: name")
@@ -62,6 +80,12 @@ def register(subparsers: Any) -> None:
         metavar="DIR",
         help="ad-hoc node: count with this model tokenizer directory and its chat template",
     )
+    sized = parser.add_argument_group("--preset node (vLLM's flags; default: vLLM's defaults)")
+    sized.add_argument("--gpu-memory-gib", type=float, help="per GPU, as torch sees it")
+    sized.add_argument("--max-num-batched-tokens", type=int)
+    sized.add_argument("--gpu-memory-utilization", type=float)
+    sized.add_argument("--kv-cache-dtype", help="auto (default), fp8, ...")
+    sized.add_argument("--cpu-offload-gb", type=float, help="GiB of weights kept in host RAM")
     parser.add_argument("--legacy-metrics", action="store_true", help="vllm:gpu_cache_usage_perc")
     parser.add_argument("--time-scale", type=float, help="simulated seconds per wall second")
     parser.add_argument("--seed", type=int, help="seed for output lengths")
@@ -92,8 +116,14 @@ def build_specs(args: argparse.Namespace) -> list[NodeSpec]:
         return load_fleet_config(
             args.config, port_offset=args.port_offset, overrides=fleet_overrides
         )
+    if args.preset:
+        return [_sized_spec(args, {**node_overrides, **fleet_overrides})]
+    given = [f for f in _SIZED_FLAGS if getattr(args, f) is not None]
+    if given:
+        flag = "--" + given[0].replace("_", "-")
+        raise SettingsError(f"{flag} applies only to a --preset node")
     if not args.profile:
-        raise SettingsError("give --config FILE or --profile NAME")
+        raise SettingsError("give --config FILE, --profile NAME or --preset NAME")
     return [
         node_spec(
             args.profile,
@@ -105,9 +135,34 @@ def build_specs(args: argparse.Namespace) -> list[NodeSpec]:
     ]
 
 
+def _sized_spec(args: argparse.Namespace, overrides: dict[str, Any]) -> NodeSpec:
+    if args.gpu_memory_gib is None:
+        raise SettingsError("--preset needs --gpu-memory-gib")
+    flags = ServeFlags(
+        max_model_len=overrides.pop("max_model_len", None),
+        max_num_seqs=overrides.pop("max_num_seqs", None),
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        kv_cache_dtype=args.kv_cache_dtype or "auto",
+        cpu_offload_gb=args.cpu_offload_gb or 0.0,
+    )
+    sized = size_node(args.preset, args.gpu_memory_gib, flags, name=args.name)
+    for line in sized.log:
+        print(line, flush=True)
+    if "num_gpu_blocks" in overrides:
+        raise SettingsError("--num-gpu-blocks: a --preset node sizes its own KV pool")
+    settings = apply_overrides(sized.settings, overrides, "overrides")
+    return NodeSpec(settings, args.host, args.port)
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         specs = build_specs(args)
+    except StartupError as exc:
+        for line in exc.log:
+            print(line, flush=True)
+        print("gateway simulate: error: vLLM would not start (the ERROR line)", file=sys.stderr)
+        return 1
     except SettingsError as exc:
         print(f"gateway simulate: error: {exc}", file=sys.stderr)
         return 2

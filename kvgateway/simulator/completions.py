@@ -24,6 +24,8 @@ from kvgateway.simulator.tokenizer import TemplateError
 
 # How often a fault-injected hang checks whether its client is gone.
 _HANG_POLL_S = 0.05
+# Llama 3 <|begin_of_text|>: what an empty completion prompt becomes.
+_BOS_ID = 128_000
 
 
 class ClientGone(Exception):
@@ -101,10 +103,10 @@ async def handle_chat(request: web.Request) -> web.StreamResponse:
     req = p.parse_chat(body)
     node.check_model(req.model)
     try:
-        prompt_tokens = await node.tokenizer.count_chat_request(body, req.messages)
+        prompt_ids = await node.tokenizer.encode_chat_request_async(body, req.messages)
     except TemplateError as exc:
         raise p.bad_request(str(exc)) from exc
-    return await _generate(request, node, req, prompt_tokens, chat=True)
+    return await _generate(request, node, req, prompt_ids, chat=True)
 
 
 async def handle_completion(request: web.Request) -> web.StreamResponse:
@@ -112,23 +114,25 @@ async def handle_completion(request: web.Request) -> web.StreamResponse:
     body = p.parse_json(await request.read())
     req = p.parse_completion(body)
     node.check_model(req.model)
-    if req.prompt_token_count is not None:
-        prompt_tokens = req.prompt_token_count
+    if req.prompt_token_ids is not None:
+        prompt_ids = list(req.prompt_token_ids)
     else:
-        prompt_tokens = await node.tokenizer.count_completion_request(body, req.prompt or "")
-    prompt_tokens = max(prompt_tokens, 1)  # vLLM adds BOS; an empty prompt is one token
-    return await _generate(request, node, req, prompt_tokens, chat=False)
+        prompt_ids = await node.tokenizer.encode_completion_request_async(body, req.prompt or "")
+    if not prompt_ids:
+        prompt_ids = [_BOS_ID]  # vLLM adds BOS; an empty prompt is one token
+    return await _generate(request, node, req, prompt_ids, chat=False)
 
 
 async def _generate(
     request: web.Request,
     node: SimNode,
     req: p.GenerationRequest,
-    prompt_tokens: int,
+    prompt_ids: list[int],
     *,
     chat: bool,
 ) -> web.StreamResponse:
     settings = node.settings
+    prompt_tokens = len(prompt_ids)
     budget = p.output_budget(settings.max_model_len, prompt_tokens, req.max_tokens)
     fault = node.faults.consume()
     if fault is not None and fault.hang_s:
@@ -151,7 +155,7 @@ async def _generate(
     )
     poll = node.disconnect_poll_s
     handle = node.driver.submit(
-        prompt_tokens, budget, n=req.n, ignore_eos=req.ignore_eos, min_tokens=req.min_tokens
+        prompt_ids, budget, n=req.n, ignore_eos=req.ignore_eos, min_tokens=req.min_tokens
     )
     try:
         if req.stream:
@@ -164,7 +168,7 @@ async def _generate(
         node.driver.release(handle)
 
 
-async def _wait_news(request: web.Request, handle: RequestHandle, poll: float | None) -> None:
+async def wait_news(request: web.Request, handle: RequestHandle, poll: float | None) -> None:
     """Wait for tokens; with ``poll`` also notice a client that is gone.
 
     aiohttp cancels handlers on disconnect only if the runner asks for it
@@ -215,7 +219,7 @@ async def _collect(
             raise p.ApiError(500, handle.error, "InternalServerError")
         if handle.done:
             break
-        await _wait_news(request, handle, poll)
+        await wait_news(request, handle, poll)
     make = p.chat_message_choice if fmt.chat else p.completion_choice
     choices = [
         make(i, filler_text(0, handle.emitted[i]), finish[i]) for i in range(len(handle.seqs))
@@ -299,7 +303,7 @@ async def _stream_events(
             sent += len(events)
         if handle.done:
             break
-        await _wait_news(request, handle, poll)
+        await wait_news(request, handle, poll)
     tail = ""
     if req.include_usage and handle.error is None:
         final = fmt.chunk([])

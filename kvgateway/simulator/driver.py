@@ -17,11 +17,14 @@ import asyncio
 import contextlib
 import logging
 import random
+import time
 from collections.abc import Callable
+from collections.abc import Sequence as Seq
 from typing import Any
 
 from kvgateway.simulator.engine import EngineCore, SeqState, Sequence, StepResult
 from kvgateway.simulator.generation import OutputSampler
+from kvgateway.simulator.kv_events import KVEventPublisher
 from kvgateway.simulator.metrics import NodeMetrics
 from kvgateway.simulator.settings import NodeSettings
 
@@ -98,11 +101,16 @@ class EngineDriver:
         metrics: NodeMetrics,
         *,
         clock: Callable[[], float],
+        publisher: KVEventPublisher | None = None,
+        wall_clock: Callable[[], float] = time.time,
+        output_ids: Seq[int] = (),
     ) -> None:
         self.settings = settings
-        self.core = EngineCore(settings.engine_config())
+        self.core = EngineCore(settings.engine_config(), output_ids)
         self._metrics = metrics
         self._clock = clock
+        self._publisher = publisher
+        self._wall_clock = wall_clock
         self._t0 = clock()
         self._scale = settings.time_scale
         self._max_lag = _MAX_LAG_WALL_S * settings.time_scale
@@ -142,7 +150,7 @@ class EngineDriver:
 
     def submit(
         self,
-        prompt_tokens: int,
+        prompt_token_ids: list[int],
         budget: int,
         *,
         n: int = 1,
@@ -155,13 +163,13 @@ class EngineDriver:
             plan = self._sampler.plan(budget, ignore_eos=ignore_eos, min_tokens=min_tokens)
             seqs.append(
                 self.core.add(
-                    prompt_tokens=prompt_tokens,
+                    prompt_token_ids=prompt_token_ids,
                     target_tokens=plan.tokens,
                     target_reason=plan.reason,
                     arrival=now,
                 )
             )
-        handle = RequestHandle(seqs, prompt_tokens)
+        handle = RequestHandle(seqs, len(prompt_token_ids))
         if self.dead is not None:
             handle.error = self.dead
         for i, seq in enumerate(seqs):
@@ -228,7 +236,10 @@ class EngineDriver:
         routes = self._routes
         touched: set[RequestHandle] = set()
         record_finished = self._metrics.record_finished
+        publisher = self._publisher
         for r in results:
+            if publisher is not None and r.kv_events:
+                publisher.publish(r.kv_events, self._wall_clock())
             self._metrics.record_step(
                 preemptions=len(r.preempted),
                 prompt_tokens=r.prompt_tokens_done,
@@ -282,6 +293,10 @@ class EngineDriver:
             "max_model_len": cfg.max_model_len,
             "max_num_seqs": cfg.max_num_seqs,
             "preemptions": core.num_preemptions,
+            "cached_blocks": core.kv.pool.num_cached,
+            "prefix_cache_queries": core.kv.stats.queries,
+            "prefix_cache_hits": core.kv.stats.hits,
+            "kv_events_endpoint": self._publisher.endpoint if self._publisher else None,
             "steps": core.num_steps,
             "finished": dict(self.finished),
             "lag_trimmed_s": round(self.lag_trimmed_s, 6),

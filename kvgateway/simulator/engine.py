@@ -23,58 +23,36 @@ vLLM allocates blocks chunk by chunk; here the admitted prompt's blocks are rese
 admission, which is what "the whole prompt must fit" amounts to and keeps a half-done
 prefill from being preempted by its own later chunks.
 
+Blocks live in a :class:`~kvgateway.simulator.block_pool.BlockPool` managed per KV-cache
+group by :class:`~kvgateway.simulator.kv_manager.KVCacheManager`: with prefix caching
+(on by default, as in vLLM V1) an admitted sequence starts from the longest cached
+prefix of its token ids and only the rest is prefilled (and costed). Full blocks enter
+the cache as they are scheduled; freed blocks stay cached until the pool reuses them.
+Output token ids are those of the text the node streams (``output_ids``, one id per
+filler word, from the node's tokenizer) so that a client sending the answer back in its
+next turn presents the same ids; without them they are synthetic, distinct per
+sequence. Either way a preempted sequence finds its own blocks again if not evicted.
+
 Block 0 is reserved (vLLM's null block): ``num_gpu_blocks - 1`` blocks are usable.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from enum import Enum
+
+from kvgateway.capacity.layout import kv_tokens_from_blocks
+from kvgateway.simulator.block_pool import BlockHash, BlockPool, KVEvent, none_hash
+from kvgateway.simulator.cost import CostModel
+from kvgateway.simulator.kv_manager import KVCacheManager
 
 
 class SeqState(Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
-
-
-@dataclass(frozen=True, slots=True)
-class CostModel:
-    """Duration of one engine step in simulated seconds: a roofline in four terms.
-
-    ``step_overhead_s + offload_s + max(tokens * prefill_s_per_token, weight_read_s)
-    + context_tokens * kv_read_s_per_token``
-
-    - every forward pass reads all GPU-resident weights once (``weight_read_s`` =
-      weight bytes / HBM bandwidth) and streams CPU-offloaded weights over PCIe
-      (``offload_s``);
-    - compute is ~2 * params FLOPs per scheduled token, prefill chunk or decode token
-      alike (``prefill_s_per_token``); a step is bound by the larger of compute and the
-      weight read, so small decode batches cost the weight read, big prefills their FLOPs;
-    - attention reads the KV of every scheduled sequence's context
-      (``kv_read_s_per_token`` = KV bytes per token / HBM bandwidth).
-
-    So a bigger batch makes each step slower but yields more tokens per second overall.
-    Estimates from public datasheet figures (see profiles.py), right in shape, not exact.
-    """
-
-    step_overhead_s: float = 0.002
-    weight_read_s: float = 0.016
-    offload_s: float = 0.0
-    prefill_s_per_token: float = 0.0002
-    kv_read_s_per_token: float = 1.31e-7
-
-    def step_duration(self, scheduled_tokens: int, context_tokens: int) -> float:
-        if scheduled_tokens <= 0:
-            return 0.0
-        compute = scheduled_tokens * self.prefill_s_per_token
-        return (
-            self.step_overhead_s
-            + self.offload_s
-            + max(compute, self.weight_read_s)
-            + context_tokens * self.kv_read_s_per_token
-        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +63,11 @@ class EngineConfig:
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 2048
     cost: CostModel = field(default_factory=CostModel)
+    enable_prefix_caching: bool = True
+    # One entry per KV-cache group: None for full attention, else the sliding window.
+    kv_windows: tuple[int | None, ...] = (None,)
+    enable_kv_events: bool = False
+    hash_seed: str | None = None
 
     @property
     def usable_blocks(self) -> int:
@@ -92,7 +75,8 @@ class EngineConfig:
 
     @property
     def kv_tokens(self) -> int:
-        return self.usable_blocks * self.block_size
+        """Tokens of short requests the pool holds: every group keeps a copy."""
+        return kv_tokens_from_blocks(self.num_gpu_blocks, self.block_size, len(self.kv_windows))
 
 
 @dataclass(slots=True, eq=False)
@@ -109,6 +93,9 @@ class Sequence:
     num_computed: int = 0
     output_tokens: int = 0
     num_blocks: int = 0
+    # Prompt and output token ids, and the hashes of the full blocks among them.
+    token_ids: list[int] = field(default_factory=list)
+    block_hashes: list[BlockHash] = field(default_factory=list)
     scheduled_at: float | None = None
     first_token_at: float | None = None
     last_token_at: float | None = None
@@ -138,21 +125,38 @@ class StepResult:
     prompt_tokens_done: int
     ttfts: tuple[float, ...]
     inter_token_latencies: tuple[float, ...]
+    kv_events: tuple[KVEvent, ...] = ()
 
 
-def blocks_for(tokens: int, block_size: int) -> int:
-    return -(-tokens // block_size)
+# Synthetic output ids: distinct per sequence, stable across a preemption.
+_OUTPUT_ID_BASE = 50_000
+_OUTPUT_ID_SPAN = 100_000
+
+
+def output_token_id(seq_id: int, index: int) -> int:
+    return _OUTPUT_ID_BASE + (seq_id * 7_919 + index * 104_729) % _OUTPUT_ID_SPAN
 
 
 class EngineCore:
     """Scheduler state; mutate only through :meth:`add`, :meth:`abort`, :meth:`step`."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, output_ids: Seq[int] = ()) -> None:
         if config.num_gpu_blocks < 2:
             raise ValueError("num_gpu_blocks must be at least 2 (block 0 is reserved)")
         self.config = config
         self.clock = 0.0
-        self.free_blocks = config.usable_blocks
+        self._output_ids = tuple(output_ids)
+        pool = BlockPool(
+            config.num_gpu_blocks,
+            enable_caching=config.enable_prefix_caching,
+            enable_events=config.enable_kv_events,
+        )
+        self.kv = KVCacheManager(
+            pool,
+            block_size=config.block_size,
+            windows=config.kv_windows,
+            root_hash=none_hash(config.hash_seed),
+        )
         self.running: list[Sequence] = []
         self.waiting: deque[Sequence] = deque()
         self.num_preemptions = 0
@@ -160,6 +164,11 @@ class EngineCore:
         self._next_id = 0
 
     # -- queries -------------------------------------------------------------------
+
+    @property
+    def free_blocks(self) -> int:
+        """Blocks no request holds, cached ones (evictable) included, as vLLM counts."""
+        return self.kv.pool.num_free
 
     @property
     def used_blocks(self) -> int:
@@ -176,9 +185,24 @@ class EngineCore:
     # -- mutations -----------------------------------------------------------------
 
     def add(
-        self, *, prompt_tokens: int, target_tokens: int, target_reason: str, arrival: float
+        self,
+        *,
+        target_tokens: int,
+        target_reason: str,
+        arrival: float,
+        prompt_token_ids: Seq[int] | None = None,
+        prompt_tokens: int | None = None,
     ) -> Sequence:
-        """Queue a sequence at the back of the waiting queue."""
+        """Queue a sequence at the back of the waiting queue.
+
+        Give the prompt's token ids; a bare ``prompt_tokens`` count stands for a prompt
+        of ids no other sequence shares (it never hits the prefix cache).
+        """
+        if prompt_token_ids is not None:
+            ids = list(prompt_token_ids)
+        else:
+            ids = [-(self._next_id + 1)] * (prompt_tokens or 0)
+        prompt_tokens = len(ids)
         if prompt_tokens < 1 or target_tokens < 1:
             raise ValueError("a sequence needs at least one prompt and one output token")
         if prompt_tokens + target_tokens - 1 > self.config.max_model_len:
@@ -189,6 +213,7 @@ class EngineCore:
             target_tokens=target_tokens,
             target_reason=target_reason,
             arrival=arrival,
+            token_ids=ids,
         )
         self._next_id += 1
         self.waiting.append(seq)
@@ -219,7 +244,7 @@ class EngineCore:
             # Idle engine: it starts when the first queued request arrived, not before.
             start = max(start, self.waiting[0].arrival)
         cfg = self.config
-        bs = cfg.block_size
+        kv = self.kv
         budget = cfg.max_num_batched_tokens
         scheduled: list[tuple[Sequence, int]] = []
         preempted: list[Sequence] = []
@@ -229,21 +254,18 @@ class EngineCore:
         while i < len(running) and budget > 0:
             seq = running[i]
             num_new = min(seq.num_tokens - seq.num_computed, budget)
-            need = blocks_for(seq.num_computed + num_new, bs) - seq.num_blocks
-            if need > self.free_blocks:
-                preempted_self = False
-                while need > self.free_blocks:
-                    victim = running.pop()  # the newest running sequence
-                    self._preempt(victim)
-                    preempted.append(victim)
-                    if victim is seq:
-                        preempted_self = True
-                        break
-                if preempted_self:
+            preempted_self = False
+            while not kv.allocate(seq.seq_id, seq, seq.num_computed + num_new, seq.num_computed):
+                victim = running.pop()  # the newest running sequence
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    preempted_self = True
                     break
-            if need > 0:
-                self.free_blocks -= need
-                seq.num_blocks += need
+            if preempted_self:
+                break
+            kv.cache_blocks(seq.seq_id, seq, seq.num_computed + num_new)
+            self._count_blocks(seq)
             scheduled.append((seq, num_new))
             budget -= num_new
             i += 1
@@ -254,16 +276,17 @@ class EngineCore:
                 seq = waiting[0]
                 if seq.arrival > start:
                     break  # not arrived yet in simulated time
-                need = blocks_for(seq.num_tokens, bs)
-                if need > self.free_blocks:
+                computed, num_hit = kv.get_computed_blocks(seq)
+                if not kv.allocate(seq.seq_id, seq, seq.num_tokens, num_hit, computed):
                     break  # FCFS: nobody overtakes the head
                 waiting.popleft()
-                self.free_blocks -= need
-                seq.num_blocks = need
+                seq.num_computed = num_hit
                 seq.state = SeqState.RUNNING
                 if seq.scheduled_at is None:
                     seq.scheduled_at = start
-                num_new = min(seq.num_tokens, budget)
+                num_new = min(seq.num_tokens - num_hit, budget)
+                kv.cache_blocks(seq.seq_id, seq, num_hit + num_new)
+                self._count_blocks(seq)
                 running.append(seq)
                 scheduled.append((seq, num_new))
                 budget -= num_new
@@ -273,7 +296,10 @@ class EngineCore:
                 # Everything running was preempted (a sequence bigger than the pool);
                 # time still passes so the loop cannot spin without progress.
                 self.num_steps += 1
-                return StepResult(start, start, 0, 0, 0, (), (), tuple(preempted), 0, (), ())
+                events = tuple(self.kv.pool.take_events())
+                return StepResult(
+                    start, start, 0, 0, 0, (), (), tuple(preempted), 0, (), (), events
+                )
             return None
 
         prefill_tokens = decode_tokens = context = 0
@@ -294,6 +320,12 @@ class EngineCore:
             seq.num_computed += num_new
             if seq.num_computed < seq.num_tokens:
                 continue  # prefill chunk: no token sampled yet
+            ids = self._output_ids
+            seq.token_ids.append(
+                ids[seq.output_tokens % len(ids)]
+                if ids
+                else output_token_id(seq.seq_id, seq.output_tokens)
+            )
             seq.output_tokens += 1
             if seq.first_token_at is None:
                 seq.first_token_at = end
@@ -325,13 +357,17 @@ class EngineCore:
             prompt_tokens_done=prompt_done,
             ttfts=tuple(ttfts),
             inter_token_latencies=tuple(itls),
+            kv_events=tuple(self.kv.pool.take_events()),
         )
 
     # -- internals -----------------------------------------------------------------
 
     def _release(self, seq: Sequence) -> None:
-        self.free_blocks += seq.num_blocks
+        self.kv.free(seq.seq_id)
         seq.num_blocks = 0
+
+    def _count_blocks(self, seq: Sequence) -> None:
+        seq.num_blocks = self.kv.num_held(seq.seq_id)
 
     def _preempt(self, seq: Sequence) -> None:
         self._release(seq)

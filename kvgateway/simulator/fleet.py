@@ -29,7 +29,7 @@ from aiohttp import web
 
 from kvgateway.simulator.fleetconfig import NodeSpec
 from kvgateway.simulator.node import NODE_KEY, SimNode
-from kvgateway.simulator.server import create_app
+from kvgateway.simulator.server import create_node_app
 from kvgateway.simulator.settings import NodeSettings, validate
 from kvgateway.tokens.encoding import EncodingCache
 
@@ -83,7 +83,7 @@ class RunningNode:
         )
 
 
-class Fleet:
+class SimulatedFleet:
     def __init__(self, nodes: Iterable[RunningNode]) -> None:
         self.nodes: list[RunningNode] = list(nodes)
 
@@ -112,7 +112,7 @@ async def start_node(
 ) -> RunningNode:
     """Serve one node on ``spec.host:spec.port`` (port 0: any free port) in this loop."""
     # This runner cancels handlers on disconnect, so they need not poll for it.
-    app = create_app(spec.settings, encodings=encodings, clock=clock, disconnect_poll_s=None)
+    app = create_node_app(spec.settings, encodings=encodings, clock=clock, disconnect_poll_s=None)
     runner = web.AppRunner(
         app, handler_cancellation=True, shutdown_timeout=SHUTDOWN_TIMEOUT_S, access_log=None
     )
@@ -219,7 +219,7 @@ async def start_fleet(
     processes: bool = False,
     encodings: EncodingCache | None = None,
     ready_timeout: float = 30.0,
-) -> AsyncIterator[Fleet]:
+) -> AsyncIterator[SimulatedFleet]:
     """Start every node; on exit (or if one fails to start) stop them in reverse order."""
     encodings = encodings or EncodingCache()
     async with contextlib.AsyncExitStack() as stack:
@@ -231,4 +231,4 @@ async def start_fleet(
                 node = await start_node(spec, encodings=encodings)
             stack.push_async_callback(node.stop)
             nodes.append(node)
-        yield Fleet(nodes)
+        yield SimulatedFleet(nodes)

@@ -6,7 +6,12 @@ Reads only what the simulator needs, and ignores the rest of the file:
 - ``tiers[].backends[]`` with a ``simulate:`` mapping (backends without one are real
   nodes and are skipped): ``name``, ``url`` (host and port to bind), ``model`` (a
   ``models[].name``; the node serves its ``served_name``) and ``simulate.profile`` plus
-  optional overrides of any :class:`NodeSettings` field;
+  optional overrides of any :class:`NodeSettings` field; or, instead of ``profile``,
+  ``preset`` + ``gpu_memory_gib`` and vLLM's flags (``max_model_len``, ``max_num_seqs``,
+  ``max_num_batched_tokens``, ``gpu_memory_utilization``, ``kv_cache_dtype``,
+  ``cpu_offload_gb``): a node sized by the planner's maths (``sizing.py``); and
+  ``simulate.kv_events`` (``{endpoint, topic, replay_endpoint, array_like}``, vLLM's
+  ``--kv-events-config``);
 - ``simulation:`` (optional, top level): defaults for every simulated node, e.g.
   ``time_scale`` or ``seed``. A default ``seed`` is a base: node ``i`` (in file order)
   gets ``seed + i`` so nodes do not draw identical output lengths.
@@ -24,10 +29,12 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-import yaml
-
+from kvgateway.config.document import read_document
+from kvgateway.config.yamlread import ConfigError, Reading
+from kvgateway.simulator.kv_events import kv_events_overrides
 from kvgateway.simulator.profiles import get_profile
 from kvgateway.simulator.settings import NodeSettings, SettingsError, apply_overrides
+from kvgateway.simulator.sizing import SIZING_KEYS, size_from_mapping
 
 
 class SimulatorConfigError(SettingsError):
@@ -75,10 +82,15 @@ def load_fleet_config(
         text = Path(path).read_text(encoding="utf-8")
     except OSError as exc:
         raise SimulatorConfigError(f"{path}: cannot read: {exc.strerror or exc}") from exc
+    # Read as the gateway reads it: duplicate keys rejected, ${VAR} references expanded, so
+    # a node listens where the gateway will look for it.
+    reading = Reading()
     try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise SimulatorConfigError(f"{path}: invalid YAML: {exc}") from exc
+        data = read_document(text, str(path), reading)
+    except ConfigError as exc:
+        raise SimulatorConfigError(str(exc)) from exc
+    if reading.errors:
+        raise SimulatorConfigError(f"{path}: {ConfigError.of(reading.errors)}")
     return parse_fleet_config(data, port_offset=port_offset, overrides=overrides)
 
 
@@ -148,15 +160,28 @@ def _backend_spec(
     served = _served_model(backend.get("model"), models, f"{path}.model")
     sim = _mapping(backend.get("simulate"), f"{path}.simulate")
     profile = sim.get("profile")
-    if not isinstance(profile, str):
-        raise SimulatorConfigError(f"{path}.simulate.profile: required, a profile name")
-    settings = dataclasses.replace(
-        get_profile(profile, f"{path}.simulate.profile"), name=name, model=served
-    )
+    skip: tuple[str, ...] = ("profile",)
+    if "preset" in sim:
+        # A node sized by the planner's maths from vLLM's flags (simulator/sizing.py).
+        if profile is not None:
+            raise SimulatorConfigError(f"{path}.simulate.preset: give profile or preset, not both")
+        sized = size_from_mapping(sim, f"{path}.simulate", name=name)
+        base = sized.settings
+        skip = SIZING_KEYS
+    elif not isinstance(profile, str):
+        raise SimulatorConfigError(
+            f"{path}.simulate.profile: required, a profile name (or preset: a planner preset)"
+        )
+    else:
+        base = get_profile(profile, f"{path}.simulate.profile")
+    settings = dataclasses.replace(base, name=name, model=served)
     settings = apply_overrides(settings, defaults, "simulation", skip=("seed",))
     if base_seed is not None:
         settings = dataclasses.replace(settings, seed=base_seed + index)
-    settings = apply_overrides(settings, sim, f"{path}.simulate", skip=("profile",))
+    if sim.get("kv_events") is not None:
+        events = kv_events_overrides(sim["kv_events"], f"{path}.simulate.kv_events")
+        sim = {**{k: v for k, v in sim.items() if k != "kv_events"}, **events}
+    settings = apply_overrides(settings, sim, f"{path}.simulate", skip=skip)
     return NodeSpec(settings, host, port)
 
 

@@ -26,6 +26,11 @@ def token_json(index: int) -> str:
     return _WORDS_JSON[index % len(_WORDS_JSON)]
 
 
+def filler_words() -> tuple[str, ...]:
+    """The cycle ``token_text`` walks through: output token ``i`` is word ``i % len``."""
+    return _WORDS
+
+
 def token_text(index: int) -> str:
     """The text of output token number ``index`` (0-based) of any sequence."""
     return _WORDS[index % len(_WORDS)]

@@ -38,8 +38,7 @@ def cache_config_labels(s: NodeSettings) -> dict[str, str]:
         "block_size": str(s.block_size),
         "cache_dtype": s.cache_dtype,
         "calculate_kv_scales": "False",
-        # Prefix caching is not simulated: every sequence computes its own prompt.
-        "enable_prefix_caching": "False",
+        "enable_prefix_caching": str(s.enable_prefix_caching),
         "gpu_memory_utilization": str(s.gpu_memory_utilization),
         "hash_block_size": "None",
         "is_attention_free": "False",
@@ -57,7 +56,7 @@ def cache_config_labels(s: NodeSettings) -> dict[str, str]:
         "num_gpu_blocks": str(s.num_gpu_blocks),
         "num_gpu_blocks_override": "None",
         "prefix_caching_hash_algo": "sha256",
-        "sliding_window": "None",
+        "sliding_window": str(s.sliding_window) if s.num_sliding_window_groups else "None",
         "user_specified_block_size": "False",
         "user_specified_mamba_block_size": "False",
     }
@@ -99,6 +98,22 @@ class NodeMetrics:
             names,
             registry=reg,
         ).labels(*values)
+        # Fed from the engine's PrefixCacheStats at scrape time (preempted requests'
+        # lookups are kept apart, as in vLLM).
+        self._prefix_queries = Counter(
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.",
+            names,
+            registry=reg,
+        ).labels(*values)
+        self._prefix_hits = Counter(
+            "vllm:prefix_cache_hits",
+            "Prefix cache hits, in terms of number of cached tokens.",
+            names,
+            registry=reg,
+        ).labels(*values)
+        self._seen_queries = 0
+        self._seen_hits = 0
         self._prompt_tokens = Counter(
             "vllm:prompt_tokens", "Number of prefill tokens processed.", names, registry=reg
         ).labels(*values)
@@ -190,4 +205,11 @@ class NodeMetrics:
         self._running.set(len(core.running))
         self._waiting.set(len(core.waiting))
         self._usage.set(core.usage)
+        stats = core.kv.stats
+        if stats.queries > self._seen_queries:
+            self._prefix_queries.inc(stats.queries - self._seen_queries)
+            self._seen_queries = stats.queries
+        if stats.hits > self._seen_hits:
+            self._prefix_hits.inc(stats.hits - self._seen_hits)
+            self._seen_hits = stats.hits
         return generate_latest(self.registry)

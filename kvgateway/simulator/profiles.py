@@ -116,8 +116,34 @@ TINY = NodeSettings(
     output_max=256,
 )
 
+# Hybrid attention: gpt-oss-20b (24 layers alternating sliding-window 128 / full, 8 KV
+# heads x 64, bf16 KV = 2,048 B per token per layer; mxfp4 weights 12.86 GiB) on a 24 GB
+# card. vLLM groups the layers into one full-attention and one sliding-window group of 12,
+# and every block of the pool serves one group: 7.73 GiB of KV // (16 x 2,048 B) // 12
+# = 21,110 blocks, holding (21,110 - 1) // 2 x 16 = 168,864 tokens of short requests
+# (`gateway plan --preset gpt-oss-20b --gpu-memory-gib 24`). The sliding-window group
+# frees blocks that fall out of its window, so long decodes cost about one block per
+# 16 tokens. Decode reads ~13.8 GB of weights at ~1.0 TB/s; prefill ~3.6e9 active params
+# at ~80 TFLOP/s effective is ~90 us per token. Estimates, as above.
+GPU24_GPTOSS_20B = NodeSettings(
+    profile="gpu24-gptoss-20b",
+    model="openai/gpt-oss-20b",
+    max_model_len=32_768,
+    num_gpu_blocks=21_110,
+    block_size=16,
+    max_num_seqs=16,
+    max_num_batched_tokens=2048,
+    gpu_memory_utilization=0.92,
+    step_overhead_s=0.002,
+    weight_read_s=0.014,
+    prefill_s_per_token=90e-6,
+    kv_read_s_per_token=49_152 / 1.0e12,
+    sliding_window=128,
+    num_sliding_window_groups=1,
+)
+
 PROFILES: Mapping[str, NodeSettings] = MappingProxyType(
-    {p.profile: p for p in (GPU24_8B, GPU80_8B, OFFLOAD_8B, TINY)}
+    {p.profile: p for p in (GPU24_8B, GPU80_8B, OFFLOAD_8B, TINY, GPU24_GPTOSS_20B)}
 )
 
 

@@ -141,6 +141,7 @@ class GenerationRequest:
     messages: tuple[ChatMessage, ...] = ()
     prompt: str | None = None
     prompt_token_count: int | None = None  # prompt given as token ids
+    prompt_token_ids: tuple[int, ...] | None = None
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
@@ -238,9 +239,13 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
 
 def parse_completion(body: dict[str, Any]) -> GenerationRequest:
-    max_tokens = _opt_int(body, "max_tokens", 1)
+    echo = _bool(body, "echo")
+    # vLLM: max_tokens 0 is allowed with echo (the prompt back); it schedules one token.
+    max_tokens = _opt_int(body, "max_tokens", 0 if echo else 1)
     if "max_tokens" not in body:
         max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
+    elif max_tokens == 0:
+        max_tokens = 1
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of one
@@ -251,7 +256,11 @@ def parse_completion(body: dict[str, Any]) -> GenerationRequest:
         and prompt
         and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
     ):
-        return GenerationRequest(**_common(body, max_tokens), prompt_token_count=len(prompt))
+        return GenerationRequest(
+            **_common(body, max_tokens),
+            prompt_token_count=len(prompt),
+            prompt_token_ids=tuple(prompt),
+        )
     raise bad_request(
         "prompt must be a string, a list of token ids, or a list of one of those "
         "(the simulator serves one prompt per request).",

@@ -1,7 +1,8 @@
 """The HTTP surface of one simulated vLLM node.
 
-vLLM's endpoints (``/health``, ``/v1/models``, ``/tokenize``, ``/detokenize``, ``/metrics``,
-``/v1/chat/completions``, ``/v1/completions``) plus the simulator's own:
+vLLM's endpoints (``/health``, ``/v1/models``, ``/tokenize``, ``/metrics``,
+``/v1/chat/completions``, ``/v1/completions``; models/{id}, embeddings, rerank, score,
+detokenize and responses in ``endpoints_extra.py``) plus the simulator's own:
 
 - ``GET /sim/state``: engine state as JSON (running, waiting, used/free blocks,
   kv_usage, preemptions, finished counts, simulated time, lag);
@@ -21,6 +22,7 @@ from aiohttp import web
 
 from kvgateway.simulator import protocol as p
 from kvgateway.simulator.completions import ClientGone, handle_chat, handle_completion
+from kvgateway.simulator.endpoints_extra import register_extra_endpoints
 from kvgateway.simulator.faults import FaultError, parse_fault
 from kvgateway.simulator.node import NODE_KEY, SimNode
 from kvgateway.simulator.settings import NodeSettings
@@ -38,7 +40,7 @@ _THREAD_THRESHOLD_CHARS = 32_000
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def create_app(
+def create_node_app(
     settings: NodeSettings,
     *,
     clock: Callable[[], float] = time.monotonic,
@@ -59,10 +61,10 @@ def create_app(
     app.router.add_get("/health", _health)
     app.router.add_get("/v1/models", _models)
     app.router.add_post("/tokenize", _tokenize)
-    app.router.add_post("/detokenize", _detokenize)
     app.router.add_get("/metrics", _metrics)
     app.router.add_post("/v1/chat/completions", handle_chat)
     app.router.add_post("/v1/completions", handle_completion)
+    register_extra_endpoints(app)
     app.router.add_get("/sim/state", _state)
     app.router.add_get("/sim/fault", _get_fault)
     app.router.add_post("/sim/fault", _set_fault)
@@ -72,9 +74,13 @@ def create_app(
 
 async def _engine_ctx(app: web.Application) -> AsyncIterator[None]:
     node = app[NODE_KEY]
+    if node.publisher is not None:
+        await node.publisher.start()
     node.driver.start()
     yield
     await node.driver.stop()
+    if node.publisher is not None:
+        await node.publisher.close()
 
 
 async def _stop_engine(app: web.Application) -> None:
@@ -85,6 +91,9 @@ async def _stop_engine(app: web.Application) -> None:
 
 @web.middleware
 async def _error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    traceparent = request.headers.get("traceparent")
+    if traceparent is not None:
+        request.app[NODE_KEY].last_traceparent = traceparent
     try:
         return await handler(request)
     except p.ApiError as exc:
@@ -139,24 +148,6 @@ async def _tokenize(request: web.Request) -> web.Response:
     )
 
 
-async def _detokenize(request: web.Request) -> web.Response:
-    """vLLM's ``POST /detokenize``: ``{"tokens": [ids]}`` to ``{"prompt": text}``."""
-    node = request.app[NODE_KEY]
-    body = p.parse_json(await request.read())
-    model = body.get("model")
-    node.check_model(model if isinstance(model, str) else None)
-    ids = body.get("tokens")
-    if not isinstance(ids, list) or not all(
-        isinstance(i, int) and not isinstance(i, bool) for i in ids
-    ):
-        raise p.bad_request("tokens must be a list of token ids.", "tokens")
-    try:
-        text = node.tokenizer.decode(ids)
-    except (ValueError, KeyError, OverflowError) as exc:
-        raise p.bad_request(f"cannot decode these tokens: {exc}", "tokens") from exc
-    return p.json_response({"prompt": text})
-
-
 def _decode_one(node: SimNode, token: int) -> str:
     try:
         return node.tokenizer.token_str(token)
@@ -183,6 +174,7 @@ async def _state(request: web.Request) -> web.Response:
     state = node.driver.snapshot()
     fault = node.faults.current
     state["fault"] = None if fault is None else fault.as_json()
+    state["last_traceparent"] = node.last_traceparent
     return p.json_response(state)
 
 

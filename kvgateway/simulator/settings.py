@@ -14,7 +14,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvgateway.simulator.engine import CostModel, EngineConfig
+from kvgateway.capacity.layout import kv_tokens_from_blocks
+from kvgateway.simulator.cost import CostModel
+from kvgateway.simulator.engine import EngineConfig
 
 OUTPUT_DISTRIBUTIONS = ("lognormal", "uniform", "fixed")
 
@@ -83,14 +85,33 @@ class NodeSettings:
     legacy_metric_names: bool = False
     engine_label: str = "0"
 
+    # Prefix caching, on by default as in vLLM V1 (--no-enable-prefix-caching turns it off).
+    enable_prefix_caching: bool = True
+    # Hybrid attention: besides one full-attention KV-cache group, this many
+    # sliding-window groups of `sliding_window` tokens share the pool (capacity/layout.py).
+    sliding_window: int | None = None
+    num_sliding_window_groups: int = 0
+    # --kv-events-config: ZMQ PUB endpoint (binds when it has `*`, else connects, as vLLM),
+    # topic, optional ROUTER replay endpoint; `kv_events_array_like` selects the layout
+    # of vLLM releases before the map-encoded events. See kv_events.py.
+    kv_events_endpoint: str | None = None
+    kv_events_topic: str = ""
+    kv_events_replay_endpoint: str | None = None
+    kv_events_array_like: bool = False
+
     @property
     def served_root(self) -> str:
         return self.model_root or self.model
 
     @property
+    def kv_windows(self) -> tuple[int | None, ...]:
+        """Per KV-cache group: None for full attention, else its sliding window."""
+        return (None,) + (self.sliding_window,) * self.num_sliding_window_groups
+
+    @property
     def kv_tokens(self) -> int:
-        """Usable KV tokens: block 0 is reserved by vLLM's block pool."""
-        return (self.num_gpu_blocks - 1) * self.block_size
+        """Usable KV tokens: block 0 is reserved; every KV-cache group holds a copy."""
+        return kv_tokens_from_blocks(self.num_gpu_blocks, self.block_size, len(self.kv_windows))
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
@@ -106,6 +127,9 @@ class NodeSettings:
                 prefill_s_per_token=self.prefill_s_per_token,
                 kv_read_s_per_token=self.kv_read_s_per_token,
             ),
+            enable_prefix_caching=self.enable_prefix_caching,
+            kv_windows=self.kv_windows,
+            enable_kv_events=self.kv_events_endpoint is not None,
         )
 
     def describe(self) -> str:
@@ -233,3 +257,13 @@ def validate(s: NodeSettings, path: str = "settings") -> None:
         raise SettingsError(f"{path}.gpu_memory_utilization: expected a number in (0, 1]")
     if not s.model:
         raise SettingsError(f"{path}.model: must not be empty")
+    if s.num_sliding_window_groups < 0:
+        raise SettingsError(f"{path}.num_sliding_window_groups: must not be negative")
+    if s.num_sliding_window_groups and (s.sliding_window is None or s.sliding_window < 1):
+        raise SettingsError(
+            f"{path}.sliding_window: a positive window is needed with sliding-window groups"
+        )
+    if s.num_sliding_window_groups and s.kv_events_endpoint is not None:
+        # vLLM turns its hybrid KV-cache manager off when KV events are on; the
+        # simulator does not model that fallback.
+        raise SettingsError(f"{path}.kv_events: not supported on a hybrid (sliding-window) node")

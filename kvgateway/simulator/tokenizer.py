@@ -64,13 +64,40 @@ class NodeTokenizer:
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` (synthetic ids when counting is by ratio or scaled)."""
+        if self.exact is not None:
+            return self.exact.tokenizer.engine.encode(text)
         if self._encoder is not None and self._scale == 1.0:
             return self._encoder.encode_ordinary(text)
         return list(range(1000, 1000 + self._count_text(text)))
 
+    def decode(self, tokens: list[int]) -> str:
+        """The text of ``tokens``: real BPE where ``encode`` is real, filler otherwise."""
+        if self.exact is not None:
+            try:
+                return self.exact.tokenizer.engine.decode(tokens)
+            except (OverflowError, TypeError, ValueError) as exc:
+                raise ValueError(f"not tokens of {self.exact.name}: {exc}") from exc
+        if self._encoder is not None and self._scale == 1.0:
+            try:
+                return self._encoder.decode(tokens)
+            except (KeyError, ValueError) as exc:
+                raise ValueError(f"not a token of {self._encoder.name}: {exc}") from exc
+        return " x" * len(tokens)
+
+    def token_str(self, token: int) -> str:
+        """transformers' convert_ids_to_tokens for one id (what /tokenize's token_strs holds)."""
+        if self.exact is not None:
+            spelled = self.exact.tokenizer.engine.token_str(token)
+            if spelled is None:
+                raise ValueError(f"token id {token} is not in the vocabulary")
+            return spelled
+        return self.decode([token])
+
     def _count_text(self, text: str) -> int:
         if not text:
             return 0
+        if self.exact is not None:
+            return len(self.exact.tokenizer.engine.encode(text))
         if self._encoder is not None:
             base = len(self._encoder.encode_ordinary(text))
         else:
@@ -79,9 +106,15 @@ class NodeTokenizer:
         return base if self._scale == 1.0 else max(1, round(base * self._scale))
 
     def encode_prompt(self, prompt: str) -> list[int]:
+        """A completions prompt's ids (with BOS as the model adds it, when exact)."""
+        if self.exact is not None:
+            return self.exact.tokenizer.encode_prompt(prompt)
         return self.encode(prompt)
 
     def encode_chat(self, messages: Sequence[ChatMessage]) -> list[int]:
+        if self.exact is not None:
+            body = {"messages": [{"role": m.role, "content": m.text} for m in messages]}
+            return self.exact.prompt_ids(body)
         ids: list[int] = [_TEMPLATE_ID] * self._fixed
         for message in messages:
             ids.extend([_TEMPLATE_ID] * self._per_message)
@@ -89,9 +122,13 @@ class NodeTokenizer:
         return ids
 
     def count_prompt(self, prompt: str) -> int:
+        if self.exact is not None:
+            return len(self.encode_prompt(prompt))
         return self._count_text(prompt)
 
     def count_chat(self, messages: Sequence[ChatMessage]) -> int:
+        if self.exact is not None:
+            return len(self.encode_chat(messages))
         return self._fixed + sum(self._per_message + self._count_text(m.text) for m in messages)
 
     async def count_prompt_async(self, prompt: str) -> int:
@@ -114,7 +151,7 @@ class NodeTokenizer:
             return self.encode_chat(messages)
         return await asyncio.to_thread(self.encode_chat, messages)
 
-    # -- whole requests (the model's template when the node has one) -----------------
+    # -- whole requests (the model's template, tools, kwargs... when the node has one) --
 
     def check_request_template(self, body: dict[str, Any]) -> None:
         """vLLM refuses a request's own chat template unless started with
@@ -132,10 +169,12 @@ class NodeTokenizer:
     def encode_chat_request(
         self, body: dict[str, Any], messages: Sequence[ChatMessage]
     ) -> list[int]:
-        """Prompt ids of a chat request; TemplateError when the template refuses it."""
+        """Prompt ids of a chat request: the whole prompt encoded at once, no cache (what
+        vLLM does, and independent of the gateway's piecewise counting); TemplateError
+        when the template refuses it."""
         if self.exact is not None:
             self.check_request_template(body)
-            return self.exact.encode_chat(body)
+            return self.exact.prompt_ids(body)
         return self.encode_chat(messages)
 
     def encode_completion_request(self, body: dict[str, Any], prompt: str) -> list[int]:
@@ -146,45 +185,17 @@ class NodeTokenizer:
             )
         return self.encode_prompt(prompt)
 
-    def count_chat_request_sync(self, body: dict[str, Any], messages: Sequence[ChatMessage]) -> int:
-        if self.exact is not None:
-            self.check_request_template(body)
-            # The whole prompt at once, no cache: what vLLM does (and independent of the
-            # gateway's piecewise counting, which the tests compare with it).
-            return self.exact.count_chat_uncached(body)
-        return self.count_chat(messages)
-
-    async def count_chat_request(
+    async def encode_chat_request_async(
         self, body: dict[str, Any], messages: Sequence[ChatMessage]
-    ) -> int:
-        if self.exact is None:
-            return await self.count_chat_async(messages)
+    ) -> list[int]:
         if sum(len(m.text) for m in messages) < _THREAD_THRESHOLD_CHARS:
-            return self.count_chat_request_sync(body, messages)
-        return await asyncio.to_thread(self.count_chat_request_sync, body, messages)
+            return self.encode_chat_request(body, messages)
+        return await asyncio.to_thread(self.encode_chat_request, body, messages)
 
-    async def count_completion_request(self, body: dict[str, Any], prompt: str) -> int:
-        if self.exact is None:
-            return await self.count_prompt_async(prompt)
+    async def encode_completion_request_async(self, body: dict[str, Any], prompt: str) -> list[int]:
         if len(prompt) < _THREAD_THRESHOLD_CHARS:
-            return len(self.encode_completion_request(body, prompt))
-        return len(await asyncio.to_thread(self.encode_completion_request, body, prompt))
-
-    def token_str(self, token: int) -> str:
-        """transformers' convert_ids_to_tokens for one id (what /tokenize's token_strs holds)."""
-        if self.exact is not None:
-            spelled = self.exact.tokenizer.engine.token_str(token)
-            if spelled is None:
-                raise ValueError(f"token id {token} is not in the vocabulary")
-            return spelled
-        return self.decode([token])
-
-    def decode(self, ids: list[int]) -> str:
-        if self.exact is not None:
-            return self.exact.tokenizer.engine.decode(ids)
-        if self._encoder is not None and self._scale == 1.0:
-            return self._encoder.decode([i for i in ids if i != _TEMPLATE_ID])
-        raise ValueError("this node counts by ratio; its token ids do not decode")
+            return self.encode_completion_request(body, prompt)
+        return await asyncio.to_thread(self.encode_completion_request, body, prompt)
 
 
 __all__ = ["ChatMessage", "NodeTokenizer", "TemplateError"]

@@ -38,6 +38,18 @@ _BOUNDARY = re.compile(r"\n(?=[A-Za-z0-9])")
 CHUNK_MIN = 1024
 CHUNK_MAX = 8192
 
+# A run of this many characters without white space is one piece to a BPE split pattern,
+# and BPE merges cost superlinear time and memory in a piece's length (a 31 MB word took
+# 25 s and 1.5 GB). Such runs are counted in slices of RUN_SLICE characters, one token
+# added per cut: slicing only loses merges across the cut, so the sum is an over-count
+# (safe for admission) and the cost is linear.
+LONG_RUN = 4096
+RUN_SLICE = 1024
+_LONG_RUN = re.compile(rf"\S{{{LONG_RUN},}}")
+# Uncached text above this many characters is counted on its own single-thread lane, so
+# one client's giant prompts cannot occupy every counting thread.
+HUGE_CHARS = 1_000_000
+
 
 def split_chunks(text: str, min_chars: int = CHUNK_MIN, max_chars: int = CHUNK_MAX) -> list[str]:
     """Cut ``text`` at safe boundaries into chunks of roughly min..max characters."""
@@ -91,6 +103,8 @@ class PromptTokens:
     longest: int
     prompts: int
     encoded_chars: int = 0
+    # Each prompt's own count (a completions request may batch several).
+    each: tuple[int, ...] = ()
 
 
 class TextCountCache:
@@ -227,10 +241,12 @@ class PromptCounter:
         *,
         inline_chars: int = 24_000,
         chunked: bool = False,
+        huge_executor: Executor | None = None,
     ) -> None:
         self._encoder = encoder
         self._cache = cache
         self._executor = executor
+        self._huge_executor = huge_executor or executor
         self._inline_chars = inline_chars
         # Only for encodings whose split pattern makes chunk counts additive.
         self._chunked = chunked
@@ -243,7 +259,12 @@ class PromptCounter:
         """Synchronous count of one text (used by tools and tests)."""
         return len(self._encoder.encode_ordinary(text))
 
-    async def count(self, plan: CountPlan, known: Sequence[int] = ()) -> PromptTokens:
+    async def count(
+        self, plan: CountPlan, known: Sequence[int] = (), limit: int | None = None
+    ) -> PromptTokens:
+        """Count ``plan``. With ``limit``, counting may stop once the total is past it
+        (the request cannot fit anywhere): the total returned is then above ``limit``
+        but not exact, and nothing of the uncounted rest is cached."""
         piece_tokens: list[int] = [0] * len(plan.pieces)
         # A piece counted before (the history of a chat) is one lookup. Other pieces are
         # looked up chunk by chunk (a known document inside a new message) and whatever
@@ -269,30 +290,64 @@ class PromptCounter:
                 else:
                     piece_tokens[i] += c
         chars = sum(len(u) for u in units)
+        budget = None if limit is None else limit - sum(piece_tokens) - sum(known) - sum(plan.fixed)
+        complete = True
         if units:
             if chars > self._inline_chars and self._executor is not None:
+                pool = self._huge_executor if chars > HUGE_CHARS else self._executor
                 loop = asyncio.get_running_loop()
-                fresh = await loop.run_in_executor(self._executor, self._encode_many, units)
+                fresh = await loop.run_in_executor(pool, self._encode_many, units, budget)
             else:
-                fresh = self._encode_many(units)
-            for u, i, n in zip(units, owner, fresh, strict=True):
+                fresh = self._encode_many(units, budget)
+            complete = len(fresh) == len(units)
+            for u, i, n in zip(units, owner, fresh, strict=False):
                 piece_tokens[i] += n
                 self._cache.put(u, n)
-        for i in split:
-            self._cache.put(plan.pieces[i], piece_tokens[i])
+        if complete:
+            for i in split:
+                self._cache.put(plan.pieces[i], piece_tokens[i])
         per_prompt = []
         for g, group in enumerate(plan.groups):
             n = plan.fixed[g] + sum(piece_tokens[i] for i in group)
             if g < len(known):
                 n += known[g]
             per_prompt.append(n)
+        if not complete and limit is not None:
+            # Past the limit before the end: report one prompt above it, so no per-prompt
+            # count of an unfinished batch can look as if it fits.
+            over = max(sum(per_prompt), limit + 1)
+            return PromptTokens(over, over, len(per_prompt), chars, (over,))
         return PromptTokens(
             total=sum(per_prompt),
             longest=max(per_prompt, default=0),
             prompts=len(per_prompt),
             encoded_chars=chars,
+            each=tuple(per_prompt),
         )
 
-    def _encode_many(self, texts: list[str]) -> list[int]:
+    def _encode_many(self, texts: list[str], budget: int | None = None) -> list[int]:
+        """Counts of ``texts`` in order; with ``budget``, stops after the first count that
+        takes the running total past it (fewer counts than texts come back)."""
+        out: list[int] = []
+        total = 0
+        for t in texts:
+            n = self._count_bounded(t)
+            out.append(n)
+            total += n
+            if budget is not None and total > budget:
+                break
+        return out
+
+    def _count_bounded(self, text: str) -> int:
         encode: Callable[[str], list[int]] = self._encoder.encode_ordinary
-        return [len(encode(t)) for t in texts]
+        if len(text) < LONG_RUN:
+            return len(encode(text))
+        total = 0
+        last = 0
+        for m in _LONG_RUN.finditer(text):
+            total += len(encode(text[last : m.start()]))
+            for start in range(0, m.end() - m.start(), RUN_SLICE):
+                piece = text[m.start() + start : min(m.end(), m.start() + start + RUN_SLICE)]
+                total += len(encode(piece)) + 1
+            last = m.end()
+        return total + len(encode(text[last:]))

@@ -147,13 +147,13 @@ class ExactCounter:
         tok = self.tokenizer
         return len(tok.prefix) + len(tok.suffix) if add_special_tokens else 0
 
-    def count_chat_uncached(self, body: dict[str, Any]) -> int:
-        """The whole prompt encoded at once, as the node does; touches no cache, so it
-        may run in any thread (unless request templates are trusted: choosing one
-        compiles and caches it)."""
+    def prompt_ids(self, body: dict[str, Any], media_id: int = 0) -> list[int]:
+        """The node's prompt ids: the whole rendering encoded at once, no cache (so any
+        thread may call it, unless request templates are trusted: choosing one compiles
+        and caches it), each media item expanded to ``image_tokens`` placeholder ids."""
         chat = self.render_chat(body)
         ids = self.tokenizer.encode_prompt(chat.text, add_special_tokens=chat.add_special_tokens)
-        return len(ids) + chat.media * self._image_tokens
+        return ids + [media_id] * (chat.media * self._image_tokens)
 
     def count_chat_sync(self, body: dict[str, Any]) -> int:
         """Like :meth:`count_chat`, on the calling thread (the event loop's: it uses the

@@ -66,8 +66,53 @@ def find_usage(data: bytes) -> Usage | None:
     return Usage(int(m.group(1)), int(c.group(1)) if c else None)
 
 
-def response_headers(resp: aiohttp.ClientResponse) -> dict[str, str]:
-    return {k: v for k, v in resp.headers.items() if k.lower() not in _DROP_RESPONSE_HEADERS}
+class UpstreamResponse:
+    """One backend response, owned by whoever opened it: ``async with`` (or
+    :meth:`close`) gives the connection back on every path, like httpx's streamed
+    ``Response``. It offers what the proxy needs: the status, the headers to relay, the
+    whole body (bounded) or the SSE events as they come."""
+
+    __slots__ = ("_resp", "backend_name")
+
+    def __init__(self, resp: aiohttp.ClientResponse, backend_name: str) -> None:
+        self._resp = resp
+        self.backend_name = backend_name
+
+    @property
+    def status(self) -> int:
+        return self._resp.status
+
+    def relay_headers(self) -> dict[str, str]:
+        """The node's headers minus hop-by-hop and length headers (each side sets its own)."""
+        return {
+            k: v for k, v in self._resp.headers.items() if k.lower() not in _DROP_RESPONSE_HEADERS
+        }
+
+    async def read(self, limit: int) -> bytes:
+        """The whole body; failures here are upstream errors (nothing was sent yet)."""
+        try:
+            return await read_capped(self._resp.content, limit)
+        except (aiohttp.ClientError, ConnectionError) as exc:
+            raise UpstreamError(
+                f"Backend connection broke while reading the response: {exc.__class__.__name__}",
+                code="upstream_reset",
+                retryable=False,
+            ) from exc
+        except ValueError as exc:
+            raise UpstreamError("Backend response too large.", retryable=False) from exc
+
+    def events(self, idle_s: float) -> AsyncIterator[bytes]:
+        """Runs of complete SSE events as they arrive (see :func:`sse_events`)."""
+        return sse_events(self._resp, idle_s)
+
+    def close(self) -> None:
+        self._resp.close()
+
+    async def __aenter__(self) -> UpstreamResponse:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.close()
 
 
 async def open_request(
@@ -79,11 +124,11 @@ async def open_request(
     timeouts: TimeoutConfig,
     *,
     head_timeout: float,
-) -> aiohttp.ClientResponse:
+) -> UpstreamResponse:
     """Send the request and wait for the response head (bounded by ``head_timeout``).
 
     A 5xx answer is read (bounded) and raised as a retryable :class:`UpstreamError`; any
-    other status is returned for the caller to relay.
+    other status is returned, as an :class:`UpstreamResponse` the caller owns.
     """
     url = backend.config.url + path
     resp: aiohttp.ClientResponse | None = None
@@ -101,11 +146,12 @@ async def open_request(
             if resp.status >= 500:
                 detail = await _read_bounded(resp)
                 raise UpstreamError(
-                    f"Backend {backend.name} answered HTTP {resp.status}: {detail[:300]}",
+                    f"Backend {backend.name} answered HTTP {resp.status}.",
                     code=f"upstream_{resp.status}",
                     retryable=True,
+                    detail=f"HTTP {resp.status}: {detail[:300]}",
                 )
-            return resp
+            return UpstreamResponse(resp, backend.name)
     except TimeoutError as exc:
         if resp is not None:
             resp.close()
@@ -117,12 +163,14 @@ async def open_request(
             f"Could not reach backend {backend.name}: {exc.__class__.__name__}",
             code="upstream_connect",
             retryable=True,
+            detail=f"{exc.__class__.__name__}: {exc}",
         ) from exc
     except aiohttp.ClientError as exc:
         raise UpstreamError(
-            f"Backend {backend.name} failed: {exc.__class__.__name__}: {exc}",
+            f"Backend {backend.name} failed: {exc.__class__.__name__}",
             code="upstream_connect",
             retryable=True,
+            detail=f"{exc.__class__.__name__}: {exc}",
         ) from exc
     except BaseException:
         if resp is not None:
@@ -155,20 +203,6 @@ async def _read_bounded(resp: aiohttp.ClientResponse) -> str:
     return raw.decode("utf-8", "replace")
 
 
-async def read_body(resp: aiohttp.ClientResponse, limit: int) -> bytes:
-    """Whole non-streaming body; errors here are upstream failures (nothing sent yet)."""
-    try:
-        return await read_capped(resp.content, limit)
-    except (aiohttp.ClientError, ConnectionError) as exc:
-        raise UpstreamError(
-            f"Backend connection broke while reading the response: {exc.__class__.__name__}",
-            code="upstream_reset",
-            retryable=False,
-        ) from exc
-    except ValueError as exc:
-        raise UpstreamError("Backend response too large.", retryable=False) from exc
-
-
 async def sse_events(resp: aiohttp.ClientResponse, idle_s: float) -> AsyncIterator[bytes]:
     """Yield runs of complete SSE events (ending in a blank line) as they arrive.
 
@@ -183,7 +217,9 @@ async def sse_events(resp: aiohttp.ClientResponse, idle_s: float) -> AsyncIterat
         except TimeoutError as exc:
             raise MidStreamError("timeout", f"the backend sent nothing for {idle_s:g}s") from exc
         except (aiohttp.ClientError, ConnectionError) as exc:
-            raise MidStreamError("reset", f"the backend connection broke ({exc})") from exc
+            raise MidStreamError(
+                "reset", f"the backend connection broke ({exc.__class__.__name__})"
+            ) from exc
         if not chunk:
             if pending.strip():
                 yield pending + b"\n\n"

@@ -19,8 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvgateway.config.model import HealthConfig, LoadFeedbackConfig
-from kvgateway.core.backends import Backend, LoadSnapshot
-from kvgateway.upstream.vllm_metrics import NodeMetrics
+from kvgateway.core.backends import Backend, LoadSnapshot, PauseReason
+from kvgateway.upstream.vllm_metrics import ScrapedMetrics
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,7 +48,7 @@ def apply_probe(b: Backend, ok: bool, error: str, cfg: HealthConfig) -> HealthCh
     return HealthChange()
 
 
-def apply_metrics(b: Backend, m: NodeMetrics, now: float, cfg: LoadFeedbackConfig) -> bool:
+def apply_metrics(b: Backend, m: ScrapedMetrics, now: float, cfg: LoadFeedbackConfig) -> bool:
     """Record a scrape and decide whether the node takes new work; returns True when it
     just became able to take work again (waiters should be offered it)."""
     prev = b.load
@@ -56,20 +56,20 @@ def apply_metrics(b: Backend, m: NodeMetrics, now: float, cfg: LoadFeedbackConfi
     if not cfg.enabled:
         return False
     was_paused = b.paused
-    reason = ""
+    reason = PauseReason.NONE
     until = 0.0
     if m.kv_usage is not None:
         limit = (
             cfg.kv_low_watermark
-            if was_paused and b.pause_reason == "kv_full"
+            if was_paused and b.pause_reason is PauseReason.KV_FULL
             else cfg.kv_high_watermark
         )
         if m.kv_usage >= limit:
-            reason = "kv_full"
+            reason = PauseReason.KV_FULL
     if not reason and m.waiting is not None and m.waiting > cfg.max_waiting:
         prev_waiting = prev.waiting if prev is not None else None
         if prev_waiting is not None and prev_waiting > cfg.max_waiting:
-            reason = "queueing"
+            reason = PauseReason.QUEUEING
     if (
         not reason
         and prev is not None
@@ -77,9 +77,14 @@ def apply_metrics(b: Backend, m: NodeMetrics, now: float, cfg: LoadFeedbackConfi
         and m.preemptions is not None
         and m.preemptions > prev.preemptions
     ):
-        reason = "preempting"
+        reason = PauseReason.PREEMPTING
         until = now + cfg.preemption_cooldown_s
-    if not reason and was_paused and b.pause_reason == "preempting" and now < b.paused_until:
+    if (
+        not reason
+        and was_paused
+        and b.pause_reason is PauseReason.PREEMPTING
+        and now < b.paused_until
+    ):
         return False  # still cooling down
     b.paused = bool(reason)
     b.pause_reason = reason
@@ -94,5 +99,5 @@ def expire_stale(b: Backend, now: float, cfg: LoadFeedbackConfig) -> bool:
     b.load = None
     was = b.paused
     b.paused = False
-    b.pause_reason = ""
+    b.pause_reason = PauseReason.NONE
     return was

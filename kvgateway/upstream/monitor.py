@@ -1,8 +1,11 @@
 """Background watch of every backend: health probes, limit discovery, load scrapes.
 
 One named task per backend, owned by :class:`Monitor`, started and stopped with the app
-and re-synced on reload. Every request it makes is bounded by a timeout; a failure only
-changes that backend's state.
+and re-synced on reload. Each watcher is supervised: a crash is logged, reported through
+``on_crash`` (a metric) and the watcher restarted after a short pause, so a bug never
+silently freezes one backend's health. Every request it makes is bounded by a timeout.
+A timed pause (preemption cool-down) is ended through :class:`Admission`, at its time,
+so the waiters queued for that backend are served.
 """
 
 from __future__ import annotations
@@ -10,35 +13,56 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 
 import aiohttp
 
+from kvgateway.config.model import GatewayConfig
+from kvgateway.core.admission import Admission
 from kvgateway.core.backends import Backend
-from kvgateway.core.limits import usable_tokens
-from kvgateway.server.state import GatewayState
+from kvgateway.core.fleet import Fleet
+from kvgateway.core.limits import LimitSource
 from kvgateway.upstream import feedback, probe
 
 log = logging.getLogger("kvgateway.upstream.monitor")
 
+RESTART_DELAY_S = 1.0
+
 
 class Monitor:
-    def __init__(self, state: GatewayState) -> None:
-        self._state = state
+    def __init__(
+        self,
+        *,
+        fleet: Fleet,
+        admission: Admission,
+        session: aiohttp.ClientSession,
+        config: Callable[[], GatewayConfig],
+        clock: Callable[[], float],
+        on_crash: Callable[[Backend], None] = lambda b: None,
+        restart_delay_s: float = RESTART_DELAY_S,
+    ) -> None:
+        self._fleet = fleet
+        self._admission = admission
+        self._session = session
+        self._config = config
+        self._clock = clock
+        self._on_crash = on_crash
+        self._restart_delay_s = restart_delay_s
         self._tasks: dict[int, asyncio.Task[None]] = {}
 
     def sync(self) -> None:
         """Start a watcher for every active backend, stop those of removed ones."""
-        active = {id(b): b for b in self._state.fleet.active}
+        active = {id(b): b for b in self._fleet.active}
         for key in list(self._tasks):
             if key not in active:
                 self._tasks.pop(key).cancel()
         for key, b in active.items():
             if key not in self._tasks:
-                self._tasks[key] = asyncio.create_task(self._watch(b), name=f"monitor:{b.name}")
+                self._tasks[key] = asyncio.create_task(self._supervise(b), name=f"monitor:{b.name}")
 
     async def probe_all_once(self) -> None:
         """One health check + discovery round for every backend (used at start-up)."""
-        await asyncio.gather(*(self._check(b) for b in self._state.fleet.active))
+        await asyncio.gather(*(self._check(b) for b in self._fleet.active))
 
     async def close(self) -> None:
         tasks = list(self._tasks.values())
@@ -49,34 +73,46 @@ class Monitor:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
 
+    async def _supervise(self, b: Backend) -> None:
+        while not b.draining:
+            try:
+                await self._watch(b)
+            except Exception:
+                log.exception("backend %s: watcher crashed; restarting it", b.name)
+                self._on_crash(b)
+                await asyncio.sleep(self._restart_delay_s)
+
     async def _watch(self, b: Backend) -> None:
-        st = self._state
+        cfg = self._config()
         next_health = 0.0
         next_load = 0.0
-        next_discovery = st.clock() + st.config.health.rediscover_interval_s
+        next_discovery = self._clock() + cfg.health.rediscover_interval_s
         while not b.draining:
-            now = st.clock()
-            if now >= next_health:
+            cfg = self._config()
+            fb = cfg.load_feedback
+            if self._clock() >= next_health:
                 await self._check(b)
-                next_health = st.clock() + st.config.health.interval_s
-            if b.healthy and st.clock() >= next_discovery:
+                next_health = self._clock() + cfg.health.interval_s
+            if b.healthy and self._clock() >= next_discovery:
                 # A node restarted between two probes (say with a new --max-model-len)
                 # never looked unhealthy: ask it again now and then.
                 await self._discover(b)
-                next_discovery = st.clock() + st.config.health.rediscover_interval_s
-            fb = st.config.load_feedback
-            if fb.enabled and b.healthy and st.clock() >= next_load:
+                next_discovery = self._clock() + cfg.health.rediscover_interval_s
+            if fb.enabled and b.healthy and self._clock() >= next_load:
                 await self._scrape(b)
-                next_load = st.clock() + fb.interval_s
-            if feedback.expire_stale(b, st.clock(), fb):
-                st.admission.rebalance()
-            delay = min(next_health, next_load if fb.enabled else next_health) - st.clock()
-            await asyncio.sleep(max(0.05, delay))
+                next_load = self._clock() + fb.interval_s
+            now = self._clock()
+            if feedback.expire_stale(b, now, fb):
+                self._admission.rebalance()
+            self._admission.end_pause(b, now)
+            wake = min(next_health, next_load if fb.enabled else next_health)
+            if b.paused and b.paused_until:
+                wake = min(wake, b.paused_until)
+            await asyncio.sleep(max(0.01, wake - self._clock()))
 
     async def _check(self, b: Backend) -> None:
-        st = self._state
-        cfg = st.config.health
-        ok, error = await _health(st.http(), b, cfg.timeout_s)
+        cfg = self._config().health
+        ok, error = await _health(self._session, b, cfg.timeout_s)
         if not ok and not b.ever_healthy:
             log.debug("backend %s not ready yet: %s", b.name, error)
         change = feedback.apply_probe(b, ok, error, cfg)
@@ -91,18 +127,17 @@ class Monitor:
                 b.limits.max_model_len.value,
                 b.limits.kv_cache_tokens.value,
             )
-            st.admission.rebalance()
+            self._admission.rebalance()
 
     async def _discover(self, b: Backend) -> None:
-        st = self._state
         if not b.config.discover:
             return
         try:
-            found = await probe.probe(st.http(), b.config, st.config.health.timeout_s)
+            found = await probe.probe(self._session, b.config, self._config().health.timeout_s)
         except probe.ProbeError as exc:
             log.warning("backend %s: discovery failed: %s", b.name, exc)
             return
-        if st.fleet.set_discovered(b, found.observed):
+        if self._fleet.set_discovered(b, found.observed):
             log.info(
                 "backend %s limits: max_model_len=%s (%s) kv_cache_tokens=%s (%s)",
                 b.name,
@@ -111,13 +146,12 @@ class Monitor:
                 b.limits.kv_cache_tokens.value,
                 b.limits.kv_cache_tokens.source,
             )
-            st.admission.rebalance()
+            self._admission.rebalance()
 
     async def _scrape(self, b: Backend) -> None:
-        st = self._state
-        fb = st.config.load_feedback
+        fb = self._config().load_feedback
         try:
-            m = await probe.fetch_metrics(st.http(), b.config, fb.timeout_s)
+            m = await probe.fetch_metrics(self._session, b.config, fb.timeout_s)
         except probe.ProbeError as exc:
             log.debug("backend %s: scrape failed: %s", b.name, exc)
             return
@@ -129,20 +163,20 @@ class Monitor:
             and m.preemptions is not None
             and m.preemptions < prev.preemptions
         )
-        if feedback.apply_metrics(b, m, st.clock(), fb):
-            st.admission.rebalance()
+        if feedback.apply_metrics(b, m, self._clock(), fb):
+            self._admission.rebalance()
         if b.pause_reason != was:
             if b.paused:
                 log.warning("backend %s: no new work (%s)", b.name, b.pause_reason)
             else:
                 log.info("backend %s takes work again", b.name)
         # A node restarted with a different pool: learn its new limits.
-        disc = b.limits.kv_cache_tokens
+        seen = self._fleet.discovered(b)
         if restarted or (
             m.num_gpu_blocks is not None
-            and m.block_size
-            and disc.source == "discovered"
-            and usable_tokens(m.num_gpu_blocks, m.block_size) != disc.value
+            and seen is not None
+            and b.limits.kv_cache_tokens.source is LimitSource.DISCOVERED
+            and (m.num_gpu_blocks, m.block_size) != (seen.num_gpu_blocks, seen.block_size)
         ):
             await self._discover(b)
 

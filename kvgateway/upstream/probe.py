@@ -12,7 +12,7 @@ import aiohttp
 from kvgateway.config.model import BackendConfig
 from kvgateway.core.limits import Observed, usable_tokens
 from kvgateway.upstream.client import read_capped
-from kvgateway.upstream.vllm_metrics import NodeMetrics, parse_node_metrics
+from kvgateway.upstream.vllm_metrics import ScrapedMetrics, parse_node_metrics
 
 log = logging.getLogger("kvgateway.upstream.probe")
 
@@ -26,7 +26,7 @@ class ProbeError(Exception):
 @dataclass(frozen=True, slots=True)
 class Probe:
     observed: Observed
-    metrics: NodeMetrics | None
+    metrics: ScrapedMetrics | None
 
 
 async def fetch_max_model_len(
@@ -46,7 +46,7 @@ async def fetch_max_model_len(
 
 async def fetch_metrics(
     session: aiohttp.ClientSession, cfg: BackendConfig, timeout: float
-) -> NodeMetrics:
+) -> ScrapedMetrics:
     text = await _get_text(session, f"{cfg.url}/metrics", timeout)
     try:
         return parse_node_metrics(text)
@@ -57,7 +57,7 @@ async def fetch_metrics(
 async def probe(session: aiohttp.ClientSession, cfg: BackendConfig, timeout: float) -> Probe:
     """Limits the node reports; /metrics is optional (a node may not expose it)."""
     mml = await fetch_max_model_len(session, cfg, timeout)
-    metrics: NodeMetrics | None
+    metrics: ScrapedMetrics | None
     try:
         metrics = await fetch_metrics(session, cfg, timeout)
     except ProbeError as exc:
@@ -70,6 +70,7 @@ async def probe(session: aiohttp.ClientSession, cfg: BackendConfig, timeout: flo
         max_model_len=mml,
         kv_cache_tokens=kv,
         block_size=metrics.block_size if metrics else None,
+        num_gpu_blocks=metrics.num_gpu_blocks if metrics else None,
     )
     return Probe(observed, metrics)
 

@@ -22,20 +22,13 @@ _WANTED = (KV_USAGE, KV_USAGE_OLD, RUNNING, WAITING, PREEMPTIONS + "_total", CAC
 
 
 @dataclass(frozen=True, slots=True)
-class NodeMetrics:
+class ScrapedMetrics:
     kv_usage: float | None = None
     running: float | None = None
     waiting: float | None = None
     preemptions: float | None = None
     num_gpu_blocks: int | None = None
     block_size: int | None = None
-
-    @property
-    def kv_cache_tokens(self) -> int | None:
-        """KV capacity in tokens as vLLM logs it: num_gpu_blocks x block_size."""
-        if self.num_gpu_blocks is None or self.block_size is None:
-            return None
-        return self.num_gpu_blocks * self.block_size
 
 
 def _keep(line: str) -> bool:
@@ -44,7 +37,7 @@ def _keep(line: str) -> bool:
     return line.startswith(_WANTED)
 
 
-def parse_node_metrics(text: str) -> NodeMetrics:
+def parse_node_metrics(text: str) -> ScrapedMetrics:
     """Sum per-engine gauges/counters (data-parallel nodes expose one series per engine);
     KV usage is the highest engine's, since one full engine already queues work."""
     kept = "\n".join(line for line in text.splitlines() if _keep(line)) + "\n"
@@ -66,7 +59,7 @@ def parse_node_metrics(text: str) -> NodeMetrics:
                 if nb is not None:
                     blocks = nb if blocks is None else min(blocks, nb)
                 block_size = _int_label(s.labels.get("block_size")) or block_size
-    return NodeMetrics(
+    return ScrapedMetrics(
         kv_usage=usage if usage is not None else old_usage,
         running=sums.get(RUNNING),
         waiting=sums.get(WAITING),

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from kvgateway.simulator.profiles import get_profile
-from kvgateway.simulator.server import create_app as create_node
+from kvgateway.simulator.server import create_node_app as create_node
 from tests.support.fleet import ENCODINGS, MODEL, SERVED
 
 

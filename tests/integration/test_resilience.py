@@ -146,16 +146,20 @@ async def test_node_filled_by_outside_client_gets_no_gateway_traffic(start_fleet
         TWO_SMALL, time_scale=2, gateway={"load_feedback": {"interval_s": 0.1}}
     )
     hot = fleet.nodes["small-1"]
-    # Someone else fills small-1 directly (not through the gateway).
+    # Someone else fills small-1 directly (not through the gateway), with distinct prompts:
+    # identical ones would share their blocks in the node's prefix cache.
     async with aiohttp.ClientSession() as s:
-        body = {
-            "model": "meta-llama/Llama-3.1-8B-Instruct",
-            "messages": [{"role": "user", "content": "hi " * 3000}],
-            "max_tokens": 4000,
-        }
+
+        def body(i: int) -> dict[str, object]:
+            return {
+                "model": "meta-llama/Llama-3.1-8B-Instruct",
+                "messages": [{"role": "user", "content": f"client {i}: " + "hi " * 3000}],
+                "max_tokens": 4000,
+            }
+
         outside = [
-            asyncio.create_task(s.post(hot.url + "/v1/chat/completions", json=body))
-            for _ in range(12)
+            asyncio.create_task(s.post(hot.url + "/v1/chat/completions", json=body(i)))
+            for i in range(12)
         ]
         b = fleet.backend("small-1")
         for _ in range(100):
@@ -245,7 +249,7 @@ async def test_node_restarted_with_new_limits_is_rediscovered(
     import dataclasses
 
     from kvgateway.simulator.profiles import get_profile
-    from kvgateway.simulator.server import create_app as create_node
+    from kvgateway.simulator.server import create_node_app as create_node
     from tests.support.fleet import ENCODINGS, SERVED
 
     fleet = await start_fleet(

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from kvgateway.config.model import BackendConfig
-from kvgateway.core.backends import Backend, Limit, Limits
-from kvgateway.core.routing import Demand, demand_tokens
+from kvgateway.core.backends import Backend
+from kvgateway.core.demand import Demand, demand_tokens
+from kvgateway.core.limits import Limit, Limits, LimitSource
 
 
 def backend(
@@ -28,7 +29,11 @@ def backend(
         offload=offload,
         served_model=model,
     )
-    limits = Limits(Limit(max_model_len, "config"), Limit(kv, "config"), Limit(seqs, "config"))
+    limits = Limits(
+        Limit(max_model_len, LimitSource.CONFIG),
+        Limit(kv, LimitSource.CONFIG),
+        Limit(seqs, LimitSource.CONFIG),
+    )
     b = Backend(config=cfg, tier_index=tier_index, limits=limits, budget_fraction=fraction)
     b.healthy = healthy
     b.ever_healthy = healthy

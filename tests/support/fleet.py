@@ -15,7 +15,7 @@ from kvgateway.config.load import parse_config
 from kvgateway.server.app import STATE, create_app
 from kvgateway.server.state import GatewayState
 from kvgateway.simulator.profiles import get_profile
-from kvgateway.simulator.server import create_app as create_node
+from kvgateway.simulator.server import create_node_app as create_node
 from kvgateway.tokens.encoding import EncodingCache
 
 MODEL = "llama"
@@ -44,7 +44,7 @@ class Node:
 
 
 @dataclass
-class Fleet:
+class RunningFleet:
     gateway: TestServer
     nodes: dict[str, Node]
 
@@ -78,7 +78,7 @@ DEFAULT_NODES: list[NodeSpec] = [
     ("offload-1", "offload", "offload-8b", {}),
 ]
 
-StartFleet = Callable[..., Awaitable[Fleet]]
+StartFleet = Callable[..., Awaitable[RunningFleet]]
 
 
 @pytest.fixture
@@ -89,7 +89,7 @@ async def start_fleet(aiohttp_server: Any) -> StartFleet:
         time_scale: float = 50.0,
         gateway: dict[str, Any] | None = None,
         backend_extra: dict[str, dict[str, Any]] | None = None,
-    ) -> Fleet:
+    ) -> RunningFleet:
         running: dict[str, Node] = {}
         tiers: dict[str, list[dict[str, Any]]] = {}
         for name, tier, profile, overrides in nodes or DEFAULT_NODES:
@@ -119,6 +119,6 @@ async def start_fleet(aiohttp_server: Any) -> StartFleet:
                 config[key] = value
         app = create_app(parse_config(config), encodings=ENCODINGS)
         server = await aiohttp_server(app)
-        return Fleet(server, running)
+        return RunningFleet(server, running)
 
     return start

@@ -3,6 +3,7 @@ processes on free loopback ports, both started from one YAML (as compose does)."
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import subprocess
@@ -84,13 +85,14 @@ def stop(procs: list[subprocess.Popen[bytes]]) -> None:
             p.wait(timeout=10)
 
 
-def _config(gw_port: int, node_port: int) -> str:
+def _config(gw_port: int, node_port: int, server_extra: str = "", admission: str = "") -> str:
     return f"""
 server:
   host: 127.0.0.1
   port: {gw_port}
   api_keys: [{API_KEY}]
-  shutdown_grace_s: 2
+  shutdown_grace_s: 2{server_extra}
+admission: {{{admission}}}
 models:
   - name: {MODEL}
     served_name: meta-llama/Llama-3.1-8B-Instruct
@@ -108,12 +110,15 @@ tiers:
 """
 
 
-@pytest.fixture(scope="module")
-def live_gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveGateway]:
-    work = tmp_path_factory.mktemp("live")
+@contextlib.contextmanager
+def running_gateway(
+    work: Path, *, server_extra: str = "", admission: str = ""
+) -> Iterator[tuple[LiveGateway, subprocess.Popen[bytes]]]:
+    """A simulated node and `gateway serve` as processes; yields the gateway and its
+    process (its log is ``work/gateway.log``)."""
     gw_port, node_port = free_ports(2)
     config = work / "gateway.yaml"
-    config.write_text(_config(gw_port, node_port))
+    config.write_text(_config(gw_port, node_port, server_extra, admission))
     url, node_url = f"http://127.0.0.1:{gw_port}", f"http://127.0.0.1:{node_port}"
     commands = {
         "fleet": ["simulate", "--config", str(config)],
@@ -137,10 +142,16 @@ def live_gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveGatew
             if name == "fleet":
                 wait_until_ok(node_url + "/health", procs, logs)
         wait_until_ok(url + "/ready", procs, logs)
-        _traffic(url)
-        yield LiveGateway(url=url, node_url=node_url, api_key=API_KEY, workdir=work)
+        yield LiveGateway(url=url, node_url=node_url, api_key=API_KEY, workdir=work), procs[1]
     finally:
         stop(procs)
+
+
+@pytest.fixture(scope="module")
+def live_gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveGateway]:
+    with running_gateway(tmp_path_factory.mktemp("live")) as (gw, _):
+        _traffic(gw.url)
+        yield gw
 
 
 def _traffic(url: str) -> None:

@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvgateway.simulator.node import NODE_KEY, SimNode
 from kvgateway.simulator.profiles import TINY
-from kvgateway.simulator.server import create_app
+from kvgateway.simulator.server import create_node_app
 from kvgateway.tokens.encoding import EncodingCache
 
 # Tests run the tiny profile fast: 10 ms simulated steps take 0.1-0.2 ms of wall time.
@@ -92,7 +92,7 @@ async def sim(
 
     async def make(**overrides: Any) -> SimClient:
         settings = dataclasses.replace(TINY, **{"time_scale": FAST, "seed": 1, **overrides})
-        server = await aiohttp_server(create_app(settings, encodings=encodings))
+        server = await aiohttp_server(create_node_app(settings, encodings=encodings))
         session = aiohttp.ClientSession()
         sessions.append(session)
         return SimClient(server, session)

@@ -28,6 +28,8 @@ GRAFANA_VARS = {
     "$__interval": "15s",
     "$__range": "30m",
     "$tier": ".*",
+    "$namespace": ".*",
+    "$instance": ".*",
 }
 
 
@@ -98,8 +100,44 @@ def test_queries_use_only_exported_metric_names() -> None:
     assert unknown_metrics(_exprs(), known) == {}
     for var in _dashboard()["templating"]["list"]:
         if var["type"] == "query":
-            m = re.fullmatch(r"label_values\(([\w:]+),\s*(\w+)\)", var["definition"])
+            m = re.fullmatch(r"label_values\(([\w:]+)(\{[^}]*\})?,\s*(\w+)\)", var["definition"])
             assert m and m.group(1) in known, var["definition"]
+
+
+# Labels a vLLM node's own series carry wherever Prometheus scrapes it: the node's
+# (model_name, engine) and the standard scrape and Kubernetes service-discovery ones.
+PORTABLE_NODE_LABELS = {"model_name", "engine", "instance", "job", "namespace", "pod", "service"}
+_SELECTOR = re.compile(r"((?:gateway_|vllm:)[\w:]+)\{([^}]*)\}")
+_GROUPING = re.compile(r"\b(?:by|without)\s*\(([^)]*)\)")
+
+
+def test_node_panels_need_no_labels_our_scrape_config_adds() -> None:
+    """A stock Prometheus (or a ServiceMonitor) scraping vLLM gives `instance`, `job`,
+    `namespace`, never our demo's `backend`/`tier` labels: node queries must not need them."""
+    for expr in _exprs():
+        for name, matchers in _SELECTOR.findall(expr):
+            labels = {
+                m.split("=")[0].strip().rstrip("!~") for m in matchers.split(",") if m.strip()
+            }
+            if name.startswith("vllm:"):
+                assert labels <= PORTABLE_NODE_LABELS, (expr, labels)
+        if "vllm:" in expr:
+            for group in _GROUPING.findall(expr):
+                used = {g.strip() for g in group.split(",") if g.strip()}
+                assert used <= PORTABLE_NODE_LABELS | {"le"}, (expr, used)
+
+
+def test_every_query_follows_the_namespace_and_instance_variables() -> None:
+    names = [v["name"] for v in _dashboard()["templating"]["list"]]
+    assert names[:3] == ["datasource", "namespace", "instance"], names
+    for expr in _exprs():
+        for name, matchers in _SELECTOR.findall(expr):
+            assert 'namespace=~"$namespace"' in matchers, expr
+            if name.startswith("gateway_"):
+                assert 'instance=~"$instance"' in matchers, expr
+        # Every metric reference has a selector (so none escapes the variables).
+        bare = re.findall(r"(?:gateway_|vllm:)[\w:]+(?![\w:{])", expr)
+        assert not bare, (expr, bare)
 
 
 def test_dashboard_tells_the_kv_story() -> None:

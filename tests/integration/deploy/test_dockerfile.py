@@ -70,13 +70,29 @@ def dockerignore_excludes(path: str) -> bool:
     return excluded
 
 
-def test_base_image_is_slim_python_311() -> None:
+def test_base_image_is_slim_python_311_pinned_by_digest() -> None:
     (base,) = _all("FROM")
-    assert re.fullmatch(r"python:3\.11-slim(-\w+)?", base), base
+    assert re.fullmatch(r"python:3\.11-slim(-\w+)?@sha256:[0-9a-f]{64}", base), base
 
 
-def test_installs_like_the_readme() -> None:
-    assert any(re.search(r"\bpip install \.(\s|$)", rest) for rest in _all("RUN"))
+def _step(pattern: str) -> int:
+    """Index of the one instruction whose text matches ``pattern``."""
+    found = [i for i, (w, rest) in enumerate(instructions()) if re.search(pattern, f"{w} {rest}")]
+    assert len(found) == 1, (pattern, found)
+    return found[0]
+
+
+def test_dependencies_are_installed_from_the_lock_in_their_own_layer() -> None:
+    copy_lock = _step(r"^COPY requirements\.lock ")
+    install_lock = _step(r"^RUN pip install --require-hashes --no-deps -r requirements\.lock$")
+    copy_code = _step(r"^COPY kvgateway ")
+    install_code = _step(r"\bpip install --no-deps --no-build-isolation \.(\s|$)")
+    # The lock's layer comes before any source is copied: editing code reuses it.
+    assert copy_lock < install_lock < copy_code < install_code
+    assert not any(
+        w == "COPY" and ("pyproject" in rest or "kvgateway" in rest)
+        for w, rest in instructions()[:install_lock]
+    )
 
 
 def test_copied_sources_exist_and_survive_dockerignore() -> None:
@@ -96,6 +112,30 @@ def test_copied_sources_exist_and_survive_dockerignore() -> None:
         for f in files:
             rel = f.relative_to(REPO).as_posix()
             assert not dockerignore_excludes(rel), f"{rel} is needed but .dockerignore drops it"
+
+
+def test_lock_pins_every_runtime_dependency_with_hashes() -> None:
+    from packaging.requirements import Requirement
+
+    text = (REPO / "requirements.lock").read_text()
+    entries = re.findall(
+        r"^([A-Za-z0-9_.-]+)==(\S+)((?:\s*;[^\\\n]*)?)\s*\\\n((?:\s+--hash=sha256:[0-9a-f]{64}\s*\\?\n?)+)",
+        text,
+        re.M,
+    )
+    pinned = {name.lower().replace("_", "-"): version for name, version, _, _ in entries}
+    assert all(len(re.findall("sha256", hashes)) >= 1 for *_, hashes in entries)
+    assert "scripts/lock-requirements.sh" in text  # the header names how to regenerate it
+    assert "--find-links" not in text and "--index-url" not in text
+    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    for dep in map(Requirement, deps):
+        name = dep.name.lower().replace("_", "-")
+        assert name in pinned, (
+            f"{name} is not in requirements.lock: run scripts/lock-requirements.sh"
+        )
+        assert dep.specifier.contains(pinned[name], prereleases=True), (name, pinned[name])
+    lines = [ln for ln in text.splitlines() if re.match(r"^[A-Za-z0-9]", ln)]
+    assert len(lines) == len(entries), "every pinned line carries its hashes"
 
 
 @pytest.mark.parametrize("path", [".git/HEAD", ".venv/bin/python", "tests/__init__.py"])

@@ -19,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.known import DEPLOY, gateway_metric_names, promql_metric_names, promtool
 from tests.support.live import LiveGateway, free_ports, http_get, stop, wait_until_ok
+from tests.support.tools import require_tool
 
 
 def _metrics_page(gw: LiveGateway) -> str:
@@ -71,8 +72,7 @@ def prometheus(
     """A real Prometheus on loopback scraping the live gateway and node every second.
     (Its scrape manager applies new targets after ~5 s: started once per module.)"""
     tmp_path = tmp_path_factory.mktemp("prometheus")
-    binary = shutil.which("prometheus")
-    assert binary, "prometheus is not on PATH: run scripts/install-prometheus.sh"
+    binary = require_tool("prometheus")
     (port,) = free_ports(1)
     shutil.copy(DEPLOY / "prometheus" / "alerts.yml", tmp_path / "alerts.yml")
     node = urllib.parse.urlsplit(live_gateway.node_url).netloc

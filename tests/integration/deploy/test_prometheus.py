@@ -21,6 +21,7 @@ from tests.support.known import (
     unknown_metrics,
     vllm_metric_names,
 )
+from tests.support.tools import require_tool
 
 PROM = DEPLOY / "prometheus"
 
@@ -125,8 +126,11 @@ def test_scrape_targets_are_the_demo_fleet() -> None:
 
 
 def test_install_script_is_valid_and_idempotent() -> None:
-    """`make test` runs it before pytest; here both tools exist, so it must be a quiet no-op."""
-    script = REPO / "scripts" / "install-prometheus.sh"
+    """`make test` runs it before pytest; with every tool present it must be a quiet no-op."""
+    require_tool("promtool")
+    require_tool("prometheus")
+    require_tool("dnsmasq")
+    script = REPO / "scripts" / "install-test-tools.sh"
     assert subprocess.run(["bash", "-n", str(script)], check=False).returncode == 0
     res = subprocess.run([str(script)], capture_output=True, text=True, timeout=60, check=False)
     assert (res.returncode, res.stdout, res.stderr) == (0, "", "")

@@ -75,3 +75,23 @@ def test_measured_pool_what_ifs_add_memory_to_the_given_pool() -> None:
 def test_fp8_step_is_skipped_when_already_fp8() -> None:
     plan = plan_for(preset="qwen3-8b", gpu_memory_gib=24, kv_cache_dtype="fp8_e4m3")
     assert plan.recommendations[3].detail.startswith("already fp8_e4m3")
+
+
+def test_alternatives_really_fit_and_are_the_smallest_change() -> None:
+    plan = plan_for(preset="llama-3.1-70b", gpu_memory_gib=24)
+    assert not plan.fits and plan.settings is None
+    by_kind = {a.kind: a for a in plan.alternatives}
+    tp = by_kind["tensor_parallel"].estimate
+    assert tp.tp == 8 and tp.max_model_len_fit >= 8192
+    # tp 4 is one step short: the smallest that fits is offered.
+    assert plan_for(preset="llama-3.1-70b", gpu_memory_gib=24, tp=4).settings is None
+    card = by_kind["larger_gpu"]
+    assert (
+        "141 GB" not in card.change
+        and plan_for(preset="llama-3.1-70b", gpu_memory_gib=139.8).settings is None
+    )
+
+
+def test_a_model_that_fits_has_no_alternatives() -> None:
+    plan = plan_for(preset="llama-3.1-8b", gpu_memory_gib=24)
+    assert plan.fits and plan.alternatives == ()

@@ -128,6 +128,50 @@ def test_check_demo_config_without_nodes_names_every_backend():
     assert "[derived]" in r.stdout and "[config]" in r.stdout
 
 
+def _two_models(tmp_path, backend_b: dict) -> object:
+    cfg = {
+        "models": [{"name": "a-model"}, {"name": "b-model"}],
+        "tiers": [
+            {
+                "name": "t",
+                "backends": [
+                    {
+                        "name": "a",
+                        "url": "http://127.0.0.1:9",
+                        "model": "a-model",
+                        "max_model_len": 4096,
+                        "kv_cache_tokens": 20000,
+                    },
+                    {"name": "b", "url": "http://127.0.0.1:9", "model": "b-model", **backend_b},
+                ],
+            }
+        ],
+    }
+    path = tmp_path / "gw.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def test_check_fails_when_a_model_has_no_routable_backend(tmp_path):
+    # Without asking the nodes: b's limits are unknown and can never be discovered.
+    path = _two_models(tmp_path, {"discover": False})
+    r = run_check(path, "--no-discover")
+    assert r.returncode == 1, r.stdout
+    assert "ERROR: model b-model: no routable backend" in r.stdout
+    assert "a-model: no routable" not in r.stdout
+    # Discoverable limits are not judged without asking.
+    assert run_check(_two_models(tmp_path, {}), "--no-discover").returncode == 0
+
+
+def test_check_asking_the_nodes_fails_when_every_backend_is_unreachable(tmp_path):
+    path = _two_models(tmp_path, {"max_model_len": 4096, "kv_cache_tokens": 20000})
+    r = run_check(path, "--json", "--timeout", "0.5")
+    assert r.returncode == 1
+    doc = json.loads(r.stdout)
+    assert set(doc["unroutable_models"]) == {"a-model", "b-model"}
+    assert "unreachable" in doc["unroutable_models"]["a-model"]
+
+
 def test_check_says_how_each_model_is_counted(tmp_path, vocab_dirs) -> None:
     directory = vocab_dirs("tekken")
     backend = {"url": "http://127.0.0.1:9", "max_model_len": 8192, "kv_cache_tokens": 100000}

@@ -39,6 +39,7 @@ async def test_too_long_and_no_backend_raise_without_waiting():
     with pytest.raises(ContextLengthExceeded) as err:
         await adm.admit(demand(5000), 5.0)
     assert "largest context" in err.value.message and "1000" in err.value.message
+    assert err.value.message.startswith("This model's maximum context length is 1000 tokens.")
     b.healthy = False
     with pytest.raises(NoHealthyBackend):
         await adm.admit(demand(100), 5.0)
@@ -196,3 +197,117 @@ async def test_rebalance_never_pushes_gpu_work_onto_offload():
     assert {r.backend.name for r in got} <= {"g0", "g1"}
     for r in got:
         adm.release(r)
+
+
+async def test_pause_ending_serves_every_waiter_without_a_new_request():
+    # Regression (lost wake-up): a backend paused for preemptions, waiters queued for it;
+    # when the cool-down ends, every waiter is served with no new request arriving.
+    from kvgateway.core.backends import PauseReason
+
+    clock = [0.0]
+    b = backend("a", kv=100_000, seqs=64)
+    idx = ModelIndex([b])
+    adm = Admission(
+        index_for=lambda m: idx,
+        adjust=idx.adjust,
+        policy=lambda: "kv_aware",
+        offload_overflow=lambda: False,
+        queue_size=lambda: 100,
+        clock=lambda: clock[0],
+    )
+    b.paused, b.pause_reason, b.paused_until = True, PauseReason.PREEMPTING, 5.0
+    waiters = [asyncio.create_task(adm.admit(demand(500, 100), 30.0)) for _ in range(13)]
+    await asyncio.sleep(0)
+    assert adm.queue_depth == 13
+    clock[0] = 6.0
+    # Reads are pure: the expired pause reads as over but is not ended by reading it.
+    assert b.accepting(clock[0]) and b.paused
+    assert adm.queue_depth == 13
+    assert adm.end_pause(b, clock[0]) is True
+    done = await asyncio.gather(*waiters)
+    assert len(done) == 13 and all(r.backend is b for r in done)
+    assert not b.paused and adm.queue_depth == 0
+    for r in done:
+        r.release()
+    assert b.reserved_tokens == 0 and b.in_flight == 0
+
+
+async def test_end_pause_leaves_untimed_and_unexpired_pauses():
+    from kvgateway.core.backends import PauseReason
+
+    b = backend("a")
+    adm = make([b])
+    b.paused, b.pause_reason, b.paused_until = True, PauseReason.PREEMPTING, 10.0
+    assert adm.end_pause(b, 9.0) is False and b.paused
+    b.pause_reason, b.paused_until = PauseReason.KV_FULL, 0.0
+    assert adm.end_pause(b, 100.0) is False and b.paused and not b.accepting(100.0)
+
+
+async def test_reservation_is_released_on_every_way_out_of_its_block():
+    b = backend("a", kv=10_000)
+    adm = make([b])
+    async with adm.reserve(demand(100, 100), 1.0) as r:
+        assert b.in_flight == 1 and r.backend is b
+    assert b.in_flight == 0 and b.reserved_tokens == 0
+    with pytest.raises(RuntimeError):
+        async with adm.reserve(demand(100, 100), 1.0):
+            raise RuntimeError("boom")
+    assert b.in_flight == 0 and b.reserved_tokens == 0
+    task = asyncio.create_task(_hold(adm))
+    await asyncio.sleep(0.01)
+    assert b.in_flight == 1
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert b.in_flight == 0 and b.reserved_tokens == 0
+
+
+async def _hold(adm):
+    async with adm.reserve(demand(100, 100), 1.0):
+        await asyncio.sleep(10)
+
+
+async def test_speculative_lookahead_is_reserved_per_sequence():
+    import dataclasses
+
+    b = backend("a", kv=10_000)
+    b.config = dataclasses.replace(b.config, num_speculative_tokens=5)
+    adm = make([b])
+    r = await adm.admit(demand(100, 100, n=2), 1.0)
+    # two sequences of 208 tokens, each with one more 16-token block of lookahead slots
+    assert r.tokens == b.reserved_tokens == 2 * 208 + 2 * 16
+    r.release()
+    assert b.reserved_tokens == 0
+
+
+async def test_release_waits_for_the_kv_connector_and_for_an_abort_to_land():
+    import dataclasses
+
+    b = backend("a", kv=10_000)
+    b.config = dataclasses.replace(b.config, release_delay_s=0.05)
+    adm = make([b])
+    async with adm.reserve(demand(100, 100), 1.0):
+        pass
+    assert b.in_flight == 1  # blocks still being transferred out
+    await asyncio.sleep(0.08)
+    assert b.in_flight == 0 and b.reserved_tokens == 0
+    # A client gone mid-request: held until the node's abort has landed.
+    idx = ModelIndex([b])
+    b.config = dataclasses.replace(b.config, release_delay_s=0.0)
+    adm = Admission(
+        index_for=lambda m: idx,
+        adjust=idx.adjust,
+        policy=lambda: "kv_aware",
+        offload_overflow=lambda: False,
+        queue_size=lambda: 10,
+        clock=lambda: 0.0,
+        abort_delay=lambda: 0.05,
+    )
+    task = asyncio.create_task(_hold(adm))
+    await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert b.in_flight == 1
+    await asyncio.sleep(0.08)
+    assert b.in_flight == 0 and b.reserved_tokens == 0

@@ -1,13 +1,13 @@
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvgateway.core.demand import demand_tokens
 from kvgateway.core.routing import (
     NoBackend,
     Routed,
     RouterState,
     TooLong,
     Wait,
-    demand_tokens,
     kv_aware_scan,
     route,
 )

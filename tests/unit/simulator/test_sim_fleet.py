@@ -303,3 +303,20 @@ async def test_cli_rejects_bad_input(tmp_path: Path) -> None:
         _, stderr = await proc.communicate()
     assert proc.returncode == 2
     assert 'tiers[0].backends[1].simulate.profile: unknown profile "gpu999"' in stderr.decode()
+
+
+def test_fleet_config_reads_env_references_and_rejects_duplicate_keys(
+    tmp_path, monkeypatch
+) -> None:
+    monkeypatch.setenv("KVGW_NODE_PORT", "9555")
+    path = tmp_path / "fleet.yaml"
+    path.write_text(
+        "models: [{name: m}]\n"
+        "tiers: [{name: t, backends: [{name: a, url: 'http://127.0.0.1:${KVGW_NODE_PORT}',"
+        " model: m, simulate: {profile: tiny}}]}]\n"
+    )
+    (spec,) = load_fleet_config(path)
+    assert spec.port == 9555
+    path.write_text("models: [{name: m}]\nmodels: []\n")
+    with pytest.raises(SimulatorConfigError, match=r"models: duplicate key"):
+        load_fleet_config(path)

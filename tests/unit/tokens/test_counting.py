@@ -173,3 +173,41 @@ async def test_shared_document_is_counted_once_across_distinct_prompts():
     assert encoded[0] > len(doc) * 0.9
     # Only the chunk holding the new question is encoded again (at most CHUNK_MAX chars).
     assert max(encoded[1:]) <= CHUNK_MAX + 64 < len(doc) * 0.4
+
+
+async def test_pathological_pieces_are_bounded_and_over_counted():
+    # pool_starve: one 31 MB "word" cost ~25 s and 1.5 GB; slices keep it linear.
+    import time
+
+    from kvgateway.tokens.counting import CountPlan, PromptCounter, TextCountCache
+    from kvgateway.tokens.encoding import EncodingCache, EncodingSpec
+
+    enc = EncodingCache().get(EncodingSpec())
+    counter = PromptCounter(enc, TextCountCache(1 << 20), None)
+    word = "ab1" * 2_000_000
+    plan = CountPlan()
+    plan.new_group()
+    plan.add_text("start " + word + " end")
+    t0 = time.perf_counter()
+    got = await counter.count(plan)
+    assert time.perf_counter() - t0 < 5
+    exact_small = len(enc.encode_ordinary("ab1" * 2000))
+    assert got.total >= exact_small * 1000  # never under the true count's scale
+    small = "x" * 5000
+    assert counter._count_bounded(small) >= len(enc.encode_ordinary(small))
+
+
+async def test_counting_stops_past_the_limit_and_reports_over_it():
+    from kvgateway.tokens.counting import CountPlan, PromptCounter, TextCountCache
+    from kvgateway.tokens.encoding import EncodingCache, EncodingSpec
+
+    enc = EncodingCache().get(EncodingSpec())
+    counter = PromptCounter(enc, TextCountCache(1 << 20), None)
+    plan = CountPlan()
+    for i in range(3):
+        plan.new_group()
+        plan.add_text(f"prompt {i} " + " ".join(str(n) for n in range(20_000)))
+    got = await counter.count(plan, limit=10_000)
+    assert got.longest > 10_000 and got.each == (got.longest,)
+    full = await counter.count(plan)
+    assert full.prompts == 3 and full.longest < full.total

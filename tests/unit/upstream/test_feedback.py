@@ -2,7 +2,7 @@
 
 from kvgateway.config.model import HealthConfig, LoadFeedbackConfig
 from kvgateway.upstream.feedback import apply_metrics, apply_probe, expire_stale
-from kvgateway.upstream.vllm_metrics import NodeMetrics
+from kvgateway.upstream.vllm_metrics import ScrapedMetrics
 from tests.support.backends import backend
 
 FB = LoadFeedbackConfig(kv_high_watermark=0.9, kv_low_watermark=0.7, preemption_cooldown_s=5)
@@ -19,39 +19,39 @@ def test_health_thresholds():
 
 def test_kv_watermark_hysteresis():
     b = backend("a")
-    apply_metrics(b, NodeMetrics(kv_usage=0.5), 0.0, FB)
+    apply_metrics(b, ScrapedMetrics(kv_usage=0.5), 0.0, FB)
     assert not b.paused
-    apply_metrics(b, NodeMetrics(kv_usage=0.93), 1.0, FB)
+    apply_metrics(b, ScrapedMetrics(kv_usage=0.93), 1.0, FB)
     assert b.paused and b.pause_reason == "kv_full" and not b.accepting(1.0)
-    apply_metrics(b, NodeMetrics(kv_usage=0.8), 2.0, FB)
+    apply_metrics(b, ScrapedMetrics(kv_usage=0.8), 2.0, FB)
     assert b.paused  # still above the low watermark
-    assert apply_metrics(b, NodeMetrics(kv_usage=0.6), 3.0, FB) is True
+    assert apply_metrics(b, ScrapedMetrics(kv_usage=0.6), 3.0, FB) is True
     assert not b.paused
 
 
 def test_queue_must_persist_two_scrapes():
     b = backend("a")
-    apply_metrics(b, NodeMetrics(waiting=3), 0.0, FB)
+    apply_metrics(b, ScrapedMetrics(waiting=3), 0.0, FB)
     assert not b.paused
-    apply_metrics(b, NodeMetrics(waiting=2), 1.0, FB)
+    apply_metrics(b, ScrapedMetrics(waiting=2), 1.0, FB)
     assert b.paused and b.pause_reason == "queueing"
-    apply_metrics(b, NodeMetrics(waiting=0), 2.0, FB)
+    apply_metrics(b, ScrapedMetrics(waiting=0), 2.0, FB)
     assert not b.paused
 
 
 def test_new_preemptions_pause_for_a_cooldown():
     b = backend("a")
-    apply_metrics(b, NodeMetrics(preemptions=4), 0.0, FB)
-    apply_metrics(b, NodeMetrics(preemptions=6), 1.0, FB)
+    apply_metrics(b, ScrapedMetrics(preemptions=4), 0.0, FB)
+    apply_metrics(b, ScrapedMetrics(preemptions=6), 1.0, FB)
     assert b.paused and b.pause_reason == "preempting"
-    apply_metrics(b, NodeMetrics(preemptions=6), 2.0, FB)
+    apply_metrics(b, ScrapedMetrics(preemptions=6), 2.0, FB)
     assert b.paused  # cooling down until t=6
     assert b.accepting(6.5)  # the cool-down ends by itself even without a scrape
 
 
 def test_stale_scrape_never_halts_the_node():
     b = backend("a")
-    apply_metrics(b, NodeMetrics(kv_usage=0.99), 0.0, FB)
+    apply_metrics(b, ScrapedMetrics(kv_usage=0.99), 0.0, FB)
     assert b.paused
     assert expire_stale(b, FB.stale_after_s + 1, FB) is True
     assert not b.paused and b.load is None
@@ -60,6 +60,6 @@ def test_stale_scrape_never_halts_the_node():
 def test_disabled_feedback_records_but_never_pauses():
     b = backend("a")
     cfg = LoadFeedbackConfig(enabled=False)
-    apply_metrics(b, NodeMetrics(kv_usage=1.0, waiting=10), 0.0, cfg)
-    apply_metrics(b, NodeMetrics(kv_usage=1.0, waiting=10), 1.0, cfg)
+    apply_metrics(b, ScrapedMetrics(kv_usage=1.0, waiting=10), 0.0, cfg)
+    apply_metrics(b, ScrapedMetrics(kv_usage=1.0, waiting=10), 1.0, cfg)
     assert not b.paused and b.load is not None

@@ -1,0 +1,76 @@
+"""What one request needs from a backend, and whether a backend could ever give it.
+
+:func:`can_ever_hold` is the one definition of "this backend could hold this request if
+it were idle" (context, KV budget and sequence slots), used by routing, the routing
+index and admission's queue claims alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvgateway.core.backends import Backend
+
+
+@dataclass(frozen=True, slots=True)
+class Demand:
+    """What one request needs, in KV tokens and sequence slots."""
+
+    model: str
+    prompt_tokens: int
+    longest_prompt: int
+    output_tokens: int
+    sequences: int
+    tokens: int
+    # Backends that already failed this request: treated as down for it.
+    exclude: frozenset[str] = frozenset()
+    # Backends held for earlier waiters: unavailable now, but still this request's
+    # preferred tier (so claims never push a request onto the offload tier).
+    busy: frozenset[str] = frozenset()
+
+    @property
+    def longest_sequence(self) -> int:
+        return self.longest_prompt + self.output_tokens
+
+
+def demand_tokens(prompt_lengths: Sequence[int], output_tokens: int, n: int, block: int) -> int:
+    """KV tokens a request can occupy: every sequence's prompt and output, in whole blocks.
+
+    vLLM allocates KV in blocks of ``block`` tokens per sequence, so each sequence's
+    ``prompt + output`` is rounded up to a block.
+    """
+    total = 0
+    for p in prompt_lengths:
+        seq = p + output_tokens
+        total += n * (-(-seq // block) * block)
+    return total
+
+
+def fits_limits(context_limit: int, budget_tokens: int, max_num_seqs: int, d: Demand) -> bool:
+    """Limits of this size could hold ``d`` (the shape the routing index keeps per tier)."""
+    return (
+        context_limit >= d.longest_sequence
+        and budget_tokens >= d.tokens
+        and max_num_seqs >= d.sequences
+    )
+
+
+def tokens_on(b: Backend, d: Demand) -> int:
+    """KV tokens ``d`` takes on ``b``: its own, plus speculative decoding's lookahead slots
+    for each of its sequences (in whole blocks) where ``b`` runs a draft model."""
+    k = b.config.num_speculative_tokens
+    if not k:
+        return d.tokens
+    block = b.limits.block_size
+    return d.tokens + d.sequences * (-(-k // block) * block)
+
+
+def can_ever_hold(b: Backend, d: Demand) -> bool:
+    """``b`` could hold ``d`` if it were idle: limits known and large enough (health,
+    pauses and current reservations aside)."""
+    return (
+        b.limits.known
+        and fits_limits(b.context_limit, b.budget_tokens, b.max_num_seqs, d)
+        and b.budget_tokens >= tokens_on(b, d)
+    )

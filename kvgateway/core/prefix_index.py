@@ -1,0 +1,317 @@
+"""Which leading prompt blocks each backend holds in its prefix cache: a pure index.
+
+Two sources per backend, both keyed by :mod:`kvgateway.core.prefix_keys`:
+
+- **Approximate** (every backend): the prompt blocks the gateway routed there, each
+  remembered for ``ttl_s`` after it was last routed and at most ``max_blocks`` of them
+  (least recently routed forgotten first, as the node's own LRU forgets them). It guesses:
+  the node may have evicted a block sooner, or cached output blocks it never saw, so
+  :meth:`PrefixIndex.expected_blocks` weighs each block by ``0.5 ** (age / half_life_s)``.
+- **Precise** (backends with KV events): what the node reported, block by block.
+  ``BlockStored`` carries token ids, so each block's key is rebuilt from its parent's key
+  (found through the node's hash of the parent) and its tokens; the node's hash values
+  are only ids. A block whose parent is unknown (stored before a lost event) cannot be
+  placed and is counted as an orphan. The same hash may be stored twice (vLLM does not
+  de-duplicate), so blocks are counted. Events for other media than the GPU and for
+  KV-cache groups other than the first are ignored.
+
+After a resync (:meth:`PrefixIndex.clear`: lost events, a reconnect, a publisher
+restart) the precise view is empty and rebuilds from new events; for ``resync_grace_s``
+the index answers from the approximate view instead.
+
+Nothing here does I/O or reads a clock: time is passed in.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvgateway.core.prefix_keys import BlockKey, block_keys
+
+EngineHash = int | bytes
+MEDIUM_GPU = "GPU"
+
+
+@dataclass(frozen=True, slots=True)
+class BlocksStored:
+    """vLLM's ``BlockStored``, decoded (``extra_keys``: one entry per block, or None)."""
+
+    block_hashes: tuple[EngineHash, ...]
+    parent_block_hash: EngineHash | None
+    token_ids: tuple[int, ...]
+    block_size: int
+    medium: str | None = MEDIUM_GPU
+    extra_keys: tuple[tuple[Any, ...] | None, ...] | None = None
+    group_idx: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class BlocksRemoved:
+    block_hashes: tuple[EngineHash, ...]
+    medium: str | None = MEDIUM_GPU
+    group_idx: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class AllCleared:
+    pass
+
+
+CacheEvent = BlocksStored | BlocksRemoved | AllCleared
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixIndexStats:
+    approximate_blocks: int
+    precise: bool
+    precise_blocks: int
+    stored: int
+    removed: int
+    orphans: int
+    resyncs: int
+    last_resync_at: float | None
+
+
+class _Approximate:
+    __slots__ = ("seen",)
+
+    def __init__(self) -> None:
+        self.seen: OrderedDict[BlockKey, float] = OrderedDict()
+
+
+class _Precise:
+    __slots__ = (
+        "block_size",
+        "by_hash",
+        "held",
+        "orphans",
+        "removed",
+        "resync_at",
+        "resyncs",
+        "stored",
+    )
+
+    def __init__(self) -> None:
+        self.by_hash: dict[EngineHash, tuple[BlockKey, int]] = {}
+        self.held: dict[BlockKey, int] = {}
+        self.stored = self.removed = self.orphans = self.resyncs = 0
+        self.resync_at: float | None = None
+        self.block_size: int | None = None
+
+    def reset(self) -> None:
+        self.by_hash.clear()
+        self.held.clear()
+
+    def store(self, event: BlocksStored) -> None:
+        self.block_size = event.block_size
+        if event.parent_block_hash is None:
+            parent: BlockKey | None = None
+        else:
+            known = self.by_hash.get(event.parent_block_hash)
+            if known is None:
+                self.orphans += len(event.block_hashes)
+                return
+            parent = known[0]
+        keys = block_keys(
+            event.token_ids, event.block_size, parent=parent, extra_keys=event.extra_keys
+        )
+        for engine_hash, key in zip(event.block_hashes, keys, strict=False):
+            old = self.by_hash.get(engine_hash)
+            self.by_hash[engine_hash] = (key, old[1] + 1 if old is not None else 1)
+            self.held[key] = self.held.get(key, 0) + 1
+            self.stored += 1
+
+    def remove(self, event: BlocksRemoved) -> None:
+        for engine_hash in event.block_hashes:
+            entry = self.by_hash.get(engine_hash)
+            if entry is None:
+                continue
+            key, count = entry
+            if count > 1:
+                self.by_hash[engine_hash] = (key, count - 1)
+            else:
+                del self.by_hash[engine_hash]
+            left = self.held.get(key, 0) - 1
+            if left > 0:
+                self.held[key] = left
+            else:
+                self.held.pop(key, None)
+            self.removed += 1
+
+
+def _counts(medium: str | None, group_idx: int | None) -> bool:
+    return (medium is None or medium == MEDIUM_GPU) and (group_idx is None or group_idx == 0)
+
+
+class PrefixIndex:
+    """Per-backend prefix-cache views; backends are named by string."""
+
+    def __init__(
+        self,
+        *,
+        ttl_s: float = 600.0,
+        half_life_s: float = 120.0,
+        max_blocks: int = 1_000_000,
+        resync_grace_s: float = 30.0,
+    ) -> None:
+        if ttl_s <= 0 or half_life_s <= 0 or max_blocks < 1 or resync_grace_s < 0:
+            raise ValueError("ttl_s, half_life_s, max_blocks must be positive, grace >= 0")
+        self._ttl = ttl_s
+        self._half_life = half_life_s
+        self._default_max = max_blocks
+        self._grace = resync_grace_s
+        self._approx: dict[str, _Approximate] = {}
+        self._max: dict[str, int] = {}
+        self._precise: dict[str, _Precise] = {}
+
+    # -- membership ----------------------------------------------------------------
+
+    def set_capacity(self, backend: str, max_blocks: int) -> None:
+        """Bound the approximate view by what the node can hold (its usable blocks)."""
+        self._max[backend] = max(1, max_blocks)
+
+    def attach_events(self, backend: str) -> None:
+        """The backend reports KV events: answer from the precise view from now on."""
+        self._precise.setdefault(backend, _Precise())
+
+    def detach_events(self, backend: str) -> None:
+        self._precise.pop(backend, None)
+
+    def remove_backend(self, backend: str) -> None:
+        self._approx.pop(backend, None)
+        self._max.pop(backend, None)
+        self._precise.pop(backend, None)
+
+    # -- feeding -------------------------------------------------------------------
+
+    def record_routed(self, backend: str, keys: Sequence[BlockKey], now: float) -> None:
+        """The gateway sent a prompt with these block keys to ``backend``."""
+        view = self._approx.setdefault(backend, _Approximate())
+        seen = view.seen
+        for key in keys:
+            seen[key] = now
+            seen.move_to_end(key)
+        self._prune(backend, view, now)
+
+    def apply_events(self, backend: str, events: Iterable[CacheEvent], now: float) -> None:
+        """Apply one batch of the backend's events in order (attaches it if needed)."""
+        state = self._precise.setdefault(backend, _Precise())
+        for event in events:
+            if isinstance(event, BlocksStored):
+                if _counts(event.medium, event.group_idx):
+                    state.store(event)
+            elif isinstance(event, BlocksRemoved):
+                if _counts(event.medium, event.group_idx):
+                    state.remove(event)
+            else:
+                state.reset()
+
+    def clear(self, backend: str, now: float) -> None:
+        """Resync: forget the precise view (events were lost or the stream restarted)."""
+        state = self._precise.setdefault(backend, _Precise())
+        state.reset()
+        state.resyncs += 1
+        state.resync_at = now
+
+    # -- queries -------------------------------------------------------------------
+
+    def matched_blocks(self, backend: str, keys: Sequence[BlockKey], now: float) -> int:
+        """How many leading blocks of ``keys`` the backend is believed to hold."""
+        state = self._precise.get(backend)
+        if state is not None and not self._in_grace(state, now):
+            held = state.held
+            n = 0
+            for key in keys:
+                if key not in held:
+                    break
+                n += 1
+            return n
+        view = self._approx.get(backend)
+        if view is None:
+            return 0
+        oldest = now - self._ttl
+        seen = view.seen
+        n = 0
+        for key in keys:
+            at = seen.get(key)
+            if at is None or at < oldest:
+                break
+            n += 1
+        return n
+
+    def expected_blocks(self, backend: str, keys: Sequence[BlockKey], now: float) -> float:
+        """:meth:`matched_blocks` weighted by belief: 1 per block reported by events,
+        ``0.5 ** (age / half_life_s)`` per block the gateway only routed there."""
+        if self.is_precise(backend, now):
+            return float(self.matched_blocks(backend, keys, now))
+        view = self._approx.get(backend)
+        if view is None:
+            return 0.0
+        oldest = now - self._ttl
+        seen = view.seen
+        total = 0.0
+        for key in keys:
+            at = seen.get(key)
+            if at is None or at < oldest:
+                break
+            total += 0.5 ** (max(0.0, now - at) / self._half_life)
+        return total
+
+    def match_all(
+        self, keys: Sequence[BlockKey], backends: Iterable[str], now: float
+    ) -> dict[str, int]:
+        """:meth:`matched_blocks` for each backend."""
+        return {b: self.matched_blocks(b, keys, now) for b in backends}
+
+    def event_block_size(self, backend: str) -> int | None:
+        """The block size the backend's events use: prompts must be keyed with it."""
+        state = self._precise.get(backend)
+        return state.block_size if state is not None else None
+
+    def is_precise(self, backend: str, now: float) -> bool:
+        state = self._precise.get(backend)
+        return state is not None and not self._in_grace(state, now)
+
+    def statistics(self, backend: str, now: float) -> PrefixIndexStats:
+        view = self._approx.get(backend)
+        if view is not None:
+            self._prune(backend, view, now)
+        state = self._precise.get(backend)
+        return PrefixIndexStats(
+            approximate_blocks=len(view.seen) if view is not None else 0,
+            precise=self.is_precise(backend, now),
+            precise_blocks=sum(state.held.values()) if state is not None else 0,
+            stored=state.stored if state is not None else 0,
+            removed=state.removed if state is not None else 0,
+            orphans=state.orphans if state is not None else 0,
+            resyncs=state.resyncs if state is not None else 0,
+            last_resync_at=state.resync_at if state is not None else None,
+        )
+
+    def precise_keys(self, backend: str) -> frozenset[BlockKey]:
+        """Every block key the precise view holds (for tests and diagnostics)."""
+        state = self._precise.get(backend)
+        return frozenset(state.held) if state is not None else frozenset()
+
+    def precise_engine_hashes(self, backend: str) -> frozenset[EngineHash]:
+        """The node's own ids of the blocks the precise view holds (diagnostics)."""
+        state = self._precise.get(backend)
+        return frozenset(state.by_hash) if state is not None else frozenset()
+
+    # -- internals -----------------------------------------------------------------
+
+    def _in_grace(self, state: _Precise, now: float) -> bool:
+        return state.resync_at is not None and now - state.resync_at < self._grace
+
+    def _prune(self, backend: str, view: _Approximate, now: float) -> None:
+        seen = view.seen
+        limit = self._max.get(backend, self._default_max)
+        oldest = now - self._ttl
+        while seen:
+            key, at = next(iter(seen.items()))
+            if at >= oldest and len(seen) <= limit:
+                break
+            del seen[key]

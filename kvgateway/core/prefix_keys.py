@@ -1,0 +1,85 @@
+"""The gateway's own chained keys for full token blocks.
+
+vLLM names a cached block by a hash of (parent hash, the block's token ids, extra keys),
+chained from the first block, full blocks only. Its hash values cannot be reproduced in
+general (the seed, the hash algorithm and pickle's output vary by deployment), so the
+gateway keys blocks its own way with the same structure, as llm-d's precise prefix
+scorer does: from a prompt's token ids when it routes, and from the token ids that
+``BlockStored`` events carry when a node reports what it cached. Only the tokenization
+has to match the node's; block size and extra keys come with the events.
+
+Keys are 64-bit ints (8-byte BLAKE2b of the parent key, the tokens as signed 64-bit
+little-endian, and the extra keys' repr); ``ROOT_KEY`` is the parent of a first block.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Sequence
+from typing import Any
+
+BlockKey = int
+ROOT_KEY: BlockKey = 0
+_ROOT_BYTES = ROOT_KEY.to_bytes(8, "little")
+
+
+def chain_key(
+    parent: BlockKey | None, block_tokens: bytes, extra_keys: tuple[Any, ...] | None = None
+) -> BlockKey:
+    """The key of one block from its parent's key and its tokens packed as int64."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update(_ROOT_BYTES if parent is None else parent.to_bytes(8, "little"))
+    h.update(block_tokens)
+    if extra_keys:
+        h.update(repr(tuple(extra_keys)).encode())
+    return int.from_bytes(h.digest(), "little")
+
+
+def pack_tokens(token_ids: Sequence[int]) -> bytes:
+    return array("q", token_ids).tobytes()
+
+
+def block_keys(
+    token_ids: Sequence[int],
+    block_size: int,
+    *,
+    parent: BlockKey | None = None,
+    extra_keys: Sequence[tuple[Any, ...] | None] | None = None,
+    max_blocks: int | None = None,
+) -> list[BlockKey]:
+    """Keys of every full block of ``token_ids``, chained from ``parent`` (a prompt's start).
+
+    ``extra_keys``, when given, holds one entry per block as vLLM's events carry them
+    (LoRA name, multimodal hashes, ``cache_salt`` on block 0); a partial last block has
+    no key. ``max_blocks`` stops early (a long prompt on a node that can hold less).
+    """
+    if block_size < 1:
+        raise ValueError("block_size must be positive")
+    n = len(token_ids) // block_size
+    if max_blocks is not None:
+        n = min(n, max_blocks)
+    packed = pack_tokens(token_ids[: n * block_size])
+    width = block_size * 8
+    keys: list[BlockKey] = []
+    key = parent
+    for i in range(n):
+        extra = extra_keys[i] if extra_keys is not None and i < len(extra_keys) else None
+        key = chain_key(key, packed[i * width : (i + 1) * width], extra)
+        keys.append(key)
+    return keys
+
+
+def request_extra_keys(
+    num_blocks: int, *, lora_name: str | None = None, cache_salt: str | None = None
+) -> list[tuple[Any, ...] | None] | None:
+    """Per-block extra keys of a text request as vLLM builds them (LoRA, then salt)."""
+    if lora_name is None and not cache_salt:
+        return None
+    out: list[tuple[Any, ...] | None] = []
+    for i in range(num_blocks):
+        keys: list[Any] = [lora_name] if lora_name is not None else []
+        if i == 0 and cache_salt:
+            keys.append(cache_salt)
+        out.append(tuple(keys) if keys else None)
+    return out

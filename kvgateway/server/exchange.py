@@ -1,0 +1,126 @@
+"""One request's way through the proxy, as one object (mitmproxy's ``Flow``).
+
+An :class:`Exchange` is created when a request arrives and carries everything the
+handlers learn about it: the counted request, each admission, each upstream failure, the
+response being relayed and the final access record. When it ends, :func:`finish`
+computes the metrics and the access line once, from that final state, so the control
+flow of the proxy never interleaves bookkeeping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+
+from kvgateway.core.admission import Reservation
+from kvgateway.server.accesslog import AccessRecord, log_access
+from kvgateway.server.metrics import GatewayMetrics
+
+if TYPE_CHECKING:
+    from kvgateway.server.planning import Counted
+
+
+class Outcome(StrEnum):
+    """How a request ended, beside its status (the access log's ``outcome``).
+
+    Errors the gateway answers itself use their OpenAI ``code`` instead; answers relayed
+    from a node with an error status are ``backend_<status>``."""
+
+    PENDING = "-"
+    OK = "ok"
+    CLIENT_DISCONNECT = "client_disconnect"
+    CANCELLED_SHUTDOWN = "cancelled_shutdown"
+    MID_STREAM_TIMEOUT = "mid_stream_timeout"
+    MID_STREAM_RESET = "mid_stream_reset"
+    MID_STREAM_TRUNCATED = "mid_stream_truncated"
+    MID_STREAM_TOTAL_TIMEOUT = "mid_stream_total_timeout"
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    backend: str
+    cause: str
+    retried: bool
+
+
+@dataclass(slots=True, eq=False)
+class Exchange:
+    request: web.Request
+    record: AccessRecord
+    started: float
+    counted: Counted | None = None
+    body_read: bool = False
+    # Every admission of this request (one per attempt), in order.
+    admissions: list[tuple[str, str, float]] = field(default_factory=list)  # tier, reason, queued_s
+    failures: list[Failure] = field(default_factory=list)
+    rejection: str | None = None
+    ttft_s: float | None = None
+    # The response already prepared towards the client (streams), if any.
+    response: web.StreamResponse | None = None
+    # The request's own deadline: shutdown moves it forward to end the request properly.
+    deadline: asyncio.Timeout | None = None
+    shutdown: bool = False
+
+    @property
+    def request_id(self) -> str:
+        return self.record.request_id
+
+    def admitted(self, r: Reservation) -> None:
+        rec = self.record
+        rec.backend = r.backend.name
+        rec.tier = r.backend.tier
+        rec.route = r.reason
+        rec.reserved_tokens = r.tokens
+        rec.queued_ms += r.queued_s * 1000
+        self.admissions.append((r.backend.tier, r.reason, r.queued_s))
+
+    def first_byte(self, now: float) -> None:
+        if self.ttft_s is None:
+            self.ttft_s = now - self.started
+            self.record.ttft_ms = self.ttft_s * 1000
+
+    def end_now(self) -> None:
+        """Shutdown: end this request at once (its handler answers with a reason)."""
+        self.shutdown = True
+        if self.deadline is not None:
+            # A deadline already expiring or left behind has nothing more to end.
+            with contextlib.suppress(RuntimeError):
+                self.deadline.reschedule(asyncio.get_running_loop().time())
+
+
+def finish(ex: Exchange, m: GatewayMetrics, now: float, access_log: bool) -> None:
+    """The exchange's metrics and access line, from its final state."""
+    rec = ex.record
+    rec.latency_ms = (now - ex.started) * 1000
+    if ex.counted is not None:
+        model = ex.counted.model.name
+        m.prompt_tokens.labels(model=model).observe(ex.counted.prompt.total)
+        m.output_budget.labels(model=model).observe(
+            ex.counted.output_tokens * ex.counted.demand.sequences
+        )
+    for tier, reason, queued_s in ex.admissions:
+        m.decisions.labels(tier=tier, reason=reason).inc()
+        if queued_s > 0:
+            m.queue_wait.observe(queued_s)
+    for f in ex.failures:
+        m.upstream_failures.labels(backend=f.backend, cause=f.cause).inc()
+        if f.retried:
+            m.upstream_retries.labels(backend=f.backend, cause=f.cause).inc()
+    if ex.rejection is not None:
+        m.rejections.labels(reason=ex.rejection).inc()
+    if rec.outcome == Outcome.CLIENT_DISCONNECT:
+        m.client_disconnects.inc()
+    if ex.ttft_s is not None and rec.tier != "-":
+        m.ttft.labels(model=rec.model, tier=rec.tier).observe(ex.ttft_s)
+    m.requests.labels(
+        model=rec.model, tier=rec.tier, backend=rec.backend, status=str(rec.status)
+    ).inc()
+    if rec.tier != "-":
+        m.duration.labels(model=rec.model, tier=rec.tier).observe(rec.latency_ms / 1000)
+    if access_log:
+        log_access(rec)

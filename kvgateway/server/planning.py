@@ -1,0 +1,160 @@
+"""From request bytes to what the request needs: parse, count, and the body to send.
+
+:func:`plan_request` turns a client's body into a :class:`Counted` (the model, the
+counted prompt, the output budget and the :class:`~kvgateway.core.demand.Demand` that
+admission reserves); :func:`upstream_body` gives the bytes the node receives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+from typing import Protocol
+
+from kvgateway.config.model import GatewayConfig, ModelConfig
+from kvgateway.core.demand import Demand, demand_tokens
+from kvgateway.errors import ModelNotFound
+from kvgateway.server.openai_request import (
+    Kind,
+    Limits,
+    ParsedRequest,
+    parse_body,
+    parse_chat,
+    parse_completion,
+    parse_responses,
+    responses_messages,
+)
+from kvgateway.tokens.calibration import PromptCalibration
+from kvgateway.tokens.counters import TokenCounters
+from kvgateway.tokens.counting import CountPlan, PromptTokens, plan_chat, plan_completion
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's documented default
+OFF_LOOP_BYTES = 1024 * 1024
+
+
+class FleetView(Protocol):
+    """What planning reads of the fleet (:class:`kvgateway.core.fleet.Fleet`)."""
+
+    def block_size(self, model: str) -> int: ...
+
+    def largest_context(self, model: str) -> int: ...
+
+
+@dataclass(slots=True)
+class Counted:
+    model: ModelConfig
+    parsed: ParsedRequest
+    prompt: PromptTokens
+    # Output tokens reserved per sequence.
+    output_tokens: int
+    demand: Demand
+    # The max_tokens the gateway set because the client left it open (None: unchanged).
+    injected_output: int | None = None
+
+
+async def plan_request(
+    raw: bytes,
+    kind: Kind,
+    config: GatewayConfig,
+    counters: TokenCounters,
+    calibration: PromptCalibration,
+    fleet: FleetView,
+) -> Counted:
+    limits = Limits(config.admission.max_messages, config.admission.max_content_parts)
+    if len(raw) > OFF_LOOP_BYTES:
+        # Parsing and validating a large body takes milliseconds of Python: not on the loop.
+        loop = asyncio.get_running_loop()
+        parsed, model, plan, known = await loop.run_in_executor(
+            counters.executor, _parse, raw, kind, config, limits
+        )
+    else:
+        parsed, model, plan, known = _parse(raw, kind, config, limits)
+    # Counting stops once the prompt is past the largest context on offer: it is refused.
+    largest = fleet.largest_context(model.name)
+    prompt = await counters.for_tokenizer(model.tokenizer).count(plan, known, largest or None)
+    margin = model.tokenizer.estimate_margin
+    each = [calibration.scaled(model.name, p, margin) for p in (prompt.each or (prompt.total,))]
+    longest = max(each)
+    output, injected = output_budget(parsed, config, longest, largest)
+    demand = Demand(
+        model=model.name,
+        prompt_tokens=sum(each),
+        longest_prompt=longest,
+        output_tokens=output,
+        sequences=len(each) * parsed.sequences_per_prompt,
+        # Every prompt's sequences rounded to whole blocks on their own, as vLLM does.
+        tokens=demand_tokens(
+            each, output, parsed.sequences_per_prompt, fleet.block_size(model.name)
+        ),
+    )
+    return Counted(model, parsed, prompt, output, demand, injected)
+
+
+def _parse(
+    raw: bytes, kind: Kind, config: GatewayConfig, limits: Limits
+) -> tuple[ParsedRequest, ModelConfig, CountPlan, list[int]]:
+    body = parse_body(raw, limits)
+    if kind == "chat":
+        parsed = parse_chat(body, limits)
+    elif kind == "responses":
+        parsed = parse_responses(body, limits)
+    else:
+        parsed = parse_completion(body)
+    model = config.resolve_model(parsed.model)
+    if model is None:
+        raise ModelNotFound(
+            f"The model `{parsed.model}` does not exist or you do not have access to it.",
+            param="model",
+        )
+    if parsed.kind == "chat":
+        return parsed, model, plan_chat(body, model.tokenizer), []
+    if parsed.kind == "responses":
+        as_chat = {"messages": responses_messages(body), "tools": body.get("tools")}
+        return parsed, model, plan_chat(as_chat, model.tokenizer), []
+    plan, known = plan_completion(body["prompt"])
+    return parsed, model, plan, known
+
+
+def output_budget(
+    parsed: ParsedRequest, config: GatewayConfig, prompt_bound: int, largest_context: int
+) -> tuple[int, int | None]:
+    """Output tokens to reserve per sequence, and the ``max_tokens`` to send when the
+    client left it open (None: the body goes unchanged).
+
+    A client-given budget is kept. Left open (absent or ``null``), vLLM would allow "the
+    rest of the context" (chat, and completions with an explicit null) or 16
+    (completions, absent): the gateway sends the node what it reserves, the default capped
+    at what the largest context leaves after the prompt, so the cap never turns a request
+    the node could serve into a 400. With ``inject_default_output: false`` the body goes
+    unchanged and the gateway reserves what vLLM would allow.
+    """
+    if parsed.echo_only:
+        return 1, None  # vLLM schedules one token for an echo of the prompt
+    if parsed.requested_output is not None:
+        return parsed.requested_output, None
+    room = max(1, largest_context - prompt_bound) if largest_context else None
+    explicit_null = parsed.output_field in parsed.body and parsed.body[parsed.output_field] is None
+    if parsed.kind != "completion":
+        default = config.admission.default_output_tokens
+        vllm_allows = room
+    else:
+        default = COMPLETIONS_DEFAULT_MAX_TOKENS
+        vllm_allows = room if explicit_null else COMPLETIONS_DEFAULT_MAX_TOKENS
+    if not config.admission.inject_default_output:
+        return (vllm_allows or default), None
+    budget = min(default, room) if room is not None else default
+    return budget, budget
+
+
+def upstream_body(counted: Counted) -> bytes | None:
+    """The body to send, or None to forward the client's bytes unchanged."""
+    body = counted.parsed.body
+    changed = False
+    if counted.parsed.model != counted.model.served_name:
+        body["model"] = counted.model.served_name
+        changed = True
+    if counted.injected_output is not None:
+        body[counted.parsed.output_field] = counted.injected_output
+        changed = True
+    return json.dumps(body, separators=(",", ":")).encode() if changed else None

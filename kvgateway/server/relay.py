@@ -1,0 +1,151 @@
+"""Relaying a node's answer to the client: a whole body, or a stream of SSE events.
+
+Both run while the request's reservation is held (the caller's ``async with``). Once a
+stream has sent its first byte nothing is retried: a failure ends it with an error event
+and ``data: [DONE]`` so SDK clients see a clean end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from aiohttp import web
+
+from kvgateway.core.admission import Reservation
+from kvgateway.errors import UpstreamError, UpstreamTimeout
+from kvgateway.server.exchange import Exchange, Failure, Outcome
+from kvgateway.server.state import GatewayState
+from kvgateway.upstream.client import MidStreamError, UpstreamResponse, find_usage
+
+MAX_RESPONSE_BYTES = 256 * 1024 * 1024
+
+
+def gateway_headers(ex: Exchange, r: Reservation) -> dict[str, str]:
+    assert ex.counted is not None
+    headers = {
+        "x-request-id": ex.request_id,
+        "x-gateway-backend": r.backend.name,
+        "x-gateway-tier": r.backend.tier,
+        "x-gateway-prompt-tokens": str(ex.counted.prompt.total),
+    }
+    if ex.counted.injected_output is not None:
+        # The client left the output budget open; the node was sent this one.
+        headers["x-gateway-max-tokens"] = str(ex.counted.injected_output)
+    return headers
+
+
+def error_event(message: str, code: str) -> bytes:
+    err = UpstreamError(message, code=code)
+    return b"data: " + err.body_bytes() + b"\n\ndata: [DONE]\n\n"
+
+
+def _reconcile(state: GatewayState, ex: Exchange, r: Reservation, data: bytes) -> None:
+    counted = ex.counted
+    assert counted is not None
+    usage = find_usage(data)
+    if usage is not None and counted.prompt.prompts == 1:
+        # vLLM reports the prompt once per request, whatever n is.
+        state.calibration.observe(
+            r.backend.name, counted.model.name, counted.prompt.total, usage.prompt_tokens
+        )
+
+
+async def relay_body(
+    state: GatewayState, ex: Exchange, resp: UpstreamResponse, r: Reservation
+) -> web.Response:
+    remaining = ex.started + r.backend.config.timeouts.total_s - state.clock()
+    try:
+        async with asyncio.timeout(max(0.1, remaining)):
+            data = await resp.read(MAX_RESPONSE_BYTES)
+    except TimeoutError as exc:
+        raise UpstreamTimeout(
+            f"Backend {r.backend.name} did not finish within the total timeout.", retryable=False
+        ) from exc
+    if resp.status == 200:
+        _reconcile(state, ex, r, data)
+        ex.record.outcome = Outcome.OK
+    else:
+        ex.record.outcome = f"backend_{resp.status}"
+        r.backend.note_rejection(state.clock())
+    ex.first_byte(state.clock())
+    headers = resp.relay_headers()
+    headers.update(gateway_headers(ex, r))
+    return web.Response(status=resp.status, body=data, headers=headers)
+
+
+async def relay_stream(
+    state: GatewayState, ex: Exchange, resp: UpstreamResponse, r: Reservation
+) -> web.StreamResponse:
+    out = web.StreamResponse(status=200)
+    out.headers.update(resp.relay_headers())
+    out.headers.update(gateway_headers(ex, r))
+    out.headers.setdefault("Content-Type", "text/event-stream")
+    out.headers["Cache-Control"] = "no-cache"
+    out.headers["X-Accel-Buffering"] = "no"
+    await out.prepare(ex.request)
+    ex.response = out
+    timeouts = r.backend.config.timeouts
+    rec = ex.record
+    done = False
+    last = b""
+    try:
+        async with asyncio.timeout_at(_loop_deadline(ex.started + timeouts.total_s, state)):
+            async for events in resp.events(timeouts.idle_s):
+                ex.first_byte(state.clock())
+                await out.write(events)
+                last = events
+                if _ends_stream(events):
+                    done = True
+                    break
+    except MidStreamError as err:
+        ex.failures.append(Failure(r.backend.name, "mid_stream", retried=False))
+        r.backend.note_rejection(state.clock())
+        rec.outcome = f"mid_stream_{err.cause}"
+        await out.write(
+            error_event(
+                f"Backend {r.backend.name} failed mid-stream: {err}", "upstream_" + err.cause
+            )
+        )
+        done = True
+    except TimeoutError:
+        rec.outcome = Outcome.MID_STREAM_TOTAL_TIMEOUT
+        ex.failures.append(Failure(r.backend.name, "timeout", retried=False))
+        await out.write(
+            error_event("The response exceeded the gateway's total timeout.", "upstream_timeout")
+        )
+        done = True
+    if not done:
+        rec.outcome = Outcome.MID_STREAM_TRUNCATED
+        await out.write(
+            error_event(f"Backend {r.backend.name} ended the stream early.", "upstream_reset")
+        )
+    elif rec.outcome == Outcome.PENDING:
+        rec.outcome = Outcome.OK
+        if b'"usage"' in last:
+            _reconcile(state, ex, r, last)
+    await out.write_eof()
+    return out
+
+
+# Chat and completions streams end with [DONE]; Responses streams with a final event.
+_RESPONSES_END = (
+    b'"type":"response.completed"',
+    b'"type":"response.failed"',
+    b'"type":"response.incomplete"',
+    b'"type": "response.completed"',
+    b'"type": "response.failed"',
+    b'"type": "response.incomplete"',
+)
+
+
+def _ends_stream(events: bytes) -> bool:
+    if events.endswith(b"data: [DONE]\n\n"):
+        return True
+    tail = events[-4096:]
+    return b"event: response." in tail and any(m in tail for m in _RESPONSES_END)
+
+
+def _loop_deadline(deadline: float, state: GatewayState) -> float:
+    # asyncio deadlines are in loop time; ours are in the injected clock's time.
+    loop = asyncio.get_running_loop()
+    return loop.time() + (deadline - state.clock())

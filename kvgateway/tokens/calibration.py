@@ -1,0 +1,86 @@
+"""Calibration: how the nodes' own prompt counts relate to the gateway's count.
+
+Fed with each response's ``usage.prompt_tokens`` next to the gateway's count, per backend
+and model; read when a request is admitted, to bound its prompt. A node's count is, to a
+good approximation, ``fixed + ratio * counted``: its chat template adds a fixed block (a
+default system prompt, role headers) and its tokenizer splits text differently by a
+roughly constant factor. The two are learned apart, so a template's 30 fixed tokens on
+tiny chats are not read as a 4x ratio (which would then double every long prompt's
+reservation and refuse prompts the node serves):
+
+- ``fixed`` from small prompts (below :data:`SMALL` counted tokens), where the overhead
+  dominates: an EWMA of ``reported - ratio * counted``;
+- ``ratio`` from larger prompts only, on the tokens above the fixed overhead, weighted by
+  size over a decaying window.
+
+Each observation is clamped before it is used, so one odd answer moves either only so
+far. Reads never go below the gateway's own count.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+MAX_RATIO = 4.0
+MAX_FIXED = 4096.0
+SMALL = 256  # counted tokens below which a prompt teaches the fixed overhead
+DECAY = 0.97  # per large observation
+FIXED_ALPHA = 0.2
+
+
+@dataclass(slots=True)
+class _Fit:
+    fixed: float = 0.0
+    weight: float = 0.0  # decayed sum of sizes of the large prompts seen
+    weighted_ratio: float = 0.0
+
+    @property
+    def ratio(self) -> float:
+        return self.weighted_ratio / self.weight if self.weight > 0 else 1.0
+
+    def add(self, counted: int, reported: int) -> None:
+        if counted < SMALL:
+            sample = min(max(reported - self.ratio * counted, 0.0), MAX_FIXED)
+            self.fixed += FIXED_ALPHA * (sample - self.fixed)
+            return
+        r = (reported - self.fixed) / counted
+        r = min(max(r, 1.0 / MAX_RATIO), MAX_RATIO)
+        self.weight = self.weight * DECAY + counted
+        self.weighted_ratio = self.weighted_ratio * DECAY + counted * r
+
+    def predict(self, counted: float) -> float:
+        return self.fixed + max(1.0, self.ratio) * counted
+
+
+class PromptCalibration:
+    def __init__(self, observe: Callable[[str, float], None] | None = None) -> None:
+        self._fits: dict[tuple[str, str], _Fit] = {}
+        self._observe = observe
+
+    def _model_fits(self, model: str) -> list[_Fit]:
+        return [f for (_, m), f in self._fits.items() if m == model]
+
+    def ratio(self, model: str) -> float:
+        """The largest learned tokenizer ratio among ``model``'s backends (1.0 unknown)."""
+        return max((f.ratio for f in self._model_fits(model)), default=1.0)
+
+    def fixed(self, model: str) -> float:
+        """The largest learned fixed template overhead among ``model``'s backends."""
+        return max((f.fixed for f in self._model_fits(model)), default=0.0)
+
+    def scaled(self, model: str, counted: int, margin: float) -> int:
+        """A bound on what ``model``'s backends will count for a prompt the gateway
+        counted as ``counted``: the configured margin, then the largest prediction of any
+        backend's fit (the backend is not chosen yet)."""
+        base = counted * (1.0 + margin)
+        predicted = max((f.predict(base) for f in self._model_fits(model)), default=base)
+        return math.ceil(max(base, predicted) - 1e-9)
+
+    def observe(self, backend: str, model: str, estimated: int, reported: int) -> None:
+        if estimated <= 0 or reported <= 0:
+            return
+        if self._observe is not None:
+            self._observe(model, reported / estimated)
+        self._fits.setdefault((backend, model), _Fit()).add(estimated, reported)

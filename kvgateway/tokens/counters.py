@@ -1,0 +1,40 @@
+"""One :class:`PromptCounter` per encoding, sharing the worker pool for big prompts."""
+
+from __future__ import annotations
+
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+
+from kvgateway.tokens.counting import PromptCounter, TextCountCache
+from kvgateway.tokens.encoding import EncodingCache, EncodingSpec
+from kvgateway.tokens.spec import TokenizerConfig
+
+
+@dataclass(slots=True)
+class TokenCounters:
+    """Built with its worker pool (prompts above ``inline_chars`` are counted there, off
+    the event loop); counters are made on first use per encoding and kept."""
+
+    encodings: EncodingCache
+    executor: Executor
+    # Where prompts above HUGE_CHARS are counted (one thread: they queue behind each other,
+    # not in front of everyone else's).
+    huge_executor: Executor | None = None
+    cache_chars: int = 32 * 1024 * 1024
+    inline_chars: int = 24_000
+    _by_spec: dict[EncodingSpec, PromptCounter] = field(default_factory=dict)
+
+    def for_tokenizer(self, tokenizer: TokenizerConfig) -> PromptCounter:
+        spec = tokenizer.encoding
+        counter = self._by_spec.get(spec)
+        if counter is None:
+            counter = PromptCounter(
+                self.encodings.get(spec),
+                TextCountCache(self.cache_chars),
+                self.executor,
+                inline_chars=self.inline_chars,
+                chunked=spec.chunk_safe,
+                huge_executor=self.huge_executor,
+            )
+            self._by_spec[spec] = counter
+        return counter

@@ -1,0 +1,136 @@
+"""Block keys and the prefix index, without sockets."""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvgateway.core.prefix_index import AllCleared, BlocksRemoved, BlocksStored, PrefixIndex
+from kvgateway.core.prefix_keys import ROOT_KEY, block_keys, request_extra_keys
+
+
+def test_block_key_is_blake2b_of_parent_and_packed_tokens() -> None:
+    h = hashlib.blake2b(digest_size=8)
+    h.update(ROOT_KEY.to_bytes(8, "little"))
+    h.update(array("q", [1, 2, 3, 4]).tobytes())
+    first = int.from_bytes(h.digest(), "little")
+    assert block_keys([1, 2, 3, 4, 5], 4) == [first]  # the partial block has no key
+    h = hashlib.blake2b(digest_size=8)
+    h.update(first.to_bytes(8, "little"))
+    h.update(array("q", [5, 6, 7, 8]).tobytes())
+    assert block_keys(range(1, 9), 4)[1] == int.from_bytes(h.digest(), "little")
+
+
+def test_keys_chain_so_the_same_block_after_another_prefix_differs() -> None:
+    a = block_keys([1, 2, 3, 4, 9, 9, 9, 9], 4)
+    b = block_keys([5, 6, 7, 8, 9, 9, 9, 9], 4)
+    assert a[1] != b[1]
+    assert block_keys([], 4) == [] and block_keys([1, 2, 3], 4) == []
+    with pytest.raises(ValueError, match="block_size"):
+        block_keys([1], 0)
+
+
+@given(tokens=st.lists(st.integers(-(2**40), 2**40), max_size=80), split=st.integers(0, 10))
+def test_continuing_from_a_parent_equals_keying_the_whole(tokens: list[int], split: int) -> None:
+    whole = block_keys(tokens, 4)
+    head = block_keys(tokens[: split * 4], 4)
+    tail = block_keys(tokens[len(head) * 4 :], 4, parent=head[-1] if head else None)
+    assert head + tail == whole
+
+
+def test_extra_keys_follow_vllm_lora_then_salt_on_block_zero() -> None:
+    assert request_extra_keys(3) is None
+    assert request_extra_keys(2, cache_salt="s") == [("s",), None]
+    assert request_extra_keys(2, lora_name="l", cache_salt="s") == [("l", "s"), ("l",)]
+    ids = list(range(8))
+    assert block_keys(ids, 4, extra_keys=request_extra_keys(2, cache_salt="s")) != block_keys(
+        ids, 4
+    )
+
+
+def stored(hashes: list[int], parent: int | None, tokens: list[int], **kw: object) -> BlocksStored:
+    return BlocksStored(tuple(hashes), parent, tuple(tokens), 4, **kw)  # type: ignore[arg-type]
+
+
+def test_precise_view_rebuilds_keys_from_event_tokens_through_parents() -> None:
+    index = PrefixIndex()
+    prompt = list(range(12))
+    keys = block_keys(prompt, 4)
+    index.apply_events("n1", [stored([101, 102], None, prompt[:8])], now=0.0)
+    index.apply_events("n1", [stored([103], 102, prompt[8:12])], now=0.0)
+    assert index.matched_blocks("n1", keys, now=0.0) == 3
+    assert index.precise_keys("n1") == set(keys)
+    # The middle block evicted: only the first block is a usable prefix.
+    index.apply_events("n1", [BlocksRemoved((102,))], now=0.0)
+    assert index.matched_blocks("n1", keys, now=0.0) == 1
+    index.apply_events("n1", [AllCleared()], now=0.0)
+    assert index.matched_blocks("n1", keys, now=0.0) == 0
+
+
+def test_duplicates_are_counted_orphans_skipped_and_other_media_ignored() -> None:
+    index = PrefixIndex()
+    keys = block_keys([1, 2, 3, 4], 4)
+    index.apply_events("n", [stored([7], None, [1, 2, 3, 4])] * 2, now=0.0)
+    index.apply_events("n", [BlocksRemoved((7,))], now=0.0)
+    assert index.matched_blocks("n", keys, now=0.0) == 1  # one copy is still cached
+    index.apply_events("n", [stored([8], 999, [5, 6, 7, 8])], now=0.0)
+    assert index.statistics("n", now=0.0).orphans == 1
+    index.apply_events("n", [stored([9], None, [9, 9, 9, 9], medium="CPU")], now=0.0)
+    index.apply_events("n", [stored([10], None, [8, 8, 8, 8], group_idx=1)], now=0.0)
+    assert index.matched_blocks("n", block_keys([9, 9, 9, 9], 4), now=0.0) == 0
+    assert index.matched_blocks("n", block_keys([8, 8, 8, 8], 4), now=0.0) == 0
+
+
+def test_approximate_view_expires_and_is_bounded_by_capacity() -> None:
+    index = PrefixIndex(ttl_s=10.0)
+    keys = block_keys(list(range(16)), 4)
+    index.record_routed("n", keys, now=0.0)
+    assert index.matched_blocks("n", keys, now=5.0) == 4
+    assert index.matched_blocks("n", keys, now=10.5) == 0  # forgotten after the TTL
+    index.set_capacity("n", 3)
+    index.record_routed("n", keys, now=20.0)
+    # Only 3 blocks fit; the least recently routed (the first) goes, so no prefix is left.
+    assert index.statistics("n", now=20.0).approximate_blocks == 3
+    assert index.matched_blocks("n", keys, now=20.0) == 0
+    index.record_routed("n", keys[:2], now=21.0)
+    assert index.matched_blocks("n", keys, now=21.0) == 2
+    assert index.match_all(keys, ["n", "other"], now=21.0) == {"n": 2, "other": 0}
+
+
+def test_after_a_resync_the_approximate_view_answers_for_the_grace_period() -> None:
+    index = PrefixIndex(resync_grace_s=5.0)
+    keys = block_keys(list(range(8)), 4)
+    index.record_routed("n", keys, now=0.0)
+    index.attach_events("n")
+    assert index.is_precise("n", now=0.0) and index.matched_blocks("n", keys, now=0.0) == 0
+    index.clear("n", now=1.0)
+    assert not index.is_precise("n", now=2.0)
+    assert index.matched_blocks("n", keys, now=2.0) == 2
+    assert index.is_precise("n", now=6.5) and index.matched_blocks("n", keys, now=6.5) == 0
+    stats = index.statistics("n", now=6.5)
+    assert stats.resyncs == 1 and stats.last_resync_at == 1.0
+    index.remove_backend("n")
+    assert index.matched_blocks("n", keys, now=7.0) == 0
+
+
+def test_the_event_block_size_is_remembered_for_keying_prompts() -> None:
+    index = PrefixIndex()
+    assert index.event_block_size("n") is None
+    index.apply_events("n", [BlocksStored((1,), None, (0,) * 16, 16)], now=0.0)
+    assert index.event_block_size("n") == 16
+
+
+def test_expected_blocks_decay_with_age_unless_reported_by_events() -> None:
+    index = PrefixIndex(ttl_s=100.0, half_life_s=10.0)
+    keys = block_keys(list(range(8)), 4)
+    index.record_routed("a", keys, now=0.0)
+    assert index.expected_blocks("a", keys, now=0.0) == 2.0
+    assert index.expected_blocks("a", keys, now=10.0) == pytest.approx(1.0)
+    assert index.expected_blocks("a", keys, now=101.0) == 0.0
+    index.apply_events("b", [BlocksStored((1, 2), None, tuple(range(8)), 4)], now=0.0)
+    assert index.expected_blocks("b", keys, now=1_000.0) == 2.0
+    assert index.expected_blocks("c", keys, now=0.0) == 0.0

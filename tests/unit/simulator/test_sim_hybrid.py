@@ -1,0 +1,130 @@
+"""A hybrid (sliding-window + full attention) node: two KV-cache groups share one pool."""
+
+from __future__ import annotations
+
+from aiohttp.test_utils import TestClient
+
+from kvgateway.capacity.layout import discovered_usable_tokens
+from kvgateway.capacity.presets import preset_arch
+from kvgateway.simulator.engine import CostModel, EngineConfig, EngineCore, SeqState, Sequence
+from kvgateway.simulator.fleetconfig import node_spec
+from kvgateway.simulator.profiles import get_profile
+from kvgateway.simulator.server import create_node_app
+
+COST = CostModel(
+    step_overhead_s=0.001, weight_read_s=0.01, prefill_s_per_token=1e-4, kv_read_s_per_token=0.0
+)
+
+
+def core(windows: tuple[int | None, ...], blocks: int = 17) -> EngineCore:
+    return EngineCore(
+        EngineConfig(
+            num_gpu_blocks=blocks,
+            block_size=4,
+            max_model_len=256,
+            max_num_seqs=8,
+            max_num_batched_tokens=64,
+            cost=COST,
+            kv_windows=windows,
+        )
+    )
+
+
+def add(c: EngineCore, ids: list[int], out: int) -> Sequence:
+    return c.add(prompt_token_ids=ids, target_tokens=out, target_reason="length", arrival=0.0)
+
+
+def drain(c: EngineCore) -> None:
+    for _ in range(10_000):
+        if c.step(c.clock) is None:
+            return
+        c.kv.check()
+    raise AssertionError("engine did not drain")
+
+
+def test_every_group_takes_a_block_per_block_of_prompt() -> None:
+    # 16 usable blocks of 4 and two groups: 32 tokens of short requests, not 64.
+    c = core((None, 8))
+    assert c.config.kv_tokens == 32
+    first = add(c, [1] * 20, 4)
+    second = add(c, [2] * 20, 4)
+    c.step(c.clock)
+    assert first.state is SeqState.RUNNING and first.num_blocks == 10
+    # 6 blocks left: the second prompt (10 blocks) waits; a one-group pool would take it.
+    assert second.state is SeqState.WAITING
+    one = core((None,))
+    a, b = add(one, [1] * 20, 4), add(one, [2] * 20, 4)
+    one.step(one.clock)
+    assert a.state is SeqState.RUNNING and b.state is SeqState.RUNNING
+
+
+def test_sliding_window_blocks_leave_the_table_once_out_of_the_window() -> None:
+    c = core((None, 8))
+    seq = add(c, [3] * 20, 24)
+    c.step(c.clock)  # the prompt: its blocks are dropped at the next allocation, as vLLM
+    assert seq.num_blocks == 10
+    for _ in range(24):
+        c.step(c.clock)
+        c.kv.check()
+        if seq.state is SeqState.FINISHED:
+            break
+        full, sliding = c.kv.blocks_of(seq.seq_id)
+        null = c.kv.pool.null_block
+        live = [b for b in sliding if b is not null]
+        # The window's last 7 tokens span at most 3 blocks, plus the block being written.
+        assert len(full) == -(-seq.num_computed // 4) or len(full) == -(-seq.num_tokens // 4)
+        assert len(live) <= 4, (seq.num_computed, len(live))
+    drain(c)
+    assert seq.finish_reason == "length" and c.used_blocks == 0
+
+
+def test_decode_growth_preempts_on_the_hybrid_node_where_one_group_would_not() -> None:
+    # Two requests of 12 + 20 tokens: the full-attention group alone needs 8 + 8 blocks,
+    # all 16; the sliding-window group needs a few more, so the hybrid node preempts.
+    hybrid = core((None, 8))
+    for i in range(2):
+        add(hybrid, [10 + i] * 12, 20)
+    drain(hybrid)
+    assert hybrid.num_preemptions > 0
+    plain = core((None,))
+    for i in range(2):
+        add(plain, [10 + i] * 12, 20)
+    drain(plain)
+    assert plain.num_preemptions == 0
+
+
+def test_a_hit_needs_the_window_blocks_cached_in_the_sliding_group() -> None:
+    c = core((None, 8))
+    add(c, list(range(16)), 1)
+    drain(c)
+    seq = add(c, [*range(16), 90, 91, 92, 93], 2)
+    r = c.step(c.clock)
+    # 20 tokens, at most 19 hit: 4 full blocks; the sliding group has the last
+    # cdiv(8 - 1, 4) = 2 of them, so the hit stands and the slots before are null.
+    assert r is not None and r.prefill_tokens == 4 and c.kv.stats.hits == 16
+    full, sliding = c.kv.blocks_of(seq.seq_id)
+    null = c.kv.pool.null_block
+    assert [b is null for b in sliding[:4]] == [True, True, False, False]
+    assert all(b is not null for b in full)
+    c.kv.check()
+
+
+def test_gateway_usable_tokens_for_a_hybrid_architecture() -> None:
+    profile = get_profile("gpu24-gptoss-20b")
+    arch = preset_arch("gpt-oss-20b")
+    tokens = discovered_usable_tokens(profile.num_gpu_blocks, profile.block_size, arch)
+    assert tokens == profile.kv_tokens == (21_110 - 1) // 2 * 16
+    # Gemma 3 27B: 52 sliding + 10 full layers -> 7 groups of 10 layers.
+    gemma = discovered_usable_tokens(21_110, 16, preset_arch("gemma-3-27b"))
+    assert gemma == 21_109 // 7 * 16
+    assert discovered_usable_tokens(21_110, 16) == 21_109 * 16
+
+
+async def test_hybrid_node_reports_its_pool_blocks_and_group_capacity(aiohttp_client) -> None:  # type: ignore[no-untyped-def]
+    spec = node_spec("gpu24-gptoss-20b", overrides={"num_gpu_blocks": 65, "max_model_len": 512})
+    client: TestClient = await aiohttp_client(create_node_app(spec.settings))
+    metrics = await (await client.get("/metrics")).text()
+    info = next(line for line in metrics.splitlines() if line.startswith("vllm:cache_config_info"))
+    assert 'num_gpu_blocks="65"' in info and 'sliding_window="128"' in info
+    state = await (await client.get("/sim/state")).json()
+    assert state["kv_tokens"] == 64 // 2 * 16

@@ -1,0 +1,44 @@
+from kvgateway.tokens.calibration import PromptCalibration
+
+
+def test_tiny_chats_with_a_fixed_template_do_not_poison_long_prompts():
+    # ratio_poison: a node whose template adds 30 fixed tokens; 20 tiny chats.
+    cal = PromptCalibration()
+    cal.observe("big-1", "m", 26_000, 26_030)
+    for i in range(20):
+        cal.observe("big-1", "m", 3 + i % 3, 33 + i % 3)
+    assert 25 <= cal.fixed("m") <= 31
+    assert cal.ratio("m") < 1.01
+    bound = cal.scaled("m", 26_000, 0.0)
+    # Never under what the node counts, and nowhere near doubled.
+    assert 26_030 <= bound <= 26_400
+
+
+def test_a_tokenizer_ratio_is_learned_from_large_prompts_weighted_by_size():
+    cal = PromptCalibration()
+    for _ in range(30):
+        cal.observe("a", "m", 1_300, 1_625)  # the node's tokenizer counts 25% more
+    assert 1.2 < cal.ratio("m") <= 1.26
+    assert cal.scaled("m", 10_000, 0.0) >= 12_400
+
+
+def test_one_wild_answer_moves_the_fit_only_so_far():
+    cal = PromptCalibration()
+    for _ in range(30):
+        cal.observe("a", "m", 2_000, 2_000)
+    cal.observe("a", "m", 2_000, 2_000_000)  # garbage usage from a node
+    assert cal.ratio("m") < 1.2
+    for _ in range(30):
+        cal.observe("a", "m", 10, 5_000_000)
+    assert cal.fixed("m") <= 4096
+
+
+def test_fits_are_per_backend_and_reads_take_the_largest():
+    cal = PromptCalibration()
+    for _ in range(10):
+        cal.observe("plain", "m", 1_000, 1_000)
+        cal.observe("wordy", "m", 1_000, 1_500)
+        cal.observe("other", "n", 1_000, 3_000)
+    assert 1.45 < cal.ratio("m") <= 1.5
+    assert cal.scaled("m", 1_000, 0.0) >= 1_450
+    assert cal.ratio("unknown") == 1.0 and cal.scaled("unknown", 100, 0.1) == 110

@@ -1,0 +1,387 @@
+"""KV events: vLLM's wire format, a real ZMQ subscriber fed by a simulated node, resyncs."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+import pytest
+import zmq.asyncio
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvgateway.core.prefix_index import AllCleared, BlocksRemoved, BlocksStored, PrefixIndex
+from kvgateway.core.prefix_keys import block_keys
+from kvgateway.simulator.block_pool import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    hash_block_tokens,
+)
+from kvgateway.simulator.engine import EngineConfig, EngineCore
+from kvgateway.simulator.kv_events import encode_batch
+from kvgateway.simulator.tokenizer import ChatMessage
+from kvgateway.upstream.kv_events import (
+    KVEventHub,
+    KVEventSource,
+    KVEventSubscriber,
+    SeqAction,
+    classify_seq,
+    decode_batch,
+)
+from tests.support.sim import SimClient, SimFactory, chat
+
+# vLLM's event structs as its source declares them (vllm/distributed/kv_events.py), in
+# both layouts it has shipped: used only to check our bytes against msgspec's.
+
+
+class MapBatch(msgspec.Struct, omit_defaults=True, gc=False):
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None = None
+
+
+class MapEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    pass
+
+
+class ArrayBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None = None
+
+
+class ArrayEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+    pass
+
+
+def _stored_fields() -> dict[str, Any]:
+    return {
+        "__annotations__": {
+            "block_hashes": list[int],
+            "parent_block_hash": int | None,
+            "token_ids": list[int],
+            "block_size": int,
+            "lora_id": int | None,
+            "medium": str | None,
+            "lora_name": str | None,
+            "extra_keys": list[Any] | None,
+            "group_idx": int | None,
+            "kv_cache_spec_kind": str | None,
+            "kv_cache_spec_sliding_window": int | None,
+        },
+        "extra_keys": None,
+        "group_idx": None,
+        "kv_cache_spec_kind": None,
+        "kv_cache_spec_sliding_window": None,
+    }
+
+
+def _removed_fields() -> dict[str, Any]:
+    return {
+        "__annotations__": {
+            "block_hashes": list[int],
+            "medium": str | None,
+            "group_idx": int | None,
+        },
+        "group_idx": None,
+    }
+
+
+MapStored = type("BlockStored", (MapEvent,), _stored_fields())
+MapRemoved = type("BlockRemoved", (MapEvent,), _removed_fields())
+MapCleared = type("AllBlocksCleared", (MapEvent,), {})
+ArrayStored = type("BlockStored", (ArrayEvent,), _stored_fields())
+ArrayRemoved = type("BlockRemoved", (ArrayEvent,), _removed_fields())
+ArrayCleared = type("AllBlocksCleared", (ArrayEvent,), {})
+
+EVENTS = (
+    BlockStored(block_hashes=(11, 12), parent_block_hash=None, token_ids=(1,) * 8, block_size=4),
+    BlockStored(block_hashes=(13,), parent_block_hash=12, token_ids=(2,) * 4, block_size=4),
+    BlockRemoved(block_hashes=(11,)),
+    AllBlocksCleared(),
+)
+
+
+def _vllm_bytes(array_like: bool) -> bytes:
+    stored, removed, cleared, batch = (
+        (ArrayStored, ArrayRemoved, ArrayCleared, ArrayBatch)
+        if array_like
+        else (MapStored, MapRemoved, MapCleared, MapBatch)
+    )
+    events = [
+        stored([11, 12], None, [1] * 8, 4, None, "GPU", None),
+        stored([13], 12, [2] * 4, 4, None, "GPU", None),
+        removed([11], "GPU"),
+        cleared(),
+    ]
+    return msgspec.msgpack.encode(batch(1.5, events, 0))
+
+
+@pytest.mark.parametrize("array_like", [False, True])
+def test_simulator_payload_is_byte_identical_to_vllm_structs(array_like: bool) -> None:
+    ours = encode_batch(EVENTS, 1.5, array_like=array_like)
+    assert ours == _vllm_bytes(array_like)
+    decoded = decode_batch(ours)
+    assert decoded.ts == 1.5 and decoded.data_parallel_rank == 0
+    assert decoded.events == (
+        BlocksStored((11, 12), None, (1,) * 8, 4, "GPU"),
+        BlocksStored((13,), 12, (2,) * 4, 4, "GPU"),
+        BlocksRemoved((11,), "GPU"),
+        AllCleared(),
+    )
+
+
+def test_decoder_reads_optional_vllm_fields_and_old_five_field_events() -> None:
+    payload = msgspec.msgpack.encode(
+        MapBatch(
+            2.0,
+            [MapStored([5], None, [3] * 4, 4, None, "GPU", "lora", [["lora", "salt"]], 0)],
+        )
+    )
+    (event,) = decode_batch(payload).events
+    assert isinstance(event, BlocksStored)
+    assert event.extra_keys == (("lora", "salt"),) and event.group_idx == 0
+    old = msgspec.msgpack.encode([3.0, [["BlockStored", [9], None, [4] * 4, 4, None]]])
+    (event,) = decode_batch(old).events
+    assert isinstance(event, BlocksStored) and event.medium is None
+
+
+@pytest.mark.parametrize(
+    ("last", "seq", "action"),
+    [
+        (None, 0, SeqAction.APPLY),
+        (None, 5, SeqAction.GAP),
+        (4, 5, SeqAction.APPLY),
+        (4, 7, SeqAction.GAP),
+        (9, 0, SeqAction.RESTART),
+        (9, 3, SeqAction.DUPLICATE),
+    ],
+)
+def test_sequence_numbers(last: int | None, seq: int, action: SeqAction) -> None:
+    assert classify_seq(last, seq) is action
+
+
+def frames(seq: int, *events: Any) -> list[bytes]:
+    return [b"kv", seq.to_bytes(8, "big"), encode_batch(events, 0.0)]
+
+
+@pytest.fixture
+async def zctx() -> AsyncIterator[zmq.asyncio.Context]:
+    ctx = zmq.asyncio.Context()
+    yield ctx
+    ctx.term()
+
+
+async def test_a_lost_batch_without_replay_resyncs_the_backend(
+    zctx: zmq.asyncio.Context,
+) -> None:
+    index = PrefixIndex(resync_grace_s=0.0)
+    sub = KVEventSubscriber(KVEventSource("n", "tcp://127.0.0.1:1"), index, zctx)
+    a, b, c = ([i] * 4 for i in (1, 2, 3))
+    await sub.handle(frames(0, BlockStored((1,), None, tuple(a), 4)))
+    await sub.handle(frames(1, BlockStored((2,), None, tuple(b), 4)))
+    assert index.precise_keys("n") == set(block_keys(a, 4) + block_keys(b, 4))
+    await sub.handle(frames(3, BlockStored((3,), None, tuple(c), 4)))  # batch 2 was lost
+    assert index.precise_keys("n") == set(block_keys(c, 4))
+    stats = sub.statistics()
+    assert (stats.gaps, stats.resyncs, stats.last_seq) == (1, 1, 3)
+    await sub.handle(frames(3, BlockRemoved((3,))))  # a duplicate: ignored
+    assert index.precise_keys("n") == set(block_keys(c, 4))
+    await sub.handle(frames(0, BlockStored((1,), None, tuple(a), 4)))  # publisher restart
+    assert index.precise_keys("n") == set(block_keys(a, 4)) and sub.statistics().resyncs == 2
+    await sub.handle([b"kv", b"short", b""])
+    assert sub.statistics().decode_errors == 1
+
+
+def node_cached_prefix(core: EngineCore, ids: list[int]) -> int:
+    """Leading blocks of ``ids`` the node holds, from its own block pool."""
+    pool, bs, n = core.kv.pool, core.config.block_size, 0
+    parent = None
+    for i in range(len(ids) // bs):
+        parent = hash_block_tokens(core.kv._root, parent, ids[i * bs : (i + 1) * bs])
+        if pool.get_cached_block(parent, 0) is None:
+            break
+        n += 1
+    return n
+
+
+async def _until(predicate: Any, timeout: float = 5.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not predicate():
+        assert loop.time() < deadline, "condition not reached"
+        await asyncio.sleep(0.02)
+
+
+async def _events_node(sim: SimFactory) -> SimClient:
+    return await sim(
+        num_gpu_blocks=40,
+        kv_events_endpoint="tcp://127.0.0.1:*",
+        kv_events_replay_endpoint="tcp://127.0.0.1:*",
+        kv_events_topic="kv",
+    )
+
+
+async def test_subscriber_state_matches_the_nodes_own_cache(
+    sim: SimFactory, zctx: zmq.asyncio.Context
+) -> None:
+    node = await _events_node(sim)
+    publisher = node.node.publisher
+    assert publisher is not None and publisher.endpoint and publisher.replay_endpoint
+    index = PrefixIndex()
+    source = KVEventSource("sim", publisher.endpoint, "kv", publisher.replay_endpoint)
+    sub = KVEventSubscriber(source, index, zctx)
+    sub.start()
+    try:
+        await asyncio.wait_for(sub.connected.wait(), 5.0)
+        system = "You are a careful assistant. " * 12
+        prompts = [
+            [ChatMessage("system", system), ChatMessage("user", f"question {i} " * (40 + 10 * i))]
+            for i in range(6)
+        ]
+        for i, messages in enumerate(prompts):
+            body = {
+                "model": node.node.settings.model,
+                "messages": [{"role": m.role, "content": m.text} for m in messages],
+                "max_tokens": 8 + i,
+            }
+            status, _ = await node.post("/v1/chat/completions", body)
+            assert status == 200
+        await node.wait_idle()
+        core = node.node.driver.core
+        await _until(
+            lambda: index.precise_engine_hashes("sim") == core.kv.pool.cached_external_hashes()
+        )
+        assert publisher.next_seq > 0
+        # 40 blocks cannot hold every prompt: some blocks were evicted and reported so.
+        assert index.statistics("sim", now=0.0).removed > 0
+        bs = node.node.settings.block_size
+        for messages in prompts:
+            ids = node.node.tokenizer.encode_chat(messages)
+            assert index.matched_blocks("sim", block_keys(ids, bs), now=0.0) == (
+                node_cached_prefix(core, ids)
+            )
+        assert sub.statistics().decode_errors == 0
+    finally:
+        await sub.close()
+
+
+async def test_a_gap_is_filled_from_the_nodes_replay_socket(
+    sim: SimFactory, zctx: zmq.asyncio.Context
+) -> None:
+    node = await _events_node(sim)
+    publisher = node.node.publisher
+    assert publisher is not None and publisher.endpoint and publisher.replay_endpoint
+    for i in range(3):
+        status, _ = await node.post("/v1/chat/completions", chat(f"prompt number {i} " * 8))
+        assert status == 200
+    await node.wait_idle()
+    assert publisher.next_seq >= 3
+    index = PrefixIndex()
+    source = KVEventSource("sim", "tcp://127.0.0.1:1", "kv", publisher.replay_endpoint)
+    sub = KVEventSubscriber(source, index, zctx)
+    # Nothing seen yet and batch N arrives: 0..N-1 come from the replay socket.
+    last = publisher.next_seq - 1
+    await sub.handle(frames(last + 1, AllBlocksCleared()))
+    stats = sub.statistics()
+    assert (stats.gaps, stats.replayed, stats.resyncs) == (1, last + 1, 0)
+    # Replay from a start the buffer still holds works too; a cleared cache is empty.
+    assert index.precise_keys("sim") == frozenset()
+
+
+async def test_a_disconnect_resyncs(sim: SimFactory, zctx: zmq.asyncio.Context) -> None:
+    node = await _events_node(sim)
+    publisher = node.node.publisher
+    assert publisher is not None and publisher.endpoint
+    index = PrefixIndex()
+    sub = KVEventSubscriber(KVEventSource("sim", publisher.endpoint, "kv"), index, zctx)
+    sub.start()
+    try:
+        await asyncio.wait_for(sub.connected.wait(), 5.0)
+        await publisher.close()
+        await _until(lambda: sub.statistics().resyncs >= 1)
+        assert not sub.connected.is_set()
+    finally:
+        await sub.close()
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    ops=st.lists(
+        st.tuples(
+            st.sampled_from(["add", "step", "step", "abort"]),
+            st.integers(0, 3),
+            st.integers(1, 40),
+            st.integers(1, 10),
+            st.booleans(),
+        ),
+        min_size=1,
+        max_size=50,
+    ),
+    array_like=st.booleans(),
+)
+def test_events_keep_the_index_equal_to_the_engines_cache(
+    ops: list[tuple[str, int, int, int, bool]], array_like: bool
+) -> None:
+    c = EngineCore(
+        EngineConfig(
+            num_gpu_blocks=24,
+            block_size=4,
+            max_model_len=512,
+            max_num_seqs=4,
+            max_num_batched_tokens=32,
+            enable_kv_events=True,
+        )
+    )
+    index = PrefixIndex()
+    prefixes = [[100 + p] * (5 * p + 2) for p in range(4)]
+    prompts: list[list[int]] = []
+    seqs = []
+
+    def publish(r: Any) -> None:
+        if r is not None and r.kv_events:
+            batch = decode_batch(encode_batch(r.kv_events, 0.0, array_like=array_like))
+            index.apply_events("n", batch.events, now=0.0)
+
+    for n, (op, prefix, own, out, _) in enumerate(ops):
+        if op == "add":
+            ids = prefixes[prefix] + [n] * own
+            if len(ids) <= 80:
+                prompts.append(ids)
+                seqs.append(
+                    c.add(
+                        prompt_token_ids=ids, target_tokens=out, target_reason="length", arrival=0.0
+                    )
+                )
+        elif op == "step":
+            publish(c.step(c.clock))
+        elif seqs:
+            c.abort(seqs[prefix % len(seqs)], c.clock)
+        assert index.precise_engine_hashes("n") == c.kv.pool.cached_external_hashes()
+        for ids in prompts[-3:]:
+            assert index.matched_blocks("n", block_keys(ids, 4), now=0.0) == (
+                node_cached_prefix(c, ids)
+            )
+    assert index.statistics("n", now=0.0).orphans == 0
+
+
+async def test_hub_subscribes_and_detaches_backends(sim: SimFactory) -> None:
+    node = await _events_node(sim)
+    publisher = node.node.publisher
+    assert publisher is not None and publisher.endpoint
+    index = PrefixIndex()
+    hub = KVEventHub(index)
+    source = KVEventSource("sim", publisher.endpoint, "kv")
+    try:
+        await hub.sync([source])
+        sub = hub.subscriber("sim")
+        assert sub is not None
+        await asyncio.wait_for(sub.connected.wait(), 5.0)
+        assert index.is_precise("sim", now=0.0)
+        await hub.sync([])
+        assert hub.subscriber("sim") is None and not index.is_precise("sim", now=0.0)
+    finally:
+        await hub.close()
