@@ -218,7 +218,7 @@ class ExactCounter:
         chat = await self._render_off_loop(body)
         n, chars = await self.count_text(chat.text)
         n += self._added_count(chat.add_special_tokens) + chat.media * self._image_tokens
-        return PromptTokens(total=n, longest=n, prompts=1, encoded_chars=chars)
+        return PromptTokens(total=n, longest=n, prompts=1, encoded_chars=chars, each=(n,))
 
     async def _render_off_loop(self, body: dict[str, Any]) -> RenderedChat:
         size = sum(len(str(m.get("content") or "")) for m in body.get("messages") or [])
@@ -246,6 +246,7 @@ class ExactCounter:
             longest=max(per_prompt, default=0),
             prompts=len(per_prompt),
             encoded_chars=chars,
+            each=tuple(per_prompt),
         )
 
 

@@ -12,7 +12,6 @@ count only has to be safe.
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,19 +19,21 @@ from kvgateway.tokens.chat_template import TemplateError
 from kvgateway.tokens.counting import PromptCounter, PromptTokens, plan_chat, plan_completion
 from kvgateway.tokens.exact import ExactCounter
 from kvgateway.tokens.spec import TokenizerConfig
-from kvgateway.tokens.standin import BoundFactors, text_extra, upper_bound
+from kvgateway.tokens.standin import BoundFactors, completion_upper_bound, upper_bound
 
 log = logging.getLogger("kvgateway.tokens")
 
 
 @dataclass(frozen=True, slots=True)
 class PromptEstimate:
-    """What to reserve for a request's prompts.
+    """What to reserve for a request's prompts; reads like
+    :class:`~kvgateway.tokens.counting.PromptTokens` (``total``, ``longest``, ``prompts``,
+    ``each``, ``encoded_chars``).
 
-    ``total``/``longest``: the exact count, or the stand-in's upper bound. ``standin``: the
-    stand-in's own count (what the gateway reserved before; for metrics), equal to
-    ``total`` when exact (the stand-in is then not run). ``exact``: whether ``total`` is
-    the node's count.
+    The counts are the node's exact counts, or the stand-in's upper bounds. ``standin``:
+    the stand-in's own total (what the gateway reserved before; for metrics), equal to
+    ``total`` when exact (the stand-in is then not run). ``exact``: whether the counts
+    are the node's.
     """
 
     total: int
@@ -41,6 +42,7 @@ class PromptEstimate:
     exact: bool
     standin: int
     encoded_chars: int = 0
+    each: tuple[int, ...] = ()
 
 
 class PromptEstimator:
@@ -68,16 +70,17 @@ class PromptEstimator:
             return f"exact ({self._exact.name})"
         return f"stand-in upper bound ({self._standin.encoding_name})"
 
-    async def chat(self, body: dict[str, Any]) -> PromptEstimate:
-        """``body``: a chat request whose ``messages`` is a list of objects."""
+    async def chat(self, body: dict[str, Any], limit: int | None = None) -> PromptEstimate:
+        """``body``: a chat request whose ``messages`` is a list of objects. ``limit``:
+        the stand-in may stop counting past it (see PromptCounter.count)."""
         if self._exact is not None:
             try:
                 counted = await self._exact.count_chat(body)
             except TemplateError as exc:
                 log.info("chat template refused a request (the node will too): %s", exc)
             else:
-                return _estimate(counted, exact=True, standin=counted.total)
-        standin = await self._standin.count(plan_chat(body, self._config))
+                return _exact(counted)
+        standin = await self._standin.count(plan_chat(body, self._config), (), limit)
         bound = upper_bound(standin.total, body, self._factors)
         return PromptEstimate(
             total=bound,
@@ -86,47 +89,53 @@ class PromptEstimator:
             exact=False,
             standin=standin.total,
             encoded_chars=standin.encoded_chars,
+            each=(bound,),
         )
 
-    async def completion(self, body: dict[str, Any]) -> PromptEstimate:
+    async def completion(self, body: dict[str, Any], limit: int | None = None) -> PromptEstimate:
         """``body``: a completions request (``prompt`` a string, ids, or a batch)."""
         if self._exact is not None:
-            counted = await self._exact.count_completion(body)
-            return _estimate(counted, exact=True, standin=counted.total)
+            return _exact(await self._exact.count_completion(body))
         plan, known = plan_completion(body["prompt"])
-        standin = await self._standin.count(plan, known)
-        extras = [text_extra(t, self._factors) for t in _prompt_texts(body["prompt"])]
-        f = self._factors.text_factor
-        # completion_upper_bound is f * count + extra(text) + 2 per prompt: linear, so a
-        # batch's total is bounded by f * total + the sum of extras, and its longest by
-        # f * longest + the largest extra. (Token-id prompts are known exactly; bounding
-        # them too only over-reserves.)
-        total = math.ceil(f * standin.total + sum(extras) + 2 * standin.prompts)
-        longest = math.ceil(f * standin.longest + max(extras, default=0.0) + 2)
+        standin = await self._standin.count(plan, known, limit)
+        prompts = _prompts(body["prompt"])
+        counts = standin.each or (standin.total,)
+        if len(counts) == len(prompts):
+            # Each text prompt bounded on its own; token-id prompts are known exactly.
+            each = tuple(
+                completion_upper_bound(n, p, self._factors) if isinstance(p, str) else n
+                for n, p in zip(counts, prompts, strict=True)
+            )
+        else:  # counting stopped early: one bound over everything
+            text = "".join(p for p in prompts if isinstance(p, str))
+            each = (completion_upper_bound(standin.total, text, self._factors),)
         return PromptEstimate(
-            total=max(total, longest),
-            longest=longest,
+            total=sum(each),
+            longest=max(each),
             prompts=standin.prompts,
             exact=False,
             standin=standin.total,
             encoded_chars=standin.encoded_chars,
+            each=each,
         )
 
 
-def _estimate(counted: PromptTokens, *, exact: bool, standin: int) -> PromptEstimate:
+def _exact(counted: PromptTokens) -> PromptEstimate:
     return PromptEstimate(
         total=counted.total,
         longest=counted.longest,
         prompts=counted.prompts,
-        exact=exact,
-        standin=standin,
+        exact=True,
+        standin=counted.total,
         encoded_chars=counted.encoded_chars,
+        each=counted.each or (counted.total,),
     )
 
 
-def _prompt_texts(prompt: Any) -> list[str]:
+def _prompts(prompt: Any) -> list[Any]:
+    """The prompts of a completions ``prompt`` in plan_completion's order."""
     if isinstance(prompt, str):
         return [prompt]
-    if isinstance(prompt, list):
-        return [p for p in prompt if isinstance(p, str)]
-    return []
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        return [prompt]
+    return list(prompt) if isinstance(prompt, list) else []

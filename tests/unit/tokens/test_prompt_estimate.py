@@ -55,6 +55,35 @@ async def test_stand_in_bound_covers_every_vocabulary(
             assert got.total >= len(node.encode_chat(body))
     prompts: list[str | list[int]] = [*corpus.completion_prompts(seed=52, n=6), [1, 2, 3]]
     got = await estimator.completion({"prompt": prompts})
+    assert len(got.each) == len(prompts) and got.each[-1] == 3  # token ids: known exactly
+    assert got.total == sum(got.each) and got.longest == max(got.each)
     for node in nodes.values():
         counts = [len(node.tokenizer.encode_prompt(p)) for p in prompts if isinstance(p, str)]
-        assert got.total >= sum(counts) + 3 and got.longest >= max(counts)
+        assert all(b >= n for b, n in zip(got.each, counts, strict=False))
+
+
+async def test_counters_build_one_estimator_per_model(vocab_dirs) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kvgateway.config.load import parse_config
+    from kvgateway.tokens.counters import TokenCounters
+    from kvgateway.tokens.encoding import EncodingCache
+
+    backend = {"name": "b", "url": "http://h:1", "model": "plain"}
+    data = {
+        "models": [
+            {"name": "exact", "tokenizer": {"path": str(vocab_dirs("qwen"))}},
+            {"name": "plain"},
+        ],
+        "tiers": [{"name": "t", "backends": [backend]}],
+    }
+    encodings = EncodingCache()
+    config = parse_config(data, encodings=encodings)
+    with ThreadPoolExecutor(1) as pool:
+        counters = TokenCounters(encodings, pool)
+        exact = counters.estimator_for(config.models[0].tokenizer)
+        plain = counters.estimator_for(config.models[1].tokenizer)
+        assert exact.exact and not plain.exact
+        assert counters.estimator_for(config.models[0].tokenizer) is exact
+        body = {"messages": [{"role": "user", "content": "Order 1234567"}]}
+        assert (await exact.chat(body)).exact and not (await plain.chat(body)).exact
