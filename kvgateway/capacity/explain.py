@@ -27,6 +27,7 @@ from kvgateway.capacity.estimate import estimate
 from kvgateway.capacity.logparse import LogFacts
 from kvgateway.capacity.memory import GIB
 from kvgateway.capacity.spec import CapacitySpec
+from kvgateway.capacity.speculative import SPECULATIVE_METHODS, SpeculativeSpec
 
 TOLERANCE = 0.01
 
@@ -125,6 +126,14 @@ def _findings(facts: LogFacts, bs: int) -> list[str]:
     return out
 
 
+def _logged_drafter(facts: LogFacts) -> SpeculativeSpec | None:
+    """The drafter the engine's config line names (its default layer count)."""
+    if facts.speculative_method not in SPECULATIVE_METHODS:
+        return None
+    assert facts.speculative_method is not None
+    return SpeculativeSpec(facts.speculative_method, facts.num_speculative_tokens or 1)
+
+
 def _cross_check(facts: LogFacts, spec: CapacitySpec) -> tuple[CrossCheck | None, CapacitySpec]:
     assert facts.available_kv_gib is not None
     dtype = facts.kv_cache_dtype if facts.kv_cache_dtype in KV_CACHE_DTYPES else None
@@ -134,6 +143,8 @@ def _cross_check(facts: LogFacts, spec: CapacitySpec) -> tuple[CrossCheck | None
         tp=facts.tensor_parallel_size or spec.tp,
         kv_cache_dtype=dtype or spec.kv_cache_dtype,
         max_model_len=facts.max_model_len or spec.max_model_len,
+        pp=facts.pipeline_parallel_size or spec.pp,
+        speculative=spec.speculative or _logged_drafter(facts),
     )
     if spec.gpu_memory_gib is None and facts.total_gpu_gib:
         # Lets the what-ifs (utilization steps, bigger GPUs) use the node's real card.
