@@ -118,6 +118,18 @@ def _findings(facts: LogFacts, bs: int) -> list[str]:
             f"vLLM added {facts.padding_layers} padding layers: a hybrid model whose KV "
             "groups share one block pool, so tokens are not simply memory / bytes-per-token."
         )
+    if facts.speculative_method:
+        out.append(
+            f"Speculative decoding ({facts.speculative_method}, "
+            f"{facts.num_speculative_tokens or 1} tokens): a drafter's attention layers "
+            "take blocks from the same pool as the model's, and every running request holds "
+            "that many lookahead slots on top of its tokens."
+        )
+    if facts.pipeline_parallel_size and facts.pipeline_parallel_size > 1:
+        out.append(
+            f"pp {facts.pipeline_parallel_size}: each stage sizes KV for its own layers; the "
+            "node runs on the smallest block count of any stage."
+        )
     if facts.tensor_parallel_size and facts.tensor_parallel_size > 1:
         out.append(
             f"tp {facts.tensor_parallel_size}: each rank logs its own available KV memory; "
