@@ -95,7 +95,7 @@ def _weights(spec: CapacitySpec, stage: StageShare, notes: list[str]) -> int:
         )
     drafter = spec.speculative
     if drafter is not None and stage.stage == spec.pp - 1:
-        draft = draft_weights_bytes(drafter, model, spec.tp)
+        draft = draft_weights_bytes(drafter, model, spec.tp, spec.pp)
         if draft is None:
             notes.append("the drafter's weights are unknown: pass speculative.draft_weights_gib")
         elif draft:

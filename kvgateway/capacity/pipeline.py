@@ -45,16 +45,32 @@ class StageShare:
     num_blocks: int = 0
 
 
-def stage_kv_layers(layout: KVLayout, stage_layers: int, total_layers: int) -> int:
-    """The per-worker group size of a stage holding ``stage_layers`` of the layers.
+def _group_members(arch: ModelArch, layout: KVLayout, total_layers: int) -> list[set[int]]:
+    """Layer indices of each KV group, model-wide, as ``layout`` forms them.
 
-    One group (every ordinary model): exactly its layers. A hybrid model's groups are
-    formed model-wide and each worker keeps its share of each group; that share is
-    taken pro rata here (vLLM's layer-by-layer projection can differ by a layer).
+    Per attention type, in layer order, ``layers[i::n_groups]`` go to group ``i`` (the
+    construction in :func:`layout.kv_layout`); drafter layers follow the model's and are
+    full attention.
+    """
+    sliding = [i for i in arch.sliding_layers if i < total_layers]
+    full = [i for i in range(total_layers) if i not in set(sliding)]
+    members: list[set[int]] = []
+    for indices in (full, sliding):
+        n_groups = cdiv(len(indices), layout.group_size) if indices else 0
+        members += [set(indices[i::n_groups]) for i in range(n_groups)]
+    return members
+
+
+def stage_kv_layers(arch: ModelArch, layout: KVLayout, held: set[int], total_layers: int) -> int:
+    """The group size a worker holding layers ``held`` divides its pool by.
+
+    vLLM forms the KV groups over the whole model and projects them onto each worker
+    (``_project_kv_cache_groups_to_worker``); a worker's group size is its largest
+    projected group. With one group that is simply the layers it holds.
     """
     if not layout.is_hybrid:
-        return stage_layers
-    return cdiv(layout.group_size * stage_layers, max(1, total_layers))
+        return len(held)
+    return max(len(group & held) for group in _group_members(arch, layout, total_layers))
 
 
 def stage_weights_bytes(
@@ -83,14 +99,19 @@ def stage_shares(
     counts = pp_partition(arch.num_layers, pp)
     total = arch.num_layers + draft_layers
     shares: list[StageShare] = []
+    start = 0
     for stage, layers in enumerate(counts):
         draft = draft_layers if stage == pp - 1 else 0
+        held = set(range(start, start + layers))
+        if draft:  # the whole drafter runs on the last stage
+            held |= set(range(arch.num_layers, total))
+        start += layers
         shares.append(
             StageShare(
                 stage=stage,
                 model_layers=layers,
                 draft_layers=draft,
-                kv_layers=stage_kv_layers(layout, layers + draft, total),
+                kv_layers=stage_kv_layers(arch, layout, held, total),
                 weights_bytes=stage_weights_bytes(arch, tp, stage, pp, layers),
             )
         )

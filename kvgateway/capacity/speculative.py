@@ -156,8 +156,16 @@ def draft_kv(
     return DraftKV(math.ceil(count * own / per_layer), exact=False)
 
 
-def draft_weights_bytes(spec: SpeculativeSpec | None, target: ModelArch, tp: int) -> int | None:
-    """The drafter's weights per GPU; None when nothing says how large they are."""
+def draft_weights_bytes(
+    spec: SpeculativeSpec | None, target: ModelArch, tp: int, pp: int = 1
+) -> int | None:
+    """The drafter's weights per GPU; None when nothing says how large they are.
+
+    EAGLE/MTP heads borrow the target's embedding only without PP (under PP the drafter
+    sits on the last stage, away from the embedding, and loads its own: eagle.py
+    ``load_model``); EAGLE-1 and MTP borrow the LM head, EAGLE-3 has its own over a draft
+    vocabulary, counted when the drafter's config gives it.
+    """
     if spec is None or spec.method == "ngram":
         return 0
     if spec.draft_weights_gib is not None:
@@ -165,14 +173,17 @@ def draft_weights_bytes(spec: SpeculativeSpec | None, target: ModelArch, tp: int
     draft = spec.draft_model
     if draft is not None and draft.param_count is not None and spec.method == "draft_model":
         return int(draft.param_count * draft.weight_bytes_per_param / tp)
-    layer = average_layer_params(draft or target)
-    hidden = (draft or target).hidden_size
-    if layer is None or hidden is None:
+    shape = draft or target
+    layer = average_layer_params(shape)
+    if layer is None or shape.hidden_size is None:
         return None
-    count = draft_layer_count(spec, target)
-    fc = _FC_INPUTS.get(spec.method, 0) * hidden * hidden
-    bytes_per_param = (draft or target).weight_bytes_per_param
-    return int((count * layer + fc) * bytes_per_param / tp)
+    params = draft_layer_count(spec, target) * layer
+    params += _FC_INPUTS.get(spec.method, 0) * shape.hidden_size * shape.hidden_size
+    if pp > 1:
+        params += embedding_params(target)
+    if spec.method == "eagle3" and draft is not None:
+        params += embedding_params(draft)
+    return int(params * shape.weight_bytes_per_param / tp)
 
 
 def embedding_params(arch: ModelArch) -> int:

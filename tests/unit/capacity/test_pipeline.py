@@ -144,3 +144,35 @@ def test_hybrid_model_with_pp_divides_each_stage_by_its_share() -> None:
     assert [s.kv_layers for s in two.stages] == [6, 6]
     assert two.num_gpu_blocks == int(10 * GIB) // (16 * 2_048) // 6
     assert two.num_gpu_blocks == pytest.approx(2 * one.num_gpu_blocks, abs=1)
+
+
+def test_gemma3_groups_are_projected_onto_each_stage() -> None:
+    # Gemma 3 27B: 62 layers, every sixth full (5, 11, ..., 59), 52 sliding. Model-wide
+    # groups of 10: one full group, six sliding groups (sliding[i::6]). pp 2 = layers 0-30
+    # and 31-61. Stage 0 holds 5 full layers and sliding positions 0-25: group 0 gets
+    # 0, 6, 12, 18, 24 = 5 of them, no group more; stage 1 holds 5 full and positions
+    # 26-51: groups 2 and 3 get 5 each. Both stages divide their pool by 5 (not 10).
+    spec = {"preset": "gemma-3-27b", "tp": 2, "kv_cache_memory_gib": 20}
+    one = estimate(CapacitySpec.from_mapping(spec, "c"))
+    two = estimate(CapacitySpec.from_mapping({**spec, "pp": 2}, "c"))
+    assert (one.layout.group_size, one.layout.num_groups) == (10, 7)
+    assert [s.kv_layers for s in two.stages] == [5, 5]
+    page = 16 * one.bytes_per_token_per_layer
+    assert two.num_gpu_blocks == int(20 * GIB) // page // 5
+    assert one.num_gpu_blocks == int(20 * GIB) // page // 10
+    # pp 4 splits [15, 16, 16, 15]; stage 0 holds full 5, 11 and sliding positions 0-12,
+    # so group 0 (0, 6, 12) has 3: the largest share on any stage is 3.
+    four = estimate(CapacitySpec.from_mapping({**spec, "pp": 4}, "c"))
+    assert [s.kv_layers for s in four.stages] == [3, 3, 3, 3]
+
+
+def test_eagle_under_pp_loads_its_own_embedding() -> None:
+    # Without PP the head borrows the target's embedding; on the last stage it cannot.
+    spec = _llama70b(tp=4, pp=2, speculative={"method": "eagle"})
+    est = estimate(spec)
+    head = 855_654_502.4 + 2 * 8_192 * 8_192  # one average layer + fc
+    embedding = 128_256 * 8_192
+    assert est.stages[1].draft_layers == 1
+    assert est.pool.weights_bytes == 17_638_426_624 + int((head + embedding) * 2 / 4)
+    # the drafter's layer and weights make the last stage the smaller one
+    assert est.num_gpu_blocks == est.stages[1].num_blocks < est.stages[0].num_blocks
