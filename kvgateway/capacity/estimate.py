@@ -70,6 +70,13 @@ class CapacityEstimate:
         )
 
     @property
+    def kv_layers_per_gpu(self) -> int:
+        """What the limiting GPU divides its pool by: its stage's share of the groups."""
+        if not self.stages:
+            return self.layout.group_size
+        return min(self.stages, key=lambda st: st.num_blocks).kv_layers
+
+    @property
     def fits_target(self) -> bool:
         return self.max_model_len_fit >= self.target_len
 

@@ -168,7 +168,7 @@ def _cross_check(facts: LogFacts, spec: CapacitySpec) -> tuple[CrossCheck | None
     est = estimate(logged_spec)
     tokens = logged_tokens(facts, spec.block_size)
     if facts.needed_kv_gib is not None and facts.max_model_len:
-        page = lay.page_bytes(est.layout, spec.block_size) * est.layout.group_size
+        page = lay.page_bytes(est.layout, spec.block_size) * est.kv_layers_per_gpu
         blocks = lay.blocks_per_request(
             est.layout, facts.max_model_len, spec.block_size, est.max_num_batched_tokens
         )

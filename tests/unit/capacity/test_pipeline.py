@@ -101,6 +101,7 @@ def test_mla_with_pp_by_hand() -> None:
     assert [s.model_layers for s in est.stages] == [31, 30]
     assert [s.num_blocks for s in est.stages] == [9_395, 9_709]
     assert est.num_gpu_blocks == 9_395
+    assert est.kv_layers_per_gpu == 31  # the limiting stage's
     assert est.vllm_logged_tokens == 601_280
     # One stage: 291,271 // 61 = 4,774 blocks: pp 2 nearly doubles the pool per token.
     assert estimate(_deepseek(kv_cache_memory_gib=20)).num_gpu_blocks == 4_774
