@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvgateway.capacity import CapacityConfigError, CapacitySpec, estimate
+from kvgateway.capacity import CapacityConfigError, CapacitySpec, estimate, parse_vllm_log
+from kvgateway.capacity.explain import explain_log
 from kvgateway.capacity.pipeline import pp_partition
 
 GIB = 1 << 30
@@ -177,3 +178,29 @@ def test_eagle_under_pp_loads_its_own_embedding() -> None:
     assert est.pool.weights_bytes == 17_638_426_624 + int((head + embedding) * 2 / 4)
     # the drafter's layer and weights make the last stage the smaller one
     assert est.num_gpu_blocks == est.stages[1].num_blocks < est.stages[0].num_blocks
+
+
+_PP_LOG = """\
+(EngineCore_DP0 pid=90) INFO 11-20 08:01:12 [core.py:101] Initializing a V1 LLM engine (v0.29.1) \
+with config: model='meta-llama/Llama-3.1-70B-Instruct', speculative_config=None, \
+dtype=torch.bfloat16, max_seq_len=131072, tensor_parallel_size=4, pipeline_parallel_size=2, \
+data_parallel_size=1, quantization=None, kv_cache_dtype=auto
+(Worker_PP0_TP0 pid=301) INFO 11-20 08:03:40 [gpu_worker.py:692] Available KV cache memory: 53.61 GiB
+(Worker_PP1_TP0 pid=305) INFO 11-20 08:03:40 [gpu_worker.py:692] Available KV cache memory: 53.48 GiB
+(EngineCore_DP0 pid=90) INFO 11-20 08:03:41 [kv_cache_utils.py:2464] GPU KV cache size: 1,401,936 \
+tokens, Maximum concurrency for 131,072 tokens per request: 10.70x
+"""
+
+
+def test_a_pp_log_is_cross_checked_per_stage() -> None:
+    # The smallest rank's 53.48 GiB over a stage's 40 layers of 1,024 B:
+    # 57,423,345,582 B // 16,384 // 40 = 87,621 blocks = 1,401,936 tokens. Read as one
+    # 80-layer stage it would be 700,960: half.
+    facts = parse_vllm_log(_PP_LOG)
+    assert facts.pipeline_parallel_size == 2 and facts.available_kv_gib == 53.48
+    spec = CapacitySpec.from_mapping({"preset": "llama-3.1-70b", "kv_cache_memory_gib": 1}, "c")
+    report = explain_log(facts, spec)
+    check = report.cross_check
+    assert check is not None and check.ok
+    assert check.predicted_tokens == check.logged_tokens == 1_401_936
+    assert any(f.startswith("pp 2:") for f in report.findings)

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from kvgateway.capacity import CapacityConfigError, CapacitySpec, estimate
+from kvgateway.capacity.advice import make_plan
 from kvgateway.capacity.cli import register
 from kvgateway.capacity.hf_config import arch_from_hf_config
 from kvgateway.capacity.report import serve_command
@@ -188,8 +189,6 @@ def test_plan_drafter_flags_need_a_method(capsys: pytest.CaptureFixture[str]) ->
 
 
 def test_serve_command_carries_the_drafter() -> None:
-    from kvgateway.capacity.advice import make_plan
-
     plan = make_plan(_spec({"method": "mtp", "num_speculative_tokens": 2}, pp=1))
     assert plan.settings is not None
     command = serve_command(plan.spec, plan.settings)
