@@ -7,6 +7,10 @@ the figure vLLM itself prints, for comparing with a log. ``max_model_len_fit`` i
 longest request that can really be scheduled (also without the null block; vLLM
 releases before the 2026-08 fix accepted one block more and then stalled such a
 request forever).
+
+A drafter (``spec.speculative``) adds its KV layers to the model's groups and its weights
+to the last stage; with ``pp`` stages every stage gets its own pool and block count and
+the node takes the smallest (``pipeline``). ``pool`` is then the limiting stage's.
 """
 
 from __future__ import annotations
