@@ -138,12 +138,18 @@ def _findings(facts: LogFacts, bs: int) -> list[str]:
     return out
 
 
-def _logged_drafter(facts: LogFacts) -> SpeculativeSpec | None:
-    """The drafter the engine's config line names (its default layer count)."""
-    if facts.speculative_method not in SPECULATIVE_METHODS:
+def logged_drafter(facts: LogFacts) -> SpeculativeSpec | None:
+    """The drafter the engine's config line names (its default layer count).
+
+    Older releases logged the model-specific MTP names (``deepseek_mtp``, ``mimo_mtp``,
+    ...) that vLLM now folds into ``mtp``.
+    """
+    method = facts.speculative_method or ""
+    if method.endswith("_mtp"):
+        method = "mtp"
+    if method not in SPECULATIVE_METHODS:
         return None
-    assert facts.speculative_method is not None
-    return SpeculativeSpec(facts.speculative_method, facts.num_speculative_tokens or 1)
+    return SpeculativeSpec(method, facts.num_speculative_tokens or 1)
 
 
 def _cross_check(facts: LogFacts, spec: CapacitySpec) -> tuple[CrossCheck | None, CapacitySpec]:
@@ -156,7 +162,7 @@ def _cross_check(facts: LogFacts, spec: CapacitySpec) -> tuple[CrossCheck | None
         kv_cache_dtype=dtype or spec.kv_cache_dtype,
         max_model_len=facts.max_model_len or spec.max_model_len,
         pp=facts.pipeline_parallel_size or spec.pp,
-        speculative=spec.speculative or _logged_drafter(facts),
+        speculative=spec.speculative or logged_drafter(facts),
     )
     if spec.gpu_memory_gib is None and facts.total_gpu_gib:
         # Lets the what-ifs (utilization steps, bigger GPUs) use the node's real card.
