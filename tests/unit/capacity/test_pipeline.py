@@ -204,3 +204,27 @@ def test_a_pp_log_is_cross_checked_per_stage() -> None:
     assert check is not None and check.ok
     assert check.predicted_tokens == check.logged_tokens == 1_401_936
     assert any(f.startswith("pp 2:") for f in report.findings)
+
+
+@given(
+    st.sampled_from(["llama-3.1-8b", "llama-3.1-70b", "qwen3-32b", "deepseek-v2-lite"]),
+    st.integers(1, 8),
+    st.sampled_from([None, "eagle", "mtp", "ngram"]),
+    st.floats(1, 60),
+)
+def test_more_stages_never_shrink_a_measured_pool(
+    preset: str, pp: int, method: str | None, gib: float
+) -> None:
+    # Same KV memory on every GPU: the node's blocks are set by the stage with the most
+    # KV layers, so splitting further never loses blocks, and a drafter never adds any.
+    base: dict[str, object] = {"preset": preset, "kv_cache_memory_gib": gib}
+    if method is not None:
+        base["speculative"] = {"method": method}
+    one = estimate(CapacitySpec.from_mapping(base, "c"))
+    many = estimate(CapacitySpec.from_mapping({**base, "pp": pp}, "c"))
+    page = 16 * many.bytes_per_token_per_layer
+    heaviest = max(s.model_layers + s.draft_layers for s in many.stages)
+    assert many.num_gpu_blocks == int(gib * GIB) // page // heaviest
+    assert many.num_gpu_blocks >= one.num_gpu_blocks
+    plain = estimate(CapacitySpec.from_mapping({**base, "speculative": None, "pp": pp}, "c"))
+    assert many.num_gpu_blocks <= plain.num_gpu_blocks
