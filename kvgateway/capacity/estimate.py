@@ -180,7 +180,8 @@ def _parallel_notes(spec: CapacitySpec, draft_layers: int, exact: bool) -> list[
             f"{sd.method} drafter: {draft_layers} KV layer(s) share the pool with the "
             f"model's {spec.model.num_layers}"
             + ("" if exact else " (its layers converted to target-shaped layers by bytes)")
-            + f"; each running request also holds {sd.num_speculative_tokens} lookahead slots"
+            + f"; each running request also holds {sd.num_speculative_tokens} lookahead "
+            + ("slot" if sd.num_speculative_tokens == 1 else "slots")
         )
     if spec.pp > 1:
         notes.append(

@@ -116,27 +116,38 @@ def _recommendation_lines(recs: tuple[Recommendation, ...]) -> list[str]:
     return lines
 
 
+def _limiting_stage(est: CapacityEstimate) -> str:
+    if est.pp == 1:
+        return ""
+    stage = min(est.stages, key=lambda st: st.num_blocks)
+    return f"; stage {stage.stage + 1} of {est.pp}, the one with the fewest blocks"
+
+
 def _pool_line(plan: Plan) -> str:
     est, spec = plan.estimate, plan.spec
     pool = est.pool
     if pool.measured:
-        return f"{_gib(est.kv_pool_bytes)} GiB per GPU (given: vLLM's Available KV cache memory)"
+        return (
+            f"{_gib(est.kv_pool_bytes)} GiB per GPU (given: vLLM's Available KV cache memory)"
+            + _limiting_stage(est)
+        )
     return (
         f"{_gib(pool.pool_bytes)} GiB per GPU = {_gib(pool.requested_bytes)} "
         f"({spec.gpu_memory_gib:g} GiB x {spec.gpu_memory_utilization:.2f}) - weights "
         f"{_gib(pool.weights_bytes)} - activation {_gib(pool.activation_bytes)} - overhead "
-        f"{_gib(pool.overhead_bytes)}"
+        f"{_gib(pool.overhead_bytes)}" + _limiting_stage(est)
     )
 
 
 def _layers(est: CapacityEstimate) -> str:
-    """The layers one GPU holds: its stage's share, the drafter's on the last stage."""
+    """The layers one GPU holds (its stage's, the drafter's on the last stage) x bytes."""
     largest = max(est.stages, key=lambda st: st.model_layers + st.draft_layers)
     text = f"{largest.model_layers} layers"
     if largest.draft_layers:
         text += f" + {largest.draft_layers} drafter"
+    text += f" x {est.bytes_per_token_per_layer:,} B"
     if est.pp > 1:
-        text += f", stage {largest.stage + 1} of {est.pp}"
+        text += f"; stage {largest.stage + 1} of {est.pp} holds the most"
     return text
 
 
@@ -160,8 +171,7 @@ def render_plan(plan: Plan, *, header: bool = True) -> str:
     limit = max(model.max_position_embeddings or 0, spec.max_model_len or 0)
     conc = "  ".join(f"{n // 1024}k: {est.concurrency_at(n):.2f}x" for n in CONTEXTS)
     lines += [
-        f"KV bytes per token   {est.bytes_per_token:,} B per GPU ({_layers(est)} x "
-        f"{est.bytes_per_token_per_layer:,} B)",
+        f"KV bytes per token   {est.bytes_per_token:,} B per GPU ({_layers(est)})",
         f"KV pool              {_pool_line(plan)}",
         f"GPU blocks           {est.num_gpu_blocks:,} x {est.block_size} tokens"
         + (f" in {est.layout.num_groups} groups" if est.layout.is_hybrid else "")

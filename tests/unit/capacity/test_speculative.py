@@ -176,7 +176,10 @@ def test_plan_accepts_pp_and_a_drafter(capsys: pytest.CaptureFixture[str]) -> No
         ["--preset", "llama-3.1-70b", "--gpu-memory-gib", "79.25", "--tp", "4", "--pp", "2"],
         capsys,
     )
-    assert "--pipeline-parallel-size 2" in text and "40 layers, stage 1 of 2" in text
+    assert (
+        "--pipeline-parallel-size 2" in text
+        and "(40 layers x 1,024 B; stage 1 of 2 holds the most)" in text
+    )
 
 
 def test_plan_drafter_flags_need_a_method(capsys: pytest.CaptureFixture[str]) -> None:
