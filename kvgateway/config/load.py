@@ -194,13 +194,17 @@ def _model(s: Section, encodings: EncodingCache) -> ModelConfig:
     )
     if enc.file is not None and enc.pattern not in PATTERNS and len(enc.pattern) < 8:
         tok.fail("pattern", f"expected one of {', '.join(PATTERNS)} or a regex")
+    d = TokenizerConfig()
     tokenizer = TokenizerConfig(
         encoding=enc,
-        per_message_tokens=tok.integer("per_message_tokens", 4, minimum=0),
-        per_name_tokens=tok.integer("per_name_tokens", 1, minimum=0),
-        reply_priming_tokens=tok.integer("reply_priming_tokens", 3, minimum=0),
-        image_tokens=tok.integer("image_tokens", 765, minimum=0),
-        estimate_margin=tok.number("estimate_margin", 0.0, maximum=1.0, exclusive_min=False),
+        per_message_tokens=tok.integer("per_message_tokens", d.per_message_tokens, minimum=0),
+        per_name_tokens=tok.integer("per_name_tokens", d.per_name_tokens, minimum=0),
+        reply_priming_tokens=tok.integer("reply_priming_tokens", d.reply_priming_tokens, minimum=0),
+        image_tokens=tok.integer("image_tokens", d.image_tokens, minimum=0),
+        estimate_margin=tok.number(
+            "estimate_margin", d.estimate_margin, maximum=1.0, exclusive_min=False
+        ),
+        upper_bound=tok.flag("upper_bound", d.upper_bound),
         **_tokenizer_dir(tok, enc, encodings),
     )
     tok.reject_unknown()

@@ -81,6 +81,8 @@ class PromptEstimator:
             else:
                 return _exact(counted)
         standin = await self._standin.count(plan_chat(body, self._config), (), limit)
+        if not self._config.upper_bound:
+            return _as_counted(standin)
         bound = upper_bound(standin.total, body, self._factors)
         return PromptEstimate(
             total=bound,
@@ -98,6 +100,8 @@ class PromptEstimator:
             return _exact(await self._exact.count_completion(body))
         plan, known = plan_completion(body["prompt"])
         standin = await self._standin.count(plan, known, limit)
+        if not self._config.upper_bound:
+            return _as_counted(standin)
         prompts = _prompts(body["prompt"])
         counts = standin.each or (standin.total,)
         if len(counts) == len(prompts):
@@ -118,6 +122,19 @@ class PromptEstimator:
             encoded_chars=standin.encoded_chars,
             each=each,
         )
+
+
+def _as_counted(standin: PromptTokens) -> PromptEstimate:
+    """The stand-in's count as it is (``tokenizer.upper_bound: false``)."""
+    return PromptEstimate(
+        total=standin.total,
+        longest=standin.longest,
+        prompts=standin.prompts,
+        exact=False,
+        standin=standin.total,
+        encoded_chars=standin.encoded_chars,
+        each=standin.each or (standin.total,),
+    )
 
 
 def _exact(counted: PromptTokens) -> PromptEstimate:
