@@ -242,6 +242,7 @@ def _recount(state: GatewayState, ex: Exchange, r: Reservation, node: NodeCount)
     counted = ex.counted
     assert counted is not None
     tokens = readmission_prompt_tokens(node, r.backend.max_model_len)
+    r.backend.note_rejection(state.clock())
     if not node.at_least:
         state.calibration.observe(
             r.backend.name, counted.model.name, counted.prompt.standin, tokens

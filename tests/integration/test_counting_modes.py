@@ -20,16 +20,11 @@ def corpus(rnd: random.Random, n: int) -> list[str]:
         ),
         lambda: " ".join(str(rnd.randint(0, 10**9)) for _ in range(rnd.randint(5, 300))),
         lambda: (
-            '{"id": "%08x-%04x", "values": [%s]}'
-            % (
-                rnd.getrandbits(32),
-                rnd.getrandbits(16),
-                ",".join(str(rnd.random()) for _ in range(rnd.randint(1, 50))),
-            )
+            f'{{"id": "{rnd.getrandbits(32):08x}-{rnd.getrandbits(16):04x}", '
+            f'"values": [{",".join(str(rnd.random()) for _ in range(rnd.randint(1, 50)))}]}}'
         ),
         lambda: (
-            "def f(x):\n    return [i * x for i in range(%d)]\n"
-            % rnd.randint(1, 100)
+            f"def f(x):\n    return [i * x for i in range({rnd.randint(1, 100)})]\n"
             * rnd.randint(1, 20)
         ),
         lambda: "日本語のテキストと絵文字🙂" * rnd.randint(1, 40),
@@ -127,12 +122,14 @@ async def test_a_node_refusing_a_prompt_as_too_long_teaches_its_count(start_flee
         time_scale=200,
     )
     body = {"model": MODEL, "prompt": "hello" + " hello" * 4_999, "max_tokens": 8}
-    async with aiohttp.ClientSession() as s:
-        async with s.post(fleet.url + "/v1/completions", json=body) as r:
-            data = await r.json()
-            assert r.status == 200, data
-            assert r.headers["x-gateway-backend"] == "large-1"
-            assert data["usage"]["prompt_tokens"] > 8192
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(fleet.url + "/v1/completions", json=body) as r,
+    ):
+        data = await r.json()
+        assert r.status == 200, data
+        assert r.headers["x-gateway-backend"] == "large-1"
+        assert data["usage"]["prompt_tokens"] > 8192
     # The small node was tried first (the stand-in's bound fit it) and refused.
     assert fleet.backend("small-1").recent_rejections(fleet.state.clock()) == 1
     assert fleet.leaks() == {}
