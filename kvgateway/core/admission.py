@@ -167,10 +167,11 @@ class Admission:
         config: Callable[[], GatewayConfig],
         clock: Callable[[], float],
         on_decision: Callable[[Decision, Demand], None] | None = None,
+        tenancy: Tenancy | None = None,
     ) -> Admission:
         """Admission over ``fleet``, following the live config (it changes on reload)."""
         return cls(
-            tenancy=Tenancy(lambda: config().auth),
+            tenancy=tenancy or Tenancy(lambda: config().auth),
             budget=lambda: sum(b.budget_tokens for b in fleet.backends if b.usable),
             index_for=fleet.index,
             adjust=fleet.adjust,

@@ -117,7 +117,8 @@ class QuotaLedger(Protocol):
         self, tenant: str, limits: TenantLimits, prompt: int, output: int, now: float
     ) -> Charge | RateLimitHit: ...
 
-    def settle(self, charge: Charge, output: int, now: float) -> None: ...
+    def settle(self, charge: Charge, output: int, now: float, *, served: bool = True) -> None:
+        """Replace the reserved output with ``output``; refund it all if not ``served``."""
 
     def status(self, tenant: str, limits: TenantLimits, now: float) -> dict[str, RateStatus]: ...
 
@@ -160,11 +161,14 @@ class LocalLedger:
         entries = {name: self._window(tenant, name).add(asked, now) for name, asked in asks.items()}
         return Charge(tenant, output, entries)
 
-    def settle(self, charge: Charge, output: int, now: float) -> None:
+    def settle(self, charge: Charge, output: int, now: float, *, served: bool = True) -> None:
         if charge.settled:
             return
         charge.settled = True
-        if output != charge.reserved_output:
+        if not served:  # never admitted (queue full, timed out): it costs nothing
+            for name, entry in charge.entries.items():
+                self._window(charge.tenant, name).adjust(entry, 0, now)
+        elif output != charge.reserved_output:
             self._window(charge.tenant, OUTPUT).adjust(charge.entries[OUTPUT], output, now)
 
     def status(self, tenant: str, limits: TenantLimits, now: float) -> dict[str, RateStatus]:

@@ -22,12 +22,14 @@ from kvgateway import __version__
 from kvgateway.config.model import GatewayConfig
 from kvgateway.core.fleet import Fleet
 from kvgateway.core.limits import Observed
+from kvgateway.core.quota import QuotaLedger
 from kvgateway.errors import BodyTooLarge, GatewayError, MethodNotAllowed, NotFound, Unauthorized
 from kvgateway.server import admin
 from kvgateway.server.admin import STATE
 from kvgateway.server.metrics import FleetCollector, GatewayMetrics
 from kvgateway.server.proxy import REQUEST_ID, error_response, handle_completion
 from kvgateway.server.state import Clock, GatewayState
+from kvgateway.server.tenants import TENANT, TenantCollector, tenant_for_key
 from kvgateway.tokens.counters import TokenCounters
 from kvgateway.tokens.encoding import EncodingCache
 from kvgateway.upstream.monitor import Monitor
@@ -49,7 +51,10 @@ def create_app(
     encodings: EncodingCache | None = None,
     derived: dict[str, Observed] | None = None,
     count_workers: int = 2,
+    ledger: QuotaLedger | None = None,
 ) -> web.Application:
+    """The gateway. ``ledger`` holds the tenants' per-minute quotas; by default each
+    process keeps its own (a shared ledger makes them fleet-wide)."""
     registry = registry if registry is not None else CollectorRegistry()
     metrics = GatewayMetrics(registry)
     fleet = Fleet(config, derived)
@@ -83,8 +88,16 @@ def create_app(
         )
         try:
             state = GatewayState(
-                config, fleet, metrics, TokenCounters(encodings, pool, huge), session, clock=clock
+                config,
+                fleet,
+                metrics,
+                TokenCounters(encodings, pool, huge),
+                session,
+                clock=clock,
+                ledger=ledger,
             )
+            collector = TenantCollector(state.tenancy, state.ledger, clock)
+            registry.register(collector)
             monitor = Monitor(
                 fleet=fleet,
                 admission=state.admission,
@@ -101,6 +114,7 @@ def create_app(
                 yield
             finally:
                 await monitor.close()
+                registry.unregister(collector)
         finally:
             await session.close()
             pool.shutdown(wait=False, cancel_futures=True)
@@ -163,14 +177,20 @@ async def _auth_middleware(request: web.Request, handler: Handler) -> web.Stream
     path = request.path
     if path in _OPEN_PATHS:
         return await handler(request)
-    admin = path.startswith("/admin/")
-    keys = server.admin_api_keys if admin and server.admin_api_keys else server.api_keys
-    if keys and not _key_matches(request.headers.get("Authorization", ""), keys):
+    header = request.headers.get("Authorization", "")
+    if path.startswith("/admin/") and server.admin_api_keys:
+        if not _key_matches(header, server.admin_api_keys):
+            state.metrics.rejections.labels(reason="auth").inc()
+            raise Unauthorized(
+                "Incorrect API key provided. Send it as 'Authorization: Bearer <key>'. "
+                "/admin/* takes an admin key."
+            )
+        return await handler(request)
+    tenant = tenant_for_key(state.config.auth, header)
+    if tenant is None:
         state.metrics.rejections.labels(reason="auth").inc()
-        raise Unauthorized(
-            "Incorrect API key provided. Send it as 'Authorization: Bearer <key>'."
-            + (" /admin/* takes an admin key." if admin and server.admin_api_keys else "")
-        )
+        raise Unauthorized("Incorrect API key provided. Send it as 'Authorization: Bearer <key>'.")
+    request[TENANT] = tenant
     return await handler(request)
 
 

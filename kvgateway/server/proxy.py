@@ -26,6 +26,7 @@ from kvgateway.errors import (
     ContextLengthExceeded,
     GatewayError,
     NoHealthyBackend,
+    RateLimited,
     RequestTimeout,
     ShuttingDown,
     UpstreamError,
@@ -37,6 +38,7 @@ from kvgateway.server.openai_request import Kind
 from kvgateway.server.planning import plan_request, upstream_body
 from kvgateway.server.relay import error_event, relay_body, relay_stream
 from kvgateway.server.state import GatewayState
+from kvgateway.server.tenants import TENANT, charge, settle
 from kvgateway.upstream.client import open_request, read_capped
 
 log = logging.getLogger("kvgateway.server.proxy")
@@ -81,7 +83,12 @@ async def handle_completion(
     rid = request[REQUEST_ID]
     ex = Exchange(
         request=request,
-        record=AccessRecord(request_id=rid, method=request.method, path=request.path),
+        record=AccessRecord(
+            request_id=rid,
+            method=request.method,
+            path=request.path,
+            tenant=request.get(TENANT, state.config.auth.default_tenant.name),
+        ),
         started=state.clock(),
     )
     task = asyncio.current_task()
@@ -99,6 +106,8 @@ async def handle_completion(
         ex.record.status = err.status
         ex.record.outcome = err.code
         ex.rejection = err.rejection_reason
+        if isinstance(err, RateLimited):
+            ex.limit_hit = err.param
         resp = error_response(err, rid)
         if state.draining or not ex.body_read:
             # Leaving, or the body was not (fully) read: this connection cannot go on.
@@ -117,6 +126,7 @@ async def handle_completion(
     finally:
         if task is not None:
             state.active.pop(task, None)
+        settle(ex, state.ledger, state.clock())
         finish(ex, state.metrics, state.clock(), state.config.server.access_log)
 
 
@@ -154,6 +164,14 @@ async def _count_and_forward(state: GatewayState, ex: Exchange, kind: Kind) -> w
     rec.prompt_tokens = counted.prompt.total
     rec.stream = counted.parsed.stream
     body = upstream_body(counted) or raw
+    ex.charge, ex.limit_headers = charge(
+        state.ledger,
+        state.tenancy,
+        rec.tenant,
+        counted.prompt.total,
+        counted.demand.output_tokens * counted.demand.sequences,
+        state.clock(),
+    )
     return await _forward(state, ex, body)
 
 
@@ -164,9 +182,10 @@ async def _forward(state: GatewayState, ex: Exchange, body: bytes) -> web.Stream
     deadline = ex.started + state.config.admission.queue_timeout_s
     excluded: set[str] = set()
     last_error: UpstreamError | None = None
+    demand = replace(counted.demand, tenant=ex.record.tenant)
     while True:
         ex.record.attempts += 1
-        r = await _admit(state, ex, counted.demand, deadline, excluded, last_error)
+        r = await _admit(state, ex, demand, deadline, excluded, last_error)
         async with r:
             ex.admitted(r)
             backend = r.backend
