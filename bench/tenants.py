@@ -1,0 +1,225 @@
+"""Part 5: a flooding batch tenant beside a light interactive one, with and without classes.
+
+The same fleet and load twice: the tenants in one class (``classes: off``: the queue is
+fair between them but nobody is ahead), then with ``interactive`` above ``batch`` and a
+floor share of the KV budget kept for ``interactive``. Per tenant: TTFT percentiles, the
+HTTP statuses, and goodput (completion tokens per second of requests that succeeded).
+The interactive tenant is also measured alone first, as the reference.
+
+The load functions are shared with ``tests/integration/test_tenants.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+INTERACTIVE_KEY = "k-app"
+BATCH_KEY = "k-etl"
+
+
+MODES = ("shared", "tenants", "classes")
+
+
+def gateway_config(mode: str, floor_share: float = 0.25) -> dict[str, Any]:
+    """The gateway's ``server`` and ``auth`` sections for one mode:
+
+    - ``shared``: both keys are ``server.api_keys``, one (default) tenant: one FIFO queue,
+      as before tenants existed;
+    - ``tenants``: two tenants of one class: fair queuing on KV tokens between them;
+    - ``classes``: ``interactive`` above ``batch``, with ``floor_share`` of the fleet's KV
+      budget kept for ``interactive``.
+    """
+    if mode == "shared":
+        return {"server": {"api_keys": [INTERACTIVE_KEY, BATCH_KEY]}}
+    if mode == "tenants":
+        keys = [{"name": "app", "key": INTERACTIVE_KEY}, {"name": "etl", "key": BATCH_KEY}]
+        return {"auth": {"keys": keys}}
+    return {
+        "auth": {
+            "classes": [{"name": "interactive", "floor_share": floor_share}, {"name": "batch"}],
+            "keys": [
+                {"name": "app", "key": INTERACTIVE_KEY, "class": "interactive"},
+                {"name": "etl", "key": BATCH_KEY, "class": "batch"},
+            ],
+        }
+    }
+
+
+@dataclass
+class TenantRun:
+    ttfts: list[float] = field(default_factory=list)
+    statuses: Counter[int] = field(default_factory=Counter)
+    completion_tokens: int = 0
+    started: float = field(default_factory=time.monotonic)
+    ended: float = 0.0
+
+    def percentile(self, q: float) -> float:
+        xs = sorted(self.ttfts)
+        if not xs:
+            return float("nan")
+        return xs[min(len(xs) - 1, int(q / 100 * len(xs)))]
+
+    @property
+    def goodput(self) -> float:
+        """Completion tokens per second of the requests that succeeded."""
+        return self.completion_tokens / max(1e-9, (self.ended or time.monotonic()) - self.started)
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "requests": sum(self.statuses.values()),
+            "statuses": {str(k): v for k, v in sorted(self.statuses.items())},
+            "ttft_p50_ms": round(self.percentile(50) * 1000, 1),
+            "ttft_p90_ms": round(self.percentile(90) * 1000, 1),
+            "ttft_p99_ms": round(self.percentile(99) * 1000, 1),
+            "goodput_tok_s": round(self.goodput, 1),
+        }
+
+
+def prompt(n_tokens: int, rnd: random.Random) -> str:
+    # A distinct prompt of ~n cl100k tokens (no prefix shared between requests).
+    return f"{rnd.getrandbits(64):x}" + " hello" * max(1, n_tokens - 4)
+
+
+async def one(
+    session: aiohttp.ClientSession,
+    url: str,
+    model: str,
+    key: str,
+    prompt_tokens: int,
+    max_tokens: int,
+    rnd: random.Random,
+    run: TenantRun,
+    *,
+    stream: bool,
+) -> None:
+    """One chat request; TTFT is the first content chunk (streams) or the answer."""
+    body: dict[str, Any] = {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt(prompt_tokens, rnd)}],
+        "max_tokens": max_tokens,
+        "stream": stream,
+    }
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    start = time.monotonic()
+    headers = {"Authorization": f"Bearer {key}"}
+    async with session.post(url + "/v1/chat/completions", json=body, headers=headers) as r:
+        run.statuses[r.status] += 1
+        if r.status != 200:
+            await r.read()
+            return
+        if not stream:
+            data = await r.json()
+            run.ttfts.append(time.monotonic() - start)
+            run.completion_tokens += int(data["usage"]["completion_tokens"])
+            return
+        first = True
+        async for line in r.content:
+            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                continue
+            chunk = json.loads(line[6:])
+            if first and chunk.get("choices"):
+                run.ttfts.append(time.monotonic() - start)
+                first = False
+            if chunk.get("usage"):
+                run.completion_tokens += int(chunk["usage"]["completion_tokens"])
+
+
+async def interactive(
+    url: str,
+    model: str,
+    *,
+    clients: int,
+    requests: int,
+    prompt_tokens: int = 100,
+    max_tokens: int = 8,
+    pause_s: float = 0.02,
+    seed: int = 1,
+) -> TenantRun:
+    """``clients`` users, each sending ``requests`` short streamed chats one after another."""
+    run = TenantRun()
+    async with aiohttp.ClientSession() as session:
+
+        async def user(i: int) -> None:
+            rnd = random.Random(seed * 1000 + i)
+            for _ in range(requests):
+                await one(
+                    session,
+                    url,
+                    model,
+                    INTERACTIVE_KEY,
+                    prompt_tokens,
+                    max_tokens,
+                    rnd,
+                    run,
+                    stream=True,
+                )
+                await asyncio.sleep(pause_s * rnd.uniform(0.5, 1.5))
+
+        await asyncio.gather(*(user(i) for i in range(clients)))
+    run.ended = time.monotonic()
+    return run
+
+
+async def flood(
+    url: str,
+    model: str,
+    stop: asyncio.Event,
+    *,
+    clients: int,
+    prompt_tokens: int = 64,
+    max_tokens: int = 1000,
+    seed: int = 2,
+) -> TenantRun:
+    """``clients`` loops sending long batch requests back to back until ``stop``; a
+    refused request is retried after a short pause. Unfinished requests are cancelled."""
+    run = TenantRun()
+    async with aiohttp.ClientSession() as session:
+
+        async def loop(i: int) -> None:
+            rnd = random.Random(seed * 1000 + i)
+            while not stop.is_set():
+                before = run.statuses[429]
+                await one(
+                    session,
+                    url,
+                    model,
+                    BATCH_KEY,
+                    prompt_tokens,
+                    max_tokens,
+                    rnd,
+                    run,
+                    stream=False,
+                )
+                if run.statuses[429] > before:
+                    await asyncio.sleep(0.05)
+
+        tasks = [asyncio.create_task(loop(i), name=f"flood-{i}") for i in range(clients)]
+        await stop.wait()
+        run.ended = time.monotonic()
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    return run
+
+
+async def flooded(
+    url: str, model: str, *, batch_clients: int, settle_s: float, **interactive_args: Any
+) -> tuple[TenantRun, TenantRun]:
+    """The interactive load while the batch tenant floods (started ``settle_s`` before)."""
+    stop = asyncio.Event()
+    batch = asyncio.create_task(flood(url, model, stop, clients=batch_clients), name="flood")
+    await asyncio.sleep(settle_s)
+    try:
+        inter = await interactive(url, model, **interactive_args)
+    finally:
+        stop.set()
+    return inter, await batch
