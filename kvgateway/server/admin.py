@@ -10,6 +10,7 @@ from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 from kvgateway.core.backends import Backend
 from kvgateway.server.state import GatewayState
+from kvgateway.server.tenants import tenants_view
 
 STATE = web.AppKey("state", GatewayState)
 
@@ -100,6 +101,7 @@ async def admin_backends(request: web.Request) -> web.Response:
             "backends": [_backend_view(b, now) for b in state.fleet.backends],
             "queue_depth": state.admission.queue_depth,
             "policy": state.config.routing.policy,
+            "tenants": tenants_view(state.tenancy, state.ledger, now),
         }
     )
 
