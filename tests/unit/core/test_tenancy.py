@@ -205,3 +205,49 @@ async def test_two_equal_tenants_flooding_one_class_get_kv_tokens_within_ten_per
     await asyncio.gather(*tasks)
     assert abs(served["big"] - served["small"]) <= 0.1 * max(served.values()), served
     assert b.reserved_tokens == 0
+
+
+async def test_random_cancellations_and_displacements_leave_no_tenant_use_behind():
+    rnd = random.Random(11)
+    backends = [backend("a", kv=4096, seqs=4), backend("b", kv=4096, seqs=4, tier_index=1)]
+    cfg = auth(
+        tenant("i", "interactive", max_concurrent=3),
+        tenant("s", weight=2.0, max_kv_share=0.4),
+        tenant("b", "batch"),
+        classes=(
+            ClassConfig("interactive", floor_share=0.2),
+            ClassConfig("standard"),
+            ClassConfig("batch"),
+        ),
+        aging_s=0.01,
+    )
+    adm, clock = make(backends, cfg, queue_size=40)
+    tenancy = adm._tenancy
+    outcomes: dict[str, int] = {}
+
+    async def one():
+        name = rnd.choice("isb")
+        try:
+            r = await adm.admit(of(name, rnd.randint(10, 1500), rnd.randint(1, 500)), 0.5)
+        except Saturated as err:
+            outcomes[err.code] = outcomes.get(err.code, 0) + 1
+            return
+        try:
+            await asyncio.sleep(rnd.random() * 0.01)
+            clock[0] += 0.001
+        finally:
+            adm.release(r)
+        outcomes["ok"] = outcomes.get("ok", 0) + 1
+
+    tasks = [asyncio.create_task(one()) for _ in range(300)]
+    for _ in range(30):
+        await asyncio.sleep(0.002)
+        for t in rnd.sample(tasks, 8):
+            t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    assert outcomes.get("ok", 0) >= 20 and outcomes.get("displaced_by_priority", 0) > 0, outcomes
+    assert adm.queue_depth == 0
+    assert all(c == 0 for c in adm._claim_counts.values())
+    assert not +tenancy.tokens and not +tenancy.requests and not +tenancy.class_tokens
+    for b in backends:
+        assert (b.reserved_tokens, b.reserved_seqs, b.in_flight) == (0, 0, 0)
