@@ -57,6 +57,7 @@ class Tenancy:
         self.tokens: Counter[str] = Counter()  # KV tokens held, per tenant
         self.requests: Counter[str] = Counter()  # admitted requests in flight, per tenant
         self.class_tokens: Counter[str] = Counter()
+        self.granted_tokens: Counter[str] = Counter()  # KV tokens ever granted, per tenant
 
     @property
     def auth(self) -> AuthConfig:
@@ -109,6 +110,7 @@ class Tenancy:
         klass = ticket.klass
         self._virtual[klass] = max(self._virtual.get(klass, 0.0), ticket.start)
         self.tokens[ticket.tenant] += tokens
+        self.granted_tokens[ticket.tenant] += tokens
         self.requests[ticket.tenant] += 1
         self.class_tokens[klass] += tokens
 

@@ -15,7 +15,7 @@ from dataclasses import asdict
 from typing import Any
 
 from aiohttp import web
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from kvgateway.config.model import AuthConfig
@@ -119,13 +119,20 @@ class TenantCollector(Collector):
             "The tenant's use of each per-minute limit over the last minute (this process).",
             labels=["tenant", "limit"],
         )
+        granted = CounterMetricFamily(
+            "gateway_tenant_kv_tokens_granted",
+            "KV tokens reserved for the tenant's requests, summed over admissions "
+            "(its KV-token throughput; fair queuing evens it out within a class).",
+            labels=["tenant"],
+        )
         now = self._clock()
         for t in self._tenancy.auth.tenants:
             kv.add_metric([t.name], self._tenancy.tokens[t.name])
+            granted.add_metric([t.name], self._tenancy.granted_tokens[t.name])
             held.add_metric([t.name], self._tenancy.requests[t.name])
             for name, used in self._ledger.usage(t.name, now).items():
                 minute.add_metric([t.name, name], used)
-        yield from (kv, held, minute)
+        yield from (kv, held, minute, granted)
 
 
 def tenants_view(tenancy: Tenancy, ledger: QuotaLedger, now: float) -> list[dict[str, Any]]:

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import random
+import re
 
-from bench.tenants import TenantRun, flooded, gateway_config, interactive
+import aiohttp
+
+from bench.tenants import TenantRun, flooded, gateway_config, interactive, one
 from tests.support.fleet import MODEL, RunningFleet, StartFleet
 
 # One node whose KV budget (not its sequence slots) is what the flood exhausts.
@@ -64,3 +68,60 @@ async def test_one_shared_queue_makes_interactive_wait_behind_the_flood(start_fl
     )
     alone, inter, _, _ = await _flood_scenario(fleet, requests=3)
     assert inter.percentile(50) > 3 * alone.percentile(99), (alone.summary(), inter.summary())
+
+
+async def test_two_equal_tenants_of_one_class_get_kv_tokens_within_ten_percent(
+    start_fleet: StartFleet,
+):
+    """One sends 1.5k-token prompts, the other 150-token ones; both flood the same node.
+    Fair queuing on KV tokens gives them the same KV tokens, not the same requests."""
+    keys = [{"name": "big", "key": "k-big"}, {"name": "small", "key": "k-small"}]
+    fleet = await start_fleet(
+        NODE,
+        time_scale=4.0,
+        gateway={
+            "auth": {"keys": keys},
+            "admission": {**ADMISSION, "queue_timeout_s": 30, "queue_size": 256},
+        },
+    )
+    stop = asyncio.Event()
+    runs = {"big": TenantRun(), "small": TenantRun()}
+
+    async def loop(session: aiohttp.ClientSession, name: str, prompt_tokens: int, i: int):
+        rnd = random.Random(i)
+        while not stop.is_set():
+            await one(
+                session,
+                fleet.url,
+                MODEL,
+                f"k-{name}",
+                prompt_tokens,
+                200,
+                rnd,
+                runs[name],
+                stream=False,
+            )
+
+    async def granted(session: aiohttp.ClientSession) -> dict[str, float]:
+        async with session.get(fleet.url + "/metrics") as r:
+            text = await r.text()
+        found = re.findall(r'gateway_tenant_kv_tokens_granted_total\{tenant="(\w+)"\} (\S+)', text)
+        return {name: float(value) for name, value in found}
+
+    async with aiohttp.ClientSession() as session:
+        # The big tenant starts first and takes the whole node; fairness has to win it back.
+        tasks = [asyncio.create_task(loop(session, "big", 1500, i)) for i in range(16)]
+        tasks += [asyncio.create_task(loop(session, "small", 150, 100 + i)) for i in range(48)]
+        await asyncio.sleep(3.0)
+        before = await granted(session)
+        await asyncio.sleep(4.0)
+        after = await granted(session)
+        stop.set()
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    served = {name: after[name] - before[name] for name in ("big", "small")}
+    assert min(served.values()) > 20_000, served
+    assert abs(served["big"] - served["small"]) <= 0.1 * max(served.values()), served
+    # Shared by tokens, not by requests: the small tenant ran many more of them.
+    assert runs["small"].statuses[200] > 2 * runs["big"].statuses[200]
