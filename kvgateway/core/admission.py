@@ -272,11 +272,8 @@ class Admission:
         reservation.released = True
         self._adjust(reservation.backend, -reservation.tokens, -reservation.seqs, -1)
         if reservation.ticket is not None and self._tenancy is not None:
+            # A tenant limit may open too: _offer asks each waiter's gate again.
             self._tenancy.released(reservation.ticket, reservation.tokens)
-            if any(w.gated is not None for w in self._waiters):
-                # A tenant limit may have opened: any backend may now serve its waiter.
-                self.rebalance()
-                return True
         self._offer(reservation.backend)
         return True
 
@@ -292,15 +289,16 @@ class Admission:
         return True
 
     def rebalance(self) -> None:
-        """Offer every backend's capacity to the waiters in FIFO order; after changes that
-        may touch any backend (health, load feedback, reload)."""
+        """Offer every backend's capacity to the waiters in order (FIFO, or the tenancy
+        order); after changes that may touch any backend (health, load feedback, reload)."""
         if not self._waiters:
             return
         now = self._clock()
         claimed: frozenset[str] = frozenset()
+        gone: set[_Waiter] = set()
         for w in self._ordered():
             if w.future.done():
-                self._waiters.remove(w)
+                gone.add(w)
                 self._dequeued(w)
                 continue
             w.gated = self._gate(w.demand)
@@ -309,10 +307,12 @@ class Admission:
             d = _with_busy(w.demand, claimed) if claimed else w.demand
             decision = self.decide(d)
             if isinstance(decision, Routed):
-                self._waiters.remove(w)
+                gone.add(w)
                 self._hand_over(w, decision, now)
             else:
                 claimed |= w.claims
+        if gone:
+            self._waiters = deque(w for w in self._waiters if w not in gone)
 
     def _offer(self, b: Backend) -> None:
         """Only ``b`` gained room: walk the waiters that claim it, in order, and stop at
