@@ -62,7 +62,9 @@ def read_auth(s: Section, legacy_keys: tuple[str, ...]) -> AuthConfig:
 def _class(s: Section) -> ClassConfig:
     cfg = ClassConfig(
         name=_name(s),
-        floor_share=s.number("floor_share", 0.0, maximum=1.0, exclusive_min=False),
+        floor_share=s.number(
+            "floor_share", ClassConfig("").floor_share, maximum=1.0, exclusive_min=False
+        ),
     )
     s.reject_unknown()
     return cfg
@@ -87,7 +89,7 @@ def _tenant(s: Section, classes: list[str], *, default_name: str | None = None) 
         name=name,
         keys=keys,
         class_name=class_name,
-        weight=s.number("weight", 1.0),
+        weight=s.number("weight", TenantConfig("").weight),
         limits=limits,
     )
     s.reject_unknown()

@@ -34,7 +34,7 @@ from types import TracebackType
 
 from kvgateway.config.model import GatewayConfig, Policy
 from kvgateway.core.backends import Backend, PauseReason
-from kvgateway.core.demand import Demand, can_ever_hold
+from kvgateway.core.demand import Demand, can_ever_hold, tokens_on
 from kvgateway.core.fleet import Fleet
 from kvgateway.core.routing import (
     Decision,
@@ -89,7 +89,9 @@ class Reservation:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self.release()
+        self.owner.release_after(
+            self, gone=exc_type is not None and issubclass(exc_type, asyncio.CancelledError)
+        )
 
 
 class Reserving:
@@ -115,7 +117,7 @@ class Reserving:
         tb: TracebackType | None,
     ) -> None:
         if self._reservation is not None:
-            self._reservation.release()
+            await self._reservation.__aexit__(exc_type, exc, tb)
 
 
 @dataclass(eq=False, slots=True)
@@ -143,9 +145,11 @@ class Admission:
         queue_size: Callable[[], int],
         clock: Callable[[], float],
         on_decision: Callable[[Decision, Demand], None] | None = None,
+        abort_delay: Callable[[], float] = lambda: 0.0,
         tenancy: Tenancy | None = None,
         budget: Callable[[], int] = lambda: 0,
     ) -> None:
+        self._abort_delay = abort_delay
         self._tenancy = tenancy
         self._budget = budget
         self._index_for = index_for
@@ -180,6 +184,7 @@ class Admission:
             queue_size=lambda: config().admission.queue_size,
             clock=clock,
             on_decision=on_decision,
+            abort_delay=lambda: config().admission.abort_release_delay_s,
         )
 
     # ---- synchronous core -------------------------------------------------------
@@ -197,10 +202,11 @@ class Admission:
     def _grant(
         self, backend: Backend, demand: Demand, reason: RouteReason, ticket: Ticket | None = None
     ) -> Reservation:
-        self._adjust(backend, demand.tokens, demand.sequences, 1)
+        tokens = tokens_on(backend, demand)
+        self._adjust(backend, tokens, demand.sequences, 1)
         if ticket is not None and self._tenancy is not None:
-            self._tenancy.granted(ticket, demand.tokens)
-        return Reservation(backend, demand.tokens, demand.sequences, reason, self, ticket=ticket)
+            self._tenancy.granted(ticket, tokens)
+        return Reservation(backend, tokens, demand.sequences, reason, self, ticket=ticket)
 
     def try_admit(self, demand: Demand, ticket: Ticket | None = None) -> Decision | Reservation:
         """Reserve now if the policy finds room that no waiter ahead of it claims."""
@@ -276,6 +282,17 @@ class Admission:
             self._tenancy.released(reservation.ticket, reservation.tokens)
         self._offer(reservation.backend)
         return True
+
+    def release_after(self, r: Reservation, *, gone: bool) -> None:
+        """Release ``r`` when the node has freed its blocks: at once, or after the
+        backend's KV-connector delay, or (client gone) once the node's abort has landed."""
+        delay = r.backend.config.release_delay_s
+        if gone:
+            delay = max(delay, self._abort_delay())
+        if delay <= 0:
+            self.release(r)
+            return
+        asyncio.get_running_loop().call_later(delay, self.release, r)
 
     def end_pause(self, b: Backend, now: float) -> bool:
         """End ``b``'s timed pause once its time has come, and offer ``b`` to the waiters
@@ -419,10 +436,13 @@ def _with_busy(d: Demand, names: frozenset[str]) -> Demand:
 
 
 def context_error(demand: Demand, largest: int) -> ContextLengthExceeded:
+    # OpenAI's and vLLM's wording first: clients (LiteLLM's ContextWindowExceededError,
+    # fallbacks to larger models) recognise a context-length error by it.
     return ContextLengthExceeded(
-        f"This request needs {demand.longest_sequence} tokens ({demand.longest_prompt} "
-        f"counted prompt tokens + {demand.output_tokens} requested output tokens), but the "
-        f"largest context any backend for model '{demand.model}' offers is {largest} tokens. "
-        "Reduce the length of the prompt or of the requested output.",
+        f"This model's maximum context length is {largest} tokens. However, you requested "
+        f"{demand.longest_sequence} tokens ({demand.longest_prompt} in the messages, "
+        f"{demand.output_tokens} in the completion). Please reduce the length of the "
+        f"messages or completion. (The largest context any backend for model "
+        f"'{demand.model}' offers is {largest} tokens.)",
         param="messages",
     )
