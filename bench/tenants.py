@@ -214,14 +214,23 @@ async def flood(
 
 
 async def flooded(
-    url: str, model: str, *, batch_clients: int, settle_s: float, **interactive_args: Any
+    url: str,
+    model: str,
+    *,
+    batch_clients: int,
+    settle_s: float,
+    min_flood_s: float = 0.0,
+    **interactive_args: Any,
 ) -> tuple[TenantRun, TenantRun]:
-    """The interactive load while the batch tenant floods (started ``settle_s`` before)."""
+    """The interactive load while the batch tenant floods (started ``settle_s`` before);
+    the flood lasts at least ``min_flood_s`` (goodput compares equal windows)."""
     stop = asyncio.Event()
+    started = time.monotonic()
     batch = asyncio.create_task(flood(url, model, stop, clients=batch_clients), name="flood")
     await asyncio.sleep(settle_s)
     try:
         inter = await interactive(url, model, **interactive_args)
+        await asyncio.sleep(max(0.0, started + min_flood_s - time.monotonic()))
     finally:
         stop.set()
     return inter, await batch
@@ -257,7 +266,7 @@ def fleet_data() -> dict[str, Any]:
 
 
 async def run_mode(
-    mode: str, *, time_scale: float, requests: int, batch_clients: int
+    mode: str, *, time_scale: float, requests: int, batch_clients: int, flood_s: float
 ) -> dict[str, Any]:
     from bench.harness import fleet_and_gateway
 
@@ -265,10 +274,15 @@ async def run_mode(
     async with fleet_and_gateway(
         "kv_aware", time_scale=time_scale, data=fleet_data(), gateway_overrides=overrides
     ) as running:
-        args = {"clients": 4, "requests": requests}
+        args = {"clients": 4, "requests": requests, "prompt_tokens": 1000, "max_tokens": 32}
         alone = await interactive(running.url, MODEL, **args)
         inter, batch = await flooded(
-            running.url, MODEL, batch_clients=batch_clients, settle_s=2.0, **args
+            running.url,
+            MODEL,
+            batch_clients=batch_clients,
+            settle_s=2.0,
+            min_flood_s=flood_s,
+            **args,
         )
     return {
         "mode": mode,
@@ -307,6 +321,7 @@ async def main_async(args: argparse.Namespace) -> None:
                 time_scale=args.time_scale,
                 requests=args.requests,
                 batch_clients=args.batch_clients,
+                flood_s=args.flood_s,
             )
         )
     text = table(results)
@@ -318,9 +333,10 @@ async def main_async(args: argparse.Namespace) -> None:
                 "settings": {
                     "time_scale": args.time_scale,
                     "nodes": f"{NODES} x gpu24-8b, max_num_seqs {MAX_NUM_SEQS}",
-                    "interactive": f"4 users x {args.requests} streamed chats, 100-token "
-                    "prompts, max_tokens 8",
-                    "batch": f"{args.batch_clients} loops, 64-token prompts, max_tokens 1000",
+                    "interactive": f"4 users x {args.requests} streamed chats, 1000-token "
+                    "prompts, max_tokens 32",
+                    "batch": f"{args.batch_clients} loops, 64-token prompts, max_tokens 1000, "
+                    f"flooding for {args.flood_s:g} s (goodput over that window)",
                     "gateway": {m: gateway_config(m) for m in MODES},
                     "admission": fleet_data()["admission"],
                 },
@@ -338,10 +354,11 @@ def main() -> None:
     p.add_argument("--time-scale", type=float, default=2.0)
     p.add_argument("--requests", type=int, default=15, help="per interactive user")
     p.add_argument("--batch-clients", type=int, default=80)
+    p.add_argument("--flood-s", type=float, default=30.0, help="length of the flood phase")
     p.add_argument("--quick", action="store_true", help="fewer requests")
     args = p.parse_args()
     if args.quick:
-        args.requests = 5
+        args.requests, args.flood_s = 5, 8.0
     asyncio.run(main_async(args))
 
 
