@@ -2,6 +2,9 @@
 
 import random
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from kvgateway.config.model import TenantLimits
 from kvgateway.core.quota import OUTPUT, PROMPT, REQUESTS, Charge, LocalLedger, RateLimitHit
 
@@ -82,3 +85,44 @@ def test_token_quotas_hold_within_one_percent_over_minutes_of_mixed_traffic():
     # And the quota is used, not refused wholesale: the prompt limit binds in steady state.
     steady = [a for a in admitted if 120.0 < a[0] <= 180.0]
     assert sum(p for _, p, _ in steady) >= 60_000 * 0.9
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.floats(0.0, 5.0),  # seconds since the previous request
+            st.integers(0, 3000),  # prompt
+            st.integers(0, 2000),  # reserved output
+            st.floats(0.0, 1.0),  # share of the reservation generated
+            st.floats(0.0, 90.0),  # seconds until it is settled
+        ),
+        max_size=120,
+    )
+)
+def test_no_sliding_minute_ever_holds_more_than_a_limit(requests):
+    """Whatever the arrivals and settlements, the settled amounts in any minute ending at
+    an admission stay within each limit (settling only ever lowers a charge)."""
+    limits = TenantLimits(
+        prompt_tokens_per_minute=8000, output_tokens_per_minute=5000, requests_per_minute=20
+    )
+    ledger = LocalLedger()
+    now = 0.0
+    pending: list[tuple[float, Charge, int]] = []
+    admitted: list[tuple[float, int, Charge]] = []
+    for gap, prompt, reserved, share, settle_in in requests:
+        now += gap
+        for item in sorted(p for p in pending if p[0] <= now):
+            pending.remove(item)
+            ledger.settle(item[1], item[2], item[0])
+        c = ledger.try_charge("t", limits, prompt, reserved, now)
+        if isinstance(c, Charge):
+            admitted.append((now, prompt, c))
+            pending.append((now + settle_in, c, int(reserved * share)))
+        else:
+            assert c.used + c.asked > c.value  # refused only when over
+    for at, _, _ in admitted:
+        window = [a for a in admitted if at - 60.0 < a[0] <= at]
+        assert len(window) <= 20
+        assert sum(p for _, p, _ in window) <= 8000
+        assert sum(c.entries["output_tokens_per_minute"].amount for _, _, c in window) <= 5000
