@@ -112,7 +112,7 @@ def test_no_sliding_minute_ever_holds_more_than_a_limit(requests):
     admitted: list[tuple[float, int, Charge]] = []
     for gap, prompt, reserved, share, settle_in in requests:
         now += gap
-        for item in sorted(p for p in pending if p[0] <= now):
+        for item in sorted((p for p in pending if p[0] <= now), key=lambda p: p[0]):
             pending.remove(item)
             ledger.settle(item[1], item[2], item[0])
         c = ledger.try_charge("t", limits, prompt, reserved, now)
