@@ -40,10 +40,14 @@ class Ticket:
     start: float
     seq: int
 
-    def key(self, since: float, now: float, aging_s: float) -> tuple[int, float, int]:
-        """Smaller is served first; waiting ``aging_s`` raises the rank by one class."""
-        lift = int((now - since) / aging_s) if aging_s > 0 else 0
-        return (max(0, self.rank - lift), self.start, self.seq)
+    def key(self, since: float, now: float, aging_s: float) -> tuple[int, int, float, int]:
+        """Smaller is served first. Waiting ``aging_s`` raises the rank by one class; a
+        raised waiter goes before that class's own waiters, oldest first (fair-queuing
+        tags of different classes are not comparable, and it must not starve there)."""
+        lift = min(self.rank, int((now - since) / aging_s)) if aging_s > 0 else 0
+        if lift > 0:
+            return (self.rank - lift, 0, since, self.seq)
+        return (self.rank, 1, self.start, self.seq)
 
 
 class Tenancy:
@@ -137,7 +141,7 @@ class Queued(Protocol):
 W = TypeVar("W", bound=Queued)
 
 
-def _key(w: Queued, now: float, aging_s: float) -> tuple[int, float, int]:
+def _key(w: Queued, now: float, aging_s: float) -> tuple[int, int, float, int]:
     assert w.ticket is not None
     return w.ticket.key(w.since, now, aging_s)
 

@@ -59,6 +59,18 @@ def test_classes_order_waiters_and_aging_lifts_a_waiter_one_class_per_period():
     assert b.key(0.0, 4.9, 5.0)[0] == 2 and b.key(0.0, 5.0, 5.0)[0] == 1
     # Waiting two periods brings a batch request level with interactive; it arrived first.
     assert b.key(0.0, 10.0, 5.0) < i.key(10.0, 10.0, 5.0)
+    # Interactive waiters are never raised (nothing above them): they keep fair queuing.
+    assert i.key(0.0, 100.0, 5.0) == i.key(100.0, 100.0, 5.0)
+
+
+def test_a_raised_waiter_goes_first_even_if_its_tenant_used_far_more():
+    t = Tenancy(lambda: auth(tenant("i", "interactive"), tenant("b", "batch")))
+    for _ in range(50):  # the batch tenant's tags run far ahead of interactive's
+        t.granted(t.ticket("b", 10_000), 10_000)
+    b = t.ticket("b", 10_000)
+    i = t.ticket("i", 100)
+    assert b.start > 100 * i.start + 1000
+    assert b.key(0.0, 10.0, 5.0) < i.key(9.0, 10.0, 5.0)
 
 
 def test_gates_concurrency_kv_share_and_class_floor():
@@ -251,3 +263,30 @@ async def test_random_cancellations_and_displacements_leave_no_tenant_use_behind
     assert not +tenancy.tokens and not +tenancy.requests and not +tenancy.class_tokens
     for b in backends:
         assert (b.reserved_tokens, b.reserved_seqs, b.in_flight) == (0, 0, 0)
+
+
+async def test_aging_serves_a_batch_waiter_despite_a_steady_interactive_stream():
+    b = backend("a", kv=1024)
+    adm, clock = make([b], auth(tenant("i", "interactive"), tenant("b", "batch"), aging_s=1.0))
+    held = [await adm.admit(of("i", 400), 1.0) for _ in range(2)]  # 416 tokens each: full
+    batch = asyncio.create_task(adm.admit(of("b", 400), 60.0))
+    await asyncio.sleep(0)
+    assert adm.queue_depth == 1
+    served_before_batch = 0
+    for _ in range(20):
+        nxt = asyncio.create_task(adm.admit(of("i", 400), 60.0))
+        await asyncio.sleep(0)
+        clock[0] += 0.5
+        adm.release(held.pop(0))
+        await asyncio.sleep(0)
+        if batch.done():
+            break
+        held.append(await asyncio.wait_for(nxt, 0.5))
+        served_before_batch += 1
+    assert batch.done(), "the batch waiter starved"
+    assert 1 <= served_before_batch <= 4  # interactive went first until batch had aged
+    nxt.cancel()  # still queued behind the batch request
+    await asyncio.gather(nxt, return_exceptions=True)
+    for r in (*held, batch.result()):
+        adm.release(r)
+    assert b.reserved_tokens == 0 and adm.queue_depth == 0
