@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvgateway.tokens.encoding import EncodingSpec
+from kvgateway.tokens.modeldir import ModelTokenizer
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,3 +22,8 @@ class TokenizerConfig:
     # Prompts are scaled by (1 + margin) before admission: covers the gap between
     # tiktoken and the node's own tokenizer until usage reports correct it.
     estimate_margin: float = 0.0
+    # The model's own tokenizer directory (models[].tokenizer.path), loaded once when the
+    # config is read. When set, prompts are counted exactly with it and its chat template
+    # (tokens.exact); the encoding and allowances above are then only a fallback.
+    path: str | None = None
+    model: ModelTokenizer | None = field(default=None, compare=False, repr=False)
