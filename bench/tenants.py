@@ -229,7 +229,8 @@ async def flooded(
     batch = asyncio.create_task(flood(url, model, stop, clients=batch_clients), name="flood")
     await asyncio.sleep(settle_s)
     try:
-        inter = await interactive(url, model, **interactive_args)
+        # Other prompts than the run alone used: the nodes' prefix caches must not help.
+        inter = await interactive(url, model, **{"seed": 3, **interactive_args})
         await asyncio.sleep(max(0.0, started + min_flood_s - time.monotonic()))
     finally:
         stop.set()
