@@ -12,6 +12,7 @@
     ├── RequestTimeout                  408    invalid_request_error   request_timeout
     ├── BodyTooLarge                    413    invalid_request_error   request_too_large
     ├── Saturated                       429    rate_limit_error        fleet_saturated      (Retry-After)
+    ├── RateLimited                     429    rate_limit_error        rate_limit_exceeded  (Retry-After, x-ratelimit-*)
     ├── NoHealthyBackend                503    service_unavailable     no_healthy_backend   (Retry-After)
     ├── ShuttingDown                    503    service_unavailable     shutting_down        (Retry-After)
     ├── UpstreamError                   502    upstream_error          upstream_error
@@ -126,6 +127,22 @@ class Saturated(GatewayError):
     error_type = "rate_limit_error"
     default_code = "fleet_saturated"
     rejection_reason = "saturated"
+
+
+class RateLimited(GatewayError):
+    """A tenant's own per-minute limit (``param`` names it); carries ``x-ratelimit-*``."""
+
+    status = 429
+    error_type = "rate_limit_error"
+    default_code = "rate_limit_exceeded"
+    rejection_reason = "rate_limited"
+
+    def __init__(self, message: str, *, limit_headers: dict[str, str], **kwargs: Any) -> None:
+        super().__init__(message, **kwargs)
+        self.limit_headers = limit_headers
+
+    def headers(self) -> dict[str, str]:
+        return {**super().headers(), **self.limit_headers}
 
 
 class NoHealthyBackend(GatewayError):

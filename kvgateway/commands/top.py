@@ -160,6 +160,7 @@ def render(
     if not backends:
         lines.append("(no backends configured)")
     lines.extend(["", *_tier_lines(backends)])
+    lines.extend(_tenant_lines(state, budget))
     return "\n".join(line[:width].rstrip() for line in lines) + "\n"
 
 
@@ -181,6 +182,35 @@ def _tier_lines(backends: Sequence[Mapping[str, Any]]) -> list[str]:
         out.append(
             f"tier {tier:<{tier_w}}  {_bar(used, total)} {amounts}"
             f"  {ok}/{len(members)} accepting{offload}"
+        )
+    return out
+
+
+def _tenant_lines(state: Mapping[str, Any], budget: float) -> list[str]:
+    """Per tenant: its class, the KV it holds now (of the fleet's budget), requests in
+    flight and its use over the last minute (this gateway process's own count)."""
+    items = state.get("tenants")
+    if not isinstance(items, Sequence) or isinstance(items, str):
+        return []
+    tenants = [t for t in items if isinstance(t, Mapping)]
+    if not tenants:
+        return []
+    name_w = max([len("TENANT")] + [len(_text(t.get("name"))) for t in tenants])
+    class_w = max([len("CLASS")] + [len(_text(t.get("class"))) for t in tenants])
+    out = [
+        "",
+        f"{'TENANT':<{name_w}}  {'CLASS':<{class_w}}  {'KV HELD (of fleet budget)':<{BAR_WIDTH + 10}}"
+        f"  {'FLIGHT':>6}  {'REQ/MIN':>7}  {'PROMPT/MIN':>10}  {'OUTPUT/MIN':>10}",
+    ]
+    for t in tenants:
+        held = _num(t.get("kv_tokens"))
+        kv = f"{_bar(held, budget or None)} {_count(held)}"
+        out.append(
+            f"{_text(t.get('name')):<{name_w}}  {_text(t.get('class')):<{class_w}}  "
+            f"{kv:<{BAR_WIDTH + 10}}  {_count(t.get('in_flight')):>6}  "
+            f"{_count(t.get('requests_last_minute')):>7}  "
+            f"{_count(t.get('prompt_tokens_last_minute')):>10}  "
+            f"{_count(t.get('output_tokens_last_minute')):>10}"
         )
     return out
 

@@ -4,7 +4,9 @@ helpers with path-named errors (:mod:`.yamlread`)."""
 from kvgateway.config.load import load_config, parse_config, parse_config_text
 from kvgateway.config.model import (
     AdmissionConfig,
+    AuthConfig,
     BackendConfig,
+    ClassConfig,
     DiscoveryConfig,
     DnsGroupConfig,
     GatewayConfig,
@@ -13,6 +15,8 @@ from kvgateway.config.model import (
     ModelConfig,
     RoutingConfig,
     ServerConfig,
+    TenantConfig,
+    TenantLimits,
     TierConfig,
     TimeoutConfig,
 )
@@ -21,7 +25,9 @@ from kvgateway.tokens.spec import TokenizerConfig
 
 __all__ = [
     "AdmissionConfig",
+    "AuthConfig",
     "BackendConfig",
+    "ClassConfig",
     "ConfigError",
     "DiscoveryConfig",
     "DnsGroupConfig",
@@ -31,6 +37,8 @@ __all__ = [
     "ModelConfig",
     "RoutingConfig",
     "ServerConfig",
+    "TenantConfig",
+    "TenantLimits",
     "TierConfig",
     "TimeoutConfig",
     "TokenizerConfig",

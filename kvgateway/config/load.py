@@ -30,6 +30,7 @@ from kvgateway.config.model import (
     TimeoutConfig,
     TracingConfig,
 )
+from kvgateway.config.tenants import read_auth, read_keys
 from kvgateway.config.yamlread import ConfigError, Reading, Section
 from kvgateway.tokens.chat_template import TemplateError
 from kvgateway.tokens.encoding import PATTERNS, EncodingCache, EncodingSpec
@@ -84,6 +85,7 @@ def _parse(root: Section, source: str, encodings: EncodingCache | None) -> Gatew
     feedback = _feedback(root.section("load_feedback"))
     default_timeouts = _timeouts(root.section("timeouts"), TimeoutConfig())
     discovery = _discovery(root.section("discovery"))
+    auth = read_auth(root.section("auth"), server.api_keys)
     tracing_section = root.section("tracing")
     tracing = TracingConfig(enabled=tracing_section.flag("enabled", TracingConfig().enabled))
     tracing_section.reject_unknown()
@@ -106,6 +108,7 @@ def _parse(root: Section, source: str, encodings: EncodingCache | None) -> Gatew
         load_feedback=feedback,
         tiers=tiers,
         discovery=discovery,
+        auth=auth,
         tracing=tracing,
         source=source,
     )
@@ -120,8 +123,8 @@ def _check_unique(root: Section, names: list[str], where: str) -> None:
 
 
 def _server(s: Section) -> ServerConfig:
-    keys = _keys(s, "api_keys")
-    admin_keys = _keys(s, "admin_api_keys")
+    keys = read_keys(s, "api_keys")
+    admin_keys = read_keys(s, "admin_api_keys")
     d = ServerConfig()
     cfg = ServerConfig(
         host=s.text("host", d.host),
@@ -137,51 +140,6 @@ def _server(s: Section) -> ServerConfig:
     )
     s.reject_unknown()
     return cfg
-
-
-def _keys(s: Section, name: str) -> tuple[str, ...]:
-    """Keys from ``NAME``, ``NAME_file`` and ``NAME_env``; an empty or blank key is an
-    error naming where it came from (it would otherwise open the gateway to everyone)."""
-    found: list[tuple[str, str]] = [
-        (s.where(name) + f"[{i}]", k) for i, k in enumerate(s.str_list(name))
-    ]
-    keys_file = s.opt_str(f"{name}_file")
-    if keys_file:
-        found.extend(_read_keys_file(keys_file, s, f"{name}_file"))
-    keys_env = s.opt_str(f"{name}_env")
-    if keys_env:
-        raw = os.environ.get(keys_env)
-        if raw is None:
-            s.fail(f"{name}_env", f"environment variable {keys_env} is not set")
-        else:
-            found.extend(
-                (f"{s.where(name + '_env')} (${keys_env} item {i + 1})", k)
-                for i, k in enumerate(raw.split(","))
-            )
-    for where, key in found:
-        if not key.strip():
-            s.reading.fail(where, "an empty API key would let any request in; remove it")
-    return tuple(k.strip() for _, k in found if k.strip())
-
-
-def _read_keys_file(path: str, s: Section, key: str) -> list[tuple[str, str]]:
-    """One key per line (blank lines and # comments ignored), or NAME=key lines like an env
-    file of secrets. Returns (where, key) pairs."""
-    where = s.where(key)
-    try:
-        with open(os.path.expanduser(path), encoding="utf-8") as fh:
-            lines = fh.read().splitlines()
-    except OSError as exc:
-        s.fail(key, f"cannot read {path!r}: {exc.strerror}")
-        return []
-    keys = []
-    for number, raw in enumerate(lines, start=1):
-        line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        key = line.split("=", 1)[1] if "=" in line else line
-        keys.append((f"{where} ({path} line {number})", key))
-    return keys
 
 
 def _model(s: Section, encodings: EncodingCache) -> ModelConfig:

@@ -191,6 +191,71 @@ class ServerConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class TenantLimits:
+    """A tenant's limits; ``None`` is unlimited. Token rates count the prompt as counted
+    by the gateway and the output reserved at admission, settled with the usage."""
+
+    prompt_tokens_per_minute: int | None = None
+    output_tokens_per_minute: int | None = None
+    requests_per_minute: int | None = None
+    max_concurrent: int | None = None
+    # The largest fraction of the fleet's KV budget this tenant may hold at once.
+    max_kv_share: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TenantConfig:
+    name: str
+    keys: tuple[str, ...] = ()
+    # Spelled `class` in YAML; empty: the lowest configured class.
+    class_name: str = ""
+    weight: float = 1.0
+    limits: TenantLimits = TenantLimits()
+
+
+@dataclass(frozen=True, slots=True)
+class ClassConfig:
+    """A priority class; `auth.classes` lists them highest first."""
+
+    name: str
+    # Fraction of the fleet's KV budget no other class may take from this one.
+    floor_share: float = 0.0
+
+
+DEFAULT_TENANT = "default"
+
+
+@dataclass(frozen=True, slots=True)
+class AuthConfig:
+    """Tenants: who may call, in which priority class, with which limits.
+
+    ``server.api_keys*`` are the keys of ``default_tenant``; with no key anywhere the
+    gateway is open and every request is ``default_tenant``."""
+
+    keys: tuple[TenantConfig, ...] = ()
+    classes: tuple[ClassConfig, ...] = (ClassConfig("standard"),)
+    default_tenant: TenantConfig = TenantConfig(DEFAULT_TENANT)
+    # A waiter is raised one class for every this many seconds it has waited.
+    aging_s: float = 5.0
+
+    @property
+    def tenants(self) -> tuple[TenantConfig, ...]:
+        return (self.default_tenant, *self.keys)
+
+    @property
+    def open(self) -> bool:
+        return not any(t.keys for t in self.tenants)
+
+    def rank(self, tenant: TenantConfig) -> int:
+        """0 for the highest class; a tenant without a class is in the lowest."""
+        names = [c.name for c in self.classes]
+        return names.index(tenant.class_name) if tenant.class_name in names else len(names) - 1
+
+    def class_of(self, tenant: TenantConfig) -> str:
+        return self.classes[self.rank(tenant)].name
+
+
+@dataclass(frozen=True, slots=True)
 class GatewayConfig:
     server: ServerConfig
     models: tuple[ModelConfig, ...]
@@ -200,6 +265,7 @@ class GatewayConfig:
     load_feedback: LoadFeedbackConfig
     tiers: tuple[TierConfig, ...]
     discovery: DiscoveryConfig = DiscoveryConfig()
+    auth: AuthConfig = AuthConfig()
     tracing: TracingConfig = TracingConfig()
     source: str = "<memory>"
     _model_index: dict[str, ModelConfig] = field(default_factory=dict, compare=False)

@@ -14,6 +14,13 @@ claimed backend. Whenever capacity may have appeared (a release, a backend turni
 healthy, a reload) waiters are offered it in arrival order. Requests that fit only on
 unclaimed backends still pass: a huge prompt waiting for a large node does not hold up
 short chats on small nodes, and a stream of short chats cannot starve it either.
+
+With tenants (:mod:`kvgateway.core.tenancy`) "arrival order" becomes the tenancy order:
+class first (with aging), then fair queuing on KV tokens within a class. A newcomer is
+held back only by the claims of waiters ahead of it in that order; a waiter kept by its
+tenant's own limit (``max_concurrent``, ``max_kv_share``, a class floor) claims nothing;
+and when the queue is full a newcomer displaces the last waiter of a lower class, which
+gets the 429. Everything tenant-specific is in the methods marked "tenancy".
 """
 
 from __future__ import annotations
@@ -41,6 +48,15 @@ from kvgateway.core.routing import (
     route_to,
 )
 from kvgateway.core.routing_index import ModelIndex
+from kvgateway.core.tenancy import (
+    Tenancy,
+    Ticket,
+    claims_ahead,
+    displaceable,
+    displaced_error,
+    gated_error,
+    serve_order,
+)
 from kvgateway.errors import ContextLengthExceeded, NoHealthyBackend, Saturated
 
 _ids = itertools.count(1)
@@ -57,6 +73,7 @@ class Reservation:
     owner: Admission
     queued_s: float = 0.0
     released: bool = False
+    ticket: Ticket | None = None
     id: int = field(default_factory=lambda: next(_ids))
 
     def release(self) -> bool:
@@ -109,6 +126,9 @@ class _Waiter:
     future: asyncio.Future[Reservation]
     since: float
     claims: frozenset[str]
+    ticket: Ticket | None = None
+    # The tenant limit this waiter last waited for (it claims nothing meanwhile).
+    gated: str | None = None
 
 
 class Admission:
@@ -126,8 +146,12 @@ class Admission:
         clock: Callable[[], float],
         on_decision: Callable[[Decision, Demand], None] | None = None,
         abort_delay: Callable[[], float] = lambda: 0.0,
+        tenancy: Tenancy | None = None,
+        budget: Callable[[], int] = lambda: 0,
     ) -> None:
         self._abort_delay = abort_delay
+        self._tenancy = tenancy
+        self._budget = budget
         self._index_for = index_for
         self._adjust = adjust
         self._policy = policy
@@ -147,9 +171,12 @@ class Admission:
         config: Callable[[], GatewayConfig],
         clock: Callable[[], float],
         on_decision: Callable[[Decision, Demand], None] | None = None,
+        tenancy: Tenancy | None = None,
     ) -> Admission:
         """Admission over ``fleet``, following the live config (it changes on reload)."""
         return cls(
+            tenancy=tenancy or Tenancy(lambda: config().auth),
+            budget=lambda: sum(b.budget_tokens for b in fleet.backends if b.usable),
             index_for=fleet.index,
             adjust=fleet.adjust,
             policy=lambda: config().routing.policy,
@@ -172,22 +199,62 @@ class Admission:
             offload_overflow=self._offload_overflow(),
         )
 
-    def _grant(self, backend: Backend, demand: Demand, reason: RouteReason) -> Reservation:
+    def _grant(
+        self, backend: Backend, demand: Demand, reason: RouteReason, ticket: Ticket | None = None
+    ) -> Reservation:
         tokens = tokens_on(backend, demand)
         self._adjust(backend, tokens, demand.sequences, 1)
-        return Reservation(backend, tokens, demand.sequences, reason, self)
+        if ticket is not None and self._tenancy is not None:
+            self._tenancy.granted(ticket, tokens)
+        return Reservation(backend, tokens, demand.sequences, reason, self, ticket=ticket)
 
-    def try_admit(self, demand: Demand) -> Decision | Reservation:
-        """Reserve now if the policy finds room that no earlier waiter claims."""
+    def try_admit(self, demand: Demand, ticket: Ticket | None = None) -> Decision | Reservation:
+        """Reserve now if the policy finds room that no waiter ahead of it claims."""
+        if self._gate(demand) is not None:
+            return Wait()
         decision = self.decide(demand)
         if isinstance(decision, Routed) and self._claim_counts[decision.backend.name] > 0:
-            claimed = frozenset(n for n, c in self._claim_counts.items() if c > 0)
-            decision = self.decide(_with_busy(demand, claimed))
-            if not isinstance(decision, Routed):
-                return Wait()
+            claimed = self._claimed_ahead(ticket)
+            if decision.backend.name in claimed:
+                decision = self.decide(_with_busy(demand, claimed))
+                if not isinstance(decision, Routed):
+                    return Wait()
         if isinstance(decision, Routed):
-            return self._grant(decision.backend, demand, decision.reason)
+            return self._grant(decision.backend, demand, decision.reason, ticket)
         return decision
+
+    # ---- tenancy: order, gates, displacement ------------------------------------
+
+    def _gate(self, demand: Demand) -> str | None:
+        if self._tenancy is None:
+            return None
+        return self._tenancy.gate(demand.tenant, demand.tokens, self._budget())
+
+    def _ordered(self) -> list[_Waiter]:
+        """The waiters in the order they are served (arrival order without tenancy)."""
+        if self._tenancy is None:
+            return list(self._waiters)
+        return serve_order(self._waiters, self._clock(), self._tenancy.auth.aging_s)
+
+    def _claimed_ahead(self, ticket: Ticket | None) -> frozenset[str]:
+        """Backends claimed by waiters served before a newcomer holding ``ticket``."""
+        if ticket is None or self._tenancy is None:
+            return frozenset(n for n, c in self._claim_counts.items() if c > 0)
+        live = (w for w in self._waiters if not w.future.done())
+        return frozenset(claims_ahead(live, ticket, self._clock(), self._tenancy.auth.aging_s))
+
+    def _displace(self, ticket: Ticket | None) -> bool:
+        """Queue full: refuse the last waiter of a class below ``ticket``'s, if any."""
+        if ticket is None or self._tenancy is None:
+            return False
+        victim = displaceable(self._waiters, ticket, self._clock(), self._tenancy.auth.aging_s)
+        if victim is None:
+            return False
+        self._waiters.remove(victim)
+        self._dequeued(victim)
+        if not victim.future.done():
+            victim.future.set_exception(displaced_error())
+        return True
 
     def _claims(self, demand: Demand) -> frozenset[str]:
         """The backends routing could give this request: those that can hold it, minus
@@ -210,6 +277,9 @@ class Admission:
             return False
         reservation.released = True
         self._adjust(reservation.backend, -reservation.tokens, -reservation.seqs, -1)
+        if reservation.ticket is not None and self._tenancy is not None:
+            # A tenant limit may open too: _offer asks each waiter's gate again.
+            self._tenancy.released(reservation.ticket, reservation.tokens)
         self._offer(reservation.backend)
         return True
 
@@ -236,26 +306,30 @@ class Admission:
         return True
 
     def rebalance(self) -> None:
-        """Offer every backend's capacity to the waiters in FIFO order; after changes that
-        may touch any backend (health, load feedback, reload)."""
+        """Offer every backend's capacity to the waiters in order (FIFO, or the tenancy
+        order); after changes that may touch any backend (health, load feedback, reload)."""
         if not self._waiters:
             return
         now = self._clock()
-        kept: deque[_Waiter] = deque()
         claimed: frozenset[str] = frozenset()
-        while self._waiters:
-            w = self._waiters.popleft()
+        gone: set[_Waiter] = set()
+        for w in self._ordered():
             if w.future.done():
+                gone.add(w)
                 self._dequeued(w)
+                continue
+            w.gated = self._gate(w.demand)
+            if w.gated is not None:
                 continue
             d = _with_busy(w.demand, claimed) if claimed else w.demand
             decision = self.decide(d)
             if isinstance(decision, Routed):
+                gone.add(w)
                 self._hand_over(w, decision, now)
             else:
-                kept.append(w)
                 claimed |= w.claims
-        self._waiters = kept
+        if gone:
+            self._waiters = deque(w for w in self._waiters if w not in gone)
 
     def _offer(self, b: Backend) -> None:
         """Only ``b`` gained room: walk the waiters that claim it, in order, and stop at
@@ -265,8 +339,11 @@ class Admission:
             return
         now = self._clock()
         overflow = self._offload_overflow()
-        for w in list(self._waiters):
+        for w in self._ordered():
             if w.future.done() or b.name not in w.claims:
+                continue
+            w.gated = self._gate(w.demand)
+            if w.gated is not None:
                 continue
             routed = route_to(
                 self._index_for(w.demand.model), b, w.demand, now, offload_overflow=overflow
@@ -278,7 +355,7 @@ class Admission:
 
     def _hand_over(self, w: _Waiter, decision: Routed, now: float) -> None:
         self._dequeued(w)
-        r = self._grant(decision.backend, w.demand, decision.reason)
+        r = self._grant(decision.backend, w.demand, decision.reason, w.ticket)
         r.queued_s = now - w.since
         w.future.set_result(r)
 
@@ -298,7 +375,8 @@ class Admission:
         Raises ContextLengthExceeded (never fits), NoHealthyBackend, or Saturated
         (queue full or timed out).
         """
-        outcome = self.try_admit(demand)
+        ticket = self._tenancy.ticket(demand.tenant, demand.tokens) if self._tenancy else None
+        outcome = self.try_admit(demand, ticket)
         if self._on_decision is not None and not isinstance(outcome, Reservation):
             self._on_decision(outcome, demand)
         if isinstance(outcome, Reservation):
@@ -311,20 +389,24 @@ class Admission:
                 retry_after=5,
             )
         assert isinstance(outcome, Wait)
-        if len(self._waiters) >= self._queue_size() or timeout <= 0:
+        full = len(self._waiters) >= self._queue_size()
+        if timeout <= 0 or (full and not self._displace(ticket)):
             raise Saturated(
                 "Every backend that can hold this request is at its KV-cache budget and "
                 "the admission queue is full. Retry later.",
                 retry_after=max(1.0, timeout),
             )
         loop = asyncio.get_running_loop()
-        waiter = _Waiter(demand, loop.create_future(), self._clock(), self._claims(demand))
+        waiter = _Waiter(demand, loop.create_future(), self._clock(), self._claims(demand), ticket)
+        waiter.gated = self._gate(demand)
         self._enqueue(waiter)
         try:
             async with asyncio.timeout(timeout):
                 return await waiter.future
         except BaseException as exc:
             self._abandon(waiter)
+            if isinstance(exc, TimeoutError) and waiter.gated is not None:
+                raise gated_error(demand.tenant, waiter.gated, timeout) from None
             if isinstance(exc, TimeoutError):
                 raise Saturated(
                     f"No backend had room for this request ({demand.tokens} KV tokens) "
@@ -343,7 +425,7 @@ class Admission:
         else:
             self._dequeued(waiter)
         fut = waiter.future
-        if fut.done() and not fut.cancelled():
+        if fut.done() and not fut.cancelled() and fut.exception() is None:
             self.release(fut.result())
         else:
             fut.cancel()

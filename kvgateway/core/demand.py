@@ -28,6 +28,8 @@ class Demand:
     # Backends held for earlier waiters: unavailable now, but still this request's
     # preferred tier (so claims never push a request onto the offload tier).
     busy: frozenset[str] = frozenset()
+    # Who asks (a tenant name from the config): its class and fair share order the queue.
+    tenant: str = ""
 
     @property
     def longest_sequence(self) -> int:

@@ -20,6 +20,7 @@ class AccessRecord:
     method: str
     path: str
     model: str = "-"
+    tenant: str = "-"
     tier: str = "-"
     backend: str = "-"
     route: str = "-"

@@ -12,6 +12,7 @@ from kvgateway.core.backends import Backend
 from kvgateway.errors import ModelNotFound
 from kvgateway.server.appkeys import STATE
 from kvgateway.server.state import GatewayState
+from kvgateway.server.tenants import tenants_view
 
 
 def _model_entries(state: GatewayState) -> list[dict[str, Any]]:
@@ -113,6 +114,7 @@ async def admin_backends(request: web.Request) -> web.Response:
             "backends": [_backend_view(b, now) for b in state.fleet.backends],
             "queue_depth": state.admission.queue_depth,
             "policy": state.config.routing.policy,
+            "tenants": tenants_view(state.tenancy, state.ledger, now),
         }
     )
 

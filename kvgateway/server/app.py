@@ -26,6 +26,7 @@ from kvgateway.config.model import GatewayConfig
 from kvgateway.core.derived_limits import derive_all
 from kvgateway.core.fleet import Fleet
 from kvgateway.core.limits import Observed
+from kvgateway.core.quota import QuotaLedger
 from kvgateway.errors import BodyTooLarge, GatewayError, MethodNotAllowed, NotFound, Unauthorized
 from kvgateway.server import admin
 from kvgateway.server.appkeys import MONITOR, STATE
@@ -35,6 +36,7 @@ from kvgateway.server.passthrough import handle_passthrough
 from kvgateway.server.proxy import REQUEST_ID, error_response, handle_completion
 from kvgateway.server.reload import FleetMembers
 from kvgateway.server.state import Clock, GatewayState
+from kvgateway.server.tenants import TENANT, TenantCollector, tenant_for_key
 from kvgateway.server.tracing import from_environment
 from kvgateway.tokens.counters import TokenCounters
 from kvgateway.tokens.encoding import EncodingCache
@@ -57,7 +59,10 @@ def create_app(
     derived: dict[str, Observed] | None = None,
     count_workers: int = 2,
     tracer_provider: Any | None = None,
+    ledger: QuotaLedger | None = None,
 ) -> web.Application:
+    """The gateway. ``ledger`` holds the tenants' per-minute quotas; by default each
+    process keeps its own (a shared ledger makes them fleet-wide)."""
     registry = registry if registry is not None else CollectorRegistry()
     tracing = from_environment(config.tracing.enabled, tracer_provider)
     metrics = GatewayMetrics(registry)
@@ -100,7 +105,10 @@ def create_app(
                 session,
                 clock=clock,
                 tracing=tracing,
+                ledger=ledger,
             )
+            collector = TenantCollector(state.tenancy, state.ledger, clock)
+            registry.register(collector)
             monitor = Monitor(
                 fleet=fleet,
                 admission=state.admission,
@@ -118,6 +126,7 @@ def create_app(
                     yield
             finally:
                 await monitor.close()
+                registry.unregister(collector)
         finally:
             await session.close()
             pool.shutdown(wait=False, cancel_futures=True)
@@ -201,14 +210,20 @@ async def _auth_middleware(request: web.Request, handler: Handler) -> web.Stream
     path = request.path
     if path in _OPEN_PATHS:
         return await handler(request)
-    admin = path.startswith("/admin/")
-    keys = server.admin_api_keys if admin and server.admin_api_keys else server.api_keys
-    if keys and not _key_matches(request.headers.get("Authorization", ""), keys):
+    header = request.headers.get("Authorization", "")
+    if path.startswith("/admin/") and server.admin_api_keys:
+        if not _key_matches(header, server.admin_api_keys):
+            state.metrics.rejections.labels(reason="auth").inc()
+            raise Unauthorized(
+                "Incorrect API key provided. Send it as 'Authorization: Bearer <key>'. "
+                "/admin/* takes an admin key."
+            )
+        return await handler(request)
+    tenant = tenant_for_key(state.config.auth, header)
+    if tenant is None:
         state.metrics.rejections.labels(reason="auth").inc()
-        raise Unauthorized(
-            "Incorrect API key provided. Send it as 'Authorization: Bearer <key>'."
-            + (" /admin/* takes an admin key." if admin and server.admin_api_keys else "")
-        )
+        raise Unauthorized("Incorrect API key provided. Send it as 'Authorization: Bearer <key>'.")
+    request[TENANT] = tenant
     return await handler(request)
 
 

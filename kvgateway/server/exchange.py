@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from kvgateway.core.admission import Reservation
+from kvgateway.core.quota import Charge
 from kvgateway.server.accesslog import AccessRecord, log_access
 from kvgateway.server.metrics import GatewayMetrics
 
@@ -67,6 +68,12 @@ class Exchange:
     # The request's own deadline: shutdown moves it forward to end the request properly.
     deadline: asyncio.Timeout | None = None
     shutdown: bool = False
+    # The tenant's quota charge, its x-ratelimit-* headers, and the output it is settled
+    # with (from the node's usage when it reports it).
+    charge: Charge | None = None
+    limit_headers: dict[str, str] = field(default_factory=dict)
+    output_tokens: int | None = None
+    limit_hit: str | None = None
 
     @property
     def request_id(self) -> str:
@@ -115,6 +122,8 @@ def finish(ex: Exchange, m: GatewayMetrics, now: float, access_log: bool) -> Non
             m.upstream_retries.labels(backend=f.backend, cause=f.cause).inc()
     if ex.rejection is not None:
         m.rejections.labels(reason=ex.rejection).inc()
+    if rec.tenant != "-":
+        _tenant_metrics(ex, m)
     if rec.outcome == Outcome.CLIENT_DISCONNECT:
         m.client_disconnects.inc()
     if ex.ttft_s is not None and rec.tier != "-":
@@ -126,3 +135,15 @@ def finish(ex: Exchange, m: GatewayMetrics, now: float, access_log: bool) -> Non
         m.duration.labels(model=rec.model, tier=rec.tier).observe(rec.latency_ms / 1000)
     if access_log:
         log_access(rec)
+
+
+def _tenant_metrics(ex: Exchange, m: GatewayMetrics) -> None:
+    rec = ex.record
+    m.tenant_requests.labels(tenant=rec.tenant, status=str(rec.status)).inc()
+    if ex.charge is not None and ex.counted is not None:
+        m.tenant_tokens.labels(tenant=rec.tenant, kind="prompt").inc(ex.counted.prompt.total)
+        m.tenant_tokens.labels(tenant=rec.tenant, kind="output").inc(ex.output_tokens or 0)
+    if ex.rejection == "rate_limited" and ex.limit_hit:
+        m.tenant_rate_limited.labels(tenant=rec.tenant, limit=ex.limit_hit).inc()
+    if ex.ttft_s is not None:
+        m.tenant_ttft.labels(tenant=rec.tenant).observe(ex.ttft_s)

@@ -114,6 +114,32 @@ class GatewayMetrics:
             buckets=LATENCY_BUCKETS,
             registry=registry,
         )
+        # Per tenant: the label's values are tenant names from the config only.
+        self.tenant_requests = Counter(
+            "gateway_tenant_requests",
+            "Requests answered per tenant, by HTTP status.",
+            ["tenant", "status"],
+            registry=registry,
+        )
+        self.tenant_tokens = Counter(
+            "gateway_tenant_tokens",
+            "Tokens charged per tenant: counted prompt, and output as settled from usage.",
+            ["tenant", "kind"],
+            registry=registry,
+        )
+        self.tenant_rate_limited = Counter(
+            "gateway_tenant_rate_limited",
+            "Requests refused by a tenant's own per-minute limit, by limit.",
+            ["tenant", "limit"],
+            registry=registry,
+        )
+        self.tenant_ttft = Histogram(
+            "gateway_tenant_time_to_first_token_seconds",
+            "Time from request arrival to the first response byte, by tenant.",
+            ["tenant"],
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
         self.upstream_retries = Counter(
             "gateway_upstream_retries",
             "Requests retried on another backend after a failure before any byte was sent.",

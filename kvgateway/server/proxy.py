@@ -26,6 +26,7 @@ from kvgateway.errors import (
     ContextLengthExceeded,
     GatewayError,
     NoHealthyBackend,
+    RateLimited,
     RequestTimeout,
     ShuttingDown,
     UpstreamError,
@@ -37,6 +38,7 @@ from kvgateway.server.openai_request import Kind
 from kvgateway.server.planning import plan_request, upstream_body, with_node_count
 from kvgateway.server.relay import answer_body, error_event, error_message, read_body, relay_stream
 from kvgateway.server.state import GatewayState
+from kvgateway.server.tenants import TENANT, charge, settle
 from kvgateway.server.tracing import Tracing, set_attributes
 from kvgateway.tokens.node_count import (
     NodeCount,
@@ -87,7 +89,12 @@ async def handle_completion(
     rid = request[REQUEST_ID]
     ex = Exchange(
         request=request,
-        record=AccessRecord(request_id=rid, method=request.method, path=request.path),
+        record=AccessRecord(
+            request_id=rid,
+            method=request.method,
+            path=request.path,
+            tenant=request.get(TENANT, state.config.auth.default_tenant.name),
+        ),
         started=state.clock(),
     )
     task = asyncio.current_task()
@@ -107,6 +114,8 @@ async def handle_completion(
         ex.record.status = err.status
         ex.record.outcome = err.code
         ex.rejection = err.rejection_reason
+        if isinstance(err, RateLimited):
+            ex.limit_hit = err.param
         resp = error_response(err, rid)
         if state.draining or not ex.body_read:
             # Leaving, or the body was not (fully) read: this connection cannot go on.
@@ -125,6 +134,7 @@ async def handle_completion(
     finally:
         if task is not None:
             state.active.pop(task, None)
+        settle(ex, state.ledger, state.clock())
         finish(ex, state.metrics, state.clock(), state.config.server.access_log)
 
 
@@ -164,6 +174,14 @@ async def _count_and_forward(state: GatewayState, ex: Exchange, kind: Kind) -> w
     rec.prompt_tokens = counted.prompt.total
     rec.stream = counted.parsed.stream
     body = upstream_body(counted) or raw
+    ex.charge, ex.limit_headers = charge(
+        state.ledger,
+        state.tenancy,
+        rec.tenant,
+        counted.prompt.total,
+        counted.demand.output_tokens * counted.demand.sequences,
+        state.clock(),
+    )
     return await _forward(state, ex, body)
 
 
@@ -175,9 +193,10 @@ async def _forward(state: GatewayState, ex: Exchange, body: bytes) -> web.Stream
     while True:
         counted = ex.counted
         assert counted is not None
+        demand = replace(counted.demand, tenant=ex.record.tenant)
         ex.record.attempts += 1
-        with state.tracing.span("gateway.admission", tokens=counted.demand.tokens) as span:
-            r = await _admit(state, ex, counted.demand, deadline, excluded, last_error)
+        with state.tracing.span("gateway.admission", tokens=demand.tokens) as span:
+            r = await _admit(state, ex, demand, deadline, excluded, last_error)
             set_attributes(
                 span,
                 backend=r.backend.name,

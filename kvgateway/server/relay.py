@@ -28,6 +28,7 @@ def gateway_headers(ex: Exchange, r: Reservation) -> dict[str, str]:
         "x-gateway-backend": r.backend.name,
         "x-gateway-tier": r.backend.tier,
         "x-gateway-prompt-tokens": str(ex.counted.prompt.total),
+        **ex.limit_headers,
     }
     if ex.counted.injected_output is not None:
         # The client left the output budget open; the node was sent this one.
@@ -44,6 +45,8 @@ def _reconcile(state: GatewayState, ex: Exchange, r: Reservation, data: bytes) -
     counted = ex.counted
     assert counted is not None
     usage = find_usage(data)
+    if usage is not None and usage.completion_tokens is not None:
+        ex.output_tokens = usage.completion_tokens
     # vLLM reports the prompt once per request, whatever n is. Learned on the stand-in's
     # own count (what calibration scales); exact counts need no correction.
     if usage is not None and counted.prompt.prompts == 1 and not counted.prompt.exact:

@@ -14,7 +14,9 @@ from kvgateway.core.admission import Admission
 from kvgateway.core.demand import Demand
 from kvgateway.core.fleet import Fleet
 from kvgateway.core.membership import DiscoveredMembers
+from kvgateway.core.quota import LocalLedger, QuotaLedger
 from kvgateway.core.routing import Decision, Wait
+from kvgateway.core.tenancy import Tenancy
 from kvgateway.server.exchange import Exchange
 from kvgateway.server.metrics import GatewayMetrics
 from kvgateway.server.node_tokenize import NodeTokenizer
@@ -36,6 +38,7 @@ class GatewayState:
         *,
         clock: Clock = time.monotonic,
         tracing: Tracing | None = None,
+        ledger: QuotaLedger | None = None,
     ) -> None:
         self.config = config
         self.tracing = tracing or Tracing()
@@ -61,8 +64,15 @@ class GatewayState:
         self.calibration = PromptCalibration(
             lambda model, ratio: metrics.estimate_ratio.labels(model=model).observe(ratio)
         )
+        # Per-minute quotas: in this process unless a shared ledger is given.
+        self.ledger: QuotaLedger = ledger if ledger is not None else LocalLedger()
+        self.tenancy = Tenancy(lambda: self.config.auth)
         self.admission = Admission.for_fleet(
-            fleet, lambda: self.config, clock, on_decision=self._count_decision
+            fleet,
+            lambda: self.config,
+            clock,
+            on_decision=self._count_decision,
+            tenancy=self.tenancy,
         )
 
     def _count_decision(self, decision: Decision, demand: Demand) -> None:

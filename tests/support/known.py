@@ -14,7 +14,11 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvgateway.config.model import AuthConfig
+from kvgateway.core.quota import LocalLedger
+from kvgateway.core.tenancy import Tenancy
 from kvgateway.server.metrics import FleetCollector, GatewayMetrics
+from kvgateway.server.tenants import TenantCollector
 from tests.support.tools import require_tool
 
 REPO = Path(__file__).resolve().parents[2]
@@ -45,6 +49,7 @@ def gateway_metric_names() -> frozenset[str]:
     registry = CollectorRegistry()
     GatewayMetrics(registry)
     registry.register(FleetCollector(lambda: [], lambda: 0.0))
+    registry.register(TenantCollector(Tenancy(AuthConfig), LocalLedger(), lambda: 0.0))
     return sample_names((fam.name, fam.type) for fam in registry.collect())
 
 

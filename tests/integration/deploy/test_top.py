@@ -252,3 +252,25 @@ async def test_live_loop_redraws_and_shows_preemption_deltas(
     assert len(frames) >= 2
     assert any("20 (+8)" in f for f in frames)
     assert all("refresh 0.05s" in f for f in frames)
+
+
+def test_render_usage_by_tenant() -> None:
+    tenants = [
+        {
+            "name": "chat-app",
+            "class": "interactive",
+            "kv_tokens": 20500,
+            "in_flight": 7,
+            "requests_last_minute": 1234,
+            "prompt_tokens_last_minute": 250_000,
+            "output_tokens_last_minute": 4200,
+        },
+        {"name": "etl", "class": "batch", "kv_tokens": 0, "in_flight": 0},
+    ]
+    frame = render({**STATE, "tenants": tenants}, width=200)
+    app = _line(frame, "chat-app")
+    # The fleet budget in STATE is 28.5k + 380k + 0: 20.5k of it is 5%.
+    assert app.split()[:2] == ["chat-app", "interactive"] and "   5% 20.5k" in app
+    assert app.split()[-4:] == ["7", "1.2k", "250k", "4.2k"]
+    assert _line(frame, "etl").split()[-4:] == ["0", "-", "-", "-"]
+    assert "TENANT" in frame and "TENANT" not in render(STATE)

@@ -103,6 +103,9 @@ def test_example_config_documents_every_setting():
     keys = set(re.findall(r"^\s*#?\s*([a-z_]+):", text, flags=re.M))
     keys |= set(re.findall(r"[{,]\s*([a-z_]+):", text))
     aliases = {"encoding": "encoding"}  # TokenizerConfig.encoding is spelled encoding/file/pattern
+    # A tenant's keys are `key`, `key_file`, `key_env`; its class is `class` in YAML.
+    aliases |= {"class_name": "class"}
+    keyed = {"TenantConfig.keys": "key"}
     # Not YAML keys of their own: a group's name is its backend entry's `- name:`, and its
     # template holds the backend settings checked elsewhere.
     not_keys = {"DnsGroupConfig.name", "DnsGroupConfig.template"}
@@ -117,9 +120,13 @@ def test_example_config_documents_every_setting():
         c.TokenizerConfig,
         c.DiscoveryConfig,
         c.DnsGroupConfig,
+        c.AuthConfig,
+        c.ClassConfig,
+        c.TenantConfig,
+        c.TenantLimits,
     ):
         for f in dataclasses.fields(cls):
-            name = aliases.get(f.name, f.name)
+            name = keyed.get(f"{cls.__name__}.{f.name}", aliases.get(f.name, f.name))
             if name not in keys and f"{cls.__name__}.{f.name}" not in not_keys:
                 missing.append(f"{cls.__name__}.{f.name}")
     assert not missing, missing

@@ -1,0 +1,185 @@
+"""Per-tenant rate limits in tokens and requests per minute: pure, clock passed in.
+
+A limit holds over any sliding minute: the window keeps each charge with its time, so
+"at most N per minute" is exact (a token bucket would let a full bucket plus a minute of
+refill, twice the limit, through in its first minute). A request is charged at admission
+with its counted prompt and its reserved output; :meth:`LocalLedger.settle` replaces the
+reserved output with what was generated, so an unused reservation is given back.
+
+:class:`QuotaLedger` is the seam for a fleet-wide ledger (the same calls over a shared
+store); :class:`LocalLedger` keeps the windows in this process, so without a shared
+ledger every gateway replica enforces the limits on its own.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kvgateway.config.model import TenantLimits
+
+WINDOW_S = 60.0
+
+# The limit names, as 429 bodies and metrics spell them.
+REQUESTS = "requests_per_minute"
+PROMPT = "prompt_tokens_per_minute"
+OUTPUT = "output_tokens_per_minute"
+
+
+@dataclass(eq=False, slots=True)
+class _Entry:
+    at: float
+    amount: int
+
+
+@dataclass(slots=True)
+class RateWindow:
+    """Amounts charged over the last minute."""
+
+    entries: deque[_Entry] = field(default_factory=deque)
+    total: int = 0
+
+    def _expire(self, now: float) -> None:
+        while self.entries and self.entries[0].at <= now - WINDOW_S:
+            self.total -= self.entries.popleft().amount
+
+    def used(self, now: float) -> int:
+        self._expire(now)
+        return self.total
+
+    def add(self, amount: int, now: float) -> _Entry:
+        self._expire(now)
+        entry = _Entry(now, amount)
+        self.entries.append(entry)
+        self.total += amount
+        return entry
+
+    def adjust(self, entry: _Entry, amount: int, now: float) -> None:
+        """Replace a charge's amount, if it is still in the window."""
+        self._expire(now)
+        if self.entries and self.entries[0].at <= entry.at:
+            self.total += amount - entry.amount
+        entry.amount = amount
+
+    def frees_in(self, need: int, limit: int, now: float) -> float:
+        """Seconds until ``need`` more fits under ``limit`` (inf if it never can)."""
+        self._expire(now)
+        if need > limit:
+            return float("inf")
+        excess = self.total + need - limit
+        for e in self.entries:
+            if excess <= 0:
+                break
+            excess -= e.amount
+            if excess <= 0:
+                return max(0.0, e.at + WINDOW_S - now)
+        return 0.0
+
+    def reset_in(self, now: float) -> float:
+        """Seconds until everything charged so far has left the window."""
+        self._expire(now)
+        return self.entries[-1].at + WINDOW_S - now if self.entries else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class RateLimitHit:
+    """Why a request was refused: which limit, its value, and when room frees."""
+
+    limit: str
+    value: int
+    used: int
+    asked: int
+    retry_after_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class RateStatus:
+    """One limit's state, for the ``x-ratelimit-*`` headers."""
+
+    limit: int
+    remaining: int
+    reset_s: float
+
+
+@dataclass(eq=False, slots=True)
+class Charge:
+    """One admitted request's charges; settled once."""
+
+    tenant: str
+    reserved_output: int
+    entries: dict[str, _Entry]
+    settled: bool = False
+
+
+class QuotaLedger(Protocol):
+    def try_charge(
+        self, tenant: str, limits: TenantLimits, prompt: int, output: int, now: float
+    ) -> Charge | RateLimitHit: ...
+
+    def settle(self, charge: Charge, output: int, now: float, *, served: bool = True) -> None:
+        """Replace the reserved output with ``output``; refund it all if not ``served``."""
+
+    def status(self, tenant: str, limits: TenantLimits, now: float) -> dict[str, RateStatus]: ...
+
+    def usage(self, tenant: str, now: float) -> dict[str, int]: ...
+
+
+def _limit_of(limits: TenantLimits, name: str) -> int | None:
+    value: int | None = getattr(limits, name)
+    return value
+
+
+class LocalLedger:
+    """:class:`QuotaLedger` in this process (no sharing between replicas)."""
+
+    def __init__(self) -> None:
+        self._windows: dict[tuple[str, str], RateWindow] = {}
+
+    def _window(self, tenant: str, name: str) -> RateWindow:
+        w = self._windows.get((tenant, name))
+        if w is None:
+            w = self._windows[tenant, name] = RateWindow()
+        return w
+
+    def try_charge(
+        self, tenant: str, limits: TenantLimits, prompt: int, output: int, now: float
+    ) -> Charge | RateLimitHit:
+        asks = {REQUESTS: 1, PROMPT: prompt, OUTPUT: output}
+        hits = []
+        for name, asked in asks.items():
+            limit = _limit_of(limits, name)
+            if limit is None:
+                continue
+            w = self._window(tenant, name)
+            used = w.used(now)
+            if used + asked > limit:
+                hits.append(RateLimitHit(name, limit, used, asked, w.frees_in(asked, limit, now)))
+        if hits:
+            # The one that frees last is the one to report: retrying earlier fails again.
+            return max(hits, key=lambda h: h.retry_after_s)
+        entries = {name: self._window(tenant, name).add(asked, now) for name, asked in asks.items()}
+        return Charge(tenant, output, entries)
+
+    def settle(self, charge: Charge, output: int, now: float, *, served: bool = True) -> None:
+        if charge.settled:
+            return
+        charge.settled = True
+        if not served:  # never admitted (queue full, timed out): it costs nothing
+            for name, entry in charge.entries.items():
+                self._window(charge.tenant, name).adjust(entry, 0, now)
+        elif output != charge.reserved_output:
+            self._window(charge.tenant, OUTPUT).adjust(charge.entries[OUTPUT], output, now)
+
+    def status(self, tenant: str, limits: TenantLimits, now: float) -> dict[str, RateStatus]:
+        out = {}
+        for name in (REQUESTS, PROMPT, OUTPUT):
+            limit = _limit_of(limits, name)
+            if limit is not None:
+                w = self._window(tenant, name)
+                used = w.used(now)
+                out[name] = RateStatus(limit, max(0, limit - used), w.reset_in(now))
+        return out
+
+    def usage(self, tenant: str, now: float) -> dict[str, int]:
+        return {name: self._window(tenant, name).used(now) for name in (REQUESTS, PROMPT, OUTPUT)}

@@ -1,0 +1,191 @@
+"""Sharing the fleet between tenants: priority classes, fair queuing, shares and floors.
+
+Pure state, no I/O, no clock of its own (``now`` is passed in). :class:`Admission` asks
+three things of it:
+
+- the *order* of its waiters: by class (``auth.classes``, highest first), a waiter rising
+  one class for every ``aging_s`` it has waited (so a lower class is never starved), then
+  within a class by start-time fair queuing on **KV tokens**: a request's tag is
+  ``max(class virtual time, the tenant's last finish tag)`` and the tenant's finish tag
+  advances by ``tokens / weight``. Two saturating tenants of equal weight are therefore
+  served equal KV tokens, whatever their request sizes;
+- a *gate* per tenant: ``max_concurrent``, ``max_kv_share`` of the fleet's KV budget, and
+  the budget other classes reserve as their ``floor_share``. A gated request waits
+  without holding up others;
+- the bookkeeping of grants and releases (tokens and requests in use per tenant/class).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Protocol, TypeVar
+
+from kvgateway.config.model import AuthConfig, TenantConfig
+from kvgateway.errors import Saturated
+
+MAX_CONCURRENT = "max_concurrent"
+MAX_KV_SHARE = "max_kv_share"
+CLASS_FLOOR = "class_floor"
+
+
+@dataclass(frozen=True, slots=True)
+class Ticket:
+    """A request's place in the order: its class rank and fair-queuing start tag."""
+
+    tenant: str
+    klass: str
+    rank: int
+    start: float
+    seq: int
+
+    def key(self, since: float, now: float, aging_s: float) -> tuple[int, int, float, int]:
+        """Smaller is served first. Waiting ``aging_s`` raises the rank by one class; a
+        raised waiter goes before that class's own waiters, oldest first (fair-queuing
+        tags of different classes are not comparable, and it must not starve there)."""
+        lift = min(self.rank, int((now - since) / aging_s)) if aging_s > 0 else 0
+        if lift > 0:
+            return (self.rank - lift, 0, since, self.seq)
+        return (self.rank, 1, self.start, self.seq)
+
+
+class Tenancy:
+    """Fair-queuing tags and KV use per tenant and class, over the live ``auth`` config."""
+
+    def __init__(self, auth: Callable[[], AuthConfig]) -> None:
+        self._auth = auth
+        self._virtual: dict[str, float] = {}  # per class
+        self._finish: dict[str, float] = {}  # per tenant
+        self._seq = 0
+        self.tokens: Counter[str] = Counter()  # KV tokens held, per tenant
+        self.requests: Counter[str] = Counter()  # admitted requests in flight, per tenant
+        self.class_tokens: Counter[str] = Counter()
+        self.granted_tokens: Counter[str] = Counter()  # KV tokens ever granted, per tenant
+
+    @property
+    def auth(self) -> AuthConfig:
+        return self._auth()
+
+    def tenant(self, name: str) -> TenantConfig:
+        """The tenant by name; one gone from the config (a reload) counts as the default."""
+        auth = self._auth()
+        for t in auth.tenants:
+            if t.name == name:
+                return t
+        return auth.default_tenant
+
+    def ticket(self, name: str, tokens: int) -> Ticket:
+        """Tag a new request (start-time fair queuing within its class)."""
+        auth = self._auth()
+        t = self.tenant(name)
+        klass = auth.class_of(t)
+        start = max(self._virtual.get(klass, 0.0), self._finish.get(t.name, 0.0))
+        self._finish[t.name] = start + tokens / t.weight
+        self._seq += 1
+        return Ticket(t.name, klass, auth.rank(t), start, self._seq)
+
+    def gate(self, name: str, tokens: int, budget: int) -> str | None:
+        """The tenant or class limit that keeps this request waiting now, if any."""
+        auth = self._auth()
+        t = self.tenant(name)
+        limits = t.limits
+        if limits.max_concurrent is not None and self.requests[t.name] >= limits.max_concurrent:
+            return MAX_CONCURRENT
+        held = self.tokens[t.name]
+        # A tenant holding nothing may always run one request, however large.
+        if (
+            limits.max_kv_share is not None
+            and held
+            and held + tokens > limits.max_kv_share * budget
+        ):
+            return MAX_KV_SHARE
+        own = auth.class_of(t)
+        reserved = sum(
+            max(0.0, c.floor_share * budget - self.class_tokens[c.name])
+            for c in auth.classes
+            if c.name != own
+        )
+        if reserved and sum(self.class_tokens.values()) + tokens + reserved > budget:
+            return CLASS_FLOOR
+        return None
+
+    def granted(self, ticket: Ticket, tokens: int) -> None:
+        klass = ticket.klass
+        self._virtual[klass] = max(self._virtual.get(klass, 0.0), ticket.start)
+        self.tokens[ticket.tenant] += tokens
+        self.granted_tokens[ticket.tenant] += tokens
+        self.requests[ticket.tenant] += 1
+        self.class_tokens[klass] += tokens
+
+    def released(self, ticket: Ticket, tokens: int) -> None:
+        klass = ticket.klass
+        self.tokens[ticket.tenant] -= tokens
+        self.requests[ticket.tenant] -= 1
+        self.class_tokens[klass] -= tokens
+
+
+class Queued(Protocol):
+    """What the order functions read of a waiter."""
+
+    @property
+    def ticket(self) -> Ticket | None: ...
+    @property
+    def since(self) -> float: ...
+    @property
+    def claims(self) -> frozenset[str]: ...
+    @property
+    def gated(self) -> str | None: ...
+
+
+W = TypeVar("W", bound=Queued)
+
+
+def _key(w: Queued, now: float, aging_s: float) -> tuple[int, int, float, int]:
+    assert w.ticket is not None
+    return w.ticket.key(w.since, now, aging_s)
+
+
+def serve_order(waiters: Iterable[W], now: float, aging_s: float) -> list[W]:
+    """Waiters in the order they are served; arrival order if any has no ticket."""
+    ws = list(waiters)
+    if any(w.ticket is None for w in ws):
+        return ws
+    return sorted(ws, key=lambda w: _key(w, now, aging_s))
+
+
+def claims_ahead(waiters: Iterable[Queued], ticket: Ticket, now: float, aging_s: float) -> set[str]:
+    """Backends claimed by the waiters served before a newcomer holding ``ticket``
+    (a waiter kept by its tenant's own limit claims nothing)."""
+    mine = ticket.key(now, now, aging_s)
+    names: set[str] = set()
+    for w in waiters:
+        if w.gated is None and w.ticket is not None and _key(w, now, aging_s) < mine:
+            names |= w.claims
+    return names
+
+
+def displaceable(waiters: Iterable[W], ticket: Ticket, now: float, aging_s: float) -> W | None:
+    """Queue full: the waiter to refuse for a newcomer holding ``ticket``: the last one
+    served of the lowest class below the newcomer's, or None."""
+    lower = [w for w in waiters if w.ticket is not None and w.ticket.rank > ticket.rank]
+    if not lower:
+        return None
+    return max(lower, key=lambda w: (w.ticket.rank if w.ticket else 0, _key(w, now, aging_s)))
+
+
+def displaced_error() -> Saturated:
+    return Saturated(
+        "The fleet is saturated and requests of a higher priority class are waiting; "
+        "this one was refused to make room for them. Retry later.",
+        code="displaced_by_priority",
+        retry_after=1.0,
+    )
+
+
+def gated_error(tenant: str, gate: str, timeout: float) -> Saturated:
+    return Saturated(
+        f"Tenant '{tenant}' stayed at its {gate} limit for {timeout:g}s. Retry later.",
+        code=f"tenant_{gate}",
+        retry_after=max(1.0, timeout / 2),
+    )

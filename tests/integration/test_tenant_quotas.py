@@ -1,0 +1,100 @@
+"""Tenant keys, quotas and their headers over HTTP (real gateway, one simulated node)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import aiohttp
+
+from tests.support.fleet import MODEL, RunningFleet, StartFleet
+
+AUTH = {
+    "classes": [{"name": "interactive"}, {"name": "batch"}],
+    "keys": [
+        {
+            "name": "app",
+            "key": "k-app",
+            "class": "interactive",
+            "limits": {"requests_per_minute": 2, "prompt_tokens_per_minute": 100_000},
+        },
+        {"name": "etl", "key_env": "ETL_KEYS", "limits": {"output_tokens_per_minute": 1000}},
+    ],
+}
+
+
+async def chat(fleet: RunningFleet, key: str, max_tokens: int = 5) -> tuple[int, Any, Any]:
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": max_tokens,
+    }
+    async with aiohttp.ClientSession() as s:
+        headers = {"Authorization": f"Bearer {key}"}
+        async with s.post(fleet.url + "/v1/chat/completions", json=body, headers=headers) as r:
+            return r.status, r.headers, await r.json()
+
+
+async def admin(fleet: RunningFleet, key: str) -> Any:
+    async with aiohttp.ClientSession() as s:
+        headers = {"Authorization": f"Bearer {key}"}
+        async with s.get(fleet.url + "/admin/backends", headers=headers) as r:
+            assert r.status == 200
+            return await r.json()
+
+
+async def test_keys_name_tenants_and_requests_per_minute_give_429_with_headers(
+    start_fleet: StartFleet, monkeypatch, caplog
+):
+    monkeypatch.setenv("ETL_KEYS", "k-etl-1,k-etl-2")
+    fleet = await start_fleet(
+        [("only", "small", "gpu24-8b", {})],
+        gateway={"auth": AUTH, "server": {"access_log": True}},
+    )
+    caplog.set_level(logging.INFO, logger="kvgateway.access")
+    status, _, _ = await chat(fleet, "k-nobody")
+    assert status == 401
+    status, headers, _ = await chat(fleet, "k-app")
+    assert status == 200
+    assert headers["x-ratelimit-limit-requests"] == "2"
+    assert headers["x-ratelimit-remaining-requests"] == "1"
+    assert headers["x-ratelimit-limit-tokens"] == "100000"
+    assert headers["x-ratelimit-reset-requests"].endswith("s")
+    assert (await chat(fleet, "k-app"))[0] == 200
+    status, headers, body = await chat(fleet, "k-app")
+    assert status == 429 and body["error"]["type"] == "rate_limit_error"
+    assert body["error"]["code"] == "rate_limit_exceeded"
+    assert body["error"]["param"] == "requests_per_minute"
+    assert "'app'" in body["error"]["message"] and "requests_per_minute" in body["error"]["message"]
+    assert 55 <= int(headers["Retry-After"]) <= 60
+    assert headers["x-ratelimit-remaining-requests"] == "0"
+    # Another tenant (a key from the environment) has its own limits.
+    status, headers, _ = await chat(fleet, "k-etl-2")
+    assert status == 200 and "x-ratelimit-limit-requests" not in headers
+    assert headers["x-ratelimit-limit-output-tokens"] == "1000"
+    tenants = [r.access["tenant"] for r in caplog.records if r.name == "kvgateway.access"]
+    assert tenants == ["app", "app", "app", "etl"]  # the 401 names no tenant: it has none
+    async with aiohttp.ClientSession() as s, s.get(fleet.url + "/metrics") as r:
+        text = await r.text()
+    assert 'gateway_tenant_requests_total{status="200",tenant="app"} 2.0' in text
+    assert 'gateway_tenant_rate_limited_total{limit="requests_per_minute",tenant="app"} 1.0' in text
+    assert 'gateway_tenant_kv_tokens{tenant="etl"} 0.0' in text
+    assert 'tenant="k-' not in text  # labels are tenant names, never keys
+
+
+async def test_output_is_settled_with_the_usage(start_fleet: StartFleet, monkeypatch):
+    monkeypatch.setenv("ETL_KEYS", "k-etl")
+    fleet = await start_fleet([("only", "small", "gpu24-8b", {})], gateway={"auth": AUTH})
+    status, headers, body = await chat(fleet, "k-etl", max_tokens=400)
+    assert status == 200
+    # Charged 400 at admission; what is left after settling is what was generated.
+    produced = body["usage"]["completion_tokens"]
+    view = {t["name"]: t for t in (await admin(fleet, "k-etl"))["tenants"]}
+    assert view["etl"]["output_tokens_last_minute"] == produced
+    assert view["etl"]["class"] == "batch" and view["app"]["class"] == "interactive"
+    assert view["etl"]["requests_last_minute"] == 1 and view["etl"]["kv_tokens"] == 0
+    assert int(headers["x-ratelimit-remaining-output-tokens"]) == 1000 - 400
+    # A request whose reservation alone is over the limit can never run: said so, no retry.
+    status, headers, body = await chat(fleet, "k-etl", max_tokens=1200)
+    assert status == 429 and body["error"]["param"] == "output_tokens_per_minute"
+    assert "never fit" in body["error"]["message"] and "Retry-After" not in headers

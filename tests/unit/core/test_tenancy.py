@@ -1,0 +1,292 @@
+"""Classes, fair queuing on KV tokens, tenant gates and displacement (no sockets)."""
+
+import asyncio
+import dataclasses
+import random
+
+import pytest
+
+from kvgateway.config.model import AuthConfig, ClassConfig, TenantConfig, TenantLimits
+from kvgateway.core.admission import Admission
+from kvgateway.core.routing_index import ModelIndex
+from kvgateway.core.tenancy import CLASS_FLOOR, MAX_CONCURRENT, MAX_KV_SHARE, Tenancy
+from kvgateway.errors import Saturated
+from tests.support.backends import backend, demand
+
+CLASSES = (ClassConfig("interactive"), ClassConfig("standard"), ClassConfig("batch"))
+
+
+def auth(*tenants: TenantConfig, classes=CLASSES, aging_s=5.0) -> AuthConfig:
+    return AuthConfig(keys=tenants, classes=classes, aging_s=aging_s)
+
+
+def tenant(name, klass="standard", weight=1.0, **limits) -> TenantConfig:
+    return TenantConfig(name, (f"k-{name}",), klass, weight, TenantLimits(**limits))
+
+
+def served_tokens(tenancy: Tenancy, sizes: dict[str, list[int]], total: int) -> dict[str, int]:
+    """Two always-backlogged tenants served one request at a time in tag order."""
+    rng = random.Random(3)
+    got = dict.fromkeys(sizes, 0)
+    heads = {n: (tenancy.ticket(n, s := rng.choice(sizes[n])), s) for n in sizes}
+    while sum(got.values()) < total:
+        name = min(heads, key=lambda n: heads[n][0].start)
+        ticket, size = heads[name]
+        tenancy.granted(ticket, size)
+        tenancy.released(ticket, size)
+        got[name] += size
+        heads[name] = (tenancy.ticket(name, s := rng.choice(sizes[name])), s)
+    return got
+
+
+def test_equal_weights_share_kv_tokens_not_requests():
+    t = Tenancy(lambda: auth(tenant("big"), tenant("small")))
+    got = served_tokens(t, {"big": [4000, 8000], "small": [100, 300]}, 2_000_000)
+    assert abs(got["big"] - got["small"]) <= 0.1 * max(got.values())
+
+
+def test_weights_set_the_ratio():
+    t = Tenancy(lambda: auth(tenant("two", weight=2.0), tenant("one")))
+    got = served_tokens(t, {"two": [500, 1500], "one": [500, 1500]}, 2_000_000)
+    assert 1.8 <= got["two"] / got["one"] <= 2.2
+
+
+def test_classes_order_waiters_and_aging_lifts_a_waiter_one_class_per_period():
+    t = Tenancy(lambda: auth(tenant("i", "interactive"), tenant("b", "batch")))
+    b = t.ticket("b", 100)
+    i = t.ticket("i", 100)
+    assert i.key(10.0, 10.0, 5.0) < b.key(10.0, 10.0, 5.0)
+    assert b.key(0.0, 4.9, 5.0)[0] == 2 and b.key(0.0, 5.0, 5.0)[0] == 1
+    # Waiting two periods brings a batch request level with interactive; it arrived first.
+    assert b.key(0.0, 10.0, 5.0) < i.key(10.0, 10.0, 5.0)
+    # Interactive waiters are never raised (nothing above them): they keep fair queuing.
+    assert i.key(0.0, 100.0, 5.0) == i.key(100.0, 100.0, 5.0)
+
+
+def test_a_raised_waiter_goes_first_even_if_its_tenant_used_far_more():
+    t = Tenancy(lambda: auth(tenant("i", "interactive"), tenant("b", "batch")))
+    for _ in range(50):  # the batch tenant's tags run far ahead of interactive's
+        t.granted(t.ticket("b", 10_000), 10_000)
+    b = t.ticket("b", 10_000)
+    i = t.ticket("i", 100)
+    assert b.start > 100 * i.start + 1000
+    assert b.key(0.0, 10.0, 5.0) < i.key(9.0, 10.0, 5.0)
+
+
+def test_gates_concurrency_kv_share_and_class_floor():
+    cfg = auth(
+        tenant("c", max_concurrent=1),
+        tenant("s", max_kv_share=0.25),
+        tenant("i", "interactive"),
+        tenant("b", "batch"),
+        classes=(ClassConfig("interactive", floor_share=0.3), ClassConfig("batch")),
+    )
+    t = Tenancy(lambda: cfg)
+    assert t.gate("c", 100, 10_000) is None
+    t.granted(t.ticket("c", 100), 100)
+    assert t.gate("c", 100, 10_000) == MAX_CONCURRENT
+    # One request of any size may run; a second may not take the tenant past its share.
+    assert t.gate("s", 5000, 10_000) is None
+    t.granted(t.ticket("s", 2000), 2000)
+    assert t.gate("s", 400, 10_000) is None and t.gate("s", 600, 10_000) == MAX_KV_SHARE
+    # 2100 held; interactive reserves 3000 it does not use: batch may take up to 4900 more.
+    assert t.gate("b", 4900, 10_000) is None and t.gate("b", 5000, 10_000) == CLASS_FLOOR
+    assert t.gate("i", 7900, 10_000) is None  # a class's own floor never holds it back
+
+
+def make(backends, cfg: AuthConfig, queue_size=100):
+    clock = [0.0]
+    idx = ModelIndex(backends)
+    return Admission(
+        index_for=lambda m: idx,
+        adjust=idx.adjust,
+        policy=lambda: "kv_aware",
+        offload_overflow=lambda: False,
+        queue_size=lambda: queue_size,
+        clock=lambda: clock[0],
+        tenancy=Tenancy(lambda: cfg),
+        budget=lambda: sum(b.budget_tokens for b in backends),
+    ), clock
+
+
+def of(name, prompt, output=100):
+    return dataclasses.replace(demand(prompt, output), tenant=name)
+
+
+async def test_an_interactive_newcomer_passes_queued_batch_but_not_its_own_class():
+    b = backend("a", kv=1024)
+    cfg = auth(tenant("i", "interactive"), tenant("i2", "interactive"), tenant("b", "batch"))
+    adm, _ = make([b], cfg)
+    held = await adm.admit(of("b", 300), 1.0)  # 416 tokens
+    batch = asyncio.create_task(adm.admit(of("b", 600), 5.0))  # 704: does not fit
+    await asyncio.sleep(0)
+    assert adm.queue_depth == 1
+    # 416 tokens fit beside the held request: batch's claim does not stop interactive.
+    fast = await asyncio.wait_for(adm.admit(of("i", 300), 5.0), 0.5)
+    adm.release(fast)
+    # Same class: a waiting interactive request holds its claim against a later one.
+    adm.release(held)
+    await batch  # now runs (704)
+    first = asyncio.create_task(adm.admit(of("i", 600), 5.0))
+    await asyncio.sleep(0)
+    second = asyncio.create_task(adm.admit(of("i", 100), 5.0))
+    await asyncio.sleep(0)
+    assert adm.queue_depth == 2 and not second.done()  # behind its own earlier request
+    # A tenant of the class that has used nothing yet is ahead of i's waiter (fair
+    # queuing): it takes the room that is left.
+    light = await asyncio.wait_for(adm.admit(of("i2", 100), 5.0), 0.5)
+    assert not first.done() and not second.done()
+    for task in (first, second):
+        task.cancel()
+    await asyncio.gather(first, second, return_exceptions=True)
+    adm.release(light)
+    adm.release(batch.result())
+    assert b.reserved_tokens == 0 and adm.queue_depth == 0
+
+
+async def test_a_full_queue_refuses_the_lowest_class_first():
+    b = backend("a", kv=512)
+    cfg = auth(tenant("i", "interactive"), tenant("b", "batch"))
+    adm, _ = make([b], cfg, queue_size=2)
+    held = await adm.admit(of("b", 300), 1.0)
+    batch = [asyncio.create_task(adm.admit(of("b", 300), 5.0)) for _ in range(2)]
+    await asyncio.sleep(0)
+    inter = asyncio.create_task(adm.admit(of("i", 300), 5.0))
+    await asyncio.sleep(0)
+    # The last batch waiter was displaced with a 429 that says why.
+    with pytest.raises(Saturated) as err:
+        await batch[1]
+    assert err.value.code == "displaced_by_priority" and err.value.status == 429
+    assert adm.queue_depth == 2
+    # Interactive is served before the earlier batch waiter when room appears.
+    adm.release(held)
+    r = await asyncio.wait_for(inter, 0.5)
+    assert r.ticket is not None and r.ticket.tenant == "i" and not batch[0].done()
+    # Interactive cannot displace interactive: a full queue of its own class is a 429 at once.
+    more = [asyncio.create_task(adm.admit(of("i", 300), 5.0)) for _ in range(2)]
+    await asyncio.sleep(0)
+    with pytest.raises(Saturated):
+        await batch[0]  # displaced by the second of them
+    with pytest.raises(Saturated) as full:
+        await asyncio.wait_for(adm.admit(of("i", 300), 5.0), 0.5)
+    assert full.value.code == "fleet_saturated"
+    for task in more:
+        task.cancel()
+    await asyncio.gather(*more, return_exceptions=True)
+    adm.release(r)
+    assert b.reserved_tokens == 0 and adm.queue_depth == 0
+
+
+async def test_a_waiter_at_its_concurrency_limit_does_not_hold_up_others_and_times_out_named():
+    b = backend("a", kv=4096)
+    adm, _ = make([b], auth(tenant("c", max_concurrent=1), tenant("o")))
+    held = await adm.admit(of("c", 100), 1.0)
+    gated = asyncio.create_task(adm.admit(of("c", 100), 0.1))
+    await asyncio.sleep(0)
+    other = await asyncio.wait_for(adm.admit(of("o", 100), 1.0), 0.5)
+    with pytest.raises(Saturated) as err:
+        await gated
+    assert err.value.code == "tenant_max_concurrent" and "'c'" in err.value.message
+    # Once the tenant's request ends its next one is admitted from the queue.
+    again = asyncio.create_task(adm.admit(of("c", 100), 5.0))
+    await asyncio.sleep(0)
+    assert not again.done()
+    adm.release(held)
+    adm.release(await asyncio.wait_for(again, 0.5))
+    adm.release(other)
+    assert b.reserved_tokens == 0 and b.in_flight == 0
+
+
+async def test_two_equal_tenants_flooding_one_class_get_kv_tokens_within_ten_percent():
+    b = backend("a", kv=8192, seqs=64)
+    adm, _ = make([b], auth(tenant("big"), tenant("small")), queue_size=1000)
+    served = {"big": 0, "small": 0}
+    stop = asyncio.Event()
+
+    async def client(name: str, prompt: int) -> None:
+        while not stop.is_set():
+            r = await adm.admit(of(name, prompt, 100), 10.0)
+            served[name] += r.tokens
+            await asyncio.sleep(0.001 * r.tokens / 100)  # the work takes time per token
+            adm.release(r)
+
+    tasks = [asyncio.create_task(client("big", 2000)) for _ in range(6)]
+    tasks += [asyncio.create_task(client("small", 200)) for _ in range(30)]
+    await asyncio.sleep(1.5)
+    stop.set()
+    await asyncio.gather(*tasks)
+    assert abs(served["big"] - served["small"]) <= 0.1 * max(served.values()), served
+    assert b.reserved_tokens == 0
+
+
+async def test_random_cancellations_and_displacements_leave_no_tenant_use_behind():
+    rnd = random.Random(11)
+    backends = [backend("a", kv=4096, seqs=4), backend("b", kv=4096, seqs=4, tier_index=1)]
+    cfg = auth(
+        tenant("i", "interactive", max_concurrent=3),
+        tenant("s", weight=2.0, max_kv_share=0.4),
+        tenant("b", "batch"),
+        classes=(
+            ClassConfig("interactive", floor_share=0.2),
+            ClassConfig("standard"),
+            ClassConfig("batch"),
+        ),
+        aging_s=0.01,
+    )
+    adm, clock = make(backends, cfg, queue_size=40)
+    tenancy = adm._tenancy
+    outcomes: dict[str, int] = {}
+
+    async def one():
+        name = rnd.choice("isb")
+        try:
+            r = await adm.admit(of(name, rnd.randint(10, 1500), rnd.randint(1, 500)), 0.5)
+        except Saturated as err:
+            outcomes[err.code] = outcomes.get(err.code, 0) + 1
+            return
+        try:
+            await asyncio.sleep(rnd.random() * 0.01)
+            clock[0] += 0.001
+        finally:
+            adm.release(r)
+        outcomes["ok"] = outcomes.get("ok", 0) + 1
+
+    tasks = [asyncio.create_task(one()) for _ in range(300)]
+    for _ in range(30):
+        await asyncio.sleep(0.002)
+        for t in rnd.sample(tasks, 8):
+            t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    assert outcomes.get("ok", 0) >= 20 and outcomes.get("displaced_by_priority", 0) > 0, outcomes
+    assert adm.queue_depth == 0
+    assert all(c == 0 for c in adm._claim_counts.values())
+    assert not +tenancy.tokens and not +tenancy.requests and not +tenancy.class_tokens
+    for b in backends:
+        assert (b.reserved_tokens, b.reserved_seqs, b.in_flight) == (0, 0, 0)
+
+
+async def test_aging_serves_a_batch_waiter_despite_a_steady_interactive_stream():
+    b = backend("a", kv=1024)
+    adm, clock = make([b], auth(tenant("i", "interactive"), tenant("b", "batch"), aging_s=1.0))
+    held = [await adm.admit(of("i", 400), 1.0) for _ in range(2)]  # 416 tokens each: full
+    batch = asyncio.create_task(adm.admit(of("b", 400), 60.0))
+    await asyncio.sleep(0)
+    assert adm.queue_depth == 1
+    served_before_batch = 0
+    for _ in range(20):
+        nxt = asyncio.create_task(adm.admit(of("i", 400), 60.0))
+        await asyncio.sleep(0)
+        clock[0] += 0.5
+        adm.release(held.pop(0))
+        await asyncio.sleep(0)
+        if batch.done():
+            break
+        held.append(await asyncio.wait_for(nxt, 0.5))
+        served_before_batch += 1
+    assert batch.done(), "the batch waiter starved"
+    assert 1 <= served_before_batch <= 4  # interactive went first until batch had aged
+    nxt.cancel()  # still queued behind the batch request
+    await asyncio.gather(nxt, return_exceptions=True)
+    for r in (*held, batch.result()):
+        adm.release(r)
+    assert b.reserved_tokens == 0 and adm.queue_depth == 0
