@@ -21,6 +21,7 @@ from kvgateway.config.model import (
     DnsGroupConfig,
     GatewayConfig,
     HealthConfig,
+    LedgerConfig,
     LoadFeedbackConfig,
     ModelConfig,
     Policy,
@@ -72,6 +73,7 @@ def _parse(root: Section, source: str) -> GatewayConfig:
     feedback = _feedback(root.section("load_feedback"))
     default_timeouts = _timeouts(root.section("timeouts"), TimeoutConfig())
     discovery = _discovery(root.section("discovery"))
+    ledger = _ledger(root.section("ledger"))
     known_models = {m.name: m for m in models}
     tiers = tuple(
         _tier(s, known_models, default_timeouts) for s in root.sections("tiers", required=True)
@@ -91,6 +93,7 @@ def _parse(root: Section, source: str) -> GatewayConfig:
         load_feedback=feedback,
         tiers=tiers,
         discovery=discovery,
+        ledger=ledger,
         source=source,
     )
 
@@ -255,6 +258,27 @@ def _discovery(s: Section) -> DiscoveryConfig:
     cfg = DiscoveryConfig(
         nameservers=s.str_list("nameservers"),
         timeout_s=s.number("timeout_s", DiscoveryConfig().timeout_s),
+    )
+    s.reject_unknown()
+    return cfg
+
+
+def _ledger(s: Section) -> LedgerConfig:
+    d = LedgerConfig()
+    url = s.opt_str("url") or ""
+    if url and not url.startswith(("redis://", "rediss://")):
+        s.fail("url", f"expected a redis:// or rediss:// URL, got {url!r}")
+    lease = s.number("lease_s", d.lease_s)
+    timeout = s.number("timeout_s", d.timeout_s)
+    if timeout * 3 > lease:
+        s.fail("timeout_s", f"must be at most a third of lease_s ({lease:g}), got {timeout:g}")
+    cfg = LedgerConfig(
+        url=url,
+        password_env=s.opt_str("password_env") or "",
+        lease_s=lease,
+        timeout_s=timeout,
+        replica_id=s.opt_str("replica_id") or "",
+        namespace=s.text("namespace", d.namespace),
     )
     s.reject_unknown()
     return cfg

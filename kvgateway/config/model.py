@@ -175,6 +175,29 @@ class ServerConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class LedgerConfig:
+    """Where reservations are kept: in this process (``url`` empty) or in a Redis that
+    every replica shares, so that their sum per backend never exceeds its budget."""
+
+    url: str = ""
+    # The name of an environment variable holding the Redis password (never the password).
+    password_env: str = ""
+    # A replica that stops refreshing its lease for this long loses its reservations.
+    lease_s: float = 10.0
+    # Bound on every Redis call; past it the replica falls back to its local share.
+    timeout_s: float = 0.25
+    # Identity of this replica in the ledger (default: host name, port and worker index);
+    # a replica restarting with the same identity starts from zero, not on top of its past.
+    replica_id: str = ""
+    # Prefix of every Redis key, so several fleets can share one Redis.
+    namespace: str = "kvgw"
+
+    @property
+    def shared(self) -> bool:
+        return bool(self.url)
+
+
+@dataclass(frozen=True, slots=True)
 class GatewayConfig:
     server: ServerConfig
     models: tuple[ModelConfig, ...]
@@ -184,6 +207,7 @@ class GatewayConfig:
     load_feedback: LoadFeedbackConfig
     tiers: tuple[TierConfig, ...]
     discovery: DiscoveryConfig = DiscoveryConfig()
+    ledger: LedgerConfig = LedgerConfig()
     source: str = "<memory>"
     _model_index: dict[str, ModelConfig] = field(default_factory=dict, compare=False)
 

@@ -29,6 +29,7 @@ from kvgateway.config.model import GatewayConfig, Policy
 from kvgateway.core.backends import Backend, PauseReason
 from kvgateway.core.demand import Demand, can_ever_hold
 from kvgateway.core.fleet import Fleet
+from kvgateway.core.ledger import Ledger, LocalLedger
 from kvgateway.core.routing import (
     Decision,
     NoBackend,
@@ -57,6 +58,9 @@ class Reservation:
     owner: Admission
     queued_s: float = 0.0
     released: bool = False
+    # False only when a shared ledger refused it (see core/ledger.py): nothing to give
+    # back there. Otherwise its release is reported to the ledger.
+    counted: bool = True
     id: int = field(default_factory=lambda: next(_ids))
 
     def release(self) -> bool:
@@ -123,7 +127,9 @@ class Admission:
         queue_size: Callable[[], int],
         clock: Callable[[], float],
         on_decision: Callable[[Decision, Demand], None] | None = None,
+        ledger: Ledger | None = None,
     ) -> None:
+        self._ledger: Ledger = ledger if ledger is not None else LocalLedger()
         self._index_for = index_for
         self._adjust = adjust
         self._policy = policy
@@ -143,6 +149,7 @@ class Admission:
         config: Callable[[], GatewayConfig],
         clock: Callable[[], float],
         on_decision: Callable[[Decision, Demand], None] | None = None,
+        ledger: Ledger | None = None,
     ) -> Admission:
         """Admission over ``fleet``, following the live config (it changes on reload)."""
         return cls(
@@ -153,6 +160,7 @@ class Admission:
             queue_size=lambda: config().admission.queue_size,
             clock=clock,
             on_decision=on_decision,
+            ledger=ledger,
         )
 
     # ---- synchronous core -------------------------------------------------------
@@ -203,6 +211,8 @@ class Admission:
         if reservation.released:
             return False
         reservation.released = True
+        if reservation.counted:
+            self._ledger.release(reservation)
         self._adjust(reservation.backend, -reservation.tokens, -reservation.seqs, -1)
         self._offer(reservation.backend)
         return True
@@ -239,6 +249,10 @@ class Admission:
                 kept.append(w)
                 claimed |= w.claims
         self._waiters = kept
+
+    def offer(self, b: Backend) -> None:
+        """Room may have appeared on ``b`` from outside (another replica released)."""
+        self._offer(b)
 
     def _offer(self, b: Backend) -> None:
         """Only ``b`` gained room: walk the waiters that claim it, in order, and stop at
@@ -281,6 +295,31 @@ class Admission:
         Raises ContextLengthExceeded (never fits), NoHealthyBackend, or Saturated
         (queue full or timed out).
         """
+        if not self._ledger.shared:
+            return await self._admit_local(demand, timeout)
+        # Shared ledger: the local grant must be confirmed; a refusal has refreshed the
+        # view (the backend now looks fuller), so deciding again picks another or waits.
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            r = await self._admit_local(demand, deadline - loop.time())
+            ok = False
+            try:
+                ok = await self._ledger.confirm(r)
+            finally:
+                if not ok:
+                    r.counted = False
+                    self.release(r)
+            if ok:
+                return r
+            if loop.time() >= deadline:
+                raise Saturated(
+                    f"The shared ledger had no room for this request ({demand.tokens} KV "
+                    f"tokens) within {timeout:g}s. Retry later.",
+                    retry_after=max(1.0, timeout / 2),
+                )
+
+    async def _admit_local(self, demand: Demand, timeout: float) -> Reservation:
         outcome = self.try_admit(demand)
         if self._on_decision is not None and not isinstance(outcome, Reservation):
             self._on_decision(outcome, demand)
