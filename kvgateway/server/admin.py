@@ -9,6 +9,7 @@ from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 from kvgateway.core.backends import Backend
+from kvgateway.server.ledger_view import ready_details
 from kvgateway.server.state import GatewayState
 
 STATE = web.AppKey("state", GatewayState)
@@ -46,7 +47,13 @@ async def ready(request: web.Request) -> web.Response:
         return web.json_response({"ready": False, "reason": "shutting down"}, status=503)
     if not healthy:
         return web.json_response({"ready": False, "reason": "no healthy backend"}, status=503)
-    return web.json_response({"ready": True, "healthy_backends": len(healthy)})
+    return web.json_response(
+        {
+            "ready": True,
+            "healthy_backends": len(healthy),
+            "ledger": ready_details(state.ledger),
+        }
+    )
 
 
 def _backend_view(b: Backend, now: float) -> dict[str, Any]:

@@ -8,6 +8,7 @@ backend monitor. They close in the reverse order.
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import time
 import uuid
@@ -25,6 +26,7 @@ from kvgateway.core.limits import Observed
 from kvgateway.errors import BodyTooLarge, GatewayError, MethodNotAllowed, NotFound, Unauthorized
 from kvgateway.server import admin
 from kvgateway.server.admin import STATE
+from kvgateway.server.ledger_view import LedgerMetrics, build_ledger
 from kvgateway.server.metrics import FleetCollector, GatewayMetrics
 from kvgateway.server.proxy import REQUEST_ID, error_response, handle_completion
 from kvgateway.server.state import Clock, GatewayState
@@ -49,6 +51,7 @@ def create_app(
     encodings: EncodingCache | None = None,
     derived: dict[str, Observed] | None = None,
     count_workers: int = 2,
+    worker: int | None = None,
 ) -> web.Application:
     registry = registry if registry is not None else CollectorRegistry()
     metrics = GatewayMetrics(registry)
@@ -56,6 +59,7 @@ def create_app(
     encodings = encodings or EncodingCache()
     registry.register(FleetCollector(lambda: fleet.backends, clock))
     metrics.build_info.labels(version=__version__, policy=config.routing.policy).set(1)
+    ledger = build_ledger(config, fleet, LedgerMetrics(registry), worker)
     # Load every tokenizer now: a bad encoding must fail start-up, not the first request.
     for model in config.models:
         encodings.get(model.tokenizer.encoding)
@@ -83,7 +87,13 @@ def create_app(
         )
         try:
             state = GatewayState(
-                config, fleet, metrics, TokenCounters(encodings, pool, huge), session, clock=clock
+                config,
+                fleet,
+                metrics,
+                TokenCounters(encodings, pool, huge),
+                session,
+                clock=clock,
+                ledger=ledger,
             )
             monitor = Monitor(
                 fleet=fleet,
@@ -97,10 +107,13 @@ def create_app(
             app[MONITOR] = monitor
             await monitor.probe_all_once()
             monitor.sync()
-            try:
-                yield
-            finally:
-                await monitor.close()
+            async with contextlib.AsyncExitStack() as stack:
+                if ledger is not None:
+                    await stack.enter_async_context(ledger.running(state.admission))
+                try:
+                    yield
+                finally:
+                    await monitor.close()
         finally:
             await session.close()
             pool.shutdown(wait=False, cancel_futures=True)

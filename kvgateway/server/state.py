@@ -14,6 +14,7 @@ from kvgateway.core.admission import Admission
 from kvgateway.core.demand import Demand
 from kvgateway.core.fleet import Fleet
 from kvgateway.core.routing import Decision, Wait
+from kvgateway.ledger.redis_ledger import RedisLedger
 from kvgateway.server.exchange import Exchange
 from kvgateway.server.metrics import GatewayMetrics
 from kvgateway.tokens.calibration import PromptCalibration
@@ -32,6 +33,7 @@ class GatewayState:
         session: aiohttp.ClientSession,
         *,
         clock: Clock = time.monotonic,
+        ledger: RedisLedger | None = None,
     ) -> None:
         self.config = config
         self.fleet = fleet
@@ -39,6 +41,8 @@ class GatewayState:
         self.counters = counters
         self.session = session
         self.clock = clock
+        # The shared ledger (None: reservations are this process's alone).
+        self.ledger = ledger
         self.started_at = clock()
         self.started_at_wall = time.time()
         # Shutdown phases: `draining` makes /ready fail while requests are still
@@ -51,7 +55,7 @@ class GatewayState:
             lambda model, ratio: metrics.estimate_ratio.labels(model=model).observe(ratio)
         )
         self.admission = Admission.for_fleet(
-            fleet, lambda: self.config, clock, on_decision=self._count_decision
+            fleet, lambda: self.config, clock, on_decision=self._count_decision, ledger=ledger
         )
 
     def _count_decision(self, decision: Decision, demand: Demand) -> None:
