@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from aiohttp import web
-from prometheus_client import generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 from kvgateway.core.backends import Backend
@@ -13,6 +13,9 @@ from kvgateway.server.ledger_view import ready_details
 from kvgateway.server.state import GatewayState
 
 STATE = web.AppKey("state", GatewayState)
+# What /metrics exposes: the app's registry, or with `serve --workers N` every worker's
+# series merged (prometheus-client multiprocess mode) plus this worker's live collectors.
+EXPOSITION = web.AppKey("exposition", CollectorRegistry)
 
 
 async def models(request: web.Request) -> web.Response:
@@ -114,5 +117,5 @@ async def admin_backends(request: web.Request) -> web.Response:
 async def metrics(request: web.Request) -> web.Response:
     state = request.app[STATE]
     state.metrics.queue_depth.set(state.admission.queue_depth)
-    body = generate_latest(state.metrics.registry)
+    body = generate_latest(request.app[EXPOSITION])
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_PLAIN_0_0_4})

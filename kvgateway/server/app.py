@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import aiohttp
 from aiohttp import web
 from prometheus_client import CollectorRegistry
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from kvgateway import __version__
 from kvgateway.config.model import GatewayConfig
@@ -25,7 +26,7 @@ from kvgateway.core.fleet import Fleet
 from kvgateway.core.limits import Observed
 from kvgateway.errors import BodyTooLarge, GatewayError, MethodNotAllowed, NotFound, Unauthorized
 from kvgateway.server import admin
-from kvgateway.server.admin import STATE
+from kvgateway.server.admin import EXPOSITION, STATE
 from kvgateway.server.ledger_view import LedgerMetrics, build_ledger
 from kvgateway.server.metrics import FleetCollector, GatewayMetrics
 from kvgateway.server.proxy import REQUEST_ID, error_response, handle_completion
@@ -52,12 +53,21 @@ def create_app(
     derived: dict[str, Observed] | None = None,
     count_workers: int = 2,
     worker: int | None = None,
+    metrics_dir: str | None = None,
 ) -> web.Application:
+    """``worker`` / ``metrics_dir``: this app is worker ``worker`` of ``serve --workers``,
+    its metrics written to (and /metrics read from) the shared ``metrics_dir``."""
     registry = registry if registry is not None else CollectorRegistry()
     metrics = GatewayMetrics(registry)
     fleet = Fleet(config, derived)
     encodings = encodings or EncodingCache()
-    registry.register(FleetCollector(lambda: fleet.backends, clock))
+    live = FleetCollector(lambda: fleet.backends, clock)
+    registry.register(live)
+    exposition = registry
+    if metrics_dir is not None:
+        exposition = CollectorRegistry()
+        MultiProcessCollector(exposition, path=metrics_dir)  # type: ignore[no-untyped-call]
+        exposition.register(live)
     metrics.build_info.labels(version=__version__, policy=config.routing.policy).set(1)
     ledger = build_ledger(config, fleet, LedgerMetrics(registry), worker)
     # Load every tokenizer now: a bad encoding must fail start-up, not the first request.
@@ -119,6 +129,7 @@ def create_app(
             pool.shutdown(wait=False, cancel_futures=True)
             huge.shutdown(wait=False, cancel_futures=True)
 
+    app[EXPOSITION] = exposition
     app.cleanup_ctx.append(runtime)
 
     async def chat(request: web.Request) -> web.StreamResponse:

@@ -155,3 +155,39 @@ async def test_redis_down_under_load_falls_back_without_errors_then_returns(
     await asyncio.sleep(0.2)
     assert await ledger_sum(redis_server.url) == 0
     assert (await _node_state(node))["preemptions"] == 0
+
+
+async def test_workers_share_the_port_the_budget_and_the_metrics(
+    tmp_path: Path, node: str, redis_server: RedisServer, gateways: list[GatewayProc]
+) -> None:
+    g = await start_gateway(tmp_path, "w", node, redis_server.url, "--workers", "2")
+    gateways.append(g)
+    for _ in range(100):
+        if (await get_json(g.url + "/ready"))["ledger"]["live_replicas"] == 2:
+            break
+        await asyncio.sleep(0.05)
+    budget = (await node_view(g.url))["budget_tokens"]
+    sampler, stop = Sampler(redis_server.url), asyncio.Event()
+    sampling = asyncio.create_task(sampler.run(stop))
+    statuses = await _load([g.url], 2 * PER_GATEWAY)
+    stop.set()
+    await sampling
+    assert statuses == [200] * len(statuses)
+    assert (await _node_state(node))["preemptions"] == 0
+    assert 0 < sampler.peak <= budget
+    # Both workers served (each holds a lease) and /metrics adds up their counts.
+    replicas = {(await get_json(g.url + "/ready"))["ledger"]["replica_id"] for _ in range(20)}
+    async with aiohttp.ClientSession() as s, s.get(g.url + "/metrics") as r:
+        text = await r.text()
+    served = sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("gateway_requests_total{") and 'status="200"' in line
+    )
+    assert served == len(statuses), text[:2000]
+    assert len(replicas) == 2, replicas
+
+
+async def test_workers_without_a_shared_ledger_refuse_to_start(tmp_path: Path) -> None:
+    with pytest.raises(AssertionError, match="needs the shared ledger"):
+        await start_gateway(tmp_path, "w", "http://127.0.0.1:9", None, "--workers", "2")
