@@ -117,6 +117,7 @@ def test_example_config_documents_every_setting():
         c.TokenizerConfig,
         c.DiscoveryConfig,
         c.DnsGroupConfig,
+        c.LedgerConfig,
     ):
         for f in dataclasses.fields(cls):
             name = aliases.get(f.name, f.name)
