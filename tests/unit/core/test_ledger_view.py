@@ -107,7 +107,7 @@ async def test_a_waiter_is_confirmed_when_others_release():
 
 
 async def test_cancelled_while_confirming_releases_locally():
-    b, view, ledger, adm = make(kv=1000, others=0)
+    b, _view, ledger, adm = make(kv=1000, others=0)
     ledger.delay = 1.0
     task = asyncio.create_task(adm.admit(demand(300), 2.0))
     await asyncio.sleep(0.01)
