@@ -45,6 +45,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     p.add_argument("--log-level", default="INFO", help="root log level (default INFO)")
     p.add_argument(
+        "--ledger-url",
+        help="redis:// or rediss:// URL of the shared reservation ledger "
+        "(default: ledger.url from the config; none: reservations stay in this process)",
+    )
+    p.add_argument(
         "--workers",
         type=int,
         default=1,
@@ -72,6 +77,13 @@ def _main(args: argparse.Namespace) -> int:
         ),
     )
     config = replace(config, server=server)
+    if args.ledger_url:
+        if not args.ledger_url.startswith(("redis://", "rediss://")):
+            sys.stderr.write(
+                f"gateway: --ledger-url must be redis:// or rediss://, got {args.ledger_url!r}\n"
+            )
+            return 2
+        config = replace(config, ledger=replace(config.ledger, url=args.ledger_url))
     setup_logging(config.server.log_format, args.log_level)
     if args.workers < 1:
         sys.stderr.write("gateway: --workers must be at least 1\n")

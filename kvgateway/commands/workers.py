@@ -36,6 +36,8 @@ def worker_args(args: argparse.Namespace, index: int, metrics_dir: str) -> list[
         out += ["--port", str(args.port)]
     if args.watch:
         out.append("--watch")
+    if args.ledger_url:
+        out += ["--ledger-url", args.ledger_url]
     if args.drain_delay_s is not None:
         out += ["--drain-delay-s", str(args.drain_delay_s)]
     return [*out, "--worker-index", str(index), "--metrics-dir", metrics_dir]
