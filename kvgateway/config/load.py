@@ -279,6 +279,7 @@ def _ledger(s: Section) -> LedgerConfig:
         timeout_s=timeout,
         replica_id=s.opt_str("replica_id") or "",
         namespace=s.text("namespace", d.namespace),
+        fallback_replicas=s.integer("fallback_replicas", d.fallback_replicas),
     )
     s.reject_unknown()
     return cfg

@@ -191,6 +191,9 @@ class LedgerConfig:
     replica_id: str = ""
     # Prefix of every Redis key, so several fleets can share one Redis.
     namespace: str = "kvgw"
+    # The replica count the blind share assumes until Redis has answered once (a replica
+    # that starts while Redis is down has never seen the real count).
+    fallback_replicas: int = 2
 
     @property
     def shared(self) -> bool:

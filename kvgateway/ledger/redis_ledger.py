@@ -66,7 +66,7 @@ class RedisLedger:
         self._admission: Admission | None = None
         self._shas: dict[str, str] = {}
         self._shared = False
-        self._live = 1
+        self._live = cfg.fallback_replicas
         self._reason = "not yet connected"
         self._fallbacks = 0
         # What this replica has recorded in Redis per backend (for pub/sub arithmetic).
@@ -269,6 +269,7 @@ class RedisLedger:
                 self._fall_back(f"heartbeat failed: {exc!r}")
             else:
                 self._reason = f"Redis unreachable: {exc!r}"
+                self._apply_share()  # backends a reload added get their share too
             return
         values = [int(x) for x in got]
         live_changed = values[0] != self._live

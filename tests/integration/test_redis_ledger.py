@@ -193,3 +193,26 @@ async def test_redis_down_falls_back_to_a_share_then_returns(redis_server: Redis
         kept.release()
         await asyncio.sleep(0.1)
         assert await _ledger_sum(redis_server.url) == 0
+
+
+async def test_started_while_redis_is_down_serves_a_share_then_joins(
+    redis_server: RedisServer,
+) -> None:
+    redis_server.stop()
+    async with replica(redis_server.url, "a", lease_s=1.0) as a:
+        status = a.ledger.status()
+        assert not status.shared and "unreachable" in status.reason
+        # Never saw the real count: fallback_replicas (2) is assumed.
+        assert a.node.free_tokens == BUDGET // 2
+        r = await a.admission.admit(_demand(4000), 0.2)
+        with pytest.raises(Saturated):
+            await a.admission.admit(_demand(2000), 0.2)
+        redis_server.start()
+        for _ in range(40):
+            if a.ledger.status().shared:
+                break
+            await asyncio.sleep(0.1)
+        assert a.ledger.status().shared and a.ledger.status().live_replicas == 1
+        assert await _ledger_sum(redis_server.url) == 4000
+        assert a.node.free_tokens == BUDGET - 4000  # alone: the whole budget again
+        r.release()

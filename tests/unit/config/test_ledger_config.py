@@ -25,12 +25,14 @@ def test_a_redis_ledger_reads_every_key():
                 "timeout_s": 0.5,
                 "replica_id": "gw-0",
                 "namespace": "prod",
+                "fallback_replicas": 4,
             }
         }
     )
     led = cfg.ledger
     assert led.shared and led.url == "rediss://r:6380/1" and led.password_env == "PW"
     assert (led.lease_s, led.timeout_s, led.replica_id, led.namespace) == (6, 0.5, "gw-0", "prod")
+    assert led.fallback_replicas == 4
 
 
 @pytest.mark.parametrize(
