@@ -5,6 +5,8 @@ Redis going away costs capacity (the local share), never an error."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -191,3 +193,36 @@ async def test_workers_share_the_port_the_budget_and_the_metrics(
 async def test_workers_without_a_shared_ledger_refuse_to_start(tmp_path: Path) -> None:
     with pytest.raises(AssertionError, match="needs the shared ledger"):
         await start_gateway(tmp_path, "w", "http://127.0.0.1:9", None, "--workers", "2")
+
+
+async def test_a_worker_killed_mid_stream_is_restarted_without_double_counting(
+    tmp_path: Path, node: str, redis_server: RedisServer, gateways: list[GatewayProc]
+) -> None:
+    g = await start_gateway(tmp_path, "w", node, redis_server.url, "--workers", "2")
+    gateways.append(g)
+    workers = [
+        int(p) for p in Path(f"/proc/{g.proc.pid}/task/{g.proc.pid}/children").read_text().split()
+    ]
+    assert len(workers) == 2
+    timeout = aiohttp.ClientTimeout(total=50)
+    async with aiohttp.ClientSession(timeout=timeout) as s:
+        held = [asyncio.create_task(chat(s, g.url, PROMPT_WORDS, 4000)) for _ in range(4)]
+        for _ in range(100):
+            if await ledger_sum(redis_server.url) >= 4 * 4000:
+                break
+            await asyncio.sleep(0.05)
+        os.kill(workers[0], signal.SIGKILL)
+        results = await asyncio.gather(*held, return_exceptions=True)
+        # The killed worker's streams broke; the other worker's completed.
+        assert 200 in results
+        # Restarted under the same identity, whose lease it renews at once: had it added to
+        # the dead worker's holdings instead of replacing them, they would never expire.
+        for _ in range(100):
+            ids = {(await get_json(g.url + "/ready"))["ledger"]["replica_id"] for _ in range(10)}
+            if len(ids) == 2 and await ledger_sum(redis_server.url) == 0:
+                break
+            await asyncio.sleep(0.1)
+        assert len(ids) == 2 and await ledger_sum(redis_server.url) == 0
+        statuses = await asyncio.gather(*(chat(s, g.url, PROMPT_WORDS, 1500) for _ in range(8)))
+    assert statuses == [200] * 8
+    assert (await _node_state(node))["preemptions"] == 0
