@@ -74,9 +74,14 @@ class RedisLedger:
         self._pending: list[tuple[str, int, int]] = []
         self._flush = asyncio.Event()
         self._resync = False
-        # While the sync that ends a fallback is out: grants wait for its answer, releases
-        # are held back (the snapshot it sends may or may not include them).
+        # While an absolute sync is out (the end of a fallback, or a resync): grants wait
+        # for its answer, and releases in fallback are held back (the snapshot it sends
+        # may or may not include them). The sync itself waits for confirms in flight, so
+        # each grant is either in its snapshot or added after it, never both.
         self._sync_done: asyncio.Event | None = None
+        self._confirming = 0
+        self._no_confirms = asyncio.Event()
+        self._no_confirms.set()
         self._held_back: list[tuple[str, int, int]] = []
         # Releases and absolute syncs must not overlap (a batch in flight during a sync
         # would be subtracted from holdings that already exclude it).
@@ -92,10 +97,13 @@ class RedisLedger:
         b = reservation.backend
         if self._sync_done is not None:
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self._cfg.timeout_s * 2):
+                # Longer than a sync can take (its wait for confirms, then its call).
+                async with asyncio.timeout(self._cfg.timeout_s * 5):
                     await self._sync_done.wait()
         if not self._shared:
             return True  # still in fallback: the local share already limited it
+        self._confirming += 1
+        self._no_confirms.clear()
         try:
             async with asyncio.timeout(self._cfg.timeout_s):
                 got = await self._client.evalsha(
@@ -116,6 +124,10 @@ class RedisLedger:
         except _FAILURES as exc:
             self._fall_back(f"reserve failed: {exc!r}")
             return False
+        finally:
+            self._confirming -= 1
+            if self._confirming == 0:
+                self._no_confirms.set()
         granted, others_t, others_s, live = (int(x) for x in got)
         self._live = live
         if not self.in_shared_mode():  # fell back while the call was out: decide again
@@ -230,11 +242,11 @@ class RedisLedger:
             await self._heartbeat(absolute=False)
             return
         async with self._io:
-            if self._shared:
-                await self._heartbeat(absolute=True)
-                return
             self._sync_done = asyncio.Event()
             try:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(self._cfg.timeout_s * 2):
+                        await self._no_confirms.wait()
                 await self._heartbeat(absolute=True)
             finally:
                 done, self._sync_done = self._sync_done, None
@@ -252,8 +264,10 @@ class RedisLedger:
         backends = list(self._fleet.active)
         own = [self._view.own(b) for b in backends] if absolute else []
         if absolute:
-            # From here on the holdings in `own` are the truth: queued releases are in them.
+            # From here on the holdings in `own` are the truth: releases queued or held
+            # back until now are in them.
             self._pending.clear()
+            self._held_back.clear()
         keys: list[str] = [self._keys.live]
         args: list[int | str] = [self._id, self._lease_ms, int(absolute)]
         for i, b in enumerate(backends):
