@@ -250,6 +250,11 @@ class Admission:
                 claimed |= w.claims
         self._waiters = kept
 
+    def waiting_for(self, name: str) -> bool:
+        """Does a queued request claim backend ``name``? (A shared ledger tells the other
+        replicas, so their new arrivals leave the room to it.)"""
+        return self._claim_counts[name] > 0
+
     def offer(self, b: Backend) -> None:
         """Room may have appeared on ``b`` from outside (another replica released)."""
         self._offer(b)

@@ -108,14 +108,17 @@ class RedisLedger:
             async with asyncio.timeout(self._cfg.timeout_s):
                 got = await self._client.evalsha(
                     self._shas["reserve"],
-                    3,
+                    4,
                     *self._keys.backend(b.name),
+                    self._keys.waiting(b.name),
                     self._id,
                     reservation.tokens,
                     reservation.seqs,
                     b.budget_tokens,
                     b.max_num_seqs,
                     self._lease_ms,
+                    int(reservation.queued_s > 0),
+                    int(self._waiting_for(b.name)),
                 )
         except asyncio.CancelledError:
             # Redis may have recorded it: the next heartbeat rewrites our holdings.
@@ -166,6 +169,9 @@ class RedisLedger:
             reason="" if self._shared else self._reason,
             fallbacks=self._fallbacks,
         )
+
+    def _waiting_for(self, name: str) -> bool:
+        return self._admission is not None and self._admission.waiting_for(name)
 
     def _notify(self) -> None:
         if self._on_status is not None:
@@ -271,8 +277,9 @@ class RedisLedger:
         keys: list[str] = [self._keys.live]
         args: list[int | str] = [self._id, self._lease_ms, int(absolute)]
         for i, b in enumerate(backends):
-            keys += [self._keys.tokens(b.name), self._keys.seqs(b.name)]
+            keys += [self._keys.tokens(b.name), self._keys.seqs(b.name), self._keys.waiting(b.name)]
             args += [own[i].tokens, own[i].seqs] if absolute else [0, 0]
+            args.append(int(self._waiting_for(b.name)))
         try:
             async with asyncio.timeout(self._cfg.timeout_s * 2):
                 if absolute:

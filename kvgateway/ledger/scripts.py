@@ -5,11 +5,17 @@ Layout (all keys share the ``{namespace}`` hash tag, so they live in one slot):
 - ``{ns}:live``      sorted set: replica id -> lease expiry (Redis server time, ms)
 - ``{ns}:tok:NAME``  hash: replica id -> KV tokens that replica holds on backend NAME
 - ``{ns}:seq:NAME``  hash: replica id -> sequences it holds there
+- ``{ns}:wait:NAME`` sorted set: replica id -> since when it has requests queued for NAME
 - ``{ns}:released``  pub/sub channel: "NAME<TAB>total tokens<TAB>total seqs<TAB>replica"
 
 Only holdings of replicas whose lease is live are summed; a dead replica's fields are
 deleted by whoever reads them next, so a replica killed with -9 stops counting when its
 lease runs out. Time is the Redis server's (``TIME``), so replicas' clocks do not matter.
+
+Fairness across replicas (approximately one FIFO queue): while another live replica has
+requests queued for a backend, a *new* request elsewhere is refused there (it queues in its
+own replica); only requests that waited in a queue take freed room. Each replica's own
+queue is FIFO, and every release wakes every replica's queue.
 """
 
 from __future__ import annotations
@@ -42,26 +48,49 @@ local function others(key, livekey, me)
   end
   return sum
 end
+local function waiting(key, livekey, me)
+  local all = redis.call('ZRANGE', key, 0, -1)
+  for i = 1, #all do
+    if all[i] ~= me then
+      if redis.call('ZSCORE', livekey, all[i]) then return true end
+      redis.call('ZREM', key, all[i])
+    end
+  end
+  return false
+end
+local function note_waiting(key, me, now, flag)
+  if flag then redis.call('ZADD', key, 'NX', now, me) else redis.call('ZREM', key, me) end
+end
 local function mine(key, me)
   return tonumber(redis.call('HGET', key, me) or '0')
 end
 """
 
-# KEYS: live, tok, seq. ARGV: me, tokens, seqs, budget tokens, budget seqs, lease ms.
-# Returns {granted 0/1, others' tokens, others' seqs, live replicas}.
+# KEYS: live, tok, seq, wait. ARGV: me, tokens, seqs, budget tokens, budget seqs, lease
+# ms, queued (1: this request waited in a queue), still waiting (1: more of mine queue).
+# Returns {granted 0/1, others' tokens, others' seqs, live replicas}; a request refused
+# for fairness is told the backend is full, so that it queues instead of asking again.
 RESERVE = (
     _PRELUDE
     + """
 local me = ARGV[1]
 local tokens, seqs = tonumber(ARGV[2]), tonumber(ARGV[3])
-local n = live(KEYS[1], me, now_ms(), tonumber(ARGV[6]))
+local bt, bs = tonumber(ARGV[4]), tonumber(ARGV[5])
+local now = now_ms()
+local n = live(KEYS[1], me, now, tonumber(ARGV[6]))
 local ot, os = others(KEYS[2], KEYS[1], me), others(KEYS[3], KEYS[1], me)
-if ot + mine(KEYS[2], me) + tokens <= tonumber(ARGV[4])
-    and os + mine(KEYS[3], me) + seqs <= tonumber(ARGV[5]) then
+local mt, ms = mine(KEYS[2], me), mine(KEYS[3], me)
+if ARGV[7] ~= '1' and waiting(KEYS[4], KEYS[1], me) then
+  note_waiting(KEYS[4], me, now, true)
+  return {0, math.max(ot, bt - mt), math.max(os, bs - ms), n}
+end
+if ot + mt + tokens <= bt and os + ms + seqs <= bs then
   redis.call('HINCRBY', KEYS[2], me, tokens)
   redis.call('HINCRBY', KEYS[3], me, seqs)
+  note_waiting(KEYS[4], me, now, ARGV[8] == '1')
   return {1, ot, os, n}
 end
+note_waiting(KEYS[4], me, now, true)
 return {0, ot, os, n}
 """
 )
@@ -83,23 +112,28 @@ return {ot, os}
 """
 )
 
-# KEYS: live, then tok_1, seq_1, tok_2, seq_2, ... ARGV: me, lease ms, absolute (0/1),
-# then (tokens_i, seqs_i) per backend. With absolute=1 this replica's holdings are set
-# to the given values (start-up, return from fallback): never added on top of the past.
-# Returns {live replicas, others' tokens_1, others' seqs_1, ...}.
+# KEYS: live, then (tok_i, seq_i, wait_i) per backend. ARGV: me, lease ms, absolute
+# (0/1), then (tokens_i, seqs_i, waiting_i) per backend. With absolute=1 this replica's
+# holdings are set to the given values (start-up, return from fallback, resync): never
+# added on top of the past. Returns {live replicas, others' tokens_1, others' seqs_1, ...}.
 HEARTBEAT = (
     _PRELUDE
     + """
 local me = ARGV[1]
-local n = live(KEYS[1], me, now_ms(), tonumber(ARGV[2]))
+local now = now_ms()
+local n = live(KEYS[1], me, now, tonumber(ARGV[2]))
 local absolute = ARGV[3] == '1'
 local out = {n}
-for i = 2, #KEYS do
-  if absolute then
-    local v = tonumber(ARGV[i + 2])
-    if v > 0 then redis.call('HSET', KEYS[i], me, v) else redis.call('HDEL', KEYS[i], me) end
+for i = 2, #KEYS, 3 do
+  for k = 0, 1 do
+    local key = KEYS[i + k]
+    if absolute then
+      local v = tonumber(ARGV[i + k + 2])
+      if v > 0 then redis.call('HSET', key, me, v) else redis.call('HDEL', key, me) end
+    end
+    out[#out + 1] = others(key, KEYS[1], me)
   end
-  out[#out + 1] = others(KEYS[i], KEYS[1], me)
+  note_waiting(KEYS[i + 2], me, now, ARGV[i + 4] == '1')
 end
 return out
 """
@@ -123,6 +157,9 @@ class Keys:
 
     def seqs(self, backend: str) -> str:
         return f"{{{self.namespace}}}:seq:{backend}"
+
+    def waiting(self, backend: str) -> str:
+        return f"{{{self.namespace}}}:wait:{backend}"
 
     def backend(self, name: str) -> tuple[str, str, str]:
         return (self.live, self.tokens(name), self.seqs(name))

@@ -216,3 +216,31 @@ async def test_started_while_redis_is_down_serves_a_share_then_joins(
         assert await _ledger_sum(redis_server.url) == 4000
         assert a.node.free_tokens == BUDGET - 4000  # alone: the whole budget again
         r.release()
+
+
+async def test_new_requests_leave_freed_room_to_another_replicas_queue(
+    redis_server: RedisServer,
+) -> None:
+    async with (
+        replica(redis_server.url, "a", lease_s=20) as a,
+        replica(redis_server.url, "b", lease_s=20) as b,
+    ):
+        held = await a.admission.admit(_demand(8000), 1.0)
+        big = asyncio.create_task(b.admission.admit(_demand(4000), 5.0))
+        await asyncio.sleep(0.2)
+        assert not big.done() and b.admission.queue_depth == 1
+        # 2,000 tokens are free, but b's request has been queued for them longer: a new
+        # request at a queues behind it instead of taking the room first.
+        small = asyncio.create_task(a.admission.admit(_demand(1000), 5.0))
+        await asyncio.sleep(0.2)
+        assert not small.done() and a.admission.queue_depth == 1
+        held.release()
+        got_big = await asyncio.wait_for(big, 2.0)
+        got_small = await asyncio.wait_for(small, 2.0)
+        got_big.release()
+        got_small.release()
+        await asyncio.sleep(0.1)
+        assert await _ledger_sum(redis_server.url) == 0
+        # Nobody queues any more: new requests pass at once again.
+        r = await a.admission.admit(_demand(1000), 0.01)
+        r.release()
