@@ -14,6 +14,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvgateway.server.ledger_view import LedgerMetrics
 from kvgateway.server.metrics import FleetCollector, GatewayMetrics
 from tests.support.tools import require_tool
 
@@ -44,6 +45,7 @@ def sample_names(families: Iterable[tuple[str, str]]) -> frozenset[str]:
 def gateway_metric_names() -> frozenset[str]:
     registry = CollectorRegistry()
     GatewayMetrics(registry)
+    LedgerMetrics(registry)
     registry.register(FleetCollector(lambda: [], lambda: 0.0))
     return sample_names((fam.name, fam.type) for fam in registry.collect())
 
