@@ -170,6 +170,10 @@ class RedisLedger:
             fallbacks=self._fallbacks,
         )
 
+    def others_tokens(self, b: Backend) -> int:
+        """KV tokens the other replicas hold on ``b``, as folded into its counters."""
+        return self._view.others(b).tokens
+
     def _waiting_for(self, name: str) -> bool:
         return self._admission is not None and self._admission.waiting_for(name)
 

@@ -61,7 +61,10 @@ def create_app(
     metrics = GatewayMetrics(registry)
     fleet = Fleet(config, derived)
     encodings = encodings or EncodingCache()
-    live = FleetCollector(lambda: fleet.backends, clock)
+    ledger = build_ledger(config, fleet, LedgerMetrics(registry), worker)
+    live = FleetCollector(
+        lambda: fleet.backends, clock, ledger.others_tokens if ledger is not None else None
+    )
     registry.register(live)
     exposition = registry
     if metrics_dir is not None:
@@ -69,7 +72,6 @@ def create_app(
         MultiProcessCollector(exposition, path=metrics_dir)  # type: ignore[no-untyped-call]
         exposition.register(live)
     metrics.build_info.labels(version=__version__, policy=config.routing.policy).set(1)
-    ledger = build_ledger(config, fleet, LedgerMetrics(registry), worker)
     # Load every tokenizer now: a bad encoding must fail start-up, not the first request.
     for model in config.models:
         encodings.get(model.tokenizer.encoding)

@@ -51,6 +51,15 @@ async def gateways() -> AsyncIterator[list[GatewayProc]]:
         await stop_gateway(g)
 
 
+def _series(text: str) -> dict[str, float]:
+    """'name{first label' -> value, for the per-backend gauges."""
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("gateway_backend_") and "{" in line:
+            out[line.split(",")[0]] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
 async def _node_state(node: str) -> dict[str, object]:
     return await get_json(node + "/sim/state")
 
@@ -110,6 +119,11 @@ async def test_a_gateway_killed_mid_stream_loses_its_reservations_within_the_lea
             await asyncio.sleep(0.05)
         else:
             raise AssertionError("a's reservations never showed in the ledger")
+        # b's view holds a's reservations (admin, fleet gauge); its own gauge does not.
+        async with s.get(b.url + "/metrics") as r:
+            metrics = _series(await r.text())
+        assert metrics['gateway_backend_reserved_tokens{backend="n0"'] == 0
+        assert metrics['gateway_backend_fleet_reserved_tokens{backend="n0"'] >= 3 * 6000
         a.proc.kill()  # -9: no release, no goodbye
         await a.proc.wait()
         killed = time.monotonic()
