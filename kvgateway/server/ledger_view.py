@@ -15,12 +15,12 @@ from kvgateway.ledger.redis_ledger import LedgerStatus, RedisLedger
 
 class LedgerMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.shared = Gauge(
-            "gateway_ledger_shared",
-            "1 while reservations are confirmed in the shared ledger, 0 in the local-share "
-            "fallback (Redis unreachable or slow) or with the in-process ledger.",
+        self.fallback = Gauge(
+            "gateway_ledger_fallback",
+            "1 while a shared ledger is configured but unreachable or slow, and this gateway "
+            "admits on a blind local share of each budget; 0 otherwise.",
             registry=registry,
-            multiprocess_mode="min",
+            multiprocess_mode="max",
         )
         self.live_replicas = Gauge(
             "gateway_ledger_live_replicas",
@@ -36,7 +36,7 @@ class LedgerMetrics:
         self._seen_fallbacks = 0
 
     def update(self, status: LedgerStatus) -> None:
-        self.shared.set(1 if status.shared else 0)
+        self.fallback.set(0 if status.shared else 1)
         self.live_replicas.set(status.live_replicas)
         if status.fallbacks > self._seen_fallbacks:
             self.fallbacks.inc(status.fallbacks - self._seen_fallbacks)

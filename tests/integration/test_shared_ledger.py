@@ -153,7 +153,7 @@ async def test_redis_down_under_load_falls_back_without_errors_then_returns(
             await asyncio.sleep(0.05)
         assert "local share 1/2" in ready["ledger"]["fallback"], ready
         async with aiohttp.ClientSession() as s, s.get(g.url + "/metrics") as r:
-            assert "gateway_ledger_shared 0.0" in await r.text()
+            assert "gateway_ledger_fallback 1.0" in await r.text()
     statuses = await load
     assert all(st < 500 for st in statuses) and statuses.count(200) >= len(statuses) // 2
     assert (await _node_state(node))["preemptions"] == 0
