@@ -29,6 +29,7 @@ from kvgateway.config.model import (
     ServerConfig,
     TierConfig,
     TimeoutConfig,
+    TracingConfig,
 )
 from kvgateway.config.yamlread import ConfigError, Reading, Section
 from kvgateway.tokens.encoding import PATTERNS, EncodingSpec
@@ -74,6 +75,9 @@ def _parse(root: Section, source: str) -> GatewayConfig:
     default_timeouts = _timeouts(root.section("timeouts"), TimeoutConfig())
     discovery = _discovery(root.section("discovery"))
     ledger = _ledger(root.section("ledger"))
+    tracing_section = root.section("tracing")
+    tracing = TracingConfig(enabled=tracing_section.flag("enabled", TracingConfig().enabled))
+    tracing_section.reject_unknown()
     known_models = {m.name: m for m in models}
     tiers = tuple(
         _tier(s, known_models, default_timeouts) for s in root.sections("tiers", required=True)
@@ -94,6 +98,7 @@ def _parse(root: Section, source: str) -> GatewayConfig:
         tiers=tiers,
         discovery=discovery,
         ledger=ledger,
+        tracing=tracing,
         source=source,
     )
 
@@ -208,6 +213,9 @@ def _admission(s: Section) -> AdmissionConfig:
         queue_timeout_s=s.number("queue_timeout_s", d.queue_timeout_s, exclusive_min=False),
         queue_size=s.integer("queue_size", d.queue_size, minimum=0),
         max_body_bytes=s.integer("max_body_bytes", d.max_body_bytes),
+        abort_release_delay_s=s.number(
+            "abort_release_delay_s", d.abort_release_delay_s, exclusive_min=False
+        ),
         max_messages=s.integer("max_messages", d.max_messages),
         max_content_parts=s.integer("max_content_parts", d.max_content_parts),
         inject_default_output=s.flag("inject_default_output", d.inject_default_output),
@@ -217,38 +225,43 @@ def _admission(s: Section) -> AdmissionConfig:
 
 
 def _routing(s: Section) -> RoutingConfig:
+    d = RoutingConfig()
     cfg = RoutingConfig(
-        policy=Policy(s.choice("policy", POLICIES, Policy.KV_AWARE.value)),
-        offload_overflow=s.flag("offload_overflow", False),
+        policy=Policy(s.choice("policy", POLICIES, d.policy.value)),
+        offload_overflow=s.flag("offload_overflow", d.offload_overflow),
     )
     s.reject_unknown()
     return cfg
 
 
 def _health(s: Section) -> HealthConfig:
+    d = HealthConfig()
     cfg = HealthConfig(
-        interval_s=s.number("interval_s", 5.0),
-        timeout_s=s.number("timeout_s", 2.0),
-        unhealthy_threshold=s.integer("unhealthy_threshold", 2),
-        healthy_threshold=s.integer("healthy_threshold", 1),
-        eject_after_failures=s.integer("eject_after_failures", 3),
-        rediscover_interval_s=s.number("rediscover_interval_s", 30.0),
+        interval_s=s.number("interval_s", d.interval_s),
+        timeout_s=s.number("timeout_s", d.timeout_s),
+        unhealthy_threshold=s.integer("unhealthy_threshold", d.unhealthy_threshold),
+        healthy_threshold=s.integer("healthy_threshold", d.healthy_threshold),
+        eject_after_failures=s.integer("eject_after_failures", d.eject_after_failures),
+        rediscover_interval_s=s.number("rediscover_interval_s", d.rediscover_interval_s),
     )
     s.reject_unknown()
     return cfg
 
 
 def _feedback(s: Section) -> LoadFeedbackConfig:
-    high = s.number("kv_high_watermark", 0.95, maximum=1.0)
+    d = LoadFeedbackConfig()
+    high = s.number("kv_high_watermark", d.kv_high_watermark, maximum=1.0)
     cfg = LoadFeedbackConfig(
-        enabled=s.flag("enabled", True),
-        interval_s=s.number("interval_s", 2.0),
-        timeout_s=s.number("timeout_s", 2.0),
+        enabled=s.flag("enabled", d.enabled),
+        interval_s=s.number("interval_s", d.interval_s),
+        timeout_s=s.number("timeout_s", d.timeout_s),
         kv_high_watermark=high,
-        kv_low_watermark=s.number("kv_low_watermark", min(0.85, high), maximum=high),
-        max_waiting=s.integer("max_waiting", 0, minimum=0),
-        preemption_cooldown_s=s.number("preemption_cooldown_s", 5.0, exclusive_min=False),
-        stale_after_s=s.number("stale_after_s", 15.0),
+        kv_low_watermark=s.number("kv_low_watermark", min(d.kv_low_watermark, high), maximum=high),
+        max_waiting=s.integer("max_waiting", d.max_waiting, minimum=0),
+        preemption_cooldown_s=s.number(
+            "preemption_cooldown_s", d.preemption_cooldown_s, exclusive_min=False
+        ),
+        stale_after_s=s.number("stale_after_s", d.stale_after_s),
     )
     s.reject_unknown()
     return cfg
@@ -392,5 +405,7 @@ def _backend_settings(
         capacity=s.mapping("capacity"),
         discover=s.flag("discover", True),
         timeouts=_timeouts(s.section("timeouts"), timeouts),
+        num_speculative_tokens=s.integer("num_speculative_tokens", 0, minimum=0),
+        release_delay_s=s.number("release_delay_s", 0.0, exclusive_min=False),
         path=s.path,
     )

@@ -27,7 +27,7 @@ from types import TracebackType
 
 from kvgateway.config.model import GatewayConfig, Policy
 from kvgateway.core.backends import Backend, PauseReason
-from kvgateway.core.demand import Demand, can_ever_hold
+from kvgateway.core.demand import Demand, can_ever_hold, tokens_on
 from kvgateway.core.fleet import Fleet
 from kvgateway.core.ledger import Ledger, LocalLedger
 from kvgateway.core.routing import (
@@ -76,7 +76,9 @@ class Reservation:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self.release()
+        self.owner.release_after(
+            self, gone=exc_type is not None and issubclass(exc_type, asyncio.CancelledError)
+        )
 
 
 class Reserving:
@@ -102,7 +104,7 @@ class Reserving:
         tb: TracebackType | None,
     ) -> None:
         if self._reservation is not None:
-            self._reservation.release()
+            await self._reservation.__aexit__(exc_type, exc, tb)
 
 
 @dataclass(eq=False, slots=True)
@@ -128,8 +130,10 @@ class Admission:
         clock: Callable[[], float],
         on_decision: Callable[[Decision, Demand], None] | None = None,
         ledger: Ledger | None = None,
+        abort_delay: Callable[[], float] = lambda: 0.0,
     ) -> None:
         self._ledger: Ledger = ledger if ledger is not None else LocalLedger()
+        self._abort_delay = abort_delay
         self._index_for = index_for
         self._adjust = adjust
         self._policy = policy
@@ -161,6 +165,7 @@ class Admission:
             clock=clock,
             on_decision=on_decision,
             ledger=ledger,
+            abort_delay=lambda: config().admission.abort_release_delay_s,
         )
 
     # ---- synchronous core -------------------------------------------------------
@@ -176,8 +181,9 @@ class Admission:
         )
 
     def _grant(self, backend: Backend, demand: Demand, reason: RouteReason) -> Reservation:
-        self._adjust(backend, demand.tokens, demand.sequences, 1)
-        return Reservation(backend, demand.tokens, demand.sequences, reason, self)
+        tokens = tokens_on(backend, demand)
+        self._adjust(backend, tokens, demand.sequences, 1)
+        return Reservation(backend, tokens, demand.sequences, reason, self)
 
     def try_admit(self, demand: Demand) -> Decision | Reservation:
         """Reserve now if the policy finds room that no earlier waiter claims."""
@@ -216,6 +222,17 @@ class Admission:
         self._adjust(reservation.backend, -reservation.tokens, -reservation.seqs, -1)
         self._offer(reservation.backend)
         return True
+
+    def release_after(self, r: Reservation, *, gone: bool) -> None:
+        """Release ``r`` when the node has freed its blocks: at once, or after the
+        backend's KV-connector delay, or (client gone) once the node's abort has landed."""
+        delay = r.backend.config.release_delay_s
+        if gone:
+            delay = max(delay, self._abort_delay())
+        if delay <= 0:
+            self.release(r)
+            return
+        asyncio.get_running_loop().call_later(delay, self.release, r)
 
     def end_pause(self, b: Backend, now: float) -> bool:
         """End ``b``'s timed pause once its time has come, and offer ``b`` to the waiters
@@ -381,10 +398,13 @@ def _with_busy(d: Demand, names: frozenset[str]) -> Demand:
 
 
 def context_error(demand: Demand, largest: int) -> ContextLengthExceeded:
+    # OpenAI's and vLLM's wording first: clients (LiteLLM's ContextWindowExceededError,
+    # fallbacks to larger models) recognise a context-length error by it.
     return ContextLengthExceeded(
-        f"This request needs {demand.longest_sequence} tokens ({demand.longest_prompt} "
-        f"counted prompt tokens + {demand.output_tokens} requested output tokens), but the "
-        f"largest context any backend for model '{demand.model}' offers is {largest} tokens. "
-        "Reduce the length of the prompt or of the requested output.",
+        f"This model's maximum context length is {largest} tokens. However, you requested "
+        f"{demand.longest_sequence} tokens ({demand.longest_prompt} in the messages, "
+        f"{demand.output_tokens} in the completion). Please reduce the length of the "
+        f"messages or completion. (The largest context any backend for model "
+        f"'{demand.model}' offers is {largest} tokens.)",
         param="messages",
     )

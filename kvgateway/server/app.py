@@ -14,6 +14,8 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractAsyncContextManager
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -22,20 +24,24 @@ from prometheus_client.multiprocess import MultiProcessCollector
 
 from kvgateway import __version__
 from kvgateway.config.model import GatewayConfig
+from kvgateway.core.derived_limits import derive_all
 from kvgateway.core.fleet import Fleet
 from kvgateway.core.limits import Observed
 from kvgateway.errors import BodyTooLarge, GatewayError, MethodNotAllowed, NotFound, Unauthorized
 from kvgateway.server import admin
-from kvgateway.server.admin import EXPOSITION, STATE
+from kvgateway.server.appkeys import EXPOSITION, MONITOR, STATE
 from kvgateway.server.ledger_view import LedgerMetrics, build_ledger
 from kvgateway.server.metrics import FleetCollector, GatewayMetrics
+from kvgateway.server.passthrough import PATHS as PASSTHROUGH_PATHS
+from kvgateway.server.passthrough import handle_passthrough
 from kvgateway.server.proxy import REQUEST_ID, error_response, handle_completion
+from kvgateway.server.reload import FleetMembers
 from kvgateway.server.state import Clock, GatewayState
+from kvgateway.server.tracing import from_environment
 from kvgateway.tokens.counters import TokenCounters
 from kvgateway.tokens.encoding import EncodingCache
+from kvgateway.upstream.dns import DnsDiscovery
 from kvgateway.upstream.monitor import Monitor
-
-MONITOR = web.AppKey("monitor", Monitor)
 
 _OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
 
@@ -52,14 +58,17 @@ def create_app(
     encodings: EncodingCache | None = None,
     derived: dict[str, Observed] | None = None,
     count_workers: int = 2,
+    tracer_provider: Any | None = None,
     worker: int | None = None,
     metrics_dir: str | None = None,
 ) -> web.Application:
     """``worker`` / ``metrics_dir``: this app is worker ``worker`` of ``serve --workers``,
     its metrics written to (and /metrics read from) the shared ``metrics_dir``."""
     registry = registry if registry is not None else CollectorRegistry()
+    tracing = from_environment(config.tracing.enabled, tracer_provider)
     metrics = GatewayMetrics(registry)
-    fleet = Fleet(config, derived)
+    # Limits derived from capacity blocks (and each hybrid model's KV groups).
+    fleet = Fleet(config, derive_all(config) if derived is None else derived)
     encodings = encodings or EncodingCache()
     ledger = build_ledger(config, fleet, LedgerMetrics(registry), worker)
     live = FleetCollector(
@@ -105,6 +114,7 @@ def create_app(
                 TokenCounters(encodings, pool, huge),
                 session,
                 clock=clock,
+                tracing=tracing,
                 ledger=ledger,
             )
             monitor = Monitor(
@@ -119,13 +129,14 @@ def create_app(
             app[MONITOR] = monitor
             await monitor.probe_all_once()
             monitor.sync()
-            async with contextlib.AsyncExitStack() as stack:
-                if ledger is not None:
-                    await stack.enter_async_context(ledger.running(state.admission))
-                try:
+            try:
+                async with contextlib.AsyncExitStack() as stack:
+                    if ledger is not None:
+                        await stack.enter_async_context(ledger.running(state.admission))
+                    await stack.enter_async_context(_dns_discovery(app, config))
                     yield
-                finally:
-                    await monitor.close()
+            finally:
+                await monitor.close()
         finally:
             await session.close()
             pool.shutdown(wait=False, cancel_futures=True)
@@ -140,14 +151,35 @@ def create_app(
     async def completions(request: web.Request) -> web.StreamResponse:
         return await handle_completion(request, request.app[STATE], "completion")
 
+    async def responses(request: web.Request) -> web.StreamResponse:
+        return await handle_completion(request, request.app[STATE], "responses")
+
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/responses", responses)
+    for path in PASSTHROUGH_PATHS:
+        app.router.add_post(path, handle_passthrough)
     app.router.add_get("/v1/models", admin.models)
+    app.router.add_get(r"/v1/models/{model_id:.+}", admin.model)
     app.router.add_get("/health", admin.health)
     app.router.add_get("/ready", admin.ready)
     app.router.add_get("/admin/backends", admin.admin_backends)
     app.router.add_get("/metrics", admin.metrics)
     return app
+
+
+def _dns_discovery(
+    app: web.Application, config: GatewayConfig
+) -> AbstractAsyncContextManager[object]:
+    """Backend groups named by DNS (a headless Service): members follow the answers."""
+    if not config.dns_groups:
+        return contextlib.nullcontext()
+    return DnsDiscovery(
+        config.dns_groups,
+        FleetMembers(app),
+        nameservers=config.discovery.nameservers,
+        timeout_s=config.discovery.timeout_s,
+    )
 
 
 def _client_request_id(request: web.Request) -> str:

@@ -19,9 +19,12 @@ from kvgateway.server.openai_request import (
     Kind,
     Limits,
     ParsedRequest,
+    check_message_count,
     parse_body,
     parse_chat,
     parse_completion,
+    parse_responses,
+    responses_messages,
 )
 from kvgateway.tokens.calibration import PromptCalibration
 from kvgateway.tokens.counters import TokenCounters
@@ -61,6 +64,9 @@ async def plan_request(
 ) -> Counted:
     limits = Limits(config.admission.max_messages, config.admission.max_content_parts)
     if len(raw) > OFF_LOOP_BYTES:
+        # Refused here, on the loop, for the price of one bytes.count: a body of 800k
+        # messages must not even reach a worker thread (the parser holds the GIL).
+        check_message_count(raw, limits)
         # Parsing and validating a large body takes milliseconds of Python: not on the loop.
         loop = asyncio.get_running_loop()
         parsed, model, plan, known = await loop.run_in_executor(
@@ -93,7 +99,12 @@ def _parse(
     raw: bytes, kind: Kind, config: GatewayConfig, limits: Limits
 ) -> tuple[ParsedRequest, ModelConfig, CountPlan, list[int]]:
     body = parse_body(raw, limits)
-    parsed = parse_chat(body, limits) if kind == "chat" else parse_completion(body)
+    if kind == "chat":
+        parsed = parse_chat(body, limits)
+    elif kind == "responses":
+        parsed = parse_responses(body, limits)
+    else:
+        parsed = parse_completion(body)
     model = config.resolve_model(parsed.model)
     if model is None:
         raise ModelNotFound(
@@ -102,6 +113,9 @@ def _parse(
         )
     if parsed.kind == "chat":
         return parsed, model, plan_chat(body, model.tokenizer), []
+    if parsed.kind == "responses":
+        as_chat = {"messages": responses_messages(body), "tools": body.get("tools")}
+        return parsed, model, plan_chat(as_chat, model.tokenizer), []
     plan, known = plan_completion(body["prompt"])
     return parsed, model, plan, known
 
@@ -125,7 +139,7 @@ def output_budget(
         return parsed.requested_output, None
     room = max(1, largest_context - prompt_bound) if largest_context else None
     explicit_null = parsed.output_field in parsed.body and parsed.body[parsed.output_field] is None
-    if parsed.kind == "chat":
+    if parsed.kind != "completion":
         default = config.admission.default_output_tokens
         vllm_allows = room
     else:

@@ -37,6 +37,7 @@ from kvgateway.server.openai_request import Kind
 from kvgateway.server.planning import plan_request, upstream_body
 from kvgateway.server.relay import error_event, relay_body, relay_stream
 from kvgateway.server.state import GatewayState
+from kvgateway.server.tracing import Tracing, set_attributes
 from kvgateway.upstream.client import open_request, read_capped
 
 log = logging.getLogger("kvgateway.server.proxy")
@@ -88,7 +89,9 @@ async def handle_completion(
     if task is not None:
         state.active[task] = ex
     try:
-        resp = await _serve(state, ex, kind)
+        with state.tracing.request("gateway.request", request.headers) as span:
+            resp = await _serve(state, ex, kind)
+            set_attributes(span, status=resp.status, request_id=rid)
         ex.record.status = resp.status
         if state.draining and not resp.prepared:
             resp.force_close()  # the gateway is leaving: the client reconnects elsewhere
@@ -166,36 +169,56 @@ async def _forward(state: GatewayState, ex: Exchange, body: bytes) -> web.Stream
     last_error: UpstreamError | None = None
     while True:
         ex.record.attempts += 1
-        r = await _admit(state, ex, counted.demand, deadline, excluded, last_error)
+        with state.tracing.span("gateway.admission", tokens=counted.demand.tokens) as span:
+            r = await _admit(state, ex, counted.demand, deadline, excluded, last_error)
+            set_attributes(
+                span,
+                backend=r.backend.name,
+                tier=r.backend.tier,
+                reason=r.reason,
+                queued_s=r.queued_s,
+            )
         async with r:
             ex.admitted(r)
-            backend = r.backend
-            timeouts = backend.config.timeouts
-            try:
-                resp = await open_request(
-                    state.session,
-                    backend,
-                    ex.request.path,
-                    body,
-                    {"Content-Type": "application/json", "X-Request-Id": ex.request_id},
-                    timeouts,
-                    head_timeout=timeouts.first_byte_s
-                    if counted.parsed.stream
-                    else timeouts.total_s,
-                )
-            except UpstreamError as err:
-                retry = err.retryable and ex.record.attempts < MAX_ATTEMPTS
-                _note_failure(state, ex, backend.name, err, retry)
-                if not retry:
-                    raise
-                excluded.add(backend.name)
-                last_error = err
+            with state.tracing.span("gateway.upstream", backend=r.backend.name):
+                outcome = await _attempt(state, ex, r, body)
+            if isinstance(outcome, UpstreamError):  # failed before any byte: try another
+                excluded.add(r.backend.name)
+                last_error = outcome
                 continue
-            async with resp:
-                backend.consecutive_failures = 0
-                if counted.parsed.stream and resp.status == 200:
-                    return await relay_stream(state, ex, resp, r)
-                return await relay_body(state, ex, resp, r)
+            return outcome
+
+
+async def _attempt(
+    state: GatewayState, ex: Exchange, r: Reservation, body: bytes
+) -> web.StreamResponse | UpstreamError:
+    """One try on the backend ``r`` holds room on: the relayed answer, or the failure to
+    retry elsewhere (raised instead when it may not be retried)."""
+    counted = ex.counted
+    assert counted is not None
+    backend = r.backend
+    timeouts = backend.config.timeouts
+    try:
+        resp = await open_request(
+            state.session,
+            backend,
+            ex.request.path,
+            body,
+            _upstream_headers(state, ex),
+            timeouts,
+            head_timeout=timeouts.first_byte_s if counted.parsed.stream else timeouts.total_s,
+        )
+    except UpstreamError as err:
+        retry = err.retryable and ex.record.attempts < MAX_ATTEMPTS
+        _note_failure(state, ex, backend.name, err, retry)
+        if not retry:
+            raise
+        return err
+    async with resp:
+        backend.consecutive_failures = 0
+        if counted.parsed.stream and resp.status == 200:
+            return await relay_stream(state, ex, resp, r)
+        return await relay_body(state, ex, resp, r)
 
 
 async def _admit(
@@ -252,3 +275,23 @@ def _note_failure(
             b.consecutive_failures,
             err.detail or err.message,
         )
+
+
+def _upstream_headers(state: GatewayState, ex: Exchange) -> dict[str, str]:
+    headers = {"Content-Type": "application/json", "X-Request-Id": ex.request_id}
+    headers.update(trace_headers(state.tracing, ex.request))
+    return headers
+
+
+def trace_headers(tracing: Tracing, request: web.Request) -> dict[str, str]:
+    """W3C trace context for the node, so its spans join the trace: the gateway's own
+    span when tracing is on, else the client's context unchanged."""
+    out: dict[str, str] = {}
+    if tracing.enabled:
+        tracing.inject(out)
+        return out
+    for name in ("traceparent", "tracestate"):
+        value = request.headers.get(name)
+        if value is not None:
+            out[name] = value
+    return out

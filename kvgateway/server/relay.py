@@ -94,7 +94,7 @@ async def relay_stream(
                 ex.first_byte(state.clock())
                 await out.write(events)
                 last = events
-                if events.endswith(b"data: [DONE]\n\n"):
+                if _ends_stream(events):
                     done = True
                     break
     except MidStreamError as err:
@@ -125,6 +125,24 @@ async def relay_stream(
             _reconcile(state, ex, r, last)
     await out.write_eof()
     return out
+
+
+# Chat and completions streams end with [DONE]; Responses streams with a final event.
+_RESPONSES_END = (
+    b'"type":"response.completed"',
+    b'"type":"response.failed"',
+    b'"type":"response.incomplete"',
+    b'"type": "response.completed"',
+    b'"type": "response.failed"',
+    b'"type": "response.incomplete"',
+)
+
+
+def _ends_stream(events: bytes) -> bool:
+    if events.endswith(b"data: [DONE]\n\n"):
+        return True
+    tail = events[-4096:]
+    return b"event: response." in tail and any(m in tail for m in _RESPONSES_END)
 
 
 def _loop_deadline(deadline: float, state: GatewayState) -> float:

@@ -85,6 +85,9 @@ async def _stop_engine(app: web.Application) -> None:
 
 @web.middleware
 async def _error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    traceparent = request.headers.get("traceparent")
+    if traceparent is not None:
+        request.app[NODE_KEY].last_traceparent = traceparent
     try:
         return await handler(request)
     except p.ApiError as exc:
@@ -141,6 +144,7 @@ async def _state(request: web.Request) -> web.Response:
     state = node.driver.snapshot()
     fault = node.faults.current
     state["fault"] = None if fault is None else fault.as_json()
+    state["last_traceparent"] = node.last_traceparent
     return p.json_response(state)
 
 

@@ -95,7 +95,7 @@ async def test_too_long_prompt_gets_400_and_no_backend_sees_it(start_fleet: Star
         )
     body = err.value.body
     assert err.value.code == "context_length_exceeded"
-    assert "131072" in body["message"] and "100 requested output" in body["message"]
+    assert "131072" in body["message"] and "100 in the completion" in body["message"]
     for node in fleet.nodes.values():
         state = await node.state()
         assert sum(state["finished"].values()) + state["running"] + state["waiting"] == 0, state
@@ -155,7 +155,8 @@ async def test_full_fleet_gives_429_with_retry_after(start_fleet: StartFleet, cl
     for h in hogs:
         h.cancel()
     await asyncio.gather(*hogs, return_exceptions=True)
-    await asyncio.sleep(0.05)
+    # Disconnected clients' reservations are held until the node's abort lands (0.2 s).
+    await asyncio.sleep(0.3)
     assert fleet.leaks() == {}
 
 

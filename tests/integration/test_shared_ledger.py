@@ -226,9 +226,8 @@ async def test_a_worker_killed_mid_stream_is_restarted_without_double_counting(
                 break
             await asyncio.sleep(0.05)
         os.kill(workers[0], signal.SIGKILL)
-        results = await asyncio.gather(*held, return_exceptions=True)
-        # The killed worker's streams broke; the other worker's completed.
-        assert 200 in results
+        # The killed worker's streams break (the kernel may have given it all of them).
+        await asyncio.gather(*held, return_exceptions=True)
         # Restarted under the same identity, whose lease it renews at once: had it added to
         # the dead worker's holdings instead of replacing them, they would never expire.
         for _ in range(100):
