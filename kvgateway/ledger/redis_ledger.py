@@ -86,6 +86,9 @@ class RedisLedger:
         # Releases and absolute syncs must not overlap (a batch in flight during a sync
         # would be subtracted from holdings that already exclude it).
         self._io = asyncio.Lock()
+        # Set when the block of `running` ends: the loops stop even if a Redis call
+        # swallowed their cancellation (the client turns some into connection errors).
+        self._closing = False
 
     # ---- what Admission calls ---------------------------------------------------
 
@@ -224,9 +227,14 @@ class RedisLedger:
         try:
             yield
         finally:
+            self._closing = True
             for t in tasks:
                 t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            try:
+                async with asyncio.timeout(self._cfg.timeout_s * 4 + 1.0):
+                    await asyncio.gather(*tasks, return_exceptions=True)
+            except TimeoutError:
+                log.warning("ledger tasks did not stop in time: %s", [t.get_name() for t in tasks])
             await self._leave()
             await self._client.aclose()
 
@@ -243,7 +251,7 @@ class RedisLedger:
         return self._cfg.lease_s / 4
 
     async def _heartbeat_loop(self) -> None:
-        while True:
+        while not self._closing:
             await asyncio.sleep(self._interval())
             await self._heartbeat_once()
 
@@ -315,7 +323,7 @@ class RedisLedger:
             self._shas[name] = await self._client.script_load(src)
 
     async def _flush_loop(self) -> None:
-        while True:
+        while not self._closing:
             await self._flush.wait()
             self._flush.clear()
             batch, self._pending = self._pending, []
@@ -350,11 +358,11 @@ class RedisLedger:
         await pipe.execute()
 
     async def _listen_loop(self) -> None:
-        while True:
+        while not self._closing:
             try:
                 async with self._client.pubsub() as ps:
                     await ps.subscribe(self._keys.channel)
-                    while True:
+                    while not self._closing:
                         msg = await ps.get_message(ignore_subscribe_messages=True, timeout=1.0)
                         if msg is not None:
                             self._on_released(msg["data"])

@@ -5,6 +5,7 @@ Redis going away costs capacity (the local share), never an error."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
@@ -230,8 +231,11 @@ async def test_a_worker_killed_mid_stream_is_restarted_without_double_counting(
         await asyncio.gather(*held, return_exceptions=True)
         # Restarted under the same identity, whose lease it renews at once: had it added to
         # the dead worker's holdings instead of replacing them, they would never expire.
+        ids: set[str] = set()
         for _ in range(100):
-            ids = {(await get_json(g.url + "/ready"))["ledger"]["replica_id"] for _ in range(10)}
+            # Connections the kernel steered to the dying worker fail: clients retry.
+            with contextlib.suppress(aiohttp.ClientError):
+                ids |= {(await get_json(g.url + "/ready"))["ledger"]["replica_id"]}
             if len(ids) == 2 and await ledger_sum(redis_server.url) == 0:
                 break
             await asyncio.sleep(0.1)

@@ -50,7 +50,7 @@ def gateway_config(
         ],
     }
     if redis_url is not None:
-        cfg["ledger"] = {"url": redis_url, "lease_s": lease_s, "timeout_s": 0.2}
+        cfg["ledger"] = {"url": redis_url, "lease_s": lease_s, "timeout_s": 0.5}
     return cfg
 
 
