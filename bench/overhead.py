@@ -142,9 +142,10 @@ def _ledger_targets(
             )
         )
         _wait_http(gw.url + "/ready")
-        time.sleep(1.0)  # every worker up (each holds a lease) before the tree is read
+        time.sleep(1.0)  # every worker up (each holds a lease)
         note = "Redis ledger" + (", 2 workers (SO_REUSEPORT)" if extra else "")
-        out.append(Target(name, port, [*gw.pids(), redis.pid], note + "; CPU incl. redis"))
+        # The loadgen reads each pid's whole tree (the workers under the supervisor).
+        out.append(Target(name, port, [gw.pid, redis.pid], note + "; CPU incl. redis"))
     return out
 
 
