@@ -84,18 +84,18 @@ def _main(args: argparse.Namespace) -> int:
             )
             return 2
         config = replace(config, ledger=replace(config.ledger, url=args.ledger_url))
-    setup_logging(config.server.log_format, args.log_level)
     if args.workers < 1:
         sys.stderr.write("gateway: --workers must be at least 1\n")
         return 2
+    if args.workers > 1 and not config.ledger.shared:
+        sys.stderr.write(
+            f"gateway: --workers {args.workers} needs the shared ledger: each worker "
+            "would otherwise reserve every node's whole KV budget. Set ledger.url "
+            "(redis://HOST:PORT/DB) in the config or pass --ledger-url, or run one worker.\n"
+        )
+        return 2
+    setup_logging(config.server.log_format, args.log_level)
     if args.workers > 1:
-        if not config.ledger.shared:
-            sys.stderr.write(
-                f"gateway: --workers {args.workers} needs the shared ledger: each worker "
-                "would otherwise reserve every node's whole KV budget. Set ledger.url "
-                "(redis://HOST:PORT/DB) in the config, or run one worker.\n"
-            )
-            return 2
         return supervise(args, args.workers)
     run(
         serve(
