@@ -32,41 +32,52 @@ from kvgateway.config.model import (
     TracingConfig,
 )
 from kvgateway.config.yamlread import ConfigError, Reading, Section
-from kvgateway.tokens.encoding import PATTERNS, EncodingSpec
+from kvgateway.tokens.chat_template import TemplateError
+from kvgateway.tokens.encoding import PATTERNS, EncodingCache, EncodingSpec
+from kvgateway.tokens.modeldir import TokenizerDirError
 from kvgateway.tokens.spec import TokenizerConfig
 
 
-def load_config(path: str) -> GatewayConfig:
+def load_config(path: str, *, encodings: EncodingCache | None = None) -> GatewayConfig:
     try:
         with open(path, encoding="utf-8") as fh:
             text = fh.read()
     except OSError as exc:
         raise ConfigError("", f"cannot read config file {path!r}: {exc.strerror}") from exc
-    return parse_config_text(text, source=path)
+    return parse_config_text(text, source=path, encodings=encodings)
 
 
-def parse_config_text(text: str, *, source: str = "<memory>") -> GatewayConfig:
+def parse_config_text(
+    text: str, *, source: str = "<memory>", encodings: EncodingCache | None = None
+) -> GatewayConfig:
     reading = Reading()
     data = read_document(text, source, reading)
-    return _parse(Section(data, "", reading), source)
+    return _parse(Section(data, "", reading), source, encodings)
 
 
-def parse_config(data: Any, *, source: str = "<memory>") -> GatewayConfig:
-    """From already-parsed data (a dict); ``${VAR}`` references are expanded here too."""
+def parse_config(
+    data: Any, *, source: str = "<memory>", encodings: EncodingCache | None = None
+) -> GatewayConfig:
+    """From already-parsed data (a dict); ``${VAR}`` references are expanded here too.
+
+    ``encodings``: where model tokenizer directories are loaded (and kept across reloads:
+    an unchanged directory is not loaded again); a fresh one if None."""
     reading = Reading()
-    return _parse(Section(expand_env(data, "", reading, os.environ), "", reading), source)
+    env = expand_env(data, "", reading, os.environ)
+    return _parse(Section(env, "", reading), source, encodings)
 
 
 def config_root_section() -> Section:
     """The root section after a schema-mode walk: it knows every key the loader reads."""
     root = Section(None, "", Reading(schema_mode=True))
-    _parse(root, "<schema>")
+    _parse(root, "<schema>", None)
     return root
 
 
-def _parse(root: Section, source: str) -> GatewayConfig:
+def _parse(root: Section, source: str, encodings: EncodingCache | None) -> GatewayConfig:
+    encodings = encodings or EncodingCache()
     server = _server(root.section("server"))
-    models = tuple(_model(s) for s in root.sections("models", required=True))
+    models = tuple(_model(s, encodings) for s in root.sections("models", required=True))
     _check_unique(root, [m.name for m in models] + [a for m in models for a in m.aliases], "models")
     admission = _admission(root.section("admission"))
     routing = _routing(root.section("routing"))
@@ -176,7 +187,7 @@ def _read_keys_file(path: str, s: Section, key: str) -> list[tuple[str, str]]:
     return keys
 
 
-def _model(s: Section) -> ModelConfig:
+def _model(s: Section, encodings: EncodingCache) -> ModelConfig:
     name = s.text("name")
     tok = s.section("tokenizer")
     enc = EncodingSpec(
@@ -186,13 +197,18 @@ def _model(s: Section) -> ModelConfig:
     )
     if enc.file is not None and enc.pattern not in PATTERNS and len(enc.pattern) < 8:
         tok.fail("pattern", f"expected one of {', '.join(PATTERNS)} or a regex")
+    d = TokenizerConfig()
     tokenizer = TokenizerConfig(
         encoding=enc,
-        per_message_tokens=tok.integer("per_message_tokens", 4, minimum=0),
-        per_name_tokens=tok.integer("per_name_tokens", 1, minimum=0),
-        reply_priming_tokens=tok.integer("reply_priming_tokens", 3, minimum=0),
-        image_tokens=tok.integer("image_tokens", 765, minimum=0),
-        estimate_margin=tok.number("estimate_margin", 0.0, maximum=1.0, exclusive_min=False),
+        per_message_tokens=tok.integer("per_message_tokens", d.per_message_tokens, minimum=0),
+        per_name_tokens=tok.integer("per_name_tokens", d.per_name_tokens, minimum=0),
+        reply_priming_tokens=tok.integer("reply_priming_tokens", d.reply_priming_tokens, minimum=0),
+        image_tokens=tok.integer("image_tokens", d.image_tokens, minimum=0),
+        estimate_margin=tok.number(
+            "estimate_margin", d.estimate_margin, maximum=1.0, exclusive_min=False
+        ),
+        upper_bound=tok.flag("upper_bound", d.upper_bound),
+        **_tokenizer_dir(tok, enc, encodings),
     )
     tok.reject_unknown()
     cfg = ModelConfig(
@@ -203,6 +219,20 @@ def _model(s: Section) -> ModelConfig:
     )
     s.reject_unknown()
     return cfg
+
+
+def _tokenizer_dir(tok: Section, enc: EncodingSpec, encodings: EncodingCache) -> dict[str, Any]:
+    """``path``: the model's tokenizer directory, loaded now so a bad one fails start-up."""
+    path = tok.opt_str("path")
+    if path is None:
+        return {}
+    pattern = enc.pattern if tok.has("pattern") else None
+    try:
+        model = encodings.model(path, pattern=pattern)
+    except (TokenizerDirError, TemplateError) as exc:
+        tok.fail("path", str(exc))
+        return {}
+    return {"path": path, "model": model}
 
 
 def _admission(s: Section) -> AdmissionConfig:

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from kvgateway.config.model import GatewayConfig, ModelConfig
 from kvgateway.core.demand import Demand, demand_tokens
 from kvgateway.errors import ModelNotFound
+from kvgateway.server.node_tokenize import NodeTokenizer
 from kvgateway.server.openai_request import (
     Kind,
     Limits,
@@ -28,7 +29,7 @@ from kvgateway.server.openai_request import (
 )
 from kvgateway.tokens.calibration import PromptCalibration
 from kvgateway.tokens.counters import TokenCounters
-from kvgateway.tokens.counting import CountPlan, PromptTokens, plan_chat, plan_completion
+from kvgateway.tokens.prompt_estimate import PromptEstimate
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's documented default
 OFF_LOOP_BYTES = 1024 * 1024
@@ -46,7 +47,7 @@ class FleetView(Protocol):
 class Counted:
     model: ModelConfig
     parsed: ParsedRequest
-    prompt: PromptTokens
+    prompt: PromptEstimate
     # Output tokens reserved per sequence.
     output_tokens: int
     demand: Demand
@@ -61,6 +62,7 @@ async def plan_request(
     counters: TokenCounters,
     calibration: PromptCalibration,
     fleet: FleetView,
+    node_tokenizer: NodeTokenizer | None = None,
 ) -> Counted:
     limits = Limits(config.admission.max_messages, config.admission.max_content_parts)
     if len(raw) > OFF_LOOP_BYTES:
@@ -69,16 +71,38 @@ async def plan_request(
         check_message_count(raw, limits)
         # Parsing and validating a large body takes milliseconds of Python: not on the loop.
         loop = asyncio.get_running_loop()
-        parsed, model, plan, known = await loop.run_in_executor(
+        parsed, model = await loop.run_in_executor(
             counters.executor, _parse, raw, kind, config, limits
         )
     else:
-        parsed, model, plan, known = _parse(raw, kind, config, limits)
+        parsed, model = _parse(raw, kind, config, limits)
     # Counting stops once the prompt is past the largest context on offer: it is refused.
     largest = fleet.largest_context(model.name)
-    prompt = await counters.for_tokenizer(model.tokenizer).count(plan, known, largest or None)
-    margin = model.tokenizer.estimate_margin
-    each = [calibration.scaled(model.name, p, margin) for p in (prompt.each or (prompt.total,))]
+    estimator = counters.estimator_for(model.tokenizer)
+    body = parsed.body
+    if parsed.kind == "completion":
+        counted_body = body
+        prompt = await estimator.completion(body, largest or None)
+    else:
+        counted_body = (
+            body
+            if parsed.kind == "chat"
+            else {"messages": responses_messages(body), "tools": body.get("tools")}
+        )
+        prompt = await estimator.chat(counted_body, largest or None)
+    if (
+        node_tokenizer is not None
+        and not prompt.exact
+        and prompt.prompts == 1
+        and node_tokenizer.worth_asking(
+            prompt.longest, prompt.standin, parsed.requested_output or 1, largest
+        )
+    ):
+        # The bound comes near the largest context: the node's own count decides.
+        exact = await node_tokenizer.count(model, counted_body, chat=parsed.kind != "completion")
+        if exact is not None:
+            prompt = node_counted(prompt, exact)
+    each = reserved_prompts(prompt, model, calibration)
     longest = max(each)
     output, injected = output_budget(parsed, config, longest, largest)
     demand = Demand(
@@ -95,9 +119,45 @@ async def plan_request(
     return Counted(model, parsed, prompt, output, demand, injected)
 
 
+def node_counted(prompt: PromptEstimate, count: int) -> PromptEstimate:
+    """``prompt`` as the node counts it (one prompt)."""
+    return replace(prompt, total=count, longest=count, each=(count,), exact=True)
+
+
+def with_node_count(counted: Counted, count: int, block_size: int) -> Counted:
+    """``counted`` re-planned with the node's own count of its single prompt (from a
+    context-length refusal): what a second admission reserves."""
+    prompt = node_counted(counted.prompt, count)
+    d = counted.demand
+    demand = replace(
+        d,
+        prompt_tokens=count,
+        longest_prompt=count,
+        tokens=demand_tokens(
+            [count], counted.output_tokens, counted.parsed.sequences_per_prompt, block_size
+        ),
+    )
+    return replace(counted, prompt=prompt, demand=demand)
+
+
+def reserved_prompts(
+    prompt: PromptEstimate, model: ModelConfig, calibration: PromptCalibration
+) -> list[int]:
+    """What to reserve for each prompt. The model's own count is exact and taken as it is.
+    Otherwise the stand-in's bound, and never less than what the nodes' reports say the
+    stand-in's count grows to (calibration: template overhead, tokenizer ratio)."""
+    each = list(prompt.each or (prompt.total,))
+    if prompt.exact:
+        return each
+    margin = model.tokenizer.estimate_margin
+    if len(each) == 1:
+        return [max(each[0], calibration.scaled(model.name, prompt.standin, margin))]
+    return [calibration.scaled(model.name, n, margin) for n in each]
+
+
 def _parse(
     raw: bytes, kind: Kind, config: GatewayConfig, limits: Limits
-) -> tuple[ParsedRequest, ModelConfig, CountPlan, list[int]]:
+) -> tuple[ParsedRequest, ModelConfig]:
     body = parse_body(raw, limits)
     if kind == "chat":
         parsed = parse_chat(body, limits)
@@ -111,13 +171,7 @@ def _parse(
             f"The model `{parsed.model}` does not exist or you do not have access to it.",
             param="model",
         )
-    if parsed.kind == "chat":
-        return parsed, model, plan_chat(body, model.tokenizer), []
-    if parsed.kind == "responses":
-        as_chat = {"messages": responses_messages(body), "tools": body.get("tools")}
-        return parsed, model, plan_chat(as_chat, model.tokenizer), []
-    plan, known = plan_completion(body["prompt"])
-    return parsed, model, plan, known
+    return parsed, model
 
 
 def output_budget(

@@ -34,10 +34,15 @@ from kvgateway.errors import (
 from kvgateway.server.accesslog import AccessRecord
 from kvgateway.server.exchange import Exchange, Failure, Outcome, finish
 from kvgateway.server.openai_request import Kind
-from kvgateway.server.planning import plan_request, upstream_body
-from kvgateway.server.relay import error_event, relay_body, relay_stream
+from kvgateway.server.planning import plan_request, upstream_body, with_node_count
+from kvgateway.server.relay import answer_body, error_event, error_message, read_body, relay_stream
 from kvgateway.server.state import GatewayState
 from kvgateway.server.tracing import Tracing, set_attributes
+from kvgateway.tokens.node_count import (
+    NodeCount,
+    parse_context_length_error,
+    readmission_prompt_tokens,
+)
 from kvgateway.upstream.client import open_request, read_capped
 
 log = logging.getLogger("kvgateway.server.proxy")
@@ -150,7 +155,9 @@ async def _count_and_forward(state: GatewayState, ex: Exchange, kind: Kind) -> w
     cfg = state.config
     raw = await read_limited(ex.request, cfg.admission.max_body_bytes, cfg.server.body_timeout_s)
     ex.body_read = True
-    counted = await plan_request(raw, kind, cfg, state.counters, state.calibration, state.fleet)
+    counted = await plan_request(
+        raw, kind, cfg, state.counters, state.calibration, state.fleet, state.node_tokenizer
+    )
     ex.counted = counted
     rec = ex.record
     rec.model = counted.model.name
@@ -162,12 +169,12 @@ async def _count_and_forward(state: GatewayState, ex: Exchange, kind: Kind) -> w
 
 async def _forward(state: GatewayState, ex: Exchange, body: bytes) -> web.StreamResponse:
     """Admit, send, relay; on a failure before the first byte, try another backend."""
-    counted = ex.counted
-    assert counted is not None
     deadline = ex.started + state.config.admission.queue_timeout_s
     excluded: set[str] = set()
     last_error: UpstreamError | None = None
     while True:
+        counted = ex.counted
+        assert counted is not None
         ex.record.attempts += 1
         with state.tracing.span("gateway.admission", tokens=counted.demand.tokens) as span:
             r = await _admit(state, ex, counted.demand, deadline, excluded, last_error)
@@ -186,14 +193,18 @@ async def _forward(state: GatewayState, ex: Exchange, body: bytes) -> web.Stream
                 excluded.add(r.backend.name)
                 last_error = outcome
                 continue
+            if isinstance(outcome, NodeCount):  # the node counted more: admit again, once
+                _recount(state, ex, r, outcome)
+                continue
             return outcome
 
 
 async def _attempt(
     state: GatewayState, ex: Exchange, r: Reservation, body: bytes
-) -> web.StreamResponse | UpstreamError:
-    """One try on the backend ``r`` holds room on: the relayed answer, or the failure to
-    retry elsewhere (raised instead when it may not be retried)."""
+) -> web.StreamResponse | UpstreamError | NodeCount:
+    """One try on the backend ``r`` holds room on: the relayed answer, the failure to
+    retry elsewhere (raised instead when it may not be retried), or the node's own count
+    of a prompt it refused as too long (counted with a stand-in: admit again with it)."""
     counted = ex.counted
     assert counted is not None
     backend = r.backend
@@ -218,7 +229,33 @@ async def _attempt(
         backend.consecutive_failures = 0
         if counted.parsed.stream and resp.status == 200:
             return await relay_stream(state, ex, resp, r)
-        return await relay_body(state, ex, resp, r)
+        data = await read_body(state, ex, resp, r)
+        if resp.status == 400 and not counted.prompt.exact and not ex.recounted:
+            node = parse_context_length_error(error_message(data))
+            if node is not None and counted.prompt.prompts == 1:
+                return node
+        return answer_body(state, ex, resp, r, data)
+
+
+def _recount(state: GatewayState, ex: Exchange, r: Reservation, node: NodeCount) -> None:
+    """Re-plan with the count the node gave when it refused the prompt, and learn it."""
+    counted = ex.counted
+    assert counted is not None
+    tokens = readmission_prompt_tokens(node, r.backend.max_model_len)
+    r.backend.note_rejection(state.clock())
+    if not node.at_least:
+        state.calibration.observe(
+            r.backend.name, counted.model.name, counted.prompt.standin, tokens
+        )
+    ex.recounted = True
+    ex.counted = with_node_count(counted, tokens, state.fleet.block_size(counted.model.name))
+    log.info(
+        "backend %s counted the prompt as %s%d tokens (the gateway %d): admitting again",
+        r.backend.name,
+        "at least " if node.at_least else "",
+        node.prompt_tokens,
+        counted.prompt.longest,
+    )
 
 
 async def _admit(

@@ -8,6 +8,7 @@ and ``data: [DONE]`` so SDK clients see a clean end.
 from __future__ import annotations
 
 import asyncio
+import json
 
 from aiohttp import web
 
@@ -43,24 +44,44 @@ def _reconcile(state: GatewayState, ex: Exchange, r: Reservation, data: bytes) -
     counted = ex.counted
     assert counted is not None
     usage = find_usage(data)
-    if usage is not None and counted.prompt.prompts == 1:
-        # vLLM reports the prompt once per request, whatever n is.
+    # vLLM reports the prompt once per request, whatever n is. Learned on the stand-in's
+    # own count (what calibration scales); exact counts need no correction.
+    if usage is not None and counted.prompt.prompts == 1 and not counted.prompt.exact:
         state.calibration.observe(
-            r.backend.name, counted.model.name, counted.prompt.total, usage.prompt_tokens
+            r.backend.name, counted.model.name, counted.prompt.standin, usage.prompt_tokens
         )
 
 
-async def relay_body(
+async def read_body(
     state: GatewayState, ex: Exchange, resp: UpstreamResponse, r: Reservation
-) -> web.Response:
+) -> bytes:
+    """A non-streamed answer, whole, within the backend's total timeout."""
     remaining = ex.started + r.backend.config.timeouts.total_s - state.clock()
     try:
         async with asyncio.timeout(max(0.1, remaining)):
-            data = await resp.read(MAX_RESPONSE_BYTES)
+            return await resp.read(MAX_RESPONSE_BYTES)
     except TimeoutError as exc:
         raise UpstreamTimeout(
             f"Backend {r.backend.name} did not finish within the total timeout.", retryable=False
         ) from exc
+
+
+def error_message(data: bytes) -> str:
+    """The ``message`` of an OpenAI-style error body ('' if it is not one)."""
+    try:
+        body = json.loads(data)
+    except ValueError:
+        return ""
+    err = body.get("error") if isinstance(body, dict) else None
+    if isinstance(err, dict):
+        body = err
+    message = body.get("message") if isinstance(body, dict) else None
+    return message if isinstance(message, str) else ""
+
+
+def answer_body(
+    state: GatewayState, ex: Exchange, resp: UpstreamResponse, r: Reservation, data: bytes
+) -> web.Response:
     if resp.status == 200:
         _reconcile(state, ex, r, data)
         ex.record.outcome = Outcome.OK

@@ -18,6 +18,7 @@ from kvgateway.core.routing import Decision, Wait
 from kvgateway.ledger.redis_ledger import RedisLedger
 from kvgateway.server.exchange import Exchange
 from kvgateway.server.metrics import GatewayMetrics
+from kvgateway.server.node_tokenize import NodeTokenizer
 from kvgateway.server.tracing import Tracing
 from kvgateway.tokens.calibration import PromptCalibration
 from kvgateway.tokens.counters import TokenCounters
@@ -59,6 +60,8 @@ class GatewayState:
         self.active: dict[asyncio.Task[object], Exchange] = {}
         # Turn counter breaking ties between equally loaded nodes for pass-through calls.
         self.passthrough_turn = 0
+        # Asked for a node's own count when a stand-in bound comes near a limit.
+        self.node_tokenizer = NodeTokenizer(session, fleet)
         self.calibration = PromptCalibration(
             lambda model, ratio: metrics.estimate_ratio.labels(model=model).observe(ratio)
         )

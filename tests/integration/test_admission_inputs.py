@@ -8,7 +8,7 @@ import asyncio
 
 import aiohttp
 
-from tests.support.fleet import MODEL, StartFleet
+from tests.support.fleet import MODEL, SERVED, StartFleet
 
 SMALL = [("small-1", "small", "gpu24-8b", {})]
 
@@ -82,7 +82,14 @@ async def test_max_tokens_zero_is_an_echo_and_otherwise_a_clear_400(start_fleet:
 
 
 async def test_best_of_reserves_every_sequence_the_node_runs(start_fleet: StartFleet):
-    fleet = await start_fleet(SMALL, time_scale=5)
+    # Counted as the node counts (the stand-in's count as it is), to check the arithmetic.
+    fleet = await start_fleet(
+        SMALL,
+        time_scale=5,
+        gateway={
+            "models": [{"name": MODEL, "served_name": SERVED, "tokenizer": {"upper_bound": False}}]
+        },
+    )
     node = fleet.backend("small-1")
     body = {
         "model": MODEL,

@@ -11,7 +11,7 @@ import aiohttp
 import openai
 import pytest
 
-from tests.support.fleet import MODEL, StartFleet
+from tests.support.fleet import MODEL, SERVED, StartFleet
 
 
 @pytest.fixture
@@ -339,7 +339,13 @@ async def test_api_keys(start_fleet: StartFleet, clients):
 
 async def test_reservations_learn_from_the_nodes_own_token_counts(start_fleet: StartFleet):
     # The node's tokenizer counts 25% more than the gateway's tiktoken estimate.
-    fleet = await start_fleet([("only", "small", "gpu24-8b", {"tokenizer_scale": 1.25})])
+    fleet = await start_fleet(
+        [("only", "small", "gpu24-8b", {"tokenizer_scale": 1.25})],
+        # The stand-in's count as it is, corrected by what the node reports.
+        gateway={
+            "models": [{"name": MODEL, "served_name": SERVED, "tokenizer": {"upper_bound": False}}]
+        },
+    )
     body = {"model": MODEL, "messages": [{"role": "user", "content": words(1000)}], "max_tokens": 4}
     reserved = [fleet.state.calibration.scaled(MODEL, 1000, 0.0)]  # before any answer
     async with aiohttp.ClientSession() as s:
