@@ -2,6 +2,7 @@
 # Installs the programs some tests drive, when they are missing (Debian packages):
 #   promtool + prometheus  (package prometheus)     metrics, alert-rule and live-scrape tests
 #   dnsmasq                (package dnsmasq-base)   DNS discovery tests (a DNS server on loopback)
+#   redis-server           (package redis-server)   shared-ledger tests (tests start their own)
 # `make test` runs it first. A no-op when all are on PATH.
 # Where they cannot be installed (no apt-get, not root, no network) a developer's run goes on
 # and those tests skip, saying why; with CI=true this script fails instead, so CI always runs them.
@@ -11,6 +12,7 @@ have() { command -v "$1" >/dev/null 2>&1; }
 missing=()
 have promtool && have prometheus || missing+=(prometheus)
 have dnsmasq || missing+=(dnsmasq-base)
+have redis-server || missing+=(redis-server)
 [ ${#missing[@]} -eq 0 ] && exit 0
 
 give_up() {
@@ -37,10 +39,12 @@ $SUDO apt-get update -qq || give_up "apt-get update failed"
 # binary without the system service (which would take port 53).
 $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null \
   || give_up "apt-get install ${missing[*]} failed"
-# The prometheus package starts a system service on some machines; tests run their own.
+# The prometheus and redis-server packages start system services on some machines; tests
+# run their own, on free ports.
 if have systemctl; then
   $SUDO systemctl stop prometheus >/dev/null 2>&1 || true
+  $SUDO systemctl stop redis-server >/dev/null 2>&1 || true
 fi
-for tool in promtool prometheus dnsmasq; do
+for tool in promtool prometheus dnsmasq redis-server; do
   have "$tool" || give_up "the packages installed no $tool on PATH"
 done

@@ -3,7 +3,16 @@
 from tests.support.capacity_data import data_dir
 from tests.support.fleet import start_fleet
 from tests.support.live import live_gateway
+from tests.support.redis_server import redis_server
 from tests.support.sim import encodings, sim
 from tests.support.vocab import vocab_dirs
 
-__all__ = ["data_dir", "encodings", "live_gateway", "sim", "start_fleet", "vocab_dirs"]
+__all__ = [
+    "data_dir",
+    "encodings",
+    "live_gateway",
+    "redis_server",
+    "sim",
+    "start_fleet",
+    "vocab_dirs",
+]

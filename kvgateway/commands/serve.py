@@ -13,10 +13,12 @@ from dataclasses import replace
 
 from aiohttp import web
 
+from kvgateway.commands.workers import supervise
 from kvgateway.config.load import load_config
 from kvgateway.config.model import GatewayConfig
 from kvgateway.config.yamlread import ConfigError
 from kvgateway.core.derived_limits import derive_all
+from kvgateway.ledger.connect import LedgerConfigError
 from kvgateway.server.accesslog import setup_logging
 from kvgateway.server.app import STATE, create_app
 from kvgateway.server.protocol import GatewayRunner
@@ -42,6 +44,21 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "(default: server.drain_delay_s from the config)",
     )
     p.add_argument("--log-level", default="INFO", help="root log level (default INFO)")
+    p.add_argument(
+        "--ledger-url",
+        help="redis:// or rediss:// URL of the shared reservation ledger "
+        "(default: ledger.url from the config; none: reservations stay in this process)",
+    )
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="worker processes sharing the port (SO_REUSEPORT); more than 1 needs the "
+        "shared ledger (ledger.url in the config)",
+    )
+    # Set by --workers on each worker it starts.
+    p.add_argument("--worker-index", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--metrics-dir", help=argparse.SUPPRESS)
     p.set_defaults(func=_main)
 
 
@@ -60,8 +77,35 @@ def _main(args: argparse.Namespace) -> int:
         ),
     )
     config = replace(config, server=server)
+    if args.ledger_url:
+        if not args.ledger_url.startswith(("redis://", "rediss://")):
+            sys.stderr.write(
+                f"gateway: --ledger-url must be redis:// or rediss://, got {args.ledger_url!r}\n"
+            )
+            return 2
+        config = replace(config, ledger=replace(config.ledger, url=args.ledger_url))
+    if args.workers < 1:
+        sys.stderr.write("gateway: --workers must be at least 1\n")
+        return 2
+    if args.workers > 1 and not config.ledger.shared:
+        sys.stderr.write(
+            f"gateway: --workers {args.workers} needs the shared ledger: each worker "
+            "would otherwise reserve every node's whole KV budget. Set ledger.url "
+            "(redis://HOST:PORT/DB) in the config or pass --ledger-url, or run one worker.\n"
+        )
+        return 2
     setup_logging(config.server.log_format, args.log_level)
-    run(serve(config, config_path=args.config, watch=args.watch))
+    if args.workers > 1:
+        return supervise(args, args.workers)
+    run(
+        serve(
+            config,
+            config_path=args.config,
+            watch=args.watch,
+            worker=args.worker_index,
+            metrics_dir=args.metrics_dir,
+        )
+    )
     return 0
 
 
@@ -89,6 +133,8 @@ async def serve(
     watch: bool = False,
     ready: Callable[[str], None] | None = None,
     stop: asyncio.Event | None = None,
+    worker: int | None = None,
+    metrics_dir: str | None = None,
 ) -> None:
     """Serve until SIGINT/SIGTERM (or ``stop`` is set), then shut down in order:
     /ready fails, the listener closes, in-flight requests get ``shutdown_grace_s`` to
@@ -97,11 +143,20 @@ async def serve(
         derived = derive_all(config)
     except ConfigError as exc:
         raise SystemExit(f"gateway: invalid config: {exc}") from exc
-    app = create_app(config, derived=derived)
+    try:
+        app = create_app(config, derived=derived, worker=worker, metrics_dir=metrics_dir)
+    except LedgerConfigError as exc:
+        raise SystemExit(f"gateway: {exc}") from exc
     # Draining is ours (see _shutdown); aiohttp only has to close what is left.
     runner = GatewayRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0)
     await runner.setup()
-    site = web.TCPSite(runner, config.server.host, config.server.port, backlog=2048)
+    site = web.TCPSite(
+        runner,
+        config.server.host,
+        config.server.port,
+        backlog=2048,
+        reuse_port=worker is not None,
+    )
     await site.start()
     url = f"http://{config.server.host}:{config.server.port}"
     log.info("gateway listening on %s (policy %s)", url, config.routing.policy)

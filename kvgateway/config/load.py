@@ -21,6 +21,7 @@ from kvgateway.config.model import (
     DnsGroupConfig,
     GatewayConfig,
     HealthConfig,
+    LedgerConfig,
     LoadFeedbackConfig,
     ModelConfig,
     Policy,
@@ -86,6 +87,7 @@ def _parse(root: Section, source: str, encodings: EncodingCache | None) -> Gatew
     default_timeouts = _timeouts(root.section("timeouts"), TimeoutConfig())
     discovery = _discovery(root.section("discovery"))
     auth = read_auth(root.section("auth"), server.api_keys)
+    ledger = _ledger(root.section("ledger"))
     tracing_section = root.section("tracing")
     tracing = TracingConfig(enabled=tracing_section.flag("enabled", TracingConfig().enabled))
     tracing_section.reject_unknown()
@@ -109,6 +111,7 @@ def _parse(root: Section, source: str, encodings: EncodingCache | None) -> Gatew
         tiers=tiers,
         discovery=discovery,
         auth=auth,
+        ledger=ledger,
         tracing=tracing,
         source=source,
     )
@@ -256,6 +259,28 @@ def _discovery(s: Section) -> DiscoveryConfig:
     cfg = DiscoveryConfig(
         nameservers=s.str_list("nameservers"),
         timeout_s=s.number("timeout_s", DiscoveryConfig().timeout_s),
+    )
+    s.reject_unknown()
+    return cfg
+
+
+def _ledger(s: Section) -> LedgerConfig:
+    d = LedgerConfig()
+    url = s.opt_str("url") or ""
+    if url and not url.startswith(("redis://", "rediss://")):
+        s.fail("url", f"expected a redis:// or rediss:// URL, got {url!r}")
+    lease = s.number("lease_s", d.lease_s)
+    timeout = s.number("timeout_s", d.timeout_s)
+    if timeout * 3 > lease:
+        s.fail("timeout_s", f"must be at most a third of lease_s ({lease:g}), got {timeout:g}")
+    cfg = LedgerConfig(
+        url=url,
+        password_env=s.opt_str("password_env") or "",
+        lease_s=lease,
+        timeout_s=timeout,
+        replica_id=s.opt_str("replica_id") or "",
+        namespace=s.text("namespace", d.namespace),
+        fallback_replicas=s.integer("fallback_replicas", d.fallback_replicas),
     )
     s.reject_unknown()
     return cfg

@@ -256,6 +256,32 @@ class AuthConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class LedgerConfig:
+    """Where reservations are kept: in this process (``url`` empty) or in a Redis that
+    every replica shares, so that their sum per backend never exceeds its budget."""
+
+    url: str = ""
+    # The name of an environment variable holding the Redis password (never the password).
+    password_env: str = ""
+    # A replica that stops refreshing its lease for this long loses its reservations.
+    lease_s: float = 10.0
+    # Bound on every Redis call; past it the replica falls back to its local share.
+    timeout_s: float = 0.25
+    # Identity of this replica in the ledger (default: host name, port and worker index);
+    # a replica restarting with the same identity starts from zero, not on top of its past.
+    replica_id: str = ""
+    # Prefix of every Redis key, so several fleets can share one Redis.
+    namespace: str = "kvgw"
+    # The replica count the blind share assumes until Redis has answered once (a replica
+    # that starts while Redis is down has never seen the real count).
+    fallback_replicas: int = 2
+
+    @property
+    def shared(self) -> bool:
+        return bool(self.url)
+
+
+@dataclass(frozen=True, slots=True)
 class GatewayConfig:
     server: ServerConfig
     models: tuple[ModelConfig, ...]
@@ -266,6 +292,7 @@ class GatewayConfig:
     tiers: tuple[TierConfig, ...]
     discovery: DiscoveryConfig = DiscoveryConfig()
     auth: AuthConfig = AuthConfig()
+    ledger: LedgerConfig = LedgerConfig()
     tracing: TracingConfig = TracingConfig()
     source: str = "<memory>"
     _model_index: dict[str, ModelConfig] = field(default_factory=dict, compare=False)

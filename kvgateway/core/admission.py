@@ -36,6 +36,7 @@ from kvgateway.config.model import GatewayConfig, Policy
 from kvgateway.core.backends import Backend, PauseReason
 from kvgateway.core.demand import Demand, can_ever_hold, tokens_on
 from kvgateway.core.fleet import Fleet
+from kvgateway.core.ledger import Ledger, LocalLedger
 from kvgateway.core.routing import (
     Decision,
     NoBackend,
@@ -74,6 +75,9 @@ class Reservation:
     queued_s: float = 0.0
     released: bool = False
     ticket: Ticket | None = None
+    # False only when a shared ledger refused it (see core/ledger.py): nothing to give
+    # back there. Otherwise its release is reported to the ledger.
+    counted: bool = True
     id: int = field(default_factory=lambda: next(_ids))
 
     def release(self) -> bool:
@@ -145,10 +149,12 @@ class Admission:
         queue_size: Callable[[], int],
         clock: Callable[[], float],
         on_decision: Callable[[Decision, Demand], None] | None = None,
+        ledger: Ledger | None = None,
         abort_delay: Callable[[], float] = lambda: 0.0,
         tenancy: Tenancy | None = None,
         budget: Callable[[], int] = lambda: 0,
     ) -> None:
+        self._ledger: Ledger = ledger if ledger is not None else LocalLedger()
         self._abort_delay = abort_delay
         self._tenancy = tenancy
         self._budget = budget
@@ -172,6 +178,7 @@ class Admission:
         clock: Callable[[], float],
         on_decision: Callable[[Decision, Demand], None] | None = None,
         tenancy: Tenancy | None = None,
+        ledger: Ledger | None = None,
     ) -> Admission:
         """Admission over ``fleet``, following the live config (it changes on reload)."""
         return cls(
@@ -184,6 +191,7 @@ class Admission:
             queue_size=lambda: config().admission.queue_size,
             clock=clock,
             on_decision=on_decision,
+            ledger=ledger,
             abort_delay=lambda: config().admission.abort_release_delay_s,
         )
 
@@ -276,6 +284,8 @@ class Admission:
         if reservation.released:
             return False
         reservation.released = True
+        if reservation.counted:
+            self._ledger.release(reservation)
         self._adjust(reservation.backend, -reservation.tokens, -reservation.seqs, -1)
         if reservation.ticket is not None and self._tenancy is not None:
             # A tenant limit may open too: _offer asks each waiter's gate again.
@@ -331,6 +341,15 @@ class Admission:
         if gone:
             self._waiters = deque(w for w in self._waiters if w not in gone)
 
+    def waiting_for(self, name: str) -> bool:
+        """Does a queued request claim backend ``name``? (A shared ledger tells the other
+        replicas, so their new arrivals leave the room to it.)"""
+        return self._claim_counts[name] > 0
+
+    def offer(self, b: Backend) -> None:
+        """Room may have appeared on ``b`` from outside (another replica released)."""
+        self._offer(b)
+
     def _offer(self, b: Backend) -> None:
         """Only ``b`` gained room: walk the waiters that claim it, in order, and stop at
         the first one it cannot take (later ones may not pass it). Nobody else's options
@@ -375,6 +394,31 @@ class Admission:
         Raises ContextLengthExceeded (never fits), NoHealthyBackend, or Saturated
         (queue full or timed out).
         """
+        if not self._ledger.shared:
+            return await self._admit_local(demand, timeout)
+        # Shared ledger: the local grant must be confirmed; a refusal has refreshed the
+        # view (the backend now looks fuller), so deciding again picks another or waits.
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            r = await self._admit_local(demand, deadline - loop.time())
+            ok = False
+            try:
+                ok = await self._ledger.confirm(r)
+            finally:
+                if not ok:
+                    r.counted = False
+                    self.release(r)
+            if ok:
+                return r
+            if loop.time() >= deadline:
+                raise Saturated(
+                    f"The shared ledger had no room for this request ({demand.tokens} KV "
+                    f"tokens) within {timeout:g}s. Retry later.",
+                    retry_after=max(1.0, timeout / 2),
+                )
+
+    async def _admit_local(self, demand: Demand, timeout: float) -> Reservation:
         ticket = self._tenancy.ticket(demand.tenant, demand.tokens) if self._tenancy else None
         outcome = self.try_admit(demand, ticket)
         if self._on_decision is not None and not isinstance(outcome, Reservation):

@@ -3,11 +3,11 @@
 A limit holds over any sliding minute: the window keeps each charge with its time, so
 "at most N per minute" is exact (a token bucket would let a full bucket plus a minute of
 refill, twice the limit, through in its first minute). A request is charged at admission
-with its counted prompt and its reserved output; :meth:`LocalLedger.settle` replaces the
+with its counted prompt and its reserved output; :meth:`LocalQuotaLedger.settle` replaces the
 reserved output with what was generated, so an unused reservation is given back.
 
 :class:`QuotaLedger` is the seam for a fleet-wide ledger (the same calls over a shared
-store); :class:`LocalLedger` keeps the windows in this process, so without a shared
+store); :class:`LocalQuotaLedger` keeps the windows in this process, so without a shared
 ledger every gateway replica enforces the limits on its own.
 """
 
@@ -130,7 +130,7 @@ def _limit_of(limits: TenantLimits, name: str) -> int | None:
     return value
 
 
-class LocalLedger:
+class LocalQuotaLedger:
     """:class:`QuotaLedger` in this process (no sharing between replicas)."""
 
     def __init__(self) -> None:

@@ -10,7 +10,8 @@ from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 from kvgateway.core.backends import Backend
 from kvgateway.errors import ModelNotFound
-from kvgateway.server.appkeys import STATE
+from kvgateway.server.appkeys import EXPOSITION, STATE
+from kvgateway.server.ledger_view import ready_details
 from kvgateway.server.state import GatewayState
 from kvgateway.server.tenants import tenants_view
 
@@ -60,7 +61,13 @@ async def ready(request: web.Request) -> web.Response:
         return web.json_response({"ready": False, "reason": "shutting down"}, status=503)
     if not healthy:
         return web.json_response({"ready": False, "reason": "no healthy backend"}, status=503)
-    return web.json_response({"ready": True, "healthy_backends": len(healthy)})
+    return web.json_response(
+        {
+            "ready": True,
+            "healthy_backends": len(healthy),
+            "ledger": ready_details(state.ledger),
+        }
+    )
 
 
 def _backend_view(b: Backend, now: float) -> dict[str, Any]:
@@ -114,7 +121,7 @@ async def admin_backends(request: web.Request) -> web.Response:
             "backends": [_backend_view(b, now) for b in state.fleet.backends],
             "queue_depth": state.admission.queue_depth,
             "policy": state.config.routing.policy,
-            "tenants": tenants_view(state.tenancy, state.ledger, now),
+            "tenants": tenants_view(state.tenancy, state.quotas, now),
         }
     )
 
@@ -122,5 +129,5 @@ async def admin_backends(request: web.Request) -> web.Response:
 async def metrics(request: web.Request) -> web.Response:
     state = request.app[STATE]
     state.metrics.queue_depth.set(state.admission.queue_depth)
-    body = generate_latest(state.metrics.registry)
+    body = generate_latest(request.app[EXPOSITION])
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_PLAIN_0_0_4})

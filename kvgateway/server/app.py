@@ -20,6 +20,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 from prometheus_client import CollectorRegistry
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from kvgateway import __version__
 from kvgateway.config.model import GatewayConfig
@@ -29,7 +30,8 @@ from kvgateway.core.limits import Observed
 from kvgateway.core.quota import QuotaLedger
 from kvgateway.errors import BodyTooLarge, GatewayError, MethodNotAllowed, NotFound, Unauthorized
 from kvgateway.server import admin
-from kvgateway.server.appkeys import MONITOR, STATE
+from kvgateway.server.appkeys import EXPOSITION, MONITOR, STATE
+from kvgateway.server.ledger_view import LedgerMetrics, build_ledger
 from kvgateway.server.metrics import FleetCollector, GatewayMetrics
 from kvgateway.server.passthrough import PATHS as PASSTHROUGH_PATHS
 from kvgateway.server.passthrough import handle_passthrough
@@ -59,17 +61,30 @@ def create_app(
     derived: dict[str, Observed] | None = None,
     count_workers: int = 2,
     tracer_provider: Any | None = None,
-    ledger: QuotaLedger | None = None,
+    quota_ledger: QuotaLedger | None = None,
+    worker: int | None = None,
+    metrics_dir: str | None = None,
 ) -> web.Application:
-    """The gateway. ``ledger`` holds the tenants' per-minute quotas; by default each
-    process keeps its own (a shared ledger makes them fleet-wide)."""
+    """The gateway. ``quota_ledger`` holds the tenants' per-minute quotas; by default each
+    process keeps its own. ``worker`` / ``metrics_dir``: this app is worker ``worker`` of
+    ``serve --workers``, its metrics written to (and /metrics read from) the shared
+    ``metrics_dir``."""
     registry = registry if registry is not None else CollectorRegistry()
     tracing = from_environment(config.tracing.enabled, tracer_provider)
     metrics = GatewayMetrics(registry)
     # Limits derived from capacity blocks (and each hybrid model's KV groups).
     fleet = Fleet(config, derive_all(config) if derived is None else derived)
     encodings = encodings or EncodingCache()
-    registry.register(FleetCollector(lambda: fleet.backends, clock))
+    ledger = build_ledger(config, fleet, LedgerMetrics(registry), worker)
+    live = FleetCollector(
+        lambda: fleet.backends, clock, ledger.others_tokens if ledger is not None else None
+    )
+    registry.register(live)
+    exposition = registry
+    if metrics_dir is not None:
+        exposition = CollectorRegistry()
+        MultiProcessCollector(exposition, path=metrics_dir)  # type: ignore[no-untyped-call]
+        exposition.register(live)
     metrics.build_info.labels(version=__version__, policy=config.routing.policy).set(1)
     # Load every tokenizer now: a bad encoding must fail start-up, not the first request.
     for model in config.models:
@@ -105,9 +120,10 @@ def create_app(
                 session,
                 clock=clock,
                 tracing=tracing,
+                quota_ledger=quota_ledger,
                 ledger=ledger,
             )
-            collector = TenantCollector(state.tenancy, state.ledger, clock)
+            collector = TenantCollector(state.tenancy, state.quotas, clock)
             registry.register(collector)
             monitor = Monitor(
                 fleet=fleet,
@@ -122,7 +138,10 @@ def create_app(
             await monitor.probe_all_once()
             monitor.sync()
             try:
-                async with _dns_discovery(app, config):
+                async with contextlib.AsyncExitStack() as stack:
+                    if ledger is not None:
+                        await stack.enter_async_context(ledger.running(state.admission))
+                    await stack.enter_async_context(_dns_discovery(app, config))
                     yield
             finally:
                 await monitor.close()
@@ -132,6 +151,7 @@ def create_app(
             pool.shutdown(wait=False, cancel_futures=True)
             huge.shutdown(wait=False, cancel_futures=True)
 
+    app[EXPOSITION] = exposition
     app.cleanup_ctx.append(runtime)
 
     async def chat(request: web.Request) -> web.StreamResponse:

@@ -1,11 +1,16 @@
-"""The typed keys under which the app holds its state and monitor (aiohttp ``AppKey``)."""
+"""The typed keys under which the app holds its state, monitor and metrics exposition
+(aiohttp ``AppKey``)."""
 
 from __future__ import annotations
 
 from aiohttp import web
+from prometheus_client import CollectorRegistry
 
 from kvgateway.server.state import GatewayState
 from kvgateway.upstream.monitor import Monitor
 
 STATE = web.AppKey("state", GatewayState)
 MONITOR = web.AppKey("monitor", Monitor)
+# What /metrics exposes: the app's registry, or with `serve --workers N` every worker's
+# series merged (prometheus-client multiprocess mode) plus this worker's live collectors.
+EXPOSITION = web.AppKey("exposition", CollectorRegistry)

@@ -188,9 +188,17 @@ class GatewayMetrics:
 class FleetCollector(Collector):
     """Per-backend gauges read from live state at scrape time."""
 
-    def __init__(self, backends: Callable[[], Sequence[Backend]], now: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        backends: Callable[[], Sequence[Backend]],
+        now: Callable[[], float],
+        others: Callable[[Backend], int] | None = None,
+    ) -> None:
         self._backends = backends
         self._now = now
+        # With a shared ledger: what the other replicas hold on a backend (folded into
+        # its counters). `reserved` stays this process's own, so sums over replicas hold.
+        self._others = others
 
     def collect(self) -> Iterable[Metric]:
         labels = ["backend", "tier", "model"]
@@ -207,7 +215,13 @@ class FleetCollector(Collector):
                 "gateway_backend_kv_cache_tokens", "The backend's KV-cache capacity in tokens."
             ),
             "reserved": gauge(
-                "gateway_backend_reserved_tokens", "KV tokens reserved by requests in flight."
+                "gateway_backend_reserved_tokens",
+                "KV tokens reserved by requests in flight through this gateway process.",
+            ),
+            "fleet_reserved": gauge(
+                "gateway_backend_fleet_reserved_tokens",
+                "KV tokens reserved on the backend by every gateway replica, as this one's "
+                "ledger last saw (its own only with the in-process ledger).",
             ),
             "in_flight": gauge("gateway_backend_in_flight", "Requests in flight."),
             "cap": gauge(
@@ -238,7 +252,9 @@ class FleetCollector(Collector):
             lv = [b.name, b.tier, b.model]
             fams["budget"].add_metric(lv, b.budget_tokens)
             fams["kv"].add_metric(lv, b.kv_cache_tokens)
-            fams["reserved"].add_metric(lv, b.reserved_tokens)
+            others = self._others(b) if self._others is not None else 0
+            fams["reserved"].add_metric(lv, b.reserved_tokens - others)
+            fams["fleet_reserved"].add_metric(lv, b.reserved_tokens)
             fams["in_flight"].add_metric(lv, b.in_flight)
             fams["cap"].add_metric(lv, b.max_num_seqs)
             fams["ctx"].add_metric(lv, b.max_model_len)

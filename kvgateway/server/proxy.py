@@ -134,7 +134,7 @@ async def handle_completion(
     finally:
         if task is not None:
             state.active.pop(task, None)
-        settle(ex, state.ledger, state.clock())
+        settle(ex, state.quotas, state.clock())
         finish(ex, state.metrics, state.clock(), state.config.server.access_log)
 
 
@@ -175,7 +175,7 @@ async def _count_and_forward(state: GatewayState, ex: Exchange, kind: Kind) -> w
     rec.stream = counted.parsed.stream
     body = upstream_body(counted) or raw
     ex.charge, ex.limit_headers = charge(
-        state.ledger,
+        state.quotas,
         state.tenancy,
         rec.tenant,
         counted.prompt.total,

@@ -50,6 +50,8 @@ def reload_config(app: web.Application, path: str) -> bool:
             old.server.host,
             old.server.port,
         )
+    if new.ledger.shared and new.ledger != old.ledger:
+        log.warning("ledger settings take effect on restart; the running ledger is unchanged")
     summary = apply_config(app, new, derived)
     state.metrics.reloads.labels(result="ok").inc()
     log.info(

@@ -14,9 +14,10 @@ from kvgateway.core.admission import Admission
 from kvgateway.core.demand import Demand
 from kvgateway.core.fleet import Fleet
 from kvgateway.core.membership import DiscoveredMembers
-from kvgateway.core.quota import LocalLedger, QuotaLedger
+from kvgateway.core.quota import LocalQuotaLedger, QuotaLedger
 from kvgateway.core.routing import Decision, Wait
 from kvgateway.core.tenancy import Tenancy
+from kvgateway.ledger.redis_ledger import RedisLedger
 from kvgateway.server.exchange import Exchange
 from kvgateway.server.metrics import GatewayMetrics
 from kvgateway.server.node_tokenize import NodeTokenizer
@@ -38,7 +39,8 @@ class GatewayState:
         *,
         clock: Clock = time.monotonic,
         tracing: Tracing | None = None,
-        ledger: QuotaLedger | None = None,
+        quota_ledger: QuotaLedger | None = None,
+        ledger: RedisLedger | None = None,
     ) -> None:
         self.config = config
         self.tracing = tracing or Tracing()
@@ -49,6 +51,8 @@ class GatewayState:
         self.counters = counters
         self.session = session
         self.clock = clock
+        # The shared ledger (None: reservations are this process's alone).
+        self.ledger = ledger
         self.started_at = clock()
         self.started_at_wall = time.time()
         # Shutdown phases: `draining` makes /ready fail while requests are still
@@ -65,7 +69,7 @@ class GatewayState:
             lambda model, ratio: metrics.estimate_ratio.labels(model=model).observe(ratio)
         )
         # Per-minute quotas: in this process unless a shared ledger is given.
-        self.ledger: QuotaLedger = ledger if ledger is not None else LocalLedger()
+        self.quotas: QuotaLedger = quota_ledger if quota_ledger is not None else LocalQuotaLedger()
         self.tenancy = Tenancy(lambda: self.config.auth)
         self.admission = Admission.for_fleet(
             fleet,
@@ -73,6 +77,7 @@ class GatewayState:
             clock,
             on_decision=self._count_decision,
             tenancy=self.tenancy,
+            ledger=ledger,
         )
 
     def _count_decision(self, decision: Decision, demand: Demand) -> None:

@@ -2,7 +2,7 @@
 admission, settled with the usage at the end), ``x-ratelimit-*`` headers, per-tenant
 metrics and the ``/admin/backends`` view ``gateway top`` reads.
 
-Quotas live in a :class:`~kvgateway.core.quota.QuotaLedger`: :class:`LocalLedger` (this
+Quotas live in a :class:`~kvgateway.core.quota.QuotaLedger`: :class:`LocalQuotaLedger` (this
 process only) unless a shared one is passed to ``create_app``.
 """
 

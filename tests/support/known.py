@@ -15,8 +15,9 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvgateway.config.model import AuthConfig
-from kvgateway.core.quota import LocalLedger
+from kvgateway.core.quota import LocalQuotaLedger
 from kvgateway.core.tenancy import Tenancy
+from kvgateway.server.ledger_view import LedgerMetrics
 from kvgateway.server.metrics import FleetCollector, GatewayMetrics
 from kvgateway.server.tenants import TenantCollector
 from tests.support.tools import require_tool
@@ -48,8 +49,9 @@ def sample_names(families: Iterable[tuple[str, str]]) -> frozenset[str]:
 def gateway_metric_names() -> frozenset[str]:
     registry = CollectorRegistry()
     GatewayMetrics(registry)
+    LedgerMetrics(registry)
     registry.register(FleetCollector(lambda: [], lambda: 0.0))
-    registry.register(TenantCollector(Tenancy(AuthConfig), LocalLedger(), lambda: 0.0))
+    registry.register(TenantCollector(Tenancy(AuthConfig), LocalQuotaLedger(), lambda: 0.0))
     return sample_names((fam.name, fam.type) for fam in registry.collect())
 
 

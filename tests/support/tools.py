@@ -1,4 +1,4 @@
-"""External programs the tests drive (promtool, prometheus, dnsmasq).
+"""External programs the tests drive (promtool, prometheus, dnsmasq, redis-server).
 
 `make test` installs them first (scripts/install-test-tools.sh). Where that is impossible
 (no apt-get, not root) a developer's run skips the tests that need them, saying why; in CI

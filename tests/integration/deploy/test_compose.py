@@ -34,7 +34,7 @@ def _mounts(service: dict[str, Any]) -> dict[str, Path]:
 
 def test_services_and_build_context() -> None:
     services = _services()
-    assert set(services) == {"fleet", "gateway", "prometheus", "grafana"}
+    assert set(services) == {"fleet", "gateway", "prometheus", "grafana", "redis"}
     build = services["fleet"]["build"]
     context = (DEPLOY / build["context"]).resolve()
     assert context == REPO
@@ -86,3 +86,13 @@ def test_prometheus_loads_the_repo_config_and_rules() -> None:
     assert config_file == DEPLOY / "prometheus" / "prometheus.yml"
     for rule_file in yaml.safe_load(config_file.read_text())["rule_files"]:
         assert (config_file.parent / rule_file).is_file()
+
+
+def test_the_gateway_workers_share_the_compose_redis() -> None:
+    services = _services()
+    serve = build_parser().parse_args(services["gateway"]["command"])
+    assert serve.workers == 2
+    redis = services["redis"]["command"]
+    port = redis[redis.index("--port") + 1]
+    assert serve.ledger_url == f"redis://127.0.0.1:{port}/0"
+    assert services["redis"]["network_mode"] == "service:fleet"

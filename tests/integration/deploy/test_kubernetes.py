@@ -160,3 +160,26 @@ def test_prometheus_job_is_the_one_alerts_select() -> None:
     jobs = set(re.findall(r'job="([^"]+)"', alerts))
     assert jobs == {_docs()["Service"]["metadata"]["name"]}
     assert "jobLabel" not in _docs()["ServiceMonitor"]["spec"]
+
+
+def test_the_optional_redis_ledger_manifests_fit_the_ledger_config() -> None:
+    folder = K8S / "redis"
+    kustomization = yaml.safe_load((folder / "kustomization.yaml").read_text())
+    docs = [
+        d
+        for name in kustomization["resources"]
+        for d in yaml.safe_load_all((folder / name).read_text())
+    ]
+    kinds = {d["kind"]: d for d in docs}
+    assert set(kinds) == {"Deployment", "Service"}
+    pod = kinds["Deployment"]["spec"]["template"]
+    labels = pod["metadata"]["labels"]
+    assert kinds["Service"]["spec"]["selector"] == labels
+    # Not selected by the gateway's Service, PDB or ServiceMonitor.
+    assert not all(labels.get(k) == v for k, v in _docs()["Service"]["spec"]["selector"].items())
+    args = pod["spec"]["containers"][0]["args"]
+    port = int(args[args.index("--port") + 1])
+    assert kinds["Service"]["spec"]["ports"][0]["port"] == port
+    # The URL the comments tell operators to use parses as a ledger config.
+    cfg = parse_config_text(_config_text() + f"\nledger: {{url: redis://redis:{port}/0}}\n")
+    assert cfg.ledger.shared

@@ -124,6 +124,7 @@ def test_example_config_documents_every_setting():
         c.ClassConfig,
         c.TenantConfig,
         c.TenantLimits,
+        c.LedgerConfig,
     ):
         for f in dataclasses.fields(cls):
             name = keyed.get(f"{cls.__name__}.{f.name}", aliases.get(f.name, f.name))

@@ -6,11 +6,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvgateway.config.model import TenantLimits
-from kvgateway.core.quota import OUTPUT, PROMPT, REQUESTS, Charge, LocalLedger, RateLimitHit
+from kvgateway.core.quota import OUTPUT, PROMPT, REQUESTS, Charge, LocalQuotaLedger, RateLimitHit
 
 
 def test_a_hit_names_the_limit_and_when_it_frees():
-    ledger = LocalLedger()
+    ledger = LocalQuotaLedger()
     limits = TenantLimits(requests_per_minute=3)
     for t in (0.0, 10.0, 20.0):
         assert isinstance(ledger.try_charge("a", limits, 10, 10, t), Charge)
@@ -24,7 +24,7 @@ def test_a_hit_names_the_limit_and_when_it_frees():
 
 
 def test_the_limit_that_frees_last_is_reported():
-    ledger = LocalLedger()
+    ledger = LocalQuotaLedger()
     limits = TenantLimits(prompt_tokens_per_minute=1000, output_tokens_per_minute=1000)
     ledger.try_charge("a", limits, 900, 100, 0.0)
     ledger.try_charge("a", limits, 50, 850, 30.0)
@@ -38,7 +38,7 @@ def test_the_limit_that_frees_last_is_reported():
 
 
 def test_settling_gives_back_unused_output_once():
-    ledger = LocalLedger()
+    ledger = LocalQuotaLedger()
     limits = TenantLimits(output_tokens_per_minute=1000)
     c = ledger.try_charge("a", limits, 10, 800, 0.0)
     assert isinstance(c, Charge)
@@ -59,7 +59,7 @@ def test_token_quotas_hold_within_one_percent_over_minutes_of_mixed_traffic():
     limits = TenantLimits(
         prompt_tokens_per_minute=60_000, output_tokens_per_minute=20_000, requests_per_minute=400
     )
-    ledger = LocalLedger()
+    ledger = LocalQuotaLedger()
     now = 0.0
     admitted: list[tuple[float, int, int]] = []  # time, prompt, settled output
     pending: list[tuple[float, Charge, int, float]] = []
@@ -106,7 +106,7 @@ def test_no_sliding_minute_ever_holds_more_than_a_limit(requests):
     limits = TenantLimits(
         prompt_tokens_per_minute=8000, output_tokens_per_minute=5000, requests_per_minute=20
     )
-    ledger = LocalLedger()
+    ledger = LocalQuotaLedger()
     now = 0.0
     pending: list[tuple[float, Charge, int]] = []
     admitted: list[tuple[float, int, Charge]] = []

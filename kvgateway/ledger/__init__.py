@@ -1,0 +1,1 @@
+"""The shared reservation ledger (Redis); the embedded one is core/ledger.py."""

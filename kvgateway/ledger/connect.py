@@ -1,0 +1,44 @@
+"""The Redis client for the shared ledger, from the config: every call bounded, no
+silent retries (a slow Redis must turn into the local-share fallback, not a long wait)."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+from redis.asyncio import Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+
+from kvgateway.config.model import LedgerConfig
+
+
+class LedgerConfigError(Exception):
+    """The ledger cannot be set up as configured (say so at start-up)."""
+
+
+def redis_client(cfg: LedgerConfig) -> Redis:
+    password = None
+    if cfg.password_env:
+        password = os.environ.get(cfg.password_env)
+        if password is None:
+            raise LedgerConfigError(
+                f"ledger.password_env names {cfg.password_env!r}, which is not set"
+            )
+    # hiredis parses the replies when installed (a dependency); no retries: a failed
+    # call falls back at once and the heartbeat finds out when Redis is back.
+    return Redis.from_url(
+        cfg.url,
+        password=password,
+        socket_timeout=cfg.timeout_s,
+        socket_connect_timeout=cfg.timeout_s,
+        retry=Retry(NoBackoff(), 0),
+        client_name="kvgateway",
+    )
+
+
+def default_replica_id(port: int, worker: int | None = None) -> str:
+    """Host name and port: stable across restarts of the same replica (a StatefulSet pod,
+    a systemd unit), so a restart replaces its old holdings instead of adding to them."""
+    rid = f"{socket.gethostname()}:{port}"
+    return rid if worker is None else f"{rid}/w{worker}"

@@ -1,0 +1,390 @@
+"""The shared ledger on Redis: one atomic check-and-reserve per admission, pipelined
+releases, a lease per replica, wake-ups over pub/sub, and a local-share fallback.
+
+Modes: *shared* (every grant is confirmed in Redis; the others' holdings come back with
+each answer, with every heartbeat and with every release published by another replica)
+and *fallback* (Redis failed or was slow: the others are taken to hold all but this
+replica's share of each budget, ``budget // live replicas last seen``, and nothing is sent).
+Back from fallback, the heartbeat writes this replica's holdings as absolute values, so
+what was admitted meanwhile is counted once, and the replica is shared again.
+
+Three tasks, owned by :meth:`RedisLedger.running`: the heartbeat (lease, view refresh,
+recovery), the release flusher (one pipeline per batch) and the pub/sub listener.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from kvgateway.config.model import LedgerConfig
+from kvgateway.core.admission import Admission, Reservation
+from kvgateway.core.backends import Backend
+from kvgateway.core.fleet import Fleet
+from kvgateway.core.ledger import OthersView
+from kvgateway.ledger.scripts import HEARTBEAT, RELEASE, RESERVE, Keys
+
+log = logging.getLogger("kvgateway.ledger")
+
+_FAILURES = (RedisError, OSError, TimeoutError)
+
+
+@dataclass(frozen=True, slots=True)
+class LedgerStatus:
+    kind: str  # "local" or "redis"
+    shared: bool  # False: local accounting only, or the Redis fallback
+    replica_id: str
+    live_replicas: int
+    reason: str  # why in fallback ("" when shared)
+    fallbacks: int  # times the replica fell back since start
+
+
+class RedisLedger:
+    def __init__(
+        self,
+        cfg: LedgerConfig,
+        replica_id: str,
+        fleet: Fleet,
+        client: Redis,
+        *,
+        on_status: Callable[[LedgerStatus], None] | None = None,
+    ) -> None:
+        self._cfg = cfg
+        self._id = replica_id
+        self._fleet = fleet
+        self._client = client
+        self._keys = Keys(cfg.namespace)
+        self._view = OthersView(fleet.adjust)
+        self._lease_ms = int(cfg.lease_s * 1000)
+        self._on_status = on_status
+        self._admission: Admission | None = None
+        self._shas: dict[str, str] = {}
+        self._shared = False
+        self._live = cfg.fallback_replicas
+        self._reason = "not yet connected"
+        self._fallbacks = 0
+        # What this replica has recorded in Redis per backend (for pub/sub arithmetic).
+        self._mine: dict[str, list[int]] = {}
+        self._pending: list[tuple[str, int, int]] = []
+        self._flush = asyncio.Event()
+        self._resync = False
+        # While an absolute sync is out (the end of a fallback, or a resync): grants wait
+        # for its answer, and releases in fallback are held back (the snapshot it sends
+        # may or may not include them). The sync itself waits for confirms in flight, so
+        # each grant is either in its snapshot or added after it, never both.
+        self._sync_done: asyncio.Event | None = None
+        self._confirming = 0
+        self._no_confirms = asyncio.Event()
+        self._no_confirms.set()
+        self._held_back: list[tuple[str, int, int]] = []
+        # Releases and absolute syncs must not overlap (a batch in flight during a sync
+        # would be subtracted from holdings that already exclude it).
+        self._io = asyncio.Lock()
+        # Set when the block of `running` ends: the loops stop even if a Redis call
+        # swallowed their cancellation (the client turns some into connection errors).
+        self._closing = False
+
+    # ---- what Admission calls ---------------------------------------------------
+
+    @property
+    def shared(self) -> bool:
+        return self._shared or self._sync_done is not None
+
+    async def confirm(self, reservation: Reservation) -> bool:
+        b = reservation.backend
+        if self._sync_done is not None:
+            with contextlib.suppress(TimeoutError):
+                # Longer than a sync can take (its wait for confirms, then its call).
+                async with asyncio.timeout(self._cfg.timeout_s * 5):
+                    await self._sync_done.wait()
+        if not self._shared:
+            return True  # still in fallback: the local share already limited it
+        self._confirming += 1
+        self._no_confirms.clear()
+        try:
+            async with asyncio.timeout(self._cfg.timeout_s):
+                got = await self._client.evalsha(
+                    self._shas["reserve"],
+                    4,
+                    *self._keys.backend(b.name),
+                    self._keys.waiting(b.name),
+                    self._id,
+                    reservation.tokens,
+                    reservation.seqs,
+                    b.budget_tokens,
+                    b.max_num_seqs,
+                    self._lease_ms,
+                    int(reservation.queued_s > 0),
+                    int(self._waiting_for(b.name)),
+                )
+        except asyncio.CancelledError:
+            # Redis may have recorded it: the next heartbeat rewrites our holdings.
+            self._resync = True
+            raise
+        except _FAILURES as exc:
+            self._fall_back(f"reserve failed: {exc!r}")
+            return False
+        finally:
+            self._confirming -= 1
+            if self._confirming == 0:
+                self._no_confirms.set()
+        granted, others_t, others_s, live = (int(x) for x in got)
+        self._live = live
+        if not self.in_shared_mode():  # fell back while the call was out: decide again
+            return False
+        if granted:
+            m = self._mine.setdefault(b.name, [0, 0])
+            m[0] += reservation.tokens
+            m[1] += reservation.seqs
+        self._set_others(b, others_t, others_s)
+        return bool(granted)
+
+    def release(self, reservation: Reservation) -> None:
+        item = (reservation.backend.name, reservation.tokens, reservation.seqs)
+        if not self._shared:
+            if self._sync_done is not None:
+                self._held_back.append(item)
+            return  # in fallback: the sync that ends it writes absolute holdings
+        m = self._mine.setdefault(item[0], [0, 0])
+        m[0] -= item[1]
+        m[1] -= item[2]
+        self._pending.append(item)
+        self._flush.set()
+
+    # ---- state ------------------------------------------------------------------
+
+    def in_shared_mode(self) -> bool:
+        """Confirming in Redis now (not in fallback); may change across any await."""
+        return self._shared
+
+    def status(self) -> LedgerStatus:
+        return LedgerStatus(
+            kind="redis",
+            shared=self._shared,
+            replica_id=self._id,
+            live_replicas=self._live,
+            reason="" if self._shared else self._reason,
+            fallbacks=self._fallbacks,
+        )
+
+    def others_tokens(self, b: Backend) -> int:
+        """KV tokens the other replicas hold on ``b``, as folded into its counters."""
+        return self._view.others(b).tokens
+
+    def _waiting_for(self, name: str) -> bool:
+        return self._admission is not None and self._admission.waiting_for(name)
+
+    def _notify(self) -> None:
+        if self._on_status is not None:
+            self._on_status(self.status())
+
+    def _set_others(self, b: Backend, tokens: int, seqs: int) -> None:
+        if self._view.set(b, tokens, seqs) and self._admission is not None:
+            self._admission.offer(b)
+
+    def _fall_back(self, reason: str) -> None:
+        if not self._shared:
+            return
+        self._shared = False
+        self._reason = reason
+        self._fallbacks += 1
+        self._pending.clear()
+        log.warning(
+            "shared ledger unavailable (%s): each backend's budget is now shared blind, "
+            "1/%d of it for this replica, until Redis answers again",
+            reason,
+            self._live,
+        )
+        self._apply_share()
+        self._notify()
+
+    def _apply_share(self) -> None:
+        grew = self._view.fall_back(self._fleet.active, self._live)
+        if self._admission is not None:
+            for b in grew:
+                self._admission.offer(b)
+
+    # ---- background -------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def running(self, admission: Admission) -> AsyncIterator[None]:
+        """Join the ledger (or start in fallback if Redis is not there) and keep the
+        lease, the view and the listener going until the block ends."""
+        self._admission = admission
+        self._apply_share()  # blind until the first sync answers
+        await self._heartbeat_once()
+        tasks = [
+            asyncio.create_task(self._heartbeat_loop(), name="ledger-heartbeat"),
+            asyncio.create_task(self._flush_loop(), name="ledger-release"),
+            asyncio.create_task(self._listen_loop(), name="ledger-listen"),
+        ]
+        try:
+            yield
+        finally:
+            self._closing = True
+            for t in tasks:
+                t.cancel()
+            try:
+                async with asyncio.timeout(self._cfg.timeout_s * 4 + 1.0):
+                    await asyncio.gather(*tasks, return_exceptions=True)
+            except TimeoutError:
+                log.warning("ledger tasks did not stop in time: %s", [t.get_name() for t in tasks])
+            await self._leave()
+            await self._client.aclose()
+
+    async def _leave(self) -> None:
+        """A clean stop: give back what is still recorded and drop the lease now."""
+        if not self._shared:
+            return
+        with contextlib.suppress(*_FAILURES):
+            async with asyncio.timeout(self._cfg.timeout_s * 4):
+                await self._send_releases(self._pending)
+                await self._client.zrem(self._keys.live, self._id)
+
+    def _interval(self) -> float:
+        return self._cfg.lease_s / 4
+
+    async def _heartbeat_loop(self) -> None:
+        while not self._closing:
+            await asyncio.sleep(self._interval())
+            await self._heartbeat_once()
+
+    async def _heartbeat_once(self) -> None:
+        if self._shared and not self._resync:
+            await self._heartbeat(absolute=False)
+            return
+        async with self._io:
+            self._sync_done = asyncio.Event()
+            try:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(self._cfg.timeout_s * 2):
+                        await self._no_confirms.wait()
+                await self._heartbeat(absolute=True)
+            finally:
+                done, self._sync_done = self._sync_done, None
+                held, self._held_back = self._held_back, []
+                done.set()
+            if self.in_shared_mode() and held:
+                for name, tokens, seqs in held:
+                    m = self._mine.setdefault(name, [0, 0])
+                    m[0] -= tokens
+                    m[1] -= seqs
+                self._pending.extend(held)
+                self._flush.set()
+
+    async def _heartbeat(self, *, absolute: bool) -> None:
+        backends = list(self._fleet.active)
+        own = [self._view.own(b) for b in backends] if absolute else []
+        if absolute:
+            # From here on the holdings in `own` are the truth: releases queued or held
+            # back until now are in them.
+            self._pending.clear()
+            self._held_back.clear()
+        keys: list[str] = [self._keys.live]
+        args: list[int | str] = [self._id, self._lease_ms, int(absolute)]
+        for i, b in enumerate(backends):
+            keys += [self._keys.tokens(b.name), self._keys.seqs(b.name), self._keys.waiting(b.name)]
+            args += [own[i].tokens, own[i].seqs] if absolute else [0, 0]
+            args.append(int(self._waiting_for(b.name)))
+        try:
+            async with asyncio.timeout(self._cfg.timeout_s * 2):
+                if absolute:
+                    await self._load_scripts()
+                got = await self._client.evalsha(self._shas["heartbeat"], len(keys), *keys, *args)
+        except _FAILURES as exc:
+            if self._shared:
+                self._fall_back(f"heartbeat failed: {exc!r}")
+            else:
+                self._reason = f"Redis unreachable: {exc!r}"
+                self._apply_share()  # backends a reload added get their share too
+            return
+        values = [int(x) for x in got]
+        live_changed = values[0] != self._live
+        self._live = values[0]
+        if absolute:
+            self._mine = {b.name: [own[i].tokens, own[i].seqs] for i, b in enumerate(backends)}
+            self._resync = False
+            if not self._shared:
+                self._shared = True
+                log.info("shared ledger reached: %d live replica(s)", self._live)
+        for i, b in enumerate(backends):
+            self._set_others(b, values[1 + 2 * i], values[2 + 2 * i])
+        if absolute or live_changed:
+            self._notify()
+
+    async def _load_scripts(self) -> None:
+        for name, src in (("reserve", RESERVE), ("release", RELEASE), ("heartbeat", HEARTBEAT)):
+            self._shas[name] = await self._client.script_load(src)
+
+    async def _flush_loop(self) -> None:
+        while not self._closing:
+            await self._flush.wait()
+            self._flush.clear()
+            batch, self._pending = self._pending, []
+            if not batch or not self._shared:
+                continue
+            try:
+                async with self._io, asyncio.timeout(self._cfg.timeout_s):
+                    await self._send_releases(batch)
+            except _FAILURES as exc:
+                self._fall_back(f"release failed: {exc!r}")
+
+    async def _send_releases(self, batch: Sequence[tuple[str, int, int]]) -> None:
+        totals: dict[str, list[int]] = {}
+        for name, tokens, seqs in batch:
+            t = totals.setdefault(name, [0, 0])
+            t[0] += tokens
+            t[1] += seqs
+        if not totals:
+            return
+        pipe = self._client.pipeline(transaction=False)
+        for name, (tokens, seqs) in totals.items():
+            pipe.evalsha(
+                self._shas["release"],
+                3,
+                *self._keys.backend(name),
+                self._id,
+                tokens,
+                seqs,
+                self._keys.channel,
+                name,
+            )
+        await pipe.execute()
+
+    async def _listen_loop(self) -> None:
+        while not self._closing:
+            try:
+                async with self._client.pubsub() as ps:
+                    await ps.subscribe(self._keys.channel)
+                    while not self._closing:
+                        msg = await ps.get_message(ignore_subscribe_messages=True, timeout=1.0)
+                        if msg is not None:
+                            self._on_released(msg["data"])
+            except _FAILURES as exc:
+                log.debug("ledger listener: %r; reconnecting", exc)
+                await asyncio.sleep(self._interval())
+
+    def _on_released(self, data: bytes) -> None:
+        """Another replica released on a backend: the others' holdings there are the
+        published total less ours; waiters here are offered the room."""
+        if not self._shared:
+            return
+        try:
+            name, total_t, total_s, who = data.decode().split("\t")
+            tokens, seqs = int(total_t), int(total_s)
+        except ValueError:
+            log.warning("ledger: unreadable release message %r", data[:100])
+            return
+        if who == self._id:
+            return
+        b = self._fleet.get(name)
+        if b is None:
+            return
+        m = self._mine.get(name, [0, 0])
+        self._set_others(b, tokens - max(0, m[0]), seqs - max(0, m[1]))

@@ -1,0 +1,165 @@
+"""The Redis side of the shared ledger: key names and the Lua scripts that change them.
+
+Layout (all keys share the ``{namespace}`` hash tag, so they live in one slot):
+
+- ``{ns}:live``      sorted set: replica id -> lease expiry (Redis server time, ms)
+- ``{ns}:tok:NAME``  hash: replica id -> KV tokens that replica holds on backend NAME
+- ``{ns}:seq:NAME``  hash: replica id -> sequences it holds there
+- ``{ns}:wait:NAME`` sorted set: replica id -> since when it has requests queued for NAME
+- ``{ns}:released``  pub/sub channel: "NAME<TAB>total tokens<TAB>total seqs<TAB>replica"
+
+Only holdings of replicas whose lease is live are summed; a dead replica's fields are
+deleted by whoever reads them next, so a replica killed with -9 stops counting when its
+lease runs out. Time is the Redis server's (``TIME``), so replicas' clocks do not matter.
+
+Fairness across replicas (approximately one FIFO queue): while another live replica has
+requests queued for a backend, a *new* request elsewhere is refused there (it queues in its
+own replica); only requests that waited in a queue take freed room. Each replica's own
+queue is FIFO, and every release wakes every replica's queue.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+_PRELUDE = """
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+local function live(key, me, now, lease)
+  redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
+  redis.call('ZADD', key, now + lease, me)
+  return redis.call('ZCARD', key)
+end
+-- Sum of the live replicas' holdings except mine; dead replicas' fields go.
+local function others(key, livekey, me)
+  local all = redis.call('HGETALL', key)
+  local sum = 0
+  for i = 1, #all, 2 do
+    local who = all[i]
+    if who ~= me then
+      if redis.call('ZSCORE', livekey, who) then
+        sum = sum + tonumber(all[i + 1])
+      else
+        redis.call('HDEL', key, who)
+      end
+    end
+  end
+  return sum
+end
+local function waiting(key, livekey, me)
+  local all = redis.call('ZRANGE', key, 0, -1)
+  for i = 1, #all do
+    if all[i] ~= me then
+      if redis.call('ZSCORE', livekey, all[i]) then return true end
+      redis.call('ZREM', key, all[i])
+    end
+  end
+  return false
+end
+local function note_waiting(key, me, now, flag)
+  if flag then redis.call('ZADD', key, 'NX', now, me) else redis.call('ZREM', key, me) end
+end
+local function mine(key, me)
+  return tonumber(redis.call('HGET', key, me) or '0')
+end
+"""
+
+# KEYS: live, tok, seq, wait. ARGV: me, tokens, seqs, budget tokens, budget seqs, lease
+# ms, queued (1: this request waited in a queue), still waiting (1: more of mine queue).
+# Returns {granted 0/1, others' tokens, others' seqs, live replicas}; a request refused
+# for fairness is told the backend is full, so that it queues instead of asking again.
+RESERVE = (
+    _PRELUDE
+    + """
+local me = ARGV[1]
+local tokens, seqs = tonumber(ARGV[2]), tonumber(ARGV[3])
+local bt, bs = tonumber(ARGV[4]), tonumber(ARGV[5])
+local now = now_ms()
+local n = live(KEYS[1], me, now, tonumber(ARGV[6]))
+local ot, os = others(KEYS[2], KEYS[1], me), others(KEYS[3], KEYS[1], me)
+local mt, ms = mine(KEYS[2], me), mine(KEYS[3], me)
+if ARGV[7] ~= '1' and waiting(KEYS[4], KEYS[1], me) then
+  note_waiting(KEYS[4], me, now, true)
+  return {0, math.max(ot, bt - mt), math.max(os, bs - ms), n}
+end
+if ot + mt + tokens <= bt and os + ms + seqs <= bs then
+  redis.call('HINCRBY', KEYS[2], me, tokens)
+  redis.call('HINCRBY', KEYS[3], me, seqs)
+  note_waiting(KEYS[4], me, now, ARGV[8] == '1')
+  return {1, ot, os, n}
+end
+note_waiting(KEYS[4], me, now, true)
+return {0, ot, os, n}
+"""
+)
+
+# KEYS: live, tok, seq. ARGV: me, tokens, seqs, channel, backend name.
+# Never below zero: a release can only give back what was recorded.
+RELEASE = (
+    _PRELUDE
+    + """
+local me = ARGV[1]
+local t = redis.call('HINCRBY', KEYS[2], me, -tonumber(ARGV[2]))
+if t <= 0 then redis.call('HDEL', KEYS[2], me) end
+local s = redis.call('HINCRBY', KEYS[3], me, -tonumber(ARGV[3]))
+if s <= 0 then redis.call('HDEL', KEYS[3], me) end
+local ot = others(KEYS[2], KEYS[1], me) + math.max(t, 0)
+local os = others(KEYS[3], KEYS[1], me) + math.max(s, 0)
+redis.call('PUBLISH', ARGV[4], ARGV[5] .. '\\t' .. ot .. '\\t' .. os .. '\\t' .. me)
+return {ot, os}
+"""
+)
+
+# KEYS: live, then (tok_i, seq_i, wait_i) per backend. ARGV: me, lease ms, absolute
+# (0/1), then (tokens_i, seqs_i, waiting_i) per backend. With absolute=1 this replica's
+# holdings are set to the given values (start-up, return from fallback, resync): never
+# added on top of the past. Returns {live replicas, others' tokens_1, others' seqs_1, ...}.
+HEARTBEAT = (
+    _PRELUDE
+    + """
+local me = ARGV[1]
+local now = now_ms()
+local n = live(KEYS[1], me, now, tonumber(ARGV[2]))
+local absolute = ARGV[3] == '1'
+local out = {n}
+for i = 2, #KEYS, 3 do
+  for k = 0, 1 do
+    local key = KEYS[i + k]
+    if absolute then
+      local v = tonumber(ARGV[i + k + 2])
+      if v > 0 then redis.call('HSET', key, me, v) else redis.call('HDEL', key, me) end
+    end
+    out[#out + 1] = others(key, KEYS[1], me)
+  end
+  note_waiting(KEYS[i + 2], me, now, ARGV[i + 4] == '1')
+end
+return out
+"""
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Keys:
+    namespace: str
+
+    @property
+    def live(self) -> str:
+        return f"{{{self.namespace}}}:live"
+
+    @property
+    def channel(self) -> str:
+        return f"{{{self.namespace}}}:released"
+
+    def tokens(self, backend: str) -> str:
+        return f"{{{self.namespace}}}:tok:{backend}"
+
+    def seqs(self, backend: str) -> str:
+        return f"{{{self.namespace}}}:seq:{backend}"
+
+    def waiting(self, backend: str) -> str:
+        return f"{{{self.namespace}}}:wait:{backend}"
+
+    def backend(self, name: str) -> tuple[str, str, str]:
+        return (self.live, self.tokens(name), self.seqs(name))

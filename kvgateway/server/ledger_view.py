@@ -1,0 +1,72 @@
+"""The ledger as the server shows it: building it from the config, its metrics and the
+``ledger`` block of ``/ready``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from kvgateway.config.model import GatewayConfig
+from kvgateway.core.fleet import Fleet
+from kvgateway.ledger.connect import default_replica_id, redis_client
+from kvgateway.ledger.redis_ledger import LedgerStatus, RedisLedger
+
+
+class LedgerMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.fallback = Gauge(
+            "gateway_ledger_fallback",
+            "1 while a shared ledger is configured but unreachable or slow, and this gateway "
+            "admits on a blind local share of each budget; 0 otherwise.",
+            registry=registry,
+            multiprocess_mode="max",
+        )
+        self.live_replicas = Gauge(
+            "gateway_ledger_live_replicas",
+            "Gateway replicas holding a live lease in the shared ledger, as last seen.",
+            registry=registry,
+            multiprocess_mode="max",
+        )
+        self.fallbacks = Counter(
+            "gateway_ledger_fallbacks",
+            "Times this gateway fell back from the shared ledger to its local share.",
+            registry=registry,
+        )
+        self._seen_fallbacks = 0
+
+    def update(self, status: LedgerStatus) -> None:
+        self.fallback.set(0 if status.shared else 1)
+        self.live_replicas.set(status.live_replicas)
+        if status.fallbacks > self._seen_fallbacks:
+            self.fallbacks.inc(status.fallbacks - self._seen_fallbacks)
+            self._seen_fallbacks = status.fallbacks
+
+
+def build_ledger(
+    config: GatewayConfig, fleet: Fleet, metrics: LedgerMetrics, worker: int | None = None
+) -> RedisLedger | None:
+    """The Redis ledger when the config names one (None: the in-process ledger)."""
+    cfg = config.ledger
+    if not cfg.shared:
+        return None
+    rid = cfg.replica_id or default_replica_id(config.server.port)
+    if worker is not None:
+        rid = f"{rid}/w{worker}"
+    return RedisLedger(cfg, rid, fleet, redis_client(cfg), on_status=metrics.update)
+
+
+def ready_details(ledger: RedisLedger | None) -> dict[str, Any]:
+    if ledger is None:
+        return {"kind": "local", "shared": False}
+    s = ledger.status()
+    out: dict[str, Any] = {
+        "kind": s.kind,
+        "shared": s.shared,
+        "replica_id": s.replica_id,
+        "live_replicas": s.live_replicas,
+        "fallbacks": s.fallbacks,
+    }
+    if not s.shared:
+        out["fallback"] = f"local share 1/{s.live_replicas} of each budget: {s.reason}"
+    return out

@@ -1,0 +1,248 @@
+"""The Redis ledger against a real redis-server: replicas in one test process, each with
+its own Fleet and Admission (the multi-process versions are in test_shared_ledger.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import pytest
+from redis.asyncio import Redis
+
+from kvgateway.config.load import parse_config
+from kvgateway.config.model import LedgerConfig
+from kvgateway.core.admission import Admission
+from kvgateway.core.backends import Backend
+from kvgateway.core.demand import Demand
+from kvgateway.core.fleet import Fleet
+from kvgateway.errors import Saturated
+from kvgateway.ledger.connect import redis_client
+from kvgateway.ledger.redis_ledger import LedgerStatus, RedisLedger
+from tests.support.redis_server import RedisServer
+
+BUDGET = 10_000  # kv_cache_tokens with budget_fraction 1.0
+
+
+def _config(url: str, lease_s: float = 1.0) -> tuple[Fleet, LedgerConfig]:
+    cfg = parse_config(
+        {
+            "models": [{"name": "m"}],
+            "admission": {"budget_fraction": 1.0},
+            # As long a Redis timeout as the lease allows: a machine busy with other
+            # tests must not make these replicas flap into the fallback.
+            "ledger": {"url": url, "lease_s": lease_s, "timeout_s": min(0.5, lease_s / 3)},
+            "tiers": [
+                {
+                    "name": "t",
+                    "backends": [
+                        {
+                            "name": "n1",
+                            "url": "http://127.0.0.1:9",
+                            "model": "m",
+                            "max_model_len": 4096,
+                            "kv_cache_tokens": BUDGET,
+                            "max_num_seqs": 64,
+                        }
+                    ],
+                }
+            ],
+        }
+    )
+    fleet = Fleet(cfg)
+    for b in fleet.active:
+        b.healthy = b.ever_healthy = True
+    return fleet, cfg.ledger
+
+
+@dataclass
+class Replica:
+    fleet: Fleet
+    ledger: RedisLedger
+    admission: Admission
+    statuses: list[LedgerStatus]
+
+    @property
+    def node(self) -> Backend:
+        b = self.fleet.get("n1")
+        assert b is not None
+        return b
+
+
+@contextlib.asynccontextmanager
+async def replica(url: str, rid: str, lease_s: float = 1.0) -> AsyncIterator[Replica]:
+    fleet, cfg = _config(url, lease_s)
+    statuses: list[LedgerStatus] = []
+    ledger = RedisLedger(cfg, rid, fleet, redis_client(cfg), on_status=statuses.append)
+    admission = Admission.for_fleet(fleet, lambda: fleet.config, time.monotonic, ledger=ledger)
+    async with ledger.running(admission):
+        yield Replica(fleet, ledger, admission, statuses)
+
+
+def _demand(tokens: int) -> Demand:
+    return Demand(
+        model="m",
+        prompt_tokens=tokens - 16,
+        longest_prompt=1000,
+        output_tokens=16,
+        sequences=1,
+        tokens=tokens,
+    )
+
+
+async def _ledger_sum(url: str) -> int:
+    client = Redis.from_url(url)
+    try:
+        held = await client.hgetall("{kvgw}:tok:n1")
+        return sum(int(v) for v in held.values())
+    finally:
+        await client.aclose()
+
+
+async def test_two_replicas_never_reserve_more_than_the_budget(redis_server: RedisServer) -> None:
+    async with replica(redis_server.url, "a") as a, replica(redis_server.url, "b") as b:
+        assert a.ledger.status().shared and b.ledger.status().shared
+        peak = 0
+
+        async def one(r: Replica) -> None:
+            async with r.admission.reserve(_demand(1000), 20.0):
+                nonlocal peak
+                peak = max(peak, await _ledger_sum(redis_server.url))
+                await asyncio.sleep(0.02)
+
+        await asyncio.gather(*(one(r) for _ in range(20) for r in (a, b)))
+        assert 0 < peak <= BUDGET
+        await asyncio.sleep(0.1)  # pipelined releases
+        assert await _ledger_sum(redis_server.url) == 0
+
+
+async def test_a_release_wakes_a_waiter_in_another_replica(redis_server: RedisServer) -> None:
+    async with (
+        replica(redis_server.url, "a", lease_s=20) as a,
+        replica(redis_server.url, "b", lease_s=20) as b,
+    ):
+        held = await a.admission.admit(_demand(8000), 1.0)
+        # b does not know yet: its local grant is refused by Redis and it waits.
+        waiting = asyncio.create_task(b.admission.admit(_demand(4000), 5.0))
+        await asyncio.sleep(0.2)
+        assert not waiting.done() and b.node.reserved_tokens >= 8000
+        started = time.monotonic()
+        held.release()
+        got = await asyncio.wait_for(waiting, 4.0)
+        # Woken by pub/sub, well before a heartbeat (every 5 s here) would have told it.
+        assert time.monotonic() - started < 2.5
+        got.release()
+
+
+async def test_a_replica_that_stops_heartbeating_loses_its_holdings(
+    redis_server: RedisServer,
+) -> None:
+    async with replica(redis_server.url, "b", lease_s=1.0) as b:
+        fleet, cfg = _config(redis_server.url, 1.0)
+        dead = RedisLedger(cfg, "dead", fleet, redis_client(cfg))
+        adm = Admission.for_fleet(fleet, lambda: fleet.config, time.monotonic, ledger=dead)
+        async with dead.running(adm):
+            await adm.admit(_demand(9000), 1.0)  # never released
+            dead._shared = False
+        with pytest.raises(Saturated):
+            await b.admission.admit(_demand(4000), 0.3)
+        started = time.monotonic()
+        r = await b.admission.admit(_demand(4000), 3.0)
+        assert time.monotonic() - started < 1.5  # within the 1 s lease (+ a heartbeat)
+        r.release()
+
+
+async def test_restart_with_the_same_identity_does_not_double_count(
+    redis_server: RedisServer,
+) -> None:
+    async with replica(redis_server.url, "a") as a:
+        r = await a.admission.admit(_demand(6000), 1.0)
+        a.ledger._shared = False
+        del r
+    assert await _ledger_sum(redis_server.url) == 6000
+    async with replica(redis_server.url, "a") as again:
+        assert await _ledger_sum(redis_server.url) == 0
+        r2 = await again.admission.admit(_demand(9000), 1.0)
+        r2.release()
+
+
+async def test_redis_down_falls_back_to_a_share_then_returns(redis_server: RedisServer) -> None:
+    async with replica(redis_server.url, "a") as a, replica(redis_server.url, "b") as b:
+        await asyncio.sleep(0.3)  # a heartbeat: both see 2 live replicas
+        assert a.ledger.status().live_replicas == 2
+        kept = await a.admission.admit(_demand(3000), 1.0)
+        redis_server.stop()
+        # The next call fails within timeout_s; the replica falls back, it does not fail.
+        r = await a.admission.admit(_demand(1000), 1.0)
+        r.release()
+        assert not a.ledger.status().shared and a.ledger.status().reason
+        # Blind: a's share is half the budget and it already holds 3000 of it.
+        with pytest.raises(Saturated):
+            await a.admission.admit(_demand(3000), 0.2)
+        r = await a.admission.admit(_demand(2000), 0.2)
+        redis_server.start()
+        for _ in range(40):
+            if a.ledger.status().shared and b.ledger.status().shared:
+                break
+            await asyncio.sleep(0.1)
+        assert a.ledger.status().shared and b.ledger.status().shared
+        assert a.statuses[-1].shared and a.ledger.status().fallbacks == 1
+        # Counted once: what a holds, written as absolute values on return.
+        assert await _ledger_sum(redis_server.url) == 5000
+        r.release()
+        kept.release()
+        await asyncio.sleep(0.1)
+        assert await _ledger_sum(redis_server.url) == 0
+
+
+async def test_started_while_redis_is_down_serves_a_share_then_joins(
+    redis_server: RedisServer,
+) -> None:
+    redis_server.stop()
+    async with replica(redis_server.url, "a", lease_s=1.0) as a:
+        status = a.ledger.status()
+        assert not status.shared and "unreachable" in status.reason
+        # Never saw the real count: fallback_replicas (2) is assumed.
+        assert a.node.free_tokens == BUDGET // 2
+        r = await a.admission.admit(_demand(4000), 0.2)
+        with pytest.raises(Saturated):
+            await a.admission.admit(_demand(2000), 0.2)
+        redis_server.start()
+        for _ in range(40):
+            if a.ledger.status().shared:
+                break
+            await asyncio.sleep(0.1)
+        assert a.ledger.status().shared and a.ledger.status().live_replicas == 1
+        assert await _ledger_sum(redis_server.url) == 4000
+        assert a.node.free_tokens == BUDGET - 4000  # alone: the whole budget again
+        r.release()
+
+
+async def test_new_requests_leave_freed_room_to_another_replicas_queue(
+    redis_server: RedisServer,
+) -> None:
+    async with (
+        replica(redis_server.url, "a", lease_s=20) as a,
+        replica(redis_server.url, "b", lease_s=20) as b,
+    ):
+        held = await a.admission.admit(_demand(8000), 1.0)
+        big = asyncio.create_task(b.admission.admit(_demand(4000), 5.0))
+        await asyncio.sleep(0.2)
+        assert not big.done() and b.admission.queue_depth == 1
+        # 2,000 tokens are free, but b's request has been queued for them longer: a new
+        # request at a queues behind it instead of taking the room first.
+        small = asyncio.create_task(a.admission.admit(_demand(1000), 5.0))
+        await asyncio.sleep(0.2)
+        assert not small.done() and a.admission.queue_depth == 1
+        held.release()
+        got_big = await asyncio.wait_for(big, 2.0)
+        got_small = await asyncio.wait_for(small, 2.0)
+        got_big.release()
+        got_small.release()
+        await asyncio.sleep(0.1)
+        assert await _ledger_sum(redis_server.url) == 0
+        # Nobody queues any more: new requests pass at once again.
+        r = await a.admission.admit(_demand(1000), 0.01)
+        r.release()

@@ -1,0 +1,56 @@
+"""`serve --workers N`: what each worker is started with, and the refusal without a
+shared ledger (the multi-process behaviour is in tests/integration/test_shared_ledger.py)."""
+
+from pathlib import Path
+
+import pytest
+
+from kvgateway.cli import build_parser, main
+from kvgateway.commands.workers import worker_args
+
+
+def test_each_worker_gets_the_serve_flags_its_index_and_the_metrics_dir():
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "--config",
+            "g.yaml",
+            "--port",
+            "8080",
+            "--watch",
+            "--ledger-url",
+            "redis://r:6379/0",
+            "--workers",
+            "3",
+        ]
+    )
+    got = build_parser().parse_args(worker_args(args, 2, "/tmp/m"))
+    assert (got.config, got.port, got.watch, got.ledger_url) == (
+        "g.yaml",
+        8080,
+        True,
+        "redis://r:6379/0",
+    )
+    assert (got.workers, got.worker_index, got.metrics_dir) == (1, 2, "/tmp/m")
+
+
+def test_more_than_one_worker_needs_a_shared_ledger(tmp_path: Path, capsys):
+    cfg = tmp_path / "g.yaml"
+    cfg.write_text(
+        "models: [{name: m}]\n"
+        "tiers: [{name: t, backends: [{name: a, url: 'http://127.0.0.1:9', model: m}]}]\n"
+    )
+    assert main(["serve", "--config", str(cfg), "--workers", "2"]) == 2
+    assert "needs the shared ledger" in capsys.readouterr().err
+    assert main(["serve", "--config", str(cfg), "--ledger-url", "http://r:1"]) == 2
+    assert "--ledger-url must be redis://" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("n", ["0", "-1"])
+def test_workers_must_be_positive(tmp_path: Path, capsys, n):
+    cfg = tmp_path / "g.yaml"
+    cfg.write_text(
+        "models: [{name: m}]\n"
+        "tiers: [{name: t, backends: [{name: a, url: 'http://127.0.0.1:9', model: m}]}]\n"
+    )
+    assert main(["serve", "--config", str(cfg), "--workers", n]) == 2

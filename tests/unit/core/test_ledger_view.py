@@ -1,0 +1,118 @@
+"""The pure side of the shared ledger: the others' holdings folded into the backends, the
+blind local share, and Admission's confirm / refuse / release protocol."""
+
+import asyncio
+
+import pytest
+
+from kvgateway.core.admission import Admission, Reservation
+from kvgateway.core.ledger import OthersView, local_share
+from kvgateway.core.routing_index import ModelIndex
+from kvgateway.errors import Saturated
+from tests.support.backends import backend, demand
+
+
+class ScriptedLedger:
+    """A ledger whose budget is ``room`` tokens held elsewhere too: grants while the
+    sum fits, and refreshes the view like the Redis ledger does."""
+
+    def __init__(self, view: OthersView, others: int, budget: int) -> None:
+        self.view, self.others, self.budget = view, others, budget
+        self.held = 0
+        self.released: list[int] = []
+        self.delay = 0.0
+
+    @property
+    def shared(self) -> bool:
+        return True
+
+    async def confirm(self, r: Reservation) -> bool:
+        await asyncio.sleep(self.delay)
+        ok = self.others + self.held + r.tokens <= self.budget
+        if ok:
+            self.held += r.tokens
+        self.view.set(r.backend, self.others, 0)
+        return ok
+
+    def release(self, r: Reservation) -> None:
+        self.held -= r.tokens
+        self.released.append(r.tokens)
+
+
+def make(kv: int, others: int):
+    b = backend("a", kv=kv)
+    idx = ModelIndex([b])
+    view = OthersView(idx.adjust)
+    ledger = ScriptedLedger(view, others, kv)
+    adm = Admission(
+        index_for=lambda m: idx,
+        adjust=idx.adjust,
+        policy=lambda: "kv_aware",
+        offload_overflow=lambda: False,
+        queue_size=lambda: 10,
+        clock=lambda: 0.0,
+        ledger=ledger,
+    )
+    return b, view, ledger, adm
+
+
+def test_the_view_folds_others_into_the_counters_and_says_when_room_appeared():
+    b = backend("a", kv=1000)
+    idx = ModelIndex([b])
+    view = OthersView(idx.adjust)
+    assert view.set(b, 300, 2) is False and b.reserved_tokens == 300 and b.free_seqs == 14
+    idx.adjust(b, 100, 1, 1)  # one of ours
+    assert view.own(b).tokens == 100 and view.others(b).tokens == 300
+    assert view.set(b, 200, 2) is True and b.reserved_tokens == 300
+    assert b.in_flight == 1  # others never count as this replica's requests
+
+
+def test_fallback_leaves_this_replica_its_share():
+    assert local_share(1000, 3) == 333 and local_share(1000, 0) == 1000
+    b = backend("a", kv=900, seqs=16)
+    idx = ModelIndex([b])
+    view = OthersView(idx.adjust)
+    view.fall_back([b], 3)
+    assert b.free_tokens == 300 and b.free_seqs == 5
+
+
+async def test_a_refused_grant_is_not_released_to_the_ledger_and_the_request_waits():
+    b, view, ledger, adm = make(kv=1000, others=700)
+    # Locally the node looks empty; the ledger knows 700 tokens are held elsewhere.
+    with pytest.raises(Saturated):
+        await adm.admit(demand(300), 0.05)
+    assert ledger.released == [] and ledger.held == 0
+    assert b.reserved_tokens == 700 and b.in_flight == 0  # the view now says so
+    r = await adm.admit(demand(100), 0.05)
+    assert ledger.held == r.tokens
+    ledger.others = 0
+    assert view.set(b, 0, 0)
+    r.release()
+    assert ledger.released == [r.tokens] and b.reserved_tokens == 0
+
+
+async def test_a_waiter_is_confirmed_when_others_release():
+    b, view, ledger, adm = make(kv=1000, others=800)
+    view.set(b, 800, 0)
+    task = asyncio.create_task(adm.admit(demand(300), 2.0))
+    await asyncio.sleep(0.01)
+    assert adm.queue_depth == 1
+    ledger.others = 0
+    if view.set(b, 0, 0):
+        adm.offer(b)
+    r = await task
+    assert ledger.held == r.tokens
+    r.release()
+    assert ledger.held == 0
+
+
+async def test_cancelled_while_confirming_releases_locally():
+    b, _view, ledger, adm = make(kv=1000, others=0)
+    ledger.delay = 1.0
+    task = asyncio.create_task(adm.admit(demand(300), 2.0))
+    await asyncio.sleep(0.01)
+    assert b.in_flight == 1
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert b.in_flight == 0 and b.reserved_tokens == 0 and ledger.released == []
