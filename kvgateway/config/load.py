@@ -208,6 +208,7 @@ def _admission(s: Section) -> AdmissionConfig:
         max_messages=s.integer("max_messages", d.max_messages),
         max_content_parts=s.integer("max_content_parts", d.max_content_parts),
         inject_default_output=s.flag("inject_default_output", d.inject_default_output),
+        prefix_credit=s.flag("prefix_credit", d.prefix_credit),
     )
     s.reject_unknown()
     return cfg
@@ -217,6 +218,7 @@ def _routing(s: Section) -> RoutingConfig:
     cfg = RoutingConfig(
         policy=Policy(s.choice("policy", POLICIES, Policy.KV_AWARE.value)),
         offload_overflow=s.flag("offload_overflow", False),
+        prefix_aware=s.flag("prefix_aware", False),
     )
     s.reject_unknown()
     return cfg
@@ -368,4 +370,20 @@ def _backend_settings(
         discover=s.flag("discover", True),
         timeouts=_timeouts(s.section("timeouts"), timeouts),
         path=s.path,
+        kv_events=_kv_events(s),
     )
+
+
+def _kv_events(s: Section) -> str | None:
+    endpoint = s.opt_str("kv_events")
+    if endpoint is None:
+        return None
+    parts = urlsplit(endpoint)
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    if parts.scheme != "tcp" or not parts.hostname or port is None or "*" in endpoint:
+        s.fail("kv_events", f'expected tcp://HOST:PORT (the node\'s publisher), got "{endpoint}"')
+        return None
+    return endpoint

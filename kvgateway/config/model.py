@@ -47,6 +47,9 @@ class AdmissionConfig:
     # A chat request without max_tokens may generate up to the rest of the context on
     # vLLM; the gateway caps it at the reserved default so the reservation holds.
     inject_default_output: bool = True
+    # With routing.prefix_aware: prompt blocks that a running request on the same node
+    # already holds are reserved once, not once per request.
+    prefix_credit: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +58,9 @@ class RoutingConfig:
     # Send work that fits a GPU tier to the offload tier when every GPU tier is full
     # (instead of queueing). Off by default: offload nodes are slow.
     offload_overflow: bool = False
+    # kv_aware only: prefer, within the tier kv_aware picks, the node holding the prompt's
+    # prefix in its cache (approximate from what was routed; precise with `kv_events`).
+    prefix_aware: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +115,8 @@ class BackendConfig:
     discover: bool = True
     timeouts: TimeoutConfig = TimeoutConfig()
     path: str = ""
+    # vLLM's --kv-events-config publisher (tcp://HOST:PORT) for precise prefix routing.
+    kv_events: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

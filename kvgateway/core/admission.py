@@ -29,6 +29,7 @@ from kvgateway.config.model import GatewayConfig, Policy
 from kvgateway.core.backends import Backend, PauseReason
 from kvgateway.core.demand import Demand, can_ever_hold
 from kvgateway.core.fleet import Fleet
+from kvgateway.core.prefix_routing import PrefixRouter
 from kvgateway.core.routing import (
     Decision,
     NoBackend,
@@ -41,6 +42,7 @@ from kvgateway.core.routing import (
     route_to,
 )
 from kvgateway.core.routing_index import ModelIndex
+from kvgateway.core.shared_blocks import Holding
 from kvgateway.errors import ContextLengthExceeded, NoHealthyBackend, Saturated
 
 _ids = itertools.count(1)
@@ -58,10 +60,16 @@ class Reservation:
     queued_s: float = 0.0
     released: bool = False
     id: int = field(default_factory=lambda: next(_ids))
+    # Prefix-aware placement: this request's share of its node's prompt blocks.
+    holding: Holding | None = None
 
     def release(self) -> bool:
         """Give the tokens and slot back; only the first call has an effect."""
         return self.owner.release(self)
+
+    def prefill_done(self) -> None:
+        """The node has streamed the first token: the prompt's blocks are cached."""
+        self.owner.prefill_done(self)
 
     async def __aenter__(self) -> Reservation:
         return self
@@ -123,8 +131,10 @@ class Admission:
         queue_size: Callable[[], int],
         clock: Callable[[], float],
         on_decision: Callable[[Decision, Demand], None] | None = None,
+        prefix: PrefixRouter | None = None,
     ) -> None:
         self._index_for = index_for
+        self._prefix = prefix
         self._adjust = adjust
         self._policy = policy
         self._offload_overflow = offload_overflow
@@ -143,6 +153,7 @@ class Admission:
         config: Callable[[], GatewayConfig],
         clock: Callable[[], float],
         on_decision: Callable[[Decision, Demand], None] | None = None,
+        prefix: PrefixRouter | None = None,
     ) -> Admission:
         """Admission over ``fleet``, following the live config (it changes on reload)."""
         return cls(
@@ -153,23 +164,39 @@ class Admission:
             queue_size=lambda: config().admission.queue_size,
             clock=clock,
             on_decision=on_decision,
+            prefix=prefix,
         )
 
     # ---- synchronous core -------------------------------------------------------
 
     def decide(self, demand: Demand) -> Decision:
-        return route(
+        index = self._index_for(demand.model)
+        now = self._clock()
+        decision = route(
             self._policy(),
-            self._index_for(demand.model),
+            index,
             demand,
             self._router,
-            self._clock(),
+            now,
             offload_overflow=self._offload_overflow(),
         )
+        if self._prefix is not None and demand.prefix is not None:
+            decision = self._prefix.refine(index, demand, decision, now)
+        return decision
 
     def _grant(self, backend: Backend, demand: Demand, reason: RouteReason) -> Reservation:
-        self._adjust(backend, demand.tokens, demand.sequences, 1)
-        return Reservation(backend, demand.tokens, demand.sequences, reason, self)
+        # Prefix-aware: blocks a ready in-flight request on the node holds are credited.
+        holding = None
+        if self._prefix is not None:
+            holding = self._prefix.granted(backend, demand, self._clock())
+        tokens = demand.tokens - (holding.credited_tokens if holding is not None else 0)
+        self._adjust(backend, tokens, demand.sequences, 1)
+        return Reservation(backend, tokens, demand.sequences, reason, self, holding=holding)
+
+    def prefill_done(self, reservation: Reservation) -> None:
+        h = reservation.holding
+        if self._prefix is not None and h is not None and not reservation.released:
+            self._prefix.prefill_done(h)
 
     def try_admit(self, demand: Demand) -> Decision | Reservation:
         """Reserve now if the policy finds room that no earlier waiter claims."""
@@ -203,7 +230,13 @@ class Admission:
         if reservation.released:
             return False
         reservation.released = True
-        self._adjust(reservation.backend, -reservation.tokens, -reservation.seqs, -1)
+        tokens = reservation.tokens
+        h = reservation.holding
+        if h is not None and self._prefix is not None:
+            # The reservation paid for its uncredited blocks; the node's charge keeps one
+            # copy of every block another in-flight request still holds.
+            tokens += self._prefix.released(h) - (len(h.keys) - h.credited) * h.block_size
+        self._adjust(reservation.backend, -tokens, -reservation.seqs, -1)
         self._offer(reservation.backend)
         return True
 

@@ -14,6 +14,17 @@ from kvgateway.core.backends import Backend
 
 
 @dataclass(frozen=True, slots=True)
+class PrefixHint:
+    """What prefix-aware routing knows of a request's prompt: the chained keys of its
+    full blocks (:func:`kvgateway.core.prefix_keys.block_keys`, at ``block_size``) and a
+    session id (``x-session-id`` or the body's ``user``) as an affinity hint."""
+
+    keys: tuple[int, ...]
+    block_size: int
+    session: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class Demand:
     """What one request needs, in KV tokens and sequence slots."""
 
@@ -28,6 +39,8 @@ class Demand:
     # Backends held for earlier waiters: unavailable now, but still this request's
     # preferred tier (so claims never push a request onto the offload tier).
     busy: frozenset[str] = frozenset()
+    # Set when routing.prefix_aware is on (kv_aware): where the prompt's blocks may be cached.
+    prefix: PrefixHint | None = None
 
     @property
     def longest_sequence(self) -> int:

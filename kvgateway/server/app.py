@@ -22,6 +22,9 @@ from kvgateway import __version__
 from kvgateway.config.model import GatewayConfig
 from kvgateway.core.fleet import Fleet
 from kvgateway.core.limits import Observed
+from kvgateway.core.prefix_index import PrefixIndex
+from kvgateway.core.prefix_routing import PrefixRouter
+from kvgateway.core.shared_blocks import SharedBlocks
 from kvgateway.errors import BodyTooLarge, GatewayError, MethodNotAllowed, NotFound, Unauthorized
 from kvgateway.server import admin
 from kvgateway.server.admin import STATE
@@ -30,15 +33,22 @@ from kvgateway.server.proxy import REQUEST_ID, error_response, handle_completion
 from kvgateway.server.state import Clock, GatewayState
 from kvgateway.tokens.counters import TokenCounters
 from kvgateway.tokens.encoding import EncodingCache
+from kvgateway.upstream.kv_events import KVEventHub, KVEventSource
 from kvgateway.upstream.monitor import Monitor
 
 MONITOR = web.AppKey("monitor", Monitor)
+KV_EVENTS = web.AppKey("kv_events", KVEventHub)
 
 _OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
-__all__ = ["MONITOR", "STATE", "create_app"]
+__all__ = ["KV_EVENTS", "MONITOR", "STATE", "create_app", "kv_event_sources"]
+
+
+def kv_event_sources(config: GatewayConfig) -> list[KVEventSource]:
+    """The backends publishing KV events (``kv_events:``), for the :class:`KVEventHub`."""
+    return [KVEventSource(b.name, b.kv_events) for b in config.backends if b.kv_events]
 
 
 def create_app(
@@ -81,9 +91,22 @@ def create_app(
             auto_decompress=False,
             timeout=aiohttp.ClientTimeout(total=None, connect=10, sock_connect=10),
         )
+        prefix_index = PrefixIndex()
+        hub = KVEventHub(prefix_index, clock=clock)
         try:
+            prefix = PrefixRouter(
+                prefix_index,
+                shared=SharedBlocks(),
+                credit=lambda: state.config.admission.prefix_credit,
+            )
             state = GatewayState(
-                config, fleet, metrics, TokenCounters(encodings, pool, huge), session, clock=clock
+                config,
+                fleet,
+                metrics,
+                TokenCounters(encodings, pool, huge),
+                session,
+                clock=clock,
+                prefix=prefix,
             )
             monitor = Monitor(
                 fleet=fleet,
@@ -95,6 +118,8 @@ def create_app(
             )
             app[STATE] = state
             app[MONITOR] = monitor
+            app[KV_EVENTS] = hub
+            await hub.sync(kv_event_sources(config))
             await monitor.probe_all_once()
             monitor.sync()
             try:
@@ -102,6 +127,7 @@ def create_app(
             finally:
                 await monitor.close()
         finally:
+            await hub.close()
             await session.close()
             pool.shutdown(wait=False, cancel_futures=True)
             huge.shutdown(wait=False, cancel_futures=True)

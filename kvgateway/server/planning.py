@@ -12,8 +12,9 @@ import json
 from dataclasses import dataclass
 from typing import Protocol
 
-from kvgateway.config.model import GatewayConfig, ModelConfig
-from kvgateway.core.demand import Demand, demand_tokens
+from kvgateway.config.model import GatewayConfig, ModelConfig, Policy
+from kvgateway.core.demand import Demand, PrefixHint, demand_tokens
+from kvgateway.core.prefix_keys import block_keys
 from kvgateway.errors import ModelNotFound
 from kvgateway.server.openai_request import (
     Kind,
@@ -29,6 +30,8 @@ from kvgateway.tokens.counting import CountPlan, PromptTokens, plan_chat, plan_c
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's documented default
 OFF_LOOP_BYTES = 1024 * 1024
+# Prompts above this are turned into token ids in the counting pool, not on the loop.
+IDS_INLINE_BYTES = 24_000
 
 
 class FleetView(Protocol):
@@ -58,6 +61,7 @@ async def plan_request(
     counters: TokenCounters,
     calibration: PromptCalibration,
     fleet: FleetView,
+    session: str | None = None,
 ) -> Counted:
     limits = Limits(config.admission.max_messages, config.admission.max_content_parts)
     if len(raw) > OFF_LOOP_BYTES:
@@ -75,6 +79,10 @@ async def plan_request(
     each = [calibration.scaled(model.name, p, margin) for p in (prompt.each or (prompt.total,))]
     longest = max(each)
     output, injected = output_budget(parsed, config, longest, largest)
+    block = fleet.block_size(model.name)
+    prefix = None
+    if config.routing.prefix_aware and config.routing.policy == Policy.KV_AWARE:
+        prefix = await _prefix_hint(parsed, model, counters, block, longest, session, len(raw))
     demand = Demand(
         model=model.name,
         prompt_tokens=sum(each),
@@ -82,11 +90,43 @@ async def plan_request(
         output_tokens=output,
         sequences=len(each) * parsed.sequences_per_prompt,
         # Every prompt's sequences rounded to whole blocks on their own, as vLLM does.
-        tokens=demand_tokens(
-            each, output, parsed.sequences_per_prompt, fleet.block_size(model.name)
-        ),
+        tokens=demand_tokens(each, output, parsed.sequences_per_prompt, block),
+        prefix=prefix,
     )
     return Counted(model, parsed, prompt, output, demand, injected)
+
+
+async def _prefix_hint(
+    parsed: ParsedRequest,
+    model: ModelConfig,
+    counters: TokenCounters,
+    block: int,
+    longest: int,
+    session: str | None,
+    size: int,
+) -> PrefixHint:
+    """The prompt's block keys (a single prompt only) and its session, for routing.
+
+    Keys stop at the counted prompt's full blocks, so a credit for shared blocks can never
+    exceed what the demand reserved for the prompt."""
+    user = parsed.body.get("user")
+    session = session or (user if isinstance(user, str) and user else None)
+    ids_of = counters.ids_for(model.tokenizer)
+    body = parsed.body
+
+    def ids() -> list[int] | None:
+        if parsed.kind == "chat":
+            return ids_of.chat(body, model.tokenizer)
+        return ids_of.completion(body.get("prompt"))
+
+    if size > IDS_INLINE_BYTES:
+        found = await asyncio.get_running_loop().run_in_executor(counters.executor, ids)
+    else:
+        found = ids()
+    keys: tuple[int, ...] = ()
+    if found:
+        keys = tuple(block_keys(found, block, max_blocks=longest // block))
+    return PrefixHint(keys, block, session[:256] if session else None)
 
 
 def _parse(

@@ -147,7 +147,15 @@ async def _count_and_forward(state: GatewayState, ex: Exchange, kind: Kind) -> w
     cfg = state.config
     raw = await read_limited(ex.request, cfg.admission.max_body_bytes, cfg.server.body_timeout_s)
     ex.body_read = True
-    counted = await plan_request(raw, kind, cfg, state.counters, state.calibration, state.fleet)
+    counted = await plan_request(
+        raw,
+        kind,
+        cfg,
+        state.counters,
+        state.calibration,
+        state.fleet,
+        session=ex.request.headers.get("x-session-id") or None,
+    )
     ex.counted = counted
     rec = ex.record
     rec.model = counted.model.name

@@ -91,6 +91,8 @@ async def relay_stream(
     try:
         async with asyncio.timeout_at(_loop_deadline(ex.started + timeouts.total_s, state)):
             async for events in resp.events(timeouts.idle_s):
+                if ex.ttft_s is None:
+                    r.prefill_done()  # the prompt's blocks are in the node's cache now
                 ex.first_byte(state.clock())
                 await out.write(events)
                 last = events

@@ -19,7 +19,7 @@ from aiohttp import web
 from kvgateway.config.load import load_config
 from kvgateway.config.yamlread import ConfigError
 from kvgateway.core.derived_limits import derive_all
-from kvgateway.server.app import MONITOR, STATE
+from kvgateway.server.app import KV_EVENTS, MONITOR, STATE, kv_event_sources
 
 log = logging.getLogger("kvgateway.server.reload")
 
@@ -76,7 +76,8 @@ class Reloader:
             await self._wanted.wait()
             self._wanted.clear()
             try:
-                reload_config(self._app, self._path)
+                if reload_config(self._app, self._path):
+                    await self._app[KV_EVENTS].sync(kv_event_sources(self._app[STATE].config))
             except Exception:
                 self._app[STATE].metrics.reloads.labels(result="error").inc()
                 log.exception("reload of %s failed; still serving the previous config", self._path)

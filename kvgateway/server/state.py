@@ -13,6 +13,7 @@ from kvgateway.config.model import GatewayConfig
 from kvgateway.core.admission import Admission
 from kvgateway.core.demand import Demand
 from kvgateway.core.fleet import Fleet
+from kvgateway.core.prefix_routing import PrefixRouter
 from kvgateway.core.routing import Decision, Wait
 from kvgateway.server.exchange import Exchange
 from kvgateway.server.metrics import GatewayMetrics
@@ -32,6 +33,7 @@ class GatewayState:
         session: aiohttp.ClientSession,
         *,
         clock: Clock = time.monotonic,
+        prefix: PrefixRouter | None = None,
     ) -> None:
         self.config = config
         self.fleet = fleet
@@ -50,8 +52,10 @@ class GatewayState:
         self.calibration = PromptCalibration(
             lambda model, ratio: metrics.estimate_ratio.labels(model=model).observe(ratio)
         )
+        # Prefix-aware placement (consulted only for requests planned with a prefix hint).
+        self.prefix = prefix
         self.admission = Admission.for_fleet(
-            fleet, lambda: self.config, clock, on_decision=self._count_decision
+            fleet, lambda: self.config, clock, on_decision=self._count_decision, prefix=prefix
         )
 
     def _count_decision(self, decision: Decision, demand: Demand) -> None:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from kvgateway.tokens.counting import PromptCounter, TextCountCache
 from kvgateway.tokens.encoding import EncodingCache, EncodingSpec
+from kvgateway.tokens.prompt_ids import PromptIds
 from kvgateway.tokens.spec import TokenizerConfig
 
 
@@ -23,6 +24,15 @@ class TokenCounters:
     cache_chars: int = 32 * 1024 * 1024
     inline_chars: int = 24_000
     _by_spec: dict[EncodingSpec, PromptCounter] = field(default_factory=dict)
+    _ids_by_spec: dict[EncodingSpec, PromptIds] = field(default_factory=dict)
+
+    def ids_for(self, tokenizer: TokenizerConfig) -> PromptIds:
+        """Token ids of prompts (prefix-aware routing keys blocks with them)."""
+        spec = tokenizer.encoding
+        ids = self._ids_by_spec.get(spec)
+        if ids is None:
+            ids = self._ids_by_spec[spec] = PromptIds(self.encodings.get(spec))
+        return ids
 
     def for_tokenizer(self, tokenizer: TokenizerConfig) -> PromptCounter:
         spec = tokenizer.encoding

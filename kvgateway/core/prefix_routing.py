@@ -1,0 +1,180 @@
+"""Prefix-aware placement for ``kv_aware``: route to the cached prefix, credit shared blocks.
+
+:func:`~kvgateway.core.routing.route_kv_aware` decides first: the tier, and whether any
+backend can take the request at all (context, budget, slots, health). Only then does
+:meth:`PrefixRouter.refine` look again *within that tier*, at a few candidates:
+
+- the ``candidates`` backends with the most free budget that can take it now;
+- the backends the prompt's blocks were recently routed to (a small map from a few block
+  keys of each routed prompt, at positions 1, 2, 4, 8, ... and the last, to backends);
+- the backend of the request's session (``x-session-id`` or ``user``), as a hint.
+
+Each is scored by the tokens it would not recompute (:meth:`PrefixIndex.expected_blocks`
+x block size: exact with KV events, decayed guesses without) traded against balance::
+
+    score = hit + free_weight * prompt * free_fraction - load_weight * prompt * slot_use
+            + session_bonus_blocks * block_size  (the session's backend only)
+
+so a follow-up turn goes back to the node holding its history unless that node cannot
+take it (then it is not a candidate at all), and a fresh prompt goes where budget is
+freest, as without prefix awareness. A decision looks at O(candidates + holders)
+backends, whatever the fleet size.
+
+Granting records the prompt's blocks as routed there (the approximate view) and, with
+:class:`~kvgateway.core.shared_blocks.SharedBlocks`, credits blocks a ready in-flight
+request on that node holds.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvgateway.core.backends import Backend
+from kvgateway.core.demand import Demand
+from kvgateway.core.prefix_index import PrefixIndex
+from kvgateway.core.prefix_keys import BlockKey
+from kvgateway.core.routing import Decision, Routed, eligible
+from kvgateway.core.routing_index import ModelIndex
+from kvgateway.core.shared_blocks import Holding, SharedBlocks
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixScoring:
+    candidates: int = 4
+    free_weight: float = 0.5
+    load_weight: float = 0.5
+    session_bonus_blocks: float = 2.0
+    holders_per_key: int = 4
+    max_tracked_keys: int = 500_000
+    max_sessions: int = 100_000
+
+
+def _probe_positions(n: int) -> list[int]:
+    """Indexes of the keys remembered per prompt (deepest last): 0, 1, 3, 7, ..., n-1."""
+    out: list[int] = []
+    i = 1
+    while i <= n:
+        out.append(i - 1)
+        i *= 2
+    if n and out[-1] != n - 1:
+        out.append(n - 1)
+    return out
+
+
+class PrefixRouter:
+    """Owns the hint maps; reads the :class:`PrefixIndex` (fed by routing and events)."""
+
+    def __init__(
+        self,
+        index: PrefixIndex,
+        scoring: PrefixScoring | None = None,
+        shared: SharedBlocks | None = None,
+        credit: Callable[[], bool] = lambda: True,
+    ) -> None:
+        self.index = index
+        self.scoring = scoring or PrefixScoring()
+        self.shared = shared
+        self._credit = credit
+        self._holders: OrderedDict[BlockKey, tuple[str, ...]] = OrderedDict()
+        self._sessions: OrderedDict[str, str] = OrderedDict()
+
+    # -- deciding --------------------------------------------------------------------
+
+    def refine(self, mindex: ModelIndex, d: Demand, decision: Decision, now: float) -> Decision:
+        """kv_aware's decision, moved within its tier to the best prefix candidate."""
+        hint = d.prefix
+        if hint is None or not isinstance(decision, Routed) or not hint.keys:
+            return decision
+        chosen = decision.backend
+        tier = mindex.tier_of(chosen)
+        if tier is None:
+            return decision
+
+        def accept(b: Backend) -> bool:
+            return b.tier_index == chosen.tier_index and eligible(b, d, now)
+
+        s = self.scoring
+        pool: dict[str, Backend] = {chosen.name: chosen}
+        for b in tier.top(accept, d.tokens, s.candidates):
+            pool.setdefault(b.name, b)
+        named = list(self._holders_of(hint.keys))
+        session_backend = self._sessions.get(hint.session) if hint.session else None
+        if session_backend is not None:
+            named.append(session_backend)
+        for name in named:
+            other = mindex.get(name) if name not in pool else None
+            if other is not None and accept(other):
+                pool[name] = other
+        if len(pool) == 1:
+            return decision
+        best = max(
+            pool.values(),
+            key=lambda b: (self._score(b, d, now, session_backend), b.free_tokens, b.name),
+        )
+        return decision if best is chosen else Routed(best, decision.reason)
+
+    def _score(self, b: Backend, d: Demand, now: float, session_backend: str | None) -> float:
+        hint = d.prefix
+        assert hint is not None
+        s = self.scoring
+        hit = self.index.expected_blocks(b.name, hint.keys, now) * hint.block_size
+        prompt = d.longest_prompt
+        free = b.free_tokens / b.budget_tokens if b.budget_tokens > 0 else 0.0
+        use = b.reserved_seqs / b.max_num_seqs if b.max_num_seqs > 0 else 1.0
+        score = hit + s.free_weight * prompt * free - s.load_weight * prompt * use
+        if b.name == session_backend:
+            score += s.session_bonus_blocks * hint.block_size
+        return score
+
+    def _holders_of(self, keys: tuple[BlockKey, ...]) -> list[str]:
+        """Backends recently sent prompts sharing ``keys``' deepest remembered prefix."""
+        out: list[str] = []
+        for i in reversed(_probe_positions(len(keys))):
+            names = self._holders.get(keys[i])
+            if names:
+                out.extend(n for n in names if n not in out)
+                if len(out) >= self.scoring.holders_per_key:
+                    break
+        return out
+
+    # -- granting --------------------------------------------------------------------
+
+    def granted(self, b: Backend, d: Demand, now: float) -> Holding | None:
+        """``d`` was granted on ``b``: remember where its blocks went; its credit, if any."""
+        hint = d.prefix
+        if hint is None:
+            return None
+        if hint.keys:
+            self.index.record_routed(b.name, hint.keys, now)
+            self._remember(b.name, hint.keys)
+        if hint.session:
+            self._sessions[hint.session] = b.name
+            self._sessions.move_to_end(hint.session)
+            while len(self._sessions) > self.scoring.max_sessions:
+                self._sessions.popitem(last=False)
+        if self.shared is None or not self._credit() or not hint.keys or d.sequences != 1:
+            return None
+        return self.shared.acquire(b.name, hint.keys, hint.block_size)
+
+    def _remember(self, name: str, keys: tuple[BlockKey, ...]) -> None:
+        limit = self.scoring.holders_per_key
+        holders = self._holders
+        for i in _probe_positions(len(keys)):
+            key = keys[i]
+            old = holders.get(key, ())
+            holders[key] = (name, *(n for n in old if n != name))[:limit]
+            holders.move_to_end(key)
+        while len(holders) > self.scoring.max_tracked_keys:
+            holders.popitem(last=False)
+
+    def prefill_done(self, h: Holding) -> None:
+        if self.shared is not None:
+            self.shared.mark_ready(h)
+
+    def released(self, h: Holding) -> int:
+        """Tokens to give back for ``h``'s blocks (beyond the reservation's own part)."""
+        if self.shared is None:
+            return 0
+        return self.shared.release(h) * h.block_size
