@@ -9,15 +9,19 @@ backend can take the request at all (context, budget, slots, health). Only then 
   keys of each routed prompt, at positions 1, 2, 4, 8, ... and the last, to backends);
 - the backend of the request's session (``x-session-id`` or ``user``), as a hint.
 
-Each is scored by the tokens it would not recompute (:meth:`PrefixIndex.expected_blocks`
-x block size: exact with KV events, decayed guesses without) traded against balance::
+Each is scored by the share of the prompt it would not recompute (``hit``:
+:meth:`PrefixIndex.expected_blocks` x block size / prompt; exact with KV events, decayed
+guesses without) traded against how full it is, all on a 0..1 scale (as llm-d's
+weighted scorers)::
 
-    score = hit + free_weight * prompt * free_fraction - load_weight * prompt * slot_use
-            + session_bonus_blocks * block_size  (the session's backend only)
+    score = hit - budget_weight * reserved_fraction - load_weight * slot_use
+            + session_bonus  (the session's backend only)
 
-so a follow-up turn goes back to the node holding its history unless that node cannot
-take it (then it is not a candidate at all), and a fresh prompt goes where budget is
-freest, as without prefix awareness. A decision looks at O(candidates + holders)
+So a follow-up turn (hit ~0.9) goes back to the node holding its history unless that
+node cannot take it (then it is not a candidate at all) or is far fuller than the
+others; a prompt that shares only a system prompt (hit ~0.3) goes there only while that
+node is not much busier; a fresh prompt goes where budget is freest, as without prefix
+awareness. A decision looks at O(candidates + holders)
 backends, whatever the fleet size.
 
 Granting records the prompt's blocks as routed there (the approximate view) and, with
@@ -43,9 +47,9 @@ from kvgateway.core.shared_blocks import Holding, SharedBlocks
 @dataclass(frozen=True, slots=True)
 class PrefixScoring:
     candidates: int = 4
-    free_weight: float = 0.5
+    budget_weight: float = 0.5
     load_weight: float = 0.5
-    session_bonus_blocks: float = 2.0
+    session_bonus: float = 0.05
     holders_per_key: int = 4
     max_tracked_keys: int = 500_000
     max_sessions: int = 100_000
@@ -119,13 +123,13 @@ class PrefixRouter:
         hint = d.prefix
         assert hint is not None
         s = self.scoring
-        hit = self.index.expected_blocks(b.name, hint.keys, now) * hint.block_size
-        prompt = d.longest_prompt
-        free = b.free_tokens / b.budget_tokens if b.budget_tokens > 0 else 0.0
+        cached = self.index.expected_blocks(b.name, hint.keys, now) * hint.block_size
+        hit = min(1.0, cached / d.longest_prompt) if d.longest_prompt > 0 else 0.0
+        full = b.reserved_tokens / b.budget_tokens if b.budget_tokens > 0 else 1.0
         use = b.reserved_seqs / b.max_num_seqs if b.max_num_seqs > 0 else 1.0
-        score = hit + s.free_weight * prompt * free - s.load_weight * prompt * use
+        score = hit - s.budget_weight * full - s.load_weight * use
         if b.name == session_backend:
-            score += s.session_bonus_blocks * hint.block_size
+            score += s.session_bonus
         return score
 
     def _holders_of(self, keys: tuple[BlockKey, ...]) -> list[str]:
