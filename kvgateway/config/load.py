@@ -209,6 +209,12 @@ def _admission(s: Section) -> AdmissionConfig:
         max_content_parts=s.integer("max_content_parts", d.max_content_parts),
         inject_default_output=s.flag("inject_default_output", d.inject_default_output),
         prefix_credit=s.flag("prefix_credit", d.prefix_credit),
+        output_reservation=s.choice(
+            "output_reservation", ("max_tokens", "learned"), d.output_reservation
+        ),
+        preemption_risk=s.number(
+            "preemption_risk", d.preemption_risk, exclusive_min=False, maximum=0.5
+        ),
     )
     s.reject_unknown()
     return cfg

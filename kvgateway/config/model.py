@@ -50,6 +50,12 @@ class AdmissionConfig:
     # With routing.prefix_aware: prompt blocks that a running request on the same node
     # already holds are reserved once, not once per request.
     prefix_credit: bool = True
+    # "max_tokens": reserve every request's whole output budget (no preemption caused by
+    # the gateway). "learned": reserve the (1 - preemption_risk) quantile of the output
+    # lengths seen for such requests (model, client key, max_tokens bucket), growing a
+    # stream's reservation as it outgrows it.
+    output_reservation: str = "max_tokens"
+    preemption_risk: float = 0.01
 
 
 @dataclass(frozen=True, slots=True)

@@ -193,6 +193,15 @@ class Admission:
         self._adjust(backend, tokens, demand.sequences, 1)
         return Reservation(backend, tokens, demand.sequences, reason, self, holding=holding)
 
+    def grow(self, reservation: Reservation, tokens: int) -> None:
+        """A running request needs more than it reserved (``output_reservation:
+        learned``): charge it now, even past the budget (the node holds it already);
+        the node takes no new work until enough ends."""
+        if reservation.released or tokens <= 0:
+            return
+        self._adjust(reservation.backend, tokens, 0, 0)
+        reservation.tokens += tokens
+
     def prefill_done(self, reservation: Reservation) -> None:
         h = reservation.holding
         if self._prefix is not None and h is not None and not reservation.released:

@@ -65,6 +65,8 @@ class Exchange:
     # The request's own deadline: shutdown moves it forward to end the request properly.
     deadline: asyncio.Timeout | None = None
     shutdown: bool = False
+    # Who sent it (a hash of the API key; "*" without one): output lengths learned per client.
+    client: str = "*"
 
     @property
     def request_id(self) -> str:

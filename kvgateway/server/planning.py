@@ -14,6 +14,7 @@ from typing import Protocol
 
 from kvgateway.config.model import GatewayConfig, ModelConfig, Policy
 from kvgateway.core.demand import Demand, PrefixHint, demand_tokens
+from kvgateway.core.output_model import ANY_KEY, OutputModel
 from kvgateway.core.prefix_keys import block_keys
 from kvgateway.errors import ModelNotFound
 from kvgateway.server.openai_request import (
@@ -52,6 +53,8 @@ class Counted:
     demand: Demand
     # The max_tokens the gateway set because the client left it open (None: unchanged).
     injected_output: int | None = None
+    # Output tokens reserved per sequence: output_tokens, or less when learned.
+    reserved_output: int = 0
 
 
 async def plan_request(
@@ -62,6 +65,8 @@ async def plan_request(
     calibration: PromptCalibration,
     fleet: FleetView,
     session: str | None = None,
+    outputs: OutputModel | None = None,
+    client: str = ANY_KEY,
 ) -> Counted:
     limits = Limits(config.admission.max_messages, config.admission.max_content_parts)
     if len(raw) > OFF_LOOP_BYTES:
@@ -80,6 +85,12 @@ async def plan_request(
     longest = max(each)
     output, injected = output_budget(parsed, config, longest, largest)
     block = fleet.block_size(model.name)
+    reserved = output
+    adm = config.admission
+    if adm.output_reservation == "learned" and outputs is not None and not parsed.echo_only:
+        # Context fit still uses the whole output budget (the node checks it); the KV
+        # reservation uses what such requests really generate.
+        reserved = outputs.reservation(model.name, client, output, adm.preemption_risk)
     prefix = None
     if config.routing.prefix_aware and config.routing.policy == Policy.KV_AWARE:
         prefix = await _prefix_hint(parsed, model, counters, block, longest, session, len(raw))
@@ -90,10 +101,10 @@ async def plan_request(
         output_tokens=output,
         sequences=len(each) * parsed.sequences_per_prompt,
         # Every prompt's sequences rounded to whole blocks on their own, as vLLM does.
-        tokens=demand_tokens(each, output, parsed.sequences_per_prompt, block),
+        tokens=demand_tokens(each, reserved, parsed.sequences_per_prompt, block),
         prefix=prefix,
     )
-    return Counted(model, parsed, prompt, output, demand, injected)
+    return Counted(model, parsed, prompt, output, demand, injected, reserved)
 
 
 async def _prefix_hint(

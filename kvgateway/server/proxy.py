@@ -34,6 +34,7 @@ from kvgateway.errors import (
 from kvgateway.server.accesslog import AccessRecord
 from kvgateway.server.exchange import Exchange, Failure, Outcome, finish
 from kvgateway.server.openai_request import Kind
+from kvgateway.server.output_accounting import client_key
 from kvgateway.server.planning import plan_request, upstream_body
 from kvgateway.server.relay import error_event, relay_body, relay_stream
 from kvgateway.server.state import GatewayState
@@ -83,6 +84,7 @@ async def handle_completion(
         request=request,
         record=AccessRecord(request_id=rid, method=request.method, path=request.path),
         started=state.clock(),
+        client=client_key(request.headers.get("Authorization", "")),
     )
     task = asyncio.current_task()
     if task is not None:
@@ -155,6 +157,8 @@ async def _count_and_forward(state: GatewayState, ex: Exchange, kind: Kind) -> w
         state.calibration,
         state.fleet,
         session=ex.request.headers.get("x-session-id") or None,
+        outputs=state.outputs.model,
+        client=ex.client,
     )
     ex.counted = counted
     rec = ex.record

@@ -14,6 +14,7 @@ from aiohttp import web
 from kvgateway.core.admission import Reservation
 from kvgateway.errors import UpstreamError, UpstreamTimeout
 from kvgateway.server.exchange import Exchange, Failure, Outcome
+from kvgateway.server.output_accounting import LiveRequest
 from kvgateway.server.state import GatewayState
 from kvgateway.upstream.client import MidStreamError, UpstreamResponse, find_usage
 
@@ -39,15 +40,25 @@ def error_event(message: str, code: str) -> bytes:
     return b"data: " + err.body_bytes() + b"\n\ndata: [DONE]\n\n"
 
 
-def _reconcile(state: GatewayState, ex: Exchange, r: Reservation, data: bytes) -> None:
+def _reconcile(
+    state: GatewayState, ex: Exchange, r: Reservation, data: bytes, counted_output: int | None
+) -> None:
+    """A finished answer: calibrate prompt counting and learn its output length (from
+    ``usage``, else from the live count of a stream)."""
     counted = ex.counted
     assert counted is not None
-    usage = find_usage(data)
+    usage = find_usage(data) if b'"usage"' in data else None
     if usage is not None and counted.prompt.prompts == 1:
         # vLLM reports the prompt once per request, whatever n is.
         state.calibration.observe(
             r.backend.name, counted.model.name, counted.prompt.total, usage.prompt_tokens
         )
+    output = usage.completion_tokens if usage is not None else None
+    if output is None:
+        output = counted_output
+    if output is not None and not counted.parsed.echo_only:
+        per_seq = -(-output // max(1, counted.demand.sequences))
+        state.outputs.learn(counted.model.name, ex.client, counted.output_tokens, per_seq)
 
 
 async def relay_body(
@@ -62,7 +73,7 @@ async def relay_body(
             f"Backend {r.backend.name} did not finish within the total timeout.", retryable=False
         ) from exc
     if resp.status == 200:
-        _reconcile(state, ex, r, data)
+        _reconcile(state, ex, r, data, None)
         ex.record.outcome = Outcome.OK
     else:
         ex.record.outcome = f"backend_{resp.status}"
@@ -84,6 +95,31 @@ async def relay_stream(
     out.headers["X-Accel-Buffering"] = "no"
     await out.prepare(ex.request)
     ex.response = out
+    counted = ex.counted
+    assert counted is not None
+    live = state.outputs.start(
+        r,
+        counted.demand.prompt_tokens,
+        counted.demand.sequences,
+        counted.reserved_output or counted.output_tokens,
+        state.fleet.block_size(counted.model.name),
+    )
+    try:
+        await _relay_events(state, ex, resp, r, out, live)
+    finally:
+        state.outputs.end(live)
+    await out.write_eof()
+    return out
+
+
+async def _relay_events(
+    state: GatewayState,
+    ex: Exchange,
+    resp: UpstreamResponse,
+    r: Reservation,
+    out: web.StreamResponse,
+    live: LiveRequest,
+) -> None:
     timeouts = r.backend.config.timeouts
     rec = ex.record
     done = False
@@ -94,6 +130,7 @@ async def relay_stream(
                 if ex.ttft_s is None:
                     r.prefill_done()  # the prompt's blocks are in the node's cache now
                 ex.first_byte(state.clock())
+                state.outputs.on_events(live, events)
                 await out.write(events)
                 last = events
                 if events.endswith(b"data: [DONE]\n\n"):
@@ -123,10 +160,7 @@ async def relay_stream(
         )
     elif rec.outcome == Outcome.PENDING:
         rec.outcome = Outcome.OK
-        if b'"usage"' in last:
-            _reconcile(state, ex, r, last)
-    await out.write_eof()
-    return out
+        _reconcile(state, ex, r, last, live.generated)
 
 
 def _loop_deadline(deadline: float, state: GatewayState) -> float:

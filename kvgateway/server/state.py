@@ -17,6 +17,7 @@ from kvgateway.core.prefix_routing import PrefixRouter
 from kvgateway.core.routing import Decision, Wait
 from kvgateway.server.exchange import Exchange
 from kvgateway.server.metrics import GatewayMetrics
+from kvgateway.server.output_accounting import OutputAccounting
 from kvgateway.tokens.calibration import PromptCalibration
 from kvgateway.tokens.counters import TokenCounters
 
@@ -54,6 +55,8 @@ class GatewayState:
         )
         # Prefix-aware placement (consulted only for requests planned with a prefix hint).
         self.prefix = prefix
+        # Live output counts of streams and the learned output lengths.
+        self.outputs = OutputAccounting()
         self.admission = Admission.for_fleet(
             fleet, lambda: self.config, clock, on_decision=self._count_decision, prefix=prefix
         )
