@@ -110,5 +110,10 @@ async def test_precise_mode_follows_the_nodes_kv_events(start_fleet: StartFleet)
             assert index.matched_blocks(home, keys, fleet.state.clock()) >= len(keys) - 1
         # Questions about each document go to the node whose cache holds it.
         again = await asyncio.gather(*(complete(d + " Question: when?") for d in docs))
+        async with s.get(fleet.url + "/admin/backends") as r:
+            view = await r.json()
     assert again == first
+    assert view["prefix_aware"] is True
+    assert all(b["prefix_index"]["precise"] for b in view["backends"])
+    assert sum(b["prefix_index"]["precise_blocks"] for b in view["backends"]) > 0
     assert fleet.leaks() == {}
