@@ -116,17 +116,32 @@ class PrefixRouter:
                 pool[name] = other
         if len(pool) == 1:
             return decision
+        # Events are trusted when they match this prompt somewhere; when they match it
+        # nowhere the gateway's ids may not be the node's (a chat template it cannot
+        # reproduce), and what was routed where is the better guess.
+        precise = any(
+            self.index.is_precise(b.name, now)
+            and self.index.matched_blocks(b.name, hint.keys[:1], now)
+            for b in pool.values()
+        )
         best = max(
             pool.values(),
-            key=lambda b: (self._score(b, d, now, session_backend), b.free_tokens, b.name),
+            key=lambda b: (self._score(b, d, now, session_backend, precise), b.free_tokens, b.name),
         )
         return decision if best is chosen else Routed(best, decision.reason)
 
-    def _score(self, b: Backend, d: Demand, now: float, session_backend: str | None) -> float:
+    def _score(
+        self,
+        b: Backend,
+        d: Demand,
+        now: float,
+        session_backend: str | None,
+        precise: bool = True,
+    ) -> float:
         hint = d.prefix
         assert hint is not None
         s = self.scoring
-        cached = self._expected_blocks(b.name, hint.keys, now) * hint.block_size
+        cached = self._expected_blocks(b.name, hint.keys, now, precise) * hint.block_size
         hit = min(1.0, cached / d.longest_prompt) if d.longest_prompt > 0 else 0.0
         full = b.reserved_tokens / b.budget_tokens if b.budget_tokens > 0 else 1.0
         use = b.reserved_seqs / b.max_num_seqs if b.max_num_seqs > 0 else 1.0
@@ -135,15 +150,19 @@ class PrefixRouter:
             score += s.session_bonus
         return score
 
-    def _expected_blocks(self, name: str, keys: tuple[BlockKey, ...], now: float) -> float:
+    def _expected_blocks(
+        self, name: str, keys: tuple[BlockKey, ...], now: float, precise: bool = True
+    ) -> float:
         """:meth:`PrefixIndex.expected_blocks` in O(log n) lookups: the matched run found by
         bisection (a node holds a prompt's head whenever it holds its tail: the tail is
         evicted first, and routing records whole prompts), weighted by the belief in its
         deepest block (the oldest, so never an overestimate of the run's belief)."""
         index = self.index
+        matched = index.matched_blocks if precise else index.routed_blocks
+        belief = index.expected_blocks if precise else index.routed_expected_blocks
 
         def held(i: int) -> bool:
-            return index.matched_blocks(name, keys[i : i + 1], now) == 1
+            return matched(name, keys[i : i + 1], now) == 1
 
         if not keys or not held(0):
             return 0.0
@@ -154,7 +173,7 @@ class PrefixRouter:
                 lo = mid
             else:
                 hi = mid - 1
-        return (lo + 1) * index.expected_blocks(name, keys[lo : lo + 1], now)
+        return (lo + 1) * belief(name, keys[lo : lo + 1], now)
 
     def _holders_of(self, keys: tuple[BlockKey, ...]) -> list[str]:
         """Backends recently sent prompts sharing ``keys``' deepest remembered prefix."""

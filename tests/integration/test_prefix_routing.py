@@ -117,3 +117,20 @@ async def test_precise_mode_follows_the_nodes_kv_events(start_fleet: StartFleet)
     assert all(b["prefix_index"]["precise"] for b in view["backends"])
     assert sum(b["prefix_index"]["precise_blocks"] for b in view["backends"]) > 0
     assert fleet.leaks() == {}
+
+
+async def test_chat_follow_ups_stay_home_with_kv_events_whose_ids_cannot_match(
+    start_fleet: StartFleet,
+):
+    # The gateway cannot reproduce the node's chat template: the node's events never
+    # match a chat's keys, and routing falls back to what it sent where.
+    nodes = [
+        (name, tier, profile, {"kv_events_endpoint": "tcp://127.0.0.1:*"})
+        for name, tier, profile, _ in NODES
+    ]
+    fleet = await start_fleet(nodes, gateway={"routing": {"prefix_aware": True}})
+    homes = await _conversations(fleet)
+    for turns in homes:
+        assert len(set(turns)) == 1, homes
+    now = fleet.state.clock()
+    assert all(fleet.state.prefix.index.is_precise(n, now) for n in fleet.nodes)
