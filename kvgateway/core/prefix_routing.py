@@ -198,6 +198,8 @@ class PrefixRouter:
         if hint is None:
             return None
         if hint.keys:
+            # The node's LRU forgets what exceeds its pool; so does the routed view.
+            self.index.set_capacity(b.name, max(1, b.kv_cache_tokens // hint.block_size))
             self.index.record_routed(b.name, hint.keys, now)
             self._remember(b.name, hint.keys)
         if hint.session:

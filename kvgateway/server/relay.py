@@ -108,6 +108,7 @@ async def relay_stream(
         await _relay_events(state, ex, resp, r, out, live)
     finally:
         state.outputs.end(live)
+        ex.grown_tokens += live.grown
     await out.write_eof()
     return out
 

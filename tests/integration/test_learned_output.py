@@ -48,4 +48,8 @@ async def test_learned_reservations_shrink_and_long_streams_stay_covered(start_f
                 seen.append(footprint)
                 assert b.reserved_tokens >= footprint
     assert max(seen) > 400 - 16  # it did stream well past its learned reservation
+    metrics = fleet.state.metrics.registry.get_sample_value(
+        "gateway_reservation_grown_tokens_total", {"model": MODEL}
+    )
+    assert metrics is not None and metrics > 0
     assert fleet.leaks() == {}

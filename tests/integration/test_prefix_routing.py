@@ -134,3 +134,32 @@ async def test_chat_follow_ups_stay_home_with_kv_events_whose_ids_cannot_match(
         assert len(set(turns)) == 1, homes
     now = fleet.state.clock()
     assert all(fleet.state.prefix.index.is_precise(n, now) for n in fleet.nodes)
+
+
+async def test_a_prefix_held_by_a_running_stream_is_reserved_once(start_fleet: StartFleet):
+    fleet = await start_fleet(NODES[:1], gateway={"routing": {"prefix_aware": True}})
+    b = fleet.backend("small-1")
+    doc = "The depot ledger lists every pallet that left the harbor today. " * 150
+    long = {"model": MODEL, "prompt": doc, "max_tokens": 300, "stream": True, "ignore_eos": True}
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(fleet.url + "/v1/completions", json=long) as first,
+    ):
+        assert first.status == 200
+        await first.content.readany()  # its first token: the prompt is in the cache
+        alone = b.reserved_tokens
+        body = {"model": MODEL, "prompt": doc + " Which pallets?", "max_tokens": 300}
+        second = asyncio.create_task(s.post(fleet.url + "/v1/completions", json=body))
+        while b.in_flight < 2:
+            await asyncio.sleep(0.001)
+        # The second request reserved only what it does not share, not a second copy.
+        assert b.reserved_tokens - alone < alone / 2
+        async with await second as r:
+            assert r.status == 200
+            await r.read()
+        await first.read()
+    credited = fleet.state.metrics.registry.get_sample_value(
+        "gateway_prefix_credited_tokens_total", {"model": MODEL}
+    )
+    assert credited is not None and credited > 1000
+    assert fleet.leaks() == {}
