@@ -12,7 +12,7 @@ failure in one does not hide the others:
 Results: ``bench/results/<part>.json``, ``overhead.png``, ``fleet.png`` and
 ``summary.json`` (targets met or missed, and how long each part took).
 
-    python -m bench.run_all [--quick] [--parts overhead,counting,scale,fleet] [--no-install]
+    python -m bench.run_all [--quick] [--parts overhead,counting,scale,fleet,hostile] [--no-install]
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Any
 from bench.procs import PYTHON, ROOT
 from bench.report import RESULTS, machine, save, table
 
-PARTS = ("overhead", "counting", "scale", "fleet")
+PARTS = ("overhead", "counting", "scale", "fleet", "hostile")
 
 
 def targets_of(part: str) -> dict[str, Any]:

@@ -17,7 +17,9 @@ Public API, for the gateway config::
 Errors: :class:`CapacityConfigError` (a ``ValueError``) naming the YAML path.
 
 Module map: ``arch`` (bytes per token), ``layout`` (blocks, groups, concurrency),
-``memory`` (the pool), ``hf_config`` / ``presets`` (models), ``spec`` (inputs),
+``memory`` (the pool), ``speculative`` (a drafter's KV layers and weights),
+``pipeline`` (layers, weights and KV per pipeline stage),
+``hf_config`` / ``presets`` (models), ``spec`` (inputs),
 ``estimate``, ``logparse``, ``advice`` / ``explain`` (recommendations), ``report``
 (text/JSON), ``cli`` (``gateway plan``).
 """

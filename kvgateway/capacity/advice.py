@@ -267,7 +267,7 @@ def _step_fp8(spec: CapacitySpec, est: CapacityEstimate, length: int) -> Recomme
 def _offload_gib(spec: CapacitySpec, est: CapacityEstimate) -> int:
     if est.fits_target:
         return 4
-    need = est.layout.group_size * est.bytes_per_token_per_layer * est.block_size
+    need = est.kv_layers_per_gpu * est.bytes_per_token_per_layer * est.block_size
     # pool_bytes, not kv_pool_bytes: when the weights alone overflow it is negative.
     missing = need * (_blocks(est, est.target_len) + 1) - est.pool.pool_bytes
     return max(1, math.ceil(missing / GIB))

@@ -84,6 +84,10 @@ class ModelArch:
     vocab_size: int | None = None
     param_count: int | None = None
     weight_bytes_per_param: float = 2.0
+    # Shared input/output embedding (sizes the weights of each pipeline stage).
+    tied_embeddings: bool = False
+    # DeepSeek-style multi-token-prediction layers shipped with the checkpoint.
+    num_nextn_predict_layers: int = 0
     # What the config parser had to assume; shown with every estimate.
     notes: tuple[str, ...] = ()
 

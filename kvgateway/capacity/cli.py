@@ -23,6 +23,7 @@ from kvgateway.capacity.logparse import parse_vllm_log
 from kvgateway.capacity.memory import DEFAULT_GPU_MEMORY_UTILIZATION, GIB
 from kvgateway.capacity.report import log_json, plan_json, render_log, render_plan, render_presets
 from kvgateway.capacity.spec import CapacitySpec
+from kvgateway.capacity.speculative import SPECULATIVE_METHODS
 
 # config.json keys of the explicit-numbers flags, for naming the flag in errors.
 _EXPLICIT = {
@@ -91,6 +92,13 @@ def register(subparsers: Any) -> None:
     node.add_argument("--gpu-memory-gib", type=_positive_float, help="per GPU, as torch sees it")
     node.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=_positive_int)
     node.add_argument(
+        "--pp",
+        "--pipeline-parallel-size",
+        dest="pp",
+        type=_positive_int,
+        help="pipeline stages; each holds its share of the layers (vLLM's get_pp_indices)",
+    )
+    node.add_argument(
         "--gpu-memory-utilization",
         type=_fraction,
         help=f"default {DEFAULT_GPU_MEMORY_UTILIZATION} (vLLM's since 2026-04; 0.90 before)",
@@ -111,6 +119,14 @@ def register(subparsers: Any) -> None:
     node.add_argument("--max-model-len", type=_positive_int, help="target context length")
     node.add_argument("--max-num-seqs", type=_positive_int)
     node.add_argument("--max-num-batched-tokens", type=_positive_int)
+    spec_dec = parser.add_argument_group("speculative decoding (the drafter shares the KV pool)")
+    spec_dec.add_argument("--speculative-method", choices=SPECULATIVE_METHODS, default=None)
+    spec_dec.add_argument("--num-speculative-tokens", type=_positive_int)
+    spec_dec.add_argument("--draft-layers", type=_positive_int, help="drafter KV layers")
+    spec_dec.add_argument("--draft-preset", metavar="NAME", help="draft_model: its preset")
+    spec_dec.add_argument(
+        "--draft-weights-gib", type=_positive_float, help="drafter weights per GPU"
+    )
     parser.add_argument(
         "--from-log", metavar="FILE", help="explain a vLLM start-up log (- = stdin)"
     )
@@ -129,6 +145,9 @@ def _flag_for(path: str) -> str:
     if key == "model_config" and rest and not paren:  # explicit numbers, inline config
         sub = rest.split(".")[0]
         return _EXPLICIT.get(sub, "--" + sub.replace("_", "-"))
+    if key == "speculative" and rest:
+        sub = rest.split(".")[0]
+        return "--speculative-method" if sub == "method" else "--" + sub.replace("_", "-")
     flag = "--" + key.replace("_", "-") if key else ""
     return flag + (paren + tail if paren else "")
 
@@ -138,11 +157,23 @@ def _mapping(args: argparse.Namespace) -> dict[str, Any]:
     for key in (
         "preset", "gpu_memory_gib", "gpu_memory_utilization", "tp", "kv_cache_dtype",
         "block_size", "kv_cache_memory_gib", "weights_gib", "overhead_gib", "max_model_len",
-        "max_num_seqs", "max_num_batched_tokens",
+        "max_num_seqs", "max_num_batched_tokens", "pp",
     ):  # fmt: skip
         value = getattr(args, key)
         if value is not None:
             data[key] = value
+    drafter = {
+        "num_speculative_tokens": args.num_speculative_tokens,
+        "draft_layers": args.draft_layers,
+        "draft_preset": args.draft_preset,
+        "draft_weights_gib": args.draft_weights_gib,
+    }
+    if args.speculative_method is not None:
+        data["speculative"] = {"method": args.speculative_method} | {
+            k: v for k, v in drafter.items() if v is not None
+        }
+    elif any(v is not None for v in drafter.values()):
+        raise CapacityConfigError("--speculative-method", "missing: the drafter flags need it")
     if args.model_config is not None:
         data["model_config"] = args.model_config
     explicit = {

@@ -7,6 +7,10 @@ the figure vLLM itself prints, for comparing with a log. ``max_model_len_fit`` i
 longest request that can really be scheduled (also without the null block; vLLM
 releases before the 2026-08 fix accepted one block more and then stalled such a
 request forever).
+
+A drafter (``spec.speculative``) adds its KV layers to the model's groups and its weights
+to the last stage; with ``pp`` stages every stage gets its own pool and block count and
+the node takes the smallest (``pipeline``). ``pool`` is then the limiting stage's.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from kvgateway.capacity import layout as lay
-from kvgateway.capacity.arch import kv_bytes_per_token
+from kvgateway.capacity.arch import kv_bytes_per_token_per_layer
 from kvgateway.capacity.memory import (
     DEFAULT_MAX_NUM_SEQS,
     DEFAULT_OVERHEAD_GIB,
@@ -27,7 +31,9 @@ from kvgateway.capacity.memory import (
     measured_pool,
     weights_bytes_per_gpu,
 )
+from kvgateway.capacity.pipeline import StageShare, stage_shares
 from kvgateway.capacity.spec import CapacitySpec
+from kvgateway.capacity.speculative import draft_kv, draft_weights_bytes
 
 # Search ceiling when neither the spec nor the model says how long a context may be.
 _UNBOUNDED_CONTEXT = 10_000_000
@@ -36,7 +42,7 @@ _UNBOUNDED_CONTEXT = 10_000_000
 @dataclass(frozen=True, slots=True)
 class CapacityEstimate:
     model_name: str
-    bytes_per_token: int  # per GPU, all layers (hybrid: as if every layer were full)
+    bytes_per_token: int  # per GPU, its layers + drafter's (hybrid: as if all were full)
     bytes_per_token_per_layer: int
     kv_pool_bytes: int  # per GPU
     num_gpu_blocks: int
@@ -50,9 +56,12 @@ class CapacityEstimate:
     vllm_logged_concurrency: float  # what "Maximum concurrency for ..." would say
     max_num_batched_tokens: int
     tp: int
-    pool: PoolBreakdown
-    layout: lay.KVLayout
+    pool: PoolBreakdown  # the limiting stage's, per GPU
+    layout: lay.KVLayout  # model-wide, drafter layers included
     notes: tuple[str, ...] = ()
+    pp: int = 1
+    draft_layers: int = 0  # drafter KV layers, in layers of the target's shape
+    stages: tuple[StageShare, ...] = ()  # per pipeline stage; one entry without PP
 
     def concurrency_at(self, context_len: int) -> float:
         """Requests of ``context_len`` tokens that fit at once in the usable blocks."""
@@ -65,41 +74,76 @@ class CapacityEstimate:
         )
 
     @property
+    def kv_layers_per_gpu(self) -> int:
+        """What the limiting GPU divides its pool by: its stage's share of the groups."""
+        if not self.stages:
+            return self.layout.group_size
+        return min(self.stages, key=lambda st: st.num_blocks).kv_layers
+
+    @property
     def fits_target(self) -> bool:
         return self.max_model_len_fit >= self.target_len
 
 
-def _pool(spec: CapacitySpec, mnbt: int, notes: list[str]) -> PoolBreakdown:
-    if spec.kv_cache_memory_gib is not None:
+def _weights(spec: CapacitySpec, stage: StageShare, notes: list[str]) -> int:
+    """Per GPU of one stage: a measured figure as given, else the estimate plus the drafter."""
+    if spec.weights_gib is not None:
+        return gib_to_bytes(spec.weights_gib)
+    model = spec.model
+    if spec.pp == 1:
+        estimated = weights_bytes_per_gpu(model, spec.tp)
+    else:
+        estimated = stage.weights_bytes
+    assert estimated is not None  # spec validation guarantees a parameter count
+    if stage.stage == spec.pp - 1:
         notes.append(
-            f"KV pool taken as given: {spec.kv_cache_memory_gib:.2f} GiB per GPU "
-            "(vLLM's 'Available KV cache memory')"
+            f"weights estimated at {estimated / GIB:.2f} GiB per GPU"
+            + (f" on the last of {spec.pp} stages" if spec.pp > 1 else "")
+            + f" ({(model.param_count or 0) / 1e9:.2f}B params x "
+            f"{model.weight_bytes_per_param:.2f} B / tp {spec.tp}"
+            + (", layers at their average size" if spec.pp > 1 else "")
+            + "); override with weights_gib"
         )
+    drafter = spec.speculative
+    if drafter is not None and stage.stage == spec.pp - 1:
+        draft = draft_weights_bytes(drafter, model, spec.tp, spec.pp)
+        if draft is None:
+            notes.append("the drafter's weights are unknown: pass speculative.draft_weights_gib")
+        elif draft:
+            notes.append(
+                f"{drafter.method} drafter weights: {draft / GIB:.2f} GiB per GPU"
+                + ("" if drafter.draft_weights_gib is not None else " (estimated)")
+            )
+            estimated += draft
+    return estimated
+
+
+def _pool(spec: CapacitySpec, stage: StageShare, mnbt: int, notes: list[str]) -> PoolBreakdown:
+    if spec.kv_cache_memory_gib is not None:
+        if stage.stage == spec.pp - 1:
+            notes.append(
+                f"KV pool taken as given: {spec.kv_cache_memory_gib:.2f} GiB per GPU "
+                "(vLLM's 'Available KV cache memory')"
+                + (", the same on every pipeline stage" if spec.pp > 1 else "")
+            )
         return measured_pool(spec.kv_cache_memory_gib)
     assert spec.gpu_memory_gib is not None  # spec validation guarantees one of the two
     model = spec.model
-    if spec.weights_gib is not None:
-        weights = gib_to_bytes(spec.weights_gib)
-    else:
-        estimated = weights_bytes_per_gpu(model, spec.tp)
-        assert estimated is not None  # spec validation guarantees a parameter count
-        weights = estimated
-        notes.append(
-            f"weights estimated at {weights / GIB:.2f} GiB per GPU "
-            f"({(model.param_count or 0) / 1e9:.2f}B params x "
-            f"{model.weight_bytes_per_param:.2f} B / tp {spec.tp}); override with weights_gib"
-        )
+    weights = _weights(spec, stage, notes)
     if spec.overhead_gib is not None:
         activation, overhead = 0, gib_to_bytes(spec.overhead_gib)
     else:
         seqs = spec.max_num_seqs or DEFAULT_MAX_NUM_SEQS
-        activation = activation_bytes(model, spec.tp, mnbt, seqs)
+        # Only the last stage computes logits.
+        shape = model if stage.stage == spec.pp - 1 else replace(model, vocab_size=0)
+        activation = activation_bytes(shape, spec.tp, mnbt, seqs)
         overhead = gib_to_bytes(DEFAULT_OVERHEAD_GIB)
-        notes.append(
-            f"activation peak estimated at {activation / GIB:.2f} GiB "
-            f"(max_num_batched_tokens {mnbt}) plus {DEFAULT_OVERHEAD_GIB:.1f} GiB for "
-            "non-torch memory and CUDA graphs; override with overhead_gib"
-        )
+        if stage.stage == spec.pp - 1:
+            notes.append(
+                f"activation peak estimated at {activation / GIB:.2f} GiB "
+                f"(max_num_batched_tokens {mnbt}) plus {DEFAULT_OVERHEAD_GIB:.1f} GiB for "
+                "non-torch memory and CUDA graphs; override with overhead_gib"
+            )
     return estimate_pool(
         total_gib=spec.gpu_memory_gib,
         utilization=spec.gpu_memory_utilization,
@@ -107,6 +151,45 @@ def _pool(spec: CapacitySpec, mnbt: int, notes: list[str]) -> PoolBreakdown:
         activation=activation,
         overhead=overhead,
     )
+
+
+def _stages(
+    spec: CapacitySpec, layout: lay.KVLayout, draft_layers: int, mnbt: int, notes: list[str]
+) -> tuple[tuple[StageShare, ...], PoolBreakdown]:
+    """Every stage's pool and blocks, and the pool of the stage with the fewest blocks."""
+    page = lay.page_bytes(layout, spec.block_size)
+    stages: list[StageShare] = []
+    pools: list[PoolBreakdown] = []
+    for share in stage_shares(spec.model, layout, spec.tp, spec.pp, draft_layers):
+        pool = _pool(spec, share, mnbt, notes)
+        if spec.pp == 1:  # the model-wide grouping, padding included
+            blocks = lay.num_gpu_blocks(layout, pool.pool_bytes, spec.block_size)
+        else:
+            blocks = max(0, pool.pool_bytes) // page // max(1, share.kv_layers)
+        stages.append(replace(share, pool_bytes=pool.pool_bytes, num_blocks=blocks))
+        pools.append(pool)
+    limiting = min(range(len(stages)), key=lambda i: stages[i].num_blocks)
+    return tuple(stages), pools[limiting]
+
+
+def _parallel_notes(spec: CapacitySpec, draft_layers: int, exact: bool) -> list[str]:
+    notes: list[str] = []
+    sd = spec.speculative
+    if sd is not None and draft_layers:
+        notes.append(
+            f"{sd.method} drafter: {draft_layers} KV layer(s) share the pool with the "
+            f"model's {spec.model.num_layers}"
+            + ("" if exact else " (its layers converted to target-shaped layers by bytes)")
+            + f"; each running request also holds {sd.num_speculative_tokens} lookahead "
+            + ("slot" if sd.num_speculative_tokens == 1 else "slots")
+        )
+    if spec.pp > 1:
+        notes.append(
+            f"pipeline parallel {spec.pp}: each stage holds its own layers' KV; the node "
+            "runs on the smallest block count of any stage"
+            + ("; a drafter runs on the last stage" if draft_layers else "")
+        )
+    return notes
 
 
 def _layout_notes(spec: CapacitySpec, layout: lay.KVLayout) -> list[str]:
@@ -146,10 +229,15 @@ def _layout_notes(spec: CapacitySpec, layout: lay.KVLayout) -> list[str]:
 def estimate(spec: CapacitySpec) -> CapacityEstimate:
     notes = [*spec.model.notes]
     mnbt = spec.max_num_batched_tokens or default_max_num_batched_tokens(spec.gpu_memory_gib)
-    layout = lay.kv_layout(spec.model, spec.tp, spec.kv_cache_dtype)
+    draft = draft_kv(spec.speculative, spec.model, spec.tp, spec.kv_cache_dtype)
+    # The drafter's layers are full attention and join the target's KV groups.
+    kv_model = replace(spec.model, num_layers=spec.model.num_layers + draft.layers)
+    layout = lay.kv_layout(kv_model, spec.tp, spec.kv_cache_dtype)
     notes.extend(_layout_notes(spec, layout))
-    pool = _pool(spec, mnbt, notes)
-    blocks = lay.num_gpu_blocks(layout, pool.pool_bytes, spec.block_size)
+    notes.extend(_parallel_notes(spec, draft.layers, draft.exact))
+    stages, pool = _stages(spec, layout, draft.layers, mnbt, notes)
+    blocks = min(stage.num_blocks for stage in stages)
+    per_layer = kv_bytes_per_token_per_layer(spec.model, spec.tp, spec.kv_cache_dtype)
     if pool.pool_bytes < 0 and not pool.measured:
         notes.append(
             f"the weights ({pool.weights_bytes / GIB:.2f} GiB per GPU) and overheads exceed "
@@ -175,7 +263,7 @@ def estimate(spec: CapacitySpec) -> CapacityEstimate:
     logged_concurrency = lay.concurrency(layout, blocks, target, spec.block_size, mnbt)
     result = CapacityEstimate(
         model_name=spec.model.name,
-        bytes_per_token=kv_bytes_per_token(spec.model, spec.tp, spec.kv_cache_dtype),
+        bytes_per_token=per_layer * max(st.model_layers + st.draft_layers for st in stages),
         bytes_per_token_per_layer=layout.bytes_per_token_per_layer,
         kv_pool_bytes=max(0, pool.pool_bytes),
         num_gpu_blocks=blocks,
@@ -192,5 +280,8 @@ def estimate(spec: CapacitySpec) -> CapacityEstimate:
         pool=pool,
         layout=layout,
         notes=tuple(notes),
+        pp=spec.pp,
+        draft_layers=draft.layers,
+        stages=stages,
     )
     return replace(result, max_concurrency=result.concurrency_at(target))

@@ -27,6 +27,7 @@ from kvgateway.capacity.estimate import estimate
 from kvgateway.capacity.logparse import LogFacts
 from kvgateway.capacity.memory import GIB
 from kvgateway.capacity.spec import CapacitySpec
+from kvgateway.capacity.speculative import SPECULATIVE_METHODS, SpeculativeSpec
 
 TOLERANCE = 0.01
 
@@ -117,12 +118,38 @@ def _findings(facts: LogFacts, bs: int) -> list[str]:
             f"vLLM added {facts.padding_layers} padding layers: a hybrid model whose KV "
             "groups share one block pool, so tokens are not simply memory / bytes-per-token."
         )
+    if facts.speculative_method:
+        out.append(
+            f"Speculative decoding ({facts.speculative_method}, "
+            f"{facts.num_speculative_tokens or 1} tokens): a drafter's attention layers "
+            "take blocks from the same pool as the model's, and every running request holds "
+            "that many lookahead slots on top of its tokens."
+        )
+    if facts.pipeline_parallel_size and facts.pipeline_parallel_size > 1:
+        out.append(
+            f"pp {facts.pipeline_parallel_size}: each stage sizes KV for its own layers; the "
+            "node runs on the smallest block count of any stage."
+        )
     if facts.tensor_parallel_size and facts.tensor_parallel_size > 1:
         out.append(
             f"tp {facts.tensor_parallel_size}: each rank logs its own available KV memory; "
             "vLLM sizes the pool from the smallest rank."
         )
     return out
+
+
+def logged_drafter(facts: LogFacts) -> SpeculativeSpec | None:
+    """The drafter the engine's config line names (its default layer count).
+
+    Older releases logged the model-specific MTP names (``deepseek_mtp``, ``mimo_mtp``,
+    ...) that vLLM now folds into ``mtp``.
+    """
+    method = facts.speculative_method or ""
+    if method.endswith("_mtp"):
+        method = "mtp"
+    if method not in SPECULATIVE_METHODS:
+        return None
+    return SpeculativeSpec(method, facts.num_speculative_tokens or 1)
 
 
 def _cross_check(facts: LogFacts, spec: CapacitySpec) -> tuple[CrossCheck | None, CapacitySpec]:
@@ -134,6 +161,8 @@ def _cross_check(facts: LogFacts, spec: CapacitySpec) -> tuple[CrossCheck | None
         tp=facts.tensor_parallel_size or spec.tp,
         kv_cache_dtype=dtype or spec.kv_cache_dtype,
         max_model_len=facts.max_model_len or spec.max_model_len,
+        pp=facts.pipeline_parallel_size or spec.pp,
+        speculative=spec.speculative or logged_drafter(facts),
     )
     if spec.gpu_memory_gib is None and facts.total_gpu_gib:
         # Lets the what-ifs (utilization steps, bigger GPUs) use the node's real card.
@@ -145,7 +174,7 @@ def _cross_check(facts: LogFacts, spec: CapacitySpec) -> tuple[CrossCheck | None
     est = estimate(logged_spec)
     tokens = logged_tokens(facts, spec.block_size)
     if facts.needed_kv_gib is not None and facts.max_model_len:
-        page = lay.page_bytes(est.layout, spec.block_size) * est.layout.group_size
+        page = lay.page_bytes(est.layout, spec.block_size) * est.kv_layers_per_gpu
         blocks = lay.blocks_per_request(
             est.layout, facts.max_model_len, spec.block_size, est.max_num_batched_tokens
         )

@@ -290,5 +290,7 @@ def arch_from_hf_config(
         vocab_size=_int(cfg, "vocab_size", required=False),
         param_count=param_count,
         weight_bytes_per_param=weight_bytes_per_param or dense_bytes,
+        tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        num_nextn_predict_layers=_int(cfg, "num_nextn_predict_layers", required=False) or 0,
         notes=tuple(notes),
     )

@@ -15,7 +15,10 @@ V1 engine (``vllm/v1``)
   available memory, the estimated maximum model length is M.`` (the "models's" typo
   is vLLM's; older releases say "model's" and omit the parenthesis before X)
   ``Initializing a V1 LLM engine (v0.11.1) with config: model='...', ...,
-  max_seq_len=131072, ..., tensor_parallel_size=2, ..., kv_cache_dtype=auto``
+  max_seq_len=131072, ..., tensor_parallel_size=2, pipeline_parallel_size=1, ...,
+  kv_cache_dtype=auto``, with ``speculative_config=SpeculativeConfig(method='eagle',
+  model='...', num_spec_tokens=3)`` when a drafter is configured (``SpeculativeConfig``'s
+  ``__repr__``)
 V0 engine
   ``# GPU blocks: 1952, # CPU blocks: 2048`` (also lower-case ``# cpu blocks``)
   ``Maximum concurrency for 20000 tokens per request: 1.56x``
@@ -53,6 +56,9 @@ class LogFacts:
     model: str | None = None
     max_model_len: int | None = None
     tensor_parallel_size: int | None = None
+    pipeline_parallel_size: int | None = None
+    speculative_method: str | None = None  # from speculative_config=SpeculativeConfig(...)
+    num_speculative_tokens: int | None = None
     kv_cache_dtype: str | None = None
     dtype: str | None = None
     quantization: str | None = None
@@ -101,6 +107,9 @@ def _engine_config(m: re.Match[str], seen: dict[str, object]) -> dict[str, objec
         ("model", r"\bmodel='([^']*)'", str),
         ("max_model_len", r"\bmax_seq_len=(\d+)", int),
         ("tensor_parallel_size", r"\btensor_parallel_size=(\d+)", int),
+        ("pipeline_parallel_size", r"\bpipeline_parallel_size=(\d+)", int),
+        ("speculative_method", r"\bspeculative_config=SpeculativeConfig\(method='(\w+)'", str),
+        ("num_speculative_tokens", r"SpeculativeConfig\([^)]*\bnum_spec_tokens=(\d+)", int),
         ("kv_cache_dtype", r"\bkv_cache_dtype=([\w.]+)", str),
         ("dtype", r"\bdtype=(?:torch\.)?(\w+)", str),
         ("quantization", r"\bquantization=(\w+)", str),

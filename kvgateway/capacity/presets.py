@@ -63,7 +63,7 @@ _DEEPSEEK_V3: dict[str, Any] = {
     "num_key_value_heads": 128, "kv_lora_rank": 512, "q_lora_rank": 1536,
     "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
     "n_routed_experts": 256, "n_shared_experts": 1, "first_k_dense_replace": 3,
-    "vocab_size": 129280, "max_position_embeddings": 163840, "torch_dtype": "bfloat16",
+    "num_nextn_predict_layers": 1, "vocab_size": 129280, "max_position_embeddings": 163840, "torch_dtype": "bfloat16",
     "quantization_config": {"quant_method": "fp8", "fmt": "e4m3"},
 }  # fmt: skip
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import textwrap
 from typing import Any
 
 from kvgateway.capacity.advice import Plan, Recommendation, Settings
 from kvgateway.capacity.alternatives import needed_len
 from kvgateway.capacity.arch import kv_bytes_per_token
+from kvgateway.capacity.estimate import CapacityEstimate
 from kvgateway.capacity.explain import LogReport
 from kvgateway.capacity.memory import GIB
 from kvgateway.capacity.presets import preset_arch, presets
@@ -31,6 +33,16 @@ def serve_command(spec: CapacitySpec, settings: Settings) -> str:
     ]
     if spec.tp > 1:
         flags.append(f"--tensor-parallel-size {spec.tp}")
+    if spec.pp > 1:
+        flags.append(f"--pipeline-parallel-size {spec.pp}")
+    drafter = spec.speculative
+    if drafter is not None:
+        config: dict[str, Any] = {"method": drafter.method}
+        if drafter.method not in ("ngram", "mtp"):  # vLLM needs the drafter's checkpoint
+            model = drafter.draft_model
+            config["model"] = (model.hf_id if model else None) or "DRAFT_MODEL"
+        config["num_speculative_tokens"] = drafter.num_speculative_tokens
+        flags.append(f"--speculative-config '{json.dumps(config)}'")
     if spec.kv_cache_dtype in ("float32", "float16"):
         # vLLM's --kv-cache-dtype has no such choice: the KV cache follows --dtype.
         flags.append(f"--dtype {spec.kv_cache_dtype}")
@@ -104,17 +116,39 @@ def _recommendation_lines(recs: tuple[Recommendation, ...]) -> list[str]:
     return lines
 
 
+def _limiting_stage(est: CapacityEstimate) -> str:
+    if est.pp == 1:
+        return ""
+    stage = min(est.stages, key=lambda st: st.num_blocks)
+    return f"; stage {stage.stage + 1} of {est.pp}, the one with the fewest blocks"
+
+
 def _pool_line(plan: Plan) -> str:
     est, spec = plan.estimate, plan.spec
     pool = est.pool
     if pool.measured:
-        return f"{_gib(est.kv_pool_bytes)} GiB per GPU (given: vLLM's Available KV cache memory)"
+        return (
+            f"{_gib(est.kv_pool_bytes)} GiB per GPU (given: vLLM's Available KV cache memory)"
+            + _limiting_stage(est)
+        )
     return (
         f"{_gib(pool.pool_bytes)} GiB per GPU = {_gib(pool.requested_bytes)} "
         f"({spec.gpu_memory_gib:g} GiB x {spec.gpu_memory_utilization:.2f}) - weights "
         f"{_gib(pool.weights_bytes)} - activation {_gib(pool.activation_bytes)} - overhead "
-        f"{_gib(pool.overhead_bytes)}"
+        f"{_gib(pool.overhead_bytes)}" + _limiting_stage(est)
     )
+
+
+def _layers(est: CapacityEstimate) -> str:
+    """The layers one GPU holds (its stage's, the drafter's on the last stage) x bytes."""
+    largest = max(est.stages, key=lambda st: st.model_layers + st.draft_layers)
+    text = f"{largest.model_layers} layers"
+    if largest.draft_layers:
+        text += f" + {largest.draft_layers} drafter"
+    text += f" x {est.bytes_per_token_per_layer:,} B"
+    if est.pp > 1:
+        text += f"; stage {largest.stage + 1} of {est.pp} holds the most"
+    return text
 
 
 def render_plan(plan: Plan, *, header: bool = True) -> str:
@@ -125,7 +159,10 @@ def render_plan(plan: Plan, *, header: bool = True) -> str:
         lines += [
             f"gateway plan: {model.name}"
             + (f" ({model.hf_id})" if model.hf_id and model.hf_id != model.name else "")
-            + f", tp {spec.tp}, KV cache {spec.kv_cache_dtype}, block size {spec.block_size}",
+            + f", tp {spec.tp}"
+            + (f", pp {spec.pp}" if spec.pp > 1 else "")
+            + (f", {spec.speculative.method} drafter" if spec.speculative else "")
+            + f", KV cache {spec.kv_cache_dtype}, block size {spec.block_size}",
             "",
         ]
     if not plan.fits:
@@ -134,8 +171,7 @@ def render_plan(plan: Plan, *, header: bool = True) -> str:
     limit = max(model.max_position_embeddings or 0, spec.max_model_len or 0)
     conc = "  ".join(f"{n // 1024}k: {est.concurrency_at(n):.2f}x" for n in CONTEXTS)
     lines += [
-        f"KV bytes per token   {est.bytes_per_token:,} B per GPU ({model.num_layers} layers x "
-        f"{est.bytes_per_token_per_layer:,} B)",
+        f"KV bytes per token   {est.bytes_per_token:,} B per GPU ({_layers(est)})",
         f"KV pool              {_pool_line(plan)}",
         f"GPU blocks           {est.num_gpu_blocks:,} x {est.block_size} tokens"
         + (f" in {est.layout.num_groups} groups" if est.layout.is_hybrid else "")
@@ -173,6 +209,19 @@ def plan_json(plan: Plan) -> dict[str, Any]:
         "model": spec.model.name,
         "hf_id": spec.model.hf_id,
         "tp": spec.tp,
+        "pp": spec.pp,
+        "speculative_method": spec.speculative.method if spec.speculative else None,
+        "draft_kv_layers": est.draft_layers,
+        "stages": [
+            {
+                "stage": st.stage,
+                "layers": st.model_layers,
+                "draft_layers": st.draft_layers,
+                "kv_pool_bytes": max(0, st.pool_bytes),
+                "num_gpu_blocks": st.num_blocks,
+            }
+            for st in est.stages
+        ],
         "fits": plan.fits,
         "what_would_fit": [
             {

@@ -6,11 +6,16 @@ A backend's ``capacity:`` block in the gateway YAML looks like::
       gpu_memory_gib: 24            # per GPU, as torch reports it (an "80 GB" H100: 79.25)
       preset: llama-3.1-8b          # or model_config: path/to/config.json (or an inline mapping)
       tp: 1
+      pp: 1                         # pipeline stages (alias pipeline_parallel_size)
       kv_cache_dtype: auto          # auto | bfloat16 | float16 | float32 | fp8 | fp8_e4m3 | ...
       gpu_memory_utilization: 0.92
       # optional: block_size (16), kv_cache_memory_gib (the log's "Available KV cache
       # memory", replaces the estimate), weights_gib, overhead_gib (activation +
       # non-torch + CUDA graphs), max_model_len, max_num_seqs, max_num_batched_tokens
+      speculative:                  # optional: the drafter shares the KV pool
+        method: eagle               # eagle | eagle3 | mtp | draft_model | ngram
+        num_speculative_tokens: 3
+        # optional: draft_layers, draft_model_config (or draft_preset), draft_weights_gib
 
 Every error is a :class:`CapacityConfigError` naming the YAML path of the key.
 """
@@ -34,18 +39,20 @@ from kvgateway.capacity.errors import CapacityConfigError, show
 from kvgateway.capacity.hf_config import arch_from_hf_config
 from kvgateway.capacity.memory import DEFAULT_GPU_MEMORY_UTILIZATION
 from kvgateway.capacity.presets import preset_arch
+from kvgateway.capacity.speculative import SpeculativeSpec, parse_speculative
 
 _KEYS = (
     "gpu_memory_gib", "gpu_memory_utilization", "preset", "model_config", "tp",
     "tensor_parallel_size", "kv_cache_dtype", "block_size", "kv_cache_memory_gib",
     "weights_gib", "overhead_gib", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
+    "pp", "pipeline_parallel_size", "speculative",
 )  # fmt: skip
 _BLOCK_SIZES = (1, 8, 16, 32, 64, 128, 256)
 
 
 @dataclass(frozen=True, slots=True)
 class CapacitySpec:
-    """Per-GPU figures; ``tp`` GPUs serve one model replica."""
+    """Per-GPU figures; ``tp`` x ``pp`` GPUs serve one model replica."""
 
     model: ModelArch
     gpu_memory_gib: float | None = None
@@ -59,6 +66,8 @@ class CapacitySpec:
     max_model_len: int | None = None
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
+    pp: int = 1
+    speculative: SpeculativeSpec | None = None
 
     @classmethod
     def from_mapping(
@@ -168,6 +177,10 @@ def _parse(
         raise CapacityConfigError("tp", "give tp or tensor_parallel_size, not both")
     tp_key = "tensor_parallel_size" if "tensor_parallel_size" in data else "tp"
     tp = _positive_int(data, tp_key) or 1
+    if "pp" in data and "pipeline_parallel_size" in data:
+        raise CapacityConfigError("pp", "give pp or pipeline_parallel_size, not both")
+    pp_key = "pipeline_parallel_size" if "pipeline_parallel_size" in data else "pp"
+    pp = _positive_int(data, pp_key) or 1
     utilization = _positive_float(data, "gpu_memory_utilization")
     if utilization is not None and utilization > 1:
         raise CapacityConfigError(
@@ -195,6 +208,7 @@ def _parse(
             "vLLM logged as 'Available KV cache memory')",
         )
     model = _model(data, base_dir, read_text)
+    speculative = _speculative(data.get("speculative"), base_dir, read_text)
     spec = CapacitySpec(
         model=model,
         gpu_memory_gib=gpu_gib,
@@ -208,14 +222,47 @@ def _parse(
         max_model_len=_positive_int(data, "max_model_len"),
         max_num_seqs=_positive_int(data, "max_num_seqs"),
         max_num_batched_tokens=_positive_int(data, "max_num_batched_tokens"),
+        pp=pp,
+        speculative=speculative,
     )
     validate(spec)
     return spec
 
 
+def _speculative(
+    data: Any, base_dir: Path | None, read_text: Callable[[Path], str]
+) -> SpeculativeSpec | None:
+    if data is None:
+        return None
+    try:
+        draft = None
+        if isinstance(data, Mapping) and (
+            data.get("draft_model_config") is not None or data.get("draft_preset") is not None
+        ):
+            sub = {
+                "model_config": data.get("draft_model_config"),
+                "preset": data.get("draft_preset"),
+            }
+            try:
+                draft = _model(sub, base_dir, read_text)
+            except CapacityConfigError as exc:
+                if exc.path.startswith("preset"):
+                    raise CapacityConfigError("draft_preset", exc.detail) from None
+                raise CapacityConfigError(f"draft_{exc.path}", exc.detail) from None
+        return parse_speculative(data, draft)
+    except CapacityConfigError as exc:
+        raise exc.under("speculative") from None
+
+
 def validate(spec: CapacitySpec) -> None:
     """Cross-field checks shared by the YAML parser and the CLI."""
     kv_bytes_per_token_per_layer(spec.model, spec.tp, spec.kv_cache_dtype)
+    if spec.pp > spec.model.num_layers:
+        raise CapacityConfigError(
+            "pp",
+            f"{spec.pp} pipeline stages for {spec.model.num_layers} layers: a stage "
+            "would hold no layer",
+        )
     needs_weights = spec.kv_cache_memory_gib is None and spec.weights_gib is None
     if needs_weights and spec.model.param_count is None:
         raise CapacityConfigError(

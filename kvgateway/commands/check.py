@@ -12,7 +12,7 @@ from typing import Any
 import aiohttp
 
 from kvgateway.config.load import load_config
-from kvgateway.config.model import BackendConfig, GatewayConfig
+from kvgateway.config.model import BackendConfig, GatewayConfig, ModelConfig
 from kvgateway.config.yamlread import ConfigError
 from kvgateway.core.derived_limits import derive_backend
 from kvgateway.core.limits import Limits, Observed, resolve_limits
@@ -62,11 +62,17 @@ def _main(args: argparse.Namespace) -> int:
         )
         rows.append(_row(b, limits, disc, config.admission.budget_fraction))
     unroutable = _unroutable_models(config, rows, asked=not args.no_discover)
+    models = [_model_row(m) for m in config.models]
     if args.json:
-        doc = {"config": args.config, "backends": rows, "unroutable_models": unroutable}
+        doc = {
+            "config": args.config,
+            "models": models,
+            "backends": rows,
+            "unroutable_models": unroutable,
+        }
         sys.stdout.write(json.dumps(doc, indent=2) + "\n")
     else:
-        sys.stdout.write(_text(config, rows))
+        sys.stdout.write(_text(config, rows, models))
         for g in config.dns_groups:
             state = "members listed above" if not args.no_discover else "looked up at run time"
             sys.stdout.write(
@@ -163,13 +169,39 @@ def _row(
     }
 
 
-def _text(config: GatewayConfig, rows: list[dict[str, Any]]) -> str:
+def _model_row(model: ModelConfig) -> dict[str, Any]:
+    """How the model's prompts are counted: exactly, or by a stand-in and its bound."""
+    tok = model.tokenizer
+    if tok.model is not None:
+        return {
+            "name": model.name,
+            "counting": "exact",
+            "tokenizer": tok.model.name,
+            "path": tok.path,
+            "why": tok.model.engine_note,
+            "chat_templates": sorted(tok.model.templates),
+        }
+    return {"name": model.name, "counting": "stand-in", "tokenizer": tok.encoding.describe()}
+
+
+def _text(config: GatewayConfig, rows: list[dict[str, Any]], models: list[dict[str, Any]]) -> str:
     out = [
         f"config {config.source}: OK ({len(config.models)} model(s), {len(config.tiers)} tier(s), "
         f"{len(rows)} backend(s), policy {config.routing.policy}, "
         f"budget_fraction {config.admission.budget_fraction:g})",
         "",
     ]
+    for m in models:
+        if m["counting"] == "exact":
+            templates = ", ".join(m["chat_templates"]) or "none (chat requests will fail)"
+            out.append(f"model {m['name']}: counts exactly with {m['tokenizer']} ({m['why']})")
+            out.append(f"    {m['path']}; chat templates: {templates}")
+        else:
+            out.append(
+                f"model {m['name']}: counts with the stand-in {m['tokenizer']} "
+                "(set tokenizer.path to the model's tokenizer to count exactly)"
+            )
+    out.append("")
     for r in rows:
         tier = r["tier"] + (" (offload)" if r["offload"] else "")
 

@@ -28,43 +28,55 @@ from kvgateway.config.model import (
     ServerConfig,
     TierConfig,
     TimeoutConfig,
+    TracingConfig,
 )
 from kvgateway.config.yamlread import ConfigError, Reading, Section
-from kvgateway.tokens.encoding import PATTERNS, EncodingSpec
+from kvgateway.tokens.chat_template import TemplateError
+from kvgateway.tokens.encoding import PATTERNS, EncodingCache, EncodingSpec
+from kvgateway.tokens.modeldir import TokenizerDirError
 from kvgateway.tokens.spec import TokenizerConfig
 
 
-def load_config(path: str) -> GatewayConfig:
+def load_config(path: str, *, encodings: EncodingCache | None = None) -> GatewayConfig:
     try:
         with open(path, encoding="utf-8") as fh:
             text = fh.read()
     except OSError as exc:
         raise ConfigError("", f"cannot read config file {path!r}: {exc.strerror}") from exc
-    return parse_config_text(text, source=path)
+    return parse_config_text(text, source=path, encodings=encodings)
 
 
-def parse_config_text(text: str, *, source: str = "<memory>") -> GatewayConfig:
+def parse_config_text(
+    text: str, *, source: str = "<memory>", encodings: EncodingCache | None = None
+) -> GatewayConfig:
     reading = Reading()
     data = read_document(text, source, reading)
-    return _parse(Section(data, "", reading), source)
+    return _parse(Section(data, "", reading), source, encodings)
 
 
-def parse_config(data: Any, *, source: str = "<memory>") -> GatewayConfig:
-    """From already-parsed data (a dict); ``${VAR}`` references are expanded here too."""
+def parse_config(
+    data: Any, *, source: str = "<memory>", encodings: EncodingCache | None = None
+) -> GatewayConfig:
+    """From already-parsed data (a dict); ``${VAR}`` references are expanded here too.
+
+    ``encodings``: where model tokenizer directories are loaded (and kept across reloads:
+    an unchanged directory is not loaded again); a fresh one if None."""
     reading = Reading()
-    return _parse(Section(expand_env(data, "", reading, os.environ), "", reading), source)
+    env = expand_env(data, "", reading, os.environ)
+    return _parse(Section(env, "", reading), source, encodings)
 
 
 def config_root_section() -> Section:
     """The root section after a schema-mode walk: it knows every key the loader reads."""
     root = Section(None, "", Reading(schema_mode=True))
-    _parse(root, "<schema>")
+    _parse(root, "<schema>", None)
     return root
 
 
-def _parse(root: Section, source: str) -> GatewayConfig:
+def _parse(root: Section, source: str, encodings: EncodingCache | None) -> GatewayConfig:
+    encodings = encodings or EncodingCache()
     server = _server(root.section("server"))
-    models = tuple(_model(s) for s in root.sections("models", required=True))
+    models = tuple(_model(s, encodings) for s in root.sections("models", required=True))
     _check_unique(root, [m.name for m in models] + [a for m in models for a in m.aliases], "models")
     admission = _admission(root.section("admission"))
     routing = _routing(root.section("routing"))
@@ -72,6 +84,9 @@ def _parse(root: Section, source: str) -> GatewayConfig:
     feedback = _feedback(root.section("load_feedback"))
     default_timeouts = _timeouts(root.section("timeouts"), TimeoutConfig())
     discovery = _discovery(root.section("discovery"))
+    tracing_section = root.section("tracing")
+    tracing = TracingConfig(enabled=tracing_section.flag("enabled", TracingConfig().enabled))
+    tracing_section.reject_unknown()
     known_models = {m.name: m for m in models}
     tiers = tuple(
         _tier(s, known_models, default_timeouts) for s in root.sections("tiers", required=True)
@@ -91,6 +106,7 @@ def _parse(root: Section, source: str) -> GatewayConfig:
         load_feedback=feedback,
         tiers=tiers,
         discovery=discovery,
+        tracing=tracing,
         source=source,
     )
 
@@ -168,7 +184,7 @@ def _read_keys_file(path: str, s: Section, key: str) -> list[tuple[str, str]]:
     return keys
 
 
-def _model(s: Section) -> ModelConfig:
+def _model(s: Section, encodings: EncodingCache) -> ModelConfig:
     name = s.text("name")
     tok = s.section("tokenizer")
     enc = EncodingSpec(
@@ -178,13 +194,18 @@ def _model(s: Section) -> ModelConfig:
     )
     if enc.file is not None and enc.pattern not in PATTERNS and len(enc.pattern) < 8:
         tok.fail("pattern", f"expected one of {', '.join(PATTERNS)} or a regex")
+    d = TokenizerConfig()
     tokenizer = TokenizerConfig(
         encoding=enc,
-        per_message_tokens=tok.integer("per_message_tokens", 4, minimum=0),
-        per_name_tokens=tok.integer("per_name_tokens", 1, minimum=0),
-        reply_priming_tokens=tok.integer("reply_priming_tokens", 3, minimum=0),
-        image_tokens=tok.integer("image_tokens", 765, minimum=0),
-        estimate_margin=tok.number("estimate_margin", 0.0, maximum=1.0, exclusive_min=False),
+        per_message_tokens=tok.integer("per_message_tokens", d.per_message_tokens, minimum=0),
+        per_name_tokens=tok.integer("per_name_tokens", d.per_name_tokens, minimum=0),
+        reply_priming_tokens=tok.integer("reply_priming_tokens", d.reply_priming_tokens, minimum=0),
+        image_tokens=tok.integer("image_tokens", d.image_tokens, minimum=0),
+        estimate_margin=tok.number(
+            "estimate_margin", d.estimate_margin, maximum=1.0, exclusive_min=False
+        ),
+        upper_bound=tok.flag("upper_bound", d.upper_bound),
+        **_tokenizer_dir(tok, enc, encodings),
     )
     tok.reject_unknown()
     cfg = ModelConfig(
@@ -197,6 +218,20 @@ def _model(s: Section) -> ModelConfig:
     return cfg
 
 
+def _tokenizer_dir(tok: Section, enc: EncodingSpec, encodings: EncodingCache) -> dict[str, Any]:
+    """``path``: the model's tokenizer directory, loaded now so a bad one fails start-up."""
+    path = tok.opt_str("path")
+    if path is None:
+        return {}
+    pattern = enc.pattern if tok.has("pattern") else None
+    try:
+        model = encodings.model(path, pattern=pattern)
+    except (TokenizerDirError, TemplateError) as exc:
+        tok.fail("path", str(exc))
+        return {}
+    return {"path": path, "model": model}
+
+
 def _admission(s: Section) -> AdmissionConfig:
     d = AdmissionConfig()
     cfg = AdmissionConfig(
@@ -205,6 +240,9 @@ def _admission(s: Section) -> AdmissionConfig:
         queue_timeout_s=s.number("queue_timeout_s", d.queue_timeout_s, exclusive_min=False),
         queue_size=s.integer("queue_size", d.queue_size, minimum=0),
         max_body_bytes=s.integer("max_body_bytes", d.max_body_bytes),
+        abort_release_delay_s=s.number(
+            "abort_release_delay_s", d.abort_release_delay_s, exclusive_min=False
+        ),
         max_messages=s.integer("max_messages", d.max_messages),
         max_content_parts=s.integer("max_content_parts", d.max_content_parts),
         inject_default_output=s.flag("inject_default_output", d.inject_default_output),
@@ -221,39 +259,44 @@ def _admission(s: Section) -> AdmissionConfig:
 
 
 def _routing(s: Section) -> RoutingConfig:
+    d = RoutingConfig()
     cfg = RoutingConfig(
-        policy=Policy(s.choice("policy", POLICIES, Policy.KV_AWARE.value)),
-        offload_overflow=s.flag("offload_overflow", False),
-        prefix_aware=s.flag("prefix_aware", False),
+        policy=Policy(s.choice("policy", POLICIES, d.policy.value)),
+        offload_overflow=s.flag("offload_overflow", d.offload_overflow),
+        prefix_aware=s.flag("prefix_aware", d.prefix_aware),
     )
     s.reject_unknown()
     return cfg
 
 
 def _health(s: Section) -> HealthConfig:
+    d = HealthConfig()
     cfg = HealthConfig(
-        interval_s=s.number("interval_s", 5.0),
-        timeout_s=s.number("timeout_s", 2.0),
-        unhealthy_threshold=s.integer("unhealthy_threshold", 2),
-        healthy_threshold=s.integer("healthy_threshold", 1),
-        eject_after_failures=s.integer("eject_after_failures", 3),
-        rediscover_interval_s=s.number("rediscover_interval_s", 30.0),
+        interval_s=s.number("interval_s", d.interval_s),
+        timeout_s=s.number("timeout_s", d.timeout_s),
+        unhealthy_threshold=s.integer("unhealthy_threshold", d.unhealthy_threshold),
+        healthy_threshold=s.integer("healthy_threshold", d.healthy_threshold),
+        eject_after_failures=s.integer("eject_after_failures", d.eject_after_failures),
+        rediscover_interval_s=s.number("rediscover_interval_s", d.rediscover_interval_s),
     )
     s.reject_unknown()
     return cfg
 
 
 def _feedback(s: Section) -> LoadFeedbackConfig:
-    high = s.number("kv_high_watermark", 0.95, maximum=1.0)
+    d = LoadFeedbackConfig()
+    high = s.number("kv_high_watermark", d.kv_high_watermark, maximum=1.0)
     cfg = LoadFeedbackConfig(
-        enabled=s.flag("enabled", True),
-        interval_s=s.number("interval_s", 2.0),
-        timeout_s=s.number("timeout_s", 2.0),
+        enabled=s.flag("enabled", d.enabled),
+        interval_s=s.number("interval_s", d.interval_s),
+        timeout_s=s.number("timeout_s", d.timeout_s),
         kv_high_watermark=high,
-        kv_low_watermark=s.number("kv_low_watermark", min(0.85, high), maximum=high),
-        max_waiting=s.integer("max_waiting", 0, minimum=0),
-        preemption_cooldown_s=s.number("preemption_cooldown_s", 5.0, exclusive_min=False),
-        stale_after_s=s.number("stale_after_s", 15.0),
+        kv_low_watermark=s.number("kv_low_watermark", min(d.kv_low_watermark, high), maximum=high),
+        max_waiting=s.integer("max_waiting", d.max_waiting, minimum=0),
+        preemption_cooldown_s=s.number(
+            "preemption_cooldown_s", d.preemption_cooldown_s, exclusive_min=False
+        ),
+        stale_after_s=s.number("stale_after_s", d.stale_after_s),
     )
     s.reject_unknown()
     return cfg
@@ -375,6 +418,8 @@ def _backend_settings(
         capacity=s.mapping("capacity"),
         discover=s.flag("discover", True),
         timeouts=_timeouts(s.section("timeouts"), timeouts),
+        num_speculative_tokens=s.integer("num_speculative_tokens", 0, minimum=0),
+        release_delay_s=s.number("release_delay_s", 0.0, exclusive_min=False),
         path=s.path,
         kv_events=_kv_events(s),
     )

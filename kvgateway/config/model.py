@@ -41,6 +41,9 @@ class AdmissionConfig:
     queue_timeout_s: float = 10.0
     queue_size: int = 1024
     max_body_bytes: int = 32 * 1024 * 1024
+    # A client that disconnects frees its node's blocks when the node's abort lands:
+    # its reservation is held this much longer.
+    abort_release_delay_s: float = 0.2
     # Caps that keep one request from holding the event loop (clear 400 above them).
     max_messages: int = 4096
     max_content_parts: int = 8192
@@ -120,9 +123,22 @@ class BackendConfig:
     capacity: Mapping[str, Any] | None = None
     discover: bool = True
     timeouts: TimeoutConfig = TimeoutConfig()
+    # Speculative decoding (vLLM --speculative-config num_speculative_tokens): each running
+    # sequence holds this many lookahead slots beyond its tokens.
+    num_speculative_tokens: int = 0
+    # A KV connector (LMCache, CPU offloading) frees a request's blocks only once their
+    # transfer is done: its reservation is held this much longer.
+    release_delay_s: float = 0.0
     path: str = ""
     # vLLM's --kv-events-config publisher (tcp://HOST:PORT) for precise prefix routing.
     kv_events: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TracingConfig:
+    """OpenTelemetry spans (``pip install kvgateway[otel]``); exporters via OTEL_* env."""
+
+    enabled: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,6 +214,7 @@ class GatewayConfig:
     load_feedback: LoadFeedbackConfig
     tiers: tuple[TierConfig, ...]
     discovery: DiscoveryConfig = DiscoveryConfig()
+    tracing: TracingConfig = TracingConfig()
     source: str = "<memory>"
     _model_index: dict[str, ModelConfig] = field(default_factory=dict, compare=False)
 

@@ -27,7 +27,7 @@ from types import TracebackType
 
 from kvgateway.config.model import GatewayConfig, Policy
 from kvgateway.core.backends import Backend, PauseReason
-from kvgateway.core.demand import Demand, can_ever_hold
+from kvgateway.core.demand import Demand, can_ever_hold, tokens_on
 from kvgateway.core.fleet import Fleet
 from kvgateway.core.prefix_routing import PrefixRouter
 from kvgateway.core.routing import (
@@ -80,7 +80,9 @@ class Reservation:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self.release()
+        self.owner.release_after(
+            self, gone=exc_type is not None and issubclass(exc_type, asyncio.CancelledError)
+        )
 
 
 class Reserving:
@@ -106,7 +108,7 @@ class Reserving:
         tb: TracebackType | None,
     ) -> None:
         if self._reservation is not None:
-            self._reservation.release()
+            await self._reservation.__aexit__(exc_type, exc, tb)
 
 
 @dataclass(eq=False, slots=True)
@@ -131,8 +133,10 @@ class Admission:
         queue_size: Callable[[], int],
         clock: Callable[[], float],
         on_decision: Callable[[Decision, Demand], None] | None = None,
+        abort_delay: Callable[[], float] = lambda: 0.0,
         prefix: PrefixRouter | None = None,
     ) -> None:
+        self._abort_delay = abort_delay
         self._index_for = index_for
         self._prefix = prefix
         self._adjust = adjust
@@ -164,6 +168,7 @@ class Admission:
             queue_size=lambda: config().admission.queue_size,
             clock=clock,
             on_decision=on_decision,
+            abort_delay=lambda: config().admission.abort_release_delay_s,
             prefix=prefix,
         )
 
@@ -189,7 +194,9 @@ class Admission:
         holding = None
         if self._prefix is not None:
             holding = self._prefix.granted(backend, demand, self._clock())
-        tokens = demand.tokens - (holding.credited_tokens if holding is not None else 0)
+        tokens = tokens_on(backend, demand) - (
+            holding.credited_tokens if holding is not None else 0
+        )
         self._adjust(backend, tokens, demand.sequences, 1)
         return Reservation(backend, tokens, demand.sequences, reason, self, holding=holding)
 
@@ -248,6 +255,17 @@ class Admission:
         self._adjust(reservation.backend, -tokens, -reservation.seqs, -1)
         self._offer(reservation.backend)
         return True
+
+    def release_after(self, r: Reservation, *, gone: bool) -> None:
+        """Release ``r`` when the node has freed its blocks: at once, or after the
+        backend's KV-connector delay, or (client gone) once the node's abort has landed."""
+        delay = r.backend.config.release_delay_s
+        if gone:
+            delay = max(delay, self._abort_delay())
+        if delay <= 0:
+            self.release(r)
+            return
+        asyncio.get_running_loop().call_later(delay, self.release, r)
 
     def end_pause(self, b: Backend, now: float) -> bool:
         """End ``b``'s timed pause once its time has come, and offer ``b`` to the waiters
@@ -379,10 +397,13 @@ def _with_busy(d: Demand, names: frozenset[str]) -> Demand:
 
 
 def context_error(demand: Demand, largest: int) -> ContextLengthExceeded:
+    # OpenAI's and vLLM's wording first: clients (LiteLLM's ContextWindowExceededError,
+    # fallbacks to larger models) recognise a context-length error by it.
     return ContextLengthExceeded(
-        f"This request needs {demand.longest_sequence} tokens ({demand.longest_prompt} "
-        f"counted prompt tokens + {demand.output_tokens} requested output tokens), but the "
-        f"largest context any backend for model '{demand.model}' offers is {largest} tokens. "
-        "Reduce the length of the prompt or of the requested output.",
+        f"This model's maximum context length is {largest} tokens. However, you requested "
+        f"{demand.longest_sequence} tokens ({demand.longest_prompt} in the messages, "
+        f"{demand.output_tokens} in the completion). Please reduce the length of the "
+        f"messages or completion. (The largest context any backend for model "
+        f"'{demand.model}' offers is {largest} tokens.)",
         param="messages",
     )

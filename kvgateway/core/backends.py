@@ -121,6 +121,14 @@ class Backend:
     def note_rejection(self, now: float) -> None:
         self.rejection_times.append(now)
 
+    @property
+    def starting(self) -> bool:
+        """New and not probed to a verdict yet (a DNS member just added, a node booting):
+        worth waiting for rather than refusing the request."""
+        if self.draining or self.health_failures:
+            return False
+        return not self.ever_healthy or not self.limits.known
+
     def recent_rejections(self, now: float, window_s: float = 60.0) -> int:
         start = now - window_s
         return sum(1 for t in self.rejection_times if t >= start)

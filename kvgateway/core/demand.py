@@ -69,7 +69,21 @@ def fits_limits(context_limit: int, budget_tokens: int, max_num_seqs: int, d: De
     )
 
 
+def tokens_on(b: Backend, d: Demand) -> int:
+    """KV tokens ``d`` takes on ``b``: its own, plus speculative decoding's lookahead slots
+    for each of its sequences (in whole blocks) where ``b`` runs a draft model."""
+    k = b.config.num_speculative_tokens
+    if not k:
+        return d.tokens
+    block = b.limits.block_size
+    return d.tokens + d.sequences * (-(-k // block) * block)
+
+
 def can_ever_hold(b: Backend, d: Demand) -> bool:
     """``b`` could hold ``d`` if it were idle: limits known and large enough (health,
     pauses and current reservations aside)."""
-    return b.limits.known and fits_limits(b.context_limit, b.budget_tokens, b.max_num_seqs, d)
+    return (
+        b.limits.known
+        and fits_limits(b.context_limit, b.budget_tokens, b.max_num_seqs, d)
+        and b.budget_tokens >= tokens_on(b, d)
+    )

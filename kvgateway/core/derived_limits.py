@@ -41,6 +41,7 @@ def derive_backend(
         kv_cache_tokens=est.kv_cache_tokens,
         max_num_seqs=spec.max_num_seqs,
         block_size=spec.block_size,
+        kv_groups=est.layout.num_groups,
     )
     return observed, est
 

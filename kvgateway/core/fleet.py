@@ -102,6 +102,10 @@ class Fleet:
                 return b
         return None
 
+    def discovered(self, backend: Backend) -> Observed | None:
+        """What the node last reported of its limits."""
+        return self._discovered.get(backend.name)
+
     def set_discovered(self, backend: Backend, observed: Observed) -> bool:
         """Record what the node reported; returns True when its limits changed."""
         self._discovered[backend.name] = observed

@@ -9,7 +9,7 @@ reported as warnings (``gateway check`` prints them, the server logs them).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 
 from kvgateway.capacity.layout import kv_tokens_from_blocks
@@ -50,6 +50,10 @@ class Observed:
     kv_cache_tokens: int | None = None
     max_num_seqs: int | None = None
     block_size: int | None = None
+    # Discovered: the pool's size as the node reports it (vllm:cache_config_info).
+    num_gpu_blocks: int | None = None
+    # Derived: how many KV-cache groups share the pool (2+ for hybrid attention models).
+    kv_groups: int | None = None
 
 
 def usable_tokens(num_gpu_blocks: int, block_size: int) -> int:
@@ -90,10 +94,21 @@ def _pick(
     return Limit(None, LimitSource.UNKNOWN)
 
 
+def _in_groups(disc: Observed, derived: Observed | None) -> Observed:
+    """A node reports its whole block pool; for a hybrid model (several KV-cache groups,
+    known from the capacity block's architecture) each request's tokens take a block in
+    every group, so the pool holds ``(blocks - 1) // groups * block_size`` tokens."""
+    groups = derived.kv_groups if derived is not None else None
+    if not groups or groups <= 1 or disc.num_gpu_blocks is None or not disc.block_size:
+        return disc
+    tokens = kv_tokens_from_blocks(disc.num_gpu_blocks, disc.block_size, groups)
+    return replace(disc, kv_cache_tokens=tokens)
+
+
 def resolve_limits(
     cfg: BackendConfig, discovered: Observed | None, derived: Observed | None
 ) -> Limits:
-    disc = discovered or Observed()
+    disc = _in_groups(discovered or Observed(), derived)
     der = derived or Observed()
     warnings: list[str] = []
     mml = _pick("max_model_len", cfg.max_model_len, disc.max_model_len, der.max_model_len, warnings)

@@ -29,7 +29,7 @@ from enum import StrEnum
 
 from kvgateway.config.model import Policy
 from kvgateway.core.backends import Backend
-from kvgateway.core.demand import Demand, can_ever_hold
+from kvgateway.core.demand import Demand, can_ever_hold, tokens_on
 from kvgateway.core.routing_index import ModelIndex
 
 
@@ -74,7 +74,7 @@ class RouterState:
 
 
 def _has_room(b: Backend, d: Demand) -> bool:
-    return b.free_tokens >= d.tokens and b.free_seqs >= d.sequences
+    return b.free_tokens >= tokens_on(b, d) and b.free_seqs >= d.sequences
 
 
 def eligible(b: Backend, d: Demand, now: float) -> bool:
@@ -157,6 +157,8 @@ def kv_aware_scan(
     if not could:
         return _never_fits(backends, d)
     if not any(b.usable and b.name not in d.exclude for b in could):
+        if any(b.starting and b.name not in d.exclude for b in backends):
+            return Wait("starting")  # a node is coming up: wait for it, within the queue timeout
         return NoBackend("no healthy backend can hold this request")
     first_fit = next((b.tier_index for b in could if not b.offload and _could_use(b, d)), None)
     best: Backend | None = None
@@ -189,6 +191,8 @@ def _key_better(a: Backend, b: Backend) -> bool:
 def _never_fits(backends: Sequence[Backend], d: Demand) -> Decision:
     known = [b for b in backends if b.limits.known]
     if not known:
+        if any(b.starting and b.name not in d.exclude for b in backends):
+            return Wait("starting")  # limits come with the first probe: wait for them
         return NoBackend("no backend of this model has known limits yet (still starting?)")
     return TooLong(max(b.context_limit for b in known))
 

@@ -9,17 +9,15 @@ from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 from kvgateway.core.backends import Backend
+from kvgateway.errors import ModelNotFound
+from kvgateway.server.appkeys import STATE
 from kvgateway.server.state import GatewayState
 
-STATE = web.AppKey("state", GatewayState)
 
-
-async def models(request: web.Request) -> web.Response:
-    state = request.app[STATE]
+def _model_entries(state: GatewayState) -> list[dict[str, Any]]:
     data = []
     for model in state.config.models:
-        backends = state.fleet.for_model(model.name)
-        contexts = [b.context_limit for b in backends if b.limits.known]
+        largest = state.fleet.largest_context(model.name)
         for name in (model.name, *model.aliases):
             data.append(
                 {
@@ -29,10 +27,25 @@ async def models(request: web.Request) -> web.Response:
                     "owned_by": "kv-gateway",
                     "root": model.served_name,
                     "parent": None if name == model.name else model.name,
-                    "max_model_len": max(contexts, default=0),
+                    "max_model_len": largest,
                 }
             )
-    return web.json_response({"object": "list", "data": data})
+    return data
+
+
+async def models(request: web.Request) -> web.Response:
+    return web.json_response({"object": "list", "data": _model_entries(request.app[STATE])})
+
+
+async def model(request: web.Request) -> web.Response:
+    """``GET /v1/models/{id}`` (``client.models.retrieve``), from the gateway's own list."""
+    wanted = request.match_info["model_id"]
+    for entry in _model_entries(request.app[STATE]):
+        if entry["id"] == wanted:
+            return web.json_response(entry)
+    raise ModelNotFound(
+        f"The model `{wanted}` does not exist or you do not have access to it.", param="model"
+    )
 
 
 async def health(request: web.Request) -> web.Response:

@@ -8,11 +8,14 @@ backend monitor. They close in the reverse order.
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractAsyncContextManager
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -20,6 +23,7 @@ from prometheus_client import CollectorRegistry
 
 from kvgateway import __version__
 from kvgateway.config.model import GatewayConfig
+from kvgateway.core.derived_limits import derive_all
 from kvgateway.core.fleet import Fleet
 from kvgateway.core.limits import Observed
 from kvgateway.core.prefix_index import PrefixIndex
@@ -27,28 +31,25 @@ from kvgateway.core.prefix_routing import PrefixRouter
 from kvgateway.core.shared_blocks import SharedBlocks
 from kvgateway.errors import BodyTooLarge, GatewayError, MethodNotAllowed, NotFound, Unauthorized
 from kvgateway.server import admin
-from kvgateway.server.admin import STATE
+from kvgateway.server.appkeys import KV_EVENTS, MONITOR, STATE
 from kvgateway.server.metrics import FleetCollector, GatewayMetrics
+from kvgateway.server.passthrough import PATHS as PASSTHROUGH_PATHS
+from kvgateway.server.passthrough import handle_passthrough
 from kvgateway.server.proxy import REQUEST_ID, error_response, handle_completion
+from kvgateway.server.reload import FleetMembers
 from kvgateway.server.state import Clock, GatewayState
+from kvgateway.server.tracing import from_environment
 from kvgateway.tokens.counters import TokenCounters
 from kvgateway.tokens.encoding import EncodingCache
-from kvgateway.upstream.kv_events import KVEventHub, KVEventSource
+from kvgateway.upstream.dns import DnsDiscovery
+from kvgateway.upstream.kv_events import KVEventHub, kv_event_sources
 from kvgateway.upstream.monitor import Monitor
-
-MONITOR = web.AppKey("monitor", Monitor)
-KV_EVENTS = web.AppKey("kv_events", KVEventHub)
 
 _OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
-__all__ = ["KV_EVENTS", "MONITOR", "STATE", "create_app", "kv_event_sources"]
-
-
-def kv_event_sources(config: GatewayConfig) -> list[KVEventSource]:
-    """The backends publishing KV events (``kv_events:``), for the :class:`KVEventHub`."""
-    return [KVEventSource(b.name, b.kv_events) for b in config.backends if b.kv_events]
+__all__ = ["KV_EVENTS", "MONITOR", "STATE", "create_app"]
 
 
 def create_app(
@@ -59,10 +60,13 @@ def create_app(
     encodings: EncodingCache | None = None,
     derived: dict[str, Observed] | None = None,
     count_workers: int = 2,
+    tracer_provider: Any | None = None,
 ) -> web.Application:
     registry = registry if registry is not None else CollectorRegistry()
+    tracing = from_environment(config.tracing.enabled, tracer_provider)
     metrics = GatewayMetrics(registry)
-    fleet = Fleet(config, derived)
+    # Limits derived from capacity blocks (and each hybrid model's KV groups).
+    fleet = Fleet(config, derive_all(config) if derived is None else derived)
     encodings = encodings or EncodingCache()
     registry.register(FleetCollector(lambda: fleet.backends, clock))
     metrics.build_info.labels(version=__version__, policy=config.routing.policy).set(1)
@@ -106,6 +110,7 @@ def create_app(
                 TokenCounters(encodings, pool, huge),
                 session,
                 clock=clock,
+                tracing=tracing,
                 prefix=prefix,
             )
             monitor = Monitor(
@@ -123,7 +128,8 @@ def create_app(
             await monitor.probe_all_once()
             monitor.sync()
             try:
-                yield
+                async with _dns_discovery(app, config):
+                    yield
             finally:
                 await monitor.close()
         finally:
@@ -140,14 +146,35 @@ def create_app(
     async def completions(request: web.Request) -> web.StreamResponse:
         return await handle_completion(request, request.app[STATE], "completion")
 
+    async def responses(request: web.Request) -> web.StreamResponse:
+        return await handle_completion(request, request.app[STATE], "responses")
+
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/responses", responses)
+    for path in PASSTHROUGH_PATHS:
+        app.router.add_post(path, handle_passthrough)
     app.router.add_get("/v1/models", admin.models)
+    app.router.add_get(r"/v1/models/{model_id:.+}", admin.model)
     app.router.add_get("/health", admin.health)
     app.router.add_get("/ready", admin.ready)
     app.router.add_get("/admin/backends", admin.admin_backends)
     app.router.add_get("/metrics", admin.metrics)
     return app
+
+
+def _dns_discovery(
+    app: web.Application, config: GatewayConfig
+) -> AbstractAsyncContextManager[object]:
+    """Backend groups named by DNS (a headless Service): members follow the answers."""
+    if not config.dns_groups:
+        return contextlib.nullcontext()
+    return DnsDiscovery(
+        config.dns_groups,
+        FleetMembers(app),
+        nameservers=config.discovery.nameservers,
+        timeout_s=config.discovery.timeout_s,
+    )
 
 
 def _client_request_id(request: web.Request) -> str:

@@ -55,6 +55,8 @@ class Exchange:
     started: float
     counted: Counted | None = None
     body_read: bool = False
+    # Admitted again with the node's own count after it refused the prompt as too long.
+    recounted: bool = False
     # Every admission of this request (one per attempt), in order.
     admissions: list[tuple[str, str, float]] = field(default_factory=list)  # tier, reason, queued_s
     failures: list[Failure] = field(default_factory=list)

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from kvgateway.errors import BadRequest
 
-Kind = Literal["chat", "completion"]
+Kind = Literal["chat", "completion", "responses"]
 
 _ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
 MAX_N = 128
@@ -47,7 +47,6 @@ class Limits:
     max_content_parts: int = 8192
 
 
-_ROLE_KEY = re.compile(rb'"role"\s*:')
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
 
@@ -55,13 +54,17 @@ def _no_constants(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
+def check_message_count(raw: bytes, limits: Limits) -> None:
+    """Too many messages is refused before parsing: counting a key is far cheaper than
+    building 800k message objects."""
+    if len(raw) > 64 * limits.max_messages and raw.count(b'"role"') > limits.max_messages:
+        raise _too_many("messages", limits.max_messages)
+
+
 def parse_body(raw: bytes, limits: Limits = Limits()) -> dict[str, Any]:
     if not raw.strip():
         raise BadRequest("The request body is empty; expected a JSON object.", code="invalid_json")
-    # Too many messages is refused before parsing: counting a key is far cheaper than
-    # building 800k message objects on the event loop.
-    if len(raw) > 64 * limits.max_messages and len(_ROLE_KEY.findall(raw)) > limits.max_messages:
-        raise _too_many("messages", limits.max_messages)
+    check_message_count(raw, limits)
     try:
         body = json.loads(raw, parse_constant=_no_constants)
     except RecursionError as exc:
@@ -259,3 +262,54 @@ def _valid_prompt(prompt: Any) -> bool:
         isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
         for p in prompt
     )
+
+
+def parse_responses(body: dict[str, Any], limits: Limits = Limits()) -> ParsedRequest:
+    """``POST /v1/responses``: ``instructions`` and ``input`` (a string or message items)
+    are a chat prompt to the node; ``max_output_tokens`` is the output budget. The body is
+    rewritten as chat ``messages`` only for counting (see :func:`responses_messages`)."""
+    model, stream, _ = _common(body, "responses")
+    instructions = body.get("instructions")
+    if instructions is not None and not isinstance(instructions, str):
+        raise _type_error("instructions", "a string", instructions)
+    raw = body.get("input")
+    if raw is None:
+        raise _missing("input")
+    if isinstance(raw, list):
+        if not raw:
+            raise BadRequest("Invalid 'input': empty array.", param="input", code="empty_array")
+        if len(raw) > limits.max_messages:
+            raise _too_many("messages", limits.max_messages)
+        for i, item in enumerate(raw):
+            if not isinstance(item, dict):
+                raise _type_error(f"input[{i}]", "an object", item)
+            content = item.get("content")
+            if content is not None and not isinstance(content, str | list):
+                raise _type_error(f"input[{i}].content", "a string or an array of parts", content)
+    elif not isinstance(raw, str):
+        raise _type_error("input", "a string or an array of items", raw)
+    requested = _opt_positive_int(body, "max_output_tokens")
+    return ParsedRequest(
+        "responses", body, model, stream, 1, requested, "max_output_tokens", sequences_per_prompt=1
+    )
+
+
+def responses_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The chat messages a Responses request amounts to (what the node's template renders)."""
+    messages: list[dict[str, Any]] = []
+    if isinstance(body.get("instructions"), str):
+        messages.append({"role": "system", "content": body["instructions"]})
+    raw = body["input"]
+    if isinstance(raw, str):
+        return [*messages, {"role": "user", "content": raw}]
+    for item in raw:
+        content = item.get("content")
+        if isinstance(content, list):
+            content = [
+                {"type": "text", "text": part.get("text", "")}
+                if isinstance(part, dict) and isinstance(part.get("text"), str)
+                else part
+                for part in content
+            ]
+        messages.append({"role": item.get("role", "user"), "content": content})
+    return messages

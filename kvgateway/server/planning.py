@@ -9,25 +9,29 @@ from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
 
 from kvgateway.config.model import GatewayConfig, ModelConfig, Policy
 from kvgateway.core.demand import Demand, PrefixHint, demand_tokens
 from kvgateway.core.output_model import ANY_KEY, OutputModel
 from kvgateway.core.prefix_keys import block_keys
 from kvgateway.errors import ModelNotFound
+from kvgateway.server.node_tokenize import NodeTokenizer
 from kvgateway.server.openai_request import (
     Kind,
     Limits,
     ParsedRequest,
+    check_message_count,
     parse_body,
     parse_chat,
     parse_completion,
+    parse_responses,
+    responses_messages,
 )
 from kvgateway.tokens.calibration import PromptCalibration
 from kvgateway.tokens.counters import TokenCounters
-from kvgateway.tokens.counting import CountPlan, PromptTokens, plan_chat, plan_completion
+from kvgateway.tokens.prompt_estimate import PromptEstimate
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's documented default
 OFF_LOOP_BYTES = 1024 * 1024
@@ -47,7 +51,7 @@ class FleetView(Protocol):
 class Counted:
     model: ModelConfig
     parsed: ParsedRequest
-    prompt: PromptTokens
+    prompt: PromptEstimate
     # Output tokens reserved per sequence.
     output_tokens: int
     demand: Demand
@@ -64,24 +68,50 @@ async def plan_request(
     counters: TokenCounters,
     calibration: PromptCalibration,
     fleet: FleetView,
+    node_tokenizer: NodeTokenizer | None = None,
     session: str | None = None,
     outputs: OutputModel | None = None,
     client: str = ANY_KEY,
 ) -> Counted:
     limits = Limits(config.admission.max_messages, config.admission.max_content_parts)
     if len(raw) > OFF_LOOP_BYTES:
+        # Refused here, on the loop, for the price of one bytes.count: a body of 800k
+        # messages must not even reach a worker thread (the parser holds the GIL).
+        check_message_count(raw, limits)
         # Parsing and validating a large body takes milliseconds of Python: not on the loop.
         loop = asyncio.get_running_loop()
-        parsed, model, plan, known = await loop.run_in_executor(
+        parsed, model = await loop.run_in_executor(
             counters.executor, _parse, raw, kind, config, limits
         )
     else:
-        parsed, model, plan, known = _parse(raw, kind, config, limits)
+        parsed, model = _parse(raw, kind, config, limits)
     # Counting stops once the prompt is past the largest context on offer: it is refused.
     largest = fleet.largest_context(model.name)
-    prompt = await counters.for_tokenizer(model.tokenizer).count(plan, known, largest or None)
-    margin = model.tokenizer.estimate_margin
-    each = [calibration.scaled(model.name, p, margin) for p in (prompt.each or (prompt.total,))]
+    estimator = counters.estimator_for(model.tokenizer)
+    body = parsed.body
+    if parsed.kind == "completion":
+        counted_body = body
+        prompt = await estimator.completion(body, largest or None)
+    else:
+        counted_body = (
+            body
+            if parsed.kind == "chat"
+            else {"messages": responses_messages(body), "tools": body.get("tools")}
+        )
+        prompt = await estimator.chat(counted_body, largest or None)
+    if (
+        node_tokenizer is not None
+        and not prompt.exact
+        and prompt.prompts == 1
+        and node_tokenizer.worth_asking(
+            prompt.longest, prompt.standin, parsed.requested_output or 1, largest
+        )
+    ):
+        # The bound comes near the largest context: the node's own count decides.
+        exact = await node_tokenizer.count(model, counted_body, chat=parsed.kind != "completion")
+        if exact is not None:
+            prompt = node_counted(prompt, exact)
+    each = reserved_prompts(prompt, model, calibration)
     longest = max(each)
     output, injected = output_budget(parsed, config, longest, largest)
     block = fleet.block_size(model.name)
@@ -93,7 +123,9 @@ async def plan_request(
         reserved = outputs.reservation(model.name, client, output, adm.preemption_risk)
     prefix = None
     if config.routing.prefix_aware and config.routing.policy == Policy.KV_AWARE:
-        prefix = await _prefix_hint(parsed, model, counters, block, longest, session, len(raw))
+        prefix = await _prefix_hint(
+            parsed, counted_body, model, counters, block, longest, session, len(raw)
+        )
     demand = Demand(
         model=model.name,
         prompt_tokens=sum(each),
@@ -109,6 +141,7 @@ async def plan_request(
 
 async def _prefix_hint(
     parsed: ParsedRequest,
+    counted_body: dict[str, Any],
     model: ModelConfig,
     counters: TokenCounters,
     block: int,
@@ -126,9 +159,9 @@ async def _prefix_hint(
     body = parsed.body
 
     def ids() -> list[int] | None:
-        if parsed.kind == "chat":
-            return ids_of.chat(body, model.tokenizer)
-        return ids_of.completion(body.get("prompt"))
+        if parsed.kind == "completion":
+            return ids_of.completion(body.get("prompt"))
+        return ids_of.chat(counted_body, model.tokenizer)  # chat, or responses as chat
 
     if size > IDS_INLINE_BYTES:
         found = await asyncio.get_running_loop().run_in_executor(counters.executor, ids)
@@ -140,21 +173,59 @@ async def _prefix_hint(
     return PrefixHint(keys, block, session[:256] if session else None)
 
 
+def node_counted(prompt: PromptEstimate, count: int) -> PromptEstimate:
+    """``prompt`` as the node counts it (one prompt)."""
+    return replace(prompt, total=count, longest=count, each=(count,), exact=True)
+
+
+def with_node_count(counted: Counted, count: int, block_size: int) -> Counted:
+    """``counted`` re-planned with the node's own count of its single prompt (from a
+    context-length refusal): what a second admission reserves."""
+    prompt = node_counted(counted.prompt, count)
+    d = counted.demand
+    demand = replace(
+        d,
+        prompt_tokens=count,
+        longest_prompt=count,
+        tokens=demand_tokens(
+            [count], counted.output_tokens, counted.parsed.sequences_per_prompt, block_size
+        ),
+    )
+    return replace(counted, prompt=prompt, demand=demand)
+
+
+def reserved_prompts(
+    prompt: PromptEstimate, model: ModelConfig, calibration: PromptCalibration
+) -> list[int]:
+    """What to reserve for each prompt. The model's own count is exact and taken as it is.
+    Otherwise the stand-in's bound, and never less than what the nodes' reports say the
+    stand-in's count grows to (calibration: template overhead, tokenizer ratio)."""
+    each = list(prompt.each or (prompt.total,))
+    if prompt.exact:
+        return each
+    margin = model.tokenizer.estimate_margin
+    if len(each) == 1:
+        return [max(each[0], calibration.scaled(model.name, prompt.standin, margin))]
+    return [calibration.scaled(model.name, n, margin) for n in each]
+
+
 def _parse(
     raw: bytes, kind: Kind, config: GatewayConfig, limits: Limits
-) -> tuple[ParsedRequest, ModelConfig, CountPlan, list[int]]:
+) -> tuple[ParsedRequest, ModelConfig]:
     body = parse_body(raw, limits)
-    parsed = parse_chat(body, limits) if kind == "chat" else parse_completion(body)
+    if kind == "chat":
+        parsed = parse_chat(body, limits)
+    elif kind == "responses":
+        parsed = parse_responses(body, limits)
+    else:
+        parsed = parse_completion(body)
     model = config.resolve_model(parsed.model)
     if model is None:
         raise ModelNotFound(
             f"The model `{parsed.model}` does not exist or you do not have access to it.",
             param="model",
         )
-    if parsed.kind == "chat":
-        return parsed, model, plan_chat(body, model.tokenizer), []
-    plan, known = plan_completion(body["prompt"])
-    return parsed, model, plan, known
+    return parsed, model
 
 
 def output_budget(
@@ -176,7 +247,7 @@ def output_budget(
         return parsed.requested_output, None
     room = max(1, largest_context - prompt_bound) if largest_context else None
     explicit_null = parsed.output_field in parsed.body and parsed.body[parsed.output_field] is None
-    if parsed.kind == "chat":
+    if parsed.kind != "completion":
         default = config.admission.default_output_tokens
         vllm_allows = room
     else:

@@ -35,9 +35,15 @@ from kvgateway.server.accesslog import AccessRecord
 from kvgateway.server.exchange import Exchange, Failure, Outcome, finish
 from kvgateway.server.openai_request import Kind
 from kvgateway.server.output_accounting import client_key
-from kvgateway.server.planning import plan_request, upstream_body
-from kvgateway.server.relay import error_event, relay_body, relay_stream
+from kvgateway.server.planning import plan_request, upstream_body, with_node_count
+from kvgateway.server.relay import answer_body, error_event, error_message, read_body, relay_stream
 from kvgateway.server.state import GatewayState
+from kvgateway.server.tracing import Tracing, set_attributes
+from kvgateway.tokens.node_count import (
+    NodeCount,
+    parse_context_length_error,
+    readmission_prompt_tokens,
+)
 from kvgateway.upstream.client import open_request, read_capped
 
 log = logging.getLogger("kvgateway.server.proxy")
@@ -90,7 +96,9 @@ async def handle_completion(
     if task is not None:
         state.active[task] = ex
     try:
-        resp = await _serve(state, ex, kind)
+        with state.tracing.request("gateway.request", request.headers) as span:
+            resp = await _serve(state, ex, kind)
+            set_attributes(span, status=resp.status, request_id=rid)
         ex.record.status = resp.status
         if state.draining and not resp.prepared:
             resp.force_close()  # the gateway is leaving: the client reconnects elsewhere
@@ -156,6 +164,7 @@ async def _count_and_forward(state: GatewayState, ex: Exchange, kind: Kind) -> w
         state.counters,
         state.calibration,
         state.fleet,
+        state.node_tokenizer,
         session=ex.request.headers.get("x-session-id") or None,
         outputs=state.outputs.model,
         client=ex.client,
@@ -171,43 +180,93 @@ async def _count_and_forward(state: GatewayState, ex: Exchange, kind: Kind) -> w
 
 async def _forward(state: GatewayState, ex: Exchange, body: bytes) -> web.StreamResponse:
     """Admit, send, relay; on a failure before the first byte, try another backend."""
-    counted = ex.counted
-    assert counted is not None
     deadline = ex.started + state.config.admission.queue_timeout_s
     excluded: set[str] = set()
     last_error: UpstreamError | None = None
     while True:
+        counted = ex.counted
+        assert counted is not None
         ex.record.attempts += 1
-        r = await _admit(state, ex, counted.demand, deadline, excluded, last_error)
+        with state.tracing.span("gateway.admission", tokens=counted.demand.tokens) as span:
+            r = await _admit(state, ex, counted.demand, deadline, excluded, last_error)
+            set_attributes(
+                span,
+                backend=r.backend.name,
+                tier=r.backend.tier,
+                reason=r.reason,
+                queued_s=r.queued_s,
+            )
         async with r:
             ex.admitted(r)
-            backend = r.backend
-            timeouts = backend.config.timeouts
-            try:
-                resp = await open_request(
-                    state.session,
-                    backend,
-                    ex.request.path,
-                    body,
-                    {"Content-Type": "application/json", "X-Request-Id": ex.request_id},
-                    timeouts,
-                    head_timeout=timeouts.first_byte_s
-                    if counted.parsed.stream
-                    else timeouts.total_s,
-                )
-            except UpstreamError as err:
-                retry = err.retryable and ex.record.attempts < MAX_ATTEMPTS
-                _note_failure(state, ex, backend.name, err, retry)
-                if not retry:
-                    raise
-                excluded.add(backend.name)
-                last_error = err
+            with state.tracing.span("gateway.upstream", backend=r.backend.name):
+                outcome = await _attempt(state, ex, r, body)
+            if isinstance(outcome, UpstreamError):  # failed before any byte: try another
+                excluded.add(r.backend.name)
+                last_error = outcome
                 continue
-            async with resp:
-                backend.consecutive_failures = 0
-                if counted.parsed.stream and resp.status == 200:
-                    return await relay_stream(state, ex, resp, r)
-                return await relay_body(state, ex, resp, r)
+            if isinstance(outcome, NodeCount):  # the node counted more: admit again, once
+                _recount(state, ex, r, outcome)
+                continue
+            return outcome
+
+
+async def _attempt(
+    state: GatewayState, ex: Exchange, r: Reservation, body: bytes
+) -> web.StreamResponse | UpstreamError | NodeCount:
+    """One try on the backend ``r`` holds room on: the relayed answer, the failure to
+    retry elsewhere (raised instead when it may not be retried), or the node's own count
+    of a prompt it refused as too long (counted with a stand-in: admit again with it)."""
+    counted = ex.counted
+    assert counted is not None
+    backend = r.backend
+    timeouts = backend.config.timeouts
+    try:
+        resp = await open_request(
+            state.session,
+            backend,
+            ex.request.path,
+            body,
+            _upstream_headers(state, ex),
+            timeouts,
+            head_timeout=timeouts.first_byte_s if counted.parsed.stream else timeouts.total_s,
+        )
+    except UpstreamError as err:
+        retry = err.retryable and ex.record.attempts < MAX_ATTEMPTS
+        _note_failure(state, ex, backend.name, err, retry)
+        if not retry:
+            raise
+        return err
+    async with resp:
+        backend.consecutive_failures = 0
+        if counted.parsed.stream and resp.status == 200:
+            return await relay_stream(state, ex, resp, r)
+        data = await read_body(state, ex, resp, r)
+        if resp.status == 400 and not counted.prompt.exact and not ex.recounted:
+            node = parse_context_length_error(error_message(data))
+            if node is not None and counted.prompt.prompts == 1:
+                return node
+        return answer_body(state, ex, resp, r, data)
+
+
+def _recount(state: GatewayState, ex: Exchange, r: Reservation, node: NodeCount) -> None:
+    """Re-plan with the count the node gave when it refused the prompt, and learn it."""
+    counted = ex.counted
+    assert counted is not None
+    tokens = readmission_prompt_tokens(node, r.backend.max_model_len)
+    r.backend.note_rejection(state.clock())
+    if not node.at_least:
+        state.calibration.observe(
+            r.backend.name, counted.model.name, counted.prompt.standin, tokens
+        )
+    ex.recounted = True
+    ex.counted = with_node_count(counted, tokens, state.fleet.block_size(counted.model.name))
+    log.info(
+        "backend %s counted the prompt as %s%d tokens (the gateway %d): admitting again",
+        r.backend.name,
+        "at least " if node.at_least else "",
+        node.prompt_tokens,
+        counted.prompt.longest,
+    )
 
 
 async def _admit(
@@ -264,3 +323,23 @@ def _note_failure(
             b.consecutive_failures,
             err.detail or err.message,
         )
+
+
+def _upstream_headers(state: GatewayState, ex: Exchange) -> dict[str, str]:
+    headers = {"Content-Type": "application/json", "X-Request-Id": ex.request_id}
+    headers.update(trace_headers(state.tracing, ex.request))
+    return headers
+
+
+def trace_headers(tracing: Tracing, request: web.Request) -> dict[str, str]:
+    """W3C trace context for the node, so its spans join the trace: the gateway's own
+    span when tracing is on, else the client's context unchanged."""
+    out: dict[str, str] = {}
+    if tracing.enabled:
+        tracing.inject(out)
+        return out
+    for name in ("traceparent", "tracestate"):
+        value = request.headers.get(name)
+        if value is not None:
+            out[name] = value
+    return out

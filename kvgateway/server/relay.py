@@ -8,6 +8,7 @@ and ``data: [DONE]`` so SDK clients see a clean end.
 from __future__ import annotations
 
 import asyncio
+import json
 
 from aiohttp import web
 
@@ -48,10 +49,11 @@ def _reconcile(
     counted = ex.counted
     assert counted is not None
     usage = find_usage(data) if b'"usage"' in data else None
-    if usage is not None and counted.prompt.prompts == 1:
-        # vLLM reports the prompt once per request, whatever n is.
+    # vLLM reports the prompt once per request, whatever n is. Learned on the stand-in's
+    # own count (what calibration scales); exact counts need no correction.
+    if usage is not None and counted.prompt.prompts == 1 and not counted.prompt.exact:
         state.calibration.observe(
-            r.backend.name, counted.model.name, counted.prompt.total, usage.prompt_tokens
+            r.backend.name, counted.model.name, counted.prompt.standin, usage.prompt_tokens
         )
     output = usage.completion_tokens if usage is not None else None
     if output is None:
@@ -61,17 +63,36 @@ def _reconcile(
         state.outputs.learn(counted.model.name, ex.client, counted.output_tokens, per_seq)
 
 
-async def relay_body(
+async def read_body(
     state: GatewayState, ex: Exchange, resp: UpstreamResponse, r: Reservation
-) -> web.Response:
+) -> bytes:
+    """A non-streamed answer, whole, within the backend's total timeout."""
     remaining = ex.started + r.backend.config.timeouts.total_s - state.clock()
     try:
         async with asyncio.timeout(max(0.1, remaining)):
-            data = await resp.read(MAX_RESPONSE_BYTES)
+            return await resp.read(MAX_RESPONSE_BYTES)
     except TimeoutError as exc:
         raise UpstreamTimeout(
             f"Backend {r.backend.name} did not finish within the total timeout.", retryable=False
         ) from exc
+
+
+def error_message(data: bytes) -> str:
+    """The ``message`` of an OpenAI-style error body ('' if it is not one)."""
+    try:
+        body = json.loads(data)
+    except ValueError:
+        return ""
+    err = body.get("error") if isinstance(body, dict) else None
+    if isinstance(err, dict):
+        body = err
+    message = body.get("message") if isinstance(body, dict) else None
+    return message if isinstance(message, str) else ""
+
+
+def answer_body(
+    state: GatewayState, ex: Exchange, resp: UpstreamResponse, r: Reservation, data: bytes
+) -> web.Response:
     if resp.status == 200:
         _reconcile(state, ex, r, data, None)
         ex.record.outcome = Outcome.OK
@@ -134,7 +155,7 @@ async def _relay_events(
                 state.outputs.on_events(live, events)
                 await out.write(events)
                 last = events
-                if events.endswith(b"data: [DONE]\n\n"):
+                if _ends_stream(events):
                     done = True
                     break
     except MidStreamError as err:
@@ -162,6 +183,24 @@ async def _relay_events(
     elif rec.outcome == Outcome.PENDING:
         rec.outcome = Outcome.OK
         _reconcile(state, ex, r, last, live.generated)
+
+
+# Chat and completions streams end with [DONE]; Responses streams with a final event.
+_RESPONSES_END = (
+    b'"type":"response.completed"',
+    b'"type":"response.failed"',
+    b'"type":"response.incomplete"',
+    b'"type": "response.completed"',
+    b'"type": "response.failed"',
+    b'"type": "response.incomplete"',
+)
+
+
+def _ends_stream(events: bytes) -> bool:
+    if events.endswith(b"data: [DONE]\n\n"):
+        return True
+    tail = events[-4096:]
+    return b"event: response." in tail and any(m in tail for m in _RESPONSES_END)
 
 
 def _loop_deadline(deadline: float, state: GatewayState) -> float:

@@ -13,13 +13,18 @@ import asyncio
 import contextlib
 import logging
 import os
+from collections.abc import Sequence
 
 from aiohttp import web
 
 from kvgateway.config.load import load_config
+from kvgateway.config.model import BackendConfig, GatewayConfig
 from kvgateway.config.yamlread import ConfigError
 from kvgateway.core.derived_limits import derive_all
-from kvgateway.server.app import KV_EVENTS, MONITOR, STATE, kv_event_sources
+from kvgateway.core.fleet import ReloadSummary
+from kvgateway.core.limits import Observed
+from kvgateway.server.appkeys import KV_EVENTS, MONITOR, STATE
+from kvgateway.upstream.kv_events import kv_event_sources
 
 log = logging.getLogger("kvgateway.server.reload")
 
@@ -28,7 +33,8 @@ def reload_config(app: web.Application, path: str) -> bool:
     """Load ``path`` and apply it; False (old config kept) when it is invalid."""
     state = app[STATE]
     try:
-        new = load_config(path)
+        # Members of DNS groups that survive the reload are kept, not drained.
+        new = state.members.rebase(load_config(path))
         derived = derive_all(new)
         for model in new.models:
             state.counters.encodings.get(model.tokenizer.encoding)
@@ -37,16 +43,15 @@ def reload_config(app: web.Application, path: str) -> bool:
         log.error("reload of %s rejected, still serving the previous config: %s", path, exc)
         return False
     old = state.config
+    if new.dns_groups != old.dns_groups:
+        log.warning("changes to DNS backend groups take effect on restart")
     if (new.server.host, new.server.port) != (old.server.host, old.server.port):
         log.warning(
             "server.host/port changes need a restart; keeping %s:%s",
             old.server.host,
             old.server.port,
         )
-    summary = state.fleet.apply(new, derived)
-    state.config = new
-    app[MONITOR].sync()
-    state.admission.rebalance()
+    summary = apply_config(app, new, derived)
     state.metrics.reloads.labels(result="ok").inc()
     log.info(
         "reloaded %s: added=%s removed=%s changed=%s",
@@ -56,6 +61,39 @@ def reload_config(app: web.Application, path: str) -> bool:
         list(summary.changed),
     )
     return True
+
+
+def apply_config(
+    app: web.Application, new: GatewayConfig, derived: dict[str, Observed] | None = None
+) -> ReloadSummary:
+    """Make ``new`` the running config: the fleet adds, keeps and drains backends, the
+    monitor follows, and waiters are offered whatever changed. Reloads and DNS
+    membership changes both come through here."""
+    state = app[STATE]
+    summary = state.fleet.apply(new, derive_all(new) if derived is None else derived)
+    state.config = new
+    app[MONITOR].sync()
+    state.admission.rebalance()
+    return summary
+
+
+class FleetMembers:
+    """Where DNS discovery sends a group's members: applied as a config (see
+    :class:`kvgateway.core.membership.DiscoveredMembers`)."""
+
+    def __init__(self, app: web.Application) -> None:
+        self._app = app
+
+    def set_members(self, group: str, members: Sequence[BackendConfig]) -> None:
+        state = self._app[STATE]
+        summary = apply_config(self._app, state.members.set_members(group, members))
+        if summary.added or summary.removed:
+            log.info(
+                "dns group %s: added=%s draining=%s",
+                group,
+                list(summary.added),
+                list(summary.removed),
+            )
 
 
 class Reloader:

@@ -13,11 +13,14 @@ from kvgateway.config.model import GatewayConfig
 from kvgateway.core.admission import Admission
 from kvgateway.core.demand import Demand
 from kvgateway.core.fleet import Fleet
+from kvgateway.core.membership import DiscoveredMembers
 from kvgateway.core.prefix_routing import PrefixRouter
 from kvgateway.core.routing import Decision, Wait
 from kvgateway.server.exchange import Exchange
 from kvgateway.server.metrics import GatewayMetrics
+from kvgateway.server.node_tokenize import NodeTokenizer
 from kvgateway.server.output_accounting import OutputAccounting
+from kvgateway.server.tracing import Tracing
 from kvgateway.tokens.calibration import PromptCalibration
 from kvgateway.tokens.counters import TokenCounters
 
@@ -34,9 +37,13 @@ class GatewayState:
         session: aiohttp.ClientSession,
         *,
         clock: Clock = time.monotonic,
+        tracing: Tracing | None = None,
         prefix: PrefixRouter | None = None,
     ) -> None:
         self.config = config
+        self.tracing = tracing or Tracing()
+        # Members of DNS-discovered backend groups; ``config`` lists them among the backends.
+        self.members = DiscoveredMembers(config)
         self.fleet = fleet
         self.metrics = metrics
         self.counters = counters
@@ -50,6 +57,10 @@ class GatewayState:
         self.shutting_down = False
         # Requests in progress, by the task serving each (shutdown waits for them).
         self.active: dict[asyncio.Task[object], Exchange] = {}
+        # Turn counter breaking ties between equally loaded nodes for pass-through calls.
+        self.passthrough_turn = 0
+        # Asked for a node's own count when a stand-in bound comes near a limit.
+        self.node_tokenizer = NodeTokenizer(session, fleet)
         self.calibration = PromptCalibration(
             lambda model, ratio: metrics.estimate_ratio.labels(model=model).observe(ratio)
         )

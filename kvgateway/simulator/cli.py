@@ -40,6 +40,7 @@ _NODE_FLAGS = {
     "num_gpu_blocks": "num_gpu_blocks",
     "max_num_seqs": "max_num_seqs",
     "max_num_queued_reqs": "max_num_queued_reqs",
+    "tokenizer": "tokenizer",
 }
 
 
@@ -74,6 +75,11 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--num-gpu-blocks", type=int)
     parser.add_argument("--max-num-seqs", type=int)
     parser.add_argument("--max-num-queued-reqs", type=int)
+    parser.add_argument(
+        "--tokenizer",
+        metavar="DIR",
+        help="ad-hoc node: count with this model tokenizer directory and its chat template",
+    )
     sized = parser.add_argument_group("--preset node (vLLM's flags; default: vLLM's defaults)")
     sized.add_argument("--gpu-memory-gib", type=float, help="per GPU, as torch sees it")
     sized.add_argument("--max-num-batched-tokens", type=int)

@@ -20,6 +20,7 @@ from kvgateway.simulator import protocol as p
 from kvgateway.simulator.driver import RequestHandle
 from kvgateway.simulator.generation import filler_text, token_json, token_text
 from kvgateway.simulator.node import NODE_KEY, SimNode
+from kvgateway.simulator.tokenizer import TemplateError
 
 # How often a fault-injected hang checks whether its client is gone.
 _HANG_POLL_S = 0.05
@@ -101,7 +102,10 @@ async def handle_chat(request: web.Request) -> web.StreamResponse:
     body = p.parse_json(await request.read())
     req = p.parse_chat(body)
     node.check_model(req.model)
-    prompt_ids = await node.tokenizer.encode_chat_async(req.messages)
+    try:
+        prompt_ids = await node.tokenizer.encode_chat_request_async(body, req.messages)
+    except TemplateError as exc:
+        raise p.bad_request(str(exc)) from exc
     return await _generate(request, node, req, prompt_ids, chat=True)
 
 
@@ -113,7 +117,7 @@ async def handle_completion(request: web.Request) -> web.StreamResponse:
     if req.prompt_token_ids is not None:
         prompt_ids = list(req.prompt_token_ids)
     else:
-        prompt_ids = await node.tokenizer.encode_prompt_async(req.prompt or "")
+        prompt_ids = await node.tokenizer.encode_completion_request_async(body, req.prompt or "")
     if not prompt_ids:
         prompt_ids = [_BOS_ID]  # vLLM adds BOS; an empty prompt is one token
     return await _generate(request, node, req, prompt_ids, chat=False)

@@ -45,6 +45,9 @@ class SimNode:
             output_ids=_output_ids(self.tokenizer),
         )
         self.faults = FaultState()
+        # The W3C trace context of the last request that carried one (vLLM's OpenTelemetry
+        # integration would continue that trace): lets tests see propagation.
+        self.last_traceparent: str | None = None
         self.created = int(time.time())
 
     def check_model(self, model: str | None) -> None:

@@ -1,8 +1,8 @@
 """The HTTP surface of one simulated vLLM node.
 
 vLLM's endpoints (``/health``, ``/v1/models``, ``/tokenize``, ``/metrics``,
-``/v1/chat/completions``, ``/v1/completions``; models/{id}, embeddings, rerank, score and
-responses in ``endpoints_extra.py``) plus the simulator's own:
+``/v1/chat/completions``, ``/v1/completions``; models/{id}, embeddings, rerank, score,
+detokenize and responses in ``endpoints_extra.py``) plus the simulator's own:
 
 - ``GET /sim/state``: engine state as JSON (running, waiting, used/free blocks,
   kv_usage, preemptions, finished counts, simulated time, lag);
@@ -11,9 +11,12 @@ responses in ``endpoints_extra.py``) plus the simulator's own:
 
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 from aiohttp import web
 
@@ -23,6 +26,7 @@ from kvgateway.simulator.endpoints_extra import register_extra_endpoints
 from kvgateway.simulator.faults import FaultError, parse_fault
 from kvgateway.simulator.node import NODE_KEY, SimNode
 from kvgateway.simulator.settings import NodeSettings
+from kvgateway.simulator.tokenizer import TemplateError
 from kvgateway.tokens.encoding import EncodingCache
 
 log = logging.getLogger("kvgateway.simulator.server")
@@ -30,6 +34,8 @@ log = logging.getLogger("kvgateway.simulator.server")
 METRICS_CONTENT_TYPE = "text/plain; version=1.0.0; charset=utf-8"
 # vLLM has no body limit of note; this one only keeps a broken client from eating memory.
 MAX_BODY_BYTES = 64 * 1024 * 1024
+# Request bodies larger than this are tokenized in a worker thread.
+_THREAD_THRESHOLD_CHARS = 32_000
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -85,6 +91,9 @@ async def _stop_engine(app: web.Application) -> None:
 
 @web.middleware
 async def _error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    traceparent = request.headers.get("traceparent")
+    if traceparent is not None:
+        request.app[NODE_KEY].last_traceparent = traceparent
     try:
         return await handler(request)
     except p.ApiError as exc:
@@ -109,25 +118,49 @@ async def _models(request: web.Request) -> web.Response:
 
 
 async def _tokenize(request: web.Request) -> web.Response:
+    """vLLM's ``POST /tokenize``: a completion form (``prompt``, ``add_special_tokens``
+    default true) or a chat form (``messages`` rendered with the template, as for
+    /v1/chat/completions; ``add_special_tokens`` default false)."""
     node = request.app[NODE_KEY]
     body = p.parse_json(await request.read())
     model = body.get("model")
     node.check_model(model if isinstance(model, str) else None)
-    if "messages" in body:
-        messages = p.parse_messages(body["messages"])
-        tokens = await node.tokenizer.encode_chat_async(messages)
-    elif isinstance(body.get("prompt"), str):
-        tokens = await node.tokenizer.encode_prompt_async(body["prompt"])
-    else:
-        raise p.bad_request("Either prompt (a string) or messages is required.", "prompt")
+    try:
+        if "messages" in body:
+            messages = p.parse_messages(body["messages"])
+            tokens = await _off_loop(node.tokenizer.encode_chat_request, body, messages)
+        elif isinstance(body.get("prompt"), str):
+            tokens = await _off_loop(node.tokenizer.encode_completion_request, body, body["prompt"])
+        else:
+            raise p.bad_request("Either prompt (a string) or messages is required.", "prompt")
+    except TemplateError as exc:
+        raise p.bad_request(str(exc)) from exc
+    strs = None
+    if body.get("return_token_strs") is True:
+        strs = [_decode_one(node, t) for t in tokens]
     return p.json_response(
         {
             "count": len(tokens),
             "max_model_len": node.settings.max_model_len,
             "tokens": tokens,
-            "token_strs": None,
+            "token_strs": strs,
         }
     )
+
+
+def _decode_one(node: SimNode, token: int) -> str:
+    try:
+        return node.tokenizer.token_str(token)
+    except (ValueError, KeyError, OverflowError):
+        return ""
+
+
+async def _off_loop(
+    fn: Callable[[dict[str, Any], Any], list[int]], body: dict[str, Any], arg: Any
+) -> list[int]:
+    if len(json.dumps(body.get("messages") or body.get("prompt") or "")) < _THREAD_THRESHOLD_CHARS:
+        return fn(body, arg)
+    return await asyncio.to_thread(fn, body, arg)
 
 
 async def _metrics(request: web.Request) -> web.Response:
@@ -141,6 +174,7 @@ async def _state(request: web.Request) -> web.Response:
     state = node.driver.snapshot()
     fault = node.faults.current
     state["fault"] = None if fault is None else fault.as_json()
+    state["last_traceparent"] = node.last_traceparent
     return p.json_response(state)
 
 

@@ -9,6 +9,7 @@ does is decided by these fields, so two nodes built from equal settings behave a
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -75,6 +76,10 @@ class NodeSettings:
     tokenizer_scale: float = 1.0
     chat_overhead_per_message: int = 5
     chat_overhead_fixed: int = 3
+    # A model tokenizer directory (tokenizer.json, tokenizer_config.json, ...): when set,
+    # the node renders the model's chat template and counts with that tokenizer, as a
+    # vLLM serving that model does; the fields above are then unused.
+    tokenizer: str | None = None
 
     # /metrics: expose vllm:gpu_cache_usage_perc (vLLM < 0.12) instead of the new name.
     legacy_metric_names: bool = False
@@ -244,6 +249,8 @@ def validate(s: NodeSettings, path: str = "settings") -> None:
         )
     if s.tokenizer_bytes_per_token is not None and s.tokenizer_bytes_per_token <= 0:
         raise SettingsError(f"{path}.tokenizer_bytes_per_token: expected a positive number")
+    if s.tokenizer is not None and not os.path.isdir(os.path.expanduser(s.tokenizer)):
+        raise SettingsError(f"{path}.tokenizer: {s.tokenizer!r} is not a directory")
     if s.tokenizer_scale <= 0:
         raise SettingsError(f"{path}.tokenizer_scale: expected a positive number")
     if not 0 < s.gpu_memory_utilization <= 1:

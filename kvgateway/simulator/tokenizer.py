@@ -1,9 +1,12 @@
 """The simulated node's own token counting.
 
-A real node counts with the model's tokenizer and chat template, which the gateway can
-only estimate. To test estimation error the node's counting is configurable apart from
-the gateway's: another tiktoken encoding, or a plain bytes-per-token ratio, scaled by
-``tokenizer_scale``, plus a chat-template overhead per message and per request.
+A real node counts with the model's tokenizer and chat template. With ``tokenizer: DIR``
+the simulated node does the same: it renders the model's chat template and tokenizes
+with the ``tokenizers`` library, as vLLM does (never with tiktoken, so a gateway that
+counts with tiktoken is checked against an independent implementation). Without it,
+counting is configurable apart from the gateway's: another tiktoken encoding, or a
+plain bytes-per-token ratio, scaled by ``tokenizer_scale``, plus a chat-template
+overhead per message and per request.
 """
 
 from __future__ import annotations
@@ -12,9 +15,12 @@ import asyncio
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from kvgateway.simulator.settings import NodeSettings
+from kvgateway.tokens.chat_template import TemplateError
 from kvgateway.tokens.encoding import Encoder, EncodingCache, EncodingSpec
+from kvgateway.tokens.exact import ExactCounter
 
 # Texts longer than this are tokenized in a worker thread so health probes and
 # streams on the same loop keep flowing (tiktoken releases the GIL while encoding).
@@ -37,10 +43,16 @@ class NodeTokenizer:
         self._per_message = settings.chat_overhead_per_message
         self._fixed = settings.chat_overhead_fixed
         self._encoder: Encoder | None = None
-        if self._bytes_per_token is None:
+        self.exact: ExactCounter | None = None
+        if settings.tokenizer is not None:
+            model = encodings.model(settings.tokenizer, engine="tokenizers")
+            self.exact = ExactCounter(model)
+        elif self._bytes_per_token is None:
             self._encoder = encodings.get(EncodingSpec(name=settings.tokenizer_encoding))
 
     def describe(self) -> str:
+        if self.exact is not None:
+            return f"{self.exact.name} with its chat template ({self.exact.tokenizer.path})"
         base = (
             f"{self._bytes_per_token:g} bytes/token"
             if self._bytes_per_token is not None
@@ -52,12 +64,19 @@ class NodeTokenizer:
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` (synthetic ids when counting is by ratio or scaled)."""
+        if self.exact is not None:
+            return self.exact.tokenizer.engine.encode(text)
         if self._encoder is not None and self._scale == 1.0:
             return self._encoder.encode_ordinary(text)
         return list(range(1000, 1000 + self._count_text(text)))
 
     def decode(self, tokens: list[int]) -> str:
         """The text of ``tokens``: real BPE where ``encode`` is real, filler otherwise."""
+        if self.exact is not None:
+            try:
+                return self.exact.tokenizer.engine.decode(tokens)
+            except (OverflowError, TypeError, ValueError) as exc:
+                raise ValueError(f"not tokens of {self.exact.name}: {exc}") from exc
         if self._encoder is not None and self._scale == 1.0:
             try:
                 return self._encoder.decode(tokens)
@@ -65,9 +84,20 @@ class NodeTokenizer:
                 raise ValueError(f"not a token of {self._encoder.name}: {exc}") from exc
         return " x" * len(tokens)
 
+    def token_str(self, token: int) -> str:
+        """transformers' convert_ids_to_tokens for one id (what /tokenize's token_strs holds)."""
+        if self.exact is not None:
+            spelled = self.exact.tokenizer.engine.token_str(token)
+            if spelled is None:
+                raise ValueError(f"token id {token} is not in the vocabulary")
+            return spelled
+        return self.decode([token])
+
     def _count_text(self, text: str) -> int:
         if not text:
             return 0
+        if self.exact is not None:
+            return len(self.exact.tokenizer.engine.encode(text))
         if self._encoder is not None:
             base = len(self._encoder.encode_ordinary(text))
         else:
@@ -76,9 +106,15 @@ class NodeTokenizer:
         return base if self._scale == 1.0 else max(1, round(base * self._scale))
 
     def encode_prompt(self, prompt: str) -> list[int]:
+        """A completions prompt's ids (with BOS as the model adds it, when exact)."""
+        if self.exact is not None:
+            return self.exact.tokenizer.encode_prompt(prompt)
         return self.encode(prompt)
 
     def encode_chat(self, messages: Sequence[ChatMessage]) -> list[int]:
+        if self.exact is not None:
+            body = {"messages": [{"role": m.role, "content": m.text} for m in messages]}
+            return self.exact.prompt_ids(body)
         ids: list[int] = [_TEMPLATE_ID] * self._fixed
         for message in messages:
             ids.extend([_TEMPLATE_ID] * self._per_message)
@@ -86,9 +122,13 @@ class NodeTokenizer:
         return ids
 
     def count_prompt(self, prompt: str) -> int:
+        if self.exact is not None:
+            return len(self.encode_prompt(prompt))
         return self._count_text(prompt)
 
     def count_chat(self, messages: Sequence[ChatMessage]) -> int:
+        if self.exact is not None:
+            return len(self.encode_chat(messages))
         return self._fixed + sum(self._per_message + self._count_text(m.text) for m in messages)
 
     async def count_prompt_async(self, prompt: str) -> int:
@@ -110,3 +150,52 @@ class NodeTokenizer:
         if sum(len(m.text) for m in messages) < _THREAD_THRESHOLD_CHARS:
             return self.encode_chat(messages)
         return await asyncio.to_thread(self.encode_chat, messages)
+
+    # -- whole requests (the model's template, tools, kwargs... when the node has one) --
+
+    def check_request_template(self, body: dict[str, Any]) -> None:
+        """vLLM refuses a request's own chat template unless started with
+        --trust-request-chat-template (the simulator never is)."""
+        kwargs = body.get("chat_template_kwargs")
+        if self.exact is not None and (
+            body.get("chat_template") is not None
+            or (isinstance(kwargs, dict) and "chat_template" in kwargs)
+        ):
+            raise TemplateError(
+                "Chat template is passed with request, but --trust-request-chat-template "
+                "is not set. Refused request with untrusted chat template."
+            )
+
+    def encode_chat_request(
+        self, body: dict[str, Any], messages: Sequence[ChatMessage]
+    ) -> list[int]:
+        """Prompt ids of a chat request: the whole prompt encoded at once, no cache (what
+        vLLM does, and independent of the gateway's piecewise counting); TemplateError
+        when the template refuses it."""
+        if self.exact is not None:
+            self.check_request_template(body)
+            return self.exact.prompt_ids(body)
+        return self.encode_chat(messages)
+
+    def encode_completion_request(self, body: dict[str, Any], prompt: str) -> list[int]:
+        if self.exact is not None:
+            add = body.get("add_special_tokens")
+            return self.exact.tokenizer.encode_prompt(
+                prompt, add_special_tokens=add if isinstance(add, bool) else True
+            )
+        return self.encode_prompt(prompt)
+
+    async def encode_chat_request_async(
+        self, body: dict[str, Any], messages: Sequence[ChatMessage]
+    ) -> list[int]:
+        if sum(len(m.text) for m in messages) < _THREAD_THRESHOLD_CHARS:
+            return self.encode_chat_request(body, messages)
+        return await asyncio.to_thread(self.encode_chat_request, body, messages)
+
+    async def encode_completion_request_async(self, body: dict[str, Any], prompt: str) -> list[int]:
+        if len(prompt) < _THREAD_THRESHOLD_CHARS:
+            return self.encode_completion_request(body, prompt)
+        return await asyncio.to_thread(self.encode_completion_request, body, prompt)
+
+
+__all__ = ["ChatMessage", "NodeTokenizer", "TemplateError"]

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 from kvgateway.tokens.counting import PromptCounter, TextCountCache
 from kvgateway.tokens.encoding import EncodingCache, EncodingSpec
+from kvgateway.tokens.exact import ExactCounter
+from kvgateway.tokens.prompt_estimate import PromptEstimator
 from kvgateway.tokens.prompt_ids import PromptIds
 from kvgateway.tokens.spec import TokenizerConfig
 
@@ -24,6 +26,7 @@ class TokenCounters:
     cache_chars: int = 32 * 1024 * 1024
     inline_chars: int = 24_000
     _by_spec: dict[EncodingSpec, PromptCounter] = field(default_factory=dict)
+    _estimators: dict[tuple[TokenizerConfig, int], PromptEstimator] = field(default_factory=dict)
     _ids_by_spec: dict[EncodingSpec, PromptIds] = field(default_factory=dict)
 
     def ids_for(self, tokenizer: TokenizerConfig) -> PromptIds:
@@ -48,3 +51,19 @@ class TokenCounters:
             )
             self._by_spec[spec] = counter
         return counter
+
+    def estimator_for(self, tokenizer: TokenizerConfig) -> PromptEstimator:
+        """What admission reserves for a model: its exact count when the config gave its
+        tokenizer directory (``tokenizer.path``), else the stand-in's upper bound. Kept
+        per config (a reload that loads the directory anew gets a fresh one)."""
+        key = (tokenizer, id(tokenizer.model))
+        estimator = self._estimators.get(key)
+        if estimator is None:
+            exact = ExactCounter.for_model(
+                tokenizer,
+                TextCountCache(self.cache_chars),
+                self.executor,
+            )
+            estimator = PromptEstimator(tokenizer, self.for_tokenizer(tokenizer), exact)
+            self._estimators[key] = estimator
+        return estimator

@@ -18,10 +18,13 @@ from __future__ import annotations
 import os
 import threading
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import tiktoken
 from tiktoken.load import load_tiktoken_bpe
+
+if TYPE_CHECKING:
+    from kvgateway.tokens.modeldir import ModelTokenizer
 
 # Split patterns of the public OpenAI encodings, by family name. A user pointing
 # at their own BPE file picks one of these (or gives a raw regex).
@@ -135,12 +138,37 @@ def _from_file(spec: EncodingSpec) -> Encoder:
     return enc
 
 
+def _dir_stamp(directory: str) -> tuple[object, ...]:
+    """Names, sizes and mtimes of a directory's files: a changed tokenizer is reloaded."""
+    try:
+        entries = sorted(os.scandir(directory), key=lambda e: e.name)
+        return tuple((e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in entries)
+    except OSError:
+        return ()
+
+
 class EncodingCache:
-    """Loads each spec once; safe to call from worker threads."""
+    """Loads each spec (and each model tokenizer directory) once; thread-safe."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._cache: dict[EncodingSpec, Encoder] = {}
+        self._models: dict[tuple[str, str | None, str, tuple[object, ...]], ModelTokenizer] = {}
+
+    def model(
+        self, directory: str, *, pattern: str | None = None, engine: str = "auto"
+    ) -> ModelTokenizer:
+        """The tokenizer in ``directory`` (see :func:`~.modeldir.load_model_tokenizer`)."""
+        from kvgateway.tokens.modeldir import load_model_tokenizer
+
+        full = os.path.abspath(os.path.expanduser(directory))
+        key = (full, pattern, engine, _dir_stamp(full))
+        with self._lock:
+            tok = self._models.get(key)
+            if tok is None:
+                tok = load_model_tokenizer(directory, pattern=pattern, engine=engine)
+                self._models[key] = tok
+            return tok
 
     def get(self, spec: EncodingSpec) -> Encoder:
         with self._lock:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvgateway.tokens.encoding import EncodingSpec
+from kvgateway.tokens.modeldir import ModelTokenizer
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,3 +22,13 @@ class TokenizerConfig:
     # Prompts are scaled by (1 + margin) before admission: covers the gap between
     # tiktoken and the node's own tokenizer until usage reports correct it.
     estimate_margin: float = 0.0
+    # Without the model's own tokenizer (no path): reserve a safe upper bound of what the
+    # node may count (digit runs, punctuation, non-ASCII text, template and tool overhead:
+    # tokens.standin), or, with false, the stand-in's count as it is, corrected by what the
+    # nodes report (right when the nodes count with this very encoding, as the demo's do).
+    upper_bound: bool = True
+    # The model's own tokenizer directory (models[].tokenizer.path), loaded once when the
+    # config is read. When set, prompts are counted exactly with it and its chat template
+    # (tokens.exact); the encoding and allowances above are then only a fallback.
+    path: str | None = None
+    model: ModelTokenizer | None = field(default=None, compare=False, repr=False)

@@ -21,7 +21,7 @@ from kvgateway.config.model import GatewayConfig
 from kvgateway.core.admission import Admission
 from kvgateway.core.backends import Backend
 from kvgateway.core.fleet import Fleet
-from kvgateway.core.limits import LimitSource, usable_tokens
+from kvgateway.core.limits import LimitSource
 from kvgateway.upstream import feedback, probe
 
 log = logging.getLogger("kvgateway.upstream.monitor")
@@ -171,12 +171,12 @@ class Monitor:
             else:
                 log.info("backend %s takes work again", b.name)
         # A node restarted with a different pool: learn its new limits.
-        disc = b.limits.kv_cache_tokens
+        seen = self._fleet.discovered(b)
         if restarted or (
             m.num_gpu_blocks is not None
-            and m.block_size
-            and disc.source is LimitSource.DISCOVERED
-            and usable_tokens(m.num_gpu_blocks, m.block_size) != disc.value
+            and seen is not None
+            and b.limits.kv_cache_tokens.source is LimitSource.DISCOVERED
+            and (m.num_gpu_blocks, m.block_size) != (seen.num_gpu_blocks, seen.block_size)
         ):
             await self._discover(b)
 

@@ -70,6 +70,7 @@ async def probe(session: aiohttp.ClientSession, cfg: BackendConfig, timeout: flo
         max_model_len=mml,
         kv_cache_tokens=kv,
         block_size=metrics.block_size if metrics else None,
+        num_gpu_blocks=metrics.num_gpu_blocks if metrics else None,
     )
     return Probe(observed, metrics)
 

@@ -8,7 +8,7 @@ import asyncio
 
 import aiohttp
 
-from tests.support.fleet import MODEL, StartFleet
+from tests.support.fleet import MODEL, SERVED, StartFleet
 
 SMALL = [("small-1", "small", "gpu24-8b", {})]
 
@@ -82,7 +82,14 @@ async def test_max_tokens_zero_is_an_echo_and_otherwise_a_clear_400(start_fleet:
 
 
 async def test_best_of_reserves_every_sequence_the_node_runs(start_fleet: StartFleet):
-    fleet = await start_fleet(SMALL, time_scale=5)
+    # Counted as the node counts (the stand-in's count as it is), to check the arithmetic.
+    fleet = await start_fleet(
+        SMALL,
+        time_scale=5,
+        gateway={
+            "models": [{"name": MODEL, "served_name": SERVED, "tokenizer": {"upper_bound": False}}]
+        },
+    )
     node = fleet.backend("small-1")
     body = {
         "model": MODEL,
@@ -134,3 +141,35 @@ async def test_tiny_chats_on_a_fixed_template_do_not_poison_a_long_prompt(
     assert fleet.state.calibration.ratio(MODEL) < 1.05
     state = await fleet.nodes["big-1"].state()
     assert state["preemptions"] == 0
+
+
+async def test_a_hybrid_node_is_budgeted_by_its_kv_groups_and_never_preempted(
+    start_fleet: StartFleet,
+):
+    # gpt-oss: full-attention and sliding-window layers in two KV-cache groups sharing the
+    # pool. The node reports num_gpu_blocks for the whole pool; counting it as one group
+    # gave a budget 2x too large for short requests. With the architecture known (the
+    # capacity block), the discovered pool is divided by its groups.
+    fleet = await start_fleet(
+        [("oss-1", "small", "gpu24-gptoss-20b", {})],
+        time_scale=100,
+        backend_extra={"oss-1": {"capacity": {"preset": "gpt-oss-20b", "gpu_memory_gib": 24}}},
+        gateway={"admission": {"queue_timeout_s": 60}},
+    )
+    node = fleet.backend("oss-1")
+    assert node.limits.kv_cache_tokens.source == "discovered"
+    assert node.kv_cache_tokens == (21_110 - 1) // 2 * 16
+    body = {"model": MODEL, "prompt": words(12_000), "max_tokens": 1_000, "ignore_eos": True}
+    async with aiohttp.ClientSession() as s:
+        got = await asyncio.gather(
+            *(
+                _post(
+                    s, fleet.url + "/v1/completions", {**body, "prompt": f"{i} " + body["prompt"]}
+                )
+                for i in range(16)
+            )
+        )
+    assert [g[0] for g in got] == [200] * 16
+    state = await fleet.nodes["oss-1"].state()
+    assert state["preemptions"] == 0
+    assert fleet.leaks() == {}

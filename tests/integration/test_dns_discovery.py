@@ -231,3 +231,91 @@ async def test_a_failing_sink_does_not_stop_discovery(
     async with DnsDiscovery([group_of(dns)], sink, nameservers=[dns.nameserver], timeout_s=0.5):
         await sink.wait_for({"pool@127.0.0.5:8000"})
     assert "applying the lookup failed" in caplog.text
+
+
+async def test_members_appear_and_leave_a_running_gateway_under_load(
+    dns: Dnsmasq, aiohttp_server
+) -> None:
+    """The whole path: a gateway whose backend group is a DNS name, real simulated nodes
+    behind SRV records, traffic throughout; a member that leaves drains, one that comes
+    takes work, and no request fails."""
+    import dataclasses
+
+    import aiohttp
+
+    from kvgateway.server.app import STATE, create_app
+    from kvgateway.simulator.profiles import get_profile
+    from kvgateway.simulator.server import create_node_app
+    from tests.support.fleet import ENCODINGS, SERVED
+
+    ports = []
+    for name in ("a", "b"):
+        settings = dataclasses.replace(
+            get_profile("gpu24-8b"), name=name, model=SERVED, time_scale=100.0, seed=1
+        )
+        node = await aiohttp_server(create_node_app(settings, encodings=ENCODINGS))
+        ports.append(node.port)
+    srv_name = f"_http._tcp.vllm.{DOMAIN}"
+    dns.set_addresses({f"node.{DOMAIN}": ["127.0.0.1"]})
+    dns.set_srv({srv_name: [(f"node.{DOMAIN}", ports[0])]})
+    cfg = {
+        "models": [{"name": "m", "served_name": SERVED}],
+        "discovery": {"nameservers": [dns.nameserver], "timeout_s": 0.5},
+        "health": {"interval_s": 0.1, "timeout_s": 1},
+        "tiers": [
+            {
+                "name": "t",
+                "backends": [
+                    {
+                        "name": "pool",
+                        "dns": srv_name,
+                        "lookup": "srv",
+                        "model": "m",
+                        "resolve_interval_s": 0.1,
+                    }
+                ],
+            }
+        ],
+    }
+    gw = await aiohttp_server(create_app(parse_config(cfg), encodings=ENCODINGS))
+    state = gw.app[STATE]
+    url = str(gw.make_url("/v1/chat/completions"))
+    body = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+    statuses: list[int] = []
+    served_by: set[str] = set()
+    stop = asyncio.Event()
+
+    async def traffic(s: aiohttp.ClientSession) -> None:
+        while not stop.is_set():
+            async with s.post(url, json=body) as r:
+                statuses.append(r.status)
+                if r.status == 200:
+                    served_by.add(r.headers["x-gateway-backend"])
+                await r.read()
+
+    def names() -> set[str]:
+        return {b.name for b in state.fleet.active if b.usable}
+
+    async def until(pred, timeout: float = 10.0) -> None:
+        async with asyncio.timeout(timeout):
+            while not pred():
+                await asyncio.sleep(0.05)
+
+    a, b = f"pool@127.0.0.1:{ports[0]}", f"pool@127.0.0.1:{ports[1]}"
+    await until(lambda: names() == {a})
+    async with aiohttp.ClientSession() as s:
+        workers = [asyncio.create_task(traffic(s)) for _ in range(4)]
+        await asyncio.sleep(0.3)
+        await asyncio.to_thread(dns.set_srv, {srv_name: [(f"node.{DOMAIN}", ports[1])]})
+        await until(lambda: names() == {b})
+        served_by.clear()
+        await asyncio.sleep(0.5)
+        assert served_by == {b}  # the gone member takes no new work
+        await until(lambda: all(x.name != a for x in state.fleet.backends))  # drained, removed
+        await asyncio.to_thread(dns.set_srv, {srv_name: [(f"node.{DOMAIN}", p) for p in ports]})
+        await until(lambda: names() == {a, b})
+        served_by.clear()
+        await until(lambda: served_by == {a, b})
+        stop.set()
+        await asyncio.gather(*workers)
+    assert statuses and set(statuses) == {200}, {s: statuses.count(s) for s in set(statuses)}

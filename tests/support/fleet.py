@@ -90,6 +90,7 @@ async def start_fleet(aiohttp_server: Any) -> StartFleet:
         time_scale: float = 50.0,
         gateway: dict[str, Any] | None = None,
         backend_extra: dict[str, dict[str, Any]] | None = None,
+        tracer_provider: Any | None = None,
     ) -> RunningFleet:
         running: dict[str, Node] = {}
         tiers: dict[str, list[dict[str, Any]]] = {}
@@ -122,7 +123,7 @@ async def start_fleet(aiohttp_server: Any) -> StartFleet:
                 config.setdefault(key, {}).update(value)
             else:
                 config[key] = value
-        app = create_app(parse_config(config), encodings=ENCODINGS)
+        app = create_app(parse_config(config), encodings=ENCODINGS, tracer_provider=tracer_provider)
         server = await aiohttp_server(app)
         return RunningFleet(server, running)
 

@@ -115,7 +115,12 @@ def test_pod_runs_as_the_images_non_root_user_with_resources() -> None:
 
 def test_shutdown_grace_fits_the_drain() -> None:
     config = load_config(str(REPO / "config" / "demo.yaml"))
-    assert _pod()["spec"]["terminationGracePeriodSeconds"] > config.server.shutdown_grace_s
+    (c,) = [c for c in _pod()["spec"]["containers"] if c["name"] == "gateway"]
+    args = build_parser().parse_args(c["args"])
+    # A non-zero drain delay: load balancers stop sending before the listener closes.
+    assert args.drain_delay_s and args.drain_delay_s > 0
+    grace = args.drain_delay_s + config.server.shutdown_grace_s
+    assert _pod()["spec"]["terminationGracePeriodSeconds"] > grace
 
 
 def test_selectors_match_the_pod() -> None:

@@ -90,3 +90,48 @@ def test_a_wrong_model_is_flagged() -> None:
     check = explain_log(facts, spec).cross_check
     assert check is not None and not check.ok
     assert "More than 1% apart" in check.detail
+
+
+def test_eagle_drafter_layer_shares_the_pool() -> None:
+    # Llama-3.1-8B + EAGLE (yuhuili/EAGLE-LLaMA3.1-Instruct-8B, one decoder layer with the
+    # target's 8 KV heads x 128) on an H100: vLLM divides 55.52 GiB by 33 layers, not 32.
+    # The log is rebuilt in vLLM 0.29's wording for the field report of issue #12 (the
+    # original is not in the repository); its figures are consistent with each other
+    # (72.91 - 15.75 - 1.44 - 0.20 = 55.52 GiB) and with the 33-layer division.
+    # 55.52 GiB = 59,614,146,068 B; // (16 x 4,096 B) = 909,639 pages; // 33 = 27,564
+    # blocks = 441,024 tokens, as logged. Without the drafter: // 32 = 28,426 blocks =
+    # 454,816 tokens, 3.1% high (the field report in issue #12).
+    facts = parse_vllm_log(read_data("v1_llama31_8b_eagle_h100.log"))
+    assert (facts.speculative_method, facts.num_speculative_tokens) == ("eagle", 3)
+    assert facts.available_kv_gib == 55.52 and facts.kv_cache_tokens == 441_024
+    base = {"preset": "llama-3.1-8b", "kv_cache_memory_gib": facts.available_kv_gib}
+    without = estimate(CapacitySpec.from_mapping(base, "capacity"))
+    assert without.vllm_logged_tokens == 454_816
+    assert (without.vllm_logged_tokens - 441_024) / 441_024 > 0.03
+    spec = CapacitySpec.from_mapping(
+        {**base, "speculative": {"method": "eagle", "num_speculative_tokens": 3}}, "capacity"
+    )
+    est = estimate(spec)
+    assert est.draft_layers == 1
+    assert est.bytes_per_token == 33 * 4_096
+    assert est.num_gpu_blocks == 27_564
+    assert est.vllm_logged_tokens == pytest.approx(441_024, rel=0.005)
+    assert est.vllm_logged_tokens == 441_024
+    assert est.kv_cache_tokens == 441_024 - 16
+    assert round(est.vllm_logged_concurrency, 2) == facts.max_concurrency == 3.36
+
+
+def test_the_log_names_the_drafter_so_the_cross_check_matches() -> None:
+    # The spec says nothing about speculative decoding: the engine's config line does.
+    facts = parse_vllm_log(read_data("v1_llama31_8b_eagle_h100.log"))
+    spec = CapacitySpec.from_mapping({"preset": "llama-3.1-8b", "kv_cache_memory_gib": 1}, "c")
+    report = explain_log(facts, spec)
+    check = report.cross_check
+    assert check is not None and check.ok
+    assert check.predicted_tokens == check.logged_tokens == 441_024
+    assert report.plan is not None and report.plan.estimate.draft_layers == 1
+
+
+def test_a_log_without_a_drafter_gets_none() -> None:
+    facts = parse_vllm_log(read_data("v1_llama31_8b_h100_one_line.log"))
+    assert facts.speculative_method is None and facts.pipeline_parallel_size == 1

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 
 from kvgateway.capacity import parse_vllm_log
+from kvgateway.capacity.explain import logged_drafter
+from kvgateway.capacity.speculative import SpeculativeSpec
 from tests.support.capacity_data import read_data
 
 
@@ -152,3 +154,19 @@ def test_labelled_token_count() -> None:
 def test_unrelated_text_is_empty() -> None:
     facts = parse_vllm_log("hello\nINFO Uvicorn running on http://0.0.0.0:8000\n")
     assert facts.is_empty
+
+
+def test_drafter_and_stages_from_the_engine_config_line() -> None:
+    line = (
+        "INFO 05-27 10:10:31 [core.py:94] Initializing a V1 LLM engine (v0.11.0) with config: "
+        "model='deepseek-ai/DeepSeek-V3', speculative_config=SpeculativeConfig("
+        "method='deepseek_mtp', model='deepseek-ai/DeepSeek-V3', num_spec_tokens=1), "
+        "tensor_parallel_size=8, pipeline_parallel_size=2, kv_cache_dtype=auto"
+    )
+    facts = parse_vllm_log(line)
+    assert facts.speculative_method == "deepseek_mtp"
+    assert facts.num_speculative_tokens == 1
+    assert facts.pipeline_parallel_size == 2 and facts.tensor_parallel_size == 8
+    assert logged_drafter(facts) == SpeculativeSpec("mtp", 1)
+    none = parse_vllm_log(line.replace("method='deepseek_mtp'", "method='medusa'"))
+    assert logged_drafter(none) is None

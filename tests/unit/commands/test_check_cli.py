@@ -170,3 +170,33 @@ def test_check_asking_the_nodes_fails_when_every_backend_is_unreachable(tmp_path
     doc = json.loads(r.stdout)
     assert set(doc["unroutable_models"]) == {"a-model", "b-model"}
     assert "unreachable" in doc["unroutable_models"]["a-model"]
+
+
+def test_check_says_how_each_model_is_counted(tmp_path, vocab_dirs) -> None:
+    directory = vocab_dirs("tekken")
+    backend = {"url": "http://127.0.0.1:9", "max_model_len": 8192, "kv_cache_tokens": 100000}
+    cfg = {
+        "models": [{"name": "exact", "tokenizer": {"path": str(directory)}}, {"name": "plain"}],
+        "tiers": [
+            {
+                "name": "t",
+                "backends": [
+                    {"name": "a", "model": "exact", **backend},
+                    {"name": "b", "model": "plain", **backend},
+                ],
+            }
+        ],
+    }
+    path = tmp_path / "g.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    proc = run_check(path, "--no-discover")
+    assert proc.returncode == 0, proc.stderr
+    assert "model exact: counts exactly with tiktoken:tekken" in proc.stdout
+    assert "model plain: counts with the stand-in cl100k_base" in proc.stdout
+    models = json.loads(run_check(path, "--no-discover", "--json").stdout)["models"]
+    assert models[0]["counting"] == "exact" and models[0]["chat_templates"] == ["default"]
+    assert models[1] == {"name": "plain", "counting": "stand-in", "tokenizer": "cl100k_base"}
+    cfg["models"][0]["tokenizer"]["path"] = str(tmp_path / "missing")
+    path.write_text(yaml.safe_dump(cfg))
+    bad = run_check(path, "--no-discover")
+    assert bad.returncode == 2 and "models[0].tokenizer.path: " in bad.stderr

@@ -9,8 +9,8 @@ from kvgateway.errors import ContextLengthExceeded, NoHealthyBackend, Saturated
 from tests.support.backends import backend, demand
 
 
-def make(backends, queue_size=100):
-    clock = [0.0]
+def make(backends, queue_size=100, clock=None, abort_delay=0.0):
+    clock = clock or [0.0]
     idx = ModelIndex(backends)
     adm = Admission(
         index_for=lambda m: idx,
@@ -19,6 +19,7 @@ def make(backends, queue_size=100):
         offload_overflow=lambda: False,
         queue_size=lambda: queue_size,
         clock=lambda: clock[0],
+        abort_delay=lambda: abort_delay,
     )
     return adm
 
@@ -39,6 +40,7 @@ async def test_too_long_and_no_backend_raise_without_waiting():
     with pytest.raises(ContextLengthExceeded) as err:
         await adm.admit(demand(5000), 5.0)
     assert "largest context" in err.value.message and "1000" in err.value.message
+    assert err.value.message.startswith("This model's maximum context length is 1000 tokens.")
     b.healthy = False
     with pytest.raises(NoHealthyBackend):
         await adm.admit(demand(100), 5.0)
@@ -205,15 +207,7 @@ async def test_pause_ending_serves_every_waiter_without_a_new_request():
 
     clock = [0.0]
     b = backend("a", kv=100_000, seqs=64)
-    idx = ModelIndex([b])
-    adm = Admission(
-        index_for=lambda m: idx,
-        adjust=idx.adjust,
-        policy=lambda: "kv_aware",
-        offload_overflow=lambda: False,
-        queue_size=lambda: 100,
-        clock=lambda: clock[0],
-    )
+    adm = make([b], clock=clock)
     b.paused, b.pause_reason, b.paused_until = True, PauseReason.PREEMPTING, 5.0
     waiters = [asyncio.create_task(adm.admit(demand(500, 100), 30.0)) for _ in range(13)]
     await asyncio.sleep(0)
@@ -264,3 +258,40 @@ async def test_reservation_is_released_on_every_way_out_of_its_block():
 async def _hold(adm):
     async with adm.reserve(demand(100, 100), 1.0):
         await asyncio.sleep(10)
+
+
+async def test_speculative_lookahead_is_reserved_per_sequence():
+    import dataclasses
+
+    b = backend("a", kv=10_000)
+    b.config = dataclasses.replace(b.config, num_speculative_tokens=5)
+    adm = make([b])
+    r = await adm.admit(demand(100, 100, n=2), 1.0)
+    # two sequences of 208 tokens, each with one more 16-token block of lookahead slots
+    assert r.tokens == b.reserved_tokens == 2 * 208 + 2 * 16
+    r.release()
+    assert b.reserved_tokens == 0
+
+
+async def test_release_waits_for_the_kv_connector_and_for_an_abort_to_land():
+    import dataclasses
+
+    b = backend("a", kv=10_000)
+    b.config = dataclasses.replace(b.config, release_delay_s=0.05)
+    adm = make([b])
+    async with adm.reserve(demand(100, 100), 1.0):
+        pass
+    assert b.in_flight == 1  # blocks still being transferred out
+    await asyncio.sleep(0.08)
+    assert b.in_flight == 0 and b.reserved_tokens == 0
+    # A client gone mid-request: held until the node's abort has landed.
+    b.config = dataclasses.replace(b.config, release_delay_s=0.0)
+    adm = make([b], abort_delay=0.05)
+    task = asyncio.create_task(_hold(adm))
+    await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert b.in_flight == 1
+    await asyncio.sleep(0.08)
+    assert b.in_flight == 0 and b.reserved_tokens == 0

@@ -60,7 +60,7 @@ async def test_a_crashing_watcher_is_restarted_and_health_keeps_updating(aiohttp
         assert b is not None
         try:
             for _ in range(100):
-                if crashed and b.healthy:
+                if crashed and b.healthy and b.limits.known:
                     break
                 await asyncio.sleep(0.02)
             assert crashed == [b]

@@ -1,0 +1,178 @@
+"""Cost of exact counting: tiktoken vs ``tokenizers``, and CPU per ~1k-token chat.
+
+1. Engines on the same byte-level vocabulary (Qwen 2.5, tiktoken-proven exact): encode
+   throughput of tiktoken and of the ``tokenizers`` library on prose, code, numbers,
+   CJK; and the SentencePiece vocabulary (always ``tokenizers``).
+2. CPU per distinct ~1k-token chat (template rendering + tokenizing, nothing cached),
+   per vocabulary and template, against the cl100k stand-in's count of the same body.
+3. A 20-turn chat whose history grows (history cached between turns): CPU per turn.
+4. Start-up: loading each directory.
+5. Event-loop lag while 100k-token chats are counted (worker thread, GIL released).
+
+The model directories are built from vocabularies shipped on PyPI (dev dependencies
+``dashscope`` and ``mistral-common``), as the tests build them.
+
+    python -m bench.tokenizer_cost [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from kvgateway.tokens.counting import PromptCounter, TextCountCache, plan_chat
+from kvgateway.tokens.encoding import EncodingSpec, load_encoding
+from kvgateway.tokens.exact import ExactCounter
+from kvgateway.tokens.modeldir import load_model_tokenizer
+from kvgateway.tokens.spec import TokenizerConfig
+from tests.support import corpus, vocab
+
+
+def _cpu_ms(fn: Any, reps: int) -> float:
+    start = time.process_time()
+    for _ in range(reps):
+        fn()
+    return (time.process_time() - start) / reps * 1000
+
+
+def engines(root: Path, reps: int) -> None:
+    print("1. encode throughput, k tokens per CPU second")
+    rng = random.Random(1)
+    qwen = root / "qwen"
+    fast = load_model_tokenizer(str(qwen)).engine
+    ref = load_model_tokenizer(str(qwen), engine="tokenizers").engine
+    sp = load_model_tokenizer(str(root / "sentencepiece")).engine
+    for kind in ("prose", "code", "numbers", "cjk"):
+        text = corpus.GENERATORS[kind](rng, 4000)
+        n = len(fast.encode(text))
+        row = [f"{kind:8}"]
+        for label, engine in (("tiktoken", fast), ("tokenizers", ref), ("sp/tokenizers", sp)):
+            ms = _cpu_ms(lambda e=engine, t=text: e.encode(t), reps)
+            row.append(f"{label} {n / ms:7.0f}")
+        print("   " + " | ".join(row))
+
+
+def _chat_of(rng: random.Random, tokens: int) -> dict[str, Any]:
+    """A distinct chat of ~``tokens`` cl100k tokens: system, 2 turns, a mix of kinds."""
+    return {
+        "messages": [
+            {"role": "system", "content": "You are terse. " + corpus.text(rng, 20)},
+            {"role": "user", "content": corpus.GENERATORS["prose"](rng, tokens // 3)},
+            {"role": "assistant", "content": corpus.GENERATORS["code"](rng, tokens // 6)},
+            {"role": "user", "content": corpus.GENERATORS["prose"](rng, tokens // 6)},
+        ]
+    }
+
+
+async def per_chat(root: Path, n: int) -> None:
+    print("2. CPU per distinct ~1k-token chat (render + tokenize, cold cache), ms")
+    rng = random.Random(2)
+    bodies = [json.dumps(_chat_of(rng, 1000)) for _ in range(n)]
+    cl100k = load_encoding(EncodingSpec())
+    standin = PromptCounter(cl100k, TextCountCache(), None)
+    sizes = [len(cl100k.encode_ordinary(json.dumps(json.loads(b)["messages"]))) for b in bodies]
+    print(f"   bodies: ~{statistics.mean(sizes):.0f} cl100k tokens of message JSON each")
+    start = time.process_time()
+    for raw in bodies:
+        await standin.count(plan_chat(json.loads(raw), TokenizerConfig()))
+    print(f"   cl100k stand-in: {(time.process_time() - start) / n * 1000:.3f}")
+    for kind in ("qwen", "llama3", "tekken", "sentencepiece"):
+        counter = ExactCounter(load_model_tokenizer(str(root / kind)), TextCountCache())
+        total = 0
+        start = time.process_time()
+        for raw in bodies:
+            total += (await counter.count_chat(json.loads(raw))).total
+        ms = (time.process_time() - start) / n * 1000
+        print(f"   {kind:13} {counter.name:26} {ms:.3f}  (mean {total / n:.0f} model tokens)")
+
+
+async def multi_turn(root: Path) -> None:
+    print("3. 20-turn chat, history cached: CPU per turn, ms (first / mean / last)")
+    for kind in ("qwen", "sentencepiece"):
+        counter = ExactCounter(load_model_tokenizer(str(root / kind)), TextCountCache())
+        rng = random.Random(3)
+        messages: list[dict[str, Any]] = [
+            {"role": "system", "content": corpus.GENERATORS["prose"](rng, 700)}
+        ]
+        costs = []
+        for _ in range(20):
+            messages.append({"role": "user", "content": corpus.text(rng, 150)})
+            raw = json.dumps({"messages": messages})
+            start = time.process_time()
+            counted = await counter.count_chat(json.loads(raw))
+            costs.append((time.process_time() - start) * 1000)
+            messages.append({"role": "assistant", "content": corpus.GENERATORS["prose"](rng, 300)})
+        print(
+            f"   {kind:13} {costs[0]:.2f} / {statistics.mean(costs):.2f} / {costs[-1]:.2f}"
+            f"  (last prompt {counted.total} tokens, {counted.encoded_chars} chars encoded)"
+        )
+
+
+async def _sample_lag(done: asyncio.Event, lags: list[float]) -> None:
+    while not done.is_set():
+        start = time.perf_counter()
+        await asyncio.sleep(0.002)
+        lags.append((time.perf_counter() - start - 0.002) * 1000)
+
+
+async def loop_lag(root: Path, prompts: int) -> None:
+    """A 2 ms sleeper on the loop while distinct 100k-token chats are counted back to back
+    with a one-thread executor, as the gateway counts them."""
+    print("5. event-loop lag while ~100k-token chats are counted (p99 / max ms, ms per prompt)")
+    for kind in ("qwen", "sentencepiece"):
+        with ThreadPoolExecutor(1) as pool:
+            counter = ExactCounter(load_model_tokenizer(str(root / kind)), TextCountCache(), pool)
+            texts = [corpus.GENERATORS["prose"](random.Random(i), 90_000) for i in range(prompts)]
+            lags: list[float] = []
+            done = asyncio.Event()
+            task = asyncio.create_task(_sample_lag(done, lags), name="lag-sampler")
+            start = time.perf_counter()
+            for text in texts:
+                counted = await counter.count_chat(
+                    {"messages": [{"role": "user", "content": text}]}
+                )
+            elapsed = (time.perf_counter() - start) / prompts * 1000
+            done.set()
+            await task
+        lags.sort()
+        p99 = lags[min(len(lags) - 1, int(len(lags) * 0.99))]
+        print(
+            f"   {kind:13} {p99:.1f} / {lags[-1]:.1f}  ({elapsed:.0f} ms per "
+            f"{counted.total}-token prompt, {len(lags)} samples)"
+        )
+
+
+def loading(root: Path) -> None:
+    print("4. loading a directory, s")
+    for kind in ("qwen", "llama3", "tekken", "sentencepiece"):
+        start = time.perf_counter()
+        tok = load_model_tokenizer(str(root / kind))
+        print(f"   {kind:13} {time.perf_counter() - start:.2f}  {tok.name}: {tok.engine_note}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--dirs", help="a directory of built model dirs (default: build)")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(args.dirs or tmp)
+        for kind in vocab.BUILDERS:
+            vocab.build(kind, root)
+        engines(root, 3 if args.quick else 20)
+        asyncio.run(per_chat(root, 50 if args.quick else 300))
+        asyncio.run(multi_turn(root))
+        loading(root)
+        asyncio.run(loop_lag(root, 2 if args.quick else 6))
+
+
+if __name__ == "__main__":
+    main()

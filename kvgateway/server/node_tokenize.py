@@ -1,0 +1,91 @@
+"""Asking a node for its own count of a prompt (vLLM's ``POST /tokenize``).
+
+Used when the gateway counts with a stand-in and the stand-in's safe upper bound comes
+near the largest context on offer: the bound would refuse (or over-reserve) a request the
+node may well serve, so one healthy node of the model is asked for the exact count before
+anything is reserved. Bounded in time; answers cached by body; a node without the endpoint
+(404/405) is not asked again. Any failure keeps the bound (safe).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+from collections import OrderedDict
+from typing import Any
+
+import aiohttp
+
+from kvgateway.config.model import ModelConfig
+from kvgateway.core.backends import Backend
+from kvgateway.core.fleet import Fleet
+from kvgateway.tokens.node_count import tokenize_body, tokenize_count
+
+log = logging.getLogger("kvgateway.server.node_tokenize")
+
+TIMEOUT_S = 2.0
+CACHE_ENTRIES = 4096
+# Ask when the bound plus the output would pass this share of the largest context.
+NEAR = 0.9
+
+
+class NodeTokenizer:
+    def __init__(self, session: aiohttp.ClientSession, fleet: Fleet) -> None:
+        self._session = session
+        self._fleet = fleet
+        self._cache: OrderedDict[bytes, int] = OrderedDict()
+        self._without: set[str] = set()  # backends that lack /tokenize
+
+    @staticmethod
+    def worth_asking(bound: int, standin: int, output: int, largest_context: int) -> bool:
+        """The bound comes near the largest context while the stand-in's own count does not
+        pass it (past it, the node would refuse the prompt anyway)."""
+        return (
+            largest_context > 0
+            and bound + output > NEAR * largest_context
+            and standin + output <= largest_context
+        )
+
+    async def count(self, model: ModelConfig, body: dict[str, Any], *, chat: bool) -> int | None:
+        """The node's count of ``body``'s prompt, or None (no node could say in time)."""
+        request = tokenize_body(body, model.served_name, chat=chat)
+        key = hashlib.blake2b(
+            json.dumps(request, sort_keys=True, separators=(",", ":")).encode(), digest_size=16
+        ).digest()
+        if key in self._cache:
+            self._cache.move_to_end(key)
+            return self._cache[key]
+        backend = self._pick(model.name)
+        if backend is None:
+            return None
+        got = await self._ask(backend, request)
+        if got is not None:
+            self._cache[key] = got
+            while len(self._cache) > CACHE_ENTRIES:
+                self._cache.popitem(last=False)
+        return got
+
+    def _pick(self, model: str) -> Backend | None:
+        pool = [b for b in self._fleet.for_model(model) if b.usable and b.name not in self._without]
+        return max(pool, key=lambda b: (b.context_limit, -b.in_flight), default=None)
+
+    async def _ask(self, b: Backend, request: dict[str, Any]) -> int | None:
+        try:
+            async with asyncio.timeout(TIMEOUT_S):
+                async with self._session.post(
+                    b.config.url + "/tokenize",
+                    data=json.dumps(request).encode(),
+                    headers={"Content-Type": "application/json"},
+                ) as r:
+                    if r.status in (404, 405):
+                        self._without.add(b.name)
+                        log.info("backend %s has no /tokenize; counting with the bound", b.name)
+                        return None
+                    if r.status != 200:
+                        return None
+                    return tokenize_count(await r.json(content_type=None))
+        except (TimeoutError, aiohttp.ClientError, OSError, ValueError, TypeError) as exc:
+            log.debug("backend %s: /tokenize failed: %s", b.name, type(exc).__name__)
+            return None

@@ -1,0 +1,111 @@
+"""Endpoints a vLLM node serves that hold no KV cache beyond the request itself:
+embeddings, rerank and score, tokenize and detokenize. They go to a healthy node of the
+model, the one with the fewest requests in flight, with no KV reservation: plain load
+balancing, bounded like every other upstream call, failing over before the first byte.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from aiohttp import web
+
+from kvgateway.core.backends import Backend
+from kvgateway.errors import BadRequest, ModelNotFound, NoHealthyBackend, UpstreamError
+from kvgateway.server.appkeys import STATE
+from kvgateway.server.openai_request import parse_body
+from kvgateway.server.proxy import REQUEST_ID, read_limited, trace_headers
+from kvgateway.server.relay import MAX_RESPONSE_BYTES
+from kvgateway.server.state import GatewayState
+from kvgateway.upstream.client import open_request
+
+PATHS = (
+    "/v1/embeddings",
+    "/v1/rerank",
+    "/rerank",
+    "/v2/rerank",
+    "/v1/score",
+    "/score",
+    "/tokenize",
+    "/detokenize",
+)
+MAX_ATTEMPTS = 2
+
+
+async def handle_passthrough(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    cfg = state.config
+    raw = await read_limited(request, cfg.admission.max_body_bytes, cfg.server.body_timeout_s)
+    body = parse_body(raw)
+    model = _model(state, body)
+    if body.get("model") != model.served_name and "model" in body:
+        body["model"] = model.served_name
+        raw = json.dumps(body, separators=(",", ":")).encode()
+    tried: set[str] = set()
+    last: UpstreamError | None = None
+    for _ in range(MAX_ATTEMPTS):
+        backend = _pick(state, model.name, tried)
+        if backend is None:
+            break
+        tried.add(backend.name)
+        state.fleet.adjust(backend, 0, 0, 1)
+        try:
+            timeouts = backend.config.timeouts
+            resp = await open_request(
+                state.session,
+                backend,
+                request.path,
+                raw,
+                _headers(state, request),
+                timeouts,
+                head_timeout=timeouts.total_s,
+            )
+            async with resp:
+                data = await resp.read(MAX_RESPONSE_BYTES)
+                headers = resp.relay_headers()
+            headers.update({"x-request-id": request[REQUEST_ID], "x-gateway-backend": backend.name})
+            return web.Response(status=resp.status, body=data, headers=headers)
+        except UpstreamError as err:
+            if not err.retryable:
+                raise
+            last = err
+        finally:
+            state.fleet.adjust(backend, 0, 0, -1)
+    if last is not None:
+        raise last
+    raise NoHealthyBackend(f"No healthy backend for model '{model.name}'.", retry_after=5)
+
+
+def _model(state: GatewayState, body: dict[str, Any]) -> Any:
+    name = body.get("model")
+    if name is None:
+        if len(state.config.models) == 1:
+            return state.config.models[0]  # /tokenize without a model, as vLLM allows
+        raise BadRequest("Missing required parameter: 'model'.", param="model")
+    if not isinstance(name, str):
+        raise BadRequest("Invalid type for 'model': expected a string.", param="model")
+    model = state.config.resolve_model(name)
+    if model is None:
+        raise ModelNotFound(
+            f"The model `{name}` does not exist or you do not have access to it.", param="model"
+        )
+    return model
+
+
+def _pick(state: GatewayState, model: str, tried: set[str]) -> Backend | None:
+    """Fewest requests in flight; ties taken in turn."""
+    now = state.clock()
+    pool = [b for b in state.fleet.for_model(model) if b.accepting(now) and b.name not in tried]
+    if not pool:
+        return None
+    least = min(b.in_flight for b in pool)
+    ties = [b for b in pool if b.in_flight == least]
+    state.passthrough_turn += 1
+    return ties[state.passthrough_turn % len(ties)]
+
+
+def _headers(state: GatewayState, request: web.Request) -> dict[str, str]:
+    out = {"Content-Type": "application/json", "X-Request-Id": request[REQUEST_ID]}
+    out.update(trace_headers(state.tracing, request))
+    return out

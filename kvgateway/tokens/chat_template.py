@@ -1,0 +1,325 @@
+"""Rendering a chat request with the model's template, as vLLM renders it.
+
+vLLM turns the request's messages into a "conversation" (content parts joined or kept
+as a list depending on the template, tool-call arguments parsed from JSON, unknown
+message keys dropped), then calls transformers' ``apply_chat_template``: a sandboxed
+jinja2 environment with ``trim_blocks``/``lstrip_blocks``, the ``loopcontrols``
+extension and a ``{% generation %}`` tag, the globals ``raise_exception`` and
+``strftime_now``, and a ``tojson`` filter that keeps non-ASCII text
+(``ensure_ascii=False``) and accepts ``indent``, ``separators`` and ``sort_keys``. The
+template sees ``messages``, ``tools``, ``documents``, ``add_generation_prompt``, the
+tokenizer's special tokens (``bos_token`` ...) and the request's
+``chat_template_kwargs``, which override all of those. ``continue_final_message``
+cuts the rendering right after the last message's text.
+
+Images and other media are not rendered here: the counter adds a configured cost per
+item (see :func:`conversation`).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Literal
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+import jinja2.parser
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+ContentFormat = Literal["string", "openai"]
+
+_TEXT_PARTS = {
+    "text": "text",
+    "input_text": "text",
+    "output_text": "text",
+    "refusal": "refusal",
+    "thinking": "thinking",
+}
+_MEDIA_PARTS = frozenset(
+    {
+        "image_url",
+        "input_image",
+        "image",
+        "image_pil",
+        "image_embeds",
+        "audio_url",
+        "input_audio",
+        "audio_embeds",
+        "video_url",
+    }
+)
+# Keys vLLM passes to apply_chat_template itself: a request may not set these through
+# chat_template_kwargs (vLLM answers 400), so they are ignored here.
+_RESERVED_KWARGS = frozenset({"chat_template", "tokenize"})
+
+
+class TemplateError(ValueError):
+    """The template failed to compile or raised while rendering (vLLM answers 400)."""
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """``{% generation %}...{% endgeneration %}`` renders its body (assistant masks unused)."""
+
+    tags = {"generation"}  # noqa: RUF012 (jinja2's declared attribute)
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        call = self.call_method("_body")
+        return jinja2.nodes.CallBlock(call, [], [], body).set_lineno(lineno)
+
+    def _body(self, caller: Any) -> str:
+        text: str = caller()
+        return text
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def new_environment() -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=[_GenerationTag, jinja2.ext.loopcontrols],
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+def _loops_over_content(ast: jinja2.nodes.Template) -> bool:
+    """Whether the template iterates over a message's content (vLLM's "openai" format)."""
+    message_vars = {"messages"}
+    for assign in ast.find_all(jinja2.nodes.Assign):
+        if isinstance(assign.target, jinja2.nodes.Name) and _reads(assign.node, message_vars):
+            message_vars.add(assign.target.name)
+    item_vars: set[str] = set()
+    for loop in ast.find_all(jinja2.nodes.For):
+        if isinstance(loop.target, jinja2.nodes.Name) and _reads(loop.iter, message_vars):
+            item_vars.add(loop.target.name)
+    for loop in ast.find_all(jinja2.nodes.For):
+        if _reads(loop.iter, item_vars, key="content"):
+            return True
+    return False
+
+
+def _reads(node: jinja2.nodes.Node, names: set[str], key: str | None = None) -> bool:
+    if isinstance(node, jinja2.nodes.Filter | jinja2.nodes.Test) and node.node is not None:
+        return _reads(node.node, names, key)
+    if isinstance(node, jinja2.nodes.Getitem) and isinstance(node.arg, jinja2.nodes.Slice):
+        return _reads(node.node, names, key)
+    if key is None:
+        return isinstance(node, jinja2.nodes.Name) and node.ctx == "load" and node.name in names
+    if isinstance(node, jinja2.nodes.Getitem):
+        return (
+            _reads(node.node, names)
+            and isinstance(node.arg, jinja2.nodes.Const)
+            and node.arg.value == key
+        )
+    if isinstance(node, jinja2.nodes.Getattr):
+        return _reads(node.node, names) and node.attr == key
+    return False
+
+
+@dataclass(frozen=True, slots=True)
+class Conversation:
+    """Messages as the template sees them, and the media items they carried."""
+
+    messages: list[dict[str, Any]]
+    media: int
+
+
+def _parse_content(content: Any, fmt: ContentFormat) -> tuple[Any, int]:
+    if content is None:
+        parts: list[Any] = []
+    elif isinstance(content, str):
+        parts = [{"type": "text", "text": content}]
+    elif isinstance(content, list):
+        parts = content
+    else:
+        parts = [{"type": "text", "text": str(content)}]
+    texts: list[Any] = []
+    media = 0
+    for part in parts:
+        if isinstance(part, str):
+            texts.append({"type": "text", "text": part} if fmt == "openai" else part)
+            continue
+        if not isinstance(part, dict):
+            continue
+        kind = part.get("type")
+        field = _TEXT_PARTS.get(kind) if isinstance(kind, str) else None
+        if field is not None:
+            text = part.get(field)
+            if isinstance(text, str):
+                texts.append({"type": "text", "text": text} if fmt == "openai" else text)
+        elif kind in _MEDIA_PARTS or any(k in part for k in _MEDIA_PARTS):
+            media += 1
+            if fmt == "openai":
+                texts.append({"type": "audio" if "audio" in str(kind) else "image"})
+    if fmt == "openai":
+        return texts, media
+    return "\n".join(texts), media
+
+
+def conversation(messages: Sequence[Any], fmt: ContentFormat) -> Conversation:
+    """The request's messages turned into what vLLM hands the template."""
+    out: list[dict[str, Any]] = []
+    media = 0
+    for msg in messages:
+        if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
+            continue
+        role = msg["role"]
+        content, n = _parse_content(msg.get("content"), fmt)
+        media += n
+        item: dict[str, Any] = {"role": role, "content": content}
+        if role == "assistant":
+            calls = msg.get("tool_calls")
+            if isinstance(calls, list) and calls:
+                item["tool_calls"] = [_tool_call(c) for c in calls]
+            reasoning = msg.get("reasoning")
+            if reasoning is not None:
+                item["reasoning"] = item["reasoning_content"] = reasoning
+        elif role == "tool":
+            if "tool_call_id" in msg:
+                item["tool_call_id"] = msg["tool_call_id"]
+            if isinstance(content, list) and all(c.get("type") == "text" for c in content):
+                item["content"] = "\n".join(c["text"] for c in content)
+        if isinstance(msg.get("name"), str):
+            item["name"] = msg["name"]
+        if role == "developer":
+            item["tools"] = msg.get("tools")
+        out.append(item)
+    return Conversation(out, media)
+
+
+def _tool_call(call: Any) -> Any:
+    call = copy.deepcopy(call)
+    fn = call.get("function") if isinstance(call, dict) else None
+    if isinstance(fn, dict):
+        args = fn.get("arguments")
+        if isinstance(args, str):
+            try:
+                fn["arguments"] = json.loads(args)
+            except ValueError:
+                fn["arguments"] = {}
+        elif not isinstance(args, dict | list):
+            fn["arguments"] = {}
+    return call
+
+
+def tool_schemas(tools: Any) -> list[dict[str, Any]] | None:
+    """Tools as vLLM dumps its parsed tool objects (absent fields become null)."""
+    if not isinstance(tools, list):
+        return None
+    out: list[dict[str, Any]] = []
+    for tool in tools:
+        if not isinstance(tool, dict):
+            continue
+        fn = tool.get("function")
+        fn = fn if isinstance(fn, dict) else {}
+        dumped_fn = {
+            "name": fn.get("name"),
+            "description": fn.get("description"),
+            "parameters": fn.get("parameters"),
+            **{k: v for k, v in fn.items() if k not in ("name", "description", "parameters")},
+        }
+        out.append(
+            {
+                "type": tool.get("type", "function"),
+                "function": dumped_fn,
+                **{k: v for k, v in tool.items() if k not in ("type", "function")},
+            }
+        )
+    return out
+
+
+class ChatTemplate:
+    """One compiled template (compile once per template text: it takes milliseconds)."""
+
+    def __init__(self, source: str, env: ImmutableSandboxedEnvironment | None = None) -> None:
+        env = env or new_environment()
+        try:
+            self._template = env.from_string(source)
+            ast = env.parse(source)
+        except jinja2.exceptions.TemplateError as exc:
+            raise TemplateError(f"chat template does not compile: {exc}") from exc
+        self.source = source
+        self.content_format: ContentFormat = "openai" if _loops_over_content(ast) else "string"
+
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        documents: Any = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        special_tokens: Mapping[str, Any] | None = None,
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> str:
+        context: dict[str, Any] = dict(special_tokens or {})
+        context.update(
+            messages=messages,
+            tools=tools,
+            documents=documents,
+            add_generation_prompt=add_generation_prompt,
+        )
+        for key, value in (kwargs or {}).items():
+            if key not in _RESERVED_KWARGS:
+                context[key] = value
+        if context.get("continue_final_message"):
+            continue_final_message = True
+        context.pop("continue_final_message", None)
+        if continue_final_message and context.get("add_generation_prompt"):
+            raise TemplateError(
+                "continue_final_message and add_generation_prompt are not compatible"
+            )
+        try:
+            rendered: str = self._template.render(**context)
+        except jinja2.exceptions.TemplateError as exc:
+            raise TemplateError(f"chat template: {exc}") from exc
+        except (TypeError, ValueError, KeyError, AttributeError, IndexError) as exc:
+            raise TemplateError(f"chat template failed: {exc!r}") from exc
+        if continue_final_message and messages:
+            rendered = _cut_after_final(rendered, messages[-1].get("content"))
+        return rendered
+
+
+def _cut_after_final(rendered: str, final: Any) -> str:
+    if isinstance(final, list):
+        texts = [p["text"] for p in final if isinstance(p, dict) and "text" in p]
+        if not texts:
+            raise TemplateError("continue_final_message: the final message has no text")
+        final = texts[-1]
+    if not isinstance(final, str):
+        raise TemplateError("continue_final_message: the final message has no text")
+    stripped = final.strip()
+    if stripped not in rendered:
+        raise TemplateError("continue_final_message: the final message is not in the rendering")
+    at = rendered.rindex(stripped)
+    if rendered[at : at + len(final.lstrip())] == final:
+        return rendered[: at + len(final.lstrip())]
+    return rendered[: at + len(stripped)]

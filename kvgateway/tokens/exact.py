@@ -1,0 +1,265 @@
+"""Counting a request exactly as the node will: its template, its tokenizer, its BOS.
+
+:class:`ExactCounter` renders a chat request with the model's chat template
+(:mod:`.chat_template`) and tokenizes the text as vLLM does (``add_special_tokens``
+false for chat, true for completions, both overridable per request). Media parts
+cost ``image_tokens`` each.
+
+Cost: the rendering of a multi-turn chat repeats its whole history every turn. With a
+tiktoken engine the text between two added tokens (``<|im_start|>``, ``<|eot_id|>``...)
+encodes the same wherever it stands, so those pieces are looked up in a shared
+:class:`~kvgateway.tokens.counting.TextCountCache` and only the new turn is encoded.
+Uncached text above ``inline_chars`` is encoded in the executor, off the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import Any
+
+from kvgateway.tokens.chat_template import (
+    ChatTemplate,
+    TemplateError,
+    conversation,
+    new_environment,
+    tool_schemas,
+)
+from kvgateway.tokens.counting import PromptTokens, TextCountCache
+from kvgateway.tokens.modeldir import ModelTokenizer
+from kvgateway.tokens.spec import TokenizerConfig
+
+# Per-request templates compiled and kept (only when the config trusts them).
+_REQUEST_TEMPLATES = 8
+
+
+@dataclass(frozen=True, slots=True)
+class RenderedChat:
+    """A chat request as the node's tokenizer will see it."""
+
+    text: str
+    media: int
+    add_special_tokens: bool
+
+
+class ExactCounter:
+    """Counts one model's requests with its own tokenizer and chat template."""
+
+    def __init__(
+        self,
+        tokenizer: ModelTokenizer,
+        cache: TextCountCache | None = None,
+        executor: Executor | None = None,
+        *,
+        image_tokens: int = 765,
+        trust_request_chat_template: bool = False,
+        inline_chars: int = 24_000,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self._cache = cache if cache is not None else TextCountCache()
+        self._executor = executor
+        self._image_tokens = image_tokens
+        self._trust_request_template = trust_request_chat_template
+        self._inline_chars = inline_chars
+        self._env = new_environment()
+        self._templates: dict[str, ChatTemplate] = {}
+        for source in tokenizer.templates.values():
+            self._templates.setdefault(source, ChatTemplate(source, self._env))
+        self._request_templates: OrderedDict[str, ChatTemplate] = OrderedDict()
+
+    @classmethod
+    def for_model(
+        cls,
+        config: TokenizerConfig,
+        cache: TextCountCache | None = None,
+        executor: Executor | None = None,
+        *,
+        trust_request_chat_template: bool = False,
+    ) -> ExactCounter | None:
+        """The exact counter for a model whose config has ``tokenizer.path``, else None."""
+        if config.model is None:
+            return None
+        return cls(
+            config.model,
+            cache,
+            executor,
+            image_tokens=config.image_tokens,
+            trust_request_chat_template=trust_request_chat_template,
+        )
+
+    @property
+    def name(self) -> str:
+        return self.tokenizer.name
+
+    # -- rendering (pure) ----------------------------------------------------------
+
+    def _template(self, body: dict[str, Any], has_tools: bool) -> ChatTemplate:
+        given = body.get("chat_template")
+        if isinstance(given, str) and given and self._trust_request_template:
+            tpl = self._request_templates.get(given)
+            if tpl is None:
+                tpl = ChatTemplate(given, self._env)
+                self._request_templates[given] = tpl
+                if len(self._request_templates) > _REQUEST_TEMPLATES:
+                    self._request_templates.popitem(last=False)
+            else:
+                self._request_templates.move_to_end(given)
+            return tpl
+        source = self.tokenizer.template_for(tools=has_tools)
+        if source is None:
+            raise TemplateError(f"the tokenizer in {self.tokenizer.path} has no chat template")
+        return self._templates[source]
+
+    def render_chat(
+        self, body: dict[str, Any], template: ChatTemplate | None = None
+    ) -> RenderedChat:
+        """The prompt text vLLM builds for a chat request; raises TemplateError.
+
+        ``template``: already chosen (on the event loop; choosing one may compile and
+        cache a request's own template, which worker threads must not do)."""
+        tools = tool_schemas(body.get("tools"))
+        if template is None:
+            template = self._template(body, tools is not None)
+        conv = conversation(body.get("messages") or [], template.content_format)
+        kwargs = body.get("chat_template_kwargs")
+        text = template.render(
+            conv.messages,
+            tools=tools,
+            documents=body.get("documents"),
+            add_generation_prompt=_flag(body, "add_generation_prompt", True),
+            continue_final_message=_flag(body, "continue_final_message", False),
+            special_tokens=self.tokenizer.special_tokens,
+            kwargs=kwargs if isinstance(kwargs, dict) else None,
+        )
+        return RenderedChat(text, conv.media, _flag(body, "add_special_tokens", False))
+
+    def encode_chat(self, body: dict[str, Any]) -> list[int]:
+        """Token ids of a chat prompt (media items are not expanded)."""
+        chat = self.render_chat(body)
+        return self.tokenizer.encode_prompt(chat.text, add_special_tokens=chat.add_special_tokens)
+
+    # -- counting ------------------------------------------------------------------
+
+    def _added_count(self, add_special_tokens: bool) -> int:
+        tok = self.tokenizer
+        return len(tok.prefix) + len(tok.suffix) if add_special_tokens else 0
+
+    def prompt_ids(self, body: dict[str, Any], media_id: int = 0) -> list[int]:
+        """The node's prompt ids: the whole rendering encoded at once, no cache (so any
+        thread may call it, unless request templates are trusted: choosing one compiles
+        and caches it), each media item expanded to ``image_tokens`` placeholder ids."""
+        chat = self.render_chat(body)
+        ids = self.tokenizer.encode_prompt(chat.text, add_special_tokens=chat.add_special_tokens)
+        return ids + [media_id] * (chat.media * self._image_tokens)
+
+    def count_chat_sync(self, body: dict[str, Any]) -> int:
+        """Like :meth:`count_chat`, on the calling thread (the event loop's: it uses the
+        cache)."""
+        chat = self.render_chat(body)
+        return (
+            self._count_text_sync(chat.text)
+            + self._added_count(chat.add_special_tokens)
+            + chat.media * self._image_tokens
+        )
+
+    def _pieces(self, text: str) -> tuple[int, list[str]]:
+        """Added tokens counted, and the text pieces between them still to count."""
+        engine = self.tokenizer.engine
+        if not engine.segment_additive:
+            return 0, [text] if text else []
+        fixed = 0
+        pieces: list[str] = []
+        for piece in engine.split_added(text):
+            if engine.is_added(piece):
+                fixed += 1
+            else:
+                pieces.append(piece)
+        return fixed, pieces
+
+    def _count_text_sync(self, text: str) -> int:
+        fixed, pieces = self._pieces(text)
+        engine = self.tokenizer.engine
+        total = fixed
+        for piece in pieces:
+            n = self._cache.get(piece)
+            if n is None:
+                n = engine.count_segment(piece)
+                self._cache.put(piece, n)
+            total += n
+        return total
+
+    async def count_text(self, text: str) -> tuple[int, int]:
+        """Tokens of ``text`` (added tokens recognised, nothing added), and chars encoded."""
+        fixed, pieces = self._pieces(text)
+        counts: list[int | None] = [self._cache.get(p) for p in pieces]
+        todo = [p for p, n in zip(pieces, counts, strict=True) if n is None]
+        chars = sum(map(len, todo))
+        if todo:
+            if chars > self._inline_chars and self._executor is not None:
+                loop = asyncio.get_running_loop()
+                fresh = await loop.run_in_executor(self._executor, self._count_many, todo)
+            else:
+                fresh = self._count_many(todo)
+            for piece, n in zip(todo, fresh, strict=True):
+                self._cache.put(piece, n)
+            it = iter(fresh)
+            counts = [n if n is not None else next(it) for n in counts]
+        return fixed + sum(n or 0 for n in counts), chars
+
+    def _count_many(self, texts: Sequence[str]) -> list[int]:
+        count = self.tokenizer.engine.count_segment
+        return [count(t) for t in texts]
+
+    async def count_chat(self, body: dict[str, Any]) -> PromptTokens:
+        """Count a chat request; raises TemplateError when the node would refuse it."""
+        chat = await self._render_off_loop(body)
+        n, chars = await self.count_text(chat.text)
+        n += self._added_count(chat.add_special_tokens) + chat.media * self._image_tokens
+        return PromptTokens(total=n, longest=n, prompts=1, encoded_chars=chars, each=(n,))
+
+    async def _render_off_loop(self, body: dict[str, Any]) -> RenderedChat:
+        size = sum(len(str(m.get("content") or "")) for m in body.get("messages") or [])
+        if size > 4 * self._inline_chars and self._executor is not None:
+            template = self._template(body, isinstance(body.get("tools"), list))
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self._executor, self.render_chat, body, template)
+        return self.render_chat(body)
+
+    async def count_completion(self, body: dict[str, Any]) -> PromptTokens:
+        """Count a completions request's ``prompt`` (a string, ids, or a batch of them)."""
+        add = _flag(body, "add_special_tokens", True)
+        extra = self._added_count(add)
+        per_prompt: list[int] = []
+        chars = 0
+        for prompt in _prompts(body.get("prompt")):
+            if isinstance(prompt, str):
+                n, c = await self.count_text(prompt)
+                per_prompt.append(n + extra)
+                chars += c
+            else:
+                per_prompt.append(len(prompt))
+        return PromptTokens(
+            total=sum(per_prompt),
+            longest=max(per_prompt, default=0),
+            prompts=len(per_prompt),
+            encoded_chars=chars,
+            each=tuple(per_prompt),
+        )
+
+
+def _flag(body: dict[str, Any], key: str, default: bool) -> bool:
+    value = body.get(key)
+    return value if isinstance(value, bool) else default
+
+
+def _prompts(prompt: Any) -> list[Any]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        return [prompt]
+    if isinstance(prompt, list):
+        return [p for p in prompt if isinstance(p, str | list)]
+    return []

@@ -1,0 +1,140 @@
+"""The node's own prompt count: from its context-length 400, or asked via /tokenize.
+
+A gateway counting with a stand-in learns the node's exact count two ways: vLLM's
+``POST /tokenize`` (asked before forwarding a request whose bound comes near a limit;
+:func:`tokenize_body` and :func:`tokenize_count`), and the 400 a node answers when a
+prompt does not fit (:func:`parse_context_length_error`).
+
+vLLM has worded this refusal several ways over its releases; each carries the node's
+count of the prompt (exactly, or as a lower bound when vLLM stopped tokenizing early):
+
+- "This model's maximum context length is L tokens. However, you requested M output
+  tokens and your prompt contains at least N input tokens, for a total of at least T
+  tokens." (vLLM tokenizes at most max_model_len - M + 1 tokens: N is a lower bound)
+- "... your prompt contains N input tokens, for a total of T tokens." (exact)
+- "This model's maximum context length is L tokens. However, you requested T tokens
+  (N in the messages, M in the completion)." (exact; chat) and "... however you
+  requested T tokens (N in your prompt; M for the completion)." (exact; completions)
+- "This model's maximum context length is L tokens. However, you requested N tokens in
+  the messages, Please reduce the length of the messages." (exact, prompt alone)
+- engine-level: "The decoder prompt (length N) is longer than the maximum model length
+  of L." and "Input prompt (N tokens) is too long and exceeds limit of L".
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class NodeCount:
+    """The node's prompt count from a refusal.
+
+    ``at_least``: the node stopped counting early, so the prompt is N *or more* tokens.
+    ``max_model_len`` is None when the wording does not state it.
+    """
+
+    prompt_tokens: int
+    at_least: bool
+    max_model_len: int | None
+    requested_output: int | None = None
+
+
+_MAX_LEN = re.compile(r"maximum context length is (\d+) tokens", re.IGNORECASE)
+_PATTERNS: tuple[tuple[re.Pattern[str], bool], ...] = (
+    (
+        re.compile(
+            r"requested (\d+) output tokens and your prompt contains at least (\d+) input tokens",
+            re.IGNORECASE,
+        ),
+        True,
+    ),
+    (
+        re.compile(
+            r"requested (\d+) output tokens and your prompt contains (\d+) input tokens",
+            re.IGNORECASE,
+        ),
+        False,
+    ),
+)
+_OLD_SPLIT = re.compile(
+    r"requested \d+ tokens \((\d+) in (?:the messages|your prompt)[,;] (\d+) (?:in|for) the completion\)",
+    re.IGNORECASE,
+)
+_OLD_MESSAGES = re.compile(r"requested (\d+) tokens in the messages", re.IGNORECASE)
+_ENGINE = (
+    re.compile(r"decoder prompt \(length (\d+)\) is longer than the maximum model length of (\d+)"),
+    re.compile(r"Input prompt \((\d+) tokens\) is too long and exceeds limit of (\d+)"),
+)
+
+
+def parse_context_length_error(message: str) -> NodeCount | None:
+    """The node's count from a context-length refusal, or None for any other message."""
+    max_len_match = _MAX_LEN.search(message)
+    max_len = int(max_len_match.group(1)) if max_len_match else None
+    for pattern, at_least in _PATTERNS:
+        m = pattern.search(message)
+        if m:
+            return NodeCount(int(m.group(2)), at_least, max_len, int(m.group(1)))
+    m = _OLD_SPLIT.search(message)
+    if m:
+        return NodeCount(int(m.group(1)), False, max_len, int(m.group(2)))
+    m = _OLD_MESSAGES.search(message)
+    if m:
+        return NodeCount(int(m.group(1)), False, max_len, None)
+    for pattern in _ENGINE:
+        m = pattern.search(message)
+        if m:
+            return NodeCount(int(m.group(1)), False, int(m.group(2)), None)
+    return None
+
+
+def readmission_prompt_tokens(count: NodeCount, max_model_len: int) -> int:
+    """Prompt tokens to re-admit a refused request with.
+
+    An exact count is used as is. A lower bound ("at least N") only says the prompt
+    did not fit under ``max_model_len - M``; the request can then only go to a node
+    with a longer context, and must be counted there as more than N: at least N, and
+    no less than what would have filled the refusing node.
+    """
+    if not count.at_least:
+        return count.prompt_tokens
+    limit = count.max_model_len if count.max_model_len is not None else max_model_len
+    return max(count.prompt_tokens, limit - (count.requested_output or 0) + 1)
+
+
+# Fields of vLLM's TokenizeChatRequest / TokenizeCompletionRequest that change the count.
+_CHAT_FIELDS = (
+    "messages",
+    "tools",
+    "documents",
+    "chat_template",
+    "chat_template_kwargs",
+    "add_generation_prompt",
+    "continue_final_message",
+    "add_special_tokens",
+    "mm_processor_kwargs",
+)
+_COMPLETION_FIELDS = ("prompt", "add_special_tokens")
+
+
+def tokenize_body(request: dict[str, Any], served_model: str, *, chat: bool) -> dict[str, Any]:
+    """The ``/tokenize`` body that counts ``request`` (a chat or completions body) as the
+    node will count it when it is forwarded."""
+    fields = _CHAT_FIELDS if chat else _COMPLETION_FIELDS
+    body = {k: request[k] for k in fields if k in request}
+    body["model"] = served_model
+    return body
+
+
+def tokenize_count(response: Any) -> int | None:
+    """``count`` from a /tokenize response body, or None if it is not one."""
+    if not isinstance(response, dict):
+        return None
+    count = response.get("count")
+    if isinstance(count, int) and not isinstance(count, bool) and count >= 0:
+        return count
+    tokens = response.get("tokens")
+    return len(tokens) if isinstance(tokens, list) else None

@@ -1,0 +1,158 @@
+"""One model's prompt count for admission: exact when the gateway has the model's
+tokenizer, otherwise the stand-in's per-request upper bound.
+
+The proxy asks :class:`PromptEstimator` and reserves ``PromptEstimate.total``. With an
+exact tokenizer that is the node's own count; without one it is
+:func:`~kvgateway.tokens.standin.upper_bound` of the stand-in's count, which the
+measured vocabularies never exceed. A chat the model's template refuses (an unknown role,
+a missing template) is counted by the stand-in's bound: the node will answer 400, and the
+count only has to be safe.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from kvgateway.tokens.chat_template import TemplateError
+from kvgateway.tokens.counting import PromptCounter, PromptTokens, plan_chat, plan_completion
+from kvgateway.tokens.exact import ExactCounter
+from kvgateway.tokens.spec import TokenizerConfig
+from kvgateway.tokens.standin import BoundFactors, completion_upper_bound, upper_bound
+
+log = logging.getLogger("kvgateway.tokens")
+
+
+@dataclass(frozen=True, slots=True)
+class PromptEstimate:
+    """What to reserve for a request's prompts; reads like
+    :class:`~kvgateway.tokens.counting.PromptTokens` (``total``, ``longest``, ``prompts``,
+    ``each``, ``encoded_chars``).
+
+    The counts are the node's exact counts, or the stand-in's upper bounds. ``standin``:
+    the stand-in's own total (what the gateway reserved before; for metrics), equal to
+    ``total`` when exact (the stand-in is then not run). ``exact``: whether the counts
+    are the node's.
+    """
+
+    total: int
+    longest: int
+    prompts: int
+    exact: bool
+    standin: int
+    encoded_chars: int = 0
+    each: tuple[int, ...] = ()
+
+
+class PromptEstimator:
+    """Counts one model's requests; build one per model (it holds the model's caches)."""
+
+    def __init__(
+        self,
+        config: TokenizerConfig,
+        standin: PromptCounter,
+        exact: ExactCounter | None = None,
+        factors: BoundFactors | None = None,
+    ) -> None:
+        self._config = config
+        self._standin = standin
+        self._exact = exact
+        self._factors = factors or BoundFactors(image_tokens=config.image_tokens)
+
+    @property
+    def exact(self) -> bool:
+        return self._exact is not None
+
+    @property
+    def description(self) -> str:
+        if self._exact is not None:
+            return f"exact ({self._exact.name})"
+        return f"stand-in upper bound ({self._standin.encoding_name})"
+
+    async def chat(self, body: dict[str, Any], limit: int | None = None) -> PromptEstimate:
+        """``body``: a chat request whose ``messages`` is a list of objects. ``limit``:
+        the stand-in may stop counting past it (see PromptCounter.count)."""
+        if self._exact is not None:
+            try:
+                counted = await self._exact.count_chat(body)
+            except TemplateError as exc:
+                log.info("chat template refused a request (the node will too): %s", exc)
+            else:
+                return _exact(counted)
+        standin = await self._standin.count(plan_chat(body, self._config), (), limit)
+        if not self._config.upper_bound:
+            return _as_counted(standin)
+        bound = upper_bound(standin.total, body, self._factors)
+        return PromptEstimate(
+            total=bound,
+            longest=bound,
+            prompts=1,
+            exact=False,
+            standin=standin.total,
+            encoded_chars=standin.encoded_chars,
+            each=(bound,),
+        )
+
+    async def completion(self, body: dict[str, Any], limit: int | None = None) -> PromptEstimate:
+        """``body``: a completions request (``prompt`` a string, ids, or a batch)."""
+        if self._exact is not None:
+            return _exact(await self._exact.count_completion(body))
+        plan, known = plan_completion(body["prompt"])
+        standin = await self._standin.count(plan, known, limit)
+        if not self._config.upper_bound:
+            return _as_counted(standin)
+        prompts = _prompts(body["prompt"])
+        counts = standin.each or (standin.total,)
+        if len(counts) == len(prompts):
+            # Each text prompt bounded on its own; token-id prompts are known exactly.
+            each = tuple(
+                completion_upper_bound(n, p, self._factors) if isinstance(p, str) else n
+                for n, p in zip(counts, prompts, strict=True)
+            )
+        else:  # counting stopped early: one bound over everything
+            text = "".join(p for p in prompts if isinstance(p, str))
+            each = (completion_upper_bound(standin.total, text, self._factors),)
+        return PromptEstimate(
+            total=sum(each),
+            longest=max(each),
+            prompts=standin.prompts,
+            exact=False,
+            standin=standin.total,
+            encoded_chars=standin.encoded_chars,
+            each=each,
+        )
+
+
+def _as_counted(standin: PromptTokens) -> PromptEstimate:
+    """The stand-in's count as it is (``tokenizer.upper_bound: false``)."""
+    return PromptEstimate(
+        total=standin.total,
+        longest=standin.longest,
+        prompts=standin.prompts,
+        exact=False,
+        standin=standin.total,
+        encoded_chars=standin.encoded_chars,
+        each=standin.each or (standin.total,),
+    )
+
+
+def _exact(counted: PromptTokens) -> PromptEstimate:
+    return PromptEstimate(
+        total=counted.total,
+        longest=counted.longest,
+        prompts=counted.prompts,
+        exact=True,
+        standin=counted.total,
+        encoded_chars=counted.encoded_chars,
+        each=counted.each or (counted.total,),
+    )
+
+
+def _prompts(prompt: Any) -> list[Any]:
+    """The prompts of a completions ``prompt`` in plan_completion's order."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        return [prompt]
+    return list(prompt) if isinstance(prompt, list) else []

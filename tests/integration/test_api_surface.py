@@ -1,0 +1,176 @@
+"""The rest of the OpenAI-compatible surface through the gateway to simulated vLLM nodes,
+with the official `openai` SDK (issue #16)."""
+
+from __future__ import annotations
+
+import aiohttp
+import openai
+import pytest
+
+from tests.support.fleet import MODEL, StartFleet
+
+SMALL = [("small-1", "small", "gpu24-8b", {}), ("small-2", "small", "gpu24-8b", {})]
+
+
+@pytest.fixture
+async def client():
+    made = []
+
+    def make(url: str) -> openai.AsyncOpenAI:
+        c = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        await c.close()
+
+
+async def test_models_retrieve_embeddings_and_responses(start_fleet: StartFleet, client):
+    fleet = await start_fleet(SMALL, time_scale=200)
+    oai = client(fleet.url)
+    model = await oai.models.retrieve(MODEL)
+    assert model.id == MODEL and model.model_extra["max_model_len"] == 8192
+    alias = await oai.models.retrieve("gpt-4o-mini")
+    assert alias.model_extra["parent"] == MODEL
+    with pytest.raises(openai.NotFoundError):
+        await oai.models.retrieve("no-such-model")
+    emb = await oai.embeddings.create(model=MODEL, input=["hello there", "general kenobi"])
+    assert len(emb.data) == 2 and len(emb.data[0].embedding) > 0
+    resp = await oai.responses.create(
+        model=MODEL, input="Say something", instructions="Be brief.", max_output_tokens=12
+    )
+    # max_output_tokens reached is "incomplete" in the Responses API.
+    assert resp.status in ("completed", "incomplete") and resp.usage.output_tokens <= 12
+    chunks = []
+    stream = await oai.responses.create(
+        model=MODEL,
+        input=[{"role": "user", "content": "stream please"}],
+        max_output_tokens=8,
+        stream=True,
+    )
+    async for event in stream:
+        chunks.append(event.type)
+    assert chunks[-1] in ("response.completed", "response.incomplete")
+    assert fleet.leaks() == {}
+
+
+async def test_tokenize_detokenize_and_rerank_are_load_balanced(start_fleet: StartFleet):
+    fleet = await start_fleet(SMALL, time_scale=200)
+    backends = set()
+    async with aiohttp.ClientSession() as s:
+        for _ in range(6):
+            async with s.post(
+                fleet.url + "/tokenize", json={"model": MODEL, "prompt": "hi there"}
+            ) as r:
+                assert r.status == 200, await r.text()
+                data = await r.json()
+                assert data["count"] == len(data["tokens"]) > 0
+                backends.add(r.headers["x-gateway-backend"])
+        async with s.post(
+            fleet.url + "/detokenize", json={"model": MODEL, "tokens": data["tokens"]}
+        ) as r:
+            assert r.status == 200
+        async with s.post(
+            fleet.url + "/v1/rerank", json={"model": MODEL, "query": "q", "documents": ["a", "b"]}
+        ) as r:
+            assert r.status == 200, await r.text()
+        async with s.post(fleet.url + "/v1/embeddings", json={"model": "nope", "input": "x"}) as r:
+            assert r.status == 404 and (await r.json())["error"]["code"] == "model_not_found"
+    assert backends == {"small-1", "small-2"}  # both nodes took some
+    assert fleet.leaks() == {}
+
+
+async def test_trace_context_reaches_the_node(start_fleet: StartFleet):
+    fleet = await start_fleet(SMALL[:1], time_scale=200)
+    trace = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(
+            fleet.url + "/v1/chat/completions",
+            json=body,
+            headers={"traceparent": trace, "tracestate": "vendor=1"},
+        ) as r,
+    ):
+        assert r.status == 200
+    state = await fleet.nodes["small-1"].state()
+    assert state["last_traceparent"] == trace
+
+
+async def test_context_error_uses_the_wording_clients_recognise(start_fleet: StartFleet, client):
+    fleet = await start_fleet(SMALL[:1], time_scale=200)
+    oai = client(fleet.url)
+    with pytest.raises(openai.BadRequestError) as err:
+        await oai.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hello " * 9000}], max_tokens=10
+        )
+    message = err.value.body["message"]
+    assert message.startswith(
+        "This model's maximum context length is 8192 tokens. However, you requested"
+    )
+    assert err.value.code == "context_length_exceeded"
+
+
+async def test_opentelemetry_spans_for_admission_and_the_upstream_call(start_fleet: StartFleet):
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    fleet = await start_fleet(
+        SMALL[:1], time_scale=200, gateway={"tracing": {"enabled": True}}, tracer_provider=provider
+    )
+    trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(
+            fleet.url + "/v1/chat/completions",
+            json=body,
+            headers={"traceparent": f"00-{trace_id}-00f067aa0ba902b7-01"},
+        ) as r,
+    ):
+        assert r.status == 200
+    spans = {sp.name: sp for sp in exporter.get_finished_spans()}
+    assert {"gateway.request", "gateway.admission", "gateway.upstream"} <= set(spans)
+    assert all(format(sp.context.trace_id, "032x") == trace_id for sp in spans.values())
+    assert spans["gateway.admission"].attributes["backend"] == "small-1"
+    assert spans["gateway.admission"].parent.span_id == spans["gateway.request"].context.span_id
+    # The node sees the gateway's upstream span as the parent of its work.
+    state = await fleet.nodes["small-1"].state()
+    upstream_id = format(spans["gateway.upstream"].context.span_id, "016x")
+    assert state["last_traceparent"] == f"00-{trace_id}-{upstream_id}-01"
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.filterwarnings("ignore::pydantic.warnings.PydanticDeprecatedSince20")
+async def test_litellm_raises_its_context_window_error(start_fleet: StartFleet, monkeypatch):
+    # LiteLLM (1.80.5, pinned in the dev extra) falls back to larger-context models on
+    # ContextWindowExceededError, which it recognises by OpenAI's wording of the message.
+    # Its model price map is read from the package, never fetched.
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+    monkeypatch.setenv("LITELLM_TELEMETRY", "False")
+    import litellm
+
+    fleet = await start_fleet(SMALL[:1], time_scale=200)
+    with pytest.raises(litellm.ContextWindowExceededError):
+        await litellm.acompletion(
+            model=f"openai/{MODEL}",
+            api_base=fleet.url + "/v1",
+            api_key="unused",
+            messages=[{"role": "user", "content": "hello " * 9000}],
+            max_tokens=10,
+            num_retries=0,
+        )
+    ok = await litellm.acompletion(
+        model=f"openai/{MODEL}",
+        api_base=fleet.url + "/v1",
+        api_key="unused",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=4,
+        num_retries=0,
+    )
+    assert ok.choices[0].message.content

@@ -1,0 +1,200 @@
+"""Loading tokenizer directories: engine choice, BOS/EOS, templates, and clear errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvgateway.config.load import parse_config
+from kvgateway.config.yamlread import ConfigError
+from kvgateway.tokens.bytelevel import (
+    NotExact,
+    _check_merges,
+    split_pattern,
+    token_bytes,
+    unicode_to_byte,
+)
+from kvgateway.tokens.encoding import EncodingCache
+from kvgateway.tokens.exact import ExactCounter
+from kvgateway.tokens.modeldir import TokenizerDirError, load_model_tokenizer
+from tests.support import vocab
+
+Dirs = Callable[[str], Path]
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _edit_config(directory: Path, **changes: Any) -> None:
+    path = directory / "tokenizer_config.json"
+    cfg = json.loads(path.read_text())
+    cfg.update(changes)
+    path.write_text(json.dumps(cfg))
+
+
+def test_byte_alphabet_is_a_bijection() -> None:
+    table = unicode_to_byte()
+    assert sorted(table.values()) == list(range(256))
+    assert table["Ġ"] == ord(" ") and table["A"] == ord("A")
+
+
+def test_merge_checks_catch_what_tiktoken_would_do_differently() -> None:
+    vocab = {chr(0x100 + b): b for b in range(3)} | {"a": 97, "b": 98, "c": 99}
+    vocab |= {"ab": 256, "abc": 257}
+    _check_merges([["a", "b"], ["ab", "c"]], vocab)
+    with pytest.raises(NotExact, match="not a listed merge"):
+        _check_merges([["a", "b"]], vocab)  # tiktoken makes abc from ab + c: not listed
+    # Extra merges (every split, as transformers writes them) are fine.
+    _check_merges([["a", "b"], ["ab", "c"], ["a", "bc"], ["b", "c"]], vocab | {"bc": 999})
+    vocab["bc"] = 258
+    with pytest.raises(NotExact, match="order"):
+        _check_merges([["a", "b"], ["b", "c"], ["ab", "c"], ["a", "bc"]], vocab)
+    # A token merging cannot reach is only ever a whole pre-tokenized piece: exact only
+    # if tokenizers also looks pieces up whole (ignore_merges, as Llama 3's).
+    whole = {"a": 97, "b": 98, "c": 99, "abc": 300}
+    with pytest.raises(NotExact, match="unreachable"):
+        _check_merges([], whole)
+    _check_merges([], whole, ignore_merges=True)
+    with pytest.raises(NotExact, match="makes no token"):
+        _check_merges(["c a"], vocab)
+    with pytest.raises(NotExact, match="alphabet"):
+        token_bytes("\u4e2d")
+
+
+def test_split_patterns() -> None:
+    assert "\\p{L}" in split_pattern({"type": "ByteLevel", "use_regex": True})
+    with pytest.raises(NotExact):
+        split_pattern({"type": "Metaspace"})
+    with pytest.raises(NotExact):
+        split_pattern({"type": "ByteLevel", "add_prefix_space": True})
+
+
+def test_missing_and_inconsistent_directories(tmp_path: Path, vocab_dirs: Dirs) -> None:
+    with pytest.raises(TokenizerDirError, match="does not exist"):
+        load_model_tokenizer(str(tmp_path / "nope"))
+    with pytest.raises(TokenizerDirError, match=r"neither tokenizer\.json"):
+        load_model_tokenizer(str(tmp_path))
+    bad_bos = _copy(vocab_dirs("tekken"), tmp_path / "bos")
+    _edit_config(bad_bos, bos_token="<|begin|>")
+    with pytest.raises(TokenizerDirError, match="bos_token"):
+        load_model_tokenizer(str(bad_bos))
+    bad_template = _copy(vocab_dirs("tekken"), tmp_path / "tpl")
+    _edit_config(bad_template, chat_template="{% for m in messages %}")
+    with pytest.raises(TokenizerDirError, match="chat template"):
+        load_model_tokenizer(str(bad_template))
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "tokenizer.json").write_text("{not json")
+    with pytest.raises(TokenizerDirError, match="cannot read"):
+        load_model_tokenizer(str(broken))
+
+
+def test_a_bad_path_is_a_config_error_naming_the_yaml_path(tmp_path: Path) -> None:
+    data = {
+        "models": [{"name": "m", "tokenizer": {"path": str(tmp_path / "missing")}}],
+        "tiers": [{"name": "t", "backends": [{"name": "b", "url": "http://h:1", "model": "m"}]}],
+    }
+    with pytest.raises(ConfigError) as err:
+        parse_config(data)
+    assert str(err.value).startswith("models[0].tokenizer.path: ")
+
+
+def test_config_path_loads_the_tokenizer(vocab_dirs: Dirs) -> None:
+    data = {
+        "models": [{"name": "m", "tokenizer": {"path": str(vocab_dirs("tekken"))}}],
+        "tiers": [{"name": "t", "backends": [{"name": "b", "url": "http://h:1", "model": "m"}]}],
+    }
+    cfg = parse_config(data)
+    tok = cfg.models[0].tokenizer
+    assert tok.path == str(vocab_dirs("tekken"))
+    assert tok.model is not None and tok.model.prefix == (1,)
+
+
+def test_add_bos_token_in_the_config_overrides_the_post_processor(
+    tmp_path: Path, vocab_dirs: Dirs
+) -> None:
+    directory = _copy(vocab_dirs("tekken"), tmp_path / "nobos")
+    _edit_config(directory, add_bos_token=False, add_eos_token=True)
+    tok = load_model_tokenizer(str(directory))
+    assert tok.prefix == () and tok.suffix == (2,)
+    assert tok.encode_prompt("hi")[-1] == 2
+
+
+def test_template_files_and_named_templates(tmp_path: Path, vocab_dirs: Dirs) -> None:
+    directory = _copy(vocab_dirs("qwen"), tmp_path / "named")
+    _edit_config(
+        directory,
+        chat_template=[
+            {"name": "default", "template": "D{{ messages[0].content }}"},
+            {"name": "tool_use", "template": "T{{ tools | length }}"},
+        ],
+    )
+    counter = ExactCounter(load_model_tokenizer(str(directory)))
+    msgs = [{"role": "user", "content": "x"}]
+    assert counter.render_chat({"messages": msgs}).text == "Dx"
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    assert counter.render_chat({"messages": msgs, "tools": tools}).text == "T1"
+    (directory / "chat_template.jinja").write_text("J{{ messages | length }}")
+    counter = ExactCounter(load_model_tokenizer(str(directory)))
+    assert counter.render_chat({"messages": msgs}).text == "J1"
+    (directory / "chat_template.json").write_text(json.dumps({"chat_template": "P"}))
+    counter = ExactCounter(load_model_tokenizer(str(directory)))
+    # vLLM prefers a processor's template unless the request has tools.
+    assert counter.render_chat({"messages": msgs}).text == "P"
+    assert counter.render_chat({"messages": msgs, "tools": tools}).text == "T1"
+
+
+def test_a_tiktoken_file_with_its_pattern(tmp_path: Path, vocab_dirs: Dirs) -> None:
+    directory = tmp_path / "qwen-tiktoken"
+    directory.mkdir()
+    src = vocab._site("dashscope") / "resources" / "qwen.tiktoken"
+    shutil.copy(src, directory / "qwen.tiktoken")
+    with pytest.raises(TokenizerDirError, match="split pattern"):
+        load_model_tokenizer(str(directory))
+    base = len(vocab.qwen_ranks())
+    config = {
+        "eos_token": "<|im_end|>",
+        "added_tokens_decoder": {
+            str(base): {"content": "<|endoftext|>"},
+            str(base + 1): {"content": "<|im_start|>"},
+            str(base + 2): {"content": "<|im_end|>"},
+        },
+    }
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = load_model_tokenizer(str(directory), pattern=vocab.QWEN_PATTERN)
+    reference = load_model_tokenizer(str(vocab_dirs("qwen")), engine="tokenizers")
+    text = "<|im_start|>user\nPrices: 12345.678 USD, naïve café 東京 🙂<|im_end|>\n"
+    assert tok.engine.encode(text) == reference.engine.encode(text)
+
+
+def test_which_tokenizers_can_count_pieces_apart() -> None:
+    from kvgateway.tokens.engines import _position_independent
+
+    assert _position_independent({"pre_tokenizer": None, "added_tokens": []})
+    first = {"type": "Metaspace", "replacement": "▁", "prepend_scheme": "first"}
+    assert not _position_independent({"pre_tokenizer": first})
+    always = {"type": "Sequence", "pretokenizers": [{**first, "prepend_scheme": "always"}]}
+    assert _position_independent({"pre_tokenizer": always})
+    assert not _position_independent({"added_tokens": [{"content": "<x>", "lstrip": True}]})
+
+
+def test_reloads_reuse_an_unchanged_directory(tmp_path: Path, vocab_dirs: Dirs) -> None:
+    directory = _copy(vocab_dirs("sentencepiece"), tmp_path / "sp")
+    data = {
+        "models": [{"name": "m", "tokenizer": {"path": str(directory)}}],
+        "tiers": [{"name": "t", "backends": [{"name": "b", "url": "http://h:1", "model": "m"}]}],
+    }
+    encodings = EncodingCache()
+    first = parse_config(data, encodings=encodings).models[0].tokenizer.model
+    again = parse_config(data, encodings=encodings).models[0].tokenizer.model
+    assert first is not None and again is first
+    _edit_config(directory, add_bos_token=False)
+    changed = parse_config(data, encodings=encodings).models[0].tokenizer.model
+    assert changed is not first and changed is not None and changed.prefix == ()

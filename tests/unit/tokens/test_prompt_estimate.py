@@ -1,0 +1,89 @@
+"""What the proxy reserves: the exact count with the model's tokenizer, else a bound."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from kvgateway.tokens.counting import PromptCounter, TextCountCache
+from kvgateway.tokens.encoding import EncodingSpec, load_encoding
+from kvgateway.tokens.exact import ExactCounter
+from kvgateway.tokens.modeldir import ModelTokenizer
+from kvgateway.tokens.prompt_estimate import PromptEstimator
+from kvgateway.tokens.spec import TokenizerConfig
+from tests.support import corpus
+
+Loader = Callable[[str], ModelTokenizer]
+CONFIG = TokenizerConfig()
+
+
+def _standin() -> PromptCounter:
+    return PromptCounter(load_encoding(EncodingSpec()), TextCountCache(), None)
+
+
+async def test_exact_when_the_model_has_its_tokenizer(
+    gateway_tokenizer: Loader, node_tokenizer: Loader
+) -> None:
+    exact = ExactCounter(gateway_tokenizer("tekken"))
+    estimator = PromptEstimator(CONFIG, _standin(), exact)
+    node = ExactCounter(node_tokenizer("tekken"))
+    assert estimator.exact and estimator.description == "exact (tiktoken:tekken)"
+    for body in corpus.corpus(seed=51, n=20):
+        got = await estimator.chat(body)
+        assert got.exact and got.total == len(node.encode_chat(body)) == got.standin
+    batch = await estimator.completion({"prompt": ["12 34", "hello there friend"]})
+    lengths = [len(node.tokenizer.encode_prompt(p)) for p in ("12 34", "hello there friend")]
+    assert (batch.total, batch.longest, batch.prompts) == (sum(lengths), max(lengths), 2)
+
+
+async def test_a_refused_template_falls_back_to_the_bound(gateway_tokenizer: Loader) -> None:
+    estimator = PromptEstimator(CONFIG, _standin(), ExactCounter(gateway_tokenizer("tekken")))
+    body = {"messages": [{"role": "robot", "content": "beep 123456"}]}
+    got = await estimator.chat(body)
+    assert not got.exact and got.total > got.standin > 0
+
+
+async def test_stand_in_bound_covers_every_vocabulary(
+    gateway_tokenizer: Loader, node_tokenizer: Loader
+) -> None:
+    estimator = PromptEstimator(CONFIG, _standin())
+    assert not estimator.exact and "cl100k_base" in estimator.description
+    nodes = {k: ExactCounter(node_tokenizer(k)) for k in ("qwen", "llama3", "sentencepiece")}
+    for body in corpus.corpus(seed=52, n=40):
+        got = await estimator.chat(body)
+        assert not got.exact and got.total >= got.standin
+        for node in nodes.values():
+            assert got.total >= len(node.encode_chat(body))
+    prompts: list[str | list[int]] = [*corpus.completion_prompts(seed=52, n=6), [1, 2, 3]]
+    got = await estimator.completion({"prompt": prompts})
+    assert len(got.each) == len(prompts) and got.each[-1] == 3  # token ids: known exactly
+    assert got.total == sum(got.each) and got.longest == max(got.each)
+    for node in nodes.values():
+        counts = [len(node.tokenizer.encode_prompt(p)) for p in prompts if isinstance(p, str)]
+        assert all(b >= n for b, n in zip(got.each, counts, strict=False))
+
+
+async def test_counters_build_one_estimator_per_model(vocab_dirs) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kvgateway.config.load import parse_config
+    from kvgateway.tokens.counters import TokenCounters
+    from kvgateway.tokens.encoding import EncodingCache
+
+    backend = {"name": "b", "url": "http://h:1", "model": "plain"}
+    data = {
+        "models": [
+            {"name": "exact", "tokenizer": {"path": str(vocab_dirs("qwen"))}},
+            {"name": "plain"},
+        ],
+        "tiers": [{"name": "t", "backends": [backend]}],
+    }
+    encodings = EncodingCache()
+    config = parse_config(data, encodings=encodings)
+    with ThreadPoolExecutor(1) as pool:
+        counters = TokenCounters(encodings, pool)
+        exact = counters.estimator_for(config.models[0].tokenizer)
+        plain = counters.estimator_for(config.models[1].tokenizer)
+        assert exact.exact and not plain.exact
+        assert counters.estimator_for(config.models[0].tokenizer) is exact
+        body = {"messages": [{"role": "user", "content": "Order 1234567"}]}
+        assert (await exact.chat(body)).exact and not (await plain.chat(body)).exact

@@ -1,0 +1,136 @@
+"""The stand-in's upper bound stays at or above every real vocabulary's count, and the
+node's count is read back out of its context-length 400."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvgateway.tokens.counting import PromptCounter, TextCountCache, plan_chat
+from kvgateway.tokens.encoding import EncodingSpec, load_encoding
+from kvgateway.tokens.exact import ExactCounter
+from kvgateway.tokens.modeldir import ModelTokenizer
+from kvgateway.tokens.node_count import (
+    NodeCount,
+    parse_context_length_error,
+    readmission_prompt_tokens,
+)
+from kvgateway.tokens.spec import TokenizerConfig
+from kvgateway.tokens.standin import completion_upper_bound, text_extra, upper_bound
+from tests.support import corpus
+from tests.unit.tokens.conftest import KINDS
+
+CL100K = load_encoding(EncodingSpec())
+
+
+async def _standin(body: dict[str, object]) -> int:
+    counter = PromptCounter(CL100K, TextCountCache(), None)
+    return (await counter.count(plan_chat(body, TokenizerConfig()))).total
+
+
+@pytest.mark.parametrize("kind", KINDS)
+async def test_bound_holds_for_the_corpus(
+    kind: str, gateway_tokenizer: Callable[[str], ModelTokenizer]
+) -> None:
+    exact = ExactCounter(gateway_tokenizer(kind))
+    below = 0
+    for body in corpus.corpus(seed=23, n=120):
+        standin = await _standin(body)
+        node = exact.count_chat_sync(body)
+        below += node > standin
+        assert upper_bound(standin, body) >= node, body
+    assert below > 60  # the plain stand-in count does undercount most of these
+    for prompt in corpus.completion_prompts(seed=23, n=80):
+        node = len(exact.tokenizer.encode_prompt(prompt))
+        assert completion_upper_bound(len(CL100K.encode_ordinary(prompt)), prompt) >= node
+
+
+@pytest.mark.parametrize("content", ["numbers", "hex", "json", "emoji", "cjk", "code"])
+async def test_bound_holds_for_long_undercounted_prompts(
+    content: str, gateway_tokenizer: Callable[[str], ModelTokenizer]
+) -> None:
+    """Prompts built to be undercounted, at the size that meets a context limit."""
+    body = {
+        "messages": [
+            {"role": "user", "content": corpus.GENERATORS[content](random.Random(content), 2500)}
+        ]
+    }
+    bound = upper_bound(await _standin(body), body)
+    counts = {k: ExactCounter(gateway_tokenizer(k)).count_chat_sync(body) for k in KINDS}
+    assert all(n <= bound for n in counts.values()), (bound, counts)
+    # ...and not absurdly above the worst vocabulary: long ASCII text stays within 40%
+    # (Llama 3 groups digits by three as cl100k does, so the bound is looser for it).
+    if content in ("numbers", "hex", "json", "code"):
+        assert bound <= 1.4 * max(counts.values()), (bound, counts)
+
+
+def test_digit_runs_count_one_token_per_digit() -> None:
+    assert text_extra("abc") == 0
+    assert text_extra("123456") == 6 - 2  # cl100k: 2 tokens, worst vocabulary: 6
+    assert text_extra("7") == 0
+
+
+@given(st.text(max_size=200))
+def test_bound_never_below_the_standin(text: str) -> None:
+    body = {"messages": [{"role": "user", "content": text}]}
+    tokens = len(CL100K.encode_ordinary(text))
+    assert upper_bound(tokens, body) >= tokens
+    assert completion_upper_bound(tokens, text) >= tokens
+
+
+VLLM_NEW = (
+    "This model's maximum context length is 8192 tokens. However, you requested 512 output "
+    "tokens and your prompt contains at least 7681 input tokens, for a total of at least "
+    "8193 tokens. Please reduce the length of the input prompt or the number of requested "
+    "output tokens. (parameter=input_tokens, value=7681)"
+)
+
+
+@pytest.mark.parametrize(
+    ("message", "expected"),
+    [
+        (VLLM_NEW, NodeCount(7681, True, 8192, 512)),
+        (
+            "This model's maximum context length is 4096 tokens. However, you requested 0 "
+            "output tokens and your prompt contains 4096 input tokens, for a total of 4096 tokens.",
+            NodeCount(4096, False, 4096, 0),
+        ),
+        (
+            "This model's maximum context length is 2048 tokens. However, you requested 2300 "
+            "tokens (2100 in the messages, 200 in the completion). Please reduce the length "
+            "of the messages or completion.",
+            NodeCount(2100, False, 2048, 200),
+        ),
+        (
+            "This model's maximum context length is 2048 tokens, however you requested 2300 "
+            "tokens (2100 in your prompt; 200 for the completion). Please reduce your prompt; "
+            "or completion length.",
+            NodeCount(2100, False, 2048, 200),
+        ),
+        (
+            "This model's maximum context length is 2048 tokens. However, you requested 3000 "
+            "tokens in the messages, Please reduce the length of the messages.",
+            NodeCount(3000, False, 2048, None),
+        ),
+        (
+            "The decoder prompt (length 9000) is longer than the maximum model length of 8192. "
+            "Make sure that `max_model_len` is no smaller than the number of text tokens.",
+            NodeCount(9000, False, 8192, None),
+        ),
+        ("max_tokens must be at least 1, got 0.", None),
+    ],
+)
+def test_context_length_wordings(message: str, expected: NodeCount | None) -> None:
+    assert parse_context_length_error(message) == expected
+
+
+def test_readmission_count() -> None:
+    exact = NodeCount(5000, False, 4096, 100)
+    assert readmission_prompt_tokens(exact, 4096) == 5000
+    lower = parse_context_length_error(VLLM_NEW)
+    assert lower is not None
+    assert readmission_prompt_tokens(lower, 8192) == 7681
