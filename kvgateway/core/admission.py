@@ -191,19 +191,14 @@ class Admission:
 
     def _grant(self, backend: Backend, demand: Demand, reason: RouteReason) -> Reservation:
         # Prefix-aware: blocks a ready in-flight request on the node holds are credited.
-        holding = None
-        if self._prefix is not None:
-            holding = self._prefix.granted(backend, demand, self._clock())
-        tokens = tokens_on(backend, demand) - (
-            holding.credited_tokens if holding is not None else 0
-        )
+        holding = self._prefix.granted(backend, demand, self._clock()) if self._prefix else None
+        tokens = tokens_on(backend, demand) - (holding.credited_tokens if holding else 0)
         self._adjust(backend, tokens, demand.sequences, 1)
         return Reservation(backend, tokens, demand.sequences, reason, self, holding=holding)
 
     def grow(self, reservation: Reservation, tokens: int) -> None:
-        """A running request needs more than it reserved (``output_reservation:
-        learned``): charge it now, even past the budget (the node holds it already);
-        the node takes no new work until enough ends."""
+        """A running request outgrew its reservation (learned output): charge it now,
+        even past the budget; the node takes no new work until enough ends."""
         if reservation.released or tokens <= 0:
             return
         self._adjust(reservation.backend, tokens, 0, 0)
@@ -247,11 +242,8 @@ class Admission:
             return False
         reservation.released = True
         tokens = reservation.tokens
-        h = reservation.holding
-        if h is not None and self._prefix is not None:
-            # The reservation paid for its uncredited blocks; the node's charge keeps one
-            # copy of every block another in-flight request still holds.
-            tokens += self._prefix.released(h) - (len(h.keys) - h.credited) * h.block_size
+        if reservation.holding is not None and self._prefix is not None:
+            tokens += self._prefix.released(reservation.holding)  # shared blocks settled
         self._adjust(reservation.backend, -tokens, -reservation.seqs, -1)
         self._offer(reservation.backend)
         return True

@@ -227,7 +227,9 @@ class PrefixRouter:
             self.shared.mark_ready(h)
 
     def released(self, h: Holding) -> int:
-        """Tokens to give back for ``h``'s blocks (beyond the reservation's own part)."""
+        """Tokens to add to what ``h``'s reservation gives back: it paid for its uncredited
+        blocks, and the node's charge keeps one copy of every block another in-flight
+        request still holds (negative when some stay charged)."""
         if self.shared is None:
             return 0
-        return self.shared.release(h) * h.block_size
+        return (self.shared.release(h) - (len(h.keys) - h.credited)) * h.block_size
