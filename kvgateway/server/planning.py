@@ -158,10 +158,15 @@ async def _prefix_hint(
     ids_of = counters.ids_for(model.tokenizer)
     body = parsed.body
 
+    estimator = counters.estimator_for(model.tokenizer)
+
     def ids() -> list[int] | None:
         if parsed.kind == "completion":
             return ids_of.completion(body.get("prompt"))
-        return ids_of.chat(counted_body, model.tokenizer)  # chat, or responses as chat
+        # Chat (or responses as chat): the node's own ids when the model's tokenizer is
+        # configured (KV events then match), else a stable stand-in layout.
+        exact = estimator.exact_chat_ids(counted_body)
+        return exact if exact is not None else ids_of.chat(counted_body, model.tokenizer)
 
     if size > IDS_INLINE_BYTES:
         found = await asyncio.get_running_loop().run_in_executor(counters.executor, ids)

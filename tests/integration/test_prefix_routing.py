@@ -4,12 +4,14 @@ holding their history (approximate: from what was routed; precise: from KV event
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import aiohttp
 
 from kvgateway.core.prefix_keys import block_keys
-from tests.support.fleet import ENCODINGS, MODEL, StartFleet
+from kvgateway.server.planning import plan_request
+from tests.support.fleet import ENCODINGS, MODEL, SERVED, StartFleet
 
 NODES = [
     ("small-1", "small", "gpu24-8b", {}),
@@ -163,3 +165,41 @@ async def test_a_prefix_held_by_a_running_stream_is_reserved_once(start_fleet: S
     )
     assert credited is not None and credited > 1000
     assert fleet.leaks() == {}
+
+
+async def test_chat_keys_match_the_nodes_events_with_the_models_tokenizer(
+    start_fleet: StartFleet, vocab_dirs
+):
+    qwen = str(vocab_dirs("qwen"))
+    nodes = [
+        (name, tier, "gpu24-8b", {"kv_events_endpoint": "tcp://127.0.0.1:*", "tokenizer": qwen})
+        for name, tier, _, _ in NODES
+    ]
+    fleet = await start_fleet(
+        nodes,
+        gateway={
+            "models": [{"name": MODEL, "served_name": SERVED, "tokenizer": {"path": qwen}}],
+            "routing": {"prefix_aware": True},
+        },
+    )
+    homes = await _conversations(fleet)
+    for turns in homes:
+        assert len(set(turns)) == 1, homes
+    # The gateway's keys of a chat are the node's own: its events match them exactly.
+    index = fleet.state.prefix.index
+    model = fleet.state.config.models[0]
+    body = {"messages": [{"role": "system", "content": SYSTEM.format(i=0)}]}
+    body["messages"].append({"role": "user", "content": "Conversation 0, question 0: " * 40})
+    ids = fleet.state.counters.estimator_for(model.tokenizer).exact_chat_ids(body)
+    assert ids is not None
+    keys = block_keys(ids, 16)
+    now = fleet.state.clock()
+    assert index.is_precise(homes[0][0], now)
+    assert index.matched_blocks(homes[0][0], keys, now) >= len(keys) - 1
+    # ... and they are the keys routing uses for that request.
+    st = fleet.state
+    raw = json.dumps({"model": MODEL, **body, "max_tokens": 8}).encode()
+    counted = await plan_request(raw, "chat", st.config, st.counters, st.calibration, st.fleet)
+    hint = counted.demand.prefix
+    assert hint is not None and len(hint.keys) >= len(keys) - 1
+    assert hint.keys == tuple(keys[: len(hint.keys)])
