@@ -108,9 +108,13 @@ def overrides(ts: float) -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 def fleet(policy: str, args: argparse.Namespace) -> Any:
+    """``kv_aware+learned`` is kv_aware with ``admission.output_reservation: learned``."""
     gw, sim = overrides(args.time_scale)
+    base, _, variant = policy.partition("+")
+    if variant == "learned":
+        gw["admission"].update(output_reservation="learned", preemption_risk=0.01)
     return fleet_and_gateway(
-        policy, time_scale=args.time_scale, seed=args.seed, gateway_overrides=gw, sim_overrides=sim
+        base, time_scale=args.time_scale, seed=args.seed, gateway_overrides=gw, sim_overrides=sim
     )
 
 
@@ -491,6 +495,10 @@ def _usage(r: dict[str, Any]) -> str:
     return f"{u.get('small', 0):.0%}/{u.get('large', 0):.0%}"
 
 
+def _order(policy: str) -> tuple[int, str]:
+    return POLICIES.index(policy.partition("+")[0]), policy
+
+
 def print_report(out: dict[str, Any]) -> None:
     c = out["calibration"]
     print(
@@ -534,7 +542,7 @@ def print_report(out: dict[str, Any]) -> None:
                     r["ttft_long_p99_s"],
                     _usage(r),
                 )
-                for r in sorted(out["rows"], key=lambda r: (r["load"], POLICIES.index(r["policy"])))
+                for r in sorted(out["rows"], key=lambda r: (r["load"], _order(r["policy"])))
             ],
             digits=2,
         )
@@ -584,6 +592,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--raw", action="store_true", help="keep every request's outcome in the JSON")
     p.add_argument("--policies", default=",".join(POLICIES))
     p.add_argument("--loads", default=",".join(str(x) for x in LOADS))
+    p.add_argument("--name", default="fleet", help="results file: bench/results/NAME.json")
     args = p.parse_args(argv)
     args.window = args.window or (4.0 if args.quick else 15.0)
     args.timeout = args.timeout or (60.0 if args.quick else 120.0)
@@ -632,8 +641,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     out["targets"] = targets(rows, args.loads) if "kv_aware" in args.policies else {}
     print_report(out)
-    save("fleet", out)
-    plot(rows, cal["capacity_rps_simulated"])
+    save(args.name, out)
+    if args.name == "fleet":
+        plot(rows, cal["capacity_rps_simulated"])
     return out
 
 

@@ -207,6 +207,13 @@ def _admission(s: Section) -> AdmissionConfig:
         max_messages=s.integer("max_messages", d.max_messages),
         max_content_parts=s.integer("max_content_parts", d.max_content_parts),
         inject_default_output=s.flag("inject_default_output", d.inject_default_output),
+        prefix_credit=s.flag("prefix_credit", d.prefix_credit),
+        output_reservation=s.choice(
+            "output_reservation", ("max_tokens", "learned"), d.output_reservation
+        ),
+        preemption_risk=s.number(
+            "preemption_risk", d.preemption_risk, exclusive_min=False, maximum=0.5
+        ),
     )
     s.reject_unknown()
     return cfg
@@ -217,6 +224,7 @@ def _routing(s: Section) -> RoutingConfig:
     cfg = RoutingConfig(
         policy=Policy(s.choice("policy", POLICIES, d.policy.value)),
         offload_overflow=s.flag("offload_overflow", d.offload_overflow),
+        prefix_aware=s.flag("prefix_aware", d.prefix_aware),
     )
     s.reject_unknown()
     return cfg
@@ -396,4 +404,20 @@ def _backend_settings(
         num_speculative_tokens=s.integer("num_speculative_tokens", 0, minimum=0),
         release_delay_s=s.number("release_delay_s", 0.0, exclusive_min=False),
         path=s.path,
+        kv_events=_kv_events(s),
     )
+
+
+def _kv_events(s: Section) -> str | None:
+    endpoint = s.opt_str("kv_events")
+    if endpoint is None:
+        return None
+    parts = urlsplit(endpoint)
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    if parts.scheme != "tcp" or not parts.hostname or port is None or "*" in endpoint:
+        s.fail("kv_events", f'expected tcp://HOST:PORT (the node\'s publisher), got "{endpoint}"')
+        return None
+    return endpoint

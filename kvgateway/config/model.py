@@ -50,6 +50,15 @@ class AdmissionConfig:
     # A chat request without max_tokens may generate up to the rest of the context on
     # vLLM; the gateway caps it at the reserved default so the reservation holds.
     inject_default_output: bool = True
+    # With routing.prefix_aware: prompt blocks that a running request on the same node
+    # already holds are reserved once, not once per request.
+    prefix_credit: bool = True
+    # "max_tokens": reserve every request's whole output budget (no preemption caused by
+    # the gateway). "learned": reserve the (1 - preemption_risk) quantile of the output
+    # lengths seen for such requests (model, client key, max_tokens bucket), growing a
+    # stream's reservation as it outgrows it.
+    output_reservation: str = "max_tokens"
+    preemption_risk: float = 0.01
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +67,9 @@ class RoutingConfig:
     # Send work that fits a GPU tier to the offload tier when every GPU tier is full
     # (instead of queueing). Off by default: offload nodes are slow.
     offload_overflow: bool = False
+    # kv_aware only: prefer, within the tier kv_aware picks, the node holding the prompt's
+    # prefix in its cache (approximate from what was routed; precise with `kv_events`).
+    prefix_aware: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +130,8 @@ class BackendConfig:
     # transfer is done: its reservation is held this much longer.
     release_delay_s: float = 0.0
     path: str = ""
+    # vLLM's --kv-events-config publisher (tcp://HOST:PORT) for precise prefix routing.
+    kv_events: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

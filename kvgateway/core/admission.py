@@ -37,6 +37,7 @@ from kvgateway.core.backends import Backend, PauseReason
 from kvgateway.core.demand import Demand, can_ever_hold, tokens_on
 from kvgateway.core.fleet import Fleet
 from kvgateway.core.ledger import Ledger, LocalLedger
+from kvgateway.core.prefix_routing import PrefixRouter
 from kvgateway.core.routing import (
     Decision,
     NoBackend,
@@ -49,6 +50,7 @@ from kvgateway.core.routing import (
     route_to,
 )
 from kvgateway.core.routing_index import ModelIndex
+from kvgateway.core.shared_blocks import Holding
 from kvgateway.core.tenancy import (
     Tenancy,
     Ticket,
@@ -79,10 +81,16 @@ class Reservation:
     # back there. Otherwise its release is reported to the ledger.
     counted: bool = True
     id: int = field(default_factory=lambda: next(_ids))
+    # Prefix-aware placement: this request's share of its node's prompt blocks.
+    holding: Holding | None = None
 
     def release(self) -> bool:
         """Give the tokens and slot back; only the first call has an effect."""
         return self.owner.release(self)
+
+    def prefill_done(self) -> None:
+        """The node has streamed the first token: the prompt's blocks are cached."""
+        self.owner.prefill_done(self)
 
     async def __aenter__(self) -> Reservation:
         return self
@@ -153,12 +161,14 @@ class Admission:
         abort_delay: Callable[[], float] = lambda: 0.0,
         tenancy: Tenancy | None = None,
         budget: Callable[[], int] = lambda: 0,
+        prefix: PrefixRouter | None = None,
     ) -> None:
         self._ledger: Ledger = ledger if ledger is not None else LocalLedger()
         self._abort_delay = abort_delay
         self._tenancy = tenancy
         self._budget = budget
         self._index_for = index_for
+        self._prefix = prefix
         self._adjust = adjust
         self._policy = policy
         self._offload_overflow = offload_overflow
@@ -179,6 +189,7 @@ class Admission:
         on_decision: Callable[[Decision, Demand], None] | None = None,
         tenancy: Tenancy | None = None,
         ledger: Ledger | None = None,
+        prefix: PrefixRouter | None = None,
     ) -> Admission:
         """Admission over ``fleet``, following the live config (it changes on reload)."""
         return cls(
@@ -193,28 +204,51 @@ class Admission:
             on_decision=on_decision,
             ledger=ledger,
             abort_delay=lambda: config().admission.abort_release_delay_s,
+            prefix=prefix,
         )
 
     # ---- synchronous core -------------------------------------------------------
 
     def decide(self, demand: Demand) -> Decision:
-        return route(
+        index = self._index_for(demand.model)
+        now = self._clock()
+        decision = route(
             self._policy(),
-            self._index_for(demand.model),
+            index,
             demand,
             self._router,
-            self._clock(),
+            now,
             offload_overflow=self._offload_overflow(),
         )
+        if self._prefix is not None and demand.prefix is not None:
+            decision = self._prefix.refine(index, demand, decision, now)
+        return decision
 
     def _grant(
         self, backend: Backend, demand: Demand, reason: RouteReason, ticket: Ticket | None = None
     ) -> Reservation:
-        tokens = tokens_on(backend, demand)
+        # Prefix-aware: blocks a ready in-flight request on the node holds are credited.
+        holding = self._prefix.granted(backend, demand, self._clock()) if self._prefix else None
+        tokens = tokens_on(backend, demand) - (holding.credited_tokens if holding else 0)
         self._adjust(backend, tokens, demand.sequences, 1)
         if ticket is not None and self._tenancy is not None:
             self._tenancy.granted(ticket, tokens)
-        return Reservation(backend, tokens, demand.sequences, reason, self, ticket=ticket)
+        return Reservation(
+            backend, tokens, demand.sequences, reason, self, ticket=ticket, holding=holding
+        )
+
+    def grow(self, reservation: Reservation, tokens: int) -> None:
+        """A running request outgrew its reservation (learned output): charge it now,
+        even past the budget; the node takes no new work until enough ends."""
+        if reservation.released or tokens <= 0:
+            return
+        self._adjust(reservation.backend, tokens, 0, 0)
+        reservation.tokens += tokens
+
+    def prefill_done(self, reservation: Reservation) -> None:
+        h = reservation.holding
+        if self._prefix is not None and h is not None and not reservation.released:
+            self._prefix.prefill_done(h)
 
     def try_admit(self, demand: Demand, ticket: Ticket | None = None) -> Decision | Reservation:
         """Reserve now if the policy finds room that no waiter ahead of it claims."""
@@ -286,7 +320,10 @@ class Admission:
         reservation.released = True
         if reservation.counted:
             self._ledger.release(reservation)
-        self._adjust(reservation.backend, -reservation.tokens, -reservation.seqs, -1)
+        tokens = reservation.tokens
+        if reservation.holding is not None and self._prefix is not None:
+            tokens += self._prefix.released(reservation.holding)  # shared blocks settled
+        self._adjust(reservation.backend, -tokens, -reservation.seqs, -1)
         if reservation.ticket is not None and self._tenancy is not None:
             # A tenant limit may open too: _offer asks each waiter's gate again.
             self._tenancy.released(reservation.ticket, reservation.tokens)

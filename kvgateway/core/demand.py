@@ -14,6 +14,17 @@ from kvgateway.core.backends import Backend
 
 
 @dataclass(frozen=True, slots=True)
+class PrefixHint:
+    """What prefix-aware routing knows of a request's prompt: the chained keys of its
+    full blocks (:func:`kvgateway.core.prefix_keys.block_keys`, at ``block_size``) and a
+    session id (``x-session-id`` or the body's ``user``) as an affinity hint."""
+
+    keys: tuple[int, ...]
+    block_size: int
+    session: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class Demand:
     """What one request needs, in KV tokens and sequence slots."""
 
@@ -30,6 +41,8 @@ class Demand:
     busy: frozenset[str] = frozenset()
     # Who asks (a tenant name from the config): its class and fair share order the queue.
     tenant: str = ""
+    # Set when routing.prefix_aware is on (kv_aware): where the prompt's blocks may be cached.
+    prefix: PrefixHint | None = None
 
     @property
     def longest_sequence(self) -> int:

@@ -229,6 +229,12 @@ class PrefixIndex:
                     break
                 n += 1
             return n
+        return self.routed_blocks(backend, keys, now)
+
+    def routed_blocks(self, backend: str, keys: Sequence[BlockKey], now: float) -> int:
+        """:meth:`matched_blocks` from the approximate view alone (what was routed there),
+        also for a backend with events: when the gateway's token ids cannot match the
+        node's (a chat template it does not know), the events never match its keys."""
         view = self._approx.get(backend)
         if view is None:
             return 0
@@ -247,6 +253,10 @@ class PrefixIndex:
         ``0.5 ** (age / half_life_s)`` per block the gateway only routed there."""
         if self.is_precise(backend, now):
             return float(self.matched_blocks(backend, keys, now))
+        return self.routed_expected_blocks(backend, keys, now)
+
+    def routed_expected_blocks(self, backend: str, keys: Sequence[BlockKey], now: float) -> float:
+        """:meth:`expected_blocks` from the approximate view alone."""
         view = self._approx.get(backend)
         if view is None:
             return 0.0

@@ -77,7 +77,7 @@ def _has_room(b: Backend, d: Demand) -> bool:
     return b.free_tokens >= tokens_on(b, d) and b.free_seqs >= d.sequences
 
 
-def _eligible(b: Backend, d: Demand, now: float) -> bool:
+def eligible(b: Backend, d: Demand, now: float) -> bool:
     """Can ``b`` take ``d`` right now (fits, healthy, accepting, has room)?"""
     return (
         can_ever_hold(b, d)
@@ -106,7 +106,7 @@ def route_to(
 ) -> Routed | None:
     """kv_aware's answer restricted to one backend: the reason it would be chosen, or
     None when it cannot take the request (used when only ``b`` gained room)."""
-    if not _eligible(b, d, now):
+    if not eligible(b, d, now):
         return None
     first_fit = _first_fit_tier(index, d)
     if b.offload:
@@ -122,7 +122,7 @@ def route_kv_aware(
     """The indexed decision: looks at a few backends per tier, not all of them."""
 
     def accept(b: Backend) -> bool:
-        return _eligible(b, d, now)
+        return eligible(b, d, now)
 
     first_fit = _first_fit_tier(index, d)
     for tier in index.tiers:
@@ -167,12 +167,12 @@ def kv_aware_scan(
             continue
         if best is not None and b.tier_index != best.tier_index:
             break
-        if _eligible(b, d, now) and (best is None or _key_better(b, best)):
+        if eligible(b, d, now) and (best is None or _key_better(b, best)):
             best = b
     if best is not None:
         return Routed(best, RouteReason.FIT if best.tier_index == first_fit else RouteReason.SPILL)
     if first_fit is None or offload_overflow:
-        offload = [b for b in could if b.offload and _eligible(b, d, now)]
+        offload = [b for b in could if b.offload and eligible(b, d, now)]
         if offload:
             first_tier = min(b.tier_index for b in offload)
             pick = min((b for b in offload if b.tier_index == first_tier), key=_sort_key)

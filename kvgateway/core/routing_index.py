@@ -69,6 +69,16 @@ class TierIndex:
                 return b
         return None
 
+    def top(self, accept: Callable[[Backend], bool], tokens: int, k: int) -> list[Backend]:
+        """Up to ``k`` backends that ``accept`` takes, most free budget first."""
+        out: list[Backend] = []
+        for b in self._sorted:
+            if b.free_tokens < tokens or len(out) >= k:
+                break
+            if accept(b):
+                out.append(b)
+        return out
+
     def remove(self, b: Backend) -> None:
         self._sorted.remove(b)
 
@@ -93,6 +103,13 @@ class ModelIndex:
             TierIndex(i, members[0].offload, members) for i, members in sorted(by_tier.items())
         ]
         self._tier_of = {id(b): t for t in self.tiers for b in t._sorted}
+        self._by_name = {b.name: b for b in backends}
+
+    def tier_of(self, b: Backend) -> TierIndex | None:
+        return self._tier_of.get(id(b))
+
+    def get(self, name: str) -> Backend | None:
+        return self._by_name.get(name)
 
     def adjust(self, b: Backend, tokens: int, seqs: int, in_flight: int) -> None:
         """Change a backend's reservations, keeping its tier sorted."""

@@ -116,12 +116,29 @@ def _backend_view(b: Backend, now: float) -> dict[str, Any]:
 async def admin_backends(request: web.Request) -> web.Response:
     state = request.app[STATE]
     now = state.clock()
+    live = state.outputs.statistics()
+    views = []
+    for b in state.fleet.backends:
+        view = _backend_view(b, now)
+        # KV tokens in-flight streams occupy now (prompt + output so far).
+        view["live_stream_tokens"] = live.get(b.name, 0)
+        if state.prefix is not None:
+            stats = state.prefix.index.statistics(b.name, now)
+            view["prefix_index"] = {
+                "precise": stats.precise,
+                "approximate_blocks": stats.approximate_blocks,
+                "precise_blocks": stats.precise_blocks,
+                "resyncs": stats.resyncs,
+            }
+        views.append(view)
     return web.json_response(
         {
-            "backends": [_backend_view(b, now) for b in state.fleet.backends],
+            "backends": views,
             "queue_depth": state.admission.queue_depth,
             "policy": state.config.routing.policy,
             "tenants": tenants_view(state.tenancy, state.quotas, now),
+            "prefix_aware": state.config.routing.prefix_aware,
+            "output_reservation": state.config.admission.output_reservation,
         }
     )
 

@@ -27,10 +27,13 @@ from kvgateway.config.model import GatewayConfig
 from kvgateway.core.derived_limits import derive_all
 from kvgateway.core.fleet import Fleet
 from kvgateway.core.limits import Observed
+from kvgateway.core.prefix_index import PrefixIndex
+from kvgateway.core.prefix_routing import PrefixRouter
 from kvgateway.core.quota import QuotaLedger
+from kvgateway.core.shared_blocks import SharedBlocks
 from kvgateway.errors import BodyTooLarge, GatewayError, MethodNotAllowed, NotFound, Unauthorized
 from kvgateway.server import admin
-from kvgateway.server.appkeys import EXPOSITION, MONITOR, STATE
+from kvgateway.server.appkeys import EXPOSITION, KV_EVENTS, MONITOR, STATE
 from kvgateway.server.ledger_view import LedgerMetrics, build_ledger
 from kvgateway.server.metrics import FleetCollector, GatewayMetrics
 from kvgateway.server.passthrough import PATHS as PASSTHROUGH_PATHS
@@ -43,13 +46,14 @@ from kvgateway.server.tracing import from_environment
 from kvgateway.tokens.counters import TokenCounters
 from kvgateway.tokens.encoding import EncodingCache
 from kvgateway.upstream.dns import DnsDiscovery
+from kvgateway.upstream.kv_events import KVEventHub, kv_event_sources
 from kvgateway.upstream.monitor import Monitor
 
 _OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
-__all__ = ["MONITOR", "STATE", "create_app"]
+__all__ = ["KV_EVENTS", "MONITOR", "STATE", "create_app"]
 
 
 def create_app(
@@ -111,7 +115,14 @@ def create_app(
             auto_decompress=False,
             timeout=aiohttp.ClientTimeout(total=None, connect=10, sock_connect=10),
         )
+        prefix_index = PrefixIndex()
+        hub = KVEventHub(prefix_index, clock=clock)
         try:
+            prefix = PrefixRouter(
+                prefix_index,
+                shared=SharedBlocks(),
+                credit=lambda: state.config.admission.prefix_credit,
+            )
             state = GatewayState(
                 config,
                 fleet,
@@ -122,6 +133,7 @@ def create_app(
                 tracing=tracing,
                 quota_ledger=quota_ledger,
                 ledger=ledger,
+                prefix=prefix,
             )
             collector = TenantCollector(state.tenancy, state.quotas, clock)
             registry.register(collector)
@@ -135,6 +147,8 @@ def create_app(
             )
             app[STATE] = state
             app[MONITOR] = monitor
+            app[KV_EVENTS] = hub
+            await hub.sync(kv_event_sources(config))
             await monitor.probe_all_once()
             monitor.sync()
             try:
@@ -147,6 +161,7 @@ def create_app(
                 await monitor.close()
                 registry.unregister(collector)
         finally:
+            await hub.close()
             await session.close()
             pool.shutdown(wait=False, cancel_futures=True)
             huge.shutdown(wait=False, cancel_futures=True)

@@ -7,6 +7,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from kvgateway.server.state import GatewayState
+from kvgateway.upstream.kv_events import KVEventHub
 from kvgateway.upstream.monitor import Monitor
 
 STATE = web.AppKey("state", GatewayState)
@@ -14,3 +15,4 @@ MONITOR = web.AppKey("monitor", Monitor)
 # What /metrics exposes: the app's registry, or with `serve --workers N` every worker's
 # series merged (prometheus-client multiprocess mode) plus this worker's live collectors.
 EXPOSITION = web.AppKey("exposition", CollectorRegistry)
+KV_EVENTS = web.AppKey("kv_events", KVEventHub)

@@ -74,6 +74,11 @@ class Exchange:
     limit_headers: dict[str, str] = field(default_factory=dict)
     output_tokens: int | None = None
     limit_hit: str | None = None
+    # Who sent it (a hash of the API key; "*" without one): output lengths learned per client.
+    client: str = "*"
+    # KV tokens credited for shared prompt blocks, and grown past a learned reservation.
+    credited_tokens: int = 0
+    grown_tokens: int = 0
 
     @property
     def request_id(self) -> str:
@@ -85,6 +90,8 @@ class Exchange:
         rec.tier = r.backend.tier
         rec.route = r.reason
         rec.reserved_tokens = r.tokens
+        if r.holding is not None:
+            self.credited_tokens += r.holding.credited_tokens
         rec.queued_ms += r.queued_s * 1000
         self.admissions.append((r.backend.tier, r.reason, r.queued_s))
 
@@ -112,6 +119,10 @@ def finish(ex: Exchange, m: GatewayMetrics, now: float, access_log: bool) -> Non
         m.output_budget.labels(model=model).observe(
             ex.counted.output_tokens * ex.counted.demand.sequences
         )
+    if ex.counted is not None and ex.credited_tokens:
+        m.prefix_credited.labels(model=ex.counted.model.name).inc(ex.credited_tokens)
+    if ex.counted is not None and ex.grown_tokens:
+        m.reservation_grown.labels(model=ex.counted.model.name).inc(ex.grown_tokens)
     for tier, reason, queued_s in ex.admissions:
         m.decisions.labels(tier=tier, reason=reason).inc()
         if queued_s > 0:

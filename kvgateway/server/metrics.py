@@ -177,6 +177,19 @@ class GatewayMetrics:
             ["result"],
             registry=registry,
         )
+        self.prefix_credited = Counter(
+            "gateway_prefix_credited_tokens",
+            "KV tokens not reserved because a running request on the node holds those "
+            "prompt blocks (admission.prefix_credit).",
+            ["model"],
+            registry=registry,
+        )
+        self.reservation_grown = Counter(
+            "gateway_reservation_grown_tokens",
+            "KV tokens added to streams that outgrew a learned output reservation.",
+            ["model"],
+            registry=registry,
+        )
         self.build_info = Gauge(
             "gateway_build_info",
             "Gateway version and routing policy.",

@@ -10,10 +10,12 @@ from __future__ import annotations
 import asyncio
 import json
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import Any, Protocol
 
-from kvgateway.config.model import GatewayConfig, ModelConfig
-from kvgateway.core.demand import Demand, demand_tokens
+from kvgateway.config.model import GatewayConfig, ModelConfig, Policy
+from kvgateway.core.demand import Demand, PrefixHint, demand_tokens
+from kvgateway.core.output_model import ANY_KEY, OutputModel
+from kvgateway.core.prefix_keys import block_keys
 from kvgateway.errors import ModelNotFound
 from kvgateway.server.node_tokenize import NodeTokenizer
 from kvgateway.server.openai_request import (
@@ -33,6 +35,8 @@ from kvgateway.tokens.prompt_estimate import PromptEstimate
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's documented default
 OFF_LOOP_BYTES = 1024 * 1024
+# Prompts above this are turned into token ids in the counting pool, not on the loop.
+IDS_INLINE_BYTES = 24_000
 
 
 class FleetView(Protocol):
@@ -53,6 +57,8 @@ class Counted:
     demand: Demand
     # The max_tokens the gateway set because the client left it open (None: unchanged).
     injected_output: int | None = None
+    # Output tokens reserved per sequence: output_tokens, or less when learned.
+    reserved_output: int = 0
 
 
 async def plan_request(
@@ -63,6 +69,9 @@ async def plan_request(
     calibration: PromptCalibration,
     fleet: FleetView,
     node_tokenizer: NodeTokenizer | None = None,
+    session: str | None = None,
+    outputs: OutputModel | None = None,
+    client: str = ANY_KEY,
 ) -> Counted:
     limits = Limits(config.admission.max_messages, config.admission.max_content_parts)
     if len(raw) > OFF_LOOP_BYTES:
@@ -105,6 +114,18 @@ async def plan_request(
     each = reserved_prompts(prompt, model, calibration)
     longest = max(each)
     output, injected = output_budget(parsed, config, longest, largest)
+    block = fleet.block_size(model.name)
+    reserved = output
+    adm = config.admission
+    if adm.output_reservation == "learned" and outputs is not None and not parsed.echo_only:
+        # Context fit still uses the whole output budget (the node checks it); the KV
+        # reservation uses what such requests really generate.
+        reserved = outputs.reservation(model.name, client, output, adm.preemption_risk)
+    prefix = None
+    if config.routing.prefix_aware and config.routing.policy == Policy.KV_AWARE:
+        prefix = await _prefix_hint(
+            parsed, counted_body, model, counters, block, longest, session, len(raw)
+        )
     demand = Demand(
         model=model.name,
         prompt_tokens=sum(each),
@@ -112,11 +133,49 @@ async def plan_request(
         output_tokens=output,
         sequences=len(each) * parsed.sequences_per_prompt,
         # Every prompt's sequences rounded to whole blocks on their own, as vLLM does.
-        tokens=demand_tokens(
-            each, output, parsed.sequences_per_prompt, fleet.block_size(model.name)
-        ),
+        tokens=demand_tokens(each, reserved, parsed.sequences_per_prompt, block),
+        prefix=prefix,
     )
-    return Counted(model, parsed, prompt, output, demand, injected)
+    return Counted(model, parsed, prompt, output, demand, injected, reserved)
+
+
+async def _prefix_hint(
+    parsed: ParsedRequest,
+    counted_body: dict[str, Any],
+    model: ModelConfig,
+    counters: TokenCounters,
+    block: int,
+    longest: int,
+    session: str | None,
+    size: int,
+) -> PrefixHint:
+    """The prompt's block keys (a single prompt only) and its session, for routing.
+
+    Keys stop at the counted prompt's full blocks, so a credit for shared blocks can never
+    exceed what the demand reserved for the prompt."""
+    user = parsed.body.get("user")
+    session = session or (user if isinstance(user, str) and user else None)
+    ids_of = counters.ids_for(model.tokenizer)
+    body = parsed.body
+
+    estimator = counters.estimator_for(model.tokenizer)
+
+    def ids() -> list[int] | None:
+        if parsed.kind == "completion":
+            return ids_of.completion(body.get("prompt"))
+        # Chat (or responses as chat): the node's own ids when the model's tokenizer is
+        # configured (KV events then match), else a stable stand-in layout.
+        exact = estimator.exact_chat_ids(counted_body)
+        return exact if exact is not None else ids_of.chat(counted_body, model.tokenizer)
+
+    if size > IDS_INLINE_BYTES:
+        found = await asyncio.get_running_loop().run_in_executor(counters.executor, ids)
+    else:
+        found = ids()
+    keys: tuple[int, ...] = ()
+    if found:
+        keys = tuple(block_keys(found, block, max_blocks=longest // block))
+    return PrefixHint(keys, block, session[:256] if session else None)
 
 
 def node_counted(prompt: PromptEstimate, count: int) -> PromptEstimate:

@@ -35,6 +35,7 @@ from kvgateway.errors import (
 from kvgateway.server.accesslog import AccessRecord
 from kvgateway.server.exchange import Exchange, Failure, Outcome, finish
 from kvgateway.server.openai_request import Kind
+from kvgateway.server.output_accounting import client_key
 from kvgateway.server.planning import plan_request, upstream_body, with_node_count
 from kvgateway.server.relay import answer_body, error_event, error_message, read_body, relay_stream
 from kvgateway.server.state import GatewayState
@@ -96,6 +97,7 @@ async def handle_completion(
             tenant=request.get(TENANT, state.config.auth.default_tenant.name),
         ),
         started=state.clock(),
+        client=client_key(request.headers.get("Authorization", "")),
     )
     task = asyncio.current_task()
     if task is not None:
@@ -166,7 +168,16 @@ async def _count_and_forward(state: GatewayState, ex: Exchange, kind: Kind) -> w
     raw = await read_limited(ex.request, cfg.admission.max_body_bytes, cfg.server.body_timeout_s)
     ex.body_read = True
     counted = await plan_request(
-        raw, kind, cfg, state.counters, state.calibration, state.fleet, state.node_tokenizer
+        raw,
+        kind,
+        cfg,
+        state.counters,
+        state.calibration,
+        state.fleet,
+        state.node_tokenizer,
+        session=ex.request.headers.get("x-session-id") or None,
+        outputs=state.outputs.model,
+        client=ex.client,
     )
     ex.counted = counted
     rec = ex.record

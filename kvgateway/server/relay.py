@@ -15,6 +15,7 @@ from aiohttp import web
 from kvgateway.core.admission import Reservation
 from kvgateway.errors import UpstreamError, UpstreamTimeout
 from kvgateway.server.exchange import Exchange, Failure, Outcome
+from kvgateway.server.output_accounting import LiveRequest
 from kvgateway.server.state import GatewayState
 from kvgateway.upstream.client import MidStreamError, UpstreamResponse, find_usage
 
@@ -41,10 +42,14 @@ def error_event(message: str, code: str) -> bytes:
     return b"data: " + err.body_bytes() + b"\n\ndata: [DONE]\n\n"
 
 
-def _reconcile(state: GatewayState, ex: Exchange, r: Reservation, data: bytes) -> None:
+def _reconcile(
+    state: GatewayState, ex: Exchange, r: Reservation, data: bytes, counted_output: int | None
+) -> None:
+    """A finished answer: calibrate prompt counting and learn its output length (from
+    ``usage``, else from the live count of a stream)."""
     counted = ex.counted
     assert counted is not None
-    usage = find_usage(data)
+    usage = find_usage(data) if b'"usage"' in data else None
     if usage is not None and usage.completion_tokens is not None:
         ex.output_tokens = usage.completion_tokens
     # vLLM reports the prompt once per request, whatever n is. Learned on the stand-in's
@@ -53,6 +58,12 @@ def _reconcile(state: GatewayState, ex: Exchange, r: Reservation, data: bytes) -
         state.calibration.observe(
             r.backend.name, counted.model.name, counted.prompt.standin, usage.prompt_tokens
         )
+    output = usage.completion_tokens if usage is not None else None
+    if output is None:
+        output = counted_output
+    if output is not None and not counted.parsed.echo_only:
+        per_seq = -(-output // max(1, counted.demand.sequences))
+        state.outputs.learn(counted.model.name, ex.client, counted.output_tokens, per_seq)
 
 
 async def read_body(
@@ -86,7 +97,7 @@ def answer_body(
     state: GatewayState, ex: Exchange, resp: UpstreamResponse, r: Reservation, data: bytes
 ) -> web.Response:
     if resp.status == 200:
-        _reconcile(state, ex, r, data)
+        _reconcile(state, ex, r, data, None)
         ex.record.outcome = Outcome.OK
     else:
         ex.record.outcome = f"backend_{resp.status}"
@@ -108,6 +119,32 @@ async def relay_stream(
     out.headers["X-Accel-Buffering"] = "no"
     await out.prepare(ex.request)
     ex.response = out
+    counted = ex.counted
+    assert counted is not None
+    live = state.outputs.start(
+        r,
+        counted.demand.prompt_tokens,
+        counted.demand.sequences,
+        counted.reserved_output or counted.output_tokens,
+        state.fleet.block_size(counted.model.name),
+    )
+    try:
+        await _relay_events(state, ex, resp, r, out, live)
+    finally:
+        state.outputs.end(live)
+        ex.grown_tokens += live.grown
+    await out.write_eof()
+    return out
+
+
+async def _relay_events(
+    state: GatewayState,
+    ex: Exchange,
+    resp: UpstreamResponse,
+    r: Reservation,
+    out: web.StreamResponse,
+    live: LiveRequest,
+) -> None:
     timeouts = r.backend.config.timeouts
     rec = ex.record
     done = False
@@ -115,7 +152,10 @@ async def relay_stream(
     try:
         async with asyncio.timeout_at(_loop_deadline(ex.started + timeouts.total_s, state)):
             async for events in resp.events(timeouts.idle_s):
+                if ex.ttft_s is None:
+                    r.prefill_done()  # the prompt's blocks are in the node's cache now
                 ex.first_byte(state.clock())
+                state.outputs.on_events(live, events)
                 await out.write(events)
                 last = events
                 if _ends_stream(events):
@@ -145,10 +185,7 @@ async def relay_stream(
         )
     elif rec.outcome == Outcome.PENDING:
         rec.outcome = Outcome.OK
-        if b'"usage"' in last:
-            _reconcile(state, ex, r, last)
-    await out.write_eof()
-    return out
+        _reconcile(state, ex, r, last, live.generated)
 
 
 # Chat and completions streams end with [DONE]; Responses streams with a final event.

@@ -23,7 +23,8 @@ from kvgateway.config.yamlread import ConfigError
 from kvgateway.core.derived_limits import derive_all
 from kvgateway.core.fleet import ReloadSummary
 from kvgateway.core.limits import Observed
-from kvgateway.server.appkeys import MONITOR, STATE
+from kvgateway.server.appkeys import KV_EVENTS, MONITOR, STATE
+from kvgateway.upstream.kv_events import kv_event_sources
 
 log = logging.getLogger("kvgateway.server.reload")
 
@@ -115,7 +116,8 @@ class Reloader:
             await self._wanted.wait()
             self._wanted.clear()
             try:
-                reload_config(self._app, self._path)
+                if reload_config(self._app, self._path):
+                    await self._app[KV_EVENTS].sync(kv_event_sources(self._app[STATE].config))
             except Exception:
                 self._app[STATE].metrics.reloads.labels(result="error").inc()
                 log.exception("reload of %s failed; still serving the previous config", self._path)

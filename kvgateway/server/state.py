@@ -14,6 +14,7 @@ from kvgateway.core.admission import Admission
 from kvgateway.core.demand import Demand
 from kvgateway.core.fleet import Fleet
 from kvgateway.core.membership import DiscoveredMembers
+from kvgateway.core.prefix_routing import PrefixRouter
 from kvgateway.core.quota import LocalQuotaLedger, QuotaLedger
 from kvgateway.core.routing import Decision, Wait
 from kvgateway.core.tenancy import Tenancy
@@ -21,6 +22,7 @@ from kvgateway.ledger.redis_ledger import RedisLedger
 from kvgateway.server.exchange import Exchange
 from kvgateway.server.metrics import GatewayMetrics
 from kvgateway.server.node_tokenize import NodeTokenizer
+from kvgateway.server.output_accounting import OutputAccounting
 from kvgateway.server.tracing import Tracing
 from kvgateway.tokens.calibration import PromptCalibration
 from kvgateway.tokens.counters import TokenCounters
@@ -41,6 +43,7 @@ class GatewayState:
         tracing: Tracing | None = None,
         quota_ledger: QuotaLedger | None = None,
         ledger: RedisLedger | None = None,
+        prefix: PrefixRouter | None = None,
     ) -> None:
         self.config = config
         self.tracing = tracing or Tracing()
@@ -71,6 +74,10 @@ class GatewayState:
         # Per-minute quotas: in this process unless a shared ledger is given.
         self.quotas: QuotaLedger = quota_ledger if quota_ledger is not None else LocalQuotaLedger()
         self.tenancy = Tenancy(lambda: self.config.auth)
+        # Prefix-aware placement (consulted only for requests planned with a prefix hint).
+        self.prefix = prefix
+        # Live output counts of streams and the learned output lengths.
+        self.outputs = OutputAccounting()
         self.admission = Admission.for_fleet(
             fleet,
             lambda: self.config,
@@ -78,6 +85,7 @@ class GatewayState:
             on_decision=self._count_decision,
             tenancy=self.tenancy,
             ledger=ledger,
+            prefix=prefix,
         )
 
     def _count_decision(self, decision: Decision, demand: Demand) -> None:

@@ -9,6 +9,7 @@ from kvgateway.tokens.counting import PromptCounter, TextCountCache
 from kvgateway.tokens.encoding import EncodingCache, EncodingSpec
 from kvgateway.tokens.exact import ExactCounter
 from kvgateway.tokens.prompt_estimate import PromptEstimator
+from kvgateway.tokens.prompt_ids import PromptIds
 from kvgateway.tokens.spec import TokenizerConfig
 
 
@@ -26,6 +27,15 @@ class TokenCounters:
     inline_chars: int = 24_000
     _by_spec: dict[EncodingSpec, PromptCounter] = field(default_factory=dict)
     _estimators: dict[tuple[TokenizerConfig, int], PromptEstimator] = field(default_factory=dict)
+    _ids_by_spec: dict[EncodingSpec, PromptIds] = field(default_factory=dict)
+
+    def ids_for(self, tokenizer: TokenizerConfig) -> PromptIds:
+        """Token ids of prompts (prefix-aware routing keys blocks with them)."""
+        spec = tokenizer.encoding
+        ids = self._ids_by_spec.get(spec)
+        if ids is None:
+            ids = self._ids_by_spec[spec] = PromptIds(self.encodings.get(spec))
+        return ids
 
     def for_tokenizer(self, tokenizer: TokenizerConfig) -> PromptCounter:
         spec = tokenizer.encoding

@@ -64,6 +64,11 @@ class PromptEstimator:
     def exact(self) -> bool:
         return self._exact is not None
 
+    def exact_chat_ids(self, body: dict[str, Any]) -> list[int] | None:
+        """The node's own prompt ids of a chat request (its template and tokenizer), for
+        keying its KV blocks; None without the model's tokenizer."""
+        return self._exact.prompt_ids(body) if self._exact is not None else None
+
     @property
     def description(self) -> str:
         if self._exact is not None:

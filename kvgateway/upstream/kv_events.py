@@ -38,6 +38,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from kvgateway.config.model import GatewayConfig
 from kvgateway.core.prefix_index import (
     AllCleared,
     BlocksRemoved,
@@ -315,6 +316,11 @@ class KVEventSubscriber:
                     self._resync("disconnected")
         finally:
             monitor.close(linger=0)
+
+
+def kv_event_sources(config: GatewayConfig) -> list[KVEventSource]:
+    """The backends publishing KV events (``kv_events:``), for the :class:`KVEventHub`."""
+    return [KVEventSource(b.name, b.kv_events) for b in config.backends if b.kv_events]
 
 
 class KVEventHub:

@@ -14,6 +14,7 @@ from aiohttp.test_utils import TestServer
 from kvgateway.config.load import parse_config
 from kvgateway.server.app import STATE, create_app
 from kvgateway.server.state import GatewayState
+from kvgateway.simulator.node import NODE_KEY
 from kvgateway.simulator.profiles import get_profile
 from kvgateway.simulator.server import create_node_app as create_node
 from kvgateway.tokens.encoding import EncodingCache
@@ -102,6 +103,10 @@ async def start_fleet(aiohttp_server: Any) -> StartFleet:
             node = Node(name, tier, server)
             running[name] = node
             entry = {"name": name, "url": node.url, "model": MODEL}
+            publisher = server.app[NODE_KEY].publisher
+            if publisher is not None and publisher.endpoint:
+                # A node publishing KV events (`kv_events_endpoint`): the gateway subscribes.
+                entry["kv_events"] = publisher.endpoint
             entry.update((backend_extra or {}).get(name, {}))
             tiers.setdefault(tier, []).append(entry)
         config: dict[str, Any] = {

@@ -1,0 +1,97 @@
+"""Live output accounting: output tokens counted as they stream, per request and node.
+
+A streamed answer is counted chunk by chunk (:func:`count_stream_tokens`: one choice
+object per generated token, as vLLM streams by default; role announcements excepted),
+so each in-flight request's real KV footprint (prompt + output so far) is known now,
+not only its worst case, and :meth:`OutputAccounting.statistics` sums it per node.
+
+With ``admission.output_reservation: learned`` a request reserves less than its
+``max_tokens``. A stream that outgrows its reservation takes more (one block per
+sequence at a time, :meth:`Admission.grow`) before the node must hold it, which may
+push the node past its budget: it then takes no new work until requests end. Whatever
+a finished request generated (``usage`` at the end, else the count) teaches the
+:class:`~kvgateway.core.output_model.OutputModel`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass, field
+
+from kvgateway.core.admission import Reservation
+from kvgateway.core.output_model import ANY_KEY, OutputModel
+
+_CHOICE = re.compile(rb'"index"\s*:')
+_ROLE = re.compile(rb'"role"\s*:')
+
+
+def count_stream_tokens(events: bytes) -> int:
+    """Output tokens in a run of SSE events (an over-count never an under-count of
+    vLLM's one-token chunks: a finish-only chunk counts as one)."""
+    return max(0, len(_CHOICE.findall(events)) - len(_ROLE.findall(events)))
+
+
+def client_key(authorization: str) -> str:
+    """A stable, non-secret id of the client's API key (the learning groups' key)."""
+    token = authorization[7:].strip() if authorization[:7].lower() == "bearer " else ""
+    if not token:
+        return ANY_KEY
+    return hashlib.sha256(token.encode("utf-8", "surrogateescape")).hexdigest()[:12]
+
+
+@dataclass(eq=False, slots=True)
+class LiveRequest:
+    """One streaming request's output so far, against what its reservation covers."""
+
+    reservation: Reservation
+    prompt_tokens: int
+    sequences: int
+    reserved_output: int  # per sequence
+    block_size: int
+    generated: int = 0  # over all sequences
+    grown: int = 0  # tokens added to the reservation
+
+    @property
+    def footprint(self) -> int:
+        return self.prompt_tokens + self.generated
+
+
+@dataclass(slots=True)
+class OutputAccounting:
+    """Every in-flight stream's live count, and the learned output model."""
+
+    model: OutputModel = field(default_factory=OutputModel)
+    _live: dict[int, LiveRequest] = field(default_factory=dict)
+
+    def start(
+        self, r: Reservation, prompt_tokens: int, sequences: int, reserved_output: int, block: int
+    ) -> LiveRequest:
+        live = LiveRequest(r, prompt_tokens, max(1, sequences), reserved_output, block)
+        self._live[r.id] = live
+        return live
+
+    def on_events(self, live: LiveRequest, events: bytes) -> None:
+        """Count a run of streamed events; grow the reservation ahead of the output."""
+        live.generated += count_stream_tokens(events)
+        r = live.reservation
+        per_seq = -(-live.generated // live.sequences)
+        covered = live.reserved_output + live.grown // live.sequences
+        if per_seq >= covered and not r.released:
+            extra = live.sequences * live.block_size
+            r.owner.grow(r, extra)
+            live.grown += extra
+
+    def end(self, live: LiveRequest) -> None:
+        self._live.pop(live.reservation.id, None)
+
+    def learn(self, model: str, key: str, max_tokens: int, output_per_seq: int) -> None:
+        self.model.observe(model, key, max_tokens, output_per_seq)
+
+    def statistics(self) -> dict[str, int]:
+        """Live KV footprint (prompt + output so far) of in-flight streams, per node."""
+        out: dict[str, int] = {}
+        for live in self._live.values():
+            name = live.reservation.backend.name
+            out[name] = out.get(name, 0) + live.footprint
+        return out

@@ -1,0 +1,205 @@
+"""Prefix-aware routing against real simulated nodes: follow-up turns go back to the node
+holding their history (approximate: from what was routed; precise: from KV events)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import aiohttp
+
+from kvgateway.core.prefix_keys import block_keys
+from kvgateway.server.planning import plan_request
+from tests.support.fleet import ENCODINGS, MODEL, SERVED, StartFleet
+
+NODES = [
+    ("small-1", "small", "gpu24-8b", {}),
+    ("small-2", "small", "gpu24-8b", {}),
+    ("small-3", "small", "gpu24-8b", {}),
+]
+SYSTEM = "You are a meticulous assistant for logistics company {i}. " * 30
+
+
+async def _chat(
+    s: aiohttp.ClientSession, url: str, messages: list[dict[str, str]], **extra: Any
+) -> tuple[str, str]:
+    body = {"model": MODEL, "messages": messages, "max_tokens": 48, **extra}
+    async with s.post(url + "/v1/chat/completions", json=body) as r:
+        assert r.status == 200, await r.text()
+        data = await r.json()
+        return r.headers["x-gateway-backend"], data["choices"][0]["message"]["content"]
+
+
+async def _conversation(s: aiohttp.ClientSession, url: str, i: int, turns: int) -> list[str]:
+    messages = [{"role": "system", "content": SYSTEM.format(i=i)}]
+    homes = []
+    for t in range(turns):
+        messages.append({"role": "user", "content": f"Conversation {i}, question {t}: " * 40})
+        backend, answer = await _chat(s, url, messages)
+        homes.append(backend)
+        messages.append({"role": "assistant", "content": answer})
+    return homes
+
+
+async def _conversations(fleet: Any) -> list[list[str]]:
+    async with aiohttp.ClientSession() as s:
+        return list(await asyncio.gather(*(_conversation(s, fleet.url, i, 4) for i in range(6))))
+
+
+async def test_follow_up_turns_go_to_the_node_holding_their_history(start_fleet: StartFleet):
+    fleet = await start_fleet(NODES, gateway={"routing": {"prefix_aware": True}})
+    homes = await _conversations(fleet)
+    for turns in homes:
+        assert len(set(turns)) == 1, homes
+    # Concurrent first turns still spread over the nodes by free budget.
+    assert len({turns[0] for turns in homes}) >= 2, homes
+    assert fleet.leaks() == {}
+    stats = fleet.state.prefix.index.statistics(homes[0][0], fleet.state.clock())
+    assert stats.approximate_blocks > 0 and not stats.precise
+
+
+async def test_without_prefix_awareness_turns_move_between_nodes(start_fleet: StartFleet):
+    fleet = await start_fleet(NODES)
+    homes = await _conversations(fleet)
+    assert any(len(set(turns)) > 1 for turns in homes), homes
+
+
+async def test_a_session_id_keeps_short_prompts_together(start_fleet: StartFleet):
+    fleet = await start_fleet(NODES, gateway={"routing": {"prefix_aware": True}})
+    async with aiohttp.ClientSession() as s:
+        seen = set()
+        for i in range(5):
+            body = {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": f"hi {i}"}],
+                "max_tokens": 4,
+            }
+            headers = {"x-session-id": "abc"}
+            async with s.post(fleet.url + "/v1/chat/completions", json=body, headers=headers) as r:
+                assert r.status == 200
+                seen.add(r.headers["x-gateway-backend"])
+    assert len(seen) == 1
+
+
+async def test_precise_mode_follows_the_nodes_kv_events(start_fleet: StartFleet):
+    nodes = [
+        (name, tier, profile, {"kv_events_endpoint": "tcp://127.0.0.1:*"})
+        for name, tier, profile, _ in NODES
+    ]
+    fleet = await start_fleet(nodes, gateway={"routing": {"prefix_aware": True}})
+    index = fleet.state.prefix.index
+    encoder = ENCODINGS.get(fleet.state.config.models[0].tokenizer.encoding)
+    docs = [f"Document {i}: " + f"shipment {i} left the depot at dawn. " * 120 for i in range(3)]
+    async with aiohttp.ClientSession() as s:
+
+        async def complete(prompt: str) -> str:
+            body = {"model": MODEL, "prompt": prompt, "max_tokens": 8}
+            async with s.post(fleet.url + "/v1/completions", json=body) as r:
+                assert r.status == 200, await r.text()
+                return r.headers["x-gateway-backend"]
+
+        first = await asyncio.gather(*(complete(d) for d in docs))
+        now = fleet.state.clock()
+        assert all(index.is_precise(n, now) for n in fleet.nodes)
+        # The index learns each document's blocks from the node's own events.
+        for doc, home in zip(docs, first, strict=True):
+            keys = block_keys(encoder.encode_ordinary(doc), 16)
+            for _ in range(100):
+                if index.matched_blocks(home, keys, fleet.state.clock()) >= len(keys) - 1:
+                    break
+                await asyncio.sleep(0.02)
+            assert index.matched_blocks(home, keys, fleet.state.clock()) >= len(keys) - 1
+        # Questions about each document go to the node whose cache holds it.
+        again = await asyncio.gather(*(complete(d + " Question: when?") for d in docs))
+        async with s.get(fleet.url + "/admin/backends") as r:
+            view = await r.json()
+    assert again == first
+    assert view["prefix_aware"] is True
+    assert all(b["prefix_index"]["precise"] for b in view["backends"])
+    assert sum(b["prefix_index"]["precise_blocks"] for b in view["backends"]) > 0
+    assert fleet.leaks() == {}
+
+
+async def test_chat_follow_ups_stay_home_with_kv_events_whose_ids_cannot_match(
+    start_fleet: StartFleet,
+):
+    # The gateway cannot reproduce the node's chat template: the node's events never
+    # match a chat's keys, and routing falls back to what it sent where.
+    nodes = [
+        (name, tier, profile, {"kv_events_endpoint": "tcp://127.0.0.1:*"})
+        for name, tier, profile, _ in NODES
+    ]
+    fleet = await start_fleet(nodes, gateway={"routing": {"prefix_aware": True}})
+    homes = await _conversations(fleet)
+    for turns in homes:
+        assert len(set(turns)) == 1, homes
+    now = fleet.state.clock()
+    assert all(fleet.state.prefix.index.is_precise(n, now) for n in fleet.nodes)
+
+
+async def test_a_prefix_held_by_a_running_stream_is_reserved_once(start_fleet: StartFleet):
+    fleet = await start_fleet(NODES[:1], gateway={"routing": {"prefix_aware": True}})
+    b = fleet.backend("small-1")
+    doc = "The depot ledger lists every pallet that left the harbor today. " * 150
+    long = {"model": MODEL, "prompt": doc, "max_tokens": 300, "stream": True, "ignore_eos": True}
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(fleet.url + "/v1/completions", json=long) as first,
+    ):
+        assert first.status == 200
+        await first.content.readany()  # its first token: the prompt is in the cache
+        alone = b.reserved_tokens
+        body = {"model": MODEL, "prompt": doc + " Which pallets?", "max_tokens": 300}
+        second = asyncio.create_task(s.post(fleet.url + "/v1/completions", json=body))
+        while b.in_flight < 2:
+            await asyncio.sleep(0.001)
+        # The second request reserved only what it does not share, not a second copy.
+        assert b.reserved_tokens - alone < alone / 2
+        async with await second as r:
+            assert r.status == 200
+            await r.read()
+        await first.read()
+    credited = fleet.state.metrics.registry.get_sample_value(
+        "gateway_prefix_credited_tokens_total", {"model": MODEL}
+    )
+    assert credited is not None and credited > 1000
+    assert fleet.leaks() == {}
+
+
+async def test_chat_keys_match_the_nodes_events_with_the_models_tokenizer(
+    start_fleet: StartFleet, vocab_dirs
+):
+    qwen = str(vocab_dirs("qwen"))
+    nodes = [
+        (name, tier, "gpu24-8b", {"kv_events_endpoint": "tcp://127.0.0.1:*", "tokenizer": qwen})
+        for name, tier, _, _ in NODES
+    ]
+    fleet = await start_fleet(
+        nodes,
+        gateway={
+            "models": [{"name": MODEL, "served_name": SERVED, "tokenizer": {"path": qwen}}],
+            "routing": {"prefix_aware": True},
+        },
+    )
+    homes = await _conversations(fleet)
+    for turns in homes:
+        assert len(set(turns)) == 1, homes
+    # The gateway's keys of a chat are the node's own: its events match them exactly.
+    index = fleet.state.prefix.index
+    model = fleet.state.config.models[0]
+    body = {"messages": [{"role": "system", "content": SYSTEM.format(i=0)}]}
+    body["messages"].append({"role": "user", "content": "Conversation 0, question 0: " * 40})
+    ids = fleet.state.counters.estimator_for(model.tokenizer).exact_chat_ids(body)
+    assert ids is not None
+    keys = block_keys(ids, 16)
+    now = fleet.state.clock()
+    assert index.is_precise(homes[0][0], now)
+    assert index.matched_blocks(homes[0][0], keys, now) >= len(keys) - 1
+    # ... and they are the keys routing uses for that request.
+    st = fleet.state
+    raw = json.dumps({"model": MODEL, **body, "max_tokens": 8}).encode()
+    counted = await plan_request(raw, "chat", st.config, st.counters, st.calibration, st.fleet)
+    hint = counted.demand.prefix
+    assert hint is not None and len(hint.keys) >= len(keys) - 1
+    assert hint.keys == tuple(keys[: len(hint.keys)])

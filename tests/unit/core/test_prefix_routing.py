@@ -1,0 +1,134 @@
+"""Prefix-aware placement over pure backends: the follow-up goes to its history's node
+unless budget forbids; the fast candidate set agrees with a scan of the whole tier."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvgateway.core.admission import Admission
+from kvgateway.core.demand import Demand, PrefixHint
+from kvgateway.core.prefix_index import PrefixIndex
+from kvgateway.core.prefix_keys import block_keys
+from kvgateway.core.prefix_routing import PrefixRouter, PrefixScoring
+from kvgateway.core.routing import Routed, eligible
+from kvgateway.core.routing_index import ModelIndex
+from kvgateway.core.shared_blocks import SharedBlocks
+from tests.support.backends import backend, demand
+
+
+def hinted(ids: list[int], output: int = 100, session: str | None = None) -> Demand:
+    keys = tuple(block_keys(ids, 16))
+    return replace(demand(len(ids), output), prefix=PrefixHint(keys, 16, session))
+
+
+def make(backends, router: PrefixRouter | None = None):
+    idx = ModelIndex(backends)
+    clock = [0.0]
+    router = router or PrefixRouter(PrefixIndex(), shared=SharedBlocks())
+    adm = Admission(
+        index_for=lambda m: idx,
+        adjust=idx.adjust,
+        policy=lambda: "kv_aware",
+        offload_overflow=lambda: False,
+        queue_size=lambda: 100,
+        clock=lambda: clock[0],
+        prefix=router,
+    )
+    return adm, router, clock
+
+
+def history(n: int, seed: int = 0) -> list[int]:
+    rnd = random.Random(seed)
+    return [rnd.randrange(100, 50_000) for _ in range(n)]
+
+
+def test_follow_up_turn_goes_to_the_node_holding_its_history():
+    bs = [backend(f"b{i}", kv=40_000) for i in range(4)]
+    adm, _, clock = make(bs)
+    turn1 = history(1000)
+    r1 = adm.try_admit(hinted(turn1))
+    assert not isinstance(r1, Routed) and r1.backend is not None
+    home = r1.backend
+    # Other traffic makes another node the freest; the follow-up still goes home.
+    other = adm.try_admit(hinted(history(800, seed=5)))
+    assert other.backend is not home
+    adm.release(other)
+    clock[0] = 10.0
+    turn2 = turn1 + history(300, seed=1)
+    r2 = adm.try_admit(hinted(turn2))
+    assert r2.backend is home
+    # Without prefix awareness kv_aware takes the freest node, not home (home holds r1).
+    plain = adm.decide(demand(len(turn2)))
+    assert isinstance(plain, Routed) and plain.backend is not home
+
+
+def test_budget_still_decides_first():
+    bs = [backend("a", kv=4096), backend("b", kv=4096)]
+    adm, _, _ = make(bs)
+    turn1 = history(1000)
+    r1 = adm.try_admit(hinted(turn1, output=50))
+    home = r1.backend
+    # Other work fills the home node: the follow-up cannot fit there any more.
+    adm._adjust(home, home.free_tokens - 200, 1, 1)
+    r2 = adm.try_admit(hinted(turn1 + history(200, 2)))
+    assert r2.backend is not home
+
+
+def test_session_hint_breaks_a_tie_between_equal_nodes():
+    bs = [backend(f"b{i}", kv=40_000) for i in range(3)]
+    adm, _, _ = make(bs)
+    r1 = adm.try_admit(hinted(history(20, 1), session="s1"))  # no full block: no keys
+    adm.release(r1)
+    r2 = adm.try_admit(hinted(history(20, 2), session="s1"))
+    assert r2.backend is r1.backend
+
+
+def test_a_fresh_prompt_goes_where_budget_is_freest():
+    bs = [backend(f"b{i}", kv=40_000) for i in range(3)]
+    adm, _, _ = make(bs)
+    first = adm.try_admit(hinted(history(2000, 1)))
+    second = adm.try_admit(hinted(history(2000, 2)))
+    assert second.backend is not first.backend
+
+
+def _scan_best(router: PrefixRouter, idx: ModelIndex, d: Demand, chosen, now: float):
+    """The slow twin: every eligible backend of the chosen tier that holds some of the
+    prefix, plus the ``candidates`` freest, scored one by one."""
+    pool = [b for b in idx.backends if b.tier_index == chosen.tier_index and eligible(b, d, now)]
+    freest = sorted(pool, key=lambda b: (-b.free_tokens, b.name))[: router.scoring.candidates]
+    holders = [b for b in pool if router.index.expected_blocks(b.name, d.prefix.keys, now) > 0]
+    if not holders:
+        return router._score(chosen, d, now, None)  # nobody holds any of it: kv_aware's pick
+    return max(router._score(b, d, now, None) for b in [chosen, *freest, *holders])
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 10_000))
+def test_refine_finds_the_best_score_of_the_tier(seed):
+    rnd = random.Random(seed)
+    bs = [backend(f"b{i}", kv=rnd.choice([8192, 16384, 32768])) for i in range(12)]
+    router = PrefixRouter(PrefixIndex(), PrefixScoring(candidates=2, holders_per_key=12))
+    adm, router, clock = make(bs, router)
+    prefixes = [history(rnd.randrange(16, 600), seed=seed + k) for k in range(3)]
+    held = []
+    for step in range(40):
+        clock[0] = step * 1.0
+        ids = rnd.choice(prefixes) + history(rnd.randrange(0, 200), seed=seed * 100 + step)
+        d = hinted(ids, output=rnd.randrange(1, 300))
+        decision = adm.decide(d)
+        if isinstance(decision, Routed):
+            best = _scan_best(router, adm._index_for("m"), d, decision.backend, clock[0])
+            got = router._score(decision.backend, d, clock[0], None)
+            assert got == best
+        r = adm.try_admit(d)
+        if not isinstance(r, Routed) and hasattr(r, "backend"):
+            held.append(r)
+        if held and rnd.random() < 0.4:
+            adm.release(held.pop(rnd.randrange(len(held))))
+    for r in held:
+        adm.release(r)
+    assert all(b.reserved_tokens == 0 and b.in_flight == 0 for b in bs)
