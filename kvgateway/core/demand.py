@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvgateway.core.backends import Backend
+from kvgateway.errors import ContextLengthExceeded
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,4 +89,17 @@ def can_ever_hold(b: Backend, d: Demand) -> bool:
         b.limits.known
         and fits_limits(b.context_limit, b.budget_tokens, b.max_num_seqs, d)
         and b.budget_tokens >= tokens_on(b, d)
+    )
+
+
+def context_error(demand: Demand, largest: int) -> ContextLengthExceeded:
+    # OpenAI's and vLLM's wording first: clients (LiteLLM's ContextWindowExceededError,
+    # fallbacks to larger models) recognise a context-length error by it.
+    return ContextLengthExceeded(
+        f"This model's maximum context length is {largest} tokens. However, you requested "
+        f"{demand.longest_sequence} tokens ({demand.longest_prompt} in the messages, "
+        f"{demand.output_tokens} in the completion). Please reduce the length of the "
+        f"messages or completion. (The largest context any backend for model "
+        f"'{demand.model}' offers is {largest} tokens.)",
+        param="messages",
     )

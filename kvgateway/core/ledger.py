@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Protocol
 from kvgateway.core.backends import Backend
 
 if TYPE_CHECKING:
-    from kvgateway.core.admission import Reservation
+    from kvgateway.core.reservation import Reservation
 
 
 class Ledger(Protocol):

@@ -24,10 +24,11 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from kvgateway.config.model import LedgerConfig
-from kvgateway.core.admission import Admission, Reservation
+from kvgateway.core.admission import Admission
 from kvgateway.core.backends import Backend
 from kvgateway.core.fleet import Fleet
 from kvgateway.core.ledger import OthersView
+from kvgateway.core.reservation import Reservation
 from kvgateway.ledger.scripts import HEARTBEAT, RELEASE, RESERVE, Keys
 
 log = logging.getLogger("kvgateway.ledger")

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from kvgateway.core.admission import Reservation
 from kvgateway.core.quota import Charge
+from kvgateway.core.reservation import Reservation
 from kvgateway.server.accesslog import AccessRecord, log_access
 from kvgateway.server.metrics import GatewayMetrics
 

@@ -19,8 +19,8 @@ import hashlib
 import re
 from dataclasses import dataclass, field
 
-from kvgateway.core.admission import Reservation
 from kvgateway.core.output_model import ANY_KEY, OutputModel
+from kvgateway.core.reservation import Reservation
 
 _CHOICE = re.compile(rb'"index"\s*:')
 _ROLE = re.compile(rb'"role"\s*:')

@@ -18,8 +18,8 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
-from kvgateway.core.admission import Reservation
 from kvgateway.core.demand import Demand
+from kvgateway.core.reservation import Reservation
 from kvgateway.errors import (
     BadRequest,
     BodyTooLarge,

@@ -12,7 +12,7 @@ import json
 
 from aiohttp import web
 
-from kvgateway.core.admission import Reservation
+from kvgateway.core.reservation import Reservation
 from kvgateway.errors import UpstreamError, UpstreamTimeout
 from kvgateway.server.exchange import Exchange, Failure, Outcome
 from kvgateway.server.output_accounting import LiveRequest

@@ -1,0 +1,330 @@
+"""The synchronous core of admission: routing decisions, grants, releases, the wait
+queue's order and claims, pauses ending. No ``await`` here; :mod:`kvgateway.core.admission`
+adds the async edge (a waiter parked on a future) on top. See that module for the rules.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Self
+
+from kvgateway.config.model import GatewayConfig, Policy
+from kvgateway.core.backends import Backend, PauseReason
+from kvgateway.core.demand import Demand, can_ever_hold, tokens_on
+from kvgateway.core.fleet import Fleet
+from kvgateway.core.ledger import Ledger, LocalLedger
+from kvgateway.core.prefix_routing import PrefixRouter
+from kvgateway.core.reservation import Reservation
+from kvgateway.core.routing import (
+    Decision,
+    Routed,
+    RouteReason,
+    RouterState,
+    Wait,
+    route,
+    route_to,
+)
+from kvgateway.core.routing_index import ModelIndex
+from kvgateway.core.tenancy import (
+    Tenancy,
+    Ticket,
+    claims_ahead,
+    displaceable,
+    displaced_error,
+    serve_order,
+)
+
+
+@dataclass(eq=False, slots=True)
+class _Waiter:
+    demand: Demand
+    future: asyncio.Future[Reservation]
+    since: float
+    claims: frozenset[str]
+    ticket: Ticket | None = None
+    # The tenant limit this waiter last waited for (it claims nothing meanwhile).
+    gated: str | None = None
+
+
+class AdmissionCore:
+    """Owns every reservation. ``backends_for(model)`` gives that model's backends in
+    tier order (it reflects reloads), ``clock`` is monotonic seconds."""
+
+    def __init__(
+        self,
+        *,
+        index_for: Callable[[str], ModelIndex],
+        adjust: Callable[[Backend, int, int, int], None],
+        policy: Callable[[], Policy],
+        offload_overflow: Callable[[], bool],
+        queue_size: Callable[[], int],
+        clock: Callable[[], float],
+        on_decision: Callable[[Decision, Demand], None] | None = None,
+        ledger: Ledger | None = None,
+        abort_delay: Callable[[], float] = lambda: 0.0,
+        tenancy: Tenancy | None = None,
+        budget: Callable[[], int] = lambda: 0,
+        prefix: PrefixRouter | None = None,
+    ) -> None:
+        self._ledger: Ledger = ledger if ledger is not None else LocalLedger()
+        self._abort_delay = abort_delay
+        self._tenancy = tenancy
+        self._budget = budget
+        self._index_for = index_for
+        self._prefix = prefix
+        self._adjust = adjust
+        self._policy = policy
+        self._offload_overflow = offload_overflow
+        self._queue_size = queue_size
+        self._clock = clock
+        self._on_decision = on_decision
+        self._router = RouterState()
+        self._waiters: deque[_Waiter] = deque()
+        # How many waiters claim each backend: "is it claimed?" without walking the queue.
+        self._claim_counts: Counter[str] = Counter()
+
+    @classmethod
+    def for_fleet(
+        cls,
+        fleet: Fleet,
+        config: Callable[[], GatewayConfig],
+        clock: Callable[[], float],
+        on_decision: Callable[[Decision, Demand], None] | None = None,
+        tenancy: Tenancy | None = None,
+        ledger: Ledger | None = None,
+        prefix: PrefixRouter | None = None,
+    ) -> Self:
+        """Admission over ``fleet``, following the live config (it changes on reload)."""
+        return cls(
+            tenancy=tenancy or Tenancy(lambda: config().auth),
+            budget=lambda: sum(b.budget_tokens for b in fleet.backends if b.usable),
+            index_for=fleet.index,
+            adjust=fleet.adjust,
+            policy=lambda: config().routing.policy,
+            offload_overflow=lambda: config().routing.offload_overflow,
+            queue_size=lambda: config().admission.queue_size,
+            clock=clock,
+            on_decision=on_decision,
+            ledger=ledger,
+            abort_delay=lambda: config().admission.abort_release_delay_s,
+            prefix=prefix,
+        )
+
+    # ---- synchronous core -------------------------------------------------------
+
+    def decide(self, demand: Demand) -> Decision:
+        index = self._index_for(demand.model)
+        now = self._clock()
+        decision = route(
+            self._policy(),
+            index,
+            demand,
+            self._router,
+            now,
+            offload_overflow=self._offload_overflow(),
+        )
+        if self._prefix is not None and demand.prefix is not None:
+            decision = self._prefix.refine(index, demand, decision, now)
+        return decision
+
+    def _grant(
+        self, backend: Backend, demand: Demand, reason: RouteReason, ticket: Ticket | None = None
+    ) -> Reservation:
+        # Prefix-aware: blocks a ready in-flight request on the node holds are credited.
+        holding = self._prefix.granted(backend, demand, self._clock()) if self._prefix else None
+        tokens = tokens_on(backend, demand) - (holding.credited_tokens if holding else 0)
+        self._adjust(backend, tokens, demand.sequences, 1)
+        if ticket is not None and self._tenancy is not None:
+            self._tenancy.granted(ticket, tokens)
+        return Reservation(
+            backend, tokens, demand.sequences, reason, self, ticket=ticket, holding=holding
+        )
+
+    def grow(self, reservation: Reservation, tokens: int) -> None:
+        """A running request outgrew its reservation (learned output): charge it now,
+        even past the budget; the node takes no new work until enough ends."""
+        if reservation.released or tokens <= 0:
+            return
+        self._adjust(reservation.backend, tokens, 0, 0)
+        reservation.tokens += tokens
+
+    def prefill_done(self, reservation: Reservation) -> None:
+        h = reservation.holding
+        if self._prefix is not None and h is not None and not reservation.released:
+            self._prefix.prefill_done(h)
+
+    def try_admit(self, demand: Demand, ticket: Ticket | None = None) -> Decision | Reservation:
+        """Reserve now if the policy finds room that no waiter ahead of it claims."""
+        if self._gate(demand) is not None:
+            return Wait()
+        decision = self.decide(demand)
+        if isinstance(decision, Routed) and self._claim_counts[decision.backend.name] > 0:
+            claimed = self._claimed_ahead(ticket)
+            if decision.backend.name in claimed:
+                decision = self.decide(_with_busy(demand, claimed))
+                if not isinstance(decision, Routed):
+                    return Wait()
+        if isinstance(decision, Routed):
+            return self._grant(decision.backend, demand, decision.reason, ticket)
+        return decision
+
+    # ---- tenancy: order, gates, displacement ------------------------------------
+
+    def _gate(self, demand: Demand) -> str | None:
+        if self._tenancy is None:
+            return None
+        return self._tenancy.gate(demand.tenant, demand.tokens, self._budget())
+
+    def _ordered(self) -> list[_Waiter]:
+        """The waiters in the order they are served (arrival order without tenancy)."""
+        if self._tenancy is None:
+            return list(self._waiters)
+        return serve_order(self._waiters, self._clock(), self._tenancy.auth.aging_s)
+
+    def _claimed_ahead(self, ticket: Ticket | None) -> frozenset[str]:
+        """Backends claimed by waiters served before a newcomer holding ``ticket``."""
+        if ticket is None or self._tenancy is None:
+            return frozenset(n for n, c in self._claim_counts.items() if c > 0)
+        live = (w for w in self._waiters if not w.future.done())
+        return frozenset(claims_ahead(live, ticket, self._clock(), self._tenancy.auth.aging_s))
+
+    def _displace(self, ticket: Ticket | None) -> bool:
+        """Queue full: refuse the last waiter of a class below ``ticket``'s, if any."""
+        if ticket is None or self._tenancy is None:
+            return False
+        victim = displaceable(self._waiters, ticket, self._clock(), self._tenancy.auth.aging_s)
+        if victim is None:
+            return False
+        self._waiters.remove(victim)
+        self._dequeued(victim)
+        if not victim.future.done():
+            victim.future.set_exception(displaced_error())
+        return True
+
+    def _claims(self, demand: Demand) -> frozenset[str]:
+        """The backends routing could give this request: those that can hold it, minus
+        the offload tier when a GPU tier can hold it (unless overflow is on)."""
+        could = [b for b in self._index_for(demand.model).backends if can_ever_hold(b, demand)]
+        if any(not b.offload for b in could) and not self._offload_overflow():
+            could = [b for b in could if not b.offload]
+        return frozenset(b.name for b in could)
+
+    def _enqueue(self, w: _Waiter) -> None:
+        self._waiters.append(w)
+        self._claim_counts.update(w.claims)
+
+    def _dequeued(self, w: _Waiter) -> None:
+        self._claim_counts.subtract(w.claims)
+
+    def release(self, reservation: Reservation) -> bool:
+        """Return a reservation's tokens and slot; only the first call has an effect."""
+        if reservation.released:
+            return False
+        reservation.released = True
+        if reservation.counted:
+            self._ledger.release(reservation)
+        tokens = reservation.tokens
+        if reservation.holding is not None and self._prefix is not None:
+            tokens += self._prefix.released(reservation.holding)  # shared blocks settled
+        self._adjust(reservation.backend, -tokens, -reservation.seqs, -1)
+        if reservation.ticket is not None and self._tenancy is not None:
+            # A tenant limit may open too: _offer asks each waiter's gate again.
+            self._tenancy.released(reservation.ticket, reservation.tokens)
+        self._offer(reservation.backend)
+        return True
+
+    def release_after(self, r: Reservation, *, gone: bool) -> None:
+        """Release ``r`` when the node has freed its blocks: at once, or after the
+        backend's KV-connector delay, or (client gone) once the node's abort has landed."""
+        delay = r.backend.config.release_delay_s
+        if gone:
+            delay = max(delay, self._abort_delay())
+        if delay <= 0:
+            self.release(r)
+            return
+        asyncio.get_running_loop().call_later(delay, self.release, r)
+
+    def end_pause(self, b: Backend, now: float) -> bool:
+        """End ``b``'s timed pause once its time has come, and offer ``b`` to the waiters
+        (the pause itself is read-only everywhere else). Returns True if it ended."""
+        if not b.paused or not b.paused_until or now < b.paused_until:
+            return False
+        b.paused = False
+        b.pause_reason = PauseReason.NONE
+        b.paused_until = 0.0
+        self._offer(b)
+        return True
+
+    def rebalance(self) -> None:
+        """Offer every backend's capacity to the waiters in order (FIFO, or the tenancy
+        order); after changes that may touch any backend (health, load feedback, reload)."""
+        if not self._waiters:
+            return
+        now = self._clock()
+        claimed: frozenset[str] = frozenset()
+        gone: set[_Waiter] = set()
+        for w in self._ordered():
+            if w.future.done():
+                gone.add(w)
+                self._dequeued(w)
+                continue
+            w.gated = self._gate(w.demand)
+            if w.gated is not None:
+                continue
+            d = _with_busy(w.demand, claimed) if claimed else w.demand
+            decision = self.decide(d)
+            if isinstance(decision, Routed):
+                gone.add(w)
+                self._hand_over(w, decision, now)
+            else:
+                claimed |= w.claims
+        if gone:
+            self._waiters = deque(w for w in self._waiters if w not in gone)
+
+    def waiting_for(self, name: str) -> bool:
+        """Does a queued request claim backend ``name``? (A shared ledger tells the other
+        replicas, so their new arrivals leave the room to it.)"""
+        return self._claim_counts[name] > 0
+
+    def offer(self, b: Backend) -> None:
+        """Room may have appeared on ``b`` from outside (another replica released)."""
+        self._offer(b)
+
+    def _offer(self, b: Backend) -> None:
+        """Only ``b`` gained room: walk the waiters that claim it, in order, and stop at
+        the first one it cannot take (later ones may not pass it). Nobody else's options
+        changed, so nobody else is asked."""
+        if self._claim_counts[b.name] <= 0:
+            return
+        now = self._clock()
+        overflow = self._offload_overflow()
+        for w in self._ordered():
+            if w.future.done() or b.name not in w.claims:
+                continue
+            w.gated = self._gate(w.demand)
+            if w.gated is not None:
+                continue
+            routed = route_to(
+                self._index_for(w.demand.model), b, w.demand, now, offload_overflow=overflow
+            )
+            if routed is None:
+                return
+            self._waiters.remove(w)
+            self._hand_over(w, routed, now)
+
+    def _hand_over(self, w: _Waiter, decision: Routed, now: float) -> None:
+        self._dequeued(w)
+        r = self._grant(decision.backend, w.demand, decision.reason, w.ticket)
+        r.queued_s = now - w.since
+        w.future.set_result(r)
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._waiters)
+
+
+def _with_busy(d: Demand, names: frozenset[str]) -> Demand:
+    return replace(d, busy=d.busy | names)
