@@ -8,17 +8,13 @@ readers over an empty document to describe the format as a JSON Schema.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
 from typing import Any
-from urllib.parse import urlsplit
 
 from kvgateway.config.document import expand_env, read_document
 from kvgateway.config.model import (
     POLICIES,
     AdmissionConfig,
-    BackendConfig,
     DiscoveryConfig,
-    DnsGroupConfig,
     GatewayConfig,
     HealthConfig,
     LedgerConfig,
@@ -27,11 +23,11 @@ from kvgateway.config.model import (
     Policy,
     RoutingConfig,
     ServerConfig,
-    TierConfig,
     TimeoutConfig,
     TracingConfig,
 )
 from kvgateway.config.tenants import read_auth, read_keys
+from kvgateway.config.tiers import read_tier, read_timeouts
 from kvgateway.config.yamlread import ConfigError, Reading, Section
 from kvgateway.tokens.chat_template import TemplateError
 from kvgateway.tokens.encoding import PATTERNS, EncodingCache, EncodingSpec
@@ -84,7 +80,7 @@ def _parse(root: Section, source: str, encodings: EncodingCache | None) -> Gatew
     routing = _routing(root.section("routing"))
     health = _health(root.section("health"))
     feedback = _feedback(root.section("load_feedback"))
-    default_timeouts = _timeouts(root.section("timeouts"), TimeoutConfig())
+    default_timeouts = read_timeouts(root.section("timeouts"), TimeoutConfig())
     discovery = _discovery(root.section("discovery"))
     auth = read_auth(root.section("auth"), server.api_keys)
     ledger = _ledger(root.section("ledger"))
@@ -93,7 +89,7 @@ def _parse(root: Section, source: str, encodings: EncodingCache | None) -> Gatew
     tracing_section.reject_unknown()
     known_models = {m.name: m for m in models}
     tiers = tuple(
-        _tier(s, known_models, default_timeouts) for s in root.sections("tiers", required=True)
+        read_tier(s, known_models, default_timeouts) for s in root.sections("tiers", required=True)
     )
     _check_unique(root, [t.name for t in tiers], "tiers")
     members = [b.name for t in tiers for b in (*t.backends, *(g.template for g in t.dns_groups))]
@@ -292,132 +288,3 @@ def _ledger(s: Section) -> LedgerConfig:
     )
     s.reject_unknown()
     return cfg
-
-
-def _timeouts(s: Section, base: TimeoutConfig) -> TimeoutConfig:
-    cfg = TimeoutConfig(
-        connect_s=s.number("connect_s", base.connect_s),
-        first_byte_s=s.number("first_byte_s", base.first_byte_s),
-        idle_s=s.number("idle_s", base.idle_s),
-        total_s=s.number("total_s", base.total_s),
-    )
-    s.reject_unknown()
-    return cfg
-
-
-def _tier(s: Section, models: Mapping[str, ModelConfig], timeouts: TimeoutConfig) -> TierConfig:
-    name = s.text("name")
-    offload = s.flag("offload", False)
-    backends: list[BackendConfig] = []
-    groups: list[DnsGroupConfig] = []
-    for b in s.sections("backends", required=True):
-        kinds = list(b.one_of("url", "dns"))  # empty when neither is given (reported)
-        for kind in kinds:
-            if kind == "url":
-                backends.append(_backend(b, name, offload, models, timeouts))
-            else:
-                groups.append(_dns_group(b, name, offload, models, timeouts))
-        if kinds:
-            b.reject_unknown(ignore=("simulate",))
-    s.reject_unknown()
-    return TierConfig(
-        name=name, offload=offload, backends=tuple(backends), dns_groups=tuple(groups)
-    )
-
-
-def _backend(
-    s: Section,
-    tier: str,
-    offload: bool,
-    models: Mapping[str, ModelConfig],
-    timeouts: TimeoutConfig,
-) -> BackendConfig:
-    url = s.text("url").rstrip("/")
-    parts = urlsplit(url)
-    if not url:
-        pass  # already reported
-    elif parts.scheme not in ("http", "https") or not parts.hostname:
-        s.fail("url", f'expected an http(s) URL, got "{url}"')
-    elif parts.path not in ("", "/"):
-        s.fail("url", "give the server root (e.g. http://host:8000), without /v1")
-    return _backend_settings(s, url, tier, offload, models, timeouts)
-
-
-def _dns_group(
-    s: Section,
-    tier: str,
-    offload: bool,
-    models: Mapping[str, ModelConfig],
-    timeouts: TimeoutConfig,
-) -> DnsGroupConfig:
-    """A backend entry with ``dns:`` instead of ``url:``: one member per resolved address."""
-    dns = s.text("dns").rstrip(".")
-    if dns and ("/" in dns or ":" in dns):
-        s.fail("dns", f'expected a host name (give the port as `port:`), got "{dns}"')
-    lookup = s.choice("lookup", ("address", "srv"), "address")
-    if lookup == "srv" and s.has("port"):
-        s.fail("port", "an SRV record carries each member's port: leave `port` out")
-    port = s.integer("port", 8000)
-    if port > 65535:
-        s.fail("port", f"expected a TCP port (1-65535), got {port}")
-    scheme = s.choice("scheme", ("http", "https"), "http")
-    interval = s.number("resolve_interval_s", 10.0)
-    template = _backend_settings(s, f"{scheme}://{dns}:{port}", tier, offload, models, timeouts)
-    return DnsGroupConfig(
-        name=template.name,
-        dns=dns,
-        port=port,
-        scheme=scheme,
-        resolve_interval_s=interval,
-        template=template,
-        lookup=lookup,
-    )
-
-
-def _backend_settings(
-    s: Section,
-    url: str,
-    tier: str,
-    offload: bool,
-    models: Mapping[str, ModelConfig],
-    timeouts: TimeoutConfig,
-) -> BackendConfig:
-    """What a static backend and a DNS group's members share."""
-    model_name = s.text("model")
-    model = models.get(model_name)
-    if model is None and model_name and not s.reading.schema_mode:
-        s.fail("model", f'unknown model "{model_name}"; models: {", ".join(models)}')
-    served = model.served_name if model is not None else model_name
-    return BackendConfig(
-        name=s.text("name"),
-        url=url,
-        model=model.name if model is not None else model_name,
-        tier=tier,
-        offload=offload,
-        served_model=s.opt_str("served_model") or served,
-        max_model_len=s.opt_int("max_model_len"),
-        max_num_seqs=s.opt_int("max_num_seqs"),
-        kv_cache_tokens=s.opt_int("kv_cache_tokens"),
-        capacity=s.mapping("capacity"),
-        discover=s.flag("discover", True),
-        timeouts=_timeouts(s.section("timeouts"), timeouts),
-        num_speculative_tokens=s.integer("num_speculative_tokens", 0, minimum=0),
-        release_delay_s=s.number("release_delay_s", 0.0, exclusive_min=False),
-        path=s.path,
-        kv_events=_kv_events(s),
-    )
-
-
-def _kv_events(s: Section) -> str | None:
-    endpoint = s.opt_str("kv_events")
-    if endpoint is None:
-        return None
-    parts = urlsplit(endpoint)
-    try:
-        port = parts.port
-    except ValueError:
-        port = None
-    if parts.scheme != "tcp" or not parts.hostname or port is None or "*" in endpoint:
-        s.fail("kv_events", f'expected tcp://HOST:PORT (the node\'s publisher), got "{endpoint}"')
-        return None
-    return endpoint
