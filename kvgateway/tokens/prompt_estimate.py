@@ -19,7 +19,12 @@ from kvgateway.tokens.chat_template import TemplateError
 from kvgateway.tokens.counting import PromptCounter, PromptTokens, plan_chat, plan_completion
 from kvgateway.tokens.exact import ExactCounter
 from kvgateway.tokens.spec import TokenizerConfig
-from kvgateway.tokens.standin import BoundFactors, completion_upper_bound, upper_bound
+from kvgateway.tokens.standin import (
+    BoundFactors,
+    ExtraCache,
+    completion_upper_bound,
+    upper_bound,
+)
 
 log = logging.getLogger("kvgateway.tokens")
 
@@ -59,6 +64,7 @@ class PromptEstimator:
         self._standin = standin
         self._exact = exact
         self._factors = factors or BoundFactors(image_tokens=config.image_tokens)
+        self._extra = ExtraCache(self._factors)
 
     @property
     def exact(self) -> bool:
@@ -88,7 +94,7 @@ class PromptEstimator:
         standin = await self._standin.count(plan_chat(body, self._config), (), limit)
         if not self._config.upper_bound:
             return _as_counted(standin)
-        bound = upper_bound(standin.total, body, self._factors)
+        bound = upper_bound(standin.total, body, self._factors, self._extra)
         return PromptEstimate(
             total=bound,
             longest=bound,

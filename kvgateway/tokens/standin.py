@@ -24,7 +24,8 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Iterator
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,20 +65,55 @@ def _digit_extra(text: str) -> int:
     return extra
 
 
+# UTF-8 lead bytes by the length of the character they start: counted in C, not per char.
+_LEADS = bytes(
+    ord("2")
+    if 0xC0 <= b <= 0xDF
+    else ord("3")
+    if 0xE0 <= b <= 0xEF
+    else ord("4")
+    if b >= 0xF0
+    else ord("0")
+    for b in range(256)
+)
+
+
 def text_extra(text: str, factors: BoundFactors = BoundFactors()) -> float:
     """Tokens a worst-case vocabulary may add to ``text`` beyond ``text_factor``."""
     extra = _digit_extra(text) + factors.punct_extra * len(_PUNCT.findall(text))
     if not text.isascii():
         two, three, four = factors.non_ascii_extra
-        for ch in text:
-            code = ord(ch)
-            if code > 0xFFFF:
-                extra += four
-            elif code > 0x7FF:
-                extra += three
-            elif code > 0x7F:
-                extra += two
+        leads = text.encode("utf-8", "surrogatepass").translate(_LEADS)
+        extra += two * leads.count(b"2") + three * leads.count(b"3") + four * leads.count(b"4")
     return extra
+
+
+class ExtraCache:
+    """``text_extra`` of texts seen before (a chat's history comes back every turn),
+    bounded by the characters it holds. Only the event loop's thread touches it."""
+
+    MIN_CHARS = 256
+
+    def __init__(self, factors: BoundFactors, max_chars: int = 8 * 1024 * 1024) -> None:
+        self._factors = factors
+        self._max = max_chars
+        self._held = 0
+        self._cache: OrderedDict[str, float] = OrderedDict()
+
+    def __call__(self, text: str, factors: BoundFactors | None = None) -> float:
+        if len(text) < self.MIN_CHARS:
+            return text_extra(text, self._factors)
+        got = self._cache.get(text)
+        if got is not None:
+            self._cache.move_to_end(text)
+            return got
+        got = text_extra(text, self._factors)
+        self._cache[text] = got
+        self._held += len(text)
+        while self._held > self._max and self._cache:
+            old, _ = self._cache.popitem(last=False)
+            self._held -= len(old)
+        return got
 
 
 def _texts(body: dict[str, Any]) -> Iterator[str]:
@@ -112,12 +148,16 @@ def _media(body: dict[str, Any]) -> int:
 
 
 def upper_bound(
-    standin_tokens: int, body: dict[str, Any], factors: BoundFactors = BoundFactors()
+    standin_tokens: int,
+    body: dict[str, Any],
+    factors: BoundFactors = BoundFactors(),
+    extra_of: Callable[[str, BoundFactors], float] = text_extra,
 ) -> int:
     """Bound on the node's prompt tokens for a chat request the stand-in counted as
-    ``standin_tokens`` (its own count, template allowances and image costs included)."""
+    ``standin_tokens`` (its own count, template allowances and image costs included).
+    ``extra_of``: :func:`text_extra`, or an :class:`ExtraCache` of it."""
     messages = body.get("messages") or []
-    extra = sum(text_extra(t, factors) for t in _texts(body))
+    extra = sum(extra_of(t, factors) for t in _texts(body))
     tools = body.get("tools")
     tool_tokens = 0.0
     if isinstance(tools, list) and tools:
