@@ -92,7 +92,7 @@ class PromptEstimator:
             else:
                 return _exact(counted)
         standin = await self._standin.count(plan_chat(body, self._config), (), limit)
-        if not self._config.upper_bound:
+        if not self._config.upper_bound or _past(standin, limit):
             return _as_counted(standin)
         bound = upper_bound(standin.total, body, self._factors, self._extra)
         return PromptEstimate(
@@ -111,7 +111,7 @@ class PromptEstimator:
             return _exact(await self._exact.count_completion(body))
         plan, known = plan_completion(body["prompt"])
         standin = await self._standin.count(plan, known, limit)
-        if not self._config.upper_bound:
+        if not self._config.upper_bound or _past(standin, limit):
             return _as_counted(standin)
         prompts = _prompts(body["prompt"])
         counts = standin.each or (standin.total,)
@@ -133,6 +133,12 @@ class PromptEstimator:
             encoded_chars=standin.encoded_chars,
             each=each,
         )
+
+
+def _past(standin: PromptTokens, limit: int | None) -> bool:
+    """The stand-in's count alone is past the largest context: the request is refused
+    whatever the bound says, so the bound (a scan of every character) is not computed."""
+    return limit is not None and standin.longest > limit
 
 
 def _as_counted(standin: PromptTokens) -> PromptEstimate:

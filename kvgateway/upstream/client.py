@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import io
 import re
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 
 import aiohttp
@@ -178,11 +178,17 @@ async def open_request(
         raise
 
 
-async def read_capped(stream: aiohttp.StreamReader, limit: int) -> bytes:
+async def read_capped(
+    stream: aiohttp.StreamReader,
+    limit: int,
+    inspect: Callable[[bytes, bytes], None] | None = None,
+) -> bytes:
     """Read to EOF, failing with ValueError past ``limit`` bytes (``read(n)`` alone may
-    return any prefix)."""
+    return any prefix). ``inspect(previous_tail, chunk)`` sees each chunk as it arrives
+    (with the end of the one before) and may raise to stop reading early."""
     chunks: list[bytes] = []
     size = 0
+    tail = b""
     while True:
         chunk = await stream.readany()
         if not chunk:
@@ -190,6 +196,9 @@ async def read_capped(stream: aiohttp.StreamReader, limit: int) -> bytes:
         size += len(chunk)
         if size > limit:
             raise ValueError(f"more than {limit} bytes")
+        if inspect is not None:
+            inspect(tail, chunk)
+            tail = chunk[-16:]
         chunks.append(chunk)
 
 
