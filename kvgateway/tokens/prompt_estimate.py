@@ -141,29 +141,22 @@ def _past(standin: PromptTokens, limit: int | None) -> bool:
     return limit is not None and standin.longest > limit
 
 
-def _as_counted(standin: PromptTokens) -> PromptEstimate:
-    """The stand-in's count as it is (``tokenizer.upper_bound: false``)."""
-    return PromptEstimate(
-        total=standin.total,
-        longest=standin.longest,
-        prompts=standin.prompts,
-        exact=False,
-        standin=standin.total,
-        encoded_chars=standin.encoded_chars,
-        each=standin.each or (standin.total,),
-    )
-
-
-def _exact(counted: PromptTokens) -> PromptEstimate:
+def _as_counted(counted: PromptTokens, *, exact: bool = False) -> PromptEstimate:
+    """A count taken as it is: the model's own (``exact``), or the stand-in's
+    (``tokenizer.upper_bound: false``, or past the limit anyway)."""
     return PromptEstimate(
         total=counted.total,
         longest=counted.longest,
         prompts=counted.prompts,
-        exact=True,
+        exact=exact,
         standin=counted.total,
         encoded_chars=counted.encoded_chars,
         each=counted.each or (counted.total,),
     )
+
+
+def _exact(counted: PromptTokens) -> PromptEstimate:
+    return _as_counted(counted, exact=True)
 
 
 def _prompts(prompt: Any) -> list[Any]:
