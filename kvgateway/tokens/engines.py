@@ -87,7 +87,23 @@ def _trie_pattern(node: dict[str, Any]) -> str:
     return body
 
 
-class TiktokenEngine:
+class _AddedTokens:
+    """The model's added tokens (specials like ``<|im_start|>``), which split text before
+    the vocabulary runs: shared by both engines."""
+
+    _added: dict[str, int]
+    _added_regex: re.Pattern[str] | None
+
+    def split_added(self, text: str) -> list[str]:
+        if self._added_regex is None:
+            return [text]
+        return [p for p in self._added_regex.split(text) if p]
+
+    def is_added(self, piece: str) -> bool:
+        return piece in self._added
+
+
+class TiktokenEngine(_AddedTokens):
     """A byte-level BPE vocabulary run by tiktoken, with the model's added tokens."""
 
     def __init__(
@@ -124,14 +140,6 @@ class TiktokenEngine:
 
     def count_segment(self, text: str) -> int:
         return len(self._ordinary(text))
-
-    def split_added(self, text: str) -> list[str]:
-        if self._added_regex is None:
-            return [text]
-        return [p for p in self._added_regex.split(text) if p]
-
-    def is_added(self, piece: str) -> bool:
-        return piece in self._added
 
     def encode(self, text: str) -> list[int]:
         ids: list[int] = []
@@ -204,7 +212,7 @@ def _position_independent(spec: Mapping[str, Any]) -> bool:
 _GIL_FREE_CHARS = 8192
 
 
-class HfEngine:
+class HfEngine(_AddedTokens):
     """Any ``tokenizer.json``, run by the ``tokenizers`` library as the node runs it."""
 
     def __init__(self, name: str, spec_text: str, added: Mapping[str, int]) -> None:
@@ -233,14 +241,6 @@ class HfEngine:
 
     def count_segment(self, text: str) -> int:
         return len(self.encode(text))
-
-    def split_added(self, text: str) -> list[str]:
-        if self._added_regex is None:
-            return [text]
-        return [p for p in self._added_regex.split(text) if p]
-
-    def is_added(self, piece: str) -> bool:
-        return piece in self._added
 
     def encode(self, text: str) -> list[int]:
         if len(text) > _GIL_FREE_CHARS:
