@@ -9,7 +9,6 @@ backend monitor. They close in the reverse order.
 from __future__ import annotations
 
 import contextlib
-import hmac
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -41,7 +40,7 @@ from kvgateway.server.passthrough import handle_passthrough
 from kvgateway.server.proxy import REQUEST_ID, error_response, handle_completion
 from kvgateway.server.reload import FleetMembers
 from kvgateway.server.state import Clock, GatewayState
-from kvgateway.server.tenants import TENANT, TenantCollector, tenant_for_key
+from kvgateway.server.tenants import TENANT, TenantCollector, key_owner, tenant_for_key
 from kvgateway.server.tracing import from_environment
 from kvgateway.tokens.counters import TokenCounters
 from kvgateway.tokens.encoding import EncodingCache
@@ -247,7 +246,7 @@ async def _auth_middleware(request: web.Request, handler: Handler) -> web.Stream
         return await handler(request)
     header = request.headers.get("Authorization", "")
     if path.startswith("/admin/") and server.admin_api_keys:
-        if not _key_matches(header, server.admin_api_keys):
+        if key_owner(header, (("admin", k) for k in server.admin_api_keys)) is None:
             state.metrics.rejections.labels(reason="auth").inc()
             raise Unauthorized(
                 "Incorrect API key provided. Send it as 'Authorization: Bearer <key>'. "
@@ -260,16 +259,3 @@ async def _auth_middleware(request: web.Request, handler: Handler) -> web.Stream
         raise Unauthorized("Incorrect API key provided. Send it as 'Authorization: Bearer <key>'.")
     request[TENANT] = tenant
     return await handler(request)
-
-
-def _key_matches(header: str, keys: tuple[str, ...]) -> bool:
-    token = header[7:].strip() if header[:7].lower() == "bearer " else ""
-    if not token:
-        return False  # an empty token never authenticates, whatever the config holds
-    # Header bytes that are not UTF-8 arrive as surrogate escapes: compare them as bytes.
-    given = token.encode("utf-8", "surrogateescape")
-    # Compare against every key so timing does not reveal which prefix matched.
-    ok = False
-    for key in keys:
-        ok |= hmac.compare_digest(given, key.encode())
-    return ok

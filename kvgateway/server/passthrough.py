@@ -11,6 +11,7 @@ from typing import Any
 
 from aiohttp import web
 
+from kvgateway.config.model import ModelConfig
 from kvgateway.core.backends import Backend
 from kvgateway.errors import BadRequest, ModelNotFound, NoHealthyBackend, UpstreamError
 from kvgateway.server.appkeys import STATE
@@ -77,7 +78,7 @@ async def handle_passthrough(request: web.Request) -> web.StreamResponse:
     raise NoHealthyBackend(f"No healthy backend for model '{model.name}'.", retry_after=5)
 
 
-def _model(state: GatewayState, body: dict[str, Any]) -> Any:
+def _model(state: GatewayState, body: dict[str, Any]) -> ModelConfig:
     name = body.get("model")
     if name is None:
         if len(state.config.models) == 1:

@@ -32,19 +32,25 @@ _HEADER_NAMES = {REQUESTS: "requests", PROMPT: "tokens", OUTPUT: "output-tokens"
 
 
 def tenant_for_key(auth: AuthConfig, header: str) -> str | None:
-    """The tenant whose key is in ``Authorization: Bearer``; every key is compared (in
-    constant time) so timing tells nothing. The default tenant when the gateway is open."""
+    """The tenant whose key is in ``Authorization: Bearer``; the default tenant when the
+    gateway is open."""
     if auth.open:
         return auth.default_tenant.name
+    return key_owner(header, ((t.name, k) for t in auth.tenants for k in t.keys))
+
+
+def key_owner(header: str, keys: Iterable[tuple[str, str]]) -> str | None:
+    """Whose key (``(owner, key)`` pairs) the ``Authorization: Bearer`` header holds. An
+    empty token never matches; every key is compared, in constant time, so timing tells
+    nothing; header bytes that are not UTF-8 (surrogate escapes) are compared as bytes."""
     token = header[7:].strip() if header[:7].lower() == "bearer " else ""
     if not token:
         return None
     given = token.encode("utf-8", "surrogateescape")
     found: str | None = None
-    for tenant in auth.tenants:
-        for key in tenant.keys:
-            if hmac.compare_digest(given, key.encode()):
-                found = tenant.name
+    for owner, key in keys:
+        if hmac.compare_digest(given, key.encode()):
+            found = owner
     return found
 
 
