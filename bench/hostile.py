@@ -2,7 +2,9 @@
 
 A demo fleet (config/demo.yaml's simulated nodes, ``gateway simulate``) and ``gateway
 serve`` run as processes. First, alone: /health probes (every 20 ms) and ordinary ~1k-token
-chats (one at a time). Then the same while three hostile loads run for ``--seconds``:
+chats (one at a time). Then the same while three hostile loads run for ``--seconds``, each
+in a process of its own (as the three hostile-client scripts would run: building and
+sending 16-30 MB bodies must not slow the process that measures):
 
 - loop_dos: three connections resending a ~30 MB chat of 800k messages;
 - pool_starve: two 16 MB single-word prompts, over and over;
@@ -82,6 +84,7 @@ async def chats(s: aiohttp.ClientSession, url: str, until: float, out: list[floa
 
 
 async def loop_dos(url: str, until: float, statuses: list[int]) -> None:
+    """Three connections resending a body of 800k messages (just under 32 MiB)."""
     msg = b'{"role":"user","content":"x"},'
     body = (
         b'{"model":"%s","messages":[' % MODEL.encode()
@@ -104,6 +107,7 @@ async def loop_dos(url: str, until: float, statuses: list[int]) -> None:
 
 
 async def pool_starve(url: str, until: float, statuses: list[int]) -> None:
+    """Two connections resending a 16 MB single-word prompt."""
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
 
         async def one(k: int) -> None:
@@ -130,7 +134,9 @@ def slow_hold(port: int, n: int) -> list[socket.socket]:
     return socks
 
 
-async def phase(url: str, seconds: float, gw: procs.Proc, hostile: bool) -> dict[str, Any]:
+async def phase(
+    url: str, seconds: float, gw: procs.Proc, attacks: tuple[str, ...]
+) -> dict[str, Any]:
     health: list[float] = []
     chat: list[float] = []
     statuses: list[int] = []
@@ -142,24 +148,30 @@ async def phase(url: str, seconds: float, gw: procs.Proc, hostile: bool) -> dict
             peak[0] = max(peak[0], gw.rss())
             await asyncio.sleep(0.2)
 
-    held: list[socket.socket] = []
-    tasks = []
-    if hostile:
-        held = slow_hold(gw.port, 60)
-        tasks = [
-            asyncio.create_task(loop_dos(url, until, statuses)),
-            asyncio.create_task(pool_starve(url, until, statuses)),
-        ]
-        await asyncio.sleep(0.5)
+    attackers: list[asyncio.subprocess.Process] = []
+    if attacks:
+        for name in attacks:
+            attackers.append(
+                await asyncio.create_subprocess_exec(
+                    procs.PYTHON, "-m", "bench.hostile", "--attack", name, "--url", url,
+                    "--port", str(gw.port), "--seconds", f"{seconds:.1f}",
+                    stdout=asyncio.subprocess.PIPE, cwd=procs.ROOT,
+                )
+            )  # fmt: skip
+        await asyncio.sleep(1.0)
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
             await asyncio.gather(
                 probe_health(s, url, until, health), chats(s, url, until, chat), sample()
             )
-        await asyncio.gather(*tasks)
+        for a in attackers:
+            out, _ = await asyncio.wait_for(a.communicate(), timeout=180)
+            statuses.extend(json.loads(out or b"[]"))
     finally:
-        for sock in held:
-            sock.close()
+        for a in attackers:
+            if a.returncode is None:
+                a.kill()
+                await a.wait()
     return {
         "health_p50_ms": _pct(health, 0.5),
         "health_p99_ms": _pct(health, 0.99),
@@ -172,11 +184,41 @@ async def phase(url: str, seconds: float, gw: procs.Proc, hostile: bool) -> dict
     }
 
 
+ATTACKS = ("loop_dos", "pool_starve", "slow_hold")
+
+
+async def attack(name: str, url: str, port: int, seconds: float) -> list[int]:
+    """One hostile load, run in its own process; the statuses it got back."""
+    until = time.monotonic() + seconds
+    statuses: list[int] = []
+    if name == "loop_dos":
+        await loop_dos(url, until, statuses)
+    elif name == "pool_starve":
+        await pool_starve(url, until, statuses)
+    else:
+        held = slow_hold(port, 60)
+        try:
+            await asyncio.sleep(max(0.0, until - time.monotonic()))
+        finally:
+            for sock in held:
+                sock.close()
+    return statuses
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seconds", type=float, default=20.0)
     p.add_argument("--quick", action="store_true", help="8 s under attack")
+    p.add_argument(
+        "--attacks", default=",".join(ATTACKS), help="which hostile loads (comma-separated)"
+    )
+    p.add_argument("--attack", choices=ATTACKS, help=argparse.SUPPRESS)
+    p.add_argument("--url", help=argparse.SUPPRESS)
+    p.add_argument("--port", type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.attack:
+        print(json.dumps(asyncio.run(attack(args.attack, args.url, args.port, args.seconds))))
+        return {}
     if args.quick:
         args.seconds = 8.0
     with tempfile.TemporaryDirectory(prefix="bench-hostile-") as tmp:
@@ -194,8 +236,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             )
             url = gw.url
             time.sleep(2.0)  # first health checks and discovery
-            alone = asyncio.run(phase(url, args.seconds / 2, gw, hostile=False))
-            attacked = asyncio.run(phase(url, args.seconds, gw, hostile=True))
+            alone = asyncio.run(phase(url, args.seconds / 2, gw, ()))
+            attacks = tuple(a for a in args.attacks.split(",") if a)
+            attacked = asyncio.run(phase(url, args.seconds, gw, attacks))
     out = {"alone": alone, "under_attack": attacked}
     out["targets"] = {
         "health_p99<50ms": attacked["health_p99_ms"] < 50,

@@ -55,7 +55,6 @@ class Exchange:
     record: AccessRecord
     started: float
     counted: Counted | None = None
-    body_read: bool = False
     # Admitted again with the node's own count after it refused the prompt as too long.
     recounted: bool = False
     # Every admission of this request (one per attempt), in order.

@@ -61,10 +61,12 @@ def check_message_count(raw: bytes, limits: Limits) -> None:
         raise _too_many("messages", limits.max_messages)
 
 
-def parse_body(raw: bytes, limits: Limits = Limits()) -> dict[str, Any]:
-    if not raw.strip():
+def parse_body(raw: bytes, limits: Limits = Limits(), *, messages: bool = True) -> dict[str, Any]:
+    """The JSON object in ``raw``; with ``messages``, too many of them is refused first."""
+    if not raw or raw.isspace():
         raise BadRequest("The request body is empty; expected a JSON object.", code="invalid_json")
-    check_message_count(raw, limits)
+    if messages:
+        check_message_count(raw, limits)
     try:
         body = json.loads(raw, parse_constant=_no_constants)
     except RecursionError as exc:

@@ -22,7 +22,6 @@ from kvgateway.server.openai_request import (
     Kind,
     Limits,
     ParsedRequest,
-    check_message_count,
     parse_body,
     parse_chat,
     parse_completion,
@@ -75,9 +74,7 @@ async def plan_request(
 ) -> Counted:
     limits = Limits(config.admission.max_messages, config.admission.max_content_parts)
     if len(raw) > OFF_LOOP_BYTES:
-        # Refused here, on the loop, for the price of one bytes.count: a body of 800k
-        # messages must not even reach a worker thread (the parser holds the GIL).
-        check_message_count(raw, limits)
+        # (A body of 800k messages never gets here: it is refused while it arrives.)
         # Parsing and validating a large body takes milliseconds of Python: not on the loop.
         loop = asyncio.get_running_loop()
         parsed, model = await loop.run_in_executor(
@@ -217,7 +214,7 @@ def reserved_prompts(
 def _parse(
     raw: bytes, kind: Kind, config: GatewayConfig, limits: Limits
 ) -> tuple[ParsedRequest, ModelConfig]:
-    body = parse_body(raw, limits)
+    body = parse_body(raw, limits, messages=kind != "completion")
     if kind == "chat":
         parsed = parse_chat(body, limits)
     elif kind == "responses":

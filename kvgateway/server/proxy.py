@@ -145,9 +145,8 @@ async def handle_completion(
         if isinstance(err, RateLimited):
             ex.limit_hit = err.param
         resp = error_response(err, rid)
-        if state.draining or not ex.body_read:
-            # Leaving, or the body was not (fully) read: this connection cannot go on.
-            resp.force_close()
+        if state.draining:
+            resp.force_close()  # leaving: the client reconnects elsewhere
         return resp
     except ConnectionResetError:
         # The client went away between two writes, before aiohttp cancelled us. Nothing
@@ -197,7 +196,6 @@ async def _count_and_forward(state: GatewayState, ex: Exchange, kind: Kind) -> w
         cfg.server.body_timeout_s,
         cfg.admission.max_messages if kind != "completion" else None,
     )
-    ex.body_read = True
     counted = await plan_request(
         raw,
         kind,
@@ -215,7 +213,6 @@ async def _count_and_forward(state: GatewayState, ex: Exchange, kind: Kind) -> w
     rec.model = counted.model.name
     rec.prompt_tokens = counted.prompt.total
     rec.stream = counted.parsed.stream
-    body = upstream_body(counted) or raw
     ex.charge, ex.limit_headers = charge(
         state.quotas,
         state.tenancy,
@@ -224,14 +221,15 @@ async def _count_and_forward(state: GatewayState, ex: Exchange, kind: Kind) -> w
         counted.demand.output_tokens * counted.demand.sequences,
         state.clock(),
     )
-    return await _forward(state, ex, body)
+    return await _forward(state, ex, raw)
 
 
-async def _forward(state: GatewayState, ex: Exchange, body: bytes) -> web.StreamResponse:
+async def _forward(state: GatewayState, ex: Exchange, raw: bytes) -> web.StreamResponse:
     """Admit, send, relay; on a failure before the first byte, try another backend."""
     deadline = ex.started + state.config.admission.queue_timeout_s
     excluded: set[str] = set()
     last_error: UpstreamError | None = None
+    body, body_of = raw, None
     while True:
         counted = ex.counted
         assert counted is not None
@@ -248,6 +246,10 @@ async def _forward(state: GatewayState, ex: Exchange, body: bytes) -> web.Stream
             )
         async with r:
             ex.admitted(r)
+            if body_of is not counted:
+                # Written once admitted (a refused 16 MB prompt is never re-serialised),
+                # and again only if a node's own count changed the plan.
+                body, body_of = upstream_body(counted) or raw, counted
             with state.tracing.span("gateway.upstream", backend=r.backend.name):
                 outcome = await _attempt(state, ex, r, body)
             if isinstance(outcome, UpstreamError):  # failed before any byte: try another

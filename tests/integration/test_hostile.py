@@ -5,6 +5,7 @@ Every answer is OpenAI-shaped, nothing is 5xx, nothing leaks into the log or the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gzip
 import json
 import random
@@ -14,6 +15,7 @@ import urllib.request
 from collections.abc import Iterator
 
 import aiohttp
+import httpx
 import pytest
 
 from tests.support.live import MODEL, LiveGateway, running_gateway
@@ -204,9 +206,62 @@ def test_a_body_of_many_messages_is_refused_before_it_blocks_the_loop(gw: LiveGa
         + b'{"role":"user","content":"x"}]}'
     )
     t0 = time.monotonic()
-    status, resp = post(gw, "/v1/chat/completions", body)
-    assert status == 400 and openai_error(resp)["code"] == "too_many_messages"
+    # httpx (the OpenAI SDK's client) reads an answer that comes before its body is sent.
+    r = httpx.post(
+        gw.url + "/v1/chat/completions",
+        content=body,
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {gw.api_key}"},
+        timeout=10,
+    )
+    assert r.status_code == 400 and openai_error(r.content)["code"] == "too_many_messages"
     assert time.monotonic() - t0 < 5
+
+
+def _send_until_stalled(g: LiveGateway, head: bytes, body: bytes) -> tuple[int, bytes]:
+    """Send ``head`` + ``body`` without blocking until the gateway stops taking bytes
+    (half a second with none taken) or all are sent; what was sent and what came back."""
+    with socket.create_connection(("127.0.0.1", _port(g)), timeout=5) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 256 * 1024)
+        s.sendall(head)
+        s.setblocking(False)
+        sent, answer, stalled_since = 0, b"", None
+        view = memoryview(body)
+        deadline = time.monotonic() + 20
+        while sent < len(body) and time.monotonic() < deadline:
+            try:
+                n = s.send(view[sent : sent + 65536])
+                sent += n
+                stalled_since = None
+            except BlockingIOError:
+                stalled_since = stalled_since or time.monotonic()
+                if time.monotonic() - stalled_since > 0.5:
+                    break
+                time.sleep(0.01)
+            except (BrokenPipeError, ConnectionResetError):
+                break
+            with contextlib.suppress(BlockingIOError, ConnectionResetError):
+                answer += s.recv(65536)
+        s.setblocking(True)
+        with contextlib.suppress(OSError):
+            while chunk := s.recv(65536):
+                answer += chunk
+        return sent, answer
+
+
+def test_an_answered_body_is_not_read_to_its_end(gw: LiveGateway):
+    # loop_dos: the 400 came at once, but aiohttp then read the other ~30 MB of every
+    # such body (lingering), and three connections resending it filled the event loop.
+    msg = b'{"role":"user","content":"x"},'
+    body = b'{"model":"%s","messages":[' % MODEL.encode() + msg * 800_000 + b"{}]}"
+    head = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Authorization: Bearer %s\r\nContent-Length: %d\r\n\r\n" % (gw.api_key.encode(), len(body))
+    )
+    sent, answer = _send_until_stalled(gw, head, body)
+    assert answer.startswith(b"HTTP/1.1 400"), answer[:200]
+    assert b"too_many_messages" in answer
+    # What the kernel buffers on both sides, not the 29 MB body.
+    assert sent < len(body) // 4, (sent, len(body))
 
 
 async def test_fuzz_no_5xx_openai_errors_no_leaks(gw: LiveGateway):
