@@ -84,7 +84,8 @@ def parse_body(raw: bytes, limits: Limits = Limits(), *, messages: bool = True) 
             f"The request body must be a JSON object, got {type(body).__name__}.",
             code="invalid_json",
         )
-    if _SURROGATE_ESCAPE.search(raw):
+    first = raw.find(b"\\")  # memchr: most bodies have few or no escapes to look at
+    if first >= 0 and _SURROGATE_ESCAPE.search(raw, first):
         # A lone surrogate cannot be encoded to count it: count U+FFFD in its place.
         fixed: dict[str, Any] = _replace_lone_surrogates(body)
         return fixed
