@@ -285,6 +285,9 @@ def _ledger(s: Section) -> LedgerConfig:
         replica_id=s.opt_str("replica_id") or "",
         namespace=s.text("namespace", d.namespace),
         fallback_replicas=s.integer("fallback_replicas", d.fallback_replicas),
+        credit_hold_s=s.number(
+            "credit_hold_s", d.credit_hold_s, maximum=lease / 4, exclusive_min=False
+        ),
     )
     s.reject_unknown()
     return cfg

@@ -289,6 +289,10 @@ class LedgerConfig:
     # The replica count the blind share assumes until Redis has answered once (a replica
     # that starts while Redis is down has never seen the real count).
     fallback_replicas: int = 2
+    # What a finished request held stays recorded in Redis this long as this replica's
+    # credit (at most two requests' worth per backend): the next request that fits in it
+    # is admitted without a Redis round trip. 0: every admission asks Redis.
+    credit_hold_s: float = 0.05
 
     @property
     def shared(self) -> bool:

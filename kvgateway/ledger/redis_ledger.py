@@ -8,6 +8,9 @@ replica's share of each budget, ``budget // live replicas last seen``, and nothi
 Back from fallback, the heartbeat writes this replica's holdings as absolute values, so
 what was admitted meanwhile is counted once, and the replica is shared again.
 
+A finished request's room is kept a moment as credit (see :mod:`kvgateway.ledger.credit`),
+given back when it idles, when another replica is refused there, at a sync, and at a stop.
+
 Three tasks, owned by :meth:`RedisLedger.running`: the heartbeat (lease, view refresh,
 recovery), the release flusher (one pipeline per batch) and the pub/sub listener.
 """
@@ -29,6 +32,7 @@ from kvgateway.core.backends import Backend
 from kvgateway.core.fleet import Fleet
 from kvgateway.core.ledger import OthersView
 from kvgateway.core.reservation import Reservation
+from kvgateway.ledger.credit import Credit
 from kvgateway.ledger.scripts import HEARTBEAT, RELEASE, RESERVE, Keys
 
 log = logging.getLogger("kvgateway.ledger")
@@ -55,6 +59,7 @@ class RedisLedger:
         client: Redis,
         *,
         on_status: Callable[[LedgerStatus], None] | None = None,
+        on_credit: Callable[[], None] | None = None,
     ) -> None:
         self._cfg = cfg
         self._id = replica_id
@@ -64,6 +69,7 @@ class RedisLedger:
         self._view = OthersView(fleet.adjust)
         self._lease_ms = int(cfg.lease_s * 1000)
         self._on_status = on_status
+        self._on_credit = on_credit
         self._admission: Admission | None = None
         self._shas: dict[str, str] = {}
         self._shared = False
@@ -90,6 +96,8 @@ class RedisLedger:
         # Set when the block of `running` ends: the loops stop even if a Redis call
         # swallowed their cancellation (the client turns some into connection errors).
         self._closing = False
+        # Room recorded in Redis as ours that no request holds (part of `_mine`).
+        self._credit = Credit(cfg.credit_hold_s, self._give_back)
 
     # ---- what Admission calls ---------------------------------------------------
 
@@ -106,6 +114,14 @@ class RedisLedger:
                     await self._sync_done.wait()
         if not self._shared:
             return True  # still in fallback: the local share already limited it
+        take_t = take_s = 0
+        if self._sync_done is None:
+            # What credit there is counts towards it; Redis is asked for the rest, if any.
+            take_t, take_s = self._credit.take(b.name, reservation.tokens, reservation.seqs)
+            if (take_t, take_s) == (reservation.tokens, reservation.seqs):
+                if self._on_credit is not None:
+                    self._on_credit()
+                return True
         self._confirming += 1
         self._no_confirms.clear()
         try:
@@ -116,13 +132,15 @@ class RedisLedger:
                     *self._keys.backend(b.name),
                     self._keys.waiting(b.name),
                     self._id,
-                    reservation.tokens,
-                    reservation.seqs,
+                    reservation.tokens - take_t,
+                    reservation.seqs - take_s,
                     b.budget_tokens,
                     b.max_num_seqs,
                     self._lease_ms,
                     int(reservation.queued_s > 0),
                     int(self._waiting_for(b.name)),
+                    self._keys.channel,
+                    b.name,
                 )
         except asyncio.CancelledError:
             # Redis may have recorded it: the next heartbeat rewrites our holdings.
@@ -141,8 +159,13 @@ class RedisLedger:
             return False
         if granted:
             m = self._mine.setdefault(b.name, [0, 0])
-            m[0] += reservation.tokens
-            m[1] += reservation.seqs
+            m[0] += reservation.tokens - take_t
+            m[1] += reservation.seqs - take_s
+        else:
+            # Refused: the backend is contended here; what credit there was goes back.
+            if take_t or take_s:
+                self._give_back(b.name, take_t, take_s)
+            self._credit.drop(b.name)
         self._set_others(b, others_t, others_s)
         return bool(granted)
 
@@ -152,10 +175,21 @@ class RedisLedger:
             if self._sync_done is not None:
                 self._held_back.append(item)
             return  # in fallback: the sync that ends it writes absolute holdings
-        m = self._mine.setdefault(item[0], [0, 0])
-        m[0] -= item[1]
-        m[1] -= item[2]
-        self._pending.append(item)
+        if self._credit.enabled and self._sync_done is None:
+            self._credit.keep(*item)
+            return
+        self._give_back(*item)
+
+    @property
+    def credit_grants(self) -> int:
+        """Admissions confirmed from credit, without a Redis round trip."""
+        return self._credit.grants
+
+    def _give_back(self, name: str, tokens: int, seqs: int) -> None:
+        m = self._mine.setdefault(name, [0, 0])
+        m[0] -= tokens
+        m[1] -= seqs
+        self._pending.append((name, tokens, seqs))
         self._flush.set()
 
     # ---- state ------------------------------------------------------------------
@@ -196,6 +230,7 @@ class RedisLedger:
         self._reason = reason
         self._fallbacks += 1
         self._pending.clear()
+        self._credit.forget()  # the sync that ends the fallback writes what is in use
         log.warning(
             "shared ledger unavailable (%s): each backend's budget is now shared blind, "
             "1/%d of it for this replica, until Redis answers again",
@@ -243,6 +278,7 @@ class RedisLedger:
         """A clean stop: give back what is still recorded and drop the lease now."""
         if not self._shared:
             return
+        self._credit.drop_all()
         with contextlib.suppress(*_FAILURES):
             async with asyncio.timeout(self._cfg.timeout_s * 4):
                 await self._send_releases(self._pending)
@@ -284,9 +320,10 @@ class RedisLedger:
         own = [self._view.own(b) for b in backends] if absolute else []
         if absolute:
             # From here on the holdings in `own` are the truth: releases queued or held
-            # back until now are in them.
+            # back until now are in them, and credit is not.
             self._pending.clear()
             self._held_back.clear()
+            self._credit.forget()
         keys: list[str] = [self._keys.live]
         args: list[int | str] = [self._id, self._lease_ms, int(absolute)]
         for i, b in enumerate(backends):
@@ -376,8 +413,13 @@ class RedisLedger:
         published total less ours; waiters here are offered the room."""
         if not self._shared:
             return
+        fields = data.decode(errors="replace").split("\t")
+        if len(fields) == 3 and fields[0] == "wait":
+            if fields[2] != self._id:
+                self._credit.drop(fields[1])  # a replica waits there: our credit goes back
+            return
         try:
-            name, total_t, total_s, who = data.decode().split("\t")
+            name, total_t, total_s, who = fields
             tokens, seqs = int(total_t), int(total_s)
         except ValueError:
             log.warning("ledger: unreadable release message %r", data[:100])

@@ -7,6 +7,7 @@ Layout (all keys share the ``{namespace}`` hash tag, so they live in one slot):
 - ``{ns}:seq:NAME``  hash: replica id -> sequences it holds there
 - ``{ns}:wait:NAME`` sorted set: replica id -> since when it has requests queued for NAME
 - ``{ns}:released``  pub/sub channel: "NAME<TAB>total tokens<TAB>total seqs<TAB>replica"
+  after a release, "wait<TAB>NAME<TAB>replica" after a refusal
 
 Only holdings of replicas whose lease is live are summed; a dead replica's fields are
 deleted by whoever reads them next, so a replica killed with -9 stops counting when its
@@ -67,9 +68,11 @@ end
 """
 
 # KEYS: live, tok, seq, wait. ARGV: me, tokens, seqs, budget tokens, budget seqs, lease
-# ms, queued (1: this request waited in a queue), still waiting (1: more of mine queue).
-# Returns {granted 0/1, others' tokens, others' seqs, live replicas}; a request refused
-# for fairness is told the backend is full, so that it queues instead of asking again.
+# ms, queued (1: this request waited in a queue), still waiting (1: more of mine queue),
+# channel, backend name. Returns {granted 0/1, others' tokens, others' seqs, live
+# replicas}; a request refused for fairness is told the backend is full, so that it
+# queues instead of asking again. A refusal is published ("wait<TAB>NAME<TAB>replica"):
+# other replicas give back the credit they keep there.
 RESERVE = (
     _PRELUDE
     + """
@@ -80,8 +83,12 @@ local now = now_ms()
 local n = live(KEYS[1], me, now, tonumber(ARGV[6]))
 local ot, os = others(KEYS[2], KEYS[1], me), others(KEYS[3], KEYS[1], me)
 local mt, ms = mine(KEYS[2], me), mine(KEYS[3], me)
-if ARGV[7] ~= '1' and waiting(KEYS[4], KEYS[1], me) then
+local function refused()
   note_waiting(KEYS[4], me, now, true)
+  redis.call('PUBLISH', ARGV[9], 'wait\t' .. ARGV[10] .. '\t' .. me)
+end
+if ARGV[7] ~= '1' and waiting(KEYS[4], KEYS[1], me) then
+  refused()
   return {0, math.max(ot, bt - mt), math.max(os, bs - ms), n}
 end
 if ot + mt + tokens <= bt and os + ms + seqs <= bs then
@@ -90,7 +97,7 @@ if ot + mt + tokens <= bt and os + ms + seqs <= bs then
   note_waiting(KEYS[4], me, now, ARGV[8] == '1')
   return {1, ot, os, n}
 end
-note_waiting(KEYS[4], me, now, true)
+refused()
 return {0, ot, os, n}
 """
 )
@@ -101,9 +108,10 @@ RELEASE = (
     _PRELUDE
     + """
 local me = ARGV[1]
-local t = redis.call('HINCRBY', KEYS[2], me, -tonumber(ARGV[2]))
+-- (0 - n, not -n: Lua writes -0 as "-0", which HINCRBY refuses.)
+local t = redis.call('HINCRBY', KEYS[2], me, 0 - tonumber(ARGV[2]))
 if t <= 0 then redis.call('HDEL', KEYS[2], me) end
-local s = redis.call('HINCRBY', KEYS[3], me, -tonumber(ARGV[3]))
+local s = redis.call('HINCRBY', KEYS[3], me, 0 - tonumber(ARGV[3]))
 if s <= 0 then redis.call('HDEL', KEYS[3], me) end
 local ot = others(KEYS[2], KEYS[1], me) + math.max(t, 0)
 local os = others(KEYS[3], KEYS[1], me) + math.max(s, 0)

@@ -33,6 +33,12 @@ class LedgerMetrics:
             "Times this gateway fell back from the shared ledger to its local share.",
             registry=registry,
         )
+        self.credit_admissions = Counter(
+            "gateway_ledger_credit_admissions",
+            "Admissions confirmed from this gateway's ledger credit (room a finished "
+            "request left, still recorded as this gateway's), without a Redis round trip.",
+            registry=registry,
+        )
         self._seen_fallbacks = 0
 
     def update(self, status: LedgerStatus) -> None:
@@ -53,7 +59,14 @@ def build_ledger(
     rid = cfg.replica_id or default_replica_id(config.server.port)
     if worker is not None:
         rid = f"{rid}/w{worker}"
-    return RedisLedger(cfg, rid, fleet, redis_client(cfg), on_status=metrics.update)
+    return RedisLedger(
+        cfg,
+        rid,
+        fleet,
+        redis_client(cfg),
+        on_status=metrics.update,
+        on_credit=metrics.credit_admissions.inc,
+    )
 
 
 def ready_details(ledger: RedisLedger | None) -> dict[str, Any]:
@@ -66,6 +79,7 @@ def ready_details(ledger: RedisLedger | None) -> dict[str, Any]:
         "replica_id": s.replica_id,
         "live_replicas": s.live_replicas,
         "fallbacks": s.fallbacks,
+        "credit_admissions": ledger.credit_grants,
     }
     if not s.shared:
         out["fallback"] = f"local share 1/{s.live_replicas} of each budget: {s.reason}"

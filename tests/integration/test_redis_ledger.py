@@ -26,14 +26,21 @@ from tests.support.redis_server import RedisServer
 BUDGET = 10_000  # kv_cache_tokens with budget_fraction 1.0
 
 
-def _config(url: str, lease_s: float = 1.0) -> tuple[Fleet, LedgerConfig]:
+def _config(
+    url: str, lease_s: float = 1.0, credit_hold_s: float = 0.05
+) -> tuple[Fleet, LedgerConfig]:
     cfg = parse_config(
         {
             "models": [{"name": "m"}],
             "admission": {"budget_fraction": 1.0},
             # As long a Redis timeout as the lease allows: a machine busy with other
             # tests must not make these replicas flap into the fallback.
-            "ledger": {"url": url, "lease_s": lease_s, "timeout_s": min(0.5, lease_s / 3)},
+            "ledger": {
+                "url": url,
+                "lease_s": lease_s,
+                "timeout_s": min(0.5, lease_s / 3),
+                "credit_hold_s": credit_hold_s,
+            },
             "tiers": [
                 {
                     "name": "t",
@@ -72,8 +79,10 @@ class Replica:
 
 
 @contextlib.asynccontextmanager
-async def replica(url: str, rid: str, lease_s: float = 1.0) -> AsyncIterator[Replica]:
-    fleet, cfg = _config(url, lease_s)
+async def replica(
+    url: str, rid: str, lease_s: float = 1.0, credit_hold_s: float = 0.05
+) -> AsyncIterator[Replica]:
+    fleet, cfg = _config(url, lease_s, credit_hold_s)
     statuses: list[LedgerStatus] = []
     ledger = RedisLedger(cfg, rid, fleet, redis_client(cfg), on_status=statuses.append)
     admission = Admission.for_fleet(fleet, lambda: fleet.config, time.monotonic, ledger=ledger)
@@ -101,6 +110,24 @@ async def _ledger_sum(url: str) -> int:
         await client.aclose()
 
 
+async def _settles_at(url: str, want: int, within: float = 3.0) -> int:
+    """The ledger's sum once it reaches ``want`` (credit goes back after its hold and
+    releases are pipelined), or what it is after ``within`` seconds."""
+    deadline = time.monotonic() + within
+    while (got := await _ledger_sum(url)) != want and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    return got
+
+
+async def _evalsha_calls(url: str) -> int:
+    client = Redis.from_url(url)
+    try:
+        stats = await client.info("commandstats")
+        return int(stats.get("cmdstat_evalsha", {}).get("calls", 0))
+    finally:
+        await client.aclose()
+
+
 async def test_two_replicas_never_reserve_more_than_the_budget(redis_server: RedisServer) -> None:
     async with replica(redis_server.url, "a") as a, replica(redis_server.url, "b") as b:
         assert a.ledger.status().shared and b.ledger.status().shared
@@ -114,8 +141,7 @@ async def test_two_replicas_never_reserve_more_than_the_budget(redis_server: Red
 
         await asyncio.gather(*(one(r) for _ in range(20) for r in (a, b)))
         assert 0 < peak <= BUDGET
-        await asyncio.sleep(0.1)  # pipelined releases
-        assert await _ledger_sum(redis_server.url) == 0
+        assert await _settles_at(redis_server.url, 0) == 0
 
 
 async def test_a_release_wakes_a_waiter_in_another_replica(redis_server: RedisServer) -> None:
@@ -193,8 +219,7 @@ async def test_redis_down_falls_back_to_a_share_then_returns(redis_server: Redis
         assert await _ledger_sum(redis_server.url) == 5000
         r.release()
         kept.release()
-        await asyncio.sleep(0.1)
-        assert await _ledger_sum(redis_server.url) == 0
+        assert await _settles_at(redis_server.url, 0) == 0
 
 
 async def test_started_while_redis_is_down_serves_a_share_then_joins(
@@ -241,8 +266,47 @@ async def test_new_requests_leave_freed_room_to_another_replicas_queue(
         got_small = await asyncio.wait_for(small, 2.0)
         got_big.release()
         got_small.release()
-        await asyncio.sleep(0.1)
-        assert await _ledger_sum(redis_server.url) == 0
+        assert await _settles_at(redis_server.url, 0) == 0
         # Nobody queues any more: new requests pass at once again.
         r = await a.admission.admit(_demand(1000), 0.01)
         r.release()
+
+
+async def test_a_request_that_fits_in_credit_skips_redis(redis_server: RedisServer) -> None:
+    async with replica(redis_server.url, "a", credit_hold_s=0.2) as a:
+        first = await a.admission.admit(_demand(2000), 1.0)
+        first.release()
+        # The room stays recorded as a's for the hold: nobody else can count on it.
+        assert await _ledger_sum(redis_server.url) == 2000
+        calls = await _evalsha_calls(redis_server.url)
+        second = await a.admission.admit(_demand(1900), 1.0)
+        third = await a.admission.admit(_demand(1500), 1.0)  # more than is left: asks
+        assert a.ledger.credit_grants == 1
+        assert await _evalsha_calls(redis_server.url) == calls + 1
+        # What is held is recorded once: the credit's 2,000 and 1,400 more asked for.
+        assert await _ledger_sum(redis_server.url) == 3400
+        second.release()
+        third.release()
+        # Idle for the hold, the credit goes back.
+        assert await _settles_at(redis_server.url, 0) == 0
+
+
+async def test_a_refusal_elsewhere_takes_the_credit_back_at_once(
+    redis_server: RedisServer,
+) -> None:
+    async with (
+        replica(redis_server.url, "a", lease_s=8, credit_hold_s=2.0) as a,
+        replica(redis_server.url, "b", lease_s=8, credit_hold_s=2.0) as b,
+    ):
+        held = await a.admission.admit(_demand(6000), 1.0)
+        held.release()  # 6,000 kept as a's credit for up to 2 s
+        assert await _ledger_sum(redis_server.url) == 6000
+        started = time.monotonic()
+        # b has not heard of it (no release was published): Redis refuses b, b waits,
+        # and the refusal, published, makes a give its credit back.
+        got = await b.admission.admit(_demand(6000), 3.0)
+        assert time.monotonic() - started < 1.0, "b waited for the credit's hold"
+        assert b.ledger.credit_grants == 0
+        got.release()
+        assert await _settles_at(redis_server.url, 6000) == 6000  # b's credit now
+        assert await _settles_at(redis_server.url, 0, within=4.0) == 0
