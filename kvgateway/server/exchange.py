@@ -114,46 +114,42 @@ def finish(ex: Exchange, m: GatewayMetrics, now: float, access_log: bool) -> Non
     rec.latency_ms = (now - ex.started) * 1000
     if ex.counted is not None:
         model = ex.counted.model.name
-        m.prompt_tokens.labels(model=model).observe(ex.counted.prompt.total)
-        m.output_budget.labels(model=model).observe(
-            ex.counted.output_tokens * ex.counted.demand.sequences
-        )
+        m.of(m.prompt_tokens, model).observe(ex.counted.prompt.total)
+        m.of(m.output_budget, model).observe(ex.counted.output_tokens * ex.counted.demand.sequences)
     if ex.counted is not None and ex.credited_tokens:
-        m.prefix_credited.labels(model=ex.counted.model.name).inc(ex.credited_tokens)
+        m.of(m.prefix_credited, ex.counted.model.name).inc(ex.credited_tokens)
     if ex.counted is not None and ex.grown_tokens:
-        m.reservation_grown.labels(model=ex.counted.model.name).inc(ex.grown_tokens)
+        m.of(m.reservation_grown, ex.counted.model.name).inc(ex.grown_tokens)
     for tier, reason, queued_s in ex.admissions:
-        m.decisions.labels(tier=tier, reason=reason).inc()
+        m.of(m.decisions, tier, reason).inc()
         if queued_s > 0:
             m.queue_wait.observe(queued_s)
     for f in ex.failures:
-        m.upstream_failures.labels(backend=f.backend, cause=f.cause).inc()
+        m.of(m.upstream_failures, f.backend, f.cause).inc()
         if f.retried:
-            m.upstream_retries.labels(backend=f.backend, cause=f.cause).inc()
+            m.of(m.upstream_retries, f.backend, f.cause).inc()
     if ex.rejection is not None:
-        m.rejections.labels(reason=ex.rejection).inc()
+        m.of(m.rejections, ex.rejection).inc()
     if rec.tenant != "-":
         _tenant_metrics(ex, m)
     if rec.outcome == Outcome.CLIENT_DISCONNECT:
         m.client_disconnects.inc()
     if ex.ttft_s is not None and rec.tier != "-":
-        m.ttft.labels(model=rec.model, tier=rec.tier).observe(ex.ttft_s)
-    m.requests.labels(
-        model=rec.model, tier=rec.tier, backend=rec.backend, status=str(rec.status)
-    ).inc()
+        m.of(m.ttft, rec.model, rec.tier).observe(ex.ttft_s)
+    m.of(m.requests, rec.model, rec.tier, rec.backend, str(rec.status)).inc()
     if rec.tier != "-":
-        m.duration.labels(model=rec.model, tier=rec.tier).observe(rec.latency_ms / 1000)
+        m.of(m.duration, rec.model, rec.tier).observe(rec.latency_ms / 1000)
     if access_log:
         log_access(rec)
 
 
 def _tenant_metrics(ex: Exchange, m: GatewayMetrics) -> None:
     rec = ex.record
-    m.tenant_requests.labels(tenant=rec.tenant, status=str(rec.status)).inc()
+    m.of(m.tenant_requests, rec.tenant, str(rec.status)).inc()
     if ex.charge is not None and ex.counted is not None:
-        m.tenant_tokens.labels(tenant=rec.tenant, kind="prompt").inc(ex.counted.prompt.total)
-        m.tenant_tokens.labels(tenant=rec.tenant, kind="output").inc(ex.output_tokens or 0)
+        m.of(m.tenant_tokens, rec.tenant, "prompt").inc(ex.counted.prompt.total)
+        m.of(m.tenant_tokens, rec.tenant, "output").inc(ex.output_tokens or 0)
     if ex.rejection == "rate_limited" and ex.limit_hit:
-        m.tenant_rate_limited.labels(tenant=rec.tenant, limit=ex.limit_hit).inc()
+        m.of(m.tenant_rate_limited, rec.tenant, ex.limit_hit).inc()
     if ex.ttft_s is not None:
-        m.tenant_ttft.labels(tenant=rec.tenant).observe(ex.ttft_s)
+        m.of(m.tenant_ttft, rec.tenant).observe(ex.ttft_s)

@@ -8,9 +8,11 @@ backend state when Prometheus scrapes. No label carries per-request values.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 
 from kvgateway.core.backends import Backend
@@ -56,6 +58,10 @@ RATIO_BUCKETS = (0.5, 0.8, 0.9, 0.95, 0.98, 1.0, 1.02, 1.05, 1.1, 1.2, 1.5, 2.0)
 class GatewayMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
+        # Labelled children by (metric, label values): `labels()` validates and locks on
+        # every call, ~11 times per request. Label values come from bounded sets (models,
+        # tiers, backends, statuses, tenants), as the registry's own children do.
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         self.requests = Counter(
             "gateway_requests",
             "Requests answered, by model, tier, backend and HTTP status.",
@@ -196,6 +202,14 @@ class GatewayMetrics:
             ["version", "policy"],
             registry=registry,
         )
+
+    def of(self, metric: MetricWrapperBase, *values: str) -> Any:
+        """``metric.labels(*values)``, looked up once (values in label-name order)."""
+        key = (id(metric), values)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*values)
+        return child
 
 
 class FleetCollector(Collector):
