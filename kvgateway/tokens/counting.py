@@ -57,15 +57,17 @@ def split_chunks(text: str, min_chars: int = CHUNK_MIN, max_chars: int = CHUNK_M
         return [text]
     out: list[str] = []
     start = 0
-    for m in _BOUNDARY.finditer(text):
+    # Boundaries closer than min_chars to the last cut are never cuts: searched past.
+    pos = min_chars - 1
+    while (m := _BOUNDARY.search(text, pos)) is not None:
         cut = m.end()
-        size = cut - start
         # crc32, not hash(): str hashes change with every process (PYTHONHASHSEED).
-        if size >= min_chars and (
-            size >= max_chars or zlib.crc32(text[cut : cut + 16].encode()) % 4 == 0
-        ):
+        if cut - start >= max_chars or zlib.crc32(text[cut : cut + 16].encode()) % 4 == 0:
             out.append(text[start:cut])
             start = cut
+            pos = cut + min_chars - 1
+        else:
+            pos = cut
     out.append(text[start:])
     return out
 
