@@ -78,7 +78,9 @@ class OutputAccounting:
         per_seq = -(-live.generated // live.sequences)
         covered = live.reserved_output + live.grown // live.sequences
         if per_seq >= covered and not r.released:
-            extra = live.sequences * live.block_size
+            # Blocks enough to be ahead again: one read may bring many tokens at once.
+            blocks = (per_seq - covered) // live.block_size + 1
+            extra = blocks * live.sequences * live.block_size
             r.owner.grow(r, extra)
             live.grown += extra
 

@@ -53,3 +53,27 @@ def test_a_stream_outgrowing_its_reservation_grows_it_ahead_of_the_output():
     assert acct.statistics() == {}
     adm.release(r)
     assert b.reserved_tokens == 0 and b.in_flight == 0
+
+
+def test_one_read_of_many_tokens_grows_the_reservation_past_all_of_them():
+    # A loaded machine reads a node's stream in bursts: 40 tokens in one read must not
+    # leave the node holding more than the reservation until the next read.
+    b = backend("a", kv=100_000)
+    idx = ModelIndex([b])
+    adm = Admission(
+        index_for=lambda m: idx,
+        adjust=idx.adjust,
+        policy=lambda: "kv_aware",
+        offload_overflow=lambda: False,
+        queue_size=lambda: 10,
+        clock=lambda: 0.0,
+    )
+    r = adm.try_admit(demand(100, 20))
+    assert isinstance(r, Reservation)
+    acct = OutputAccounting()
+    live = acct.start(r, 100, 1, 20, 16)
+    for _ in range(6):
+        acct.on_events(live, token() * 40)
+        assert b.reserved_tokens >= live.footprint
+    acct.end(live)
+    adm.release(r)
