@@ -4,6 +4,7 @@ learned reservation takes more before the node holds it."""
 from __future__ import annotations
 
 from kvgateway.core.admission import Admission, Reservation
+from kvgateway.core.backends import Backend
 from kvgateway.core.routing_index import ModelIndex
 from kvgateway.server.output_accounting import OutputAccounting, client_key, count_stream_tokens
 from tests.support.backends import backend, demand
@@ -28,7 +29,7 @@ def test_client_key_hides_the_key_and_groups_by_it():
     assert a != client_key("Bearer other") and client_key("") == "*"
 
 
-def test_a_stream_outgrowing_its_reservation_grows_it_ahead_of_the_output():
+def _one_node() -> tuple[Backend, Admission]:
     b = backend("a", kv=100_000)
     idx = ModelIndex([b])
     adm = Admission(
@@ -39,6 +40,11 @@ def test_a_stream_outgrowing_its_reservation_grows_it_ahead_of_the_output():
         queue_size=lambda: 10,
         clock=lambda: 0.0,
     )
+    return b, adm
+
+
+def test_a_stream_outgrowing_its_reservation_grows_it_ahead_of_the_output():
+    b, adm = _one_node()
     d = demand(100, 20)  # reserves 128 tokens: 100 prompt + 20 learned output, in blocks
     r = adm.try_admit(d)
     assert isinstance(r, Reservation)
@@ -58,16 +64,7 @@ def test_a_stream_outgrowing_its_reservation_grows_it_ahead_of_the_output():
 def test_one_read_of_many_tokens_grows_the_reservation_past_all_of_them():
     # A loaded machine reads a node's stream in bursts: 40 tokens in one read must not
     # leave the node holding more than the reservation until the next read.
-    b = backend("a", kv=100_000)
-    idx = ModelIndex([b])
-    adm = Admission(
-        index_for=lambda m: idx,
-        adjust=idx.adjust,
-        policy=lambda: "kv_aware",
-        offload_overflow=lambda: False,
-        queue_size=lambda: 10,
-        clock=lambda: 0.0,
-    )
+    b, adm = _one_node()
     r = adm.try_admit(demand(100, 20))
     assert isinstance(r, Reservation)
     acct = OutputAccounting()
