@@ -65,6 +65,14 @@ async def read_limited(
         raise BodyTooLarge(f"Request body is {request.content_length} bytes; the limit is {limit}.")
     inspect = None if max_messages is None else _MessageCounter(max_messages)
     try:
+        if request.content.is_eof():
+            # Arrived whole with its headers (most bodies): no wait, so no timer.
+            raw = request.content.read_nowait()
+            if len(raw) > limit:
+                raise ValueError(f"more than {limit} bytes")
+            if inspect is not None:
+                inspect(b"", raw)
+            return raw
         async with asyncio.timeout(timeout):
             return await read_capped(request.content, limit, inspect)
     except ValueError as exc:
