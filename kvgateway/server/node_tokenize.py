@@ -3,7 +3,8 @@
 Used when the gateway counts with a stand-in and the stand-in's safe upper bound comes
 near the largest context on offer: the bound would refuse (or over-reserve) a request the
 node may well serve, so one healthy node of the model is asked for the exact count before
-anything is reserved. Bounded in time; answers cached by body; a node without the endpoint
+anything is reserved. That includes prompts the stand-in itself counts past the context
+when their text is one it overcounts (non-ASCII: CJK, Cyrillic, Arabic, emoji). Bounded in time; answers cached by body; a node without the endpoint
 (404/405) is not asked again. Any failure keeps the bound (safe).
 """
 
@@ -39,13 +40,14 @@ class NodeTokenizer:
         self._without: set[str] = set()  # backends that lack /tokenize
 
     @staticmethod
-    def worth_asking(bound: int, standin: int, output: int, largest_context: int) -> bool:
-        """The bound comes near the largest context while the stand-in's own count does not
-        pass it (past it, the node would refuse the prompt anyway)."""
+    def worth_asking(bound: int, floor: int, output: int, largest_context: int) -> bool:
+        """The bound comes near the largest context while the lowest count the node may
+        have (``floor``: the stand-in's count less what it may overcount, e.g. CJK or
+        Arabic text) does not pass it (past it, the node would refuse the prompt anyway)."""
         return (
             largest_context > 0
             and bound + output > NEAR * largest_context
-            and standin + output <= largest_context
+            and floor + output <= largest_context
         )
 
     async def count(self, model: ModelConfig, body: dict[str, Any], *, chat: bool) -> int | None:

@@ -12,6 +12,7 @@ count only has to be safe.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +23,9 @@ from kvgateway.tokens.spec import TokenizerConfig
 from kvgateway.tokens.standin import (
     BoundFactors,
     ExtraCache,
+    completion_overcount,
     completion_upper_bound,
+    overcount,
     upper_bound,
 )
 
@@ -48,6 +51,9 @@ class PromptEstimate:
     standin: int
     encoded_chars: int = 0
     each: tuple[int, ...] = ()
+    # A count the node's will not be below (the total when exact): a stand-in count
+    # divided by how far the stand-in may overcount this content (standin.overcount).
+    floor: int = 0
 
 
 class PromptEstimator:
@@ -83,7 +89,9 @@ class PromptEstimator:
 
     async def chat(self, body: dict[str, Any], limit: int | None = None) -> PromptEstimate:
         """``body``: a chat request whose ``messages`` is a list of objects. ``limit``:
-        the stand-in may stop counting past it (see PromptCounter.count)."""
+        the largest context; counting may stop once the prompt is certainly past it (the
+        stand-in's count past ``limit`` times how far it may overcount this content; see
+        PromptCounter.count)."""
         if self._exact is not None:
             try:
                 counted = await self._exact.count_chat(body)
@@ -91,8 +99,10 @@ class PromptEstimator:
                 log.info("chat template refused a request (the node will too): %s", exc)
             else:
                 return _exact(counted)
-        standin = await self._standin.count(plan_chat(body, self._config), (), limit)
-        if not self._config.upper_bound or _past(standin, limit):
+        factor = overcount(body) if self._config.upper_bound else 1.0
+        stop = None if limit is None else math.ceil(limit * factor)
+        standin = await self._standin.count(plan_chat(body, self._config), (), stop)
+        if not self._config.upper_bound or _past(standin, stop):
             return _as_counted(standin)
         bound = upper_bound(standin.total, body, self._factors, self._extra)
         return PromptEstimate(
@@ -103,6 +113,7 @@ class PromptEstimator:
             standin=standin.total,
             encoded_chars=standin.encoded_chars,
             each=(bound,),
+            floor=math.floor(standin.total / factor),
         )
 
     async def completion(self, body: dict[str, Any], limit: int | None = None) -> PromptEstimate:
@@ -110,10 +121,12 @@ class PromptEstimator:
         if self._exact is not None:
             return _exact(await self._exact.count_completion(body))
         plan, known = plan_completion(body["prompt"])
-        standin = await self._standin.count(plan, known, limit)
-        if not self._config.upper_bound or _past(standin, limit):
-            return _as_counted(standin)
         prompts = _prompts(body["prompt"])
+        factor = completion_overcount(prompts) if self._config.upper_bound else 1.0
+        stop = None if limit is None else math.ceil(limit * factor)
+        standin = await self._standin.count(plan, known, stop)
+        if not self._config.upper_bound or _past(standin, stop):
+            return _as_counted(standin)
         counts = standin.each or (standin.total,)
         if len(counts) == len(prompts):
             # Each text prompt bounded on its own; token-id prompts are known exactly.
@@ -132,12 +145,14 @@ class PromptEstimator:
             standin=standin.total,
             encoded_chars=standin.encoded_chars,
             each=each,
+            floor=math.floor(standin.longest / factor),
         )
 
 
 def _past(standin: PromptTokens, limit: int | None) -> bool:
-    """The stand-in's count alone is past the largest context: the request is refused
-    whatever the bound says, so the bound (a scan of every character) is not computed."""
+    """The stand-in's count is past the largest context even allowing for its overcount:
+    the request is refused whatever the bound says, so the bound (a scan of every
+    character) is not computed."""
     return limit is not None and standin.longest > limit
 
 
@@ -152,6 +167,7 @@ def _as_counted(counted: PromptTokens, *, exact: bool = False) -> PromptEstimate
         standin=counted.total,
         encoded_chars=counted.encoded_chars,
         each=counted.each or (counted.total,),
+        floor=counted.longest,
     )
 
 

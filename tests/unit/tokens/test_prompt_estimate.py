@@ -87,3 +87,31 @@ async def test_counters_build_one_estimator_per_model(vocab_dirs) -> None:
         assert counters.estimator_for(config.models[0].tokenizer) is exact
         body = {"messages": [{"role": "user", "content": "Order 1234567"}]}
         assert (await exact.chat(body)).exact and not (await plain.chat(body)).exact
+
+
+async def test_a_prompt_the_standin_overcounts_is_not_cut_off_at_the_context() -> None:
+    """cl100k counts Chinese ~2x what Qwen does: a prompt it counts past the largest
+    context may still fit the node, so it is counted on (to MAX_OVERCOUNT times the
+    context) and given a floor the node's count cannot be below; ASCII text is not."""
+    from kvgateway.server.node_tokenize import NodeTokenizer
+    from kvgateway.tokens.standin import ASCII_OVERCOUNT, MAX_OVERCOUNT
+
+    estimator = PromptEstimator(CONFIG, _standin())
+    english = await estimator.chat(
+        {"messages": [{"role": "user", "content": "word " * 3000}]}, 2000
+    )
+    assert english.total == english.standin == english.floor > 2000  # certainly past
+    assert english.standin <= 2000 * ASCII_OVERCOUNT + 1000  # stopped early
+    cjk_body = {"messages": [{"role": "user", "content": "我们今天讨论缓存容量模型" * 300}]}
+    cjk = await estimator.chat(cjk_body, 2000)
+    assert cjk.standin > 2000 and cjk.total > cjk.standin  # counted on, and bounded
+    assert cjk.floor == cjk.standin // MAX_OVERCOUNT
+    assert NodeTokenizer.worth_asking(cjk.total, cjk.floor, 16, 2000)
+    assert not NodeTokenizer.worth_asking(english.total, english.floor, 16, 2000)
+    assert not NodeTokenizer.worth_asking(500, 400, 16, 2000)  # nowhere near: no need
+
+
+async def test_floor_is_the_count_when_exact(gateway_tokenizer: Loader) -> None:
+    estimator = PromptEstimator(CONFIG, _standin(), ExactCounter(gateway_tokenizer("qwen")))
+    got = await estimator.chat({"messages": [{"role": "user", "content": "东京 123"}]})
+    assert got.exact and got.floor == got.total
