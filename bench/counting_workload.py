@@ -74,7 +74,7 @@ class Probe:
 
 
 def _scripts(rng: random.Random, n: int) -> str:
-    return "".join(rng.choice(SCRIPTS) for _ in range(max(1, n // 12)))
+    return "".join(rng.choice(SCRIPTS) for _ in range(max(1, n // 40)))
 
 
 def _layout(rng: random.Random, n: int) -> str:
@@ -107,8 +107,10 @@ def content(kind: str, rng: random.Random, tokens: int) -> str:
         return _scripts(rng, tokens)
     if kind == "layout":
         return _layout(rng, tokens)
-    # Generators of tests.support.corpus take a size in their own units: ~tokens.
-    size = {"numbers": tokens // 4, "hex": tokens // 12, "json": tokens // 2}.get(kind, tokens)
+    # Generators of tests.support.corpus take a size in their own units (numbers, ids,
+    # JSON rows / 8, words with an emoji), about this many cl100k tokens each.
+    per_unit = {"numbers": 4, "hex": 15, "json": 5, "emoji": 3, "mixed": 2.5}.get(kind, 1)
+    size = int(tokens / per_unit)
     return corpus.GENERATORS[kind](rng, max(2, size))
 
 
