@@ -33,6 +33,8 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from kvgateway.tokens.counting import IMAGE_PARTS
+
 _DIGITS = re.compile(r"\d+")
 
 # The other way round: how many times the node's count the stand-in's may be, so that a
@@ -190,17 +192,17 @@ def completion_overcount(prompts: Iterable[Any]) -> float:
     return MAX_OVERCOUNT
 
 
-def _media(body: dict[str, Any]) -> int:
-    n = 0
+def _media(body: dict[str, Any]) -> tuple[int, int]:
+    """Media parts, and how many of them the stand-in already charged as images."""
+    media = images = 0
     for msg in body.get("messages") or []:
         content = msg.get("content") if isinstance(msg, dict) else None
         if isinstance(content, list):
-            n += sum(
-                1
-                for p in content
-                if isinstance(p, dict) and p.get("type") not in ("text", "input_text", "refusal")
-            )
-    return n
+            for p in content:
+                if isinstance(p, dict) and p.get("type") not in ("text", "input_text", "refusal"):
+                    media += 1
+                    images += p.get("type") in IMAGE_PARTS
+    return media, images
 
 
 def upper_bound(
@@ -213,6 +215,10 @@ def upper_bound(
     ``standin_tokens`` (its own count, template allowances and image costs included).
     ``extra_of``: :func:`text_extra`, or an :class:`ExtraCache` of it."""
     messages = body.get("messages") or []
+    media, images = _media(body)
+    # Images cost the node image_tokens each, as the stand-in charged them: only the text
+    # is scaled (scaling images too once bounded an image-only chat at 2.2x the node).
+    text_tokens = max(0, standin_tokens - factors.image_tokens * images)
     extra = sum(extra_of(t, factors) for t in _texts(body))
     tools = body.get("tools")
     tool_tokens = 0.0
@@ -225,12 +231,12 @@ def upper_bound(
         )
         extra += text_extra(schema, factors)
     return math.ceil(
-        factors.text_factor * standin_tokens
+        factors.text_factor * text_tokens
         + extra
         + tool_tokens
         + factors.fixed
         + factors.per_message * len(messages)
-        + factors.image_tokens * _media(body)
+        + factors.image_tokens * media
     )
 
 

@@ -225,3 +225,14 @@ def test_overcount_by_content() -> None:
     assert overcount({**ascii_body, "tools": tools}) == MAX_OVERCOUNT
     assert completion_overcount(["abc", [1, 2]]) == ASCII_OVERCOUNT
     assert completion_overcount(["abc", "é"]) == MAX_OVERCOUNT
+
+
+async def test_images_are_charged_once(gateway_tokenizer: Callable[[str], ModelTokenizer]) -> None:
+    """The stand-in charged each image image_tokens already; the bound scales only the
+    text (it once charged an image-only chat 2.2x what the node counts)."""
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "What is it?"}]}]}
+    body["messages"][0]["content"] += [image, image, image]
+    bound = upper_bound(await _standin(body), body)
+    counts = {k: ExactCounter(gateway_tokenizer(k)).count_chat_sync(body) for k in KINDS}
+    assert all(n <= bound <= 1.1 * n for n in counts.values()), (bound, counts)
