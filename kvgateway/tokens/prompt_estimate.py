@@ -11,8 +11,10 @@ count only has to be safe.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +32,9 @@ from kvgateway.tokens.standin import (
 )
 
 log = logging.getLogger("kvgateway.tokens")
+
+# Stand-in counts above which the bound's character scan leaves the event loop.
+INLINE_BOUND_TOKENS = 6_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,12 +70,17 @@ class PromptEstimator:
         standin: PromptCounter,
         exact: ExactCounter | None = None,
         factors: BoundFactors | None = None,
+        executor: Executor | None = None,
+        *,
+        inline_tokens: int = INLINE_BOUND_TOKENS,
     ) -> None:
         self._config = config
         self._standin = standin
         self._exact = exact
         self._factors = factors or BoundFactors(image_tokens=config.image_tokens)
         self._extra = ExtraCache(self._factors)
+        self._executor = executor
+        self._inline_tokens = inline_tokens
 
     @property
     def exact(self) -> bool:
@@ -104,7 +114,7 @@ class PromptEstimator:
         standin = await self._standin.count(plan_chat(body, self._config), (), stop)
         if not self._config.upper_bound or _past(standin, stop):
             return _as_counted(standin)
-        bound = upper_bound(standin.total, body, self._factors, self._extra)
+        bound = await self._bound(standin.total, body)
         return PromptEstimate(
             total=bound,
             longest=bound,
@@ -115,6 +125,16 @@ class PromptEstimator:
             each=(bound,),
             floor=math.floor(standin.total / factor),
         )
+
+    async def _bound(self, standin: int, body: dict[str, Any]) -> int:
+        """upper_bound of a chat; a big prompt's scan (regexes over every character, ~5 ms
+        per 100k characters) in the executor, without the loop-only cache."""
+        if standin > self._inline_tokens and self._executor is not None:
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(
+                self._executor, upper_bound, standin, body, self._factors
+            )
+        return upper_bound(standin, body, self._factors, self._extra)
 
     async def completion(self, body: dict[str, Any], limit: int | None = None) -> PromptEstimate:
         """``body``: a completions request (``prompt`` a string, ids, or a batch)."""
@@ -128,15 +148,13 @@ class PromptEstimator:
         if not self._config.upper_bound or _past(standin, stop):
             return _as_counted(standin)
         counts = standin.each or (standin.total,)
-        if len(counts) == len(prompts):
-            # Each text prompt bounded on its own; token-id prompts are known exactly.
-            each = tuple(
-                completion_upper_bound(n, p, self._factors) if isinstance(p, str) else n
-                for n, p in zip(counts, prompts, strict=True)
+        if standin.total > self._inline_tokens and self._executor is not None:
+            loop = asyncio.get_running_loop()
+            each = await loop.run_in_executor(
+                self._executor, _completion_bounds, counts, prompts, standin.total, self._factors
             )
-        else:  # counting stopped early: one bound over everything
-            text = "".join(p for p in prompts if isinstance(p, str))
-            each = (completion_upper_bound(standin.total, text, self._factors),)
+        else:
+            each = _completion_bounds(counts, prompts, standin.total, self._factors)
         return PromptEstimate(
             total=sum(each),
             longest=max(each),
@@ -147,6 +165,20 @@ class PromptEstimator:
             each=each,
             floor=math.floor(standin.longest / factor),
         )
+
+
+def _completion_bounds(
+    counts: tuple[int, ...], prompts: list[Any], total: int, factors: BoundFactors
+) -> tuple[int, ...]:
+    if len(counts) == len(prompts):
+        # Each text prompt bounded on its own; token-id prompts are known exactly.
+        return tuple(
+            completion_upper_bound(n, p, factors) if isinstance(p, str) else n
+            for n, p in zip(counts, prompts, strict=True)
+        )
+    # Counting stopped early: one bound over everything.
+    text = "".join(p for p in prompts if isinstance(p, str))
+    return (completion_upper_bound(total, text, factors),)
 
 
 def _past(standin: PromptTokens, limit: int | None) -> bool:
