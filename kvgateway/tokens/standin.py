@@ -35,8 +35,6 @@ from typing import Any
 
 from kvgateway.tokens.counting import IMAGE_PARTS
 
-_DIGITS = re.compile(r"\d+")
-
 # The other way round: how many times the node's count the stand-in's may be, so that a
 # prompt whose stand-in count is past a context is not refused unasked. ASCII text: about
 # the same (Llama 3's vocabulary holds cl100k's; the others count ASCII text higher);
@@ -77,26 +75,24 @@ class BoundFactors:
 _PUNCT = re.compile(r"""[!-/:-@\[-`{-~]""")
 
 
-def _digit_extra(text: str) -> int:
-    """Tokens a one-token-per-digit vocabulary adds over cl100k's 3-digit groups."""
-    extra = 0
-    for m in _DIGITS.finditer(text):
-        n = len(m.group())
-        extra += n - math.ceil(n / 3)
-    return extra
-
-
-# UTF-8 lead bytes by the length of the character they start: counted in C, not per char.
-_LEADS = bytes(
-    ord("2")
+# Each byte of a text's UTF-8 by class, so that counting is done in C, not per character:
+# "d" an ASCII digit, "p" ASCII punctuation (as _PUNCT), "2"/"3"/"4" the lead byte of a
+# 2/3/4-byte character, " " anything else.
+_CLASSES = bytes(
+    ord("d")
+    if 0x30 <= b <= 0x39
+    else ord("p")
+    if _PUNCT.match(chr(b))
+    else ord("2")
     if 0xC0 <= b <= 0xDF
     else ord("3")
     if 0xE0 <= b <= 0xEF
     else ord("4")
     if b >= 0xF0
-    else ord("0")
+    else ord(" ")
     for b in range(256)
 )
+_ONLY_DIGITS = bytes(ord("d") if b == ord("d") else ord(" ") for b in range(256))
 
 
 def _space_extra(text: str) -> int:
@@ -119,12 +115,19 @@ def _space_extra(text: str) -> int:
 
 def text_extra(text: str, factors: BoundFactors = BoundFactors()) -> float:
     """Tokens a worst-case vocabulary may add to ``text`` beyond ``text_factor``."""
-    extra = _digit_extra(text) + factors.punct_extra * len(_PUNCT.findall(text))
+    classes = text.encode("utf-8", "surrogatepass").translate(_CLASSES)
+    extra: float = factors.punct_extra * classes.count(b"p")
     extra += factors.space_extra * _space_extra(text)
-    if not text.isascii():
+    if b"d" in classes:
+        # Runs of ASCII digits (another script's digits are non-ASCII characters below,
+        # whose extra, >= 0.75, is above a digit's at most 2/3).
+        for run in classes.translate(_ONLY_DIGITS).split():
+            extra += len(run) - (len(run) + 2) // 3
+    if not text.isascii():  # O(1) in CPython
         two, three, four = factors.non_ascii_extra
-        leads = text.encode("utf-8", "surrogatepass").translate(_LEADS)
-        extra += two * leads.count(b"2") + three * leads.count(b"3") + four * leads.count(b"4")
+        extra += (
+            two * classes.count(b"2") + three * classes.count(b"3") + four * classes.count(b"4")
+        )
     return extra
 
 

@@ -24,6 +24,7 @@ from kvgateway.tokens.spec import TokenizerConfig
 from kvgateway.tokens.standin import (
     ASCII_OVERCOUNT,
     MAX_OVERCOUNT,
+    BoundFactors,
     completion_overcount,
     completion_upper_bound,
     overcount,
@@ -236,3 +237,27 @@ async def test_images_are_charged_once(gateway_tokenizer: Callable[[str], ModelT
     bound = upper_bound(await _standin(body), body)
     counts = {k: ExactCounter(gateway_tokenizer(k)).count_chat_sync(body) for k in KINDS}
     assert all(n <= bound <= 1.1 * n for n in counts.values()), (bound, counts)
+
+
+def _reference_extra(text: str) -> float:
+    """text_extra's slow twin: regexes and a loop per character."""
+    import math
+    import re
+
+    f = BoundFactors()
+    digits = sum(len(m) - math.ceil(len(m) / 3) for m in re.findall(r"[0-9]+", text))
+    punct = len(re.findall(r"""[!-/:-@\[-`{-~]""", text))
+    by_len = {2: f.non_ascii_extra[0], 3: f.non_ascii_extra[1], 4: f.non_ascii_extra[2]}
+    non_ascii = sum(by_len.get(len(c.encode("utf-8", "surrogatepass")), 0) for c in text)
+    breaks = sum(1 for i, c in enumerate(text[:-1]) if c == "\n" and text[i + 1] in "\t\n\r ")
+    spaces = sum((len(r) - 1) // 16 for r in re.findall(" {17,}", text))
+    ws = text.count("\t") + text.count("\r") + breaks + spaces
+    return digits + f.punct_extra * punct + non_ascii + f.space_extra * ws
+
+
+@given(st.text(alphabet=st.sampled_from(list('ab 019,.{}"\\~\n\t\ré你🙂٣')), max_size=80))
+def test_text_extra_matches_its_slow_twin(text: str) -> None:
+    # Line breaks are counted in C by pairs: at least the true count, at most twice.
+    fast, slow = text_extra(text), _reference_extra(text)
+    breaks = text.count("\n")
+    assert slow - 1e-9 <= fast <= slow + breaks + 1e-9, (fast, slow)
