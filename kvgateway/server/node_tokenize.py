@@ -59,15 +59,17 @@ class NodeTokenizer:
 
     async def count(self, model: ModelConfig, body: dict[str, Any], *, chat: bool) -> int | None:
         """The node's count of ``body``'s prompt, or None (no node could say in time)."""
+        backends = self._pick(model.name)[:ATTEMPTS]
+        if not backends:
+            return None  # before serializing: a 100k-token body costs ms on the loop
         request = tokenize_body(body, model.served_name, chat=chat)
-        key = hashlib.blake2b(
-            json.dumps(request, sort_keys=True, separators=(",", ":")).encode(), digest_size=16
-        ).digest()
+        data = json.dumps(request, sort_keys=True, separators=(",", ":")).encode()
+        key = hashlib.blake2b(data, digest_size=16).digest()
         if key in self._cache:
             self._cache.move_to_end(key)
             return self._cache[key]
-        for backend in self._pick(model.name)[:ATTEMPTS]:
-            got = await self._ask(backend, request)
+        for backend in backends:
+            got = await self._ask(backend, data)
             if got is not None:
                 self._cache[key] = got
                 while len(self._cache) > CACHE_ENTRIES:
@@ -80,12 +82,12 @@ class NodeTokenizer:
         pool = [b for b in self._fleet.for_model(model) if b.usable and b.name not in self._without]
         return sorted(pool, key=lambda b: (-b.context_limit, b.in_flight))
 
-    async def _ask(self, b: Backend, request: dict[str, Any]) -> int | None:
+    async def _ask(self, b: Backend, data: bytes) -> int | None:
         try:
             async with asyncio.timeout(TIMEOUT_S):
                 async with self._session.post(
                     b.config.url + "/tokenize",
-                    data=json.dumps(request).encode(),
+                    data=data,
                     headers={"Content-Type": "application/json"},
                 ) as r:
                     if r.status in (404, 405):
