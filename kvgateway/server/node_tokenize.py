@@ -3,8 +3,11 @@
 Used when the gateway counts with a stand-in and the stand-in's safe upper bound comes
 near the largest context on offer: the bound would refuse (or over-reserve) a request the
 node may well serve, so one healthy node of the model is asked for the exact count before
-anything is reserved. Bounded in time; answers cached by body; a node without the endpoint
-(404/405) is not asked again. Any failure keeps the bound (safe).
+anything is reserved (another node when the first fails). That includes prompts the
+stand-in itself counts past the context when their text is one it overcounts (non-ASCII:
+CJK, Cyrillic, Arabic, emoji). Bounded in time (TIMEOUT_S per node, ATTEMPTS nodes);
+answers cached by body; a node without the endpoint (404/405) is not asked again. Any
+failure keeps the bound (safe).
 """
 
 from __future__ import annotations
@@ -25,7 +28,12 @@ from kvgateway.tokens.node_count import tokenize_body, tokenize_count
 
 log = logging.getLogger("kvgateway.server.node_tokenize")
 
-TIMEOUT_S = 2.0
+# Per node asked. A loaded node took up to 1.4 s to count a 32k-token prompt in
+# bench.counting_modes (2 cores shared by 4 nodes and the gateway); at 2 s, 3-6 of ~80
+# asks per run timed out and the bound refused prompts the node would have served.
+TIMEOUT_S = 4.0
+# Nodes asked at most (the next one when the first fails or is too slow).
+ATTEMPTS = 2
 CACHE_ENTRIES = 4096
 # Ask when the bound plus the output would pass this share of the largest context.
 NEAR = 0.9
@@ -39,44 +47,47 @@ class NodeTokenizer:
         self._without: set[str] = set()  # backends that lack /tokenize
 
     @staticmethod
-    def worth_asking(bound: int, standin: int, output: int, largest_context: int) -> bool:
-        """The bound comes near the largest context while the stand-in's own count does not
-        pass it (past it, the node would refuse the prompt anyway)."""
+    def worth_asking(bound: int, floor: int, output: int, largest_context: int) -> bool:
+        """The bound comes near the largest context while the lowest count the node may
+        have (``floor``: the stand-in's count less what it may overcount, e.g. CJK or
+        Arabic text) does not pass it (past it, the node would refuse the prompt anyway)."""
         return (
             largest_context > 0
             and bound + output > NEAR * largest_context
-            and standin + output <= largest_context
+            and floor + output <= largest_context
         )
 
     async def count(self, model: ModelConfig, body: dict[str, Any], *, chat: bool) -> int | None:
         """The node's count of ``body``'s prompt, or None (no node could say in time)."""
+        backends = self._pick(model.name)[:ATTEMPTS]
+        if not backends:
+            return None  # before serializing: a 100k-token body costs ms on the loop
         request = tokenize_body(body, model.served_name, chat=chat)
-        key = hashlib.blake2b(
-            json.dumps(request, sort_keys=True, separators=(",", ":")).encode(), digest_size=16
-        ).digest()
+        data = json.dumps(request, sort_keys=True, separators=(",", ":")).encode()
+        key = hashlib.blake2b(data, digest_size=16).digest()
         if key in self._cache:
             self._cache.move_to_end(key)
             return self._cache[key]
-        backend = self._pick(model.name)
-        if backend is None:
-            return None
-        got = await self._ask(backend, request)
-        if got is not None:
-            self._cache[key] = got
-            while len(self._cache) > CACHE_ENTRIES:
-                self._cache.popitem(last=False)
-        return got
+        for backend in backends:
+            got = await self._ask(backend, data)
+            if got is not None:
+                self._cache[key] = got
+                while len(self._cache) > CACHE_ENTRIES:
+                    self._cache.popitem(last=False)
+                return got
+        return None
 
-    def _pick(self, model: str) -> Backend | None:
+    def _pick(self, model: str) -> list[Backend]:
+        """Nodes to ask, best first: the longest context, then the least busy."""
         pool = [b for b in self._fleet.for_model(model) if b.usable and b.name not in self._without]
-        return max(pool, key=lambda b: (b.context_limit, -b.in_flight), default=None)
+        return sorted(pool, key=lambda b: (-b.context_limit, b.in_flight))
 
-    async def _ask(self, b: Backend, request: dict[str, Any]) -> int | None:
+    async def _ask(self, b: Backend, data: bytes) -> int | None:
         try:
             async with asyncio.timeout(TIMEOUT_S):
                 async with self._session.post(
                     b.config.url + "/tokenize",
-                    data=json.dumps(request).encode(),
+                    data=data,
                     headers={"Content-Type": "application/json"},
                 ) as r:
                     if r.status in (404, 405):

@@ -82,7 +82,8 @@ async def plan_request(
         )
     else:
         parsed, model = _parse(raw, kind, config, limits)
-    # Counting stops once the prompt is past the largest context on offer: it is refused.
+    # Counting stops once the prompt is certainly past the largest context on offer: it is
+    # refused.
     largest = fleet.largest_context(model.name)
     estimator = counters.estimator_for(model.tokenizer)
     body = parsed.body
@@ -101,10 +102,11 @@ async def plan_request(
         and not prompt.exact
         and prompt.prompts == 1
         and node_tokenizer.worth_asking(
-            prompt.longest, prompt.standin, parsed.requested_output or 1, largest
+            prompt.longest, prompt.floor, parsed.requested_output or 1, largest
         )
     ):
-        # The bound comes near the largest context: the node's own count decides.
+        # The bound comes near (or past) the largest context while the node's count may
+        # still fit: the node's own count decides.
         exact = await node_tokenizer.count(model, counted_body, chat=parsed.kind != "completion")
         if exact is not None:
             prompt = node_counted(prompt, exact)
@@ -177,7 +179,7 @@ async def _prefix_hint(
 
 def node_counted(prompt: PromptEstimate, count: int) -> PromptEstimate:
     """``prompt`` as the node counts it (one prompt)."""
-    return replace(prompt, total=count, longest=count, each=(count,), exact=True)
+    return replace(prompt, total=count, longest=count, each=(count,), exact=True, floor=count)
 
 
 def with_node_count(counted: Counted, count: int, block_size: int) -> Counted:

@@ -64,6 +64,8 @@ class TokenCounters:
                 TextCountCache(self.cache_chars),
                 self.executor,
             )
-            estimator = PromptEstimator(tokenizer, self.for_tokenizer(tokenizer), exact)
+            estimator = PromptEstimator(
+                tokenizer, self.for_tokenizer(tokenizer), exact, executor=self.executor
+            )
             self._estimators[key] = estimator
         return estimator

@@ -24,6 +24,9 @@ from typing import Any
 from kvgateway.tokens.encoding import Encoder
 from kvgateway.tokens.spec import TokenizerConfig
 
+# Content parts charged ``image_tokens`` each (other media parts are counted as JSON text).
+IMAGE_PARTS = ("image_url", "input_image", "image")
+
 # Text shorter than this is cheaper to re-encode than to keep in the cache.
 _MIN_CACHED_CHARS = 256
 
@@ -160,7 +163,7 @@ def _content_text(plan: CountPlan, content: Any, cfg: TokenizerConfig) -> None:
             text = part.get("text")
             if isinstance(text, str):
                 plan.add_text(text)
-        elif kind in ("image_url", "input_image", "image"):
+        elif kind in IMAGE_PARTS:
             plan.add_fixed(cfg.image_tokens)
         elif kind == "refusal":
             text = part.get("refusal")

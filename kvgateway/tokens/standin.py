@@ -8,6 +8,10 @@ node's count will not exceed. Measured against real vocabularies (Qwen 2/2.5/3, 
 - digit runs: cl100k takes up to 3 digits per token, Qwen/Mistral/SentencePiece one;
 - non-ASCII text: SentencePiece vocabularies fall back to one token per UTF-8 byte for
   characters they lack (rare CJK, emoji), where cl100k often has one token;
+- white space: SentencePiece has no tokens for tabs, carriage returns and line breaks
+  (one byte token each) where cl100k joins "\n\n" or "\n    " into one, and its
+  longest run of spaces is 16 where cl100k's is far longer (5,000 line breaks: cl100k
+  157 tokens, Mistral's SentencePiece 5,001, Tekken 1,250);
 - everything else by a few percent to ~30% (code and JSON punctuation on small
   vocabularies);
 - the template: a default system block (Llama 3.1: ~25 tokens, Qwen: ~20), role headers
@@ -25,11 +29,21 @@ import json
 import math
 import re
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-_DIGITS = re.compile(r"\d+")
+from kvgateway.tokens.counting import IMAGE_PARTS
+
+# The other way round: how many times the node's count the stand-in's may be, so that a
+# prompt whose stand-in count is past a context is not refused unasked. ASCII text: about
+# the same (Llama 3's vocabulary holds cl100k's; the others count ASCII text higher);
+# other scripts far more (Arabic: cl100k 3.6x Tekken's count, Thai 2.9x Llama 3's,
+# Cyrillic 2.5x Qwen's, emoji 2.7x Qwen's, CJK 2.1x Qwen's).
+ASCII_OVERCOUNT = 1.1
+MAX_OVERCOUNT = 4.0
+# SentencePiece's longest run of "▁" is 16 spaces.
+_SIXTEEN_SPACES = b" " * 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,11 +56,16 @@ class BoundFactors:
     punct_extra: float = 0.12
     # Per non-ASCII character by its UTF-8 length (2, 3, 4 bytes): SentencePiece falls
     # back to one token per byte where cl100k has a token for a whole character.
-    non_ascii_extra: tuple[float, float, float] = (1.0, 0.25, 1.0)
+    # (3 bytes: symbols such as U+2028 or U+3000, rare CJK and Hangul between spaces;
+    # 4 bytes: emoji, which Tekken spends up to 4 tokens on where cl100k spends 2.)
+    non_ascii_extra: tuple[float, float, float] = (1.0, 0.75, 2.0)
     # Template tokens: once per request (default system block, generation prompt) and
     # per message (role header and end marker).
     fixed: int = 40
     per_message: int = 10
+    # Per tab, carriage return, and line break followed by white space; per 16 spaces of
+    # a longer run (see _space_extra).
+    space_extra: float = 1.0
     # Tool schemas: rendered pretty-printed and wrapped in instructions.
     tool_factor: float = 2.6
     per_tool: int = 24
@@ -56,53 +75,61 @@ class BoundFactors:
 _PUNCT = re.compile(r"""[!-/:-@\[-`{-~]""")
 
 
-def _digit_extra(text: str) -> int:
-    """Tokens a one-token-per-digit vocabulary adds over cl100k's 3-digit groups."""
-    extra = 0
-    for m in _DIGITS.finditer(text):
-        n = len(m.group())
-        extra += n - math.ceil(n / 3)
-    return extra
-
-
-# UTF-8 lead bytes by the length of the character they start: counted in C, not per char.
-_LEADS = bytes(
-    ord("2")
+# Each byte of a text's UTF-8 by class, so that counting is done in C, not per character:
+# "d" an ASCII digit, "p" ASCII punctuation (as _PUNCT), "2"/"3"/"4" the lead byte of a
+# 2/3/4-byte character, " " anything else.
+_CLASSES = bytes(
+    ord("d")
+    if 0x30 <= b <= 0x39
+    else ord("p")
+    if _PUNCT.match(chr(b))
+    else ord("2")
     if 0xC0 <= b <= 0xDF
     else ord("3")
     if 0xE0 <= b <= 0xEF
     else ord("4")
     if b >= 0xF0
-    else ord("0")
+    else ord(" ")
     for b in range(256)
 )
+_ONLY_DIGITS = bytes(ord("d") if b == ord("d") else ord(" ") for b in range(256))
 
 
-# ASCII digits to b"d", every other byte to a space: digit runs are what split() returns.
-_DIGIT_RUNS = bytes(ord("d") if 0x30 <= b <= 0x39 else ord(" ") for b in range(256))
-_ASCII = bytes(range(128))
-# The bytes _PUNCT matches (ASCII only: UTF-8 never uses them inside a longer character).
-_PUNCT_BYTES = bytes(b for b in range(128) if _PUNCT.match(chr(b)))
+def _space_extra(raw: bytes) -> int:
+    """Tokens a byte-fallback vocabulary spends on white space that cl100k merges: every
+    tab and carriage return, every line break followed by white space, and one per 16
+    spaces of a run beyond the first 16 (measured on Mistral's SentencePiece: "a" + 32
+    spaces + "b" is 4 tokens, cl100k 3). ``raw``: the text's UTF-8, where ASCII bytes
+    stand for themselves and are searched several times faster than in a str."""
+    extra = raw.count(b"\t") + raw.count(b"\r")
+    if b"\n" in raw:
+        # Line breaks followed by white space: a run of k breaks holds k // 2
+        # non-overlapping "\n\n", and 2 * (k // 2) >= k - 1.
+        extra += (
+            2 * raw.count(b"\n\n") + raw.count(b"\n ") + raw.count(b"\n\t") + raw.count(b"\n\r")
+        )
+    # A run of k spaces holds k // 16 non-overlapping 16-space strings, >= (k - 1) // 16
+    # (a regex for the runs held the GIL ~10 ms per 400k characters, stalling the event
+    # loop even from a worker thread).
+    return extra + raw.count(_SIXTEEN_SPACES)
 
 
 def text_extra(text: str, factors: BoundFactors = BoundFactors()) -> float:
-    """Tokens a worst-case vocabulary may add to ``text`` beyond ``text_factor``.
-
-    Counted on the UTF-8 bytes with C-speed translate/split/count (the regex passes
-    cost more than cl100k's own count of the text); only a text with digits of other
-    scripts (``\\d`` takes them too) goes through the regex."""
+    """Tokens a worst-case vocabulary may add to ``text`` beyond ``text_factor``."""
     raw = text.encode("utf-8", "surrogatepass")
-    if text.isascii() or not _DIGITS.search(
-        raw.translate(None, _ASCII).decode("utf-8", "surrogatepass")
-    ):
-        digits = sum(len(r) - (len(r) + 2) // 3 for r in raw.translate(_DIGIT_RUNS).split())
-    else:
-        digits = _digit_extra(text)
-    extra = digits + factors.punct_extra * (len(raw) - len(raw.translate(None, _PUNCT_BYTES)))
-    if len(raw) != len(text):
+    classes = raw.translate(_CLASSES)
+    extra: float = factors.punct_extra * classes.count(b"p")
+    extra += factors.space_extra * _space_extra(raw)
+    if b"d" in classes:
+        # Runs of ASCII digits (another script's digits are non-ASCII characters below,
+        # whose extra, >= 0.75, is above a digit's at most 2/3).
+        for run in classes.translate(_ONLY_DIGITS).split():
+            extra += len(run) - (len(run) + 2) // 3
+    if not text.isascii():  # O(1) in CPython
         two, three, four = factors.non_ascii_extra
-        leads = raw.translate(_LEADS)
-        extra += two * leads.count(b"2") + three * leads.count(b"3") + four * leads.count(b"4")
+        extra += (
+            two * classes.count(b"2") + three * classes.count(b"3") + four * classes.count(b"4")
+        )
     return extra
 
 
@@ -152,17 +179,35 @@ def _texts(body: dict[str, Any]) -> Iterator[str]:
                 yield str(fn.get("arguments", ""))
 
 
-def _media(body: dict[str, Any]) -> int:
-    n = 0
+def overcount(body: dict[str, Any]) -> float:
+    """How many times the node's count of a chat request the stand-in's count may be."""
+    tools = body.get("tools")
+    # The stand-in counts a schema with \\uXXXX escapes; the template prints the text.
+    if isinstance(tools, list) and tools and not json.dumps(tools, ensure_ascii=False).isascii():
+        return MAX_OVERCOUNT
+    if all(t.isascii() for t in _texts(body)):  # O(1) per string in CPython
+        return ASCII_OVERCOUNT
+    return MAX_OVERCOUNT
+
+
+def completion_overcount(prompts: Iterable[Any]) -> float:
+    """:func:`overcount` of a completions request's prompts (token ids count exactly)."""
+    if all(not isinstance(p, str) or p.isascii() for p in prompts):
+        return ASCII_OVERCOUNT
+    return MAX_OVERCOUNT
+
+
+def _media(body: dict[str, Any]) -> tuple[int, int]:
+    """Media parts, and how many of them the stand-in already charged as images."""
+    media = images = 0
     for msg in body.get("messages") or []:
         content = msg.get("content") if isinstance(msg, dict) else None
         if isinstance(content, list):
-            n += sum(
-                1
-                for p in content
-                if isinstance(p, dict) and p.get("type") not in ("text", "input_text", "refusal")
-            )
-    return n
+            for p in content:
+                if isinstance(p, dict) and p.get("type") not in ("text", "input_text", "refusal"):
+                    media += 1
+                    images += p.get("type") in IMAGE_PARTS
+    return media, images
 
 
 def upper_bound(
@@ -175,6 +220,10 @@ def upper_bound(
     ``standin_tokens`` (its own count, template allowances and image costs included).
     ``extra_of``: :func:`text_extra`, or an :class:`ExtraCache` of it."""
     messages = body.get("messages") or []
+    media, images = _media(body)
+    # Images cost the node image_tokens each, as the stand-in charged them: only the text
+    # is scaled (scaling images too once bounded an image-only chat at 2.2x the node).
+    text_tokens = max(0, standin_tokens - factors.image_tokens * images)
     extra = sum(extra_of(t, factors) for t in _texts(body))
     tools = body.get("tools")
     tool_tokens = 0.0
@@ -187,12 +236,12 @@ def upper_bound(
         )
         extra += text_extra(schema, factors)
     return math.ceil(
-        factors.text_factor * standin_tokens
+        factors.text_factor * text_tokens
         + extra
         + tool_tokens
         + factors.fixed
         + factors.per_message * len(messages)
-        + factors.image_tokens * _media(body)
+        + factors.image_tokens * media
     )
 
 

@@ -5,10 +5,22 @@ and re-admission after a node's context-length 400."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 
 import aiohttp
+import pytest
 
+from bench.counting_workload import (
+    MIX,
+    is_gateway_refusal,
+    judge,
+    node_counts,
+    send,
+    workload,
+)
+from kvgateway.tokens.exact import ExactCounter
+from kvgateway.tokens.modeldir import load_model_tokenizer
 from tests.support.fleet import MODEL, SERVED, StartFleet
 
 
@@ -132,4 +144,51 @@ async def test_a_node_refusing_a_prompt_as_too_long_teaches_its_count(start_flee
         assert data["usage"]["prompt_tokens"] > 8192
     # The small node was tried first (the stand-in's bound fit it) and refused.
     assert fleet.backend("small-1").recent_rejections(fleet.state.clock()) == 1
+    assert fleet.leaks() == {}
+
+
+MIXED = {kind: 1.0 for kind in MIX}  # every content class of the benchmark, alike
+
+
+@pytest.mark.parametrize("vocabulary", ["qwen", "sentencepiece"])
+@pytest.mark.parametrize("mode", ["exact", "standin"])
+async def test_mixed_workload_against_a_real_vocabulary(
+    start_fleet: StartFleet, vocab_dirs, mode: str, vocabulary: str
+):
+    """A small run of bench.counting_modes: numbers, code, JSON, CJK, other scripts,
+    white-space layout, tools, images, long prompts and prompts within 5% of a node's
+    context, through the gateway to nodes counting with a real vocabulary."""
+    directory = str(vocab_dirs(vocabulary))
+    gateway = {"models": [{"name": MODEL, "served_name": SERVED}]}
+    if mode == "exact":
+        gateway["models"][0]["tokenizer"] = {"path": directory}
+    fleet = await start_fleet(
+        [
+            ("small-1", "small", "gpu24-8b", {"tokenizer": directory}),
+            ("large-1", "large", "gpu80-8b", {"tokenizer": directory}),
+        ],
+        time_scale=200,
+        gateway=gateway,
+    )
+    counter = ExactCounter(load_model_tokenizer(directory))
+    probes = workload(MODEL, counter, 26, seed=7, contexts=(8_192, 32_768), mix=MIXED)
+    assert {p.kind.split("/")[0] for p in probes} >= {"near_limit", "layout", "tools", "images"}
+    todo = iter(probes)
+    async with aiohttp.ClientSession() as s:
+
+        async def client() -> None:
+            for p in todo:
+                await send(s, fleet.url, p, timeout=30)
+
+        await asyncio.gather(*(client() for _ in range(4)))
+        await node_counts(s, probes, lambda _: (fleet.nodes["large-1"].url, SERVED))
+    v = judge(probes, 32_768)
+    assert v.under == 0 and v.node_400 == 0, [p for p in probes if p.status not in (200, 400)]
+    assert v.wrongly_refused == 0, [p.kind for p in probes if is_gateway_refusal(p)]
+    assert v.served == v.servable  # every request that fits the large node was served
+    if mode == "exact":
+        assert v.exact == v.served
+    for name in ("small-1", "large-1"):
+        assert (await fleet.nodes[name].state())["preemptions"] == 0
+        assert fleet.backend(name).recent_rejections(fleet.state.clock()) == 0
     assert fleet.leaks() == {}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 
 from kvgateway.tokens.counting import PromptCounter, TextCountCache
@@ -87,3 +88,55 @@ async def test_counters_build_one_estimator_per_model(vocab_dirs) -> None:
         assert counters.estimator_for(config.models[0].tokenizer) is exact
         body = {"messages": [{"role": "user", "content": "Order 1234567"}]}
         assert (await exact.chat(body)).exact and not (await plain.chat(body)).exact
+
+
+async def test_a_prompt_the_standin_overcounts_is_not_cut_off_at_the_context() -> None:
+    """cl100k counts Chinese ~2x what Qwen does: a prompt it counts past the largest
+    context may still fit the node, so it is counted on (to MAX_OVERCOUNT times the
+    context) and given a floor the node's count cannot be below; ASCII text is not."""
+    from kvgateway.server.node_tokenize import NodeTokenizer
+    from kvgateway.tokens.standin import ASCII_OVERCOUNT, MAX_OVERCOUNT
+
+    estimator = PromptEstimator(CONFIG, _standin())
+    english = await estimator.chat(
+        {"messages": [{"role": "user", "content": "word " * 3000}]}, 2000
+    )
+    assert english.total == english.standin == english.floor > 2000  # certainly past
+    assert english.standin <= 2000 * ASCII_OVERCOUNT + 1000  # stopped early
+    cjk_body = {"messages": [{"role": "user", "content": "我们今天讨论缓存容量模型" * 300}]}
+    cjk = await estimator.chat(cjk_body, 2000)
+    assert cjk.standin > 2000 and cjk.total > cjk.standin  # counted on, and bounded
+    assert cjk.floor == cjk.standin // MAX_OVERCOUNT
+    assert NodeTokenizer.worth_asking(cjk.total, cjk.floor, 16, 2000)
+    assert not NodeTokenizer.worth_asking(english.total, english.floor, 16, 2000)
+    assert not NodeTokenizer.worth_asking(500, 400, 16, 2000)  # nowhere near: no need
+
+
+async def test_floor_is_the_count_when_exact(gateway_tokenizer: Loader) -> None:
+    estimator = PromptEstimator(CONFIG, _standin(), ExactCounter(gateway_tokenizer("qwen")))
+    got = await estimator.chat({"messages": [{"role": "user", "content": "东京 123"}]})
+    assert got.exact and got.floor == got.total
+
+
+async def test_a_big_prompts_bound_is_scanned_off_the_loop() -> None:
+    """The bound scans every character (~5 ms per 100k): for a big prompt, in the
+    executor, with the same result as on the loop."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    class Recording(ThreadPoolExecutor):
+        calls = 0
+
+        def submit(self, fn, /, *args, **kwargs):  # type: ignore[no-untyped-def]
+            Recording.calls += 1
+            return super().submit(fn, *args, **kwargs)
+
+    body = {
+        "messages": [{"role": "user", "content": corpus.GENERATORS["json"](random.Random(1), 400)}]
+    }
+    prompts = {"prompt": ["12 34 " * 2000, "tiny"]}
+    inline = PromptEstimator(CONFIG, _standin())
+    with Recording(1) as pool:
+        off = PromptEstimator(CONFIG, _standin(), executor=pool, inline_tokens=100)
+        assert (await off.chat(body)).total == (await inline.chat(body)).total
+        assert (await off.completion(prompts)).each == (await inline.completion(prompts)).each
+    assert Recording.calls == 2

@@ -3,6 +3,7 @@ node's count is read back out of its context-length 400."""
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Callable
 
@@ -20,7 +21,16 @@ from kvgateway.tokens.node_count import (
     readmission_prompt_tokens,
 )
 from kvgateway.tokens.spec import TokenizerConfig
-from kvgateway.tokens.standin import completion_upper_bound, text_extra, upper_bound
+from kvgateway.tokens.standin import (
+    ASCII_OVERCOUNT,
+    MAX_OVERCOUNT,
+    BoundFactors,
+    completion_overcount,
+    completion_upper_bound,
+    overcount,
+    text_extra,
+    upper_bound,
+)
 from tests.support import corpus
 from tests.unit.tokens.conftest import KINDS
 
@@ -134,3 +144,121 @@ def test_readmission_count() -> None:
     lower = parse_context_length_error(VLLM_NEW)
     assert lower is not None
     assert readmission_prompt_tokens(lower, 8192) == 7681
+
+
+LAYOUT = {
+    # White space a byte-fallback vocabulary spends a token per character on.
+    "blank lines": "A paragraph.\n\n\n\nAnother one.\n\n" * 60,
+    "indented code": "def f(x):\n    if x:\n        return [\n            x,\n        ]\n\n" * 40,
+    "tabs": "name\tvalue\tunit\n" * 120,
+    "crlf": "line one\r\nline two\r\n\r\n" * 100,
+    "pretty json": "\n".join(
+        json.dumps({"a": [1, {"b": i}], "c": "d"}, indent=4) for i in range(60)
+    ),
+    "line breaks": "\n" * 3000,
+    "spaces": "a" + " " * 2000 + "b",
+    "long space runs": ("x" + " " * 40) * 80,
+    # Non-ASCII between spaces: no merges across characters in any vocabulary.
+    "spaced rare CJK": " ".join(chr(0x4E00 + i * 37 % 20000) for i in range(800)),
+    "spaced Hangul": " ".join(chr(0xAC00 + i * 13 % 11000) for i in range(800)),
+    "spaced symbols": " ".join(chr(0x2000 + i * 3 % 3000) for i in range(800)),
+    "emoji run": "🙂🚀🔥" * 300,
+    "line separators": "\u2028" * 600,
+    "ideographic spaces": "\u3000" * 600,
+}
+
+
+@pytest.mark.parametrize("name", LAYOUT)
+async def test_bound_holds_for_white_space_and_unmerged_characters(
+    name: str, gateway_tokenizer: Callable[[str], ModelTokenizer]
+) -> None:
+    """Found by the counting-modes benchmark: a long prompt of indented, blank-line-rich
+    text counted 30 tokens more by Mistral's SentencePiece than the bound allowed."""
+    body = {"messages": [{"role": "user", "content": LAYOUT[name]}]}
+    bound = upper_bound(await _standin(body), body)
+    counts = {k: ExactCounter(gateway_tokenizer(k)).count_chat_sync(body) for k in KINDS}
+    assert all(n <= bound for n in counts.values()), (bound, counts)
+
+
+def test_white_space_extra() -> None:
+    assert text_extra("a b c") == 0
+    assert text_extra("a\tb") == 1
+    assert text_extra("a\r\nb") == 1
+    assert text_extra("a\nb") == 0  # one token in every vocabulary
+    assert text_extra("a\n\n\nb") >= 2  # a byte-fallback vocabulary: 3 tokens, cl100k 1
+    assert text_extra("a\n    b") == 1
+    assert text_extra("a" + " " * 15 + "b") == 0
+    assert text_extra("a" + " " * 33 + "b") == 2
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize(
+    "content", ["prose", "code", "numbers", "hex", "json", "cjk", "emoji", "mixed", "scripts"]
+)
+async def test_the_standin_overcounts_no_more_than_it_allows(
+    kind: str, content: str, gateway_tokenizer: Callable[[str], ModelTokenizer]
+) -> None:
+    """overcount() is how far below the stand-in's count the node's may be: a prompt the
+    stand-in counts past a context by less than that is worth asking the node about."""
+    rng = random.Random(content)
+    if content == "scripts":
+        text = " ".join(SCRIPTS) * 40
+    else:
+        text = corpus.GENERATORS[content](rng, 2000)
+    body = {"messages": [{"role": "user", "content": text}]}
+    node = ExactCounter(gateway_tokenizer(kind)).count_chat_sync(body)
+    assert await _standin(body) <= node * overcount(body), (node, await _standin(body))
+
+
+SCRIPTS = (
+    "Москва большой город, и русский язык красивый.",
+    "القاهرة مدينة كبيرة واللغة العربية جميلة.",
+    "กรุงเทพมหานครเป็นเมืองหลวง ภาษาไทยเป็นภาษาที่สวยงาม",
+    "दिल्ली भारत की राजधानी है। हिंदी एक सुंदर भाषा है।",
+)
+
+
+def test_overcount_by_content() -> None:
+    ascii_body = {"messages": [{"role": "user", "content": "plain text 123"}]}
+    assert overcount(ascii_body) == ASCII_OVERCOUNT
+    assert overcount({"messages": [{"role": "user", "content": "東京"}]}) == MAX_OVERCOUNT
+    tools = [{"type": "function", "function": {"name": "f", "description": "°C"}}]
+    assert overcount({**ascii_body, "tools": tools}) == MAX_OVERCOUNT
+    assert completion_overcount(["abc", [1, 2]]) == ASCII_OVERCOUNT
+    assert completion_overcount(["abc", "é"]) == MAX_OVERCOUNT
+
+
+async def test_images_are_charged_once(gateway_tokenizer: Callable[[str], ModelTokenizer]) -> None:
+    """The stand-in charged each image image_tokens already; the bound scales only the
+    text (it once charged an image-only chat 2.2x what the node counts)."""
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "What is it?"}]}]}
+    body["messages"][0]["content"] += [image, image, image]
+    bound = upper_bound(await _standin(body), body)
+    counts = {k: ExactCounter(gateway_tokenizer(k)).count_chat_sync(body) for k in KINDS}
+    assert all(n <= bound <= 1.1 * n for n in counts.values()), (bound, counts)
+
+
+def _reference_extra(text: str) -> float:
+    """text_extra's slow twin: regexes and a loop per character."""
+    import math
+    import re
+
+    f = BoundFactors()
+    digits = sum(len(m) - math.ceil(len(m) / 3) for m in re.findall(r"[0-9]+", text))
+    punct = len(re.findall(r"""[!-/:-@\[-`{-~]""", text))
+    by_len = {2: f.non_ascii_extra[0], 3: f.non_ascii_extra[1], 4: f.non_ascii_extra[2]}
+    non_ascii = sum(by_len.get(len(c.encode("utf-8", "surrogatepass")), 0) for c in text)
+    breaks = sum(1 for i, c in enumerate(text[:-1]) if c == "\n" and text[i + 1] in "\t\n\r ")
+    spaces = sum((len(r) - 1) // 16 for r in re.findall(" {17,}", text))
+    ws = text.count("\t") + text.count("\r") + breaks + spaces
+    return digits + f.punct_extra * punct + non_ascii + f.space_extra * ws
+
+
+@given(st.lists(st.sampled_from([*'ab 019,.{}"\\~\n\t\ré你🙂٣', " " * 8]), max_size=40))
+def test_text_extra_matches_its_slow_twin(parts: list[str]) -> None:
+    text = "".join(parts)
+    # Counted in C: line breaks by pairs, space runs by 16s: at least the true count.
+    fast, slow = text_extra(text), _reference_extra(text)
+    slack = text.count("\n") + text.count(" " * 16)
+    assert slow - 1e-9 <= fast <= slow + slack + 1e-9, (fast, slow)
