@@ -8,6 +8,11 @@ reasoning models produce), so KV grows while requests run. Counts come from the 
 and from each node's own /metrics.
 
     python -m bench.kv_overflow [--duration 20] [--concurrency 64] [--time-scale 10]
+
+``--tokenizer qwen`` (or a directory, see ``bench.model_dirs``): every node counts with
+that model's vocabulary and chat template, and ``--counting exact`` gives the gateway the
+same directory (``standin``, the default: cl100k and its upper bound). Results then go
+to ``kv_overflow-<tokenizer>-<counting>.json``.
 """
 
 from __future__ import annotations
@@ -21,7 +26,15 @@ from pathlib import Path
 
 import aiohttp
 
-from bench.harness import Outcome, fleet_and_gateway, is_backend_400, node_metrics, send_chat
+from bench import model_dirs
+from bench.harness import (
+    Outcome,
+    demo_data,
+    fleet_and_gateway,
+    is_backend_400,
+    node_metrics,
+    send_chat,
+)
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -33,11 +46,21 @@ def request_shape(rnd: random.Random) -> tuple[int, int]:
 
 
 async def run_policy(policy: str, args: argparse.Namespace) -> dict[str, object]:
+    sim: dict[str, object] = {"output_mean": 1500.0, "output_sigma": 0.5}
+    data = None
+    if args.tokenizer:
+        directory = str(model_dirs.tokenizer_dir(args.tokenizer))
+        sim["tokenizer"] = directory
+        data = demo_data()
+        if args.counting == "exact":
+            for model in data["models"]:
+                model["tokenizer"] = {"path": directory}
     async with fleet_and_gateway(
         policy,
         time_scale=args.time_scale,
         seed=args.seed,
-        sim_overrides={"output_mean": 1500.0, "output_sigma": 0.5},
+        data=data,
+        sim_overrides=sim,
     ) as run:
         rnd = random.Random(args.seed)
         results: list[Outcome] = []
@@ -74,11 +97,16 @@ def main() -> None:
     parser.add_argument("--time-scale", type=float, default=10.0)
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--policies", default="kv_aware,round_robin")
+    parser.add_argument("--tokenizer", help="nodes count with this model's tokenizer")
+    parser.add_argument("--counting", choices=("exact", "standin"), default="standin")
     args = parser.parse_args()
     rows = [asyncio.run(run_policy(p, args)) for p in args.policies.split(",")]
+    counting = (
+        f", nodes count with {args.tokenizer}, gateway {args.counting}" if args.tokenizer else ""
+    )
     print(
         f"KV-overflow workload: {args.concurrency} concurrent streaming clients, "
-        f"{args.duration:g} s wall x time_scale {args.time_scale:g}, demo fleet"
+        f"{args.duration:g} s wall x time_scale {args.time_scale:g}, demo fleet{counting}"
     )
     header = (
         "policy",
@@ -95,7 +123,12 @@ def main() -> None:
     for r in rows:
         print(" ".join(f"{r[h]!s:>12}" for h in header))
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "kv_overflow.json").write_text(json.dumps(rows, indent=2) + "\n")
+    name = (
+        f"kv_overflow-{model_dirs.label(args.tokenizer)}-{args.counting}"
+        if args.tokenizer
+        else "kv_overflow"
+    )
+    (RESULTS / f"{name}.json").write_text(json.dumps(rows, indent=2) + "\n")
 
 
 if __name__ == "__main__":
