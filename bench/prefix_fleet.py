@@ -6,8 +6,9 @@ this process. Closed loop: ``--sessions`` sessions run at once, by default 90% l
 90% of the fleet's 64 sequence slots or of the requests its KV budget holds at the
 workload's mean footprint (prompt + max_tokens), whichever binds first
 (``default_sessions``); a session that ends is replaced by a new one, for ``--window``
-wall seconds. Every request is a streaming chat; each session's next turn sends the
-whole history back, the node's own answers included. The gateway counts with cl100k and
+wall seconds. Every request is a streaming chat; a session (one client) sends one
+request at a time; each conversation's next turn sends the whole history back, the node's
+own answers included. The gateway counts with cl100k and
 ``tokenizer.upper_bound: false``, as the nodes count (so routing is compared, not the
 stand-in's worst-case bound).
 
@@ -22,7 +23,12 @@ Workloads (seeded, the same for every configuration):
              holding the conversation's own context (the document or code being
              discussed) and its question, 6-9 user turns of 120-160 tokens, max_tokens
              80-120; histories grow to ~2-4k tokens, so the history, not the shared
-             system prompt, is most of every later prompt;
+             system prompt, is most of every later prompt; each client sends its
+             conversation's turns back to back;
+  multiturn3 the same conversations, each client keeping 3 going and taking turns among
+             them (vLLM's benchmark runs 6 active conversations over 2 clients): a
+             conversation's history must stay cached while 2 other turns of its client
+             run, and 3x as many conversations are alive;
   agentic    one of 2 long shared tool prefixes (~3,000 tokens), 8-12 short turns (30-80
              tokens of tool output), max_tokens 32-96;
   rag        one turn: a distinct ~2,000-5,000-token document and a question, max_tokens 256.
@@ -59,7 +65,7 @@ import uvloop
 from bench.harness import demo_data, fleet_and_gateway, node_metrics
 from bench.report import table
 
-WORKLOADS = ("chat", "multiturn", "agentic", "rag")
+WORKLOADS = ("chat", "multiturn", "multiturn3", "agentic", "rag")
 CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "round_robin": ("round_robin", {}),
     "least_loaded": ("least_loaded", {}),
@@ -145,7 +151,7 @@ def make_session(workload: str, rnd: random.Random, shared: list[str]) -> Sessio
         turns = [(text(rnd.randint(30, 80), rnd), rnd.randint(32, 96)) for _ in range(8)]
         turns += [(text(rnd.randint(30, 80), rnd), rnd.randint(32, 96)) for _ in range(4)]
         return Session([{"role": "system", "content": tools}], turns[: rnd.randint(8, 12)])
-    if workload == "multiturn":
+    if workload.startswith("multiturn"):
         # vLLM's benchmarks/multi_turn/generate_multi_turn.json, see the module docstring.
         system = rnd.choice(shared[5:8])
         context = min(5_000, round(rnd.lognormvariate(_MT_MU, _MT_SIGMA)))
@@ -239,26 +245,46 @@ async def turn(
     return answer, backend
 
 
+# Conversations each client keeps going at once, taking turns among them (vLLM's
+# multi-turn benchmark: 6 active conversations over 2 clients); 1 = back to back.
+ACTIVE: dict[str, int] = {"chat": 1, "multiturn": 1, "multiturn3": 3, "agentic": 1, "rag": 1}
+
+
+@dataclass
+class Conversation:
+    session: Session
+    next_turn: int = 0
+    last_backend: str | None = None
+
+
 async def session_loop(
     url: str, workload: str, rnd: random.Random, shared: list[str], stop: float, st: Stats
 ) -> None:
+    """One client: sends one request at a time, each the next turn of one of its
+    ``ACTIVE[workload]`` conversations in turn (round robin, as vLLM's benchmark does), so
+    a conversation's turns are as far apart as the client's other conversations' turns
+    take; a conversation that ends (or whose turn failed) is replaced by a new one."""
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+        convs = [Conversation(make_session(workload, rnd, shared)) for _ in range(ACTIVE[workload])]
+        i = 0
         while time.monotonic() < stop:
-            sess = make_session(workload, rnd, shared)
-            last = None
-            for user, max_tokens in sess.turns:
-                if time.monotonic() >= stop:
-                    return
-                sess.messages.append({"role": "user", "content": user})
-                got = await turn(s, url, sess.messages, max_tokens, st)
-                if got is None:
-                    break  # a refused turn ends the session (its client gives up)
+            c = convs[i]
+            sess = c.session
+            user, max_tokens = sess.turns[c.next_turn]
+            sess.messages.append({"role": "user", "content": user})
+            got = await turn(s, url, sess.messages, max_tokens, st)
+            c.next_turn += 1
+            if got is None or c.next_turn >= len(sess.turns):
+                # Finished, or refused (its client gives up): a new conversation.
+                convs[i] = Conversation(make_session(workload, rnd, shared))
+            if got is not None:
                 answer, backend = got
-                if last is not None:
+                if c.last_backend is not None:
                     st.follow_ups += 1
-                    st.moved += backend != last
-                last = backend
+                    st.moved += backend != c.last_backend
+                c.last_backend = backend
                 sess.messages.append({"role": "assistant", "content": answer})
+            i = (i + 1) % len(convs)
 
 
 async def _node_counters(run: Any) -> tuple[float, float, float, float]:
