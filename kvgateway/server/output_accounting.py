@@ -78,7 +78,10 @@ class OutputAccounting:
         per_seq = -(-live.generated // live.sequences)
         covered = live.reserved_output + live.grown // live.sequences
         if per_seq >= covered and not r.released:
-            extra = live.sequences * live.block_size
+            # Enough blocks per sequence to stay ahead of the output, however many
+            # tokens this run of events carried.
+            blocks = (per_seq - covered) // live.block_size + 1
+            extra = live.sequences * blocks * live.block_size
             r.owner.grow(r, extra)
             live.grown += extra
 

@@ -53,3 +53,25 @@ def test_a_stream_outgrowing_its_reservation_grows_it_ahead_of_the_output():
     assert acct.statistics() == {}
     adm.release(r)
     assert b.reserved_tokens == 0 and b.in_flight == 0
+
+
+def test_a_run_of_many_tokens_at_once_grows_the_reservation_past_all_of_them():
+    b = backend("a", kv=100_000)
+    idx = ModelIndex([b])
+    adm = Admission(
+        index_for=lambda m: idx,
+        adjust=idx.adjust,
+        policy=lambda: "kv_aware",
+        offload_overflow=lambda: False,
+        queue_size=lambda: 10,
+        clock=lambda: 0.0,
+    )
+    r = adm.try_admit(demand(96, 32))  # exactly 128 tokens: no rounding slack
+    assert isinstance(r, Reservation)
+    acct = OutputAccounting()
+    live = acct.start(r, 96, 1, 32, 16)
+    acct.on_events(live, token() * 70)  # one read of the stream carried 70 tokens
+    assert b.reserved_tokens >= live.footprint + 1
+    acct.end(live)
+    adm.release(r)
+    assert b.reserved_tokens == 0
