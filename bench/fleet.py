@@ -25,7 +25,12 @@ Clients give up after ``--timeout`` simulated seconds; whatever is still running
 Times are simulated seconds (wall x time_scale). Goodput: output tokens received
 during the arrival window by requests that succeeded (200, stream ended with [DONE],
 no error event), per simulated second: the fleet's useful serving rate, neither
-inflated by a backlog finishing after the window nor by failed work. Preemptions come
+inflated by a backlog finishing after the window nor by failed work. ``offered``: the
+expected output of every offered request (E[min(answer, max_tokens)] under the nodes'
+lognormal) per simulated second, a ceiling no policy can pass. ``kv_aware+learned`` is
+``kv_aware`` with ``admission.output_reservation: learned`` (preemption_risk 0.01),
+checked against issue #14 (>= 1.3x the best baseline's goodput, <= 1 preemption per
+1,000 requests) when run beside the baselines. Preemptions come
 from the nodes' own /metrics. The gateway's queue timeout and load-feedback periods are
 divided by time_scale so they keep their meaning in simulated time.
 
@@ -49,6 +54,7 @@ import random
 import re
 import time
 from dataclasses import asdict, dataclass
+from statistics import NormalDist
 from typing import Any
 
 import aiohttp
@@ -60,6 +66,17 @@ POLICIES = ("round_robin", "least_loaded", "length_aware", "kv_aware")
 LOADS = (0.5, 0.9, 1.2)
 SHORT_MAX = 4_000  # prompts below this count as short
 OUTPUT_MEAN = 512.0  # the nodes' mean answer length (lognormal), capped by max_tokens
+OUTPUT_SIGMA = 1.0  # the simulator's default output_sigma
+
+
+def expected_output(max_tokens: int) -> float:
+    """E[min(X, max_tokens)] for the nodes' lognormal answer length X: what a request
+    generates on average. Summed over the offered requests it bounds any goodput."""
+    s = OUTPUT_SIGMA
+    mu = math.log(OUTPUT_MEAN) - s * s / 2
+    z = NormalDist()
+    cut = math.log(max_tokens)
+    return OUTPUT_MEAN * z.cdf((cut - mu - s * s) / s) + max_tokens * (1 - z.cdf((cut - mu) / s))
 
 
 @dataclass(frozen=True)
@@ -342,6 +359,8 @@ def summarize_run(
         "failures": failures,
         "preemptions": int(preempt),
         "goodput_tok_s": sum(r.tokens_in_window for r in ok) / (args.window * ts),
+        # Every offered request served, its expected output counted whole: a ceiling.
+        "offered_tok_s": sum(expected_output(q.max_tokens) for q in reqs) / (args.window * ts),
         "output_tokens_ok": sum(r.outcome.completion_tokens for r in ok),
         "ttft_short_p50_s": _pct(short, 0.5),
         "ttft_short_p99_s": _pct(short, 0.99),
@@ -413,7 +432,20 @@ async def _idle(run: Any, timeout: float = 30.0) -> None:
 def targets(rows: list[dict[str, Any]], loads: list[float]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     kv = {r["load"]: r for r in rows if r["policy"] == "kv_aware"}
-    base = [r for r in rows if r["policy"] != "kv_aware"]
+    base = [r for r in rows if not r["policy"].startswith("kv_aware")]
+    learned = {r["load"]: r for r in rows if r["policy"] == "kv_aware+learned"}
+    if learned and base:
+        # Issue #14: learned output at 120% >= 1.3x the best baseline's goodput with at
+        # most 1 preemption per 1,000 requests.
+        ldetails = {}
+        for load, r in learned.items():
+            best = max((b["goodput_tok_s"] for b in base if b["load"] == load), default=0.0)
+            ldetails[f"{load:.0%}"] = {
+                "best_baseline_goodput": best,
+                "ratio": r["goodput_tok_s"] / best if best else None,
+                "preemptions_per_1000": 1000 * r["preemptions"] / max(1, r["requests"]),
+            }
+        out["learned_vs_best_baseline"] = ldetails
     if not base:
         return {
             "kv_aware_zero_backend_400": all(r["backend_400"] == 0 for r in kv.values()),
@@ -519,6 +551,7 @@ def print_report(out: dict[str, Any]) -> None:
                 "other fail",
                 "preempt",
                 "goodput tok/s",
+                "offered",
                 "short TTFT p50",
                 "p99",
                 "long TTFT p50",
@@ -536,6 +569,7 @@ def print_report(out: dict[str, Any]) -> None:
                     r["other_failures"],
                     r["preemptions"],
                     r["goodput_tok_s"],
+                    r.get("offered_tok_s"),
                     r["ttft_short_p50_s"],
                     r["ttft_short_p99_s"],
                     r["ttft_long_p50_s"],
@@ -548,6 +582,14 @@ def print_report(out: dict[str, Any]) -> None:
         )
     )
     t = out["targets"]
+    for k, v in t.get("learned_vs_best_baseline", {}).items():
+        ratio = "n/a" if v["ratio"] is None else f"{v['ratio']:.2f}x"
+        print(
+            f"kv_aware+learned at {k}: goodput {ratio} the best baseline (need 1.3x), "
+            f"{v['preemptions_per_1000']:.2f} preemptions per 1,000 requests (need <= 1)"
+        )
+    if "kv_aware_zero_backend_400" not in t or "goodput_vs_best_baseline" not in t:
+        return
     print(
         f"kv_aware: zero backend 400s {verdict(t['kv_aware_zero_backend_400'])}; zero preemptions "
         f"{verdict(t['kv_aware_zero_preemptions'])}; goodput vs best baseline "
@@ -633,7 +675,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "timeout_sim_s": args.timeout,
             "seed": args.seed,
             "short_below_tokens": SHORT_MAX,
-            "mix": "80% 200-2k prompt / 128-512 out; 18% 4k-16k / 256-1024; 2% 24k-100k / 128-256",
+            "mix": "80% 200-2k prompt / 256-1024 out; 18% 4k-16k / 256-1024; 2% 24k-100k / 128-256",
         },
         "calibration": cal,
         "rows": rows,

@@ -2,28 +2,49 @@
 
 Fleet: 4 simulated 24 GB-class nodes in one tier (gpu24-8b: 8k context, ~30k KV tokens,
 16 sequences each, prefix caching on as in vLLM V1), separate processes, the gateway in
-this process. Closed loop: ``--sessions`` sessions run at once (56: ~90% of the fleet's 64
-sequence slots); a session that ends is replaced by a new one, for ``--window`` wall
-seconds. Every request is a streaming chat; each session's next turn sends the whole
-history back, the node's own answers included.
+this process. Closed loop: ``--sessions`` sessions run at once, by default 90% load:
+90% of the fleet's 64 sequence slots or of the requests its KV budget holds at the
+workload's mean footprint (prompt + max_tokens), whichever binds first
+(``default_sessions``); a session that ends is replaced by a new one, for ``--window``
+wall seconds. Every request is a streaming chat; a session (one client) sends one
+request at a time; each conversation's next turn sends the whole history back, the node's
+own answers included. The gateway counts with cl100k and
+``tokenizer.upper_bound: false``, as the nodes count (so routing is compared, not the
+stand-in's worst-case bound).
 
 Workloads (seeded, the same for every configuration):
-  chat     multi-turn chats: one of 3 shared system prompts (~800 tokens), 3-6 turns of
-           100-300-token user messages, max_tokens 128-384;
-  agentic  one of 2 long shared tool prefixes (~3,000 tokens), 8-12 short turns (30-80
-           tokens of tool output), max_tokens 32-96;
-  rag      one turn: a distinct ~2,000-5,000-token document and a question, max_tokens 256.
+  chat       short multi-turn chats: one of 3 shared system prompts (~800 tokens), 3-6
+             turns of 100-300-token user messages, max_tokens 128-384;
+  multiturn  multi-turn chats as vLLM's own multi-turn benchmark generates them
+             (benchmarks/multi_turn/generate_multi_turn.json: 12-18 messages, a 500-token
+             common prefix, a per-conversation prefix of lognormal size with mean 1,000
+             tokens (median 850, at most 5,000), 120-160-token user turns, 80-120-token
+             answers): one of 3 shared 500-token system prompts, a first user message
+             holding the conversation's own context (the document or code being
+             discussed) and its question, 6-9 user turns of 120-160 tokens, max_tokens
+             80-120; histories grow to ~2-4k tokens, so the history, not the shared
+             system prompt, is most of every later prompt; each client sends its
+             conversation's turns back to back;
+  multiturn3 the same conversations, each client keeping 3 going and taking turns among
+             them (vLLM's benchmark runs 6 active conversations over 2 clients): a
+             conversation's history must stay cached while 2 other turns of its client
+             run, and 3x as many conversations are alive;
+  agentic    one of 2 long shared tool prefixes (~3,000 tokens), 8-12 short turns (30-80
+             tokens of tool output), max_tokens 32-96;
+  rag        one turn: a distinct ~2,000-5,000-token document and a question, max_tokens 256.
 
 Configurations: the baselines (``round_robin``, ``least_loaded``: prefix blind by
 nature), ``kv_aware`` without and with ``routing.prefix_aware``, and the latter with
 ``admission.output_reservation: learned`` (preemption_risk 0.01).
 
-Reported per run: the nodes' prefix-cache hit rate (sum of ``vllm:prefix_cache_hits`` /
-``vllm:prefix_cache_queries`` over the nodes, during the run), TTFT p50/p99 (simulated
-seconds), goodput (output tokens of successful requests per simulated second), the
-nodes' preemptions and the gateway's 429s.
+Reported per run: the nodes' prefix-cache hit rate as vLLM's counters define it (the
+increase of ``vllm:prefix_cache_hits`` over that of ``vllm:prefix_cache_queries``, both
+in tokens, summed over the nodes, from just before the first session starts to after the
+last turn ends), TTFT p50/p99 (simulated seconds), goodput (output tokens of successful
+requests per simulated second), the nodes' preemptions, the gateway's 429s, and the
+share of follow-up turns served by another node than the session's previous turn.
 
-    python -m bench.prefix_fleet [--window 20] [--time-scale 6] [--sessions 56]
+    python -m bench.prefix_fleet [--window 20] [--time-scale 6] [--sessions N]
 """
 
 from __future__ import annotations
@@ -31,6 +52,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import random
 import re
 import time
@@ -38,11 +60,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+import uvloop
 
 from bench.harness import demo_data, fleet_and_gateway, node_metrics
 from bench.report import table
 
-WORKLOADS = ("chat", "agentic", "rag")
+WORKLOADS = ("chat", "multiturn", "multiturn3", "agentic", "rag")
 CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "round_robin": ("round_robin", {}),
     "least_loaded": ("least_loaded", {}),
@@ -89,6 +112,15 @@ _VOCAB = [
     "dock",
     "crane",
 ]
+# The per-conversation context of "multiturn": lognormal with mean 1,000 tokens and
+# median 850 (vLLM's "average": 1000 with its default median_ratio 0.85), capped at 5,000.
+_MT_SIGMA = math.sqrt(2 * math.log(1 / 0.85))
+_MT_MU = math.log(850)
+_CONTENT = re.compile(rb'"delta":\s*\{[^{}]*?"content":\s*"((?:[^"\\]|\\.)*)"')
+_COMPLETION = re.compile(rb'"completion_tokens":\s*(\d+)')
+_ERROR_EVENT = re.compile(rb'^data: \{"error"', re.M)
+_TTFT_SUM = re.compile(r"^vllm:time_to_first_token_seconds_sum\{[^}]*\} ([0-9.e+]+)$", re.M)
+_TTFT_COUNT = re.compile(r"^vllm:time_to_first_token_seconds_count\{[^}]*\} ([0-9.e+]+)$", re.M)
 _HIT = re.compile(r"^vllm:prefix_cache_hits_total\{[^}]*\} ([0-9.e+]+)$", re.M)
 _QUERY = re.compile(r"^vllm:prefix_cache_queries_total\{[^}]*\} ([0-9.e+]+)$", re.M)
 
@@ -119,8 +151,44 @@ def make_session(workload: str, rnd: random.Random, shared: list[str]) -> Sessio
         turns = [(text(rnd.randint(30, 80), rnd), rnd.randint(32, 96)) for _ in range(8)]
         turns += [(text(rnd.randint(30, 80), rnd), rnd.randint(32, 96)) for _ in range(4)]
         return Session([{"role": "system", "content": tools}], turns[: rnd.randint(8, 12)])
+    if workload.startswith("multiturn"):
+        # vLLM's benchmarks/multi_turn/generate_multi_turn.json, see the module docstring.
+        system = rnd.choice(shared[5:8])
+        context = min(5_000, round(rnd.lognormvariate(_MT_MU, _MT_SIGMA)))
+        first = text(context, rnd) + " " + text(rnd.randint(120, 160), rnd)
+        turns = [(first, rnd.randint(80, 120))]
+        turns += [
+            (text(rnd.randint(120, 160), rnd), rnd.randint(80, 120))
+            for _ in range(rnd.randint(6, 9) - 1)
+        ]
+        return Session([{"role": "system", "content": system}], turns)
     doc = text(rnd.randint(2_000, 5_000), rnd)
     return Session([], [(doc + " Question: " + text(30, rnd), 256)])
+
+
+def mean_footprint(workload: str, seed: int = 7, sessions: int = 2_000) -> float:
+    """Mean KV tokens one request of ``workload`` reserves (prompt + max_tokens, the
+    template's ~5 tokens a message, answers at their max_tokens), over its turns."""
+    rnd = random.Random(seed)
+    shared = [text(800, rnd) for _ in range(3)] + [text(3_000, rnd) for _ in range(2)]
+    shared += [text(500, rnd) for _ in range(3)]
+    total = count = 0
+    for _ in range(sessions):
+        sess = make_session(workload, rnd, shared)
+        history = sum(len(m["content"].split()) + 5 for m in sess.messages)
+        for user, max_tokens in sess.turns:
+            history += len(user.split()) + 5
+            total += history + max_tokens
+            count += 1
+            history += max_tokens + 5
+    return total / count
+
+
+def default_sessions(workload: str, load: float = 0.9) -> int:
+    """Sessions for ``load``: of the fleet's 64 sequence slots, or of the requests its KV
+    budget holds at the workload's mean footprint, whichever binds first."""
+    kv_budget = 4 * 0.95 * (1_920 - 1) * 16  # 4 gpu24-8b nodes, budget_fraction 0.95
+    return int(load * min(64, kv_budget / mean_footprint(workload)))
 
 
 @dataclass
@@ -129,11 +197,14 @@ class Stats:
     ok: int = 0
     output_tokens: int = 0
     status: dict[int, int] = field(default_factory=dict)
+    follow_ups: int = 0  # turns after a session's first that succeeded
+    moved: int = 0  # ... of which went to another node than the session's last turn
 
 
 async def turn(
     s: aiohttp.ClientSession, url: str, messages: list[dict[str, str]], max_tokens: int, st: Stats
-) -> str | None:
+) -> tuple[str, str] | None:
+    """One streamed turn: the answer and the node that served it (None: it failed)."""
     body = {
         "model": "llama-3.1-8b",
         "messages": messages,
@@ -142,71 +213,102 @@ async def turn(
         "stream_options": {"include_usage": True},
     }
     start = time.monotonic()
-    answer: list[str] = []
-    completion = 0
+    # The client shares this process (and 2 cores) with the gateway: the stream is only
+    # scanned for its first token while it flows, and parsed once it has ended.
+    data = bytearray()
+    first = None
     try:
         async with asyncio.timeout(120), s.post(url + "/v1/chat/completions", json=body) as r:
+            backend = r.headers.get("x-gateway-backend", "")
             if r.status != 200:
                 st.status[r.status] = st.status.get(r.status, 0) + 1
                 await r.read()
                 return None
-            first = None
-            error = False
-            async for line in r.content:
-                if not line.startswith(b"data: {"):
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    error = True
-                    continue
-                for c in chunk.get("choices") or ():
-                    if first is None:
-                        first = time.monotonic() - start
-                    answer.append((c.get("delta") or {}).get("content") or "")
-                if chunk.get("usage"):
-                    completion = int(chunk["usage"].get("completion_tokens") or 0)
+            async for chunk in r.content.iter_any():
+                if first is None and b'"choices":[{' in chunk:
+                    first = time.monotonic() - start
+                data += chunk
     except (TimeoutError, aiohttp.ClientError):
         st.status[0] = st.status.get(0, 0) + 1
         return None
-    if error or first is None:
+    raw = bytes(data)
+    if first is None or _ERROR_EVENT.search(raw) or not raw.endswith(b"data: [DONE]\n\n"):
         st.status[502] = st.status.get(502, 0) + 1
         return None
+    answer = "".join(json.loads(b'"' + m + b'"') for m in _CONTENT.findall(raw))
+    usage = _COMPLETION.findall(raw)
+    completion = int(usage[-1]) if usage else 0
     st.status[200] = st.status.get(200, 0) + 1
     st.ok += 1
     st.ttft.append(first)
     st.output_tokens += completion
-    return "".join(answer)
+    return answer, backend
+
+
+# Conversations each client keeps going at once, taking turns among them (vLLM's
+# multi-turn benchmark: 6 active conversations over 2 clients); 1 = back to back.
+ACTIVE: dict[str, int] = {"chat": 1, "multiturn": 1, "multiturn3": 3, "agentic": 1, "rag": 1}
+
+
+@dataclass
+class Conversation:
+    session: Session
+    next_turn: int = 0
+    last_backend: str | None = None
 
 
 async def session_loop(
     url: str, workload: str, rnd: random.Random, shared: list[str], stop: float, st: Stats
 ) -> None:
+    """One client: sends one request at a time, each the next turn of one of its
+    ``ACTIVE[workload]`` conversations in turn (round robin, as vLLM's benchmark does), so
+    a conversation's turns are as far apart as the client's other conversations' turns
+    take; a conversation that ends (or whose turn failed) is replaced by a new one."""
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+        convs = [Conversation(make_session(workload, rnd, shared)) for _ in range(ACTIVE[workload])]
+        i = 0
         while time.monotonic() < stop:
-            sess = make_session(workload, rnd, shared)
-            for user, max_tokens in sess.turns:
-                if time.monotonic() >= stop:
-                    return
-                sess.messages.append({"role": "user", "content": user})
-                answer = await turn(s, url, sess.messages, max_tokens, st)
-                if answer is None:
-                    break  # a refused turn ends the session (its client gives up)
+            c = convs[i]
+            sess = c.session
+            user, max_tokens = sess.turns[c.next_turn]
+            sess.messages.append({"role": "user", "content": user})
+            got = await turn(s, url, sess.messages, max_tokens, st)
+            c.next_turn += 1
+            if got is None or c.next_turn >= len(sess.turns):
+                # Finished, or refused (its client gives up): a new conversation.
+                convs[i] = Conversation(make_session(workload, rnd, shared))
+            if got is not None:
+                answer, backend = got
+                if c.last_backend is not None:
+                    st.follow_ups += 1
+                    st.moved += backend != c.last_backend
+                c.last_backend = backend
                 sess.messages.append({"role": "assistant", "content": answer})
+            i = (i + 1) % len(convs)
 
 
-async def _prefix_counts(run: Any) -> tuple[float, float]:
-    hits = queries = 0.0
+async def _node_counters(run: Any) -> tuple[float, float, float, float]:
+    """Summed over the nodes: prefix-cache hits and queries (tokens), and the sum and
+    count of their own time-to-first-token histogram (simulated seconds)."""
+    hits = queries = ttft_sum = ttft_count = 0.0
     async with aiohttp.ClientSession() as s:
         for node in run.fleet:
             async with s.get(node.url + "/metrics") as r:
                 body = await r.text()
             hits += sum(float(v) for v in _HIT.findall(body))
             queries += sum(float(v) for v in _QUERY.findall(body))
-    return hits, queries
+            ttft_sum += sum(float(v) for v in _TTFT_SUM.findall(body))
+            ttft_count += sum(float(v) for v in _TTFT_COUNT.findall(body))
+    return hits, queries, ttft_sum, ttft_count
 
 
 def fleet_data() -> dict[str, Any]:
     data = demo_data()
+    # The simulated nodes count with cl100k, the gateway's own encoding: reserve its
+    # count as it is (README, "Counting with the model's own tokenizer"), so that what
+    # is compared is routing, not the stand-in's worst-case vocabulary bound.
+    for model in data["models"]:
+        model.setdefault("tokenizer", {})["upper_bound"] = False
     data["tiers"] = [
         {
             "name": "small",
@@ -236,6 +338,7 @@ async def run_one(workload: str, name: str, args: argparse.Namespace) -> dict[st
         gw.setdefault(key, {}).update(value)
     rnd = random.Random(args.seed)
     shared = [text(800, rnd) for _ in range(3)] + [text(3_000, rnd) for _ in range(2)]
+    shared += [text(500, rnd) for _ in range(3)]
     async with fleet_and_gateway(
         policy,
         time_scale=ts,
@@ -244,7 +347,7 @@ async def run_one(workload: str, name: str, args: argparse.Namespace) -> dict[st
         gateway_overrides=gw,
         sim_overrides={"output_mean": 160.0},
     ) as run:
-        h0, q0 = await _prefix_counts(run)
+        h0, q0, ts0, tc0 = await _node_counters(run)
         p0 = sum(m["preemptions"] for m in (await node_metrics(run.fleet)).values())
         st = Stats()
         stop = time.monotonic() + args.window
@@ -253,10 +356,10 @@ async def run_one(workload: str, name: str, args: argparse.Namespace) -> dict[st
                 session_loop(
                     run.url, workload, random.Random(args.seed * 1000 + i), shared, stop, st
                 )
-                for i in range(args.sessions)
+                for i in range(args.sessions or default_sessions(workload))
             )
         )
-        h1, q1 = await _prefix_counts(run)
+        h1, q1, ts1, tc1 = await _node_counters(run)
         p1 = sum(m["preemptions"] for m in (await node_metrics(run.fleet)).values())
     ttft = sorted(st.ttft)
 
@@ -265,22 +368,25 @@ async def run_one(workload: str, name: str, args: argparse.Namespace) -> dict[st
 
     return {
         "workload": workload,
+        "sessions": args.sessions or default_sessions(workload),
         "config": name,
         "requests": sum(st.status.values()),
         "ok": st.ok,
         "hit_rate": (h1 - h0) / (q1 - q0) if q1 > q0 else 0.0,
         "ttft_p50_s": pct(0.5),
         "ttft_p99_s": pct(0.99),
+        "node_ttft_mean_s": (ts1 - ts0) / (tc1 - tc0) if tc1 > tc0 else None,
         "goodput_tok_s": st.output_tokens / (args.window * ts),
         "preemptions": p1 - p0,
         "429s": st.status.get(429, 0),
         "other_errors": sum(v for k, v in st.status.items() if k not in (200, 429)),
+        "follow_ups_moved": st.moved / st.follow_ups if st.follow_ups else 0.0,
     }
 
 
 COLUMNS = [
-    "workload", "config", "requests", "hit_rate", "ttft_p50_s", "ttft_p99_s",
-    "goodput_tok_s", "preemptions", "429s", "other_errors",
+    "workload", "config", "requests", "hit_rate", "ttft_p50_s", "ttft_p99_s", "node_ttft_mean_s",
+    "goodput_tok_s", "preemptions", "429s", "other_errors", "follow_ups_moved",
 ]  # fmt: skip
 
 
@@ -288,7 +394,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--window", type=float, default=20.0)
     parser.add_argument("--time-scale", type=float, default=6.0)
-    parser.add_argument("--sessions", type=int, default=56)
+    parser.add_argument(
+        "--sessions", type=int, default=0, help="default: 90%% load (default_sessions)"
+    )
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--configs", default=",".join(CONFIGS))
@@ -297,7 +405,8 @@ def main() -> None:
     rows = []
     for workload in args.workloads.split(","):
         for name in args.configs.split(","):
-            row = asyncio.run(run_one(workload, name, args))
+            with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+                row = runner.run(run_one(workload, name, args))
             rows.append(row)
             print(json.dumps(row), flush=True)
     print(table(COLUMNS, [[r[c] for c in COLUMNS] for r in rows]))

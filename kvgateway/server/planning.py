@@ -58,6 +58,8 @@ class Counted:
     injected_output: int | None = None
     # Output tokens reserved per sequence: output_tokens, or less when learned.
     reserved_output: int = 0
+    # Prompt tokens KV is reserved for: the prompts' bounds, or less when learned.
+    reserved_prompt: int = 0
 
 
 async def plan_request(
@@ -112,11 +114,15 @@ async def plan_request(
             prompt = node_counted(prompt, exact)
     each = reserved_prompts(prompt, model, calibration)
     longest = max(each)
+    adm = config.admission
+    learned = adm.output_reservation == "learned" and not parsed.echo_only
+    # KV is reserved for each prompt's bound, or in learned mode for what the nodes'
+    # reports predict; the context fit keeps the bound either way (the node checks it).
+    kv_prompts = learned_prompts(prompt, model, calibration, each) if learned else each
     output, injected = output_budget(parsed, config, longest, largest)
     block = fleet.block_size(model.name)
     reserved = output
-    adm = config.admission
-    if adm.output_reservation == "learned" and outputs is not None and not parsed.echo_only:
+    if learned and outputs is not None:
         # Context fit still uses the whole output budget (the node checks it); the KV
         # reservation uses what such requests really generate.
         reserved = outputs.reservation(model.name, client, output, adm.preemption_risk)
@@ -132,10 +138,10 @@ async def plan_request(
         output_tokens=output,
         sequences=len(each) * parsed.sequences_per_prompt,
         # Every prompt's sequences rounded to whole blocks on their own, as vLLM does.
-        tokens=demand_tokens(each, reserved, parsed.sequences_per_prompt, block),
+        tokens=demand_tokens(kv_prompts, reserved, parsed.sequences_per_prompt, block),
         prefix=prefix,
     )
-    return Counted(model, parsed, prompt, output, demand, injected, reserved)
+    return Counted(model, parsed, prompt, output, demand, injected, reserved, sum(kv_prompts))
 
 
 async def _prefix_hint(
@@ -195,7 +201,7 @@ def with_node_count(counted: Counted, count: int, block_size: int) -> Counted:
             [count], counted.output_tokens, counted.parsed.sequences_per_prompt, block_size
         ),
     )
-    return replace(counted, prompt=prompt, demand=demand)
+    return replace(counted, prompt=prompt, demand=demand, reserved_prompt=count)
 
 
 def reserved_prompts(
@@ -211,6 +217,28 @@ def reserved_prompts(
     if len(each) == 1:
         return [max(each[0], calibration.scaled(model.name, prompt.standin, margin))]
     return [calibration.scaled(model.name, n, margin) for n in each]
+
+
+# Usage reports of a model before learned mode reserves prompts by what they predict.
+LEARNED_PROMPT_SAMPLES = 50
+
+
+def learned_prompts(
+    prompt: PromptEstimate,
+    model: ModelConfig,
+    calibration: PromptCalibration,
+    bounds: list[int],
+) -> list[int]:
+    """KV to reserve for a single prompt in learned mode: the nodes' predicted count of
+    it (template overhead and tokenizer ratio learned from their usage reports) instead
+    of the worst-case vocabulary bound, never more than the bound; the bound until
+    :data:`LEARNED_PROMPT_SAMPLES` reports were seen. Exact counts and batched prompts
+    (already reserved by the prediction) stay as they are."""
+    if prompt.exact or len(bounds) != 1:
+        return bounds
+    margin = model.tokenizer.estimate_margin
+    guess = calibration.learned(model.name, prompt.standin, margin, LEARNED_PROMPT_SAMPLES)
+    return bounds if guess is None else [min(bounds[0], guess)]
 
 
 def _parse(

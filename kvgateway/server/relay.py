@@ -123,7 +123,7 @@ async def relay_stream(
     assert counted is not None
     live = state.outputs.start(
         r,
-        counted.demand.prompt_tokens,
+        counted.reserved_prompt or counted.demand.prompt_tokens,
         counted.demand.sequences,
         counted.reserved_output or counted.output_tokens,
         state.fleet.block_size(counted.model.name),

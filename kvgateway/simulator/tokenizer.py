@@ -115,10 +115,16 @@ class NodeTokenizer:
         if self.exact is not None:
             body = {"messages": [{"role": m.role, "content": m.text} for m in messages]}
             return self.exact.prompt_ids(body)
+        # Laid out as vLLM renders a Llama-3-style template: the fixed part (BOS and the
+        # first header) first, then each message's text followed by its share of the
+        # template (its end-of-turn and the next header; after the last message, the
+        # assistant's header, i.e. the generation prompt). So a prompt ends where the
+        # answer begins and the next turn repeats prompt + answer: the blocks the
+        # answer's generation cached are hit, as on a vLLM node.
         ids: list[int] = [_TEMPLATE_ID] * self._fixed
         for message in messages:
-            ids.extend([_TEMPLATE_ID] * self._per_message)
             ids.extend(self.encode(message.text))
+            ids.extend([_TEMPLATE_ID] * self._per_message)
         return ids
 
     def count_prompt(self, prompt: str) -> int:

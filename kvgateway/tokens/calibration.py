@@ -35,12 +35,14 @@ class _Fit:
     fixed: float = 0.0
     weight: float = 0.0  # decayed sum of sizes of the large prompts seen
     weighted_ratio: float = 0.0
+    samples: int = 0  # reports seen
 
     @property
     def ratio(self) -> float:
         return self.weighted_ratio / self.weight if self.weight > 0 else 1.0
 
     def add(self, counted: int, reported: int) -> None:
+        self.samples += 1
         if counted < SMALL:
             sample = min(max(reported - self.ratio * counted, 0.0), MAX_FIXED)
             self.fixed += FIXED_ALPHA * (sample - self.fixed)
@@ -77,6 +79,15 @@ class PromptCalibration:
         base = counted * (1.0 + margin)
         predicted = max((f.predict(base) for f in self._model_fits(model)), default=base)
         return math.ceil(max(base, predicted) - 1e-9)
+
+    def learned(self, model: str, counted: int, margin: float, min_samples: int) -> int | None:
+        """What ``model``'s backends are predicted to count for a prompt the stand-in
+        counted as ``counted`` (:meth:`scaled`), once they reported ``min_samples``
+        prompts; None before. No worst-case vocabulary bound: for reservations that
+        trade the guarantee for capacity (``output_reservation: learned``)."""
+        if sum(f.samples for f in self._model_fits(model)) < min_samples:
+            return None
+        return self.scaled(model, counted, margin)
 
     def observe(self, backend: str, model: str, estimated: int, reported: int) -> None:
         if estimated <= 0 or reported <= 0:

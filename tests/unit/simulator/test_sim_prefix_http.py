@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from kvgateway.simulator.tokenizer import ChatMessage
 from tests.support.sim import SimFactory, chat
 
 
@@ -61,3 +62,37 @@ async def test_an_answer_sent_back_hits_the_blocks_its_generation_cached(sim: Si
     cached = (len(ids1) + 39) // 16 * 16
     assert cached > len(ids1) // 16 * 16  # the answer adds blocks beyond the prompt's
     assert await node.metric("vllm:prefix_cache_hits_total") - before == cached
+
+
+async def test_a_chat_follow_up_hits_the_previous_answer_s_blocks(sim: SimFactory) -> None:
+    # vLLM renders a chat so that the prompt of turn N ends with the assistant's header
+    # (the generation prompt) and turn N+1 repeats it, the answer and its end-of-turn
+    # after it: the blocks the answer's generation cached are hit by the next turn.
+    node = await sim()
+    model = node.node.settings.model
+    messages = [
+        {"role": "system", "content": "You are a helpful assistant. " * 8},
+        {"role": "user", "content": "Tell me a story about a fox. " * 6},
+    ]
+    body = {"model": model, "messages": messages, "max_tokens": 40, "ignore_eos": True}
+    status, first = await node.post("/v1/chat/completions", body)
+    assert status == 200
+    answer = first["choices"][0]["message"]["content"]
+    prompt1 = first["usage"]["prompt_tokens"]
+    await node.wait_idle()
+    before = await node.metric("vllm:prefix_cache_hits_total")
+    follow = [*messages, {"role": "assistant", "content": answer}]
+    follow.append({"role": "user", "content": "And then?"})
+    status, second = await node.post(
+        "/v1/chat/completions", {"model": model, "messages": follow, "max_tokens": 2}
+    )
+    assert status == 200
+    await node.wait_idle()
+    # The first request computed its prompt and 39 of its 40 output tokens.
+    cached = (prompt1 + 39) // 16 * 16
+    assert cached > prompt1 // 16 * 16
+    assert await node.metric("vllm:prefix_cache_hits_total") - before == cached
+    # Counting is unchanged: one template overhead per message plus a fixed one.
+    assert second["usage"]["prompt_tokens"] == node.node.tokenizer.count_chat(
+        [ChatMessage(m["role"], m["content"]) for m in follow]
+    )

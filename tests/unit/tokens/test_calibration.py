@@ -42,3 +42,15 @@ def test_fits_are_per_backend_and_reads_take_the_largest():
     assert 1.45 < cal.ratio("m") <= 1.5
     assert cal.scaled("m", 1_000, 0.0) >= 1_450
     assert cal.ratio("unknown") == 1.0 and cal.scaled("unknown", 100, 0.1) == 110
+
+
+def test_learned_predictions_wait_for_enough_reports():
+    cal = PromptCalibration()
+    assert cal.learned("m", 1_000, 0.0, min_samples=3) is None
+    for _ in range(2):
+        cal.observe("a", "m", 1_000, 1_010)
+    assert cal.learned("m", 1_000, 0.0, min_samples=3) is None
+    cal.observe("b", "m", 1_000, 1_010)  # reports of every backend of the model count
+    got = cal.learned("m", 2_000, 0.0, min_samples=3)
+    assert got is not None and 2_000 <= got <= 2_030
+    assert cal.learned("other", 2_000, 0.0, min_samples=1) is None
