@@ -439,7 +439,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         "wrk is not installed (scripts/install-bench-tools.sh installs it)"
                     )
             notes = {t.name: t.note for t in chosen}
+            credit = {t.name: _credit_share(t.port) for t in chosen if t.name == "gateway-redis"}
     summary = summarize(rows)
+    if credit:
+        summary["ledger_credit"] = credit
     out = {
         "machine": info,
         "settings": {
@@ -461,6 +464,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     save(name, out)
     plot(rows, name)
     return out
+
+
+def _credit_share(port: int) -> dict[str, float]:
+    """Of the requests a one-process gateway on the Redis ledger answered, how many were
+    admitted from its ledger credit (no Redis round trip), from its own /metrics."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    total = credit = 0.0
+    for line in text.splitlines():
+        if line.startswith("gateway_requests_total{"):
+            total += float(line.rsplit(" ", 1)[1])
+        elif line.startswith("gateway_ledger_credit_admissions_total"):
+            credit = float(line.rsplit(" ", 1)[1])
+    return {"requests": total, "credit_admissions": credit}
 
 
 def _row(rows: list[dict[str, Any]], scenario: str, target: str) -> dict[str, Any] | None:
@@ -569,6 +588,11 @@ def print_report(out: dict[str, Any]) -> None:
         f"{verdict(t['added_p99_ms_c32_paced<2'])}; closed loop (saturated, queueing) p99 "
         f"+{_f(s.get('added_p99_ms_c32'))} ms: {verdict(t['added_p99_ms_c32_closed_loop<2'])}"
     )
+    for name, c in s.get("ledger_credit", {}).items():
+        print(
+            f"{name}: {c['credit_admissions']:.0f} of {c['requests']:.0f} requests admitted "
+            "from ledger credit (no Redis round trip)"
+        )
 
 
 def _f(v: float | None) -> str:
