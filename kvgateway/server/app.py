@@ -33,6 +33,7 @@ from kvgateway.core.shared_blocks import SharedBlocks
 from kvgateway.errors import BodyTooLarge, GatewayError, MethodNotAllowed, NotFound, Unauthorized
 from kvgateway.server import admin
 from kvgateway.server.appkeys import EXPOSITION, KV_EVENTS, MONITOR, STATE
+from kvgateway.server.body import end_unread_body
 from kvgateway.server.ledger_view import LedgerMetrics, build_ledger
 from kvgateway.server.metrics import FleetCollector, GatewayMetrics
 from kvgateway.server.passthrough import PATHS as PASSTHROUGH_PATHS
@@ -218,40 +219,8 @@ async def _request_id_middleware(request: web.Request, handler: Handler) -> web.
     # The one place a request gets its id: handlers, errors and logs all read it here.
     request[REQUEST_ID] = _client_request_id(request)
     resp = await handler(request)
-    if not resp.prepared and not request.content.is_eof():
-        # Answered before the body arrived whole (a 400 for 800k messages, a 401, a 413).
-        resp.force_close()
-        if _unread_bytes(request) > LINGER_BYTES:
-            stop_reading(request)
+    end_unread_body(request, resp)
     return resp
-
-
-# An answered request with more than this much body still to come is not read further.
-LINGER_BYTES = 1024 * 1024
-
-
-def _unread_bytes(request: web.Request) -> int:
-    seen = request.content.total_bytes
-    if request.content_length is None:  # chunked: what came so far is the best guess
-        return seen
-    return request.content_length - seen
-
-
-def stop_reading(request: web.Request) -> None:
-    """Read no more of a big request body that was answered early.
-
-    aiohttp reads and drops what is left of it after the answer (``lingering_time``), so
-    a client that sends its whole body before reading gets the answer, not a reset. For a
-    30 MB body resent in a loop that reading was most of the event loop's time. So past
-    LINGER_BYTES the transport is paused instead: clients that read while they send
-    (aiohttp, httpx and so the OpenAI SDKs, curl) still get the answer; the connection
-    is closed when lingering ends, as it would be anyway for a body still arriving."""
-    with contextlib.suppress(Exception):
-        # Emptied first: draining a paused buffer would resume reading.
-        request.content.read_nowait()
-    transport = request.transport
-    if transport is not None:
-        transport.pause_reading()
 
 
 @web.middleware

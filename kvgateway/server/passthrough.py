@@ -15,8 +15,9 @@ from kvgateway.config.model import ModelConfig
 from kvgateway.core.backends import Backend
 from kvgateway.errors import BadRequest, ModelNotFound, NoHealthyBackend, UpstreamError
 from kvgateway.server.appkeys import STATE
+from kvgateway.server.body import read_limited
 from kvgateway.server.openai_request import parse_body
-from kvgateway.server.proxy import REQUEST_ID, read_limited, trace_headers
+from kvgateway.server.proxy import REQUEST_ID, trace_headers
 from kvgateway.server.relay import MAX_RESPONSE_BYTES
 from kvgateway.server.state import GatewayState
 from kvgateway.upstream.client import open_request

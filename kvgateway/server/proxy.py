@@ -15,24 +15,20 @@ import logging
 from dataclasses import replace
 
 from aiohttp import web
-from aiohttp.http_exceptions import HttpProcessingError
-from aiohttp.web_protocol import RequestPayloadError
 
 from kvgateway.core.demand import Demand
 from kvgateway.core.reservation import Reservation
 from kvgateway.errors import (
-    BadRequest,
-    BodyTooLarge,
     ContextLengthExceeded,
     GatewayError,
     NoHealthyBackend,
     RateLimited,
-    RequestTimeout,
     ShuttingDown,
     UpstreamError,
     UpstreamTimeout,
 )
 from kvgateway.server.accesslog import AccessRecord
+from kvgateway.server.body import read_limited
 from kvgateway.server.exchange import Exchange, Failure, Outcome, finish
 from kvgateway.server.openai_request import Kind
 from kvgateway.server.output_accounting import client_key
@@ -46,66 +42,12 @@ from kvgateway.tokens.node_count import (
     parse_context_length_error,
     readmission_prompt_tokens,
 )
-from kvgateway.upstream.client import open_request, read_capped
+from kvgateway.upstream.client import open_request
 
 log = logging.getLogger("kvgateway.server.proxy")
 
 MAX_ATTEMPTS = 3
 REQUEST_ID = web.RequestKey("request_id", str)
-
-
-async def read_limited(
-    request: web.Request, limit: int, timeout: float, max_messages: int | None = None
-) -> bytes:
-    """The whole body, at most ``limit`` bytes and within ``timeout`` seconds. With
-    ``max_messages``, a body with more messages is refused while it arrives, chunk by
-    chunk, before it is read whole (a 30 MB body of 800k messages costs the loop
-    nothing but the chunks it looked at)."""
-    if request.content_length is not None and request.content_length > limit:
-        raise BodyTooLarge(f"Request body is {request.content_length} bytes; the limit is {limit}.")
-    inspect = None if max_messages is None else _MessageCounter(max_messages)
-    try:
-        if request.content.is_eof():
-            # Arrived whole with its headers (most bodies): no wait, so no timer.
-            raw = request.content.read_nowait()
-            if len(raw) > limit:
-                raise ValueError(f"more than {limit} bytes")
-            if inspect is not None:
-                inspect(b"", raw)
-            return raw
-        async with asyncio.timeout(timeout):
-            return await read_capped(request.content, limit, inspect)
-    except ValueError as exc:
-        raise BodyTooLarge(f"Request body exceeds the limit of {limit} bytes.") from exc
-    except TimeoutError as exc:
-        raise RequestTimeout(
-            f"The request body did not arrive within {timeout:g}s.", code="request_timeout"
-        ) from exc
-    except (HttpProcessingError, RequestPayloadError) as exc:
-        # A body that cannot be decoded (a broken gzip stream, bad chunking).
-        raise BadRequest(
-            f"The request body could not be read ({type(exc).__name__}).", code="invalid_body"
-        ) from exc
-
-
-class _MessageCounter:
-    """Counts ``"role"`` keys as a chat body arrives; past the limit, a 400."""
-
-    __slots__ = ("_limit", "_seen")
-
-    def __init__(self, limit: int) -> None:
-        self._limit = limit
-        self._seen = 0
-
-    def __call__(self, tail: bytes, chunk: bytes) -> None:
-        # A key cut between two chunks is found in the joint (tail + chunk's start).
-        self._seen += chunk.count(b'"role"') + (tail[-5:] + chunk[:5]).count(b'"role"')
-        if self._seen > self._limit:
-            raise BadRequest(
-                f"Too many messages in one request: the limit is {self._limit}.",
-                param="messages",
-                code="too_many_messages",
-            )
 
 
 def error_response(err: GatewayError, request_id: str) -> web.Response:

@@ -182,7 +182,7 @@ def _texts(body: dict[str, Any]) -> Iterator[str]:
 def overcount(body: dict[str, Any]) -> float:
     """How many times the node's count of a chat request the stand-in's count may be."""
     tools = body.get("tools")
-    # The stand-in counts a schema with \\uXXXX escapes; the template prints the text.
+    # The stand-in counts a schema with \\u escapes for non-ASCII; the template prints the text.
     if isinstance(tools, list) and tools and not json.dumps(tools, ensure_ascii=False).isascii():
         return MAX_OVERCOUNT
     if all(t.isascii() for t in _texts(body)):  # O(1) per string in CPython
