@@ -43,8 +43,8 @@ from kvgateway.config.load import parse_config
 from kvgateway.config.model import ModelConfig
 from kvgateway.server.openai_request import parse_body
 from kvgateway.tokens.counters import TokenCounters
-from kvgateway.tokens.counting import plan_chat
 from kvgateway.tokens.encoding import EncodingCache
+from kvgateway.tokens.plans import plan_chat
 
 TARGET_LAG_P99_MS = 5.0
 # "Near flat": the counted-before cost at the last turn stays within this factor of the

@@ -28,10 +28,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from kvgateway.tokens.counting import PromptCounter, TextCountCache, plan_chat
+from kvgateway.tokens.counting import PromptCounter, TextCountCache
 from kvgateway.tokens.encoding import EncodingSpec, load_encoding
 from kvgateway.tokens.exact import ExactCounter
 from kvgateway.tokens.modeldir import load_model_tokenizer
+from kvgateway.tokens.plans import plan_chat
 from kvgateway.tokens.spec import TokenizerConfig
 from tests.support import corpus, vocab
 

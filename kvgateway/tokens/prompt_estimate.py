@@ -19,8 +19,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvgateway.tokens.chat_template import TemplateError
-from kvgateway.tokens.counting import PromptCounter, PromptTokens, plan_chat, plan_completion
+from kvgateway.tokens.counting import PromptCounter, PromptTokens
 from kvgateway.tokens.exact import ExactCounter
+from kvgateway.tokens.plans import plan_chat, plan_completion
 from kvgateway.tokens.spec import TokenizerConfig
 from kvgateway.tokens.standin import (
     BoundFactors,

@@ -19,8 +19,8 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
-from kvgateway.tokens.counting import CountPlan, _content_text
 from kvgateway.tokens.encoding import Encoder
+from kvgateway.tokens.plans import CountPlan, content_text
 from kvgateway.tokens.spec import TokenizerConfig
 
 # Stand-in ids for template tokens and images: outside every common vocabulary's text.
@@ -62,7 +62,7 @@ class PromptIds:
             out.extend([TEMPLATE_ID] * (cfg.per_message_tokens + 1))
             part = CountPlan()
             part.new_group()
-            _content_text(part, msg.get("content"), cfg)
+            content_text(part, msg.get("content"), cfg)
             name = msg.get("name")
             if isinstance(name, str):
                 part.add_text(name)

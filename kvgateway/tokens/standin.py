@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from kvgateway.tokens.counting import IMAGE_PARTS
+from kvgateway.tokens.plans import IMAGE_PARTS
 
 # The other way round: how many times the node's count the stand-in's may be, so that a
 # prompt whose stand-in count is past a context is not refused unasked. ASCII text: about

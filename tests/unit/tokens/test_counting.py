@@ -9,11 +9,10 @@ from kvgateway.tokens.counting import (
     CHUNK_MAX,
     PromptCounter,
     TextCountCache,
-    plan_chat,
-    plan_completion,
     split_chunks,
 )
 from kvgateway.tokens.encoding import EncodingSpec, load_encoding
+from kvgateway.tokens.plans import plan_chat, plan_completion
 from kvgateway.tokens.spec import TokenizerConfig
 
 ENC = load_encoding(EncodingSpec())
@@ -181,8 +180,9 @@ async def test_pathological_pieces_are_bounded_and_over_counted():
     # pool_starve: one 31 MB "word" cost ~25 s and 1.5 GB; slices keep it linear.
     import time
 
-    from kvgateway.tokens.counting import CountPlan, PromptCounter, TextCountCache
+    from kvgateway.tokens.counting import PromptCounter, TextCountCache
     from kvgateway.tokens.encoding import EncodingCache, EncodingSpec
+    from kvgateway.tokens.plans import CountPlan
 
     enc = EncodingCache().get(EncodingSpec())
     counter = PromptCounter(enc, TextCountCache(1 << 20), None)
@@ -200,8 +200,9 @@ async def test_pathological_pieces_are_bounded_and_over_counted():
 
 
 async def test_counting_stops_past_the_limit_and_reports_over_it():
-    from kvgateway.tokens.counting import CountPlan, PromptCounter, TextCountCache
+    from kvgateway.tokens.counting import PromptCounter, TextCountCache
     from kvgateway.tokens.encoding import EncodingCache, EncodingSpec
+    from kvgateway.tokens.plans import CountPlan
 
     enc = EncodingCache().get(EncodingSpec())
     counter = PromptCounter(enc, TextCountCache(1 << 20), None)

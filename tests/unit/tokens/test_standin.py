@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvgateway.tokens.counting import PromptCounter, TextCountCache, plan_chat
+from kvgateway.tokens.counting import PromptCounter, TextCountCache
 from kvgateway.tokens.encoding import EncodingSpec, load_encoding
 from kvgateway.tokens.exact import ExactCounter
 from kvgateway.tokens.modeldir import ModelTokenizer
@@ -20,6 +20,7 @@ from kvgateway.tokens.node_count import (
     parse_context_length_error,
     readmission_prompt_tokens,
 )
+from kvgateway.tokens.plans import plan_chat
 from kvgateway.tokens.spec import TokenizerConfig
 from kvgateway.tokens.standin import (
     ASCII_OVERCOUNT,
