@@ -33,7 +33,7 @@ from kvgateway.core.fleet import Fleet
 from kvgateway.core.ledger import OthersView
 from kvgateway.core.reservation import Reservation
 from kvgateway.ledger.credit import Credit
-from kvgateway.ledger.scripts import HEARTBEAT, RELEASE, RESERVE, Keys
+from kvgateway.ledger.scripts import HEARTBEAT, RELEASE, RESERVE, Keys, Refused, parse_message
 
 log = logging.getLogger("kvgateway.ledger")
 
@@ -413,19 +413,16 @@ class RedisLedger:
         published total less ours; waiters here are offered the room."""
         if not self._shared:
             return
-        fields = data.decode(errors="replace").split("\t")
-        if len(fields) == 3 and fields[0] == "wait":
-            if fields[2] != self._id:
-                self._credit.drop(fields[1])  # a replica waits there: our credit goes back
+        msg = parse_message(data)
+        if msg is None:
+            log.warning("ledger: unreadable message %r", data[:100])
             return
-        try:
-            name, total_t, total_s, who = fields
-            tokens, seqs = int(total_t), int(total_s)
-        except ValueError:
-            log.warning("ledger: unreadable release message %r", data[:100])
+        if msg.replica == self._id:
             return
-        if who == self._id:
+        if isinstance(msg, Refused):
+            self._credit.drop(msg.backend)  # a replica waits there: our credit goes back
             return
+        name, tokens, seqs = msg.backend, msg.tokens, msg.seqs
         b = self._fleet.get(name)
         if b is None:
             return

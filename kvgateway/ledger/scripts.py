@@ -171,3 +171,35 @@ class Keys:
 
     def backend(self, name: str) -> tuple[str, str, str]:
         return (self.live, self.tokens(name), self.seqs(name))
+
+
+@dataclass(frozen=True, slots=True)
+class Released:
+    """A replica released on ``backend``: every live replica's holdings there now."""
+
+    backend: str
+    tokens: int
+    seqs: int
+    replica: str
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """Redis refused ``replica`` on ``backend``: it waits there."""
+
+    backend: str
+    replica: str
+
+
+def parse_message(data: bytes) -> Released | Refused | None:
+    """A message of the ``released`` channel, as RELEASE and RESERVE publish it (None:
+    not one of theirs)."""
+    fields = data.decode(errors="replace").split("\t")
+    if len(fields) == 3 and fields[0] == "wait":
+        return Refused(fields[1], fields[2])
+    if len(fields) != 4:
+        return None
+    try:
+        return Released(fields[0], int(fields[1]), int(fields[2]), fields[3])
+    except ValueError:
+        return None
