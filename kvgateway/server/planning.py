@@ -244,7 +244,8 @@ def learned_prompts(
 def _parse(
     raw: bytes, kind: Kind, config: GatewayConfig, limits: Limits
 ) -> tuple[ParsedRequest, ModelConfig]:
-    body = parse_body(raw, limits, messages=kind != "completion")
+    # Too many messages was refused while the body arrived (body.read_limited).
+    body = parse_body(raw, limits, messages=False)
     if kind == "chat":
         parsed = parse_chat(body, limits)
     elif kind == "responses":
