@@ -46,6 +46,7 @@ from kvgateway.server.tracing import from_environment
 from kvgateway.tokens.counters import TokenCounters
 from kvgateway.tokens.encoding import EncodingCache
 from kvgateway.upstream.dns import DnsDiscovery
+from kvgateway.upstream.http1 import NodePool
 from kvgateway.upstream.kv_events import KVEventHub, kv_event_sources
 from kvgateway.upstream.monitor import Monitor
 
@@ -115,6 +116,7 @@ def create_app(
             auto_decompress=False,
             timeout=aiohttp.ClientTimeout(total=None, connect=10, sock_connect=10),
         )
+        nodes = NodePool()
         prefix_index = PrefixIndex()
         hub = KVEventHub(prefix_index, clock=clock)
         try:
@@ -134,6 +136,7 @@ def create_app(
                 quota_ledger=quota_ledger,
                 ledger=ledger,
                 prefix=prefix,
+                nodes=nodes,
             )
             collector = TenantCollector(state.tenancy, state.quotas, clock)
             registry.register(collector)
@@ -162,6 +165,7 @@ def create_app(
                 registry.unregister(collector)
         finally:
             await hub.close()
+            nodes.close()
             await session.close()
             pool.shutdown(wait=False, cancel_futures=True)
             huge.shutdown(wait=False, cancel_futures=True)

@@ -55,7 +55,7 @@ async def handle_passthrough(request: web.Request) -> web.StreamResponse:
         try:
             timeouts = backend.config.timeouts
             resp = await open_request(
-                state.session,
+                state.nodes,
                 backend,
                 request.path,
                 raw,

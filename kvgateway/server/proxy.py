@@ -224,7 +224,7 @@ async def _attempt(
     timeouts = backend.config.timeouts
     try:
         resp = await open_request(
-            state.session,
+            state.nodes,
             backend,
             ex.request.path,
             body,

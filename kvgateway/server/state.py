@@ -26,6 +26,7 @@ from kvgateway.server.output_accounting import OutputAccounting
 from kvgateway.server.tracing import Tracing
 from kvgateway.tokens.calibration import PromptCalibration
 from kvgateway.tokens.counters import TokenCounters
+from kvgateway.upstream.http1 import NodePool
 
 Clock = Callable[[], float]
 
@@ -44,6 +45,7 @@ class GatewayState:
         quota_ledger: QuotaLedger | None = None,
         ledger: RedisLedger | None = None,
         prefix: PrefixRouter | None = None,
+        nodes: NodePool | None = None,
     ) -> None:
         self.config = config
         self.tracing = tracing or Tracing()
@@ -53,6 +55,8 @@ class GatewayState:
         self.metrics = metrics
         self.counters = counters
         self.session = session
+        # The request path's own keep-alive connections to nodes (probes use ``session``).
+        self.nodes = nodes if nodes is not None else NodePool()
         self.clock = clock
         # The shared ledger (None: reservations are this process's alone).
         self.ledger = ledger

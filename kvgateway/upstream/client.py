@@ -1,6 +1,8 @@
-"""Talking to backends: the one place aiohttp client errors become gateway errors.
+"""Talking to backends: the one place client errors become gateway errors.
 
-``aiohttp.ClientConnectorError`` / ``ServerDisconnectedError`` / ``ClientOSError`` before
+Requests go out on :mod:`.http1`'s pooled connections. Its errors map as:
+
+``ConnectFailed`` / ``Disconnected`` / ``BadResponse`` before
 the response head          -> UpstreamError(retryable=True)   (nothing reached the node's engine)
 HTTP 5xx before any byte   -> UpstreamError(retryable=True)   (vLLM 503 admission rejection too)
 no head within the phase   -> UpstreamTimeout(retryable=False) (the node may still be working)
@@ -10,7 +12,6 @@ failures while relaying    -> MidStreamError                  (bytes already rea
 from __future__ import annotations
 
 import asyncio
-import io
 import re
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
@@ -20,6 +21,14 @@ import aiohttp
 from kvgateway.config.model import TimeoutConfig
 from kvgateway.core.backends import Backend
 from kvgateway.errors import UpstreamError, UpstreamTimeout
+from kvgateway.upstream.http1 import (
+    ConnectFailed,
+    Connection,
+    Disconnected,
+    HTTPClientError,
+    NodePool,
+    Origin,
+)
 
 # Hop-by-hop and length headers are recomputed by each side.
 _DROP_RESPONSE_HEADERS = frozenset(
@@ -37,7 +46,6 @@ _DROP_RESPONSE_HEADERS = frozenset(
     }
 )
 _MAX_ERROR_BODY = 64 * 1024
-_LARGE_BODY = 512 * 1024
 _USAGE_RE = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
 _COMPLETION_RE = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
 
@@ -72,41 +80,70 @@ class UpstreamResponse:
     ``Response``. It offers what the proxy needs: the status, the headers to relay, the
     whole body (bounded) or the SSE events as they come."""
 
-    __slots__ = ("_resp", "backend_name")
+    __slots__ = ("_conn", "_origin", "_pool", "backend_name")
 
-    def __init__(self, resp: aiohttp.ClientResponse, backend_name: str) -> None:
-        self._resp = resp
+    def __init__(self, conn: Connection, pool: NodePool, origin: Origin, backend_name: str):
+        self._conn = conn
+        self._pool = pool
+        self._origin = origin
         self.backend_name = backend_name
 
     @property
     def status(self) -> int:
-        return self._resp.status
+        return self._conn.status
 
     def relay_headers(self) -> dict[str, str]:
         """The node's headers minus hop-by-hop and length headers (each side sets its own)."""
-        return {
-            k: v for k, v in self._resp.headers.items() if k.lower() not in _DROP_RESPONSE_HEADERS
-        }
+        return {k: v for k, v in self._conn.headers if k.lower() not in _DROP_RESPONSE_HEADERS}
 
     async def read(self, limit: int) -> bytes:
         """The whole body; failures here are upstream errors (nothing was sent yet)."""
+        chunks: list[bytes] = []
+        size = 0
         try:
-            return await read_capped(self._resp.content, limit)
-        except (aiohttp.ClientError, ConnectionError) as exc:
+            while chunk := await self._conn.readany():
+                size += len(chunk)
+                if size > limit:
+                    raise UpstreamError("Backend response too large.", retryable=False)
+                chunks.append(chunk)
+        except HTTPClientError as exc:
             raise UpstreamError(
-                f"Backend connection broke while reading the response: {exc.__class__.__name__}",
+                f"Backend connection broke while reading the response: {exc}",
                 code="upstream_reset",
                 retryable=False,
             ) from exc
-        except ValueError as exc:
-            raise UpstreamError("Backend response too large.", retryable=False) from exc
+        return b"".join(chunks)
 
-    def events(self, idle_s: float) -> AsyncIterator[bytes]:
-        """Runs of complete SSE events as they arrive (see :func:`sse_events`)."""
-        return sse_events(self._resp, idle_s)
+    async def events(self, idle_s: float) -> AsyncIterator[bytes]:
+        """Runs of complete SSE events as they arrive, ending in a blank line.
+
+        Partial events are held back so an error event the gateway appends never lands in
+        the middle of one. Raises MidStreamError on reset or an idle gap longer than
+        ``idle_s``."""
+        pending = b""
+        conn = self._conn
+        while True:
+            try:
+                chunk = await conn.readany(idle_s)
+            except TimeoutError as exc:
+                raise MidStreamError(
+                    "timeout", f"the backend sent nothing for {idle_s:g}s"
+                ) from exc
+            except HTTPClientError as exc:
+                raise MidStreamError("reset", f"the backend connection broke ({exc})") from exc
+            if not chunk:
+                if pending.strip():
+                    yield pending + b"\n\n"
+                return
+            pending += chunk
+            cut = pending.rfind(b"\n\n")
+            if cut < 0:
+                continue
+            ready, pending = pending[: cut + 2], pending[cut + 2 :]
+            yield ready
 
     def close(self) -> None:
-        self._resp.close()
+        self._pool.release(self._conn, self._origin)
 
     async def __aenter__(self) -> UpstreamResponse:
         return self
@@ -116,7 +153,7 @@ class UpstreamResponse:
 
 
 async def open_request(
-    session: aiohttp.ClientSession,
+    pool: NodePool,
     backend: Backend,
     path: str,
     body: bytes,
@@ -130,52 +167,39 @@ async def open_request(
     A 5xx answer is read (bounded) and raised as a retryable :class:`UpstreamError`; any
     other status is returned, as an :class:`UpstreamResponse` the caller owns.
     """
-    url = backend.config.url + path
-    resp: aiohttp.ClientResponse | None = None
+    url = backend.config.url
     try:
         async with asyncio.timeout(head_timeout):
-            resp = await session.post(
-                url,
-                # Big bodies as a stream: aiohttp writes raw bytes in one piece.
-                data=io.BytesIO(body) if len(body) > _LARGE_BODY else body,
-                headers=headers,
-                timeout=aiohttp.ClientTimeout(
-                    total=None, connect=timeouts.connect_s, sock_connect=timeouts.connect_s
-                ),
-            )
-            if resp.status >= 500:
-                detail = await _read_bounded(resp)
-                raise UpstreamError(
-                    f"Backend {backend.name} answered HTTP {resp.status}.",
-                    code=f"upstream_{resp.status}",
-                    retryable=True,
-                    detail=f"HTTP {resp.status}: {detail[:300]}",
-                )
-            return UpstreamResponse(resp, backend.name)
+            conn = await pool.request(url, path, body, headers, connect_s=timeouts.connect_s)
     except TimeoutError as exc:
-        if resp is not None:
-            resp.close()
         raise UpstreamTimeout(
             f"Backend {backend.name} did not answer within {head_timeout:g}s.", retryable=False
         ) from exc
-    except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError) as exc:
+    except (ConnectFailed, Disconnected) as exc:
         raise UpstreamError(
             f"Could not reach backend {backend.name}: {exc.__class__.__name__}",
             code="upstream_connect",
             retryable=True,
             detail=f"{exc.__class__.__name__}: {exc}",
         ) from exc
-    except aiohttp.ClientError as exc:
+    except HTTPClientError as exc:
         raise UpstreamError(
             f"Backend {backend.name} failed: {exc.__class__.__name__}",
             code="upstream_connect",
             retryable=True,
             detail=f"{exc.__class__.__name__}: {exc}",
         ) from exc
-    except BaseException:
-        if resp is not None:
-            resp.close()
-        raise
+    resp = UpstreamResponse(conn, pool, pool.origin(url), backend.name)
+    if conn.status >= 500:
+        async with resp:
+            detail = await _read_bounded(resp, head_timeout)
+        raise UpstreamError(
+            f"Backend {backend.name} answered HTTP {conn.status}.",
+            code=f"upstream_{conn.status}",
+            retryable=True,
+            detail=f"HTTP {conn.status}: {detail[:300]}",
+        )
+    return resp
 
 
 async def read_capped(
@@ -202,40 +226,10 @@ async def read_capped(
         chunks.append(chunk)
 
 
-async def _read_bounded(resp: aiohttp.ClientResponse) -> str:
+async def _read_bounded(resp: UpstreamResponse, timeout: float) -> str:
     try:
-        raw = await read_capped(resp.content, _MAX_ERROR_BODY)
-    except (aiohttp.ClientError, TimeoutError, ValueError):
+        async with asyncio.timeout(timeout):
+            raw = await resp.read(_MAX_ERROR_BODY)
+    except (UpstreamError, TimeoutError):
         raw = b""
-    finally:
-        resp.close()
     return raw.decode("utf-8", "replace")
-
-
-async def sse_events(resp: aiohttp.ClientResponse, idle_s: float) -> AsyncIterator[bytes]:
-    """Yield runs of complete SSE events (ending in a blank line) as they arrive.
-
-    Partial events are held back so an error event the gateway appends never lands in the
-    middle of one. Raises MidStreamError on reset or an idle gap longer than ``idle_s``.
-    """
-    pending = b""
-    while True:
-        try:
-            async with asyncio.timeout(idle_s):
-                chunk = await resp.content.readany()
-        except TimeoutError as exc:
-            raise MidStreamError("timeout", f"the backend sent nothing for {idle_s:g}s") from exc
-        except (aiohttp.ClientError, ConnectionError) as exc:
-            raise MidStreamError(
-                "reset", f"the backend connection broke ({exc.__class__.__name__})"
-            ) from exc
-        if not chunk:
-            if pending.strip():
-                yield pending + b"\n\n"
-            return
-        pending += chunk
-        cut = pending.rfind(b"\n\n")
-        if cut < 0:
-            continue
-        ready, pending = pending[: cut + 2], pending[cut + 2 :]
-        yield ready

@@ -1,0 +1,502 @@
+"""A lean HTTP/1.1 client for the request path: pooled keep-alive connections to nodes.
+
+The gateway sends nodes one kind of request: a POST whose body is already in memory,
+answered by a JSON body or an SSE stream. aiohttp's client does that for ~0.27 ms of CPU
+per request on the 2-core machine (its request and response objects, headers merging,
+cookie and trace hooks), four times what a plain protocol over the same socket costs
+(measured with the fake upstream: 273-322 us against 54-79 us); this module is that plain
+protocol, for the request path only. Health probes, metrics scrapes and ``/tokenize``
+stay on aiohttp.
+
+One :class:`Connection` carries one request at a time. It parses the response head,
+then the body (``Content-Length``, chunked, or up to the close), and hands body bytes
+over through :meth:`Connection.readany`, pausing the socket while more than
+``_HIGH_WATER`` bytes wait unread. A connection whose response was read to its end goes
+back to the pool (:class:`NodePool`), anything else is closed. A request on a reused
+connection that the node closed before answering a byte (the keep-alive race: it closed
+an idle connection as the request went out) is sent once more on a new connection.
+
+Errors, all :class:`HTTPClientError` (``client.py`` maps them to gateway errors once)::
+
+    HTTPClientError
+     +-- ConnectFailed    no connection (refused, unreachable, TLS, connect timeout)
+     +-- Disconnected     the node closed or reset the connection before the end
+     +-- BadResponse      not an HTTP/1.x response this client can read
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import cast
+from urllib.parse import urlsplit
+
+_MAX_HEAD = 64 * 1024
+_MAX_LINE = 8 * 1024
+_HIGH_WATER = 256 * 1024
+_LOW_WATER = 64 * 1024
+
+# Body framing of the response being read.
+_NONE, _LENGTH, _CHUNK_SIZE, _CHUNK_DATA, _CHUNK_CRLF, _TRAILER, _TO_CLOSE, _DONE = range(8)
+
+
+class HTTPClientError(Exception):
+    """Talking to a node failed."""
+
+
+class ConnectFailed(HTTPClientError):
+    pass
+
+
+class Disconnected(HTTPClientError):
+    pass
+
+
+class BadResponse(HTTPClientError):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Origin:
+    """Where a backend URL points: the pool's key, and what each request needs of it."""
+
+    scheme: str
+    host: str
+    port: int
+    netloc: str
+    base_path: str
+
+    @classmethod
+    def of(cls, url: str) -> Origin:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"not an http(s) URL: {url!r}")
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        return cls(parts.scheme, parts.hostname, port, parts.netloc, parts.path.rstrip("/"))
+
+
+class Connection(asyncio.Protocol):
+    """One keep-alive connection; one request and response on it at a time."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._transport: asyncio.Transport | None = None
+        self.closed = False
+        self.idle_handle: asyncio.TimerHandle | None = None
+        self._reset_response()
+
+    def _reset_response(self) -> None:
+        self.status = 0
+        self.headers: list[tuple[str, str]] = []
+        self.received = False  # a byte of this response arrived
+        self.keep_alive = True
+        self._head_done = False
+        self._buf = bytearray()
+        self._mode = _NONE
+        self._left = 0
+        self._chunks: deque[bytes] = deque()
+        self._buffered = 0
+        self._eof = False
+        self._error: HTTPClientError | None = None
+        self._waiter: asyncio.Future[None] | None = None
+        self._write_waiter: asyncio.Future[None] | None = None
+        self._paused_reading = False
+        self._paused_writing = False
+
+    # ---- asyncio.Protocol --------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports are not asyncio.Transport subclasses: duck-typed.
+        self._transport = cast(asyncio.Transport, transport)
+
+    def data_received(self, data: bytes) -> None:
+        self.received = True
+        try:
+            if not self._head_done:
+                self._buf += data
+                self._parse_head()
+            elif self._mode == _LENGTH and not self._buf:
+                self._length_body(data)
+            else:
+                self._buf += data
+                self._parse_body()
+        except BadResponse as exc:
+            self._fail(exc)
+            self.close()
+
+    def eof_received(self) -> bool:
+        return False  # the transport closes itself; connection_lost follows
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if self.idle_handle is not None:
+            self.idle_handle.cancel()
+        if self._mode == _TO_CLOSE:
+            self._mode = _DONE
+            self._eof = True
+            self._wake()
+        elif self._mode != _DONE:
+            why = f": {exc}" if exc else ""
+            self._fail(Disconnected(f"the node closed the connection{why}"))
+        if self._write_waiter is not None and not self._write_waiter.done():
+            self._write_waiter.set_exception(Disconnected("the node closed the connection"))
+
+    def pause_writing(self) -> None:
+        self._paused_writing = True
+
+    def resume_writing(self) -> None:
+        self._paused_writing = False
+        if self._write_waiter is not None and not self._write_waiter.done():
+            self._write_waiter.set_result(None)
+
+    # ---- parsing -------------------------------------------------------------------
+
+    def _parse_head(self) -> None:
+        while not self._head_done:
+            end = self._buf.find(b"\r\n\r\n")
+            if end < 0:
+                if len(self._buf) > _MAX_HEAD:
+                    raise BadResponse("response head too large")
+                return
+            lines = bytes(self._buf[:end]).split(b"\r\n")
+            del self._buf[: end + 4]
+            status_line = lines[0].split(b" ", 2)
+            if len(status_line) < 2 or not status_line[0].startswith(b"HTTP/1."):
+                raise BadResponse(f"not an HTTP/1.x status line: {lines[0][:80]!r}")
+            try:
+                status = int(status_line[1])
+            except ValueError:
+                raise BadResponse(f"bad status code: {status_line[1][:16]!r}") from None
+            if 100 <= status < 200:
+                continue  # an interim response (100 Continue, 103 Early Hints): skip it
+            self.status = status
+            self.keep_alive = status_line[0] == b"HTTP/1.1"
+            length: int | None = None
+            chunked = False
+            for line in lines[1:]:
+                name, sep, value = line.partition(b":")
+                if not sep:
+                    raise BadResponse(f"bad header line: {line[:80]!r}")
+                key = name.strip().decode("latin-1")
+                text = value.strip().decode("latin-1")
+                self.headers.append((key, text))
+                low = key.lower()
+                if low == "content-length":
+                    try:
+                        length = int(text)
+                    except ValueError:
+                        raise BadResponse(f"bad Content-Length: {text[:32]!r}") from None
+                    if length < 0:
+                        raise BadResponse("negative Content-Length")
+                elif low == "transfer-encoding":
+                    chunked = text.lower().endswith("chunked")
+                elif low == "connection":
+                    tokens = text.lower()
+                    if "close" in tokens:
+                        self.keep_alive = False
+                    elif "keep-alive" in tokens:
+                        self.keep_alive = True
+            self._head_done = True
+            if status in (204, 304) or (length == 0 and not chunked):
+                self._mode = _DONE
+                self._eof = True
+            elif chunked:
+                self._mode = _CHUNK_SIZE
+            elif length is not None:
+                self._mode, self._left = _LENGTH, length
+            else:
+                self._mode = _TO_CLOSE
+                self.keep_alive = False
+            self._wake()
+            if self._buf:
+                rest = bytes(self._buf)
+                self._buf.clear()
+                if self._mode == _LENGTH:
+                    self._length_body(rest)
+                else:
+                    self._buf += rest
+                    self._parse_body()
+
+    def _length_body(self, data: bytes) -> None:
+        if len(data) > self._left:
+            self.keep_alive = False  # bytes after the response: never reuse this one
+            data = data[: self._left]
+        self._left -= len(data)
+        if self._left == 0:
+            self._mode = _DONE
+            self._eof = True
+        self._emit(data)
+
+    def _parse_body(self) -> None:
+        buf = self._buf
+        while buf:
+            mode = self._mode
+            if mode in (_CHUNK_SIZE, _TRAILER):
+                end = buf.find(b"\r\n")
+                if end < 0:
+                    if len(buf) > _MAX_LINE:
+                        raise BadResponse("chunk size line too long")
+                    break
+                line = bytes(buf[:end])
+                del buf[: end + 2]
+                if mode == _TRAILER:
+                    if not line:
+                        self._mode = _DONE
+                        self._eof = True
+                        if buf:
+                            self.keep_alive = False
+                            buf.clear()
+                        self._wake()
+                    continue
+                try:
+                    size = int(line.split(b";", 1)[0].strip(), 16)
+                except ValueError:
+                    raise BadResponse(f"bad chunk size: {line[:32]!r}") from None
+                if size < 0:
+                    raise BadResponse("negative chunk size")
+                self._mode, self._left = (_CHUNK_DATA, size) if size else (_TRAILER, 0)
+            elif mode == _CHUNK_DATA:
+                take = min(self._left, len(buf))
+                piece = bytes(buf[:take])
+                del buf[:take]
+                self._left -= take
+                if self._left == 0:
+                    self._mode = _CHUNK_CRLF
+                self._emit(piece)
+            elif mode == _CHUNK_CRLF:
+                if len(buf) < 2:
+                    break
+                if buf[:2] != b"\r\n":
+                    raise BadResponse("chunk not followed by CRLF")
+                del buf[:2]
+                self._mode = _CHUNK_SIZE
+            elif mode == _TO_CLOSE:
+                piece = bytes(buf)
+                buf.clear()
+                self._emit(piece)
+            else:  # _DONE (or _LENGTH after buffered bytes): anything more is not ours
+                self.keep_alive = False
+                buf.clear()
+
+    def _emit(self, data: bytes) -> None:
+        if data:
+            self._chunks.append(data)
+            self._buffered += len(data)
+            if (
+                self._buffered > _HIGH_WATER
+                and not self._paused_reading
+                and self._transport is not None
+            ):
+                self._paused_reading = True
+                self._transport.pause_reading()
+        self._wake()
+
+    def _fail(self, exc: HTTPClientError) -> None:
+        if self._error is None:
+            self._error = exc
+        self._wake()
+
+    def _wake(self) -> None:
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    # ---- the request -----------------------------------------------------------------
+
+    async def send(self, head: bytes, body: bytes) -> None:
+        """Write the request and wait for the response head (the caller bounds it)."""
+        self._reset_response()
+        transport = self._transport
+        if transport is None or self.closed or transport.is_closing():
+            raise Disconnected("the connection is closed")
+        transport.write(head + body if len(body) < 65536 else head)
+        if len(body) >= 65536:
+            transport.write(body)
+        if self._paused_writing:
+            self._write_waiter = self._loop.create_future()
+            await self._write_waiter
+        while not self._head_done:
+            if self._error is not None:
+                raise self._error
+            await self._wait()
+
+    async def _wait(self, timeout: float | None = None) -> None:
+        fut = self._waiter = self._loop.create_future()
+        handle = None
+        if timeout is not None:
+            handle = self._loop.call_later(timeout, _expire, fut)
+        try:
+            await fut
+        finally:
+            self._waiter = None
+            if handle is not None:
+                handle.cancel()
+
+    async def readany(self, timeout: float | None = None) -> bytes:
+        """Body bytes that arrived (all of them), b'' at the end; TimeoutError when
+        nothing came within ``timeout`` seconds."""
+        while not self._chunks:
+            if self._eof:
+                return b""
+            if self._error is not None:
+                raise self._error
+            await self._wait(timeout)
+        chunks = self._chunks
+        data = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
+        chunks.clear()
+        self._buffered = 0
+        if self._paused_reading and self._transport is not None:
+            self._paused_reading = False
+            self._transport.resume_reading()
+        return data
+
+    @property
+    def reusable(self) -> bool:
+        return (
+            self._mode == _DONE
+            and not self._chunks
+            and self.keep_alive
+            and self._error is None
+            and not self.closed
+        )
+
+    def close(self) -> None:
+        self.closed = True
+        if self.idle_handle is not None:
+            self.idle_handle.cancel()
+        if self._transport is not None:
+            self._transport.close()
+
+
+def _expire(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_exception(TimeoutError())
+
+
+class NodePool:
+    """Keep-alive connections per node origin (scheme, host, port), most recent first."""
+
+    def __init__(self, *, idle_s: float = 30.0, max_idle: int = 512) -> None:
+        self._idle_s = idle_s
+        self._max_idle = max_idle
+        self._idle: dict[Origin, list[Connection]] = {}
+        self._origins: dict[str, Origin] = {}
+        self._ssl: ssl.SSLContext | None = None
+
+    def origin(self, url: str) -> Origin:
+        o = self._origins.get(url)
+        if o is None:
+            if len(self._origins) > 4096:
+                self._origins.clear()
+            o = self._origins[url] = Origin.of(url)
+        return o
+
+    async def request(
+        self,
+        url: str,
+        path: str,
+        body: bytes,
+        headers: Mapping[str, str],
+        *,
+        connect_s: float,
+    ) -> Connection:
+        """POST ``body`` to ``url + path``; returns the connection once the response head
+        is in (the caller reads the body, then :meth:`release` s it)."""
+        o = self.origin(url)
+        head = _request_head(o, path, len(body), headers)
+        conn = self._take(o)
+        if conn is not None:
+            try:
+                await conn.send(head, body)
+                return conn
+            except Disconnected:
+                conn.close()
+                if conn.received:
+                    raise
+            except BaseException:
+                conn.close()
+                raise
+        conn = await self._connect(o, connect_s)
+        try:
+            await conn.send(head, body)
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    def release(self, conn: Connection, origin: Origin) -> None:
+        """Back to the pool if its response was read to the end, else closed."""
+        if not conn.reusable:
+            conn.close()
+            return
+        idle = self._idle.setdefault(origin, [])
+        if len(idle) >= self._max_idle:
+            conn.close()
+            return
+        loop = asyncio.get_running_loop()
+        conn.idle_handle = loop.call_later(self._idle_s, self._expire_idle, conn, origin)
+        idle.append(conn)
+
+    def _take(self, o: Origin) -> Connection | None:
+        idle = self._idle.get(o)
+        while idle:
+            conn = idle.pop()
+            if conn.idle_handle is not None:
+                conn.idle_handle.cancel()
+                conn.idle_handle = None
+            if not conn.closed:
+                return conn
+        return None
+
+    def _expire_idle(self, conn: Connection, o: Origin) -> None:
+        idle = self._idle.get(o)
+        if idle is not None and conn in idle:
+            idle.remove(conn)
+        conn.close()
+
+    async def _connect(self, o: Origin, timeout: float) -> Connection:
+        loop = asyncio.get_running_loop()
+        conn = Connection(loop)
+        ctx = None
+        if o.scheme == "https":
+            if self._ssl is None:
+                self._ssl = ssl.create_default_context()
+            ctx = self._ssl
+        try:
+            async with asyncio.timeout(timeout):
+                await loop.create_connection(
+                    lambda: conn, o.host, o.port, ssl=ctx, server_hostname=o.host if ctx else None
+                )
+        except TimeoutError as exc:
+            conn.close()
+            raise ConnectFailed(f"no connection within {timeout:g}s") from exc
+        except (OSError, ssl.SSLError) as exc:
+            conn.close()
+            raise ConnectFailed(f"{exc.__class__.__name__}: {exc}") from exc
+        return conn
+
+    def close(self) -> None:
+        for idle in self._idle.values():
+            for conn in idle:
+                conn.close()
+        self._idle.clear()
+
+
+def _request_head(o: Origin, path: str, length: int, headers: Mapping[str, str]) -> bytes:
+    lines = [
+        f"POST {o.base_path}{path} HTTP/1.1",
+        f"Host: {o.netloc}",
+        f"Content-Length: {length}",
+        "User-Agent: kv-gateway",
+    ]
+    for name, value in headers.items():
+        # A header carrying a line break would split the request: such a value (it can
+        # only come from a client's trace context) is not forwarded.
+        if "\r" in value or "\n" in value or "\r" in name or "\n" in name:
+            continue
+        lines.append(f"{name}: {value}")
+    lines.append("\r\n")
+    return "\r\n".join(lines).encode("latin-1", "replace")
