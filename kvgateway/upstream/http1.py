@@ -102,9 +102,7 @@ class Connection(asyncio.Protocol):
         self._eof = False
         self._error: HTTPClientError | None = None
         self._waiter: asyncio.Future[None] | None = None
-        self._write_waiter: asyncio.Future[None] | None = None
         self._paused_reading = False
-        self._paused_writing = False
 
     # ---- asyncio.Protocol --------------------------------------------------------
 
@@ -141,16 +139,6 @@ class Connection(asyncio.Protocol):
         elif self._mode != _DONE:
             why = f": {exc}" if exc else ""
             self._fail(Disconnected(f"the node closed the connection{why}"))
-        if self._write_waiter is not None and not self._write_waiter.done():
-            self._write_waiter.set_exception(Disconnected("the node closed the connection"))
-
-    def pause_writing(self) -> None:
-        self._paused_writing = True
-
-    def resume_writing(self) -> None:
-        self._paused_writing = False
-        if self._write_waiter is not None and not self._write_waiter.done():
-            self._write_waiter.set_result(None)
 
     # ---- parsing -------------------------------------------------------------------
 
@@ -312,12 +300,14 @@ class Connection(asyncio.Protocol):
         transport = self._transport
         if transport is None or self.closed or transport.is_closing():
             raise Disconnected("the connection is closed")
-        transport.write(head + body if len(body) < 65536 else head)
-        if len(body) >= 65536:
+        # The transport keeps what the socket does not take at once; no drain is awaited:
+        # a node may answer (413, 400) before it reads a large body, and its head, or the
+        # connection's end, is what the request waits for either way.
+        if len(body) < 65536:
+            transport.write(head + body)
+        else:
+            transport.write(head)
             transport.write(body)
-        if self._paused_writing:
-            self._write_waiter = self._loop.create_future()
-            await self._write_waiter
         while not self._head_done:
             if self._error is not None:
                 raise self._error
@@ -361,6 +351,10 @@ class Connection(asyncio.Protocol):
             and self.keep_alive
             and self._error is None
             and not self.closed
+            # A node that answered before taking all of the request body: the rest would
+            # be read as the next request.
+            and self._transport is not None
+            and self._transport.get_write_buffer_size() == 0
         )
 
     def close(self) -> None:

@@ -301,3 +301,35 @@ def test_origins_know_their_default_ports() -> None:
     assert Origin.of("http://10.0.0.1:8000/").base_path == ""
     with pytest.raises(ValueError):
         Origin.of("ftp://x")
+
+
+async def test_a_large_body_arrives_whole() -> None:
+    payload = bytes(range(256)) * (32 * 1024)  # 8 MB
+
+    def answer(body: bytes) -> bytes:
+        ok = b"1" if body == payload else b"0"
+        return b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\n\r\n" + ok
+
+    async with _server(_serve(answer)) as (url, _):
+        pool = NodePool()
+        conn = await pool.request(url, "/", payload, {}, connect_s=2)
+        assert await _body(conn) == b"1"
+        pool.close()
+
+
+async def test_a_node_answering_before_it_reads_a_large_body_is_heard() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 413 Payload Too Large\r\nContent-Length: 3\r\n\r\nbig")
+        await writer.drain()
+        await asyncio.sleep(1)
+
+    async with _server(handler) as (url, _):
+        pool = NodePool()
+        async with asyncio.timeout(5):
+            conn = await pool.request(url, "/", b"x" * (16 * 1024 * 1024), {}, connect_s=2)
+        assert conn.status == 413
+        assert await _body(conn) == b"big"
+        pool.release(conn, pool.origin(url))
+        assert conn.closed  # the rest of the body is still queued: never reused
+        pool.close()
