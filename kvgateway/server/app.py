@@ -46,9 +46,9 @@ from kvgateway.server.tracing import from_environment
 from kvgateway.tokens.counters import TokenCounters
 from kvgateway.tokens.encoding import EncodingCache
 from kvgateway.upstream.dns import DnsDiscovery
-from kvgateway.upstream.http1 import NodePool
 from kvgateway.upstream.kv_events import KVEventHub, kv_event_sources
 from kvgateway.upstream.monitor import Monitor
+from kvgateway.upstream.node_pool import NodePool
 
 _OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
 

@@ -26,7 +26,7 @@ from kvgateway.server.output_accounting import OutputAccounting
 from kvgateway.server.tracing import Tracing
 from kvgateway.tokens.calibration import PromptCalibration
 from kvgateway.tokens.counters import TokenCounters
-from kvgateway.upstream.http1 import NodePool
+from kvgateway.upstream.node_pool import NodePool
 
 Clock = Callable[[], float]
 

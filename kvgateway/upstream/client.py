@@ -21,14 +21,8 @@ import aiohttp
 from kvgateway.config.model import TimeoutConfig
 from kvgateway.core.backends import Backend
 from kvgateway.errors import UpstreamError, UpstreamTimeout
-from kvgateway.upstream.http1 import (
-    ConnectFailed,
-    Connection,
-    Disconnected,
-    HTTPClientError,
-    NodePool,
-    Origin,
-)
+from kvgateway.upstream.http1 import ConnectFailed, Connection, Disconnected, HTTPClientError
+from kvgateway.upstream.node_pool import NodePool, Origin
 
 # Hop-by-hop and length headers are recomputed by each side.
 _DROP_RESPONSE_HEADERS = frozenset(

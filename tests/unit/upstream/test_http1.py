@@ -12,14 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvgateway.upstream.http1 import (
-    BadResponse,
-    ConnectFailed,
-    Connection,
-    Disconnected,
-    NodePool,
-    Origin,
-)
+from kvgateway.upstream.http1 import BadResponse, ConnectFailed, Connection, Disconnected
+from kvgateway.upstream.node_pool import NodePool, Origin
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
@@ -90,7 +84,7 @@ def _chunked(parts: list[bytes]) -> bytes:
 
 
 async def test_content_length_body_and_keep_alive_reuse() -> None:
-    ok = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 11\r\n\r\n{\"ok\":true}"
+    ok = b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 11\r\n\r\n{"ok":true}'
     async with _server(_serve([ok, ok, ok])) as (url, accepted):
         pool = NodePool()
         origin = pool.origin(url)
@@ -116,7 +110,11 @@ async def test_the_request_carries_host_length_path_and_headers() -> None:
     async with _server(handler) as (url, _):
         pool = NodePool()
         conn = await pool.request(
-            url + "/base/", "/v1/chat", b"hello", {"A": "1", "Evil": "x\r\nInjected: 1"}, connect_s=2
+            url + "/base/",
+            "/v1/chat",
+            b"hello",
+            {"A": "1", "Evil": "x\r\nInjected: 1"},
+            connect_s=2,
         )
         assert conn.status == 204
         assert await _body(conn) == b""
