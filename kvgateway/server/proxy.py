@@ -247,7 +247,19 @@ async def _attempt(
             node = parse_context_length_error(error_message(data))
             if node is not None and counted.prompt.prompts == 1:
                 return node
-        return answer_body(state, ex, resp, r, data)
+        out = answer_body(state, ex, resp, r, data)
+    await _send_now(state, ex, out)
+    return out
+
+
+async def _send_now(state: GatewayState, ex: Exchange, out: web.Response) -> None:
+    """Put a whole answer on the wire at once, as a stream's events are: what follows it
+    (releasing the reservation, metrics, the access line) is then bookkeeping the client
+    does not wait for. aiohttp finishes a prepared response as it is."""
+    if state.draining:
+        out.force_close()  # the gateway is leaving: the client reconnects elsewhere
+    await out.prepare(ex.request)
+    await out.write_eof()
 
 
 def _recount(state: GatewayState, ex: Exchange, r: Reservation, node: NodeCount) -> None:
