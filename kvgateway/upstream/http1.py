@@ -104,9 +104,9 @@ class Connection(asyncio.Protocol):
         return False  # the transport closes itself; connection_lost follows
 
     def connection_lost(self, exc: Exception | None) -> None:
+        # (An idle connection stays in its pool's list until its idle timer, or the next
+        # request that takes it, finds it closed.)
         self.closed = True
-        if self.idle_handle is not None:
-            self.idle_handle.cancel()
         if self._mode == _TO_CLOSE:
             self._mode = _DONE
             self._eof = True

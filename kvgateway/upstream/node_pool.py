@@ -95,6 +95,8 @@ class NodePool:
             return
         idle = self._idle.setdefault(origin, [])
         if len(idle) >= self._max_idle:
+            idle[:] = [c for c in idle if not c.closed]  # the node closed some meanwhile
+        if len(idle) >= self._max_idle:
             conn.close()
             return
         loop = asyncio.get_running_loop()

@@ -331,3 +331,29 @@ async def test_a_node_answering_before_it_reads_a_large_body_is_heard() -> None:
         pool.release(conn, pool.origin(url))
         assert conn.closed  # the rest of the body is still queued: never reused
         pool.close()
+
+
+async def test_connections_the_node_closed_while_idle_leave_the_pool() -> None:
+    ok = b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n"
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        writer.write(ok)
+        await writer.drain()  # then closes: the pooled connection dies while idle
+
+    async with _server(handler) as (url, accepted):
+        pool = NodePool(idle_s=0.2, max_idle=2)
+        origin = pool.origin(url)
+        for _ in range(2):
+            conns = [await pool.request(url, "/", b"", {}, connect_s=2) for _ in range(2)]
+            for conn in conns:
+                await _body(conn)
+                pool.release(conn, origin)
+            await asyncio.sleep(0.05)
+            assert all(c.closed for c in conns)
+        # The full list of dead connections made room for a live one, and the timers
+        # clear the rest.
+        await asyncio.sleep(0.3)
+        assert not pool._idle[origin]
+        assert len(accepted) == 4
+        pool.close()
