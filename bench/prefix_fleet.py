@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import math
 import random
@@ -180,6 +181,7 @@ def make_session(workload: str, rnd: random.Random, shared: list[str]) -> Sessio
     return Session([], [(doc + " Question: " + text(30, rnd), 256)])
 
 
+@functools.cache
 def mean_footprint(workload: str, seed: int = 7, sessions: int = 2_000) -> float:
     """Mean KV tokens one request of ``workload`` reserves (prompt + max_tokens, the
     template's ~5 tokens a message, answers at their max_tokens), over its turns."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 import statistics
 import time
@@ -79,7 +80,7 @@ async def _arrivals(aiohttp_server: Any, workload: str, window: float, scale: fl
 async def test_a_thinking_client_waits_between_requests(aiohttp_server: Any) -> None:
     scale = 100.0  # a mean think of 0.15 wall seconds
     seen = await _arrivals(aiohttp_server, "multiturn_think", 3.0, scale)
-    gaps = [b - a for a, b in zip(seen, seen[1:], strict=False)]
+    gaps = [b - a for a, b in itertools.pairwise(seen)]
     mean = THINK_S["multiturn_think"] / scale
     assert len(gaps) >= 8
     assert 0.5 * mean < statistics.fmean(gaps) < 2 * mean
@@ -87,6 +88,6 @@ async def test_a_thinking_client_waits_between_requests(aiohttp_server: Any) -> 
 
 async def test_a_back_to_back_client_does_not_wait(aiohttp_server: Any) -> None:
     seen = await _arrivals(aiohttp_server, "multiturn", 0.5, 100.0)
-    gaps = [b - a for a, b in zip(seen, seen[1:], strict=False)]
+    gaps = [b - a for a, b in itertools.pairwise(seen)]
     assert len(gaps) >= 8
     assert statistics.median(gaps) < 0.02
