@@ -207,9 +207,13 @@ def mean_footprint(workload: str, seed: int = 7, sessions: int = 2_000) -> float
 # 100-token answer alone takes ~20 s; typing a 120-160-token question, longer), so the
 # most a history can hope to stay cached between turns.
 THINK_S: dict[str, float] = {"multiturn_think": 15.0}
-# Mean duration of a "multiturn" request at 90% load, in simulated seconds: what
-# ``default_sessions`` needs to keep as many requests in flight when clients think.
-REQUEST_S = 4.0
+# Mean duration of a request of a thinking client at 90% load, in simulated seconds: what
+# ``default_sessions`` needs to keep as many requests in flight as the back-to-back
+# clients do. Measured with kv_aware (time scale 1, 120 s): 150 sessions gave 4.26 s and
+# 32 requests in flight, 193 sessions (REQUEST_S 4) 7.18 s and 60 in flight (the fleet
+# queueing: between think times the nodes have lost most histories, every turn prefills
+# ~3/4 of its prompt, against ~1/3 back to back); 5 s puts the ~40 of 90% in flight.
+REQUEST_S = 5.0
 
 
 def default_sessions(workload: str, load: float = 0.9) -> int:
