@@ -24,7 +24,18 @@ Workloads (seeded, the same for every configuration):
              discussed) and its question, 6-9 user turns of 120-160 tokens, max_tokens
              80-120; histories grow to ~2-4k tokens, so the history, not the shared
              system prompt, is most of every later prompt; each client sends its
-             conversation's turns back to back;
+             conversation's turns back to back, as vLLM's benchmark does by default
+             (``--request-rate 0``: "no delay between requests");
+  multiturn_think
+             the same conversations, each client thinking between its requests: an
+             exponential delay with mean ``THINK_S`` (15 simulated s) after every request,
+             as vLLM's benchmark sleeps when given ``--request-rate`` (``poisson_sleep`` in
+             ``benchmarks/multi_turn/benchmark_serving_multi_turn.py``: after each request,
+             ``np.random.exponential(1.0 / request_rate)``; here 1 / 15 s per client); a
+             client starts in its think phase (the exponential is memoryless, so that is
+             where a client in steady state is), not all at once; ``default_sessions``
+             scales the sessions by (request + think) / request so that as many requests
+             are in flight as in ``multiturn`` (``in_flight`` reports what was);
   multiturn3 the same conversations, each client keeping 3 going and taking turns among
              them (vLLM's benchmark runs 6 active conversations over 2 clients): a
              conversation's history must stay cached while 2 other turns of its client
@@ -41,8 +52,11 @@ Reported per run: the nodes' prefix-cache hit rate as vLLM's counters define it 
 increase of ``vllm:prefix_cache_hits`` over that of ``vllm:prefix_cache_queries``, both
 in tokens, summed over the nodes, from just before the first session starts to after the
 last turn ends), TTFT p50/p99 (simulated seconds), goodput (output tokens of successful
-requests per simulated second), the nodes' preemptions, the gateway's 429s, and the
-share of follow-up turns served by another node than the session's previous turn.
+requests per simulated second), the nodes' preemptions, the gateway's 429s and 400s (a
+node's refusal reaches the client as the gateway's 400), the mean request duration and
+the mean number of requests in flight (Little's law: the requests' summed durations over
+the run's wall time), and the share of follow-up turns served by another node than the
+session's previous turn.
 
     python -m bench.prefix_fleet [--window 20] [--time-scale 6] [--sessions N]
 """
@@ -51,6 +65,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import math
 import random
@@ -65,7 +80,7 @@ import uvloop
 from bench.harness import demo_data, fleet_and_gateway, node_metrics
 from bench.report import table
 
-WORKLOADS = ("chat", "multiturn", "multiturn3", "agentic", "rag")
+WORKLOADS = ("chat", "multiturn", "multiturn3", "multiturn_think", "agentic", "rag")
 CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "round_robin": ("round_robin", {}),
     "least_loaded": ("least_loaded", {}),
@@ -166,6 +181,7 @@ def make_session(workload: str, rnd: random.Random, shared: list[str]) -> Sessio
     return Session([], [(doc + " Question: " + text(30, rnd), 256)])
 
 
+@functools.cache
 def mean_footprint(workload: str, seed: int = 7, sessions: int = 2_000) -> float:
     """Mean KV tokens one request of ``workload`` reserves (prompt + max_tokens, the
     template's ~5 tokens a message, answers at their max_tokens), over its turns."""
@@ -184,11 +200,37 @@ def mean_footprint(workload: str, seed: int = 7, sessions: int = 2_000) -> float
     return total / count
 
 
+# Mean think time of a client between two of its requests, in simulated seconds (0: back
+# to back). 15 s is the user-centric example of NVIDIA's AIPerf ("reads the response,
+# takes ~15 seconds"; 15 users at 1 req/s) and below the 20 s per-user gap of LMCache's
+# multi-round QA example (10 users at 0.5 QPS): the short end of human pacing (reading a
+# 100-token answer alone takes ~20 s; typing a 120-160-token question, longer), so the
+# most a history can hope to stay cached between turns.
+THINK_S: dict[str, float] = {"multiturn_think": 15.0}
+# Mean duration of a request of a thinking client at 90% load, in simulated seconds: what
+# ``default_sessions`` needs to keep as many requests in flight as the back-to-back
+# clients do. Measured with kv_aware (time scale 1, 120 s): 150 sessions gave 4.26 s and
+# 32 requests in flight, 193 sessions (REQUEST_S 4) 7.18 s and 60 in flight (the fleet
+# queueing: between think times the nodes have lost most histories, every turn prefills
+# ~3/4 of its prompt, against ~1/3 back to back); 5 s puts the ~40 of 90% in flight.
+REQUEST_S = 5.0
+
+
 def default_sessions(workload: str, load: float = 0.9) -> int:
     """Sessions for ``load``: of the fleet's 64 sequence slots, or of the requests its KV
-    budget holds at the workload's mean footprint, whichever binds first."""
+    budget holds at the workload's mean footprint, whichever binds first. A client that
+    thinks between requests is in a request only REQUEST_S / (REQUEST_S + think) of the
+    time (Little's law), so it takes that many more clients to keep as many in flight."""
     kv_budget = 4 * 0.95 * (1_920 - 1) * 16  # 4 gpu24-8b nodes, budget_fraction 0.95
-    return int(load * min(64, kv_budget / mean_footprint(workload)))
+    in_flight = load * min(64, kv_budget / mean_footprint(workload))
+    return int(in_flight * (REQUEST_S + THINK_S.get(workload, 0.0)) / REQUEST_S)
+
+
+def think_s(workload: str, rnd: random.Random) -> float:
+    """One think time (simulated seconds): exponential with mean ``THINK_S[workload]``, as
+    vLLM's ``poisson_sleep`` draws it; 0 for a workload whose clients do not think."""
+    mean = THINK_S.get(workload, 0.0)
+    return rnd.expovariate(1 / mean) if mean > 0 else 0.0
 
 
 @dataclass
@@ -199,6 +241,7 @@ class Stats:
     status: dict[int, int] = field(default_factory=dict)
     follow_ups: int = 0  # turns after a session's first that succeeded
     moved: int = 0  # ... of which went to another node than the session's last turn
+    busy_s: float = 0.0  # wall seconds spent in requests, summed over the requests
 
 
 async def turn(
@@ -231,6 +274,8 @@ async def turn(
     except (TimeoutError, aiohttp.ClientError):
         st.status[0] = st.status.get(0, 0) + 1
         return None
+    finally:
+        st.busy_s += time.monotonic() - start
     raw = bytes(data)
     if first is None or _ERROR_EVENT.search(raw) or not raw.endswith(b"data: [DONE]\n\n"):
         st.status[502] = st.status.get(502, 0) + 1
@@ -247,7 +292,9 @@ async def turn(
 
 # Conversations each client keeps going at once, taking turns among them (vLLM's
 # multi-turn benchmark: 6 active conversations over 2 clients); 1 = back to back.
-ACTIVE: dict[str, int] = {"chat": 1, "multiturn": 1, "multiturn3": 3, "agentic": 1, "rag": 1}
+ACTIVE: dict[str, int] = {
+    "chat": 1, "multiturn": 1, "multiturn3": 3, "multiturn_think": 1, "agentic": 1, "rag": 1,
+}  # fmt: skip
 
 
 @dataclass
@@ -257,16 +304,35 @@ class Conversation:
     last_backend: str | None = None
 
 
+async def think(workload: str, pace: random.Random, time_scale: float, stop: float) -> None:
+    """The client's think time, cut short at ``stop`` (the client then sends nothing)."""
+    delay = think_s(workload, pace) / time_scale
+    if delay > 0:
+        await asyncio.sleep(max(0.0, min(delay, stop - time.monotonic())))
+
+
 async def session_loop(
-    url: str, workload: str, rnd: random.Random, shared: list[str], stop: float, st: Stats
+    url: str,
+    workload: str,
+    rnd: random.Random,
+    shared: list[str],
+    stop: float,
+    st: Stats,
+    pace: random.Random | None = None,
+    time_scale: float = 1.0,
 ) -> None:
     """One client: sends one request at a time, each the next turn of one of its
     ``ACTIVE[workload]`` conversations in turn (round robin, as vLLM's benchmark does), so
     a conversation's turns are as far apart as the client's other conversations' turns
-    take; a conversation that ends (or whose turn failed) is replaced by a new one."""
+    take, plus the client's think times (``THINK_S``) if it has any; a conversation that
+    ends (or whose turn failed) is replaced by a new one. Think times come from their own
+    generator (``pace``), so a workload that thinks has the same conversations as one that
+    does not."""
+    pace = pace or random.Random(0)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
         convs = [Conversation(make_session(workload, rnd, shared)) for _ in range(ACTIVE[workload])]
         i = 0
+        await think(workload, pace, time_scale, stop)
         while time.monotonic() < stop:
             c = convs[i]
             sess = c.session
@@ -285,6 +351,7 @@ async def session_loop(
                 c.last_backend = backend
                 sess.messages.append({"role": "assistant", "content": answer})
             i = (i + 1) % len(convs)
+            await think(workload, pace, time_scale, stop)
 
 
 async def _node_counters(run: Any) -> tuple[float, float, float, float]:
@@ -336,6 +403,7 @@ async def run_one(workload: str, name: str, args: argparse.Namespace) -> dict[st
     }
     for key, value in extra.items():
         gw.setdefault(key, {}).update(value)
+    sessions = args.sessions or default_sessions(workload)
     rnd = random.Random(args.seed)
     shared = [text(800, rnd) for _ in range(3)] + [text(3_000, rnd) for _ in range(2)]
     shared += [text(500, rnd) for _ in range(3)]
@@ -350,15 +418,24 @@ async def run_one(workload: str, name: str, args: argparse.Namespace) -> dict[st
         h0, q0, ts0, tc0 = await _node_counters(run)
         p0 = sum(m["preemptions"] for m in (await node_metrics(run.fleet)).values())
         st = Stats()
-        stop = time.monotonic() + args.window
+        started = time.monotonic()
+        stop = started + args.window
         await asyncio.gather(
             *(
                 session_loop(
-                    run.url, workload, random.Random(args.seed * 1000 + i), shared, stop, st
+                    run.url,
+                    workload,
+                    random.Random(args.seed * 1000 + i),
+                    shared,
+                    stop,
+                    st,
+                    pace=random.Random(f"think {args.seed} {i}"),
+                    time_scale=ts,
                 )
-                for i in range(args.sessions or default_sessions(workload))
+                for i in range(sessions)
             )
         )
+        elapsed = time.monotonic() - started
         h1, q1, ts1, tc1 = await _node_counters(run)
         p1 = sum(m["preemptions"] for m in (await node_metrics(run.fleet)).values())
     ttft = sorted(st.ttft)
@@ -368,7 +445,7 @@ async def run_one(workload: str, name: str, args: argparse.Namespace) -> dict[st
 
     return {
         "workload": workload,
-        "sessions": args.sessions or default_sessions(workload),
+        "sessions": sessions,
         "config": name,
         "requests": sum(st.status.values()),
         "ok": st.ok,
@@ -379,14 +456,18 @@ async def run_one(workload: str, name: str, args: argparse.Namespace) -> dict[st
         "goodput_tok_s": st.output_tokens / (args.window * ts),
         "preemptions": p1 - p0,
         "429s": st.status.get(429, 0),
-        "other_errors": sum(v for k, v in st.status.items() if k not in (200, 429)),
+        "400s": st.status.get(400, 0),
+        "other_errors": sum(v for k, v in st.status.items() if k not in (200, 400, 429)),
+        "request_mean_s": st.busy_s * ts / n if (n := sum(st.status.values())) else None,
+        "in_flight": st.busy_s / elapsed,
         "follow_ups_moved": st.moved / st.follow_ups if st.follow_ups else 0.0,
     }
 
 
 COLUMNS = [
-    "workload", "config", "requests", "hit_rate", "ttft_p50_s", "ttft_p99_s", "node_ttft_mean_s",
-    "goodput_tok_s", "preemptions", "429s", "other_errors", "follow_ups_moved",
+    "workload", "config", "sessions", "requests", "hit_rate", "ttft_p50_s", "ttft_p99_s",
+    "node_ttft_mean_s", "goodput_tok_s", "preemptions", "429s", "400s", "other_errors",
+    "request_mean_s", "in_flight", "follow_ups_moved",
 ]  # fmt: skip
 
 
