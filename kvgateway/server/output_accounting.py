@@ -6,11 +6,15 @@ so each in-flight request's real KV footprint (prompt + output so far) is known 
 not only its worst case, and :meth:`OutputAccounting.statistics` sums it per node.
 
 With ``admission.output_reservation: learned`` a request reserves less than its
-``max_tokens``. A stream that outgrows its reservation takes more (one block per
-sequence at a time, :meth:`Admission.grow`) before the node must hold it, which may
-push the node past its budget: it then takes no new work until requests end. Whatever
-a finished request generated (``usage`` at the end, else the count) teaches the
-:class:`~kvgateway.core.output_model.OutputModel`.
+``max_tokens``: its expected output, and its node a pooled margin for all of them
+(:mod:`kvgateway.core.output_risk`). Each count of a stream goes to admission
+(:meth:`Admission.progress`), which recomputes the node's margin from what every stream
+on it has generated, keeping each stream at least one block ahead of its output before
+the node must hold it. That may push the node past its budget: it then takes no new
+work until requests end. A reservation planned without a pooled outlook (the learned
+quantile of the per-request view) grows by itself instead (one block per sequence at a
+time, :meth:`Admission.grow`). Whatever a finished request generated (``usage`` at the
+end, else the count) teaches the :class:`~kvgateway.core.output_model.OutputModel`.
 """
 
 from __future__ import annotations
@@ -73,9 +77,14 @@ class OutputAccounting:
 
     def on_events(self, live: LiveRequest, events: bytes) -> None:
         """Count a run of streamed events; grow the reservation ahead of the output."""
-        live.generated += count_stream_tokens(events)
+        counted = count_stream_tokens(events)
+        live.generated += counted
         r = live.reservation
         per_seq = -(-live.generated // live.sequences)
+        if r.outlook is not None:
+            if counted and not r.released:
+                live.grown += r.owner.progress(r, per_seq)
+            return
         covered = live.reserved_output + live.grown // live.sequences
         if per_seq >= covered and not r.released:
             # Blocks enough to be ahead again: one read may bring many tokens at once.
