@@ -16,7 +16,7 @@ from kvgateway.core.backends import Backend, PauseReason
 from kvgateway.core.demand import Demand, can_ever_hold, tokens_on
 from kvgateway.core.fleet import Fleet
 from kvgateway.core.ledger import Ledger, LocalLedger
-from kvgateway.core.output_risk import NodeRisk, contribution, z_of
+from kvgateway.core.output_risk import NodeRisk, contribution
 from kvgateway.core.prefix_routing import PrefixRouter
 from kvgateway.core.reservation import Reservation
 from kvgateway.core.routing import (
@@ -152,7 +152,7 @@ class AdmissionCore:
                 risk = self._risks[backend] = NodeRisk(backend.limits.block_size)
             r.outlook, r.base = o, max(0, tokens - o.slack)
             risk.put(r.id, contribution(o, demand.sequences, -1, risk.block))
-            added = self._remargin(risk, z_of(o.risk))
+            added = self._remargin(risk, o.z)
             booked = r.base + added
             r.tokens = r.base + max(0, added)
         self._adjust(backend, booked, demand.sequences, 1)
@@ -179,19 +179,18 @@ class AdmissionCore:
     def progress(self, reservation: Reservation, generated: int) -> int:
         """A pooled learned stream has generated ``generated`` tokens per sequence: its
         node's margin follows (even past the budget, which then takes no new work until
-        requests end; a smaller margin is offered to the waiters). Returns the tokens
-        the book grew by."""
+        requests end). Room a smaller margin frees is offered to the waiters at the
+        node's next release, not on every read of a stream. Returns the tokens the book
+        grew by."""
         o = reservation.outlook
         b = reservation.backend
         risk = self._risks.get(b)
         if reservation.released or o is None or risk is None or reservation.id not in risk.members:
             return 0
         risk.put(reservation.id, contribution(o, reservation.seqs, generated, risk.block))
-        change = self._remargin(risk, z_of(o.risk))
+        change = self._remargin(risk, o.z)
         if change:
             self._adjust(b, change, 0, 0)
-        if change < 0:
-            self._offer(b)
         return max(0, change)
 
     def prefill_done(self, reservation: Reservation) -> None:
@@ -276,7 +275,7 @@ class AdmissionCore:
         if o is not None and risk is not None and reservation.id in risk.members:
             # Its base leaves the book; the node's margin is what the others need now.
             risk.remove(reservation.id)
-            change = self._remargin(risk, z_of(o.risk))
+            change = self._remargin(risk, o.z)
             tokens = reservation.base + reservation.grown - change
             if not risk.members:
                 del self._risks[b]

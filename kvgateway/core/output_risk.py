@@ -55,6 +55,8 @@ class OutputOutlook:
     shape: OutputShape
     max_tokens: int
     risk: float
+    # z_of(risk), once.
+    z: float
     # Output tokens each sequence's base reservation covers (the learned mean).
     covered: int
     # Output tokens per sequence the routing check used (an upper bound of what the
@@ -80,14 +82,15 @@ def plan_output(
     ``max_tokens``): at least what admitting it can add to any node's pooled margin, so
     a node that passes the check still holds the request and the margin after it."""
     o = shape.outlook(-1, max_tokens, 1.0 - risk)
+    z = z_of(risk)
     covered = max(1, min(max_tokens, math.ceil(o.expected)))
-    spread = math.ceil(o.expected + z_of(risk) * math.sqrt(o.variance))
+    spread = math.ceil(o.expected + z * math.sqrt(o.variance))
     checked = max(covered, min(max_tokens, max(o.quantile, spread)))
     tokens = demand_tokens(prompts, checked, n, block)
     base = demand_tokens(prompts, covered, n, block)
     full = demand_tokens(prompts, max_tokens, n, block)
     outlook = OutputOutlook(
-        shape, max_tokens, risk, covered, checked, slack=tokens - base, ceiling=full - base
+        shape, max_tokens, risk, z, covered, checked, slack=tokens - base, ceiling=full - base
     )
     return tokens, outlook
 
