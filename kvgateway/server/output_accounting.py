@@ -55,6 +55,8 @@ class LiveRequest:
     block_size: int
     generated: int = 0  # over all sequences
     grown: int = 0  # tokens added to the reservation
+    # Pooled: the per-sequence count at which the node's margin is next recomputed.
+    next_progress: int = 1
 
     @property
     def footprint(self) -> int:
@@ -77,13 +79,16 @@ class OutputAccounting:
 
     def on_events(self, live: LiveRequest, events: bytes) -> None:
         """Count a run of streamed events; grow the reservation ahead of the output."""
-        counted = count_stream_tokens(events)
-        live.generated += counted
+        live.generated += count_stream_tokens(events)
         r = live.reservation
         per_seq = -(-live.generated // live.sequences)
         if r.outlook is not None:
-            if counted and not r.released:
+            # Every half block, not every read: the margin keeps a stream a block ahead,
+            # so it stays ahead in between, at a fraction of the CPU (the node's sums
+            # change, and with them its book, on every call).
+            if per_seq >= live.next_progress and not r.released:
                 live.grown += r.owner.progress(r, per_seq)
+                live.next_progress = per_seq + max(1, live.block_size // 2)
             return
         covered = live.reserved_output + live.grown // live.sequences
         if per_seq >= covered and not r.released:

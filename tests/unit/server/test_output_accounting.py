@@ -97,3 +97,27 @@ def test_a_pooled_stream_moves_its_nodes_margin_and_stays_covered():
     acct.end(live)
     adm.release(r)
     assert b.reserved_tokens == 0 and b.in_flight == 0
+
+
+def test_a_pooled_stream_recomputes_its_nodes_margin_every_half_block_not_every_read():
+    b, adm = _one_node()
+    shape = OutputShape([10 + i % 40 for i in range(200)])
+    tokens, outlook = plan_output(shape, 400, 0.01, [100], 1, 16)
+    r = adm.try_admit(replace(demand(100, 400), tokens=tokens, outlook=outlook))
+    assert isinstance(r, Reservation)
+    calls: list[int] = []
+
+    class Counting:
+        def progress(self, reservation: Reservation, generated: int) -> int:
+            calls.append(generated)
+            return adm.progress(reservation, generated)
+
+    r.owner = Counting()  # type: ignore[assignment]
+    acct = OutputAccounting()
+    live = acct.start(r, 100, 1, outlook.covered, 16)
+    for _ in range(160):
+        acct.on_events(live, token())
+        assert b.reserved_tokens >= live.footprint + 8  # still ahead between calls
+    assert calls == list(range(1, 161, 8))
+    adm.release(r)
+    assert b.reserved_tokens == 0
