@@ -18,8 +18,8 @@ cap; here instead:
 
 A stream's expectation is conditional on what it has generated (counted live): a
 sequence past its mean is expected to run longer, one near its cap has little spread
-left, and the margin always keeps every stream one block ahead of its output, so the
-node's book never falls below what it holds. A non-streamed answer is not counted live:
+left, and the margin puts every stream a block ahead of its output at each recount, so
+the node's book does not fall below what it holds. A non-streamed answer is not counted live:
 its outlook stays unconditional. A request of ``n`` sequences counts them as ``n``
 independent draws (its output is counted over all of them, so each is taken to be at
 the mean count).

@@ -7,10 +7,10 @@ not only its worst case, and :meth:`OutputAccounting.statistics` sums it per nod
 
 With ``admission.output_reservation: learned`` a request reserves less than its
 ``max_tokens``: its expected output, and its node a pooled margin for all of them
-(:mod:`kvgateway.core.output_risk`). Each count of a stream goes to admission
-(:meth:`Admission.progress`), which recomputes the node's margin from what every stream
-on it has generated, keeping each stream at least one block ahead of its output before
-the node must hold it. That may push the node past its budget: it then takes no new
+(:mod:`kvgateway.core.output_risk`). Every half block of a stream's count goes to
+admission (:meth:`Admission.progress`), which recomputes the node's margin from what
+every stream on it has generated, putting the stream a block ahead of its output (so
+at least half a block ahead until the next recount) before the node must hold it. That may push the node past its budget: it then takes no new
 work until requests end. A reservation planned without a pooled outlook (the learned
 quantile of the per-request view) grows by itself instead (one block per sequence at a
 time, :meth:`Admission.grow`). Whatever a finished request generated (``usage`` at the
