@@ -61,6 +61,7 @@ import aiohttp
 
 from bench.harness import Outcome, fleet_and_gateway, is_backend_400, node_metrics, words
 from bench.report import RESULTS, machine, pyplot, save, table, verdict
+from kvgateway.server.appkeys import STATE
 
 POLICIES = ("round_robin", "least_loaded", "length_aware", "kv_aware")
 LOADS = (0.5, 0.9, 1.2)
@@ -141,14 +142,23 @@ async def _preemptions(run: Any) -> float:
 
 async def _sample_usage(run: Any, out: dict[str, list[float]], window: float) -> None:
     """The nodes' own KV usage (from /sim/state) once a second during the arrival window,
-    by tier (small / large / offload): how much of the memory the policy put to work."""
+    by tier (small / large / offload): how much of the memory the policy put to work.
+    Beside it (keys ``book:TIER`` and ``slots:TIER``) the gateway's own book: reserved
+    KV tokens over budget and reserved sequences over slots, which says whether a tier
+    was held back by its KV budget or by its sequence slots."""
     end = time.monotonic() + window
+    state = run.app[STATE]
     async with aiohttp.ClientSession() as s:
         while time.monotonic() < end:
             for node in run.fleet:
                 async with s.get(node.url + "/sim/state") as r:
                     usage = float((await r.json()).get("kv_usage", 0.0))
                 out.setdefault(node.name.rsplit("-", 1)[0], []).append(usage)
+            for b in state.fleet.backends:
+                tier = b.name.rsplit("-", 1)[0]
+                if b.budget_tokens > 0:
+                    out.setdefault("book:" + tier, []).append(b.reserved_tokens / b.budget_tokens)
+                out.setdefault("slots:" + tier, []).append(b.reserved_seqs / b.max_num_seqs)
             await asyncio.sleep(1.0)
 
 
@@ -391,8 +401,11 @@ async def run_policy(
             after, lag1 = await _preemptions(run), await _lag_trimmed(run)
             rows.append(summarize_run(policy, load, rate, reqs, res, after - before, args))
             rows[-1]["sim_lag_trimmed_wall_s"] = round(lag1 - lag0, 3)
-            rows[-1]["kv_usage_mean_by_tier"] = {
-                tier: round(sum(v) / len(v), 3) for tier, v in usage.items() if v
+            means = {k: round(sum(v) / len(v), 3) for k, v in usage.items() if v}
+            rows[-1]["kv_usage_mean_by_tier"] = {k: v for k, v in means.items() if ":" not in k}
+            # The gateway's book: reserved KV over budget, reserved sequences over slots.
+            rows[-1]["gateway_book_mean_by_tier"] = {
+                k: v for k, v in means.items() if k.startswith(("book:", "slots:"))
             }
             if args.raw:
                 rows[-1]["raw"] = [
@@ -411,8 +424,12 @@ async def run_policy(
                     )
                     for q, r in zip(reqs, res, strict=True)
                 ]
+            book = " ".join(
+                f"{k} {v:.0%}" for k, v in rows[-1]["gateway_book_mean_by_tier"].items()
+            )
             print(
-                f"  {policy} at {load:.0%}: {rows[-1]['ok']}/{rows[-1]['requests']} ok", flush=True
+                f"  {policy} at {load:.0%}: {rows[-1]['ok']}/{rows[-1]['requests']} ok; {book}",
+                flush=True,
             )
             await _idle(run)
     return rows

@@ -54,10 +54,15 @@ class AdmissionConfig:
     # already holds are reserved once, not once per request.
     prefix_credit: bool = True
     # "max_tokens": reserve every request's whole output budget (no preemption caused by
-    # the gateway). "learned": reserve the (1 - preemption_risk) quantile of the output
-    # lengths seen for such requests (model, client key, max_tokens bucket), growing a
-    # stream's reservation as it outgrows it.
+    # the gateway). "learned": reserve each request's expected output (learned from the
+    # lengths seen for such requests: model, client key, max_tokens bucket) and keep on
+    # each node one margin for the sum of its requests' outputs, recomputed as streams
+    # are counted (core/output_risk.py).
     output_reservation: str = "max_tokens"
+    # learned only: the accepted chance that the requests in flight on a node outgrow
+    # what the node keeps for them (z(risk) standard deviations of their summed output;
+    # each request's (1 - risk) quantile while fewer than 8 sequences are in flight).
+    # 0: reserve max_tokens.
     preemption_risk: float = 0.01
 
 

@@ -16,6 +16,7 @@ from kvgateway.core.backends import Backend, PauseReason
 from kvgateway.core.demand import Demand, can_ever_hold, tokens_on
 from kvgateway.core.fleet import Fleet
 from kvgateway.core.ledger import Ledger, LocalLedger
+from kvgateway.core.output_risk import NodeRisk, contribution
 from kvgateway.core.prefix_routing import PrefixRouter
 from kvgateway.core.reservation import Reservation
 from kvgateway.core.routing import (
@@ -85,6 +86,8 @@ class AdmissionCore:
         self._waiters: deque[_Waiter] = deque()
         # How many waiters claim each backend: "is it claimed?" without walking the queue.
         self._claim_counts: Counter[str] = Counter()
+        # Learned requests in flight per node, and the pooled margin in its book.
+        self._risks: dict[Backend, NodeRisk] = {}
 
     @classmethod
     def for_fleet(
@@ -136,20 +139,59 @@ class AdmissionCore:
         # Prefix-aware: blocks a ready in-flight request on the node holds are credited.
         holding = self._prefix.granted(backend, demand, self._clock()) if self._prefix else None
         tokens = tokens_on(backend, demand) - (holding.credited_tokens if holding else 0)
-        self._adjust(backend, tokens, demand.sequences, 1)
-        if ticket is not None and self._tenancy is not None:
-            self._tenancy.granted(ticket, tokens)
-        return Reservation(
+        r = Reservation(
             backend, tokens, demand.sequences, reason, self, ticket=ticket, holding=holding
         )
+        booked = tokens
+        o = demand.outlook
+        if o is not None:
+            # Pooled learned output: the base now, and whatever the node's margin needs
+            # more with this request in it (the routing check bounded that by the slack).
+            risk = self._risks.get(backend)
+            if risk is None:
+                risk = self._risks[backend] = NodeRisk(backend.limits.block_size)
+            r.outlook, r.base = o, max(0, tokens - o.slack)
+            risk.put(r.id, contribution(o, demand.sequences, -1, risk.block))
+            added = self._remargin(risk, o.z)
+            booked = r.base + added
+            r.tokens = r.base + max(0, added)
+        self._adjust(backend, booked, demand.sequences, 1)
+        if ticket is not None and self._tenancy is not None:
+            self._tenancy.granted(ticket, r.tokens)
+        return r
+
+    @staticmethod
+    def _remargin(risk: NodeRisk, z: float) -> int:
+        """Set the node's margin to what its learned requests need; the change."""
+        need = risk.need(z)
+        change, risk.held = need - risk.held, need
+        return change
 
     def grow(self, reservation: Reservation, tokens: int) -> None:
         """A running request outgrew its reservation (learned output): charge it now,
-        even past the budget; the node takes no new work until enough ends."""
+        even past the budget; the node takes no new work until enough ends. The growth
+        is this process's own: a shared ledger gets back what it recorded."""
         if reservation.released or tokens <= 0:
             return
         self._adjust(reservation.backend, tokens, 0, 0)
-        reservation.tokens += tokens
+        reservation.grown += tokens
+
+    def progress(self, reservation: Reservation, generated: int) -> int:
+        """A pooled learned stream has generated ``generated`` tokens per sequence: its
+        node's margin follows (even past the budget, which then takes no new work until
+        requests end). Room a smaller margin frees is offered to the waiters at the
+        node's next release, not on every read of a stream. Returns the tokens the book
+        grew by."""
+        o = reservation.outlook
+        b = reservation.backend
+        risk = self._risks.get(b)
+        if reservation.released or o is None or risk is None or reservation.id not in risk.members:
+            return 0
+        risk.put(reservation.id, contribution(o, reservation.seqs, generated, risk.block))
+        change = self._remargin(risk, o.z)
+        if change:
+            self._adjust(b, change, 0, 0)
+        return max(0, change)
 
     def prefill_done(self, reservation: Reservation) -> None:
         h = reservation.holding
@@ -226,10 +268,20 @@ class AdmissionCore:
         reservation.released = True
         if reservation.counted:
             self._ledger.release(reservation)
-        tokens = reservation.tokens
+        b = reservation.backend
+        tokens = reservation.tokens + reservation.grown
+        o = reservation.outlook
+        risk = self._risks.get(b) if o is not None else None
+        if o is not None and risk is not None and reservation.id in risk.members:
+            # Its base leaves the book; the node's margin is what the others need now.
+            risk.remove(reservation.id)
+            change = self._remargin(risk, o.z)
+            tokens = reservation.base + reservation.grown - change
+            if not risk.members:
+                del self._risks[b]
         if reservation.holding is not None and self._prefix is not None:
             tokens += self._prefix.released(reservation.holding)  # shared blocks settled
-        self._adjust(reservation.backend, -tokens, -reservation.seqs, -1)
+        self._adjust(b, -tokens, -reservation.seqs, -1)
         if reservation.ticket is not None and self._tenancy is not None:
             # A tenant limit may open too: _offer asks each waiter's gate again.
             self._tenancy.released(reservation.ticket, reservation.tokens)

@@ -9,9 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvgateway.core.backends import Backend
 from kvgateway.errors import ContextLengthExceeded
+
+if TYPE_CHECKING:
+    from kvgateway.core.output_risk import OutputOutlook
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +48,10 @@ class Demand:
     tenant: str = ""
     # Set when routing.prefix_aware is on (kv_aware): where the prompt's blocks may be cached.
     prefix: PrefixHint | None = None
+    # Learned output (admission.output_reservation: learned): ``tokens`` is the routing
+    # check's bound; the grant reserves the expected output and the node's pooled
+    # margin (core/output_risk.py). None: ``tokens`` is reserved as it is.
+    outlook: OutputOutlook | None = None
 
     @property
     def longest_sequence(self) -> int:

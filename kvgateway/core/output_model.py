@@ -9,6 +9,12 @@ more than its ``max_tokens``. Until a group has ``min_samples`` observations the
 model-wide group of that bucket answers; until that has them, nothing does and the
 request reserves its ``max_tokens``.
 
+That per-request quantile is what :meth:`OutputModel.reservation` gives. Learned
+admission itself reserves less: each request its expected output and each node a
+pooled margin for the sum of its requests' outputs (:mod:`kvgateway.core.output_risk`),
+from the same observations, read as an :class:`OutputShape`: the group's lengths, sorted,
+with what they imply for a request that has already generated some tokens.
+
 Observations are kept in bounded rings (the last ``window`` per group, so the model
 follows a change of workload); the number of groups is bounded too (least recently
 observed forgotten). Nothing here does I/O or reads a clock.
@@ -17,8 +23,10 @@ observed forgotten). Nothing here does I/O or reads a clock.
 from __future__ import annotations
 
 import math
+from bisect import bisect_left, bisect_right
 from collections import OrderedDict, deque
 from dataclasses import dataclass
+from itertools import accumulate
 
 ANY_KEY = "*"
 
@@ -26,6 +34,56 @@ ANY_KEY = "*"
 def bucket_of(max_tokens: int) -> int:
     """``max_tokens`` rounded up to a power of two: requests with similar caps together."""
     return 1 << max(0, max_tokens - 1).bit_length()
+
+
+@dataclass(frozen=True, slots=True)
+class Outlook:
+    """What is left to expect of one sequence's output (in total tokens, at most its
+    ``max_tokens``), given how far it has come."""
+
+    expected: float
+    variance: float
+    quantile: int
+
+
+class OutputShape:
+    """A group's observed output lengths, sorted, with running sums, so that moments
+    and quantiles conditional on "generated ``g`` tokens and not finished" cost a
+    bisection. Immutable: the model makes a new one when the group changes."""
+
+    __slots__ = ("_n", "_sum", "_sum2", "_values")
+
+    def __init__(self, values: list[int]) -> None:
+        if not values:
+            raise ValueError("an output shape needs at least one observation")
+        self._values = sorted(values)
+        self._n = len(self._values)
+        self._sum = [0, *accumulate(self._values)]
+        self._sum2 = [0, *accumulate(v * v for v in self._values)]
+
+    @property
+    def size(self) -> int:
+        return self._n
+
+    def outlook(self, generated: int, max_tokens: int, q: float) -> Outlook:
+        """Total output of a sequence capped at ``max_tokens`` that has generated
+        ``generated`` tokens and is still running: the observations above
+        ``generated``, each capped. Past every observation (or at its cap) it is taken
+        to run to ``max_tokens``: nothing seen says where it stops."""
+        vals = self._values
+        lo = bisect_right(vals, generated)
+        count = self._n - lo
+        if generated >= max_tokens or count == 0:
+            return Outlook(float(max_tokens), 0.0, max_tokens)
+        hi = max(lo, bisect_left(vals, max_tokens))
+        capped = self._n - hi
+        total = self._sum[hi] - self._sum[lo] + capped * max_tokens
+        total2 = self._sum2[hi] - self._sum2[lo] + capped * max_tokens * max_tokens
+        mean = total / count
+        variance = max(0.0, total2 / count - mean * mean)
+        # Nearest rank, rounded up: never below the empirical quantile.
+        rank = min(count - 1, max(0, math.ceil(q * count) - 1))
+        return Outlook(mean, variance, min(max_tokens, vals[lo + rank]))
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +100,8 @@ class OutputModel:
         self._min = min(min_samples, window)
         self._max_groups = max_groups
         self._groups: OrderedDict[tuple[str, str, int], deque[int]] = OrderedDict()
+        # Shapes of groups as last asked for; dropped when the group changes.
+        self._shapes: dict[tuple[str, str, int], OutputShape] = {}
         self._seen = 0
 
     def observe(self, model: str, key: str, max_tokens: int, output_tokens: int) -> None:
@@ -58,22 +118,32 @@ class OutputModel:
                 ring = self._groups[group] = deque(maxlen=self._window)
             ring.append(value)
             self._groups.move_to_end(group)
+            self._shapes.pop(group, None)
         self._seen += 1
         while len(self._groups) > self._max_groups:
-            self._groups.popitem(last=False)
+            gone, _ = self._groups.popitem(last=False)
+            self._shapes.pop(gone, None)
 
-    def quantile(self, model: str, key: str, max_tokens: int, q: float) -> int | None:
-        """The ``q`` quantile of learned output lengths for such a request (at most
-        ``max_tokens``), or None while too little is known."""
+    def shape(self, model: str, key: str, max_tokens: int) -> OutputShape | None:
+        """The learned lengths for such a request (the client's group, else the
+        model-wide one), or None while too little is known."""
         b = bucket_of(max_tokens)
         for group in ((model, key, b), (model, ANY_KEY, b)):
             ring = self._groups.get(group)
             if ring is not None and len(ring) >= self._min:
-                values = sorted(ring)
-                # Nearest rank, rounded up: never below the empirical quantile.
-                rank = min(len(values) - 1, max(0, math.ceil(q * len(values)) - 1))
-                return max(1, min(max_tokens, values[rank]))
+                shape = self._shapes.get(group)
+                if shape is None:
+                    shape = self._shapes[group] = OutputShape(list(ring))
+                return shape
         return None
+
+    def quantile(self, model: str, key: str, max_tokens: int, q: float) -> int | None:
+        """The ``q`` quantile of learned output lengths for such a request (at most
+        ``max_tokens``), or None while too little is known."""
+        shape = self.shape(model, key, max_tokens)
+        if shape is None:
+            return None
+        return max(1, shape.outlook(-1, max_tokens, q).quantile)
 
     def reservation(self, model: str, key: str, max_tokens: int, risk: float) -> int:
         """Output tokens to reserve for one sequence: the ``1 - risk`` quantile, or

@@ -12,6 +12,7 @@ from typing import Protocol
 
 from kvgateway.core.backends import Backend
 from kvgateway.core.demand import Demand
+from kvgateway.core.output_risk import OutputOutlook
 from kvgateway.core.routing import RouteReason
 from kvgateway.core.shared_blocks import Holding
 from kvgateway.core.tenancy import Ticket
@@ -27,6 +28,8 @@ class Owner(Protocol):
     def prefill_done(self, reservation: Reservation) -> None: ...
 
     def grow(self, reservation: Reservation, tokens: int) -> None: ...
+
+    def progress(self, reservation: Reservation, generated: int) -> int: ...
 
 
 class Admitter(Protocol):
@@ -54,6 +57,14 @@ class Reservation:
     id: int = field(default_factory=lambda: next(_ids))
     # Prefix-aware placement: this request's share of its node's prompt blocks.
     holding: Holding | None = None
+    # ``tokens`` is what was granted (what a shared ledger and the tenant's share
+    # recorded, and get back). The node's book may hold more: ``grown`` tokens taken
+    # while a learned stream outgrew its reservation, kept in this process only.
+    grown: int = 0
+    # Pooled learned output: the request's output plan and its base (its prompt and
+    # expected output, in blocks); its share of the node's margin is the node's.
+    outlook: OutputOutlook | None = None
+    base: int = 0
 
     def release(self) -> bool:
         """Give the tokens and slot back; only the first call has an effect."""

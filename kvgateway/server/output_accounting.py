@@ -6,11 +6,15 @@ so each in-flight request's real KV footprint (prompt + output so far) is known 
 not only its worst case, and :meth:`OutputAccounting.statistics` sums it per node.
 
 With ``admission.output_reservation: learned`` a request reserves less than its
-``max_tokens``. A stream that outgrows its reservation takes more (one block per
-sequence at a time, :meth:`Admission.grow`) before the node must hold it, which may
-push the node past its budget: it then takes no new work until requests end. Whatever
-a finished request generated (``usage`` at the end, else the count) teaches the
-:class:`~kvgateway.core.output_model.OutputModel`.
+``max_tokens``: its expected output, and its node a pooled margin for all of them
+(:mod:`kvgateway.core.output_risk`). Every half block of a stream's count goes to
+admission (:meth:`Admission.progress`), which recomputes the node's margin from what
+every stream on it has generated, putting the stream a block ahead of its output (so
+at least half a block ahead until the next recount) before the node must hold it. That may push the node past its budget: it then takes no new
+work until requests end. A reservation planned without a pooled outlook (the learned
+quantile of the per-request view) grows by itself instead (one block per sequence at a
+time, :meth:`Admission.grow`). Whatever a finished request generated (``usage`` at the
+end, else the count) teaches the :class:`~kvgateway.core.output_model.OutputModel`.
 """
 
 from __future__ import annotations
@@ -51,6 +55,8 @@ class LiveRequest:
     block_size: int
     generated: int = 0  # over all sequences
     grown: int = 0  # tokens added to the reservation
+    # Pooled: the per-sequence count at which the node's margin is next recomputed.
+    next_progress: int = 1
 
     @property
     def footprint(self) -> int:
@@ -76,6 +82,14 @@ class OutputAccounting:
         live.generated += count_stream_tokens(events)
         r = live.reservation
         per_seq = -(-live.generated // live.sequences)
+        if r.outlook is not None:
+            # Every half block, not every read: the margin keeps a stream a block ahead,
+            # so it stays ahead in between, at a fraction of the CPU (the node's sums
+            # change, and with them its book, on every call).
+            if per_seq >= live.next_progress and not r.released:
+                live.grown += r.owner.progress(r, per_seq)
+                live.next_progress = per_seq + max(1, live.block_size // 2)
+            return
         covered = live.reserved_output + live.grown // live.sequences
         if per_seq >= covered and not r.released:
             # Blocks enough to be ahead again: one read may bring many tokens at once.

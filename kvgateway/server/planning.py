@@ -15,6 +15,7 @@ from typing import Any, Protocol
 from kvgateway.config.model import GatewayConfig, ModelConfig, Policy
 from kvgateway.core.demand import Demand, PrefixHint, demand_tokens
 from kvgateway.core.output_model import ANY_KEY, OutputModel
+from kvgateway.core.output_risk import OutputOutlook, plan_output
 from kvgateway.core.prefix_keys import block_keys
 from kvgateway.errors import ModelNotFound
 from kvgateway.server.node_tokenize import NodeTokenizer
@@ -121,11 +122,17 @@ async def plan_request(
     kv_prompts = learned_prompts(prompt, model, calibration, each) if learned else each
     output, injected = output_budget(parsed, config, longest, largest)
     block = fleet.block_size(model.name)
+    n = parsed.sequences_per_prompt
     reserved = output
-    if learned and outputs is not None:
+    # Every prompt's sequences rounded to whole blocks on their own, as vLLM does.
+    tokens = demand_tokens(kv_prompts, output, n, block)
+    outlook: OutputOutlook | None = None
+    shape = outputs.shape(model.name, client, output) if learned and outputs is not None else None
+    if shape is not None and adm.preemption_risk > 0:
         # Context fit still uses the whole output budget (the node checks it); the KV
-        # reservation uses what such requests really generate.
-        reserved = outputs.reservation(model.name, client, output, adm.preemption_risk)
+        # reservation uses what such requests really generate, pooled per node.
+        tokens, outlook = plan_output(shape, output, adm.preemption_risk, kv_prompts, n, block)
+        reserved = outlook.covered
     prefix = None
     if config.routing.prefix_aware and config.routing.policy == Policy.KV_AWARE:
         prefix = await _prefix_hint(
@@ -136,10 +143,10 @@ async def plan_request(
         prompt_tokens=sum(each),
         longest_prompt=longest,
         output_tokens=output,
-        sequences=len(each) * parsed.sequences_per_prompt,
-        # Every prompt's sequences rounded to whole blocks on their own, as vLLM does.
-        tokens=demand_tokens(kv_prompts, reserved, parsed.sequences_per_prompt, block),
+        sequences=len(each) * n,
+        tokens=tokens,
         prefix=prefix,
+        outlook=outlook,
     )
     return Counted(model, parsed, prompt, output, demand, injected, reserved, sum(kv_prompts))
 
@@ -200,8 +207,15 @@ def with_node_count(counted: Counted, count: int, block_size: int) -> Counted:
         tokens=demand_tokens(
             [count], counted.output_tokens, counted.parsed.sequences_per_prompt, block_size
         ),
+        outlook=None,  # the whole output budget, as the node's count asks for
     )
-    return replace(counted, prompt=prompt, demand=demand, reserved_prompt=count)
+    return replace(
+        counted,
+        prompt=prompt,
+        demand=demand,
+        reserved_prompt=count,
+        reserved_output=counted.output_tokens,
+    )
 
 
 def reserved_prompts(

@@ -3,8 +3,12 @@ learned reservation takes more before the node holds it."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from kvgateway.core.admission import Admission, Reservation
 from kvgateway.core.backends import Backend
+from kvgateway.core.output_model import OutputShape
+from kvgateway.core.output_risk import plan_output
 from kvgateway.core.routing_index import ModelIndex
 from kvgateway.server.output_accounting import OutputAccounting, client_key, count_stream_tokens
 from tests.support.backends import backend, demand
@@ -74,3 +78,46 @@ def test_one_read_of_many_tokens_grows_the_reservation_past_all_of_them():
         assert b.reserved_tokens >= live.footprint
     acct.end(live)
     adm.release(r)
+
+
+def test_a_pooled_stream_moves_its_nodes_margin_and_stays_covered():
+    b, adm = _one_node()
+    shape = OutputShape([10 + i % 40 for i in range(200)])
+    tokens, outlook = plan_output(shape, 400, 0.01, [100], 1, 16)
+    r = adm.try_admit(replace(demand(100, 400), tokens=tokens, outlook=outlook))
+    assert isinstance(r, Reservation)
+    acct = OutputAccounting()
+    live = acct.start(r, 100, 1, outlook.covered, 16)
+    acct.on_events(live, ROLE)  # no token: nothing moves
+    assert live.grown == 0
+    for _ in range(120):
+        acct.on_events(live, token() * 3)
+        assert b.reserved_tokens >= live.footprint + 1
+    assert live.grown > 0 and r.grown == 0  # the node's margin grew, not the request
+    acct.end(live)
+    adm.release(r)
+    assert b.reserved_tokens == 0 and b.in_flight == 0
+
+
+def test_a_pooled_stream_recomputes_its_nodes_margin_every_half_block_not_every_read():
+    b, adm = _one_node()
+    shape = OutputShape([10 + i % 40 for i in range(200)])
+    tokens, outlook = plan_output(shape, 400, 0.01, [100], 1, 16)
+    r = adm.try_admit(replace(demand(100, 400), tokens=tokens, outlook=outlook))
+    assert isinstance(r, Reservation)
+    calls: list[int] = []
+
+    class Counting:
+        def progress(self, reservation: Reservation, generated: int) -> int:
+            calls.append(generated)
+            return adm.progress(reservation, generated)
+
+    r.owner = Counting()  # type: ignore[assignment]
+    acct = OutputAccounting()
+    live = acct.start(r, 100, 1, outlook.covered, 16)
+    for _ in range(160):
+        acct.on_events(live, token())
+        assert b.reserved_tokens >= live.footprint + 8  # still ahead between calls
+    assert calls == list(range(1, 161, 8))
+    adm.release(r)
+    assert b.reserved_tokens == 0

@@ -1,0 +1,171 @@
+"""Pooled output risk: what a node must keep for its requests' outputs in learned mode.
+
+A node preempts only when the *sum* of its in-flight sequences' growth exceeds its
+pool, and the sum of N independent output lengths varies far less than each one (its
+spread grows as sqrt(N), the sum as N). Reserving every request's own high quantile
+(the per-request view) holds about ``max_tokens`` when a third of answers run to their
+cap; here instead:
+
+- each request's reservation covers its *expected* output (:attr:`OutputOutlook.covered`,
+  the learned mean), its prompt as planned, in whole blocks (its *base*);
+- each node keeps one margin for all its learned requests together (:class:`NodeRisk`):
+  what they are still expected to generate beyond what their bases cover, plus
+  ``z(preemption_risk) * sqrt(sum of their output variances)``. With fewer than
+  :data:`POOLED_MIN_SEQUENCES` sequences in flight (too few for the normal
+  approximation of a skewed, capped length) the spread is the sum of the per-request
+  quantile gaps instead, as before; it is never more than that sum, and the margin
+  never more than what the requests' ``max_tokens`` would have reserved.
+
+A stream's expectation is conditional on what it has generated (counted live): a
+sequence past its mean is expected to run longer, one near its cap has little spread
+left, and the margin puts every stream a block ahead of its output at each recount, so
+the node's book does not fall below what it holds. A non-streamed answer is not counted live:
+its outlook stays unconditional. A request of ``n`` sequences counts them as ``n``
+independent draws (its output is counted over all of them, so each is taken to be at
+the mean count).
+
+Nothing here does I/O or reads a clock; :class:`~kvgateway.core.admission_core.
+AdmissionCore` applies the margins to the nodes' books.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from statistics import NormalDist
+
+from kvgateway.core.demand import demand_tokens
+from kvgateway.core.output_model import OutputShape
+
+# Below this many learned sequences on a node the normal approximation is not trusted.
+POOLED_MIN_SEQUENCES = 8
+
+
+def z_of(risk: float) -> float:
+    """The standard normal quantile that ``risk`` leaves above it (0 at risk 0.5)."""
+    if not 0.0 < risk < 1.0:
+        raise ValueError(f"risk must be in (0, 1), got {risk}")
+    return max(0.0, NormalDist().inv_cdf(1.0 - risk))
+
+
+@dataclass(frozen=True, slots=True)
+class OutputOutlook:
+    """A learned request's output plan, carried on its demand (per sequence unless said)."""
+
+    shape: OutputShape
+    max_tokens: int
+    risk: float
+    # z_of(risk), once.
+    z: float
+    # Output tokens each sequence's base reservation covers (the learned mean).
+    covered: int
+    # Output tokens per sequence the routing check used (an upper bound of what the
+    # request can add to a node: its base and its share of the node's margin).
+    checked: int
+    # demand.tokens less the base (all sequences): what the grant may add as margin.
+    slack: int
+    # What max_tokens would reserve beyond the base (all sequences): the margin's cap.
+    ceiling: int
+
+
+def plan_output(
+    shape: OutputShape,
+    max_tokens: int,
+    risk: float,
+    prompts: list[int],
+    n: int,
+    block: int,
+) -> tuple[int, OutputOutlook]:
+    """KV tokens the routing check reserves for a learned request, and its outlook.
+
+    The check uses per sequence ``max(quantile, mean + z * sd)`` (never past
+    ``max_tokens``): at least what admitting it can add to any node's pooled margin, so
+    a node that passes the check still holds the request and the margin after it."""
+    o = shape.outlook(-1, max_tokens, 1.0 - risk)
+    z = z_of(risk)
+    covered = max(1, min(max_tokens, math.ceil(o.expected)))
+    spread = math.ceil(o.expected + z * math.sqrt(o.variance))
+    checked = max(covered, min(max_tokens, max(o.quantile, spread)))
+    tokens = demand_tokens(prompts, checked, n, block)
+    base = demand_tokens(prompts, covered, n, block)
+    full = demand_tokens(prompts, max_tokens, n, block)
+    outlook = OutputOutlook(
+        shape, max_tokens, risk, z, covered, checked, slack=tokens - base, ceiling=full - base
+    )
+    return tokens, outlook
+
+
+@dataclass(frozen=True, slots=True)
+class Contribution:
+    """One request's part of its node's margin, in tokens over all its sequences."""
+
+    # Expected output beyond what the base covers (at least a block ahead of a stream).
+    excess: float = 0.0
+    variance: float = 0.0
+    # The per-request view: its quantile beyond its expectation.
+    gap: float = 0.0
+    ceiling: float = 0.0
+    seqs: int = 0
+
+
+def contribution(o: OutputOutlook, seqs: int, generated: int, block: int) -> Contribution:
+    """``o``'s request of ``seqs`` sequences, each having generated ``generated`` tokens
+    (-1: not counted live, unconditional)."""
+    now = o.shape.outlook(generated, o.max_tokens, 1.0 - o.risk)
+    ahead = generated + block if generated >= 0 else 0
+    expected = max(now.expected, float(ahead))
+    return Contribution(
+        excess=seqs * max(0.0, expected - o.covered),
+        variance=seqs * now.variance,
+        gap=seqs * max(0.0, now.quantile - now.expected),
+        ceiling=float(max(o.ceiling, seqs * max(0, ahead - o.covered))),
+        seqs=seqs,
+    )
+
+
+@dataclass(slots=True)
+class NodeRisk:
+    """The learned requests in flight on one node, summed; and the margin they need."""
+
+    block: int
+    members: dict[int, Contribution] = field(default_factory=dict)
+    excess: float = 0.0
+    variance: float = 0.0
+    gap: float = 0.0
+    ceiling: float = 0.0
+    seqs: int = 0
+    # The margin now in the node's book (tokens, whole blocks).
+    held: int = 0
+
+    def put(self, rid: int, c: Contribution) -> None:
+        """Add request ``rid``'s contribution, or replace it."""
+        self._apply(self.members.get(rid), -1)
+        self.members[rid] = c
+        self._apply(c, 1)
+
+    def remove(self, rid: int) -> None:
+        c = self.members.pop(rid, None)
+        if not self.members:
+            self.excess = self.variance = self.gap = self.ceiling = 0.0
+            self.seqs = 0
+        elif c is not None:
+            self._apply(c, -1)
+
+    def _apply(self, c: Contribution | None, sign: int) -> None:
+        if c is None:
+            return
+        self.excess += sign * c.excess
+        self.variance += sign * c.variance
+        self.gap += sign * c.gap
+        self.ceiling += sign * c.ceiling
+        self.seqs += sign * c.seqs
+
+    def need(self, z: float) -> int:
+        """The margin the node's requests need now, in whole blocks."""
+        if not self.members:
+            return 0
+        spread = max(0.0, self.gap)
+        if self.seqs >= POOLED_MIN_SEQUENCES:
+            spread = min(spread, z * math.sqrt(max(0.0, self.variance)))
+        tokens = min(max(0.0, self.ceiling), max(0.0, self.excess) + spread)
+        return -(-math.ceil(tokens - 1e-6) // self.block) * self.block

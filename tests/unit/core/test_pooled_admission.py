@@ -1,0 +1,226 @@
+"""Pooled learned output in admission: what the node's book holds as requests come,
+stream and go; what a shared ledger and tenants get back; and, against the simulator's
+engine, that the book covers what the node holds and preemptions stay rare."""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import replace
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvgateway.core.admission import Admission, Reservation
+from kvgateway.core.backends import Backend
+from kvgateway.core.demand import Demand, demand_tokens
+from kvgateway.core.output_model import OutputShape
+from kvgateway.core.output_risk import plan_output
+from kvgateway.core.routing import Routed
+from kvgateway.core.routing_index import ModelIndex
+from kvgateway.simulator.engine import EngineConfig, EngineCore
+from tests.support.backends import backend, demand
+
+BS = 16
+
+
+def _admission(b: Backend, ledger: object | None = None) -> Admission:
+    idx = ModelIndex([b])
+    return Admission(
+        index_for=lambda m: idx,
+        adjust=idx.adjust,
+        policy=lambda: "kv_aware",
+        offload_overflow=lambda: False,
+        queue_size=lambda: 10_000,
+        clock=lambda: 0.0,
+        ledger=ledger,  # type: ignore[arg-type]
+    )
+
+
+def _lengths(rnd: random.Random, cap: int, mean: float, n: int) -> list[int]:
+    sigma = 0.8
+    mu = math.log(mean) - sigma * sigma / 2
+    return [max(1, min(cap, int(rnd.lognormvariate(mu, sigma)))) for _ in range(n)]
+
+
+def _learned(shape: OutputShape, prompt: int, cap: int, risk: float = 0.01, n: int = 1) -> Demand:
+    tokens, outlook = plan_output(shape, cap, risk, [prompt], n, BS)
+    return replace(demand(prompt, cap, n=n), tokens=tokens, outlook=outlook)
+
+
+SHAPE = OutputShape(_lengths(random.Random(3), 512, 512, 512))
+
+
+def test_the_book_holds_bases_and_one_margin_and_returns_to_zero():
+    b = backend("a", kv=1_000_000, seqs=256)
+    adm = _admission(b)
+    rs = []
+    for _ in range(40):
+        r = adm.try_admit(_learned(SHAPE, 1000, 512))
+        assert isinstance(r, Reservation)
+        rs.append(r)
+    bases = sum(r.base for r in rs)
+    margin = b.reserved_tokens - bases
+    assert 0 < margin < sum(r.tokens - r.base for r in rs) + BS
+    # Less than every request's own quantile (here ~max_tokens) would hold: the
+    # outputs' part of the book is ~80% of theirs (the prompts are most of it).
+    assert rs[0].outlook is not None and rs[0].outlook.checked >= 500
+    assert b.reserved_tokens - 40 * 1000 < 0.85 * 40 * 512
+    for r in rs[::2]:
+        adm.release(r)
+    for r in rs[1::2]:
+        adm.release(r)
+    assert b.reserved_tokens == 0 and b.reserved_seqs == 0 and b.in_flight == 0
+
+
+def test_max_tokens_demands_are_reserved_as_before_beside_learned_ones():
+    b = backend("a", kv=1_000_000, seqs=256)
+    adm = _admission(b)
+    learned = adm.try_admit(_learned(SHAPE, 1000, 512))
+    assert isinstance(learned, Reservation)
+    before = b.reserved_tokens
+    plain = adm.try_admit(demand(1000, 512))
+    assert isinstance(plain, Reservation) and plain.outlook is None
+    assert plain.tokens == demand_tokens([1000], 512, 1, BS)
+    assert b.reserved_tokens == before + plain.tokens
+    adm.release(learned)
+    adm.release(plain)
+    assert b.reserved_tokens == 0
+
+
+def test_a_stream_outgrowing_its_mean_stays_covered_and_takes_the_room_it_needs():
+    shape = OutputShape(_lengths(random.Random(4), 400, 60, 512))
+    d = _learned(shape, 100, 400)
+    b = backend("a", kv=1400, seqs=16)
+    adm = _admission(b)
+    r = adm.try_admit(d)
+    assert isinstance(r, Reservation)
+    assert isinstance(adm.decide(d), Routed)  # two more would fit
+    assert b.free_tokens >= 2 * d.tokens
+    grown = 0
+    for g in range(1, 401):
+        grown += adm.progress(r, g)
+        assert b.reserved_tokens >= 100 + g + 1  # a block ahead of what the node holds
+    assert grown > 0
+    assert adm.progress(r, 400) == 0  # nothing new
+    # The stream took the room: one more only.
+    assert b.free_tokens < 2 * d.tokens
+    adm.release(r)
+    assert adm.progress(r, 401) == 0  # released: nothing happens
+    assert b.reserved_tokens == 0 and b.in_flight == 0
+
+
+class RecordingLedger:
+    """A shared ledger that grants everything and records what it was told."""
+
+    def __init__(self) -> None:
+        self.held = 0
+
+    @property
+    def shared(self) -> bool:
+        return True
+
+    async def confirm(self, reservation: Reservation) -> bool:
+        self.held += reservation.tokens
+        return True
+
+    def release(self, reservation: Reservation) -> None:
+        self.held -= reservation.tokens
+
+
+async def test_a_shared_ledger_gets_back_exactly_what_it_recorded():
+    ledger = RecordingLedger()
+    b = backend("a", kv=1_000_000, seqs=256)
+    adm = _admission(b, ledger)
+    shape = OutputShape(_lengths(random.Random(5), 512, 200, 512))
+    rs = [await adm.admit(_learned(shape, 300, 512), 1.0) for _ in range(20)]
+    plain = await adm.admit(demand(300, 50), 1.0)
+    assert ledger.held > 0
+    for i, r in enumerate(rs):
+        adm.progress(r, 150 + 10 * i)  # margins move as they stream
+    adm.grow(plain, 64)  # a per-request learned stream's growth is local too
+    assert b.reserved_tokens > ledger.held - 1
+    for r in [*rs, plain]:
+        adm.release(r)
+    assert ledger.held == 0
+    assert b.reserved_tokens == 0
+
+
+# ---- against the simulator's engine ------------------------------------------------
+
+
+def _run(seed: int, blocks: int, n: int, risk: float | None, cap: int = 128) -> tuple[int, int]:
+    """Admit ``n`` streams whose outputs follow the learned shape onto one node whose
+    budget is the engine's pool; count every sampled token as the gateway does; check
+    that the book always covers the blocks the node holds. Returns (preemptions, the
+    most sequences running at once). ``risk`` None: reserve max_tokens."""
+    rnd = random.Random(seed)
+    shape = OutputShape(_lengths(random.Random(seed + 1), cap, cap / 2, 256))
+    engine = EngineCore(
+        EngineConfig(
+            num_gpu_blocks=blocks + 1, block_size=BS, max_num_seqs=32, max_num_batched_tokens=256
+        )
+    )
+    b = backend("n", kv=engine.config.kv_tokens, seqs=32, max_model_len=4096)
+    idx = ModelIndex([b])
+    adm = Admission(
+        index_for=lambda m: idx,
+        adjust=idx.adjust,
+        policy=lambda: "kv_aware",
+        offload_overflow=lambda: False,
+        queue_size=lambda: 10_000,
+        clock=lambda: engine.clock,
+    )
+    pending = []
+    for _ in range(n):
+        prompt = rnd.randrange(16, 200)
+        d = demand(prompt, cap) if risk is None else _learned(shape, prompt, cap, risk)
+        target = _lengths(rnd, cap, cap / 2, 1)[0]
+        pending.append((d, target))
+    running: dict[int, Reservation] = {}
+    peak = steps = 0
+    while pending or engine.has_work():
+        while pending:
+            d, target = pending[0]
+            r = adm.try_admit(d)
+            if not isinstance(r, Reservation):
+                break
+            pending.pop(0)
+            seq = engine.add(
+                target_tokens=target,
+                target_reason="length",
+                arrival=engine.clock,
+                prompt_tokens=d.prompt_tokens,
+            )
+            running[seq.seq_id] = r
+        peak = max(peak, len(running))
+        result = engine.step(engine.clock)
+        steps += 1
+        assert steps < 50_000
+        if result is None:
+            assert not pending, "admitted work stalled with requests still waiting"
+            break
+        for seq in result.sampled:
+            adm.progress(running[seq.seq_id], seq.output_tokens)
+        for seq in result.finished:
+            running.pop(seq.seq_id).release()
+        # The book never falls below what the node's requests hold.
+        assert b.reserved_tokens >= engine.used_blocks * BS
+    assert b.reserved_tokens == 0 and b.in_flight == 0
+    return engine.num_preemptions, peak
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.integers(0, 1_000_000), st.integers(40, 200), st.sampled_from([0.01, 0.05, 0.2]))
+def test_the_book_covers_the_node_and_returns_to_zero(seed, blocks, risk):
+    _run(seed, blocks, 40, risk)
+
+
+def test_max_tokens_never_preempts_and_pooled_runs_more_at_once_rarely_preempting():
+    runs = 12
+    plain = [_run(seed, 120, 60, None) for seed in range(runs)]
+    pooled = [_run(seed, 120, 60, 0.01) for seed in range(runs)]
+    assert sum(p for p, _ in plain) == 0
+    # 720 requests: the pooled margin keeps preemptions to a handful per thousand.
+    assert sum(p for p, _ in pooled) <= 4
+    assert sum(k for _, k in pooled) > 1.1 * sum(k for _, k in plain)
