@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from kvgateway.config.model import BackendConfig
+from kvgateway.core.admission import Admission
 from kvgateway.core.backends import Backend
 from kvgateway.core.demand import Demand, demand_tokens
 from kvgateway.core.limits import Limit, Limits, LimitSource
+from kvgateway.core.routing_index import ModelIndex
 
 
 def backend(
@@ -48,4 +53,25 @@ def demand(prompt: int, output: int = 100, *, n: int = 1, model: str = "m") -> D
         output_tokens=output,
         sequences=n,
         tokens=demand_tokens([prompt], output, n, 16),
+    )
+
+
+def admission_over(
+    backends: list[Backend],
+    *,
+    clock: Callable[[], float] = lambda: 0.0,
+    queue_size: int = 10_000,
+    **kw: Any,
+) -> Admission:
+    """kv_aware admission over ``backends`` (one model's index); ``kw``: Admission's
+    optional parts (ledger, prefix, tenancy...)."""
+    idx = ModelIndex(backends)
+    return Admission(
+        index_for=lambda m: idx,
+        adjust=idx.adjust,
+        policy=lambda: "kv_aware",
+        offload_overflow=lambda: False,
+        queue_size=lambda: queue_size,
+        clock=clock,
+        **kw,
     )

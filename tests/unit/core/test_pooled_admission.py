@@ -17,24 +17,14 @@ from kvgateway.core.demand import Demand, demand_tokens
 from kvgateway.core.output_model import OutputShape
 from kvgateway.core.output_risk import plan_output
 from kvgateway.core.routing import Routed
-from kvgateway.core.routing_index import ModelIndex
 from kvgateway.simulator.engine import EngineConfig, EngineCore
-from tests.support.backends import backend, demand
+from tests.support.backends import admission_over, backend, demand
 
 BS = 16
 
 
 def _admission(b: Backend, ledger: object | None = None) -> Admission:
-    idx = ModelIndex([b])
-    return Admission(
-        index_for=lambda m: idx,
-        adjust=idx.adjust,
-        policy=lambda: "kv_aware",
-        offload_overflow=lambda: False,
-        queue_size=lambda: 10_000,
-        clock=lambda: 0.0,
-        ledger=ledger,  # type: ignore[arg-type]
-    )
+    return admission_over([b], ledger=ledger)
 
 
 def _lengths(rnd: random.Random, cap: int, mean: float, n: int) -> list[int]:
@@ -162,15 +152,7 @@ def _run(seed: int, blocks: int, n: int, risk: float | None, cap: int = 128) -> 
         )
     )
     b = backend("n", kv=engine.config.kv_tokens, seqs=32, max_model_len=4096)
-    idx = ModelIndex([b])
-    adm = Admission(
-        index_for=lambda m: idx,
-        adjust=idx.adjust,
-        policy=lambda: "kv_aware",
-        offload_overflow=lambda: False,
-        queue_size=lambda: 10_000,
-        clock=lambda: engine.clock,
-    )
+    adm = admission_over([b], clock=lambda: engine.clock)
     pending = []
     for _ in range(n):
         prompt = rnd.randrange(16, 200)

@@ -9,15 +9,14 @@ from dataclasses import replace
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvgateway.core.admission import Admission, Reservation
+from kvgateway.core.admission import Reservation
 from kvgateway.core.demand import PrefixHint, demand_tokens
 from kvgateway.core.prefix_index import PrefixIndex
 from kvgateway.core.prefix_keys import block_keys
 from kvgateway.core.prefix_routing import PrefixRouter
-from kvgateway.core.routing_index import ModelIndex
 from kvgateway.core.shared_blocks import SharedBlocks
 from kvgateway.simulator.engine import EngineConfig, EngineCore
-from tests.support.backends import backend, demand
+from tests.support.backends import admission_over, backend, demand
 
 
 def test_a_ready_holder_credits_its_blocks_and_the_last_holder_pays_to_the_end():
@@ -87,17 +86,8 @@ def _run(seed: int, blocks: int, prefix_lens: list[int], n: int) -> tuple[Engine
         )
     )
     b = backend("n", kv=engine.config.kv_tokens, seqs=8, max_model_len=4096)
-    idx = ModelIndex([b])
     router = PrefixRouter(PrefixIndex(), shared=SharedBlocks())
-    adm = Admission(
-        index_for=lambda m: idx,
-        adjust=idx.adjust,
-        policy=lambda: "kv_aware",
-        offload_overflow=lambda: False,
-        queue_size=lambda: 10_000,
-        clock=lambda: engine.clock,
-        prefix=router,
-    )
+    adm = admission_over([b], clock=lambda: engine.clock, prefix=router)
     prefixes = [[rnd.randrange(1, 40_000) for _ in range(p)] for p in prefix_lens]
     pending = []
     for _ in range(n):

@@ -9,9 +9,8 @@ from kvgateway.core.admission import Admission, Reservation
 from kvgateway.core.backends import Backend
 from kvgateway.core.output_model import OutputShape
 from kvgateway.core.output_risk import plan_output
-from kvgateway.core.routing_index import ModelIndex
 from kvgateway.server.output_accounting import OutputAccounting, client_key, count_stream_tokens
-from tests.support.backends import backend, demand
+from tests.support.backends import admission_over, backend, demand
 
 ROLE = b'data: {"id":"x","choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n\n'
 
@@ -35,15 +34,7 @@ def test_client_key_hides_the_key_and_groups_by_it():
 
 def _one_node() -> tuple[Backend, Admission]:
     b = backend("a", kv=100_000)
-    idx = ModelIndex([b])
-    adm = Admission(
-        index_for=lambda m: idx,
-        adjust=idx.adjust,
-        policy=lambda: "kv_aware",
-        offload_overflow=lambda: False,
-        queue_size=lambda: 10,
-        clock=lambda: 0.0,
-    )
+    adm = admission_over([b], queue_size=10)
     return b, adm
 
 
