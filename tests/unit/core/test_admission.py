@@ -3,23 +3,14 @@ import random
 
 import pytest
 
-from kvgateway.core.admission import Admission
-from kvgateway.core.routing_index import ModelIndex
 from kvgateway.errors import ContextLengthExceeded, NoHealthyBackend, Saturated
-from tests.support.backends import backend, demand
+from tests.support.backends import admission_over, backend, demand
 
 
 def make(backends, queue_size=100, clock=None, abort_delay=0.0):
     clock = clock or [0.0]
-    idx = ModelIndex(backends)
-    adm = Admission(
-        index_for=lambda m: idx,
-        adjust=idx.adjust,
-        policy=lambda: "kv_aware",
-        offload_overflow=lambda: False,
-        queue_size=lambda: queue_size,
-        clock=lambda: clock[0],
-        abort_delay=lambda: abort_delay,
+    adm = admission_over(
+        backends, queue_size=queue_size, clock=lambda: clock[0], abort_delay=lambda: abort_delay
     )
     return adm
 

@@ -9,7 +9,6 @@ from dataclasses import replace
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvgateway.core.admission import Admission
 from kvgateway.core.demand import Demand, PrefixHint
 from kvgateway.core.prefix_index import PrefixIndex
 from kvgateway.core.prefix_keys import block_keys
@@ -17,7 +16,7 @@ from kvgateway.core.prefix_routing import PrefixRouter, PrefixScoring
 from kvgateway.core.routing import Routed, eligible
 from kvgateway.core.routing_index import ModelIndex
 from kvgateway.core.shared_blocks import SharedBlocks
-from tests.support.backends import backend, demand
+from tests.support.backends import admission_over, backend, demand
 
 
 def hinted(ids: list[int], output: int = 100, session: str | None = None) -> Demand:
@@ -26,18 +25,9 @@ def hinted(ids: list[int], output: int = 100, session: str | None = None) -> Dem
 
 
 def make(backends, router: PrefixRouter | None = None):
-    idx = ModelIndex(backends)
     clock = [0.0]
     router = router or PrefixRouter(PrefixIndex(), shared=SharedBlocks())
-    adm = Admission(
-        index_for=lambda m: idx,
-        adjust=idx.adjust,
-        policy=lambda: "kv_aware",
-        offload_overflow=lambda: False,
-        queue_size=lambda: 100,
-        clock=lambda: clock[0],
-        prefix=router,
-    )
+    adm = admission_over(backends, queue_size=100, clock=lambda: clock[0], prefix=router)
     return adm, router, clock
 
 

@@ -7,11 +7,9 @@ import random
 import pytest
 
 from kvgateway.config.model import AuthConfig, ClassConfig, TenantConfig, TenantLimits
-from kvgateway.core.admission import Admission
-from kvgateway.core.routing_index import ModelIndex
 from kvgateway.core.tenancy import CLASS_FLOOR, MAX_CONCURRENT, MAX_KV_SHARE, Tenancy
 from kvgateway.errors import Saturated
-from tests.support.backends import backend, demand
+from tests.support.backends import admission_over, backend, demand
 
 CLASSES = (ClassConfig("interactive"), ClassConfig("standard"), ClassConfig("batch"))
 
@@ -96,13 +94,9 @@ def test_gates_concurrency_kv_share_and_class_floor():
 
 def make(backends, cfg: AuthConfig, queue_size=100):
     clock = [0.0]
-    idx = ModelIndex(backends)
-    return Admission(
-        index_for=lambda m: idx,
-        adjust=idx.adjust,
-        policy=lambda: "kv_aware",
-        offload_overflow=lambda: False,
-        queue_size=lambda: queue_size,
+    return admission_over(
+        backends,
+        queue_size=queue_size,
         clock=lambda: clock[0],
         tenancy=Tenancy(lambda: cfg),
         budget=lambda: sum(b.budget_tokens for b in backends),
