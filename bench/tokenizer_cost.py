@@ -1,8 +1,9 @@
 """Cost of exact counting: tiktoken vs ``tokenizers``, and CPU per ~1k-token chat.
 
 1. Engines on the same byte-level vocabulary (Qwen 2.5, tiktoken-proven exact): encode
-   throughput of tiktoken and of the ``tokenizers`` library on prose, code, numbers,
-   CJK; and the SentencePiece vocabulary (always ``tokenizers``).
+   throughput of tiktoken (lookahead-free, as the gateway runs it; and with the split
+   pattern as given) and of the ``tokenizers`` library on prose, code, numbers, CJK and
+   the overhead benchmark's chats; and the SentencePiece vocabulary (``tokenizers``).
 2. CPU per distinct ~1k-token chat (template rendering + tokenizing, nothing cached),
    per vocabulary and template, against the cl100k stand-in's count of the same body.
 3. A 20-turn chat whose history grows (history cached between turns): CPU per turn.
@@ -28,8 +29,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import tiktoken
+
+from bench.loadgen import BodyMaker, Workload
 from kvgateway.tokens.counting import PromptCounter, TextCountCache
 from kvgateway.tokens.encoding import EncodingSpec, load_encoding
+from kvgateway.tokens.engines import TiktokenEngine
 from kvgateway.tokens.exact import ExactCounter
 from kvgateway.tokens.modeldir import load_model_tokenizer
 from kvgateway.tokens.plans import plan_chat
@@ -49,14 +54,33 @@ def engines(root: Path, reps: int) -> None:
     rng = random.Random(1)
     qwen = root / "qwen"
     fast = load_model_tokenizer(str(qwen)).engine
+    assert isinstance(fast, TiktokenEngine) and fast.lookahead_free
+    # The same vocabulary run with Qwen's split pattern as given (with its lookahead):
+    # what the engine did before lookahead_free.
+    given = tiktoken.Encoding(
+        name="given",
+        pat_str=vocab.QWEN_PATTERN,
+        mergeable_ranks=fast._enc._mergeable_ranks,
+        special_tokens={},
+    )
     ref = load_model_tokenizer(str(qwen), engine="tokenizers").engine
     sp = load_model_tokenizer(str(root / "sentencepiece")).engine
-    for kind in ("prose", "code", "numbers", "cjk"):
-        text = corpus.GENERATORS[kind](rng, 4000)
+    bench_chat = BodyMaker(Workload(prompt_tokens=4000), "t", "m").make(0)
+    chat_text = "\n".join(
+        m["content"]
+        for m in json.loads(bench_chat[bench_chat.index(b"\r\n\r\n") + 4 :])["messages"]
+    )
+    for kind in ("prose", "code", "numbers", "cjk", "overhead"):
+        text = chat_text if kind == "overhead" else corpus.GENERATORS[kind](rng, 4000)
         n = len(fast.encode(text))
         row = [f"{kind:8}"]
-        for label, engine in (("tiktoken", fast), ("tokenizers", ref), ("sp/tokenizers", sp)):
-            ms = _cpu_ms(lambda e=engine, t=text: e.encode(t), reps)
+        for label, run in (
+            ("tiktoken", fast.encode),
+            ("as given", given.encode_ordinary),
+            ("tokenizers", ref.encode),
+            ("sp/tokenizers", sp.encode),
+        ):
+            ms = _cpu_ms(lambda r=run, t=text: r(t), reps)
             row.append(f"{label} {n / ms:7.0f}")
         print("   " + " | ".join(row))
 
