@@ -60,7 +60,7 @@ def engines(root: Path, reps: int) -> None:
     given = tiktoken.Encoding(
         name="given",
         pat_str=vocab.QWEN_PATTERN,
-        mergeable_ranks=fast._enc._mergeable_ranks,
+        mergeable_ranks=fast._enc.encoding._mergeable_ranks,
         special_tokens={},
     )
     ref = load_model_tokenizer(str(qwen), engine="tokenizers").engine

@@ -20,10 +20,8 @@ import unicodedata
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
-import tiktoken
-
 from kvgateway.tokens.bytelevel import byte_level_str
-from kvgateway.tokens.lookahead_free import WINDOW, LookaheadFree, lookahead_free, windows
+from kvgateway.tokens.lookahead_free import FastEncoding
 
 
 class TextEngine(Protocol):
@@ -104,10 +102,6 @@ class _AddedTokens:
         return piece in self._added
 
 
-# Marks a cut for the lookahead-free split (two private-use characters of plane 15).
-_CUT_MARKER = "\U000f8a5b\U000f8a5c"
-
-
 class TiktokenEngine(_AddedTokens):
     """A byte-level BPE vocabulary run by tiktoken, with the model's added tokens."""
 
@@ -124,22 +118,9 @@ class TiktokenEngine(_AddedTokens):
         self._added = dict(added)
         self._added_regex = added_token_regex(self._added)
         self._nfc = nfc
-        # Known split patterns run without their lookahead (see lookahead_free): same
-        # ids. The cuts that keep them exact are marked in the text with a special token
-        # of the encoding's own (never one of the model's), so a text is one call.
-        self._free: LookaheadFree | None = lookahead_free(pattern)
-        specials = self._added
-        self._marker_id = max([*ranks.values(), *self._added.values()], default=0) + 1
-        if self._free is not None:
-            specials = {**self._added, _CUT_MARKER: self._marker_id}
-        self._enc = tiktoken.Encoding(
-            name=name,
-            pat_str=pattern if self._free is None else self._free.pattern,
-            mergeable_ranks=ranks,
-            special_tokens=specials,
-        )
+        # Known split patterns run without their lookahead (see lookahead_free): same ids.
+        self._enc = FastEncoding(name, pattern, ranks, self._added)
         self._by_id = {i: t.encode() for t, i in self._added.items()}
-        self._marker_set = frozenset({_CUT_MARKER})
 
     @property
     def name(self) -> str:
@@ -152,50 +133,17 @@ class TiktokenEngine(_AddedTokens):
     @property
     def lookahead_free(self) -> bool:
         """Whether the split pattern runs without its lookahead (faster, same ids)."""
-        return self._free is not None
+        return self._enc.lookahead_free
 
     def _ordinary(self, text: str) -> list[int]:
         if self._nfc and not text.isascii():
             text = unicodedata.normalize("NFC", text)
-        ids, cuts = self._encode_cut(text)
-        if cuts:
-            marker = self._marker_id
-            return [i for i in ids if i != marker]
-        return ids
+        return self._enc.encode_ordinary(text)
 
     def count_segment(self, text: str) -> int:
         if self._nfc and not text.isascii():
             text = unicodedata.normalize("NFC", text)
-        ids, cuts = self._encode_cut(text)
-        return len(ids) - cuts
-
-    def _encode_cut(self, text: str) -> tuple[list[int], int]:
-        """Ids of ``text`` (normalized), with one marker id at each cut, and the cuts."""
-        if self._free is None:
-            return self._enc.encode_ordinary(text), 0
-        if len(text) <= 2 * WINDOW:
-            return self._encode_window(text, self._free)
-        ids: list[int] = []
-        cuts = 0
-        for window in windows(text):
-            more, n = self._encode_window(window, self._free)
-            ids += more
-            cuts += n
-        return ids, cuts
-
-    def _encode_window(self, text: str, free: LookaheadFree) -> tuple[list[int], int]:
-        encode = self._enc.encode_ordinary
-        marked = free.mark(text, _CUT_MARKER)
-        if marked is None:  # the text holds the marker: encode its parts one by one
-            ids: list[int] = []
-            for part in free.parts(text):
-                ids += encode(part)
-            return ids, 0
-        marked_text, cuts = marked
-        if not cuts:
-            return encode(text), 0
-        ids = self._enc.encode(marked_text, allowed_special=self._marker_set, disallowed_special=())
-        return ids, cuts
+        return self._enc.count_ordinary(text)
 
     def encode(self, text: str) -> list[int]:
         ids: list[int] = []

