@@ -41,6 +41,7 @@ LUA = Path(__file__).resolve().parent / "wrk_body.lua"
 TARGET_CPU_MS = 0.6
 TARGET_CPU_CACHED_MS = 0.35
 TARGET_ADDED_P99_MS = 2.0
+TARGET_WORKERS = 1.6  # issue 13: --workers 2 on the Redis ledger against one worker
 
 
 @dataclass
@@ -497,7 +498,22 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         if g and d and g["p99_ms"] is not None and d["p99_ms"] is not None:
             s[f"added_p50_ms_{sc}"] = g["p50_ms"] - d["p50_ms"]
             s[f"added_p99_ms_{sc}"] = g["p99_ms"] - d["p99_ms"]
+    # Issue 13: two workers on the Redis ledger against one, and what two workers add
+    # to the paced tail.
+    for sc in ("c32", "c128"):
+        one, two = _row(rows, sc, "gateway-redis"), _row(rows, sc, "gateway-redis-2w")
+        if one and two and one["rps"]:
+            s[f"workers_speedup_{sc}"] = two["rps"] / one["rps"]
+    two, d = _row(rows, "paced", "gateway-redis-2w"), _row(rows, "paced", "direct")
+    if two and d and two["p99_ms"] is not None and d["p99_ms"] is not None:
+        s["added_p99_ms_paced_redis_2w"] = two["p99_ms"] - d["p99_ms"]
     s["targets"] = {
+        "workers_speedup_c32>=1.6": (
+            None if "workers_speedup_c32" not in s else s["workers_speedup_c32"] >= TARGET_WORKERS
+        ),
+        "added_p99_ms_paced_redis_2w<2": _ok(
+            s.get("added_p99_ms_paced_redis_2w"), TARGET_ADDED_P99_MS
+        ),
         "cpu_ms_per_req<=0.6": _ok(s["gateway_cpu_ms_per_req"], TARGET_CPU_MS),
         "cpu_ms_per_req_cached<=0.35": _ok(
             s["gateway_cpu_ms_per_req_cached_history"], TARGET_CPU_CACHED_MS
@@ -588,6 +604,15 @@ def print_report(out: dict[str, Any]) -> None:
         f"{verdict(t['added_p99_ms_c32_paced<2'])}; closed loop (saturated, queueing) p99 "
         f"+{_f(s.get('added_p99_ms_c32'))} ms: {verdict(t['added_p99_ms_c32_closed_loop<2'])}"
     )
+    if "workers_speedup_c32" in s:
+        c128 = s.get("workers_speedup_c128")
+        print(
+            f"--workers 2 on the Redis ledger vs one worker: c32 {s['workers_speedup_c32']:.2f}x"
+            + (f", c128 {c128:.2f}x" if c128 is not None else "")
+            + f" (target >= {TARGET_WORKERS}x at c32): {verdict(t['workers_speedup_c32>=1.6'])}; "
+            f"paced p99 added by 2 workers +{_f(s.get('added_p99_ms_paced_redis_2w'))} ms "
+            f"(target < {TARGET_ADDED_P99_MS}): {verdict(t['added_p99_ms_paced_redis_2w<2'])}"
+        )
     for name, c in s.get("ledger_credit", {}).items():
         print(
             f"{name}: {c['credit_admissions']:.0f} of {c['requests']:.0f} requests admitted "

@@ -1,0 +1,39 @@
+"""bench.overhead's summary: the issue-13 figures come from the rows of one run."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bench.overhead import summarize
+
+
+def _row(scenario: str, target: str, rps: float, p99: float) -> dict[str, Any]:
+    return {
+        "scenario": scenario,
+        "target": target,
+        "rps": rps,
+        "p50_ms": p99 / 2,
+        "p99_ms": p99,
+        "proxy_cpu_ms_per_req": None if target == "direct" else 1.0,
+    }
+
+
+def test_two_workers_against_one_and_their_paced_tail() -> None:
+    rows = [
+        _row("c32", "gateway-redis", 400, 90),
+        _row("c32", "gateway-redis-2w", 660, 60),
+        _row("c128", "gateway-redis", 500, 300),
+        _row("c128", "gateway-redis-2w", 600, 250),
+        _row("paced", "direct", 200, 1.5),
+        _row("paced", "gateway-redis-2w", 200, 4.0),
+    ]
+    s = summarize(rows)
+    assert s["workers_speedup_c32"] == 1.65
+    assert s["workers_speedup_c128"] == 1.2
+    assert s["added_p99_ms_paced_redis_2w"] == 2.5
+    assert s["targets"]["workers_speedup_c32>=1.6"] is True
+    assert s["targets"]["added_p99_ms_paced_redis_2w<2"] is False
+    # Without the ledger rows the figures are absent, not zero.
+    s = summarize([_row("paced", "direct", 200, 1.5)])
+    assert "workers_speedup_c32" not in s
+    assert s["targets"]["workers_speedup_c32>=1.6"] is None
