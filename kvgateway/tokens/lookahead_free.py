@@ -199,6 +199,19 @@ _CUT_MARKER = "\U000f8a5b\U000f8a5c"
 _MARKERS = frozenset({_CUT_MARKER})
 
 
+def _repaired(text: str) -> str:
+    """``text`` as tiktoken encodes it: a text that UTF-8 cannot hold (lone surrogates,
+    which ``json.loads`` of a request's bytes lets through) is first passed through
+    UTF-16, which joins surrogate pairs into the characters they spell. Done before the
+    cuts, so that a pair spelling the cut marker is seen as the marker (and the text
+    then encoded part by part), not joined behind the check into a special token."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+    return text
+
+
 class FastEncoding:
     """A tiktoken encoding whose split pattern, if a known one, runs without its
     lookahead: the ids of the pattern as given. The cuts are marked in the text with a
@@ -266,6 +279,8 @@ class FastEncoding:
         free = self._free
         if free is None:
             return self.encoding.encode_ordinary(text), 0
+        if not text.isascii():
+            text = _repaired(text)
         if len(text) <= 2 * WINDOW:
             return self._encode_window(text, free)
         ids: list[int] = []

