@@ -34,7 +34,7 @@ checks every known pattern against its original on generated text.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import tiktoken
@@ -76,21 +76,22 @@ _CL100K_FREE = (
 )
 
 # Unicode White_Space, which is what ``\s`` means to the regex crate (Python's
-# str.isspace() adds U+001C-U+001F), less "\r" and "\n": the characters a stretch is
-# made of. Finding stretches is done on a copy of the text with each of them turned
-# into " " (same length, so positions carry over), by str.find: a character-class
-# regex over the whole text costs ~3x more than the cuts save.
+# str.isspace() adds U+001C-U+001F), less " ", "\r" and "\n": with " ", the characters a
+# stretch is made of.
 _INLINE_WS = "\t\x0b\x0c\x85\xa0\u1680\u2028\u2029\u202f\u205f\u3000" + "".join(
     chr(c) for c in range(0x2000, 0x200B)
 )
-_INLINE_NON_SPACE = re.compile("[" + _INLINE_WS + "]")
-_TO_SPACE = str.maketrans(dict.fromkeys(_INLINE_WS, " "))
+_INLINE = f"[ {_INLINE_WS}]"
+_NOT_WS = f"[^ \r\n{_INLINE_WS}]"
+_INLINE_NON_SPACE = re.compile(f"[{_INLINE_WS}]")
 
-
-# The cut before a stretch's last space, when spaces are the only inline whitespace
-# (the common case): its last two spaces and what follows. A literal first character
-# lets the regex engine skip ahead; a class (any inline whitespace) costs ~4x more.
+# The cut before a stretch's last character is found by its last two characters and
+# what follows them. When spaces are the only inline white space (the common case) the
+# pattern starts with a literal, which the regex engine skips ahead to; a class costs
+# ~4x more, so it is only used for texts that hold other inline white space.
 _LAST_TWO_SPACES = re.compile(r"  (?=[^ \r\n])")
+_SPACE_RUN = re.compile(" {2,}")  # a stretch's candidates in a text whose inline ws is " "
+_INLINE_RUN = re.compile(f"{_INLINE}{{2,}}")  # the same in any text (a class: slower)
 
 
 def _only_spaces(text: str) -> bool:
@@ -100,13 +101,16 @@ def _only_spaces(text: str) -> bool:
     return _INLINE_NON_SPACE.search(text) is None
 
 
-def _spaced(text: str) -> str:
-    """``text`` with every inline whitespace character as " "."""
+def _runs(text: str) -> Iterator[re.Match[str]]:
+    """Runs of two or more inline white space characters, as matches whose spans are
+    positions in ``text``: found in a copy with tabs as spaces when the text is ASCII
+    (literal searches skip ahead), with a character class otherwise."""
     if text.isascii():
-        return text.replace("\t", " ").replace("\x0b", " ").replace("\x0c", " ")
+        spaced = text.replace("\t", " ").replace("\x0b", " ").replace("\x0c", " ")
+        return _SPACE_RUN.finditer(spaced)
     if _INLINE_NON_SPACE.search(text) is None:
-        return text
-    return text.translate(_TO_SPACE)
+        return _SPACE_RUN.finditer(text)
+    return _INLINE_RUN.finditer(text)
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,63 +126,74 @@ class LookaheadFree:
         token, the pieces between markers are those of :meth:`parts`."""
         if marker in text:
             return None
-        if not self.cut_stretch_start and _only_spaces(text):
-            return _LAST_TWO_SPACES.subn(" " + marker + " ", text)
-        parts = self.parts(text)
-        return marker.join(parts), len(parts) - 1
+        if not _only_spaces(text):
+            parts = self.parts(text)
+            return marker.join(parts), len(parts) - 1
+        # The common case, all in the regex engine (~1 us a cut, no Python step).
+        marked, cuts = _LAST_TWO_SPACES.subn(" " + marker + " ", text)
+        if cuts and self.cut_stretch_start:
+            # A stretch right after a line break is also cut where it starts: at a line
+            # break that spaces and a marker follow (literal-led patterns: fast).
+            ahead = f"(?= +{re.escape(marker)})"
+            for brk in ("\n", "\r"):
+                if brk in marked:
+                    marked, more = re.subn(brk + ahead, brk + marker, marked)
+                    cuts += more
+        return marked, cuts
 
     def parts(self, text: str) -> list[str]:
         """``text`` cut so that the lookahead-free pattern, run on each part, gives the
         original pattern's pieces of the whole text."""
-        spaced = _spaced(text)
-        i = spaced.find("  ")
-        if i < 0:
-            return [text]
         parts: list[str] = []
         start = 0
-        n = len(spaced)
-        while i >= 0:
-            # A stretch starts at i (a space before it would have been found first).
-            j = i + 2
-            while j < n and spaced[j] == " ":
-                j += 1
-            # Only "\r" and "\n" are whitespace besides " " in ``spaced``.
-            if j < n and spaced[j] not in "\r\n":
-                if self.cut_stretch_start and i > start and spaced[i - 1] in "\r\n":
-                    parts.append(text[start:i])
-                    start = i
-                parts.append(text[start : j - 1])
-                start = j - 1
-            i = spaced.find("  ", j)
+        n = len(text)
+        for m in _runs(text):
+            i, j = m.span()
+            # A stretch only if a non-space follows ("\r", "\n" or the end: not one).
+            if j >= n or text[j] in "\r\n":
+                continue
+            if self.cut_stretch_start and i > start and text[i - 1] in "\r\n":
+                parts.append(text[start:i])
+                start = i
+            parts.append(text[start : j - 1])
+            start = j - 1
         parts.append(text[start:])
         return parts
 
 
-WINDOW = 16_384
+WINDOW = 4_096
+
+
+# Where a long text may be cut into windows: after a character that is not white space
+# and before inline white space, or after an ASCII letter or digit and before a line
+# break. Such a
+# position is a piece boundary of every known pattern (only a run of white space holds
+# white space past its first character, and no rule takes a line break after a letter
+# or digit: only punctuation's ``[\r\n]*`` does), and matching from it depends on
+# nothing before it (no rule looks behind).
+_WINDOW_CUT = re.compile(f"{_NOT_WS}(?={_INLINE})|[A-Za-z0-9](?=[\r\n])")
 
 
 def windows(text: str) -> list[str]:
-    """A long ``text`` in windows of at least :data:`WINDOW` characters, each cut at a
-    space between two letters ("word| word"): a piece boundary for every known pattern
-    (a letter run ends before a space, and " word" is one piece whatever precedes it),
-    so the windows encode to the text's ids. Between windows tiktoken releases the GIL,
-    so marking a 100k-token prompt on a worker thread holds the event loop for one
-    window's Python work at a time. A text with no such space is one window."""
+    """A long ``text`` in windows of at least :data:`WINDOW` characters, cut where
+    :data:`_WINDOW_CUT` allows, so that the windows encode to the text's ids. Between
+    windows tiktoken releases the GIL, so marking a 100k-token prompt on a worker
+    thread holds the event loop for one window's Python work at a time. The search is
+    one regex per window (a text of a million spaces is not walked in Python); a text
+    with no such position is one window."""
     n = len(text)
     if n <= 2 * WINDOW:
         return [text]
     out: list[str] = []
     start = 0
     while n - start > 2 * WINDOW:
-        cut = text.find(" ", start + WINDOW)
-        while cut != -1 and not (
-            cut + 1 < n and text[cut - 1].isalpha() and text[cut + 1].isalpha()
-        ):
-            cut = text.find(" ", cut + 1)
-        if cut == -1:
+        # At most 2 windows' worth of characters searched (~2 ms): past that, the rest
+        # is one window rather than a long scan holding the GIL.
+        m = _WINDOW_CUT.search(text, start + WINDOW, min(n - WINDOW, start + 3 * WINDOW))
+        if m is None:
             break
-        out.append(text[start:cut])
-        start = cut
+        out.append(text[start : m.end()])
+        start = m.end()
     out.append(text[start:])
     return out
 
