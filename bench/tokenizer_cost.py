@@ -9,6 +9,7 @@
 3. A 20-turn chat whose history grows (history cached between turns): CPU per turn.
 4. Start-up: loading each directory.
 5. Event-loop lag while 100k-token chats are counted (worker thread, GIL released).
+6. Text dense with the lookahead-free split's cuts: how long marking holds the GIL.
 
 The model directories are built from vocabularies shipped on PyPI (dev dependencies
 ``dashscope`` and ``mistral-common``), as the tests build them.
@@ -33,9 +34,10 @@ import tiktoken
 
 from bench.loadgen import BodyMaker, Workload
 from kvgateway.tokens.counting import PromptCounter, TextCountCache
-from kvgateway.tokens.encoding import EncodingSpec, load_encoding
+from kvgateway.tokens.encoding import PATTERNS, EncodingSpec, load_encoding
 from kvgateway.tokens.engines import TiktokenEngine
 from kvgateway.tokens.exact import ExactCounter
+from kvgateway.tokens.lookahead_free import lookahead_free, windows
 from kvgateway.tokens.modeldir import load_model_tokenizer
 from kvgateway.tokens.plans import plan_chat
 from kvgateway.tokens.spec import TokenizerConfig
@@ -185,6 +187,36 @@ async def loop_lag(root: Path, prompts: int) -> None:
         )
 
 
+def cut_dense(root: Path) -> None:
+    """Text built to be dense with the lookahead-free split's cuts: the longest the
+    marking of one window holds the GIL (the rest of a window's work is tiktoken's,
+    which releases it)."""
+    print("6. cut-dense text: windows, and the longest marking of one window (ms)")
+    free = {
+        "qwen": lookahead_free(vocab.QWEN_PATTERN),
+        "cl100k": lookahead_free(PATTERNS["cl100k"]),
+    }
+    texts = {
+        "a  (x400k)": "a  " * 400_000,
+        "\\n   x (x200k)": "\n   x" * 200_000,
+        "\\t\\tx (x300k)": "\t\tx" * 300_000,
+        "é nbsp nbsp x (x300k)": "é\xa0\xa0x" * 300_000,
+        "x + 1M spaces + y": "x" + " " * 1_000_000 + "y",
+    }
+    for label, text in texts.items():
+        parts = windows(text)
+        row = [f"{label:22} {len(parts):4} windows"]
+        for name, rule in free.items():
+            assert rule is not None
+            worst = 0.0
+            for part in parts:
+                start = time.perf_counter()
+                rule.mark(part, "\U000f8a5b\U000f8a5c")
+                worst = max(worst, time.perf_counter() - start)
+            row.append(f"{name} {1000 * worst:5.1f}")
+        print("   " + " | ".join(row))
+
+
 def loading(root: Path) -> None:
     print("4. loading a directory, s")
     for kind in ("qwen", "llama3", "tekken", "sentencepiece"):
@@ -207,6 +239,7 @@ def main() -> None:
         asyncio.run(multi_turn(root))
         loading(root)
         asyncio.run(loop_lag(root, 2 if args.quick else 6))
+        cut_dense(root)
 
 
 if __name__ == "__main__":

@@ -117,8 +117,8 @@ def load_encoding(spec: EncodingSpec) -> Encoder:
             f"cannot load tiktoken encoding {spec.name!r} ({exc.__class__.__name__}: {exc}); "
             f"encodings available offline here: {known}; or give `file:` with a .tiktoken BPE file"
         ) from exc
-    # cl100k and o200k run lookahead-free: same ids, 1.3x faster on the overhead
-    # benchmark's chats, 1.8-3.2x on prose, code and numbers, 0.8x on CJK
+    # cl100k and o200k run lookahead-free: same ids, 1.4x faster on the overhead
+    # benchmark's chats, 1.7-4x on prose, code and numbers, 0.8x on CJK
     # (bench/tokenizer_cost.py); ~21 MB for the second copy of cl100k's tables.
     fast = FastEncoding.of(enc)
     return fast if fast.lookahead_free else enc

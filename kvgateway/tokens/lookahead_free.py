@@ -5,9 +5,11 @@ o200k and cl100k all end in a whitespace rule with a lookahead, ``\s+(?!\S)``. T
 lookahead makes tiktoken run the whole pattern in fancy-regex's backtracking engine;
 without it the pattern is a plain regular expression that runs in the ``regex``
 crate's automaton. ``python -m bench.tokenizer_cost`` (section 1) prints encode
-throughput with Qwen's vocabulary both ways, cuts included: 1.4x on prose, 1.6x on
-code, 2.5x on numbers, about even on CJK, 1.1x on the overhead benchmark's chats
-(non-ASCII, many double spaces: finding where to cut costs most of the gain there).
+throughput with Qwen's vocabulary both ways, cuts included: 1.3x on prose, 1.6x on
+code, 3x on numbers, 1.1x on the overhead benchmark's chats (non-ASCII, many double
+spaces: finding the cuts costs most of the gain there), 0.9x on CJK (where the
+automaton is no faster than fancy-regex); more for cl100k, whose pattern as given also
+has possessive quantifiers.
 
 What the lookahead does: a run of whitespace that a non-space follows keeps its last
 character for the next piece (``"a   b"`` is ``"a"``, ``"  "``, ``" b"``). It decides a

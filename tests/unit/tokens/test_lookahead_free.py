@@ -235,3 +235,15 @@ def test_surrogates_encode_as_tiktoken_repairs_them(
         ids = original.encode_ordinary(unicodedata.normalize("NFC", text))
         assert qwen.encode(text) == ids, repr(text)
         assert qwen.count_segment(text) == len(ids), repr(text)
+
+
+def test_a_million_space_run_counts_as_the_node_counts_it(
+    gateway_tokenizer: Callable[[str], ModelTokenizer],
+    node_tokenizer: Callable[[str], ModelTokenizer],
+) -> None:
+    """The pattern as given overflows fancy-regex's stack on such a run (tiktoken
+    panics); without the lookahead it is one piece, as the node's tokenizers finds."""
+    text = "x" + " " * 1_000_000 + "y"
+    assert len(windows(text)) == 1  # no cut inside white space
+    gateway, node = gateway_tokenizer("qwen").engine, node_tokenizer("qwen").engine
+    assert gateway.count_segment(text) == len(node.encode(text)) == 7815
