@@ -132,14 +132,15 @@ class LookaheadFree:
             parts = self.parts(text)
             return marker.join(parts), len(parts) - 1
         # The common case, all in the regex engine (~1 us a cut, no Python step).
-        marked, cuts = _LAST_TWO_SPACES.subn(" " + marker + " ", text)
+        literal = marker.replace("\\", "\\\\")  # a template: the marker taken as is
+        marked, cuts = _LAST_TWO_SPACES.subn(" " + literal + " ", text)
         if cuts and self.cut_stretch_start:
             # A stretch right after a line break is also cut where it starts: at a line
             # break that spaces and a marker follow (literal-led patterns: fast).
             ahead = f"(?= +{re.escape(marker)})"
             for brk in ("\n", "\r"):
                 if brk in marked:
-                    marked, more = re.subn(brk + ahead, brk + marker, marked)
+                    marked, more = re.subn(brk + ahead, brk + literal, marked)
                     cuts += more
         return marked, cuts
 

@@ -247,3 +247,15 @@ def test_a_million_space_run_counts_as_the_node_counts_it(
     assert len(windows(text)) == 1  # no cut inside white space
     gateway, node = gateway_tokenizer("qwen").engine, node_tokenizer("qwen").engine
     assert gateway.count_segment(text) == len(node.encode(text)) == 7815
+
+
+@pytest.mark.parametrize("family", ["qwen", "cl100k"])
+@pytest.mark.parametrize("marker", ["a\\b", "\\d", "<\\1>"])
+def test_mark_takes_the_marker_literally(family: str, marker: str) -> None:
+    """The marker goes into a regex replacement template: backslashes in it stay text
+    (found by a second review; the engine's own marker has none)."""
+    free = lookahead_free(_patterns()[family])
+    assert free is not None
+    text = "x\n   y  z"
+    parts = free.parts(text)
+    assert free.mark(text, marker) == (marker.join(parts), len(parts) - 1)
