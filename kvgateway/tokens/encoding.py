@@ -121,7 +121,7 @@ def load_encoding(spec: EncodingSpec) -> Encoder:
     # benchmark's chats, 1.7-4x on prose, code and numbers, 0.8x on CJK
     # (bench/tokenizer_cost.py); ~21 MB for the second copy of cl100k's tables.
     fast = FastEncoding.of(enc)
-    return fast if fast.lookahead_free else enc
+    return enc if fast is None else fast
 
 
 def _from_file(spec: EncodingSpec) -> Encoder:

