@@ -23,35 +23,21 @@ from typing import TYPE_CHECKING, Protocol
 import tiktoken
 from tiktoken.load import load_tiktoken_bpe
 
-from kvgateway.tokens.lookahead_free import FastEncoding
+from kvgateway.tokens.lookahead_free import CL100K, O200K, FastEncoding
 
 if TYPE_CHECKING:
     from kvgateway.tokens.modeldir import ModelTokenizer
 
 # Split patterns of the public OpenAI encodings, by family name. A user pointing
-# at their own BPE file picks one of these (or gives a raw regex).
-_CL100K_PATTERN = (
-    r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+"""
-    r"""|\s++$|\s*[\r\n]|\s+(?!\S)|\s"""
-)
-_O200K_PATTERN = "|".join(
-    [
-        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
-        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
-        r"""\p{N}{1,3}""",
-        r""" ?[^\s\p{L}\p{N}]+[\r\n/]*""",
-        r"""\s*[\r\n]+""",
-        r"""\s+(?!\S)""",
-        r"""\s+""",
-    ]
-)
+# at their own BPE file picks one of these (or gives a raw regex). cl100k and o200k are
+# spelled where their lookahead-free forms are (lookahead_free).
 _P50K_PATTERN = (
     r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
 )
 
 PATTERNS: dict[str, str] = {
-    "cl100k": _CL100K_PATTERN,
-    "o200k": _O200K_PATTERN,
+    "cl100k": CL100K,
+    "o200k": O200K,
     "p50k": _P50K_PATTERN,
     "r50k": _P50K_PATTERN,
 }

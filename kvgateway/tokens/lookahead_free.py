@@ -49,6 +49,12 @@ _LETTERS_O200K = (
     r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*",
 )
 _CONTRACTION = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)"
+# OpenAI's o200k (gpt-4o, gpt-oss), and cl100k as tiktoken spells it: the stand-in's.
+O200K = (
+    "|".join(f"{letters}{_CONTRACTION}?" for letters in _LETTERS_O200K)
+    + r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*"
+    + _NEWLINE_RULES
+)
 _HEADS = frozenset(
     {
         # Qwen 2 / 2.5 / 3 (tokenizer.json)
@@ -59,16 +65,14 @@ _HEADS = frozenset(
         r"| ?[^\s\p{L}\p{N}]+[\r\n]*",
         # Mistral Tekken (tekken_*.json)
         "|".join(_LETTERS_O200K) + r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*",
-        # o200k (gpt-4o, gpt-oss)
-        "|".join(f"{letters}{_CONTRACTION}?" for letters in _LETTERS_O200K)
-        + r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*",
+        O200K.removesuffix(_NEWLINE_RULES),
     }
 )
 # cl100k as tiktoken spells it (possessive quantifiers, and ``\s++$`` before the
 # newline rule); without the possessives it matches the same (nothing after them can
 # take back what they hold: each is the end of its alternative or stops at a disjoint
 # class), and without the lookahead the last rule becomes ``\s+``.
-_CL100K = (
+CL100K = (
     r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+"""
     r"""|\s++$|\s*[\r\n]|\s+(?!\S)|\s"""
 )
@@ -203,7 +207,7 @@ def windows(text: str) -> list[str]:
 
 def lookahead_free(pattern: str) -> LookaheadFree | None:
     """The pattern without its lookahead if it is one of the known family, else None."""
-    if pattern == _CL100K:
+    if pattern == CL100K:
         return LookaheadFree(_CL100K_FREE, cut_stretch_start=True)
     head = pattern.removesuffix(_NEWLINE_RULES)
     if head == pattern or head not in _HEADS:
