@@ -8,7 +8,7 @@ from dataclasses import replace
 from kvgateway.core.admission import Admission, Reservation
 from kvgateway.core.backends import Backend
 from kvgateway.core.output_model import OutputShape
-from kvgateway.core.output_risk import plan_output
+from kvgateway.core.output_risk import OutputOutlook, plan_output
 from kvgateway.server.output_accounting import OutputAccounting, client_key, count_stream_tokens
 from tests.support.backends import admission_over, backend, demand
 
@@ -36,6 +36,16 @@ def _one_node() -> tuple[Backend, Admission]:
     b = backend("a", kv=100_000)
     adm = admission_over([b], queue_size=10)
     return b, adm
+
+
+def _admit_pooled(adm: Admission) -> tuple[Reservation, OutputOutlook]:
+    """A 100-token prompt with max_tokens 400, admitted on a learned output shape with
+    the node's pooled margin (risk 0.01)."""
+    shape = OutputShape([10 + i % 40 for i in range(200)])
+    tokens, outlook = plan_output(shape, 400, 0.01, [100], 1, 16)
+    r = adm.try_admit(replace(demand(100, 400), tokens=tokens, outlook=outlook))
+    assert isinstance(r, Reservation)
+    return r, outlook
 
 
 def test_a_stream_outgrowing_its_reservation_grows_it_ahead_of_the_output():
@@ -73,10 +83,7 @@ def test_one_read_of_many_tokens_grows_the_reservation_past_all_of_them():
 
 def test_a_pooled_stream_moves_its_nodes_margin_and_stays_covered():
     b, adm = _one_node()
-    shape = OutputShape([10 + i % 40 for i in range(200)])
-    tokens, outlook = plan_output(shape, 400, 0.01, [100], 1, 16)
-    r = adm.try_admit(replace(demand(100, 400), tokens=tokens, outlook=outlook))
-    assert isinstance(r, Reservation)
+    r, outlook = _admit_pooled(adm)
     acct = OutputAccounting()
     live = acct.start(r, 100, 1, outlook.covered, 16)
     acct.on_events(live, ROLE)  # no token: nothing moves
@@ -92,10 +99,7 @@ def test_a_pooled_stream_moves_its_nodes_margin_and_stays_covered():
 
 def test_a_pooled_stream_recomputes_its_nodes_margin_every_half_block_not_every_read():
     b, adm = _one_node()
-    shape = OutputShape([10 + i % 40 for i in range(200)])
-    tokens, outlook = plan_output(shape, 400, 0.01, [100], 1, 16)
-    r = adm.try_admit(replace(demand(100, 400), tokens=tokens, outlook=outlook))
-    assert isinstance(r, Reservation)
+    r, outlook = _admit_pooled(adm)
     calls: list[int] = []
 
     class Counting:
