@@ -7,7 +7,9 @@ with a long repeated history and a new short last message (what a multi-turn cha
 sends: the history was counted before), a streaming run (24 SSE events per answer, written one by one:
 role, 20 tokens, finish, usage, [DONE]), and
 an open-loop run at a fixed rate over 32 connections (added latency below saturation).
-``direct`` is the loadgen hitting the fake upstream itself. CPU per request is the
+``direct`` is the loadgen hitting the fake upstream itself; ``floor``
+(``bench/floor_proxy.py``) is the least a counting proxy in Python costs here: aiohttp,
+JSON and the gateway's count, none of its own work. CPU per request is the
 proxy's own utime+stime (all its processes and threads, from /proc) over the requests
 completed in the window. Every process shares the machine's 2 cores; the loadgen's and
 the upstream's CPU are reported too. Optionally ``wrk`` repeats the c128 run as a
@@ -181,6 +183,24 @@ def targets(
             f"exact with {tokenizer.name}'s tokenizer + template" if tokenizer else "stand-in"
         )
         out.append(Target("gateway", gw_port, [gw.pid], f"count ({counting}) + admit + route"))
+        fl_port = procs.free_port()
+        fl = stack.enter_context(
+            procs.running(
+                "floor",
+                floor_cmd(fl_port, upstream.port, tokenizer),
+                fl_port,
+                log=workdir / "floor.log",
+            )
+        )
+        out.append(
+            Target(
+                "floor",
+                fl.port,
+                [fl.pid],
+                f"aiohttp in + JSON + the same count ({counting}) + aiohttp client out, "
+                "nothing else (bench/floor_proxy.py)",
+            )
+        )
         if ledger:
             out += _ledger_targets(stack, workdir, upstream, skipped)
         nginx = shutil.which("nginx") or (
@@ -234,6 +254,13 @@ def targets(
                 Target("vllm-router", port, [rt.pid], f"{router_version()}, --policy round_robin")
             )
         yield out
+
+
+def floor_cmd(port: int, upstream_port: int, tokenizer: Path | None) -> list[str]:
+    """bench/floor_proxy.py: the least a counting proxy in Python costs here."""
+    argv = [procs.PYTHON, "-m", "bench.floor_proxy", "--port", str(port)]
+    argv += ["--upstream", f"http://127.0.0.1:{upstream_port}"]
+    return argv + (["--tokenizer", str(tokenizer)] if tokenizer is not None else [])
 
 
 def router_version() -> str:
@@ -492,6 +519,19 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     cpu = [r["proxy_cpu_ms_per_req"] for sc in ("c32", "c128") if (r := _row(rows, sc, "gateway"))]
     hist = _row(rows, "c32-history", "gateway")
     s["gateway_cpu_ms_per_req"] = max(cpu) if cpu else None
+    # The floor: aiohttp, JSON and the same count, nothing of the gateway's own work.
+    pairs = [
+        (g["proxy_cpu_ms_per_req"], f["proxy_cpu_ms_per_req"])
+        for sc in ("c32", "c128")
+        if (g := _row(rows, sc, "gateway")) and (f := _row(rows, sc, "floor"))
+    ]
+    if pairs:
+        worst = max(pairs)
+        s["floor_cpu_ms_per_req"] = worst[1]
+        s["gateway_own_cpu_ms_per_req"] = worst[0] - worst[1]
+    f, d = _row(rows, "paced", "floor"), _row(rows, "paced", "direct")
+    if f and d and f["p99_ms"] is not None and d["p99_ms"] is not None:
+        s["added_p99_ms_paced_floor"] = f["p99_ms"] - d["p99_ms"]
     s["gateway_cpu_ms_per_req_cached_history"] = hist["proxy_cpu_ms_per_req"] if hist else None
     for sc in ("paced", "c32"):
         g, d = _row(rows, sc, "gateway"), _row(rows, sc, "direct")
@@ -598,6 +638,13 @@ def print_report(out: dict[str, Any]) -> None:
         f"{_f(s['gateway_cpu_ms_per_req_cached_history'])} ms (target <= {TARGET_CPU_CACHED_MS}): "
         f"{verdict(t['cpu_ms_per_req_cached<=0.35'])}"
     )
+    if "floor_cpu_ms_per_req" in s:
+        print(
+            f"floor (aiohttp + JSON + the same count, nothing else): "
+            f"{_f(s['floor_cpu_ms_per_req'])} ms/request, paced p99 "
+            f"+{_f(s.get('added_p99_ms_paced_floor'))} ms; the gateway's own work "
+            f"{_f(s['gateway_own_cpu_ms_per_req'])} ms/request"
+        )
     print(
         f"added latency vs direct at c32: paced p50 +{_f(s.get('added_p50_ms_paced'))} ms, "
         f"p99 +{_f(s.get('added_p99_ms_paced'))} ms (target < {TARGET_ADDED_P99_MS}): "
@@ -628,7 +675,9 @@ def plot(rows: list[dict[str, Any]], name: str = "overhead") -> None:
     plt = pyplot()
     scenarios = [s for s in SCENARIOS if s != "paced" and any(r["scenario"] == s for r in rows)]
     proxies = [
-        t for t in ("gateway", "vllm-router", "nginx") if any(r["target"] == t for r in rows)
+        t
+        for t in ("gateway", "floor", "vllm-router", "nginx")
+        if any(r["target"] == t for r in rows)
     ]
     fig, ax = plt.subplots(figsize=(8, 4))
     width = 0.8 / max(1, len(proxies))

@@ -37,3 +37,21 @@ def test_two_workers_against_one_and_their_paced_tail() -> None:
     s = summarize([_row("paced", "direct", 200, 1.5)])
     assert "workers_speedup_c32" not in s
     assert s["targets"]["workers_speedup_c32>=1.6"] is None
+
+
+def test_the_gateways_own_work_is_its_cpu_above_the_floor() -> None:
+    rows = [
+        {**_row("c32", "gateway", 500, 60), "proxy_cpu_ms_per_req": 1.5},
+        {**_row("c32", "floor", 900, 40), "proxy_cpu_ms_per_req": 0.75},
+        {**_row("c128", "gateway", 450, 250), "proxy_cpu_ms_per_req": 1.75},
+        {**_row("c128", "floor", 800, 150), "proxy_cpu_ms_per_req": 0.5},
+        _row("paced", "direct", 200, 1.5),
+        _row("paced", "floor", 200, 2.25),
+    ]
+    s = summarize(rows)
+    # Taken from the scenario where the gateway costs most, floor from the same run.
+    assert s["gateway_cpu_ms_per_req"] == 1.75
+    assert s["floor_cpu_ms_per_req"] == 0.5
+    assert s["gateway_own_cpu_ms_per_req"] == 1.25
+    assert s["added_p99_ms_paced_floor"] == 0.75
+    assert "floor_cpu_ms_per_req" not in summarize([_row("c32", "gateway", 500, 60)])
