@@ -288,6 +288,7 @@ def _ledger(s: Section) -> LedgerConfig:
         credit_hold_s=s.number(
             "credit_hold_s", d.credit_hold_s, maximum=lease / 4, exclusive_min=False
         ),
+        credit_max_requests=s.integer("credit_max_requests", d.credit_max_requests),
     )
     s.reject_unknown()
     return cfg

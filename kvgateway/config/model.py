@@ -295,9 +295,13 @@ class LedgerConfig:
     # that starts while Redis is down has never seen the real count).
     fallback_replicas: int = 2
     # What a finished request held stays recorded in Redis this long as this replica's
-    # credit (at most two requests' worth per backend): the next request that fits in it
-    # is admitted without a Redis round trip. 0: every admission asks Redis.
+    # credit: the next request that fits in it is admitted without a Redis round trip.
+    # 0: every admission asks Redis.
     credit_hold_s: float = 0.05
+    # Credit kept per backend: at most this many times the room of the request released
+    # last. Releases come in bursts (one event-loop turn finishes many answers); what is
+    # over goes back to Redis at once, and a replica refused there takes it all back.
+    credit_max_requests: int = 32
 
     @property
     def shared(self) -> bool:

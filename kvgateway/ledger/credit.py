@@ -1,7 +1,7 @@
 """Ledger credit: room recorded in Redis as this replica's that no request holds.
 
-A finished request's room is kept (at most two such requests' worth per backend) for
-``hold_s`` after it was last topped up or used; a new request that fits in it is admitted
+A finished request's room is kept (at most ``max_requests`` times the room of the request
+released last, per backend) for ``hold_s`` after it was last topped up or used; a new request that fits in it is admitted
 without a Redis round trip. The room never counts twice: Redis holds it for this replica
 all along. What goes back to Redis goes through ``give_back``.
 """
@@ -15,9 +15,10 @@ GiveBack = Callable[[str, int, int], None]
 
 
 class Credit:
-    def __init__(self, hold_s: float, give_back: GiveBack) -> None:
+    def __init__(self, hold_s: float, give_back: GiveBack, max_requests: int = 32) -> None:
         self._hold = hold_s
         self._give_back = give_back
+        self._max = max_requests
         self._room: dict[str, list[int]] = {}  # backend -> [tokens, seqs]
         self._used_at: dict[str, float] = {}
         self._timers: dict[str, asyncio.TimerHandle] = {}
@@ -42,11 +43,12 @@ class Credit:
         return got
 
     def keep(self, name: str, tokens: int, seqs: int) -> None:
-        """A request released ``tokens``/``seqs``: keep them, up to twice that."""
+        """A request released ``tokens``/``seqs``: keep them, up to ``max_requests``
+        times that."""
         room = self._room.setdefault(name, [0, 0])
         room[0] += tokens
         room[1] += seqs
-        over = max(0, room[0] - 2 * tokens), max(0, room[1] - 2 * seqs)
+        over = max(0, room[0] - self._max * tokens), max(0, room[1] - self._max * seqs)
         if over != (0, 0):
             room[0] -= over[0]
             room[1] -= over[1]

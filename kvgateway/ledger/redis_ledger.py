@@ -97,7 +97,7 @@ class RedisLedger:
         # swallowed their cancellation (the client turns some into connection errors).
         self._closing = False
         # Room recorded in Redis as ours that no request holds (part of `_mine`).
-        self._credit = Credit(cfg.credit_hold_s, self._give_back)
+        self._credit = Credit(cfg.credit_hold_s, self._give_back, cfg.credit_max_requests)
 
     # ---- what Admission calls ---------------------------------------------------
 

@@ -26,13 +26,14 @@ def test_a_redis_ledger_reads_every_key():
                 "replica_id": "gw-0",
                 "namespace": "prod",
                 "fallback_replicas": 4,
+                "credit_max_requests": 8,
             }
         }
     )
     led = cfg.ledger
     assert led.shared and led.url == "rediss://r:6380/1" and led.password_env == "PW"
     assert (led.lease_s, led.timeout_s, led.replica_id, led.namespace) == (6, 0.5, "gw-0", "prod")
-    assert led.fallback_replicas == 4
+    assert led.fallback_replicas == 4 and led.credit_max_requests == 8
 
 
 @pytest.mark.parametrize(
@@ -42,6 +43,7 @@ def test_a_redis_ledger_reads_every_key():
         ({"url": "redis://r", "lease_s": 3, "timeout_s": 2}, "ledger.timeout_s: must be at most"),
         ({"url": "redis://r", "lease_s": 0}, "ledger.lease_s"),
         ({"url": "redis://r", "port": 1}, "ledger.port"),
+        ({"url": "redis://r", "credit_max_requests": 0}, "ledger.credit_max_requests"),
     ],
 )
 def test_ledger_errors_name_the_key(ledger, message):

@@ -7,9 +7,11 @@ import asyncio
 from kvgateway.ledger.credit import Credit
 
 
-def _credit(hold_s: float = 0.05) -> tuple[Credit, list[tuple[str, int, int]]]:
+def _credit(
+    hold_s: float = 0.05, max_requests: int = 2
+) -> tuple[Credit, list[tuple[str, int, int]]]:
     given: list[tuple[str, int, int]] = []
-    return Credit(hold_s, lambda n, t, s: given.append((n, t, s))), given
+    return Credit(hold_s, lambda n, t, s: given.append((n, t, s)), max_requests), given
 
 
 async def test_a_request_that_fits_takes_it_whole_and_one_that_does_not_takes_a_part():
@@ -21,14 +23,20 @@ async def test_a_request_that_fits_takes_it_whole_and_one_that_does_not_takes_a_
     assert given == []
 
 
-async def test_at_most_two_releases_worth_is_kept():
-    c, given = _credit()
+async def test_at_most_max_requests_releases_worth_is_kept():
+    c, given = _credit(max_requests=2)
     c.keep("n", 1000, 1)
     c.keep("n", 1000, 1)
     c.keep("n", 1000, 1)
     assert given == [("n", 1000, 1)]
     c.keep("n", 100, 1)  # a small release: what is over twice its size goes back
     assert given[-1] == ("n", 1900, 1)
+    # A burst of releases (one loop turn finishing many answers) is kept up to the cap.
+    c, given = _credit(max_requests=8)
+    for _ in range(10):
+        c.keep("n", 1000, 1)
+    assert given == [("n", 1000, 1), ("n", 1000, 1)]
+    assert [c.take("n", 1000, 1) for _ in range(9)] == [(1000, 1)] * 8 + [(0, 0)]
 
 
 async def test_idle_credit_goes_back_after_the_hold_and_used_credit_stays():
