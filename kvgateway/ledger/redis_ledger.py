@@ -30,7 +30,7 @@ from kvgateway.config.model import LedgerConfig
 from kvgateway.core.admission import Admission
 from kvgateway.core.backends import Backend
 from kvgateway.core.fleet import Fleet
-from kvgateway.core.ledger import OthersView
+from kvgateway.core.ledger import Holding, OthersView
 from kvgateway.core.reservation import Reservation
 from kvgateway.ledger.credit import Credit
 from kvgateway.ledger.scripts import HEARTBEAT, RELEASE, RESERVE, Keys, Refused, parse_message
@@ -90,6 +90,9 @@ class RedisLedger:
         self._no_confirms = asyncio.Event()
         self._no_confirms.set()
         self._held_back: list[tuple[str, int, int]] = []
+        # Grants waiting for a sync's answer, per backend: in the local counters but not
+        # in the sync's snapshot (each confirms on its own once the sync is done).
+        self._parked: dict[str, list[int]] = {}
         # Releases and absolute syncs must not overlap (a batch in flight during a sync
         # would be subtracted from holdings that already exclude it).
         self._io = asyncio.Lock()
@@ -108,10 +111,17 @@ class RedisLedger:
     async def confirm(self, reservation: Reservation) -> bool:
         b = reservation.backend
         if self._sync_done is not None:
-            with contextlib.suppress(TimeoutError):
-                # Longer than a sync can take (its wait for confirms, then its call).
-                async with asyncio.timeout(self._cfg.timeout_s * 5):
-                    await self._sync_done.wait()
+            parked = self._parked.setdefault(b.name, [0, 0])
+            parked[0] += reservation.tokens
+            parked[1] += reservation.seqs
+            try:
+                with contextlib.suppress(TimeoutError):
+                    # Longer than a sync can take (its wait for confirms, then its call).
+                    async with asyncio.timeout(self._cfg.timeout_s * 5):
+                        await self._sync_done.wait()
+            finally:
+                parked[0] -= reservation.tokens
+                parked[1] -= reservation.seqs
         if not self._shared:
             return True  # still in fallback: the local share already limited it
         take_t = take_s = 0
@@ -317,7 +327,7 @@ class RedisLedger:
 
     async def _heartbeat(self, *, absolute: bool) -> None:
         backends = list(self._fleet.active)
-        own = [self._view.own(b) for b in backends] if absolute else []
+        own = [self._own_settled(b) for b in backends] if absolute else []
         if absolute:
             # From here on the holdings in `own` are the truth: releases queued or held
             # back until now are in them, and credit is not.
@@ -355,6 +365,15 @@ class RedisLedger:
             self._set_others(b, values[1 + 2 * i], values[2 + 2 * i])
         if absolute or live_changed:
             self._notify()
+
+    def _own_settled(self, b: Backend) -> Holding:
+        """This replica's holdings on ``b`` for an absolute sync: its own reservations
+        less the grants parked until the sync answers (they are recorded one by one
+        after it; in the snapshot too, they would count twice, or stay recorded for
+        good when Redis then refuses them)."""
+        own = self._view.own(b)
+        parked = self._parked.get(b.name, (0, 0))
+        return Holding(max(0, own.tokens - parked[0]), max(0, own.seqs - parked[1]))
 
     async def _load_scripts(self) -> None:
         for name, src in (("reserve", RESERVE), ("release", RELEASE), ("heartbeat", HEARTBEAT)):

@@ -310,3 +310,31 @@ async def test_a_refusal_elsewhere_takes_the_credit_back_at_once(
         got.release()
         assert await _settles_at(redis_server.url, 6000) == 6000  # b's credit now
         assert await _settles_at(redis_server.url, 0, within=4.0) == 0
+
+
+async def test_a_grant_that_waits_for_a_sync_is_recorded_once(redis_server: RedisServer) -> None:
+    # A sync writes this replica's holdings as absolute values (here a resync, as after a
+    # confirm cancelled mid-call), once the confirms already out have answered. A request
+    # granted locally meanwhile waits for the sync and is then recorded on its own: it
+    # must not be in the snapshot too (counted twice, or never released from Redis when
+    # Redis then refuses it).
+    async with replica(redis_server.url, "a", lease_s=20, credit_hold_s=0) as a:
+        kept = await a.admission.admit(_demand(1000), 1.0)
+        ctl = Redis.from_url(redis_server.url)
+        try:
+            await ctl.execute_command("CLIENT", "PAUSE", "400", "WRITE")  # scripts wait
+            out = asyncio.create_task(a.admission.admit(_demand(300), 3.0))
+            await asyncio.sleep(0.05)  # its confirm is out
+            a.ledger._resync = True
+            sync = asyncio.create_task(a.ledger._heartbeat_once())
+            await asyncio.sleep(0.05)  # the sync waits for that confirm
+            late = await a.admission.admit(_demand(500), 3.0)  # granted, parked, confirmed
+            await sync
+            first = await out
+            assert a.ledger.status().shared
+            assert await _ledger_sum(redis_server.url) == 1800
+        finally:
+            await ctl.aclose()
+        for r in (late, first, kept):
+            r.release()
+        assert await _settles_at(redis_server.url, 0) == 0
