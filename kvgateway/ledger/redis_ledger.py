@@ -81,6 +81,7 @@ class RedisLedger:
         self._pending: list[tuple[str, int, int]] = []
         self._flush = asyncio.Event()
         self._resync = False
+        self._wake = asyncio.Event()  # a heartbeat is due now (a lapsed lease)
         # While an absolute sync is out (the end of a fallback, or a resync): grants wait
         # for its answer, and releases in fallback are held back (the snapshot it sends
         # may or may not include them). The sync itself waits for confirms in flight, so
@@ -163,8 +164,10 @@ class RedisLedger:
             self._confirming -= 1
             if self._confirming == 0:
                 self._no_confirms.set()
-        granted, others_t, others_s, live = (int(x) for x in got)
+        granted, others_t, others_s, live, lapsed = (int(x) for x in got)
         self._live = live
+        if lapsed:
+            self._lapsed()
         if not self.in_shared_mode():  # fell back while the call was out: decide again
             return False
         if granted:
@@ -299,8 +302,20 @@ class RedisLedger:
 
     async def _heartbeat_loop(self) -> None:
         while not self._closing:
-            await asyncio.sleep(self._interval())
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self._interval()):
+                    await self._wake.wait()
+            self._wake.clear()
             await self._heartbeat_once()
+
+    def _lapsed(self) -> None:
+        """Redis had let this replica's lease lapse (the process was frozen, or cut off
+        longer than the lease): the others may have deleted its holdings while its
+        requests still run. Write them again now, as absolute values."""
+        if not self._resync:
+            log.warning("ledger lease had lapsed: writing this replica's holdings again")
+        self._resync = True
+        self._wake.set()
 
     async def _heartbeat_once(self) -> None:
         if self._shared and not self._resync:
@@ -355,6 +370,8 @@ class RedisLedger:
         values = [int(x) for x in got]
         live_changed = values[0] != self._live
         self._live = values[0]
+        if values[1] and not absolute:
+            self._lapsed()
         if absolute:
             self._mine = {b.name: [own[i].tokens, own[i].seqs] for i, b in enumerate(backends)}
             self._resync = False
@@ -362,7 +379,7 @@ class RedisLedger:
                 self._shared = True
                 log.info("shared ledger reached: %d live replica(s)", self._live)
         for i, b in enumerate(backends):
-            self._set_others(b, values[1 + 2 * i], values[2 + 2 * i])
+            self._set_others(b, values[2 + 2 * i], values[3 + 2 * i])
         if absolute or live_changed:
             self._notify()
 

@@ -11,7 +11,8 @@ Layout (all keys share the ``{namespace}`` hash tag, so they live in one slot):
 
 Only holdings of replicas whose lease is live are summed; a dead replica's fields are
 deleted by whoever reads them next, so a replica killed with -9 stops counting when its
-lease runs out. Time is the Redis server's (``TIME``), so replicas' clocks do not matter.
+lease runs out; one that was only frozen learns at its next call that its lease had
+lapsed, and writes its holdings again. Time is the Redis server's (``TIME``), so replicas' clocks do not matter.
 
 Fairness across replicas (approximately one FIFO queue): while another live replica has
 requests queued for a backend, a *new* request elsewhere is refused there (it queues in its
@@ -28,10 +29,13 @@ local function now_ms()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
+-- Renew my lease; also says whether it had lapsed (my holdings may have been deleted
+-- meanwhile: the caller writes them again).
 local function live(key, me, now, lease)
   redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
+  local lapsed = redis.call('ZSCORE', key, me) == false
   redis.call('ZADD', key, now + lease, me)
-  return redis.call('ZCARD', key)
+  return redis.call('ZCARD', key), lapsed and 1 or 0
 end
 -- Sum of the live replicas' holdings except mine; dead replicas' fields go.
 local function others(key, livekey, me)
@@ -70,7 +74,7 @@ end
 # KEYS: live, tok, seq, wait. ARGV: me, tokens, seqs, budget tokens, budget seqs, lease
 # ms, queued (1: this request waited in a queue), still waiting (1: more of mine queue),
 # channel, backend name. Returns {granted 0/1, others' tokens, others' seqs, live
-# replicas}; a request refused for fairness is told the backend is full, so that it
+# replicas, 1 if my lease had lapsed}; a request refused for fairness is told the backend is full, so that it
 # queues instead of asking again. A refusal is published ("wait<TAB>NAME<TAB>replica"):
 # other replicas give back the credit they keep there.
 RESERVE = (
@@ -80,7 +84,7 @@ local me = ARGV[1]
 local tokens, seqs = tonumber(ARGV[2]), tonumber(ARGV[3])
 local bt, bs = tonumber(ARGV[4]), tonumber(ARGV[5])
 local now = now_ms()
-local n = live(KEYS[1], me, now, tonumber(ARGV[6]))
+local n, lapsed = live(KEYS[1], me, now, tonumber(ARGV[6]))
 local ot, os = others(KEYS[2], KEYS[1], me), others(KEYS[3], KEYS[1], me)
 local mt, ms = mine(KEYS[2], me), mine(KEYS[3], me)
 local function refused()
@@ -89,16 +93,16 @@ local function refused()
 end
 if ARGV[7] ~= '1' and waiting(KEYS[4], KEYS[1], me) then
   refused()
-  return {0, math.max(ot, bt - mt), math.max(os, bs - ms), n}
+  return {0, math.max(ot, bt - mt), math.max(os, bs - ms), n, lapsed}
 end
 if ot + mt + tokens <= bt and os + ms + seqs <= bs then
   redis.call('HINCRBY', KEYS[2], me, tokens)
   redis.call('HINCRBY', KEYS[3], me, seqs)
   note_waiting(KEYS[4], me, now, ARGV[8] == '1')
-  return {1, ot, os, n}
+  return {1, ot, os, n, lapsed}
 end
 refused()
-return {0, ot, os, n}
+return {0, ot, os, n, lapsed}
 """
 )
 
@@ -123,15 +127,16 @@ return {ot, os}
 # KEYS: live, then (tok_i, seq_i, wait_i) per backend. ARGV: me, lease ms, absolute
 # (0/1), then (tokens_i, seqs_i, waiting_i) per backend. With absolute=1 this replica's
 # holdings are set to the given values (start-up, return from fallback, resync): never
-# added on top of the past. Returns {live replicas, others' tokens_1, others' seqs_1, ...}.
+# added on top of the past. Returns {live replicas, 1 if my lease had lapsed, others'
+# tokens_1, others' seqs_1, ...}.
 HEARTBEAT = (
     _PRELUDE
     + """
 local me = ARGV[1]
 local now = now_ms()
-local n = live(KEYS[1], me, now, tonumber(ARGV[2]))
+local n, lapsed = live(KEYS[1], me, now, tonumber(ARGV[2]))
 local absolute = ARGV[3] == '1'
-local out = {n}
+local out = {n, lapsed}
 for i = 2, #KEYS, 3 do
   for k = 0, 1 do
     local key = KEYS[i + k]

@@ -338,3 +338,28 @@ async def test_a_grant_that_waits_for_a_sync_is_recorded_once(redis_server: Redi
         for r in (late, first, kept):
             r.release()
         assert await _settles_at(redis_server.url, 0) == 0
+
+
+async def test_a_replica_whose_lease_lapsed_writes_its_holdings_again(
+    redis_server: RedisServer,
+) -> None:
+    # A replica frozen (SIGSTOP, a long GC pause, a VM migration) past its lease: the
+    # others deleted its holdings while its requests still run. Its next call to Redis
+    # learns the lease had lapsed and it writes them again, so no one admits on top.
+    async with (
+        replica(redis_server.url, "a", lease_s=1.0) as a,
+        replica(redis_server.url, "b", lease_s=1.0) as b,
+    ):
+        held = await a.admission.admit(_demand(6000), 1.0)
+        ctl = Redis.from_url(redis_server.url)
+        try:
+            await ctl.zrem("{kvgw}:live", "a")  # a's lease ran out while it was frozen
+        finally:
+            await ctl.aclose()
+        other = await b.admission.admit(_demand(3000), 1.0)  # b's call drops a's holdings
+        assert await _settles_at(redis_server.url, 9000) == 9000  # a's next heartbeat
+        with pytest.raises(Saturated):
+            await b.admission.admit(_demand(4000), 0.6)
+        other.release()
+        held.release()
+        assert await _settles_at(redis_server.url, 0) == 0
