@@ -260,6 +260,7 @@ class AdmissionCore:
 
     def _dequeued(self, w: _Waiter) -> None:
         self._claim_counts.subtract(w.claims)
+        self._ledger.queue_changed()
 
     def release(self, reservation: Reservation) -> bool:
         """Return a reservation's tokens and slot; only the first call has an effect."""

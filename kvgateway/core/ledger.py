@@ -41,6 +41,11 @@ class Ledger(Protocol):
         synchronous: the ledger sends it later."""
         ...
 
+    def queue_changed(self) -> None:
+        """A request left the admission queue (granted, timed out, cancelled, displaced):
+        a shared ledger tells the others when this replica no longer waits somewhere."""
+        ...
+
 
 class LocalLedger:
     """The embedded ledger: one process, its reservations are the backend's counters."""
@@ -53,6 +58,9 @@ class LocalLedger:
         return True
 
     def release(self, reservation: Reservation) -> None:
+        return None
+
+    def queue_changed(self) -> None:
         return None
 
 

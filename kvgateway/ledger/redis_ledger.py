@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from redis.asyncio import Redis
@@ -82,6 +82,11 @@ class RedisLedger:
         self._flush = asyncio.Event()
         self._resync = False
         self._wake = asyncio.Event()  # a heartbeat is due now (a lapsed lease)
+        # Backends where Redis has this replica waiting (its wait set), and those to take
+        # it off: a waiting entry holds back the other replicas' new requests there.
+        self._noted_waiting: set[str] = set()
+        self._unwait: set[str] = set()
+        self._reconcile_due = False
         # While an absolute sync is out (the end of a fallback, or a resync): grants wait
         # for its answer, and releases in fallback are held back (the snapshot it sends
         # may or may not include them). The sync itself waits for confirms in flight, so
@@ -170,6 +175,9 @@ class RedisLedger:
             self._lapsed()
         if not self.in_shared_mode():  # fell back while the call was out: decide again
             return False
+        # Redis now has this replica waiting there after a refusal, or as it said.
+        self._noted_waiting.add(b.name)
+        self._queue_changed_soon()
         if granted:
             m = self._mine.setdefault(b.name, [0, 0])
             m[0] += reservation.tokens - take_t
@@ -192,6 +200,27 @@ class RedisLedger:
             self._credit.keep(*item)
             return
         self._give_back(*item)
+
+    def queue_changed(self) -> None:
+        if self._noted_waiting:
+            self._queue_changed_soon()
+
+    def _queue_changed_soon(self) -> None:
+        """Once the current step is over (a refused request has queued again or gone
+        elsewhere), take this replica off the wait sets of backends it no longer waits
+        for, instead of leaving the entry until the next heartbeat (up to lease_s / 4
+        of the others' new requests held back from a free backend)."""
+        if not self._reconcile_due:
+            self._reconcile_due = True
+            asyncio.get_running_loop().call_soon(self._reconcile_waiting)
+
+    def _reconcile_waiting(self) -> None:
+        self._reconcile_due = False
+        done = {n for n in self._noted_waiting if not self._waiting_for(n)}
+        if done and self._shared:
+            self._noted_waiting -= done
+            self._unwait |= done
+            self._flush.set()
 
     @property
     def credit_grants(self) -> int:
@@ -351,10 +380,11 @@ class RedisLedger:
             self._credit.forget()
         keys: list[str] = [self._keys.live]
         args: list[int | str] = [self._id, self._lease_ms, int(absolute)]
+        waiting = {b.name for b in backends if self._waiting_for(b.name)}
         for i, b in enumerate(backends):
             keys += [self._keys.tokens(b.name), self._keys.seqs(b.name), self._keys.waiting(b.name)]
             args += [own[i].tokens, own[i].seqs] if absolute else [0, 0]
-            args.append(int(self._waiting_for(b.name)))
+            args.append(int(b.name in waiting))
         try:
             async with asyncio.timeout(self._cfg.timeout_s * 2):
                 if absolute:
@@ -368,6 +398,7 @@ class RedisLedger:
                 self._apply_share()  # backends a reload added get their share too
             return
         values = [int(x) for x in got]
+        self._noted_waiting = waiting
         live_changed = values[0] != self._live
         self._live = values[0]
         if values[1] and not absolute:
@@ -401,23 +432,29 @@ class RedisLedger:
             await self._flush.wait()
             self._flush.clear()
             batch, self._pending = self._pending, []
-            if not batch or not self._shared:
+            unwait, self._unwait = self._unwait, set()
+            if not (batch or unwait) or not self._shared:
                 continue
             try:
                 async with self._io, asyncio.timeout(self._cfg.timeout_s):
-                    await self._send_releases(batch)
+                    await self._send_releases(batch, unwait)
             except _FAILURES as exc:
                 self._fall_back(f"release failed: {exc!r}")
 
-    async def _send_releases(self, batch: Sequence[tuple[str, int, int]]) -> None:
+    async def _send_releases(
+        self, batch: Sequence[tuple[str, int, int]], unwait: Iterable[str] = ()
+    ) -> None:
         totals: dict[str, list[int]] = {}
         for name, tokens, seqs in batch:
             t = totals.setdefault(name, [0, 0])
             t[0] += tokens
             t[1] += seqs
-        if not totals:
+        gone = [self._keys.waiting(name) for name in unwait]
+        if not totals and not gone:
             return
         pipe = self._client.pipeline(transaction=False)
+        for key in gone:
+            pipe.zrem(key, self._id)
         for name, (tokens, seqs) in totals.items():
             pipe.evalsha(
                 self._shas["release"],

@@ -363,3 +363,29 @@ async def test_a_replica_whose_lease_lapsed_writes_its_holdings_again(
         other.release()
         held.release()
         assert await _settles_at(redis_server.url, 0) == 0
+
+
+async def test_a_replica_that_stops_waiting_leaves_the_wait_set_at_once(
+    redis_server: RedisServer,
+) -> None:
+    # b's request is refused (b now waits there, so new requests elsewhere leave the
+    # room to it), then gives up. b must leave the wait set then, not at its next
+    # heartbeat (lease_s / 4 = 2.5 s here), or a's new requests wait for nothing.
+    async with (
+        replica(redis_server.url, "a", lease_s=10) as a,
+        replica(redis_server.url, "b", lease_s=10) as b,
+    ):
+        held = await a.admission.admit(_demand(8000), 1.0)
+        with pytest.raises(Saturated):
+            await b.admission.admit(_demand(4000), 0.3)
+        held.release()
+        assert await _settles_at(redis_server.url, 0) == 0
+        ctl = Redis.from_url(redis_server.url)
+        try:
+            assert await ctl.zrange("{kvgw}:wait:n1", 0, -1) == []
+        finally:
+            await ctl.aclose()
+        started = time.monotonic()
+        r = await a.admission.admit(_demand(4000), 3.0)
+        assert time.monotonic() - started < 0.5
+        r.release()

@@ -38,6 +38,9 @@ class ScriptedLedger:
         self.held -= r.tokens
         self.released.append(r.tokens)
 
+    def queue_changed(self) -> None:
+        return None
+
 
 def make(kv: int, others: int):
     b = backend("a", kv=kv)

@@ -117,6 +117,9 @@ class RecordingLedger:
     def release(self, reservation: Reservation) -> None:
         self.held -= reservation.tokens
 
+    def queue_changed(self) -> None:
+        return None
+
 
 async def test_a_shared_ledger_gets_back_exactly_what_it_recorded():
     ledger = RecordingLedger()
