@@ -14,7 +14,7 @@ the replica count last seen, so the replicas together stay within each budget.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -112,13 +112,19 @@ class OthersView:
         self._applied[b.name] = (b, Holding(tokens, seqs))
         return tokens < old.tokens or seqs < old.seqs
 
-    def fall_back(self, backends: Iterable[Backend], live: int) -> list[Backend]:
-        """Blind mode: the others are taken to hold all but this replica's share.
-        Returns the backends whose room grew."""
+    def fall_back(
+        self, backends: Iterable[Backend], live: int, caps: Mapping[str, Holding] | None = None
+    ) -> list[Backend]:
+        """Blind mode: the others are taken to hold all but this replica's share, or
+        with ``caps`` (by backend name; absent: nothing) all but the lesser of the share
+        and the cap. Returns the backends whose room grew."""
         grew = []
         for b in backends:
             share_t = local_share(b.budget_tokens, live)
             share_s = max(1, local_share(b.max_num_seqs, live))
+            if caps is not None:
+                cap = caps.get(b.name, Holding(0, 0))
+                share_t, share_s = min(share_t, cap.tokens), min(share_s, cap.seqs)
             if self.set(b, b.budget_tokens - share_t, b.max_num_seqs - share_s):
                 grew.append(b)
         return grew

@@ -3,8 +3,9 @@ releases, a lease per replica, wake-ups over pub/sub, and a local-share fallback
 
 Modes: *shared* (every grant is confirmed in Redis; the others' holdings come back with
 each answer, with every heartbeat and with every release published by another replica)
-and *fallback* (Redis failed or was slow: the others are taken to hold all but this
-replica's share of each budget, ``budget // live replicas last seen``, and nothing is sent).
+and *fallback* (Redis failed or was slow: nothing is sent; the others are taken to hold
+all of each budget but what Redis records for this replica, while its lease may still be
+live, then all but its share, ``budget // live replicas last seen``).
 Back from fallback, the heartbeat writes this replica's holdings as absolute values, so
 what was admitted meanwhile is counted once, and the replica is shared again.
 
@@ -82,6 +83,11 @@ class RedisLedger:
         self._flush = asyncio.Event()
         self._resync = False
         self._wake = asyncio.Event()  # a heartbeat is due now (a lapsed lease)
+        # When (loop time) the last call that renewed this replica's lease was sent: until
+        # lease_s after it the others may count this replica at what Redis records for
+        # it, so a fallback keeps within that (see _apply_share).
+        self._renewed_at: float | None = None
+        self._lease_timer: asyncio.TimerHandle | None = None
         # Backends where Redis has this replica waiting (its wait set), and those to take
         # it off: a waiting entry holds back the other replicas' new requests there.
         self._noted_waiting: set[str] = set()
@@ -140,6 +146,7 @@ class RedisLedger:
                 return True
         self._confirming += 1
         self._no_confirms.clear()
+        sent = asyncio.get_running_loop().time()
         try:
             async with asyncio.timeout(self._cfg.timeout_s):
                 got = await self._client.evalsha(
@@ -171,6 +178,7 @@ class RedisLedger:
                 self._no_confirms.set()
         granted, others_t, others_s, live, lapsed = (int(x) for x in got)
         self._live = live
+        self._renewed(sent)
         if lapsed:
             self._lapsed()
         if not self.in_shared_mode():  # fell back while the call was out: decide again
@@ -274,19 +282,47 @@ class RedisLedger:
         self._pending.clear()
         self._credit.forget()  # the sync that ends the fallback writes what is in use
         log.warning(
-            "shared ledger unavailable (%s): each backend's budget is now shared blind, "
-            "1/%d of it for this replica, until Redis answers again",
+            "shared ledger unavailable (%s): this replica keeps within what Redis records "
+            "for it for %.1f s (its lease), then 1/%d of each backend's budget, until Redis "
+            "answers again",
             reason,
+            max(0.0, self._lease_left()),
             self._live,
         )
         self._apply_share()
         self._notify()
 
     def _apply_share(self) -> None:
-        grew = self._view.fall_back(self._fleet.active, self._live)
+        """The fallback's view. While this replica's lease may still be live, a replica
+        that reaches Redis counts it at what Redis records for it (Redis may be down for
+        this replica alone): it keeps within that, and within its share. Once the lease
+        has run out for sure, its share alone."""
+        caps = None
+        left = self._lease_left()
+        if left > 0:
+            caps = {n: Holding(max(0, m[0]), max(0, m[1])) for n, m in self._mine.items()}
+            if self._lease_timer is None:
+                loop = asyncio.get_running_loop()
+                self._lease_timer = loop.call_later(left, self._lease_over)
+        grew = self._view.fall_back(self._fleet.active, self._live, caps)
         if self._admission is not None:
             for b in grew:
                 self._admission.offer(b)
+
+    def _lease_left(self) -> float:
+        if self._renewed_at is None:
+            return 0.0
+        return self._renewed_at + self._cfg.lease_s - asyncio.get_running_loop().time()
+
+    def _lease_over(self) -> None:
+        self._lease_timer = None
+        if not self._shared:
+            self._apply_share()
+
+    def _renewed(self, sent: float) -> None:
+        """A call sent at ``sent`` renewed the lease (Redis ran it after that)."""
+        if self._renewed_at is None or sent > self._renewed_at:
+            self._renewed_at = sent
 
     # ---- background -------------------------------------------------------------
 
@@ -385,6 +421,7 @@ class RedisLedger:
             keys += [self._keys.tokens(b.name), self._keys.seqs(b.name), self._keys.waiting(b.name)]
             args += [own[i].tokens, own[i].seqs] if absolute else [0, 0]
             args.append(int(b.name in waiting))
+        sent = asyncio.get_running_loop().time()
         try:
             async with asyncio.timeout(self._cfg.timeout_s * 2):
                 if absolute:
@@ -398,6 +435,7 @@ class RedisLedger:
                 self._apply_share()  # backends a reload added get their share too
             return
         values = [int(x) for x in got]
+        self._renewed(sent)
         self._noted_waiting = waiting
         live_changed = values[0] != self._live
         self._live = values[0]

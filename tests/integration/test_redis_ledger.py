@@ -389,3 +389,32 @@ async def test_a_replica_that_stops_waiting_leaves_the_wait_set_at_once(
         r = await a.admission.admit(_demand(4000), 3.0)
         assert time.monotonic() - started < 0.5
         r.release()
+
+
+async def test_a_fallback_keeps_within_what_redis_records_while_the_lease_may_live(
+    redis_server: RedisServer,
+) -> None:
+    # Redis gone for this replica (it may be there for the others, who count this
+    # replica at what Redis records for it until its lease runs out): it keeps within
+    # that; once the lease has run out for sure, within its blind share (the whole
+    # budget: it was alone).
+    async with replica(redis_server.url, "a", lease_s=2.0, credit_hold_s=0) as a:
+        kept = await a.admission.admit(_demand(3000), 1.0)
+        redis_server.stop()
+        started = time.monotonic()
+        with pytest.raises(Saturated):
+            await a.admission.admit(_demand(1000), 0.5)
+        assert not a.ledger.status().shared
+        r = await a.admission.admit(_demand(1000), 4.0)  # once the lease is over
+        assert time.monotonic() - started < 2.6
+        with pytest.raises(Saturated):
+            await a.admission.admit(_demand(6500), 0.2)  # 3000 + 1000 + 6500 > 10000
+        redis_server.start()
+        for _ in range(40):
+            if a.ledger.status().shared:
+                break
+            await asyncio.sleep(0.1)
+        assert await _ledger_sum(redis_server.url) == 4000
+        r.release()
+        kept.release()
+        assert await _settles_at(redis_server.url, 0) == 0
