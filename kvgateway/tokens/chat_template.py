@@ -9,8 +9,17 @@ extension and a ``{% generation %}`` tag, the globals ``raise_exception`` and
 (``ensure_ascii=False``) and accepts ``indent``, ``separators`` and ``sort_keys``. The
 template sees ``messages``, ``tools``, ``documents``, ``add_generation_prompt``, the
 tokenizer's special tokens (``bos_token`` ...) and the request's
-``chat_template_kwargs``, which override all of those. ``continue_final_message``
-cuts the rendering right after the last message's text.
+``chat_template_kwargs`` (which override the special tokens; the request's own fields
+override them, see :func:`kvgateway.tokens.exact.template_arguments`).
+``continue_final_message`` appends a tag to the final text and cuts the rendering where
+the tag lands.
+
+The reference is what a vLLM node runs: vLLM pins ``transformers >= 4.56, < 5``
+(``requirements/common.txt``), and this module follows transformers 4.57's
+``apply_chat_template`` (``tokenization_utils_base.py``) and ``render_jinja_template``
+(``utils/chat_template_utils.py``). Messages reach the template as vLLM builds them
+(:func:`conversation`): transformers 4.x neither drops None-valued keys nor adds the
+``thinking`` / ``reasoning_content`` aliases that transformers 5 adds.
 
 Images and other media are not rendered here: the counter adds a configured cost per
 item (see :func:`conversation`).
@@ -27,6 +36,7 @@ from typing import Any, Literal
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import jinja2.nodes
 import jinja2.parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -56,6 +66,14 @@ _MEDIA_PARTS = frozenset(
 # Keys vLLM passes to apply_chat_template itself: a request may not set these through
 # chat_template_kwargs (vLLM answers 400), so they are ignored here.
 _RESERVED_KWARGS = frozenset({"chat_template", "tokenize"})
+# Keys vLLM passes on (vllm/renderers/hf.py @02e64f581de4, resolve_chat_template_kwargs:
+# apply_chat_template's own parameters and the template's variables are kept) that
+# collide with arguments set by vLLM's safe_apply_chat_template ("conversation", "tools")
+# or by transformers 4.57's render_jinja_template ("messages", "conversations"): Python
+# raises TypeError ("got multiple values"), which safe_apply_chat_template turns into a
+# ValueError, a 400. The last two only reach transformers when the template reads them.
+_PARAMETER_KWARGS = frozenset({"conversation", "tools"})
+_VARIABLE_KWARGS = frozenset({"messages", "conversations"})
 
 
 class TemplateError(ValueError):
@@ -199,7 +217,12 @@ def conversation(messages: Sequence[Any], fmt: ContentFormat) -> Conversation:
             calls = msg.get("tool_calls")
             if isinstance(calls, list) and calls:
                 item["tool_calls"] = [_tool_call(c) for c in calls]
+            # vLLM reads a message's deprecated reasoning_content as its reasoning when
+            # that is None (vllm/entrypoints/openai/chat_completion/protocol.py
+            # @002032ee18, ChatCompletionRequest._normalize_messages_before).
             reasoning = msg.get("reasoning")
+            if reasoning is None:
+                reasoning = msg.get("reasoning_content")
             if reasoning is not None:
                 item["reasoning"] = item["reasoning_content"] = reasoning
         elif role == "tool":
@@ -268,6 +291,7 @@ class ChatTemplate:
             raise TemplateError(f"chat template does not compile: {exc}") from exc
         self.source = source
         self.content_format: ContentFormat = "openai" if _loops_over_content(ast) else "string"
+        self.variables = frozenset(jinja2.meta.find_undeclared_variables(ast))
 
     def render(
         self,
@@ -280,46 +304,77 @@ class ChatTemplate:
         special_tokens: Mapping[str, Any] | None = None,
         kwargs: Mapping[str, Any] | None = None,
     ) -> str:
+        if not messages:
+            # transformers 4.57 apply_chat_template reads conversation[0]
+            # (tokenization_utils_base.py:1650): an IndexError, which vLLM's
+            # safe_apply_chat_template turns into a ValueError, a 400.
+            raise TemplateError("cannot apply a chat template to an empty conversation")
         context: dict[str, Any] = dict(special_tokens or {})
-        context.update(
-            messages=messages,
-            tools=tools,
-            documents=documents,
-            add_generation_prompt=add_generation_prompt,
-        )
         for key, value in (kwargs or {}).items():
+            if key in _PARAMETER_KWARGS or (key in _VARIABLE_KWARGS and key in self.variables):
+                raise TemplateError(f"chat_template_kwargs may not set {key!r}")
             if key not in _RESERVED_KWARGS:
                 context[key] = value
-        if context.get("continue_final_message"):
-            continue_final_message = True
+        context.update(
+            tools=tools, documents=documents, add_generation_prompt=add_generation_prompt
+        )
         context.pop("continue_final_message", None)
-        if continue_final_message and context.get("add_generation_prompt"):
+        if continue_final_message and add_generation_prompt:
             raise TemplateError(
                 "continue_final_message and add_generation_prompt are not compatible"
             )
+        final: str | None = None
+        if continue_final_message:
+            messages, final = self._tag_final(messages)
+        context["messages"] = messages
         try:
             rendered: str = self._template.render(**context)
         except jinja2.exceptions.TemplateError as exc:
             raise TemplateError(f"chat template: {exc}") from exc
         except (TypeError, ValueError, KeyError, AttributeError, IndexError) as exc:
             raise TemplateError(f"chat template failed: {exc!r}") from exc
-        if continue_final_message and messages:
-            rendered = _cut_after_final(rendered, messages[-1].get("content"))
+        if final is not None:
+            rendered = _cut_at_tag(rendered, final)
         return rendered
 
-
-def _cut_after_final(rendered: str, final: Any) -> str:
-    if isinstance(final, list):
-        texts = [p["text"] for p in final if isinstance(p, dict) and "text" in p]
-        if not texts:
+    def _tag_final(self, messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], str]:
+        """transformers' continue_final_message (4.57 render_jinja_template): the last text
+        of the final message gets a tag appended, and the rendering is cut where the tag
+        lands."""
+        last = dict(messages[-1])
+        content = last.get("content")
+        if isinstance(content, list):
+            parts = list(content)
+            for i in range(len(parts) - 1, -1, -1):
+                part = parts[i]
+                if isinstance(part, dict) and "text" in part:
+                    final = part["text"]
+                    parts[i] = {**part, "text": f"{final}{_CONTINUE_TAG}"}
+                    break
+            else:
+                raise TemplateError("continue_final_message: the final message has no text")
+            last["content"] = parts
+        elif isinstance(content, str):
+            final = content
+            last["content"] = content + _CONTINUE_TAG
+        else:
             raise TemplateError("continue_final_message: the final message has no text")
-        final = texts[-1]
-    if not isinstance(final, str):
-        raise TemplateError("continue_final_message: the final message has no text")
-    stripped = final.strip()
-    if stripped not in rendered:
+        if not isinstance(final, str):
+            raise TemplateError("continue_final_message: the final message has no text")
+        return [*messages[:-1], last], final
+
+
+# transformers (4.57 as 5.x) appends this to the text to continue and cuts the rendering
+# where it lands.
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+def _cut_at_tag(rendered: str, final: str) -> str:
+    tag = _CONTINUE_TAG.strip()
+    if final.strip() not in rendered or tag not in rendered:
         raise TemplateError("continue_final_message: the final message is not in the rendering")
-    at = rendered.rindex(stripped)
-    if rendered[at : at + len(final.lstrip())] == final:
-        return rendered[: at + len(final.lstrip())]
-    return rendered[: at + len(stripped)]
+    at = rendered.rindex(tag)
+    if rendered[at : at + len(_CONTINUE_TAG)] == _CONTINUE_TAG:
+        return rendered[:at]
+    # The template trimmed the text (and the tag's trailing space): so must the cut.
+    return rendered[:at].rstrip()

@@ -124,15 +124,15 @@ class ExactCounter:
         if template is None:
             template = self._template(body, tools is not None)
         conv = conversation(body.get("messages") or [], template.content_format)
-        kwargs = body.get("chat_template_kwargs")
+        args = template_arguments(body)
         text = template.render(
             conv.messages,
             tools=tools,
-            documents=body.get("documents"),
-            add_generation_prompt=_flag(body, "add_generation_prompt", True),
-            continue_final_message=_flag(body, "continue_final_message", False),
+            documents=args.pop("documents", None),
+            add_generation_prompt=bool(args.pop("add_generation_prompt", False)),
+            continue_final_message=bool(args.pop("continue_final_message", False)),
             special_tokens=self.tokenizer.special_tokens,
-            kwargs=kwargs if isinstance(kwargs, dict) else None,
+            kwargs=args,
         )
         return RenderedChat(text, conv.media, _flag(body, "add_special_tokens", False))
 
@@ -253,6 +253,37 @@ class ExactCounter:
             encoded_chars=chars,
             each=tuple(per_prompt),
         )
+
+
+def template_arguments(body: dict[str, Any]) -> dict[str, Any]:
+    """What vLLM hands apply_chat_template besides the messages and tools.
+
+    The request's ``chat_template_kwargs``, overridden by its own fields unless those
+    are null or "auto" (``add_generation_prompt``, ``continue_final_message``,
+    ``documents``, ``reasoning_effort``). A ``reasoning_effort`` also sets
+    ``enable_thinking`` (false for "none") unless the kwargs set it.
+
+    From vLLM's source (vllm-project/vllm; the search index holds these files at the
+    commits named, not at b61ce3b08a2e, whose requirements/common.txt pins
+    ``transformers >= 4.56.0, < 5``):
+    ``vllm/entrypoints/openai/chat_completion/protocol.py`` @002032ee18,
+    ``ChatCompletionRequest.build_chat_params`` (the four fields as ``extra_kwargs``, the
+    ``enable_thinking`` rule, ``merge_kwargs(self.chat_template_kwargs, extra_kwargs)``);
+    ``vllm/renderers/params.py`` @017638d701 lines 24-36, ``merge_kwargs`` (overrides
+    whose value is None or "auto" are dropped)."""
+    given = body.get("chat_template_kwargs")
+    user: dict[str, Any] = dict(given) if isinstance(given, dict) else {}
+    fields: dict[str, Any] = {
+        "add_generation_prompt": _flag(body, "add_generation_prompt", True),
+        "continue_final_message": _flag(body, "continue_final_message", False),
+        "documents": body.get("documents"),
+        "reasoning_effort": body.get("reasoning_effort"),
+    }
+    effort = fields["reasoning_effort"]
+    if effort is not None and "enable_thinking" not in user:
+        fields["enable_thinking"] = effort != "none"
+    user.update((k, v) for k, v in fields.items() if v is not None and v != "auto")
+    return user
 
 
 def _flag(body: dict[str, Any], key: str, default: bool) -> bool:

@@ -345,6 +345,9 @@ def build_sentencepiece(directory: Path) -> Path:
         },
     }
     config = {
+        # As mistralai/Mistral-7B-Instruct-v0.3's tokenizer_config.json: transformers 4.x
+        # (what vLLM runs) needs it to load a directory without a config.json.
+        "tokenizer_class": "LlamaTokenizer",
         "bos_token": "<s>",
         "eos_token": "</s>",
         "unk_token": "<unk>",

@@ -14,7 +14,7 @@ from kvgateway.tokens.chat_template import (
     conversation,
     tool_schemas,
 )
-from kvgateway.tokens.exact import ExactCounter
+from kvgateway.tokens.exact import ExactCounter, template_arguments
 from kvgateway.tokens.modeldir import ModelTokenizer
 from tests.support import templates
 
@@ -64,9 +64,12 @@ def test_generation_prompt_kwargs_and_special_tokens() -> None:
     out = render(
         source,
         special_tokens={"bos_token": "<s>"},
-        kwargs={"flavour": "spicy", "add_generation_prompt": False, "bos_token": "B"},
+        kwargs={"flavour": "spicy", "bos_token": "B"},
+        add_generation_prompt=False,
     )
     assert out == "Bspicy"
+    with pytest.raises(TemplateError, match="may not set 'tools'"):
+        render(source, kwargs={"tools": []})
     # chat_template and tokenize are vLLM's own arguments, never template variables.
     assert render("{{ tokenize is defined }}", kwargs={"tokenize": True}) == "False"
 
@@ -193,3 +196,62 @@ def test_family_templates_render_tools_and_defaults(source: str) -> None:
         assert "Cutting Knowledge Date" in plain
     if source is templates.QWEN:
         assert "You are a helpful assistant." in plain
+
+
+def test_request_fields_override_chat_template_kwargs_as_vllm_does() -> None:
+    body = {
+        "messages": USER,
+        "documents": None,
+        "chat_template_kwargs": {
+            "add_generation_prompt": False,
+            "documents": [{"title": "t", "text": "x"}],
+            "flavour": 1,
+        },
+    }
+    assert template_arguments(body) == {
+        "add_generation_prompt": True,
+        "continue_final_message": False,
+        "documents": [{"title": "t", "text": "x"}],
+        "flavour": 1,
+    }
+    thinking = template_arguments({"reasoning_effort": "none"})
+    assert thinking["enable_thinking"] is False and thinking["reasoning_effort"] == "none"
+    kept = template_arguments(
+        {"reasoning_effort": "high", "chat_template_kwargs": {"enable_thinking": False}}
+    )
+    assert kept["enable_thinking"] is False and kept["reasoning_effort"] == "high"
+
+
+def test_messages_as_vllm_and_transformers_4_pass_them() -> None:
+    """vLLM passes reasoning as ``reasoning`` and ``reasoning_content`` (and reads a
+    message's ``reasoning_content`` when ``reasoning`` is None); transformers 4.x adds no
+    ``thinking`` alias and keeps None-valued keys (5.x would do both)."""
+    source = (
+        "{% for m in messages %}{{ m.thinking | default('-') }}|{{ m.reasoning_content }}"
+        "|{{ m.tool_call_id is defined }}:{{ m.tool_call_id }};{% endfor %}"
+    )
+    msgs = [
+        {"role": "assistant", "content": "a", "reasoning": "why"},
+        {"role": "assistant", "content": "b", "reasoning": None, "reasoning_content": "old"},
+        {"role": "tool", "content": "r", "tool_call_id": None},
+    ]
+    assert render(source, msgs) == "-|why|False:;-|old|False:;-||True:None;"
+    with pytest.raises(TemplateError, match="empty conversation"):
+        ChatTemplate(source).render([])
+    # messages only collides when the template reads it (vLLM drops unread kwargs).
+    assert render("{{ x }}", kwargs={"messages": [], "x": 1}) == "1"
+    with pytest.raises(TemplateError, match="may not set 'messages'"):
+        render(source, kwargs={"messages": []})
+
+
+def test_continue_final_message_with_an_empty_or_spaced_prefix() -> None:
+    def cont(content: str) -> str:
+        msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": content}]
+        return render(
+            templates.QWEN, msgs, add_generation_prompt=False, continue_final_message=True
+        )
+
+    # transformers cuts where its tag lands: right after the header for an empty prefix,
+    # and after the trailing spaces the template kept.
+    assert cont("").endswith("<|im_start|>assistant\n")
+    assert cont("  pad  ").endswith("<|im_start|>assistant\n  pad  ")
