@@ -284,8 +284,11 @@ class LedgerConfig:
     password_env: str = ""
     # A replica that stops refreshing its lease for this long loses its reservations.
     lease_s: float = 10.0
-    # Bound on every Redis call; past it the replica falls back to its local share.
-    timeout_s: float = 0.25
+    # Bound on every Redis call; past it the replica falls back to its local share. It
+    # is measured on the replica's event loop, so it includes the loop's own lag: at
+    # 0.25 s a one-worker replica saturated at 128 concurrent requests fell back every
+    # few seconds with Redis idle (bench.overhead --ledger, c128).
+    timeout_s: float = 1.0
     # Identity of this replica in the ledger (default: host name, port and worker index);
     # a replica restarting with the same identity starts from zero, not on top of its past.
     replica_id: str = ""

@@ -6,11 +6,14 @@ from __future__ import annotations
 import os
 import socket
 
-from redis.asyncio import Redis
+from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from kvgateway.config.model import LedgerConfig
+
+# Connections to Redis per replica (each call holds one for ~0.1-1 ms; the listener one).
+POOL_CONNECTIONS = 32
 
 
 class LedgerConfigError(Exception):
@@ -26,15 +29,21 @@ def redis_client(cfg: LedgerConfig) -> Redis:
                 f"ledger.password_env names {cfg.password_env!r}, which is not set"
             )
     # hiredis parses the replies when installed (a dependency); no retries: a failed
-    # call falls back at once and the heartbeat finds out when Redis is back.
-    return Redis.from_url(
+    # call falls back at once and the heartbeat finds out when Redis is back. Calls wait
+    # (up to timeout_s) for one of POOL_CONNECTIONS connections rather than fail: with
+    # redis-py's default pool (100 connections, then an error) 128 admissions at once
+    # threw a healthy replica into the fallback.
+    pool = BlockingConnectionPool.from_url(
         cfg.url,
+        max_connections=POOL_CONNECTIONS,
+        timeout=cfg.timeout_s,
         password=password,
         socket_timeout=cfg.timeout_s,
         socket_connect_timeout=cfg.timeout_s,
         retry=Retry(NoBackoff(), 0),
         client_name="kvgateway",
     )
+    return Redis(connection_pool=pool)
 
 
 def default_replica_id(port: int, worker: int | None = None) -> str:

@@ -291,6 +291,9 @@ class RedisLedger:
         )
         self._apply_share()
         self._notify()
+        # One slow answer (a busy event loop, a Redis hiccup) is often all it was: try to
+        # return soon, not a heartbeat interval later; then every interval while it fails.
+        asyncio.get_running_loop().call_later(self._cfg.timeout_s, self._wake.set)
 
     def _apply_share(self) -> None:
         """The fallback's view. While this replica's lease may still be live, a replica
