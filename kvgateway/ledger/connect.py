@@ -43,7 +43,7 @@ def redis_client(cfg: LedgerConfig) -> Redis:
         retry=Retry(NoBackoff(), 0),
         client_name="kvgateway",
     )
-    return Redis(connection_pool=pool)
+    return Redis.from_pool(pool)  # owns the pool: aclose() closes its connections
 
 
 def default_replica_id(port: int, worker: int | None = None) -> str:
