@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import gc
 import logging
+import os
 import signal
 import sys
 from collections.abc import Awaitable, Callable
@@ -14,7 +15,12 @@ from dataclasses import replace
 
 from aiohttp import web
 
-from kvgateway.commands.workers import supervise
+from kvgateway.commands.workers import (
+    DRAIN_MARGIN_S,
+    PARENT_POLL_S,
+    bind_to_supervisor,
+    supervise,
+)
 from kvgateway.config.load import load_config
 from kvgateway.config.model import GatewayConfig
 from kvgateway.config.yamlread import ConfigError
@@ -26,6 +32,9 @@ from kvgateway.server.protocol import GatewayRunner
 from kvgateway.server.reload import Reloader, watch_file
 
 log = logging.getLogger("kvgateway.server")
+
+# How often a worker writes its queue depth to the shared metrics.
+QUEUE_GAUGE_S = 1.0
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -60,10 +69,23 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     # Set by --workers on each worker it starts.
     p.add_argument("--worker-index", type=int, help=argparse.SUPPRESS)
     p.add_argument("--metrics-dir", help=argparse.SUPPRESS)
+    p.add_argument("--worker-count", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--supervisor-pid", type=int, help=argparse.SUPPRESS)
     p.set_defaults(func=_main)
 
 
 def _main(args: argparse.Namespace) -> int:
+    watch_parent: int | None = None
+    if args.supervisor_pid is not None:
+        # First of all: a worker whose supervisor is killed must not serve on.
+        how = bind_to_supervisor(args.supervisor_pid)
+        if how == "orphaned":
+            sys.stderr.write(
+                f"gateway: worker {args.worker_index}: supervisor {args.supervisor_pid} "
+                "is gone; not starting\n"
+            )
+            return 1
+        watch_parent = args.supervisor_pid if how == "poll" else None
     try:
         config = load_config(args.config)
     except ConfigError as exc:
@@ -85,6 +107,11 @@ def _main(args: argparse.Namespace) -> int:
             )
             return 2
         config = replace(config, ledger=replace(config.ledger, url=args.ledger_url))
+    if args.worker_count is not None:
+        # Until Redis answers a worker has never seen the live count, and its blind share
+        # must not assume fewer replicas than its own supervisor runs.
+        floor = max(config.ledger.fallback_replicas, args.worker_count)
+        config = replace(config, ledger=replace(config.ledger, fallback_replicas=floor))
     if args.workers < 1:
         sys.stderr.write("gateway: --workers must be at least 1\n")
         return 2
@@ -97,7 +124,9 @@ def _main(args: argparse.Namespace) -> int:
         return 2
     setup_logging(config.server.log_format, args.log_level)
     if args.workers > 1:
-        return supervise(args, args.workers)
+        server = config.server  # with the command line's overrides
+        previous_wait_s = server.drain_delay_s + server.shutdown_grace_s + DRAIN_MARGIN_S
+        return supervise(args, args.workers, config.server.port, previous_wait_s)
     run(
         serve(
             config,
@@ -105,6 +134,7 @@ def _main(args: argparse.Namespace) -> int:
             watch=args.watch,
             worker=args.worker_index,
             metrics_dir=args.metrics_dir,
+            parent=watch_parent,
         )
     )
     return 0
@@ -136,10 +166,13 @@ async def serve(
     stop: asyncio.Event | None = None,
     worker: int | None = None,
     metrics_dir: str | None = None,
+    parent: int | None = None,
 ) -> None:
     """Serve until SIGINT/SIGTERM (or ``stop`` is set), then shut down in order:
     /ready fails, the listener closes, in-flight requests get ``shutdown_grace_s`` to
-    finish, the rest are cancelled, then the upstream session and monitor close."""
+    finish, the rest are cancelled, then the upstream session and monitor close.
+    ``parent``: also stop when this process is no longer our parent (a worker whose
+    supervisor went, where the kernel cannot signal it)."""
     try:
         derived = derive_all(config)
     except ConfigError as exc:
@@ -178,6 +211,16 @@ async def serve(
         if watch and config_path
         else None
     )
+    orphan_watch = (
+        asyncio.create_task(_watch_parent(parent, stop), name="supervisor-watch")
+        if parent is not None
+        else None
+    )
+    queue_gauge = (
+        asyncio.create_task(_publish_queue_depth(app), name="queue-depth-gauge")
+        if metrics_dir is not None
+        else None
+    )
     if ready is not None:
         ready(url)
     try:
@@ -185,13 +228,31 @@ async def serve(
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             loop.remove_signal_handler(sig)
-        if watcher is not None:
-            watcher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await watcher
+        for task in (watcher, orphan_watch, queue_gauge):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         if reloader is not None:
             await reloader.close()
         await _shutdown(app, runner, site, config)
+
+
+async def _watch_parent(parent: int, stop: asyncio.Event) -> None:
+    # A parent's end is no event this loop can await: it is looked for.
+    while os.getppid() == parent:  # noqa: ASYNC110
+        await asyncio.sleep(PARENT_POLL_S)
+    log.warning("supervisor %d is gone; shutting down", parent)
+    stop.set()
+
+
+async def _publish_queue_depth(app: web.Application) -> None:
+    """With workers, a scrape reaches one of them: the others' queue depths are written
+    here (a single process writes its own when it answers /metrics)."""
+    state = app[STATE]
+    while True:
+        state.metrics.queue_depth.set(state.admission.queue_depth)
+        await asyncio.sleep(QUEUE_GAUGE_S)
 
 
 async def _shutdown(

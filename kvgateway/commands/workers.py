@@ -6,19 +6,35 @@ through the Redis ledger (required: N in-process ledgers would each reserve the 
 budget) and their metrics through prometheus-client's multiprocess mode, in a directory
 this supervisor creates and removes. SIGTERM / SIGINT / SIGHUP are passed on; a worker
 that dies is started again.
+
+Workers die with their supervisor: each asks the kernel for SIGTERM when its parent goes
+(``PR_SET_PDEATHSIG``; elsewhere it polls its parent), and drains as on any SIGTERM. Left
+running, a killed supervisor's workers would go on serving the port while a new
+supervisor's workers took their ledger identities (``host:port/wN``) and wrote their
+holdings as zero. For the same reason a new supervisor first waits, bounded, for the
+workers of a previous run on its port that are still draining, and removes the metrics
+directories that dead runs left behind.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
 import logging
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
 from types import FrameType
+from typing import Literal
 
 from prometheus_client import multiprocess
 
@@ -26,9 +42,28 @@ log = logging.getLogger("kvgateway.server")
 
 # A worker that keeps dying is restarted at most this often.
 _RESTART_BACKOFF_S = 1.0
+# <prefix><port>-<supervisor pid>-<mkdtemp's random part, no '-'>
+_RUN_PREFIX = "kvgateway-metrics-"
+_RUN_DIR = re.compile(rf"{_RUN_PREFIX}(\d+)-(\d+)-[a-z0-9_]+")
+# prometheus-client's files: <type>_<pid>.db, gauge_<mode>_<pid>.db
+_METRICS_FILE = re.compile(r"[a-z_]+_(\d+)\.db")
+# From <linux/prctl.h>.
+_PR_SET_PDEATHSIG = 1
+# Where the kernel cannot signal a worker, it looks for its parent this often.
+PARENT_POLL_S = 1.0
+# A previous run's worker ends within its drain delay and grace plus this (the ends of
+# requests past the grace, the runner's own close).
+DRAIN_MARGIN_S = 5.0
 
 
-def worker_args(args: argparse.Namespace, index: int, metrics_dir: str) -> list[str]:
+def worker_args(
+    args: argparse.Namespace,
+    index: int,
+    metrics_dir: str,
+    *,
+    workers: int | None = None,
+    supervisor: int | None = None,
+) -> list[str]:
     out = ["serve", "--config", args.config, "--log-level", args.log_level]
     if args.host:
         out += ["--host", args.host]
@@ -40,11 +75,132 @@ def worker_args(args: argparse.Namespace, index: int, metrics_dir: str) -> list[
         out += ["--ledger-url", args.ledger_url]
     if args.drain_delay_s is not None:
         out += ["--drain-delay-s", str(args.drain_delay_s)]
+    if workers is not None:
+        out += ["--worker-count", str(workers)]
+    if supervisor is not None:
+        out += ["--supervisor-pid", str(supervisor)]
     return [*out, "--worker-index", str(index), "--metrics-dir", metrics_dir]
 
 
-def supervise(args: argparse.Namespace, workers: int) -> int:
+def bind_to_supervisor(supervisor: int) -> Literal["kernel", "poll", "orphaned"]:
+    """Make this worker end when ``supervisor`` does: "kernel" (SIGTERM will come),
+    "poll" (no PR_SET_PDEATHSIG here: the caller must watch ``os.getppid()``), or
+    "orphaned" (the supervisor was already gone: nobody will ever signal us)."""
+    how: Literal["kernel", "poll"] = "poll"
+    if sys.platform == "linux":
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) == 0:
+            how = "kernel"
+    # Asked after the prctl: a parent that died before it reparented us already.
+    return how if os.getppid() == supervisor else "orphaned"
+
+
+@dataclass(frozen=True, slots=True)
+class PreviousRun:
+    """A metrics directory some supervisor made: its port, its pid, and the pids of the
+    workers that wrote metrics in it."""
+
+    path: Path
+    port: int
+    supervisor: int
+    workers: frozenset[int]
+
+
+def parse_run_dir(name: str) -> tuple[int, int] | None:
+    """(port, supervisor pid) of a metrics directory's name; None: not one of ours."""
+    m = _RUN_DIR.fullmatch(name)
+    return (int(m[1]), int(m[2])) if m else None
+
+
+def writer_pids(files: Iterable[str]) -> frozenset[int]:
+    return frozenset(int(m[1]) for f in files if (m := _METRICS_FILE.fullmatch(f)))
+
+
+def previous_runs(tmp: Path) -> list[PreviousRun]:
+    runs = []
+    for d in tmp.glob(_RUN_PREFIX + "*"):
+        parsed = parse_run_dir(d.name)
+        if parsed is None or not d.is_dir():
+            continue
+        with contextlib.suppress(OSError):  # gone meanwhile, or not ours to read
+            runs.append(PreviousRun(d, *parsed, writer_pids(os.listdir(d))))
+    return runs
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process
+    # A zombie has ended; its parent has not collected it yet.
+    with contextlib.suppress(OSError, IndexError):
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat.rsplit(")", 1)[1].split()[0] != "Z"
+    return True
+
+
+def _runs(pid: int, marker: bytes) -> bool:
+    """``pid`` is alive and (where /proc tells) its command line holds ``marker``: a pid
+    the kernel gave to some other program since is not waited for. An empty command line
+    is a process the kernel is still tearing down (its sockets may be open yet)."""
+    if not alive(pid):
+        return False
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return True
+    return not cmdline or marker in cmdline
+
+
+def settle_previous_runs(tmp: Path, port: int, wait_s: float) -> None:
+    """Wait (at most ``wait_s``) for the workers of earlier runs on ``port`` whose
+    supervisor is gone, then remove the metrics directories of runs that have ended.
+
+    Workers still draining hold streams and ledger holdings under the identities ours
+    are about to take: started beside them, ours would write those holdings as zero.
+    A directory of a run that ended is never read again (each run makes its own); it
+    is removed so that kills do not pile them up."""
+    me = os.getpid()
+    deadline = time.monotonic() + wait_s
+    for run in previous_runs(tmp):
+        marker = str(run.path).encode()
+        if run.supervisor != me and _runs(run.supervisor, b"kvgateway"):
+            if run.port == port:
+                log.warning(
+                    "another supervisor (pid %d) runs workers on port %d: theirs and ours "
+                    "share ledger identities",
+                    run.supervisor,
+                    port,
+                )
+            continue
+        waiting = {p for p in run.workers - {me} if _runs(p, marker)}
+        if waiting and run.port == port:
+            log.warning(
+                "workers %s of a previous run on port %d are still ending; waiting up to %.0fs",
+                sorted(waiting),
+                port,
+                max(0.0, deadline - time.monotonic()),
+            )
+            while waiting and time.monotonic() < deadline:
+                time.sleep(0.05)
+                waiting = {p for p in waiting if _runs(p, marker)}
+            if waiting:
+                log.error(
+                    "workers %s of a previous run on port %d did not end; starting anyway",
+                    sorted(waiting),
+                    port,
+                )
+        if not waiting:
+            shutil.rmtree(run.path, ignore_errors=True)
+
+
+def supervise(args: argparse.Namespace, workers: int, port: int, previous_wait_s: float) -> int:
+    """Run ``workers`` workers on ``port`` until told to stop. ``previous_wait_s``: how
+    long a previous run's draining workers on the port are waited for."""
     stopping: list[int] = []
+    procs: dict[int, subprocess.Popen[bytes]] = {}
 
     def forward(signum: int, frame: FrameType | None) -> None:
         if signum != signal.SIGHUP:
@@ -53,16 +209,24 @@ def supervise(args: argparse.Namespace, workers: int) -> int:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM if signum != signal.SIGHUP else signal.SIGHUP)
 
-    with tempfile.TemporaryDirectory(prefix="kvgateway-metrics-") as metrics_dir:
+    tmp = Path(tempfile.gettempdir())
+    settle_previous_runs(tmp, port, previous_wait_s)
+    me = os.getpid()
+    with tempfile.TemporaryDirectory(prefix=f"{_RUN_PREFIX}{port}-{me}-", dir=tmp) as metrics_dir:
         env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": metrics_dir}
 
         def start(i: int) -> subprocess.Popen[bytes]:
-            cmd = [sys.executable, "-m", "kvgateway", *worker_args(args, i, metrics_dir)]
+            argv = worker_args(args, i, metrics_dir, workers=workers, supervisor=me)
+            cmd = [sys.executable, "-m", "kvgateway", *argv]
             return subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
 
-        procs = {i: start(i) for i in range(workers)}
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, forward)
+        for i in range(workers):
+            if not stopping:
+                procs[i] = start(i)
+        if stopping:  # told during a start: the worker it made was not told
+            forward(signal.SIGTERM, None)
         log.info("gateway: %d workers started (pids %s)", workers, [p.pid for p in procs.values()])
         last_restart = 0.0
         while not stopping:
@@ -71,6 +235,8 @@ def supervise(args: argparse.Namespace, workers: int) -> int:
                 code = p.poll()
                 if code is None or stopping:
                     continue
+                # Removes its gauges (live modes: see server/metrics.py); its counters
+                # and histograms stay in the sums.
                 multiprocess.mark_process_dead(p.pid, metrics_dir)  # type: ignore[no-untyped-call]
                 log.error("gateway worker %d (pid %d) exited with %d; restarting", i, p.pid, code)
                 wait = last_restart + _RESTART_BACKOFF_S - time.monotonic()

@@ -14,19 +14,21 @@ from kvgateway.ledger.redis_ledger import LedgerStatus, RedisLedger
 
 
 class LedgerMetrics:
+    # Gauges in `serve --workers` take a live mode: a worker's values go with it (the
+    # supervisor marks a dead worker's files); "max" kept a killed worker's last 1.
     def __init__(self, registry: CollectorRegistry) -> None:
         self.fallback = Gauge(
             "gateway_ledger_fallback",
             "1 while a shared ledger is configured but unreachable or slow, and this gateway "
             "admits on a blind local share of each budget; 0 otherwise.",
             registry=registry,
-            multiprocess_mode="max",
+            multiprocess_mode="livemax",
         )
         self.live_replicas = Gauge(
             "gateway_ledger_live_replicas",
             "Gateway replicas holding a live lease in the shared ledger, as last seen.",
             registry=registry,
-            multiprocess_mode="max",
+            multiprocess_mode="livemax",
         )
         self.fallbacks = Counter(
             "gateway_ledger_fallbacks",

@@ -3,6 +3,11 @@
 One :class:`GatewayMetrics` per app, on its own registry (tests get fresh ones). Per
 backend gauges are not updated on the hot path: :class:`FleetCollector` reads the live
 backend state when Prometheus scrapes. No label carries per-request values.
+
+With ``serve --workers N`` every gauge here takes a *live* multiprocess mode: the files of a
+worker that died are removed (``mark_process_dead``), so its last values do not stay in
+/metrics (a dead worker's queue would hold an alert up for good). Counters and histograms
+keep a dead worker's counts, as totals must.
 """
 
 from __future__ import annotations
@@ -99,6 +104,7 @@ class GatewayMetrics:
             "gateway_queue_depth",
             "Requests waiting in the admission queue for KV budget.",
             registry=registry,
+            multiprocess_mode="livesum",  # the instance's queue: its live workers' sum
         )
         self.queue_wait = Histogram(
             "gateway_queue_wait_seconds",
@@ -201,6 +207,7 @@ class GatewayMetrics:
             "Gateway version and routing policy.",
             ["version", "policy"],
             registry=registry,
+            multiprocess_mode="livemax",  # one series per instance, as without workers
         )
 
     def of(self, metric: MetricWrapperBase, *values: str) -> Any:

@@ -1,0 +1,209 @@
+"""`gateway serve --workers N` whose supervisor is killed with -9: its workers drain and
+exit (they must not serve on, orphaned, beside a new supervisor's workers under the same
+ledger identities), a new supervisor on the port waits for those still draining, and the
+metrics directory the killed one left is removed."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+import yaml
+
+from kvgateway.cli import build_parser
+from kvgateway.commands.workers import parse_run_dir, worker_args, writer_pids
+from tests.support.ledger_fleet import chat, gateway_config, get_json, ledger_sum, start_node
+from tests.support.live import free_ports
+from tests.support.redis_server import RedisServer
+
+pytestmark = pytest.mark.slow
+
+
+def _children(pid: int) -> list[int]:
+    with contextlib.suppress(OSError):
+        return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    return []
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan's reaper may be slow to collect it)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+class Supervisors:
+    """`gateway serve --workers 2` processes on one port, one config, one TMPDIR (where
+    their metrics directories go); every process they leave is ended by pid."""
+
+    def __init__(self, work: Path, node: str, redis_url: str, grace_s: float) -> None:
+        (self.port,) = free_ports(1)
+        self.url = f"http://127.0.0.1:{self.port}"
+        cfg = gateway_config(self.port, node, redis_url, 2.0)
+        cfg["server"]["shutdown_grace_s"] = grace_s
+        self.config = work / "gw.yaml"
+        self.config.write_text(yaml.safe_dump(cfg))
+        self.tmp = work / "tmp"
+        self.tmp.mkdir()
+        self.work = work
+        self.procs: list[asyncio.subprocess.Process] = []
+        self.workers: set[int] = set()
+
+    async def start(self) -> asyncio.subprocess.Process:
+        log = self.work / f"sup{len(self.procs)}.log"
+        with log.open("wb") as fh:
+            proc = await asyncio.create_subprocess_exec(
+                *(sys.executable, "-m", "kvgateway", "serve", "--config", str(self.config)),
+                "--workers",
+                "2",
+                stdout=fh,
+                stderr=asyncio.subprocess.STDOUT,
+                stdin=asyncio.subprocess.DEVNULL,
+                env={**os.environ, "TMPDIR": str(self.tmp)},
+            )
+        self.procs.append(proc)
+        return proc
+
+    async def ready(self, proc: asyncio.subprocess.Process) -> list[int]:
+        """Both workers answer /ready; their pids."""
+        ids: set[str] = set()
+        deadline = time.monotonic() + 40
+        while len(ids) < 2:
+            assert proc.returncode is None and time.monotonic() < deadline, self.log()
+            with contextlib.suppress(aiohttp.ClientError):
+                ids.add((await get_json(self.url + "/ready"))["ledger"]["replica_id"])
+            await asyncio.sleep(0.05)
+        pids = _children(proc.pid)
+        self.workers |= set(pids)
+        return pids
+
+    def runs(self) -> list[str]:
+        """The metrics directories in their TMPDIR."""
+        return sorted(p.name for p in self.tmp.glob("kvgateway-metrics-*"))
+
+    def log(self) -> str:
+        return "".join(p.read_text()[-2000:] for p in sorted(self.work.glob("sup*.log")))
+
+    async def close(self) -> None:
+        for p in self.procs:
+            self.workers |= set(_children(p.pid))
+            if p.returncode is None:
+                p.terminate()
+                try:
+                    await asyncio.wait_for(p.wait(), 15)
+                except TimeoutError:
+                    p.kill()
+                    await p.wait()
+        for pid in self.workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture
+async def node() -> AsyncIterator[str]:
+    server = await start_node(time_scale=2)
+    try:
+        yield str(server.make_url("")).rstrip("/")
+    finally:
+        await server.close()
+
+
+async def _gone(pids: list[int], within_s: float) -> None:
+    deadline = time.monotonic() + within_s
+    while any(_running(p) for p in pids):
+        assert time.monotonic() < deadline, f"workers {pids} outlived their supervisor"
+        await asyncio.sleep(0.05)
+
+
+async def test_workers_drain_and_exit_when_their_supervisor_is_killed(
+    tmp_path: Path, node: str, redis_server: RedisServer
+) -> None:
+    sups = Supervisors(tmp_path, node, redis_server.url, grace_s=1.0)
+    try:
+        sup = await sups.start()
+        workers = await sups.ready(sup)
+        assert len(workers) == 2
+        sup.kill()
+        await sup.wait()
+        # Their SIGTERM path: no drain delay, 1 s of grace, the runner's close.
+        await _gone(workers, within_s=8.0)
+        assert _port_free(sups.port)
+        assert sups.log().count("gateway stopped") == 2, sups.log()
+    finally:
+        await sups.close()
+
+
+async def test_a_new_supervisor_waits_for_the_old_workers_and_clears_their_metrics(
+    tmp_path: Path, node: str, redis_server: RedisServer
+) -> None:
+    # The grace outlasts the new supervisor's own start: old workers are still draining
+    # streams (holding ledger holdings under host:port/wN) when it is ready to start.
+    sups = Supervisors(tmp_path, node, redis_server.url, grace_s=4.0)
+    timeout = aiohttp.ClientTimeout(total=30)
+    try:
+        first = await sups.start()
+        old = await sups.ready(first)
+        (old_dir,) = sups.runs()
+        async with aiohttp.ClientSession(timeout=timeout) as s:
+            held = [asyncio.create_task(chat(s, sups.url, 1000, 6000)) for _ in range(3)]
+            deadline = time.monotonic() + 10
+            while await ledger_sum(redis_server.url) < 3 * 6000:
+                assert time.monotonic() < deadline, "the streams never showed in the ledger"
+                await asyncio.sleep(0.05)
+            first.kill()
+            await first.wait()
+            second = await sups.start()
+            deadline = time.monotonic() + 30
+            while not (new := _children(second.pid)):
+                assert second.returncode is None and time.monotonic() < deadline, sups.log()
+                await asyncio.sleep(0.01)
+            # No new worker before every old one has ended: they share identities.
+            assert not [p for p in old if _running(p)], "new workers started beside old ones"
+            sups.workers |= set(new)
+            # The killed run's metrics directory is gone; the new run has its own.
+            (new_dir,) = sups.runs()
+            assert new_dir != old_dir
+            assert parse_run_dir(new_dir) == (sups.port, second.pid)
+            # The old streams ended with an answer (not a reset), within the grace.
+            assert all(st == 503 for st in await asyncio.gather(*held)), held
+    finally:
+        await sups.close()
+    assert sups.runs() == []  # a clean stop removes its own directory
+
+
+def test_workers_are_told_their_supervisor_and_their_number() -> None:
+    args = build_parser().parse_args(
+        ["serve", "--config", "g.yaml", "--ledger-url", "redis://r/0", "--workers", "3"]
+    )
+    got = build_parser().parse_args(worker_args(args, 1, "/tmp/m", workers=3, supervisor=4242))
+    assert (got.worker_index, got.worker_count, got.supervisor_pid) == (1, 3, 4242)
+    assert got.workers == 1
+
+
+def test_metrics_directories_name_their_run_and_files_their_writers() -> None:
+    assert parse_run_dir("kvgateway-metrics-8080-123-ab_c9x1z") == (8080, 123)
+    assert parse_run_dir("kvgateway-metrics-ab_c9x1z") is None  # an older run's name
+    assert parse_run_dir("kvgateway-metrics-8080-123-") is None
+    files = ["counter_11.db", "gauge_livemax_12.db", "histogram_11.db", "notes.txt"]
+    assert writer_pids(files) == {11, 12}
