@@ -22,8 +22,8 @@ from tests.support.ledger_fleet import (
     get_json,
     ledger_sum,
     node_view,
+    running_node,
     start_gateway,
-    start_node,
     stop_gateway,
 )
 from tests.support.redis_server import RedisServer
@@ -37,11 +37,8 @@ PROMPT_WORDS, MAX_TOKENS, PER_GATEWAY = 1000, 3000, 12
 
 @pytest.fixture
 async def node() -> AsyncIterator[str]:
-    server = await start_node(time_scale=40)
-    try:
-        yield str(server.make_url("")).rstrip("/")
-    finally:
-        await server.close()
+    async with running_node(time_scale=40) as url:
+        yield url
 
 
 @pytest.fixture

@@ -18,8 +18,8 @@ import pytest
 from tests.support.ledger_fleet import (
     GatewayProc,
     get_json,
+    running_node,
     start_gateway,
-    start_node,
     stop_gateway,
 )
 from tests.support.redis_server import RedisServer
@@ -29,11 +29,8 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture
 async def node() -> AsyncIterator[str]:
-    server = await start_node(time_scale=40)
-    try:
-        yield str(server.make_url("")).rstrip("/")
-    finally:
-        await server.close()
+    async with running_node(time_scale=40) as url:
+        yield url
 
 
 async def _metrics(url: str) -> str:

@@ -21,7 +21,7 @@ import yaml
 
 from kvgateway.cli import build_parser
 from kvgateway.commands.workers import parse_run_dir, worker_args, writer_pids
-from tests.support.ledger_fleet import chat, gateway_config, get_json, ledger_sum, start_node
+from tests.support.ledger_fleet import chat, gateway_config, get_json, ledger_sum, running_node
 from tests.support.live import free_ports
 from tests.support.redis_server import RedisServer
 
@@ -122,11 +122,8 @@ class Supervisors:
 
 @pytest.fixture
 async def node() -> AsyncIterator[str]:
-    server = await start_node(time_scale=2)
-    try:
-        yield str(server.make_url("")).rstrip("/")
-    finally:
-        await server.close()
+    async with running_node(time_scale=2) as url:
+        yield url
 
 
 async def _gone(pids: list[int], within_s: float) -> None:

@@ -4,9 +4,11 @@ in the test process (so its engine state can be read), each gateway is `gateway 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +32,16 @@ async def start_node(time_scale: float) -> TestServer:
     server = TestServer(create_node(settings, encodings=ENCODINGS), host="127.0.0.1")
     await server.start_server()
     return server
+
+
+@contextlib.asynccontextmanager
+async def running_node(time_scale: float) -> AsyncIterator[str]:
+    """The simulated node for the block; yields its base URL."""
+    server = await start_node(time_scale)
+    try:
+        yield str(server.make_url("")).rstrip("/")
+    finally:
+        await server.close()
 
 
 def gateway_config(
