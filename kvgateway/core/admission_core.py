@@ -257,6 +257,7 @@ class AdmissionCore:
     def _enqueue(self, w: _Waiter) -> None:
         self._waiters.append(w)
         self._claim_counts.update(w.claims)
+        self._ledger.queue_changed()
 
     def _dequeued(self, w: _Waiter) -> None:
         self._claim_counts.subtract(w.claims)
@@ -336,6 +337,10 @@ class AdmissionCore:
                 claimed |= w.claims
         if gone:
             self._waiters = deque(w for w in self._waiters if w not in gone)
+
+    def waiting_backends(self) -> set[str]:
+        """The backends queued requests claim."""
+        return {n for n, c in self._claim_counts.items() if c > 0}
 
     def waiting_for(self, name: str) -> bool:
         """Does a queued request claim backend ``name``? (A shared ledger tells the other

@@ -42,8 +42,8 @@ class Ledger(Protocol):
         ...
 
     def queue_changed(self) -> None:
-        """A request left the admission queue (granted, timed out, cancelled, displaced):
-        a shared ledger tells the others when this replica no longer waits somewhere."""
+        """A request joined or left the admission queue: a shared ledger tells the others
+        where this replica starts or stops waiting."""
         ...
 
 

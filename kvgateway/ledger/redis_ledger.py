@@ -34,7 +34,16 @@ from kvgateway.core.fleet import Fleet
 from kvgateway.core.ledger import Holding, OthersView
 from kvgateway.core.reservation import Reservation
 from kvgateway.ledger.credit import Credit
-from kvgateway.ledger.scripts import HEARTBEAT, RELEASE, RESERVE, Keys, Refused, parse_message
+from kvgateway.ledger.scripts import (
+    HEARTBEAT,
+    MARK,
+    RELEASE,
+    RESERVE,
+    Keys,
+    Refused,
+    parse_message,
+)
+from kvgateway.ledger.waiting import WaitMarks
 
 log = logging.getLogger("kvgateway.ledger")
 
@@ -88,11 +97,9 @@ class RedisLedger:
         # it, so a fallback keeps within that (see _apply_share).
         self._renewed_at: float | None = None
         self._lease_timer: asyncio.TimerHandle | None = None
-        # Backends where Redis has this replica waiting (its wait set), and those to take
-        # it off: a waiting entry holds back the other replicas' new requests there.
-        self._noted_waiting: set[str] = set()
-        self._unwait: set[str] = set()
-        self._reconcile_due = False
+        # Where Redis lists this replica as waiting; the queue changed since it was told.
+        self._marks = WaitMarks()
+        self._marks_due = False
         # While an absolute sync is out (the end of a fallback, or a resync): grants wait
         # for its answer, and releases in fallback are held back (the snapshot it sends
         # may or may not include them). The sync itself waits for confirms in flight, so
@@ -146,7 +153,7 @@ class RedisLedger:
                 return True
         self._confirming += 1
         self._no_confirms.clear()
-        sent = asyncio.get_running_loop().time()
+        still_waiting = self._waiting_for(b.name)
         try:
             async with asyncio.timeout(self._cfg.timeout_s):
                 got = await self._client.evalsha(
@@ -161,7 +168,7 @@ class RedisLedger:
                     b.max_num_seqs,
                     self._lease_ms,
                     int(reservation.queued_s > 0),
-                    int(self._waiting_for(b.name)),
+                    int(still_waiting),
                     self._keys.channel,
                     b.name,
                 )
@@ -170,6 +177,8 @@ class RedisLedger:
             self._resync = True
             raise
         except _FAILURES as exc:
+            if isinstance(exc, TimeoutError):
+                self._renewed()  # Redis may have run it: the lease may have been renewed
             self._fall_back(f"reserve failed: {exc!r}")
             return False
         finally:
@@ -178,14 +187,14 @@ class RedisLedger:
                 self._no_confirms.set()
         granted, others_t, others_s, live, lapsed = (int(x) for x in got)
         self._live = live
-        self._renewed(sent)
+        self._renewed()
         if lapsed:
             self._lapsed()
         if not self.in_shared_mode():  # fell back while the call was out: decide again
             return False
-        # Redis now has this replica waiting there after a refusal, or as it said.
-        self._noted_waiting.add(b.name)
-        self._queue_changed_soon()
+        self._marks.confirmed(b.name, refused=not granted, still_waiting=still_waiting)
+        if not granted:
+            self.queue_changed()  # the refused request queues, or goes elsewhere
         if granted:
             m = self._mine.setdefault(b.name, [0, 0])
             m[0] += reservation.tokens - take_t
@@ -210,25 +219,12 @@ class RedisLedger:
         self._give_back(*item)
 
     def queue_changed(self) -> None:
-        if self._noted_waiting:
-            self._queue_changed_soon()
-
-    def _queue_changed_soon(self) -> None:
-        """Once the current step is over (a refused request has queued again or gone
-        elsewhere), take this replica off the wait sets of backends it no longer waits
-        for, instead of leaving the entry until the next heartbeat (up to lease_s / 4
-        of the others' new requests held back from a free backend)."""
-        if not self._reconcile_due:
-            self._reconcile_due = True
-            asyncio.get_running_loop().call_soon(self._reconcile_waiting)
-
-    def _reconcile_waiting(self) -> None:
-        self._reconcile_due = False
-        done = {n for n in self._noted_waiting if not self._waiting_for(n)}
-        if done and self._shared:
-            self._noted_waiting -= done
-            self._unwait |= done
-            self._flush.set()
+        """Tell Redis, with the next release batch, where this replica now starts or
+        stops waiting (see :mod:`kvgateway.ledger.waiting`): not at the next heartbeat,
+        up to lease_s / 4 later, while a stale entry holds the others' new requests off a
+        free backend, or a missing one lets another replica's credit starve this queue."""
+        self._marks_due = True
+        self._flush.set()
 
     @property
     def credit_grants(self) -> int:
@@ -322,10 +318,10 @@ class RedisLedger:
         if not self._shared:
             self._apply_share()
 
-    def _renewed(self, sent: float) -> None:
-        """A call sent at ``sent`` renewed the lease (Redis ran it after that)."""
-        if self._renewed_at is None or sent > self._renewed_at:
-            self._renewed_at = sent
+    def _renewed(self) -> None:
+        """A call renewed the lease (or may have: one that timed out may still have run),
+        at the latest now."""
+        self._renewed_at = asyncio.get_running_loop().time()
 
     # ---- background -------------------------------------------------------------
 
@@ -389,6 +385,8 @@ class RedisLedger:
         if self._shared and not self._resync:
             await self._heartbeat(absolute=False)
             return
+        if not self._shared and not await self._reachable():
+            return  # no sync attempted: grants are not held up waiting for one
         async with self._io:
             self._sync_done = asyncio.Event()
             try:
@@ -424,13 +422,14 @@ class RedisLedger:
             keys += [self._keys.tokens(b.name), self._keys.seqs(b.name), self._keys.waiting(b.name)]
             args += [own[i].tokens, own[i].seqs] if absolute else [0, 0]
             args.append(int(b.name in waiting))
-        sent = asyncio.get_running_loop().time()
         try:
             async with asyncio.timeout(self._cfg.timeout_s * 2):
                 if absolute:
                     await self._load_scripts()
                 got = await self._client.evalsha(self._shas["heartbeat"], len(keys), *keys, *args)
         except _FAILURES as exc:
+            if isinstance(exc, TimeoutError) and self._shared:
+                self._renewed()  # Redis may have run it
             if self._shared:
                 self._fall_back(f"heartbeat failed: {exc!r}")
             else:
@@ -438,14 +437,20 @@ class RedisLedger:
                 self._apply_share()  # backends a reload added get their share too
             return
         values = [int(x) for x in got]
-        self._renewed(sent)
-        self._noted_waiting = waiting
+        self._renewed()
+        self._marks.heartbeat(waiting)
         live_changed = values[0] != self._live
         self._live = values[0]
         if values[1] and not absolute:
             self._lapsed()
         if absolute:
             self._mine = {b.name: [own[i].tokens, own[i].seqs] for i, b in enumerate(backends)}
+            # Given back while the sync was out (a resync in shared mode): not in the
+            # snapshot, still to be sent.
+            for name, tokens, seqs in self._pending:
+                m = self._mine.setdefault(name, [0, 0])
+                m[0] -= tokens
+                m[1] -= seqs
             self._resync = False
             if not self._shared:
                 self._shared = True
@@ -454,6 +459,18 @@ class RedisLedger:
             self._set_others(b, values[2 + 2 * i], values[3 + 2 * i])
         if absolute or live_changed:
             self._notify()
+
+    async def _reachable(self) -> bool:
+        """In the fallback: does Redis answer at all? (A sync holds new grants until it
+        ends; against a Redis that hangs, each attempt would hold them for its timeout.)"""
+        try:
+            async with asyncio.timeout(self._cfg.timeout_s):
+                await self._client.ping()
+        except _FAILURES as exc:
+            self._reason = f"Redis unreachable: {exc!r}"
+            self._apply_share()  # backends a reload added get their share too
+            return False
+        return True
 
     def _own_settled(self, b: Backend) -> Holding:
         """This replica's holdings on ``b`` for an absolute sync: its own reservations
@@ -465,37 +482,52 @@ class RedisLedger:
         return Holding(max(0, own.tokens - parked[0]), max(0, own.seqs - parked[1]))
 
     async def _load_scripts(self) -> None:
-        for name, src in (("reserve", RESERVE), ("release", RELEASE), ("heartbeat", HEARTBEAT)):
+        scripts = (("reserve", RESERVE), ("release", RELEASE), ("heartbeat", HEARTBEAT))
+        for name, src in (*scripts, ("mark", MARK)):
             self._shas[name] = await self._client.script_load(src)
 
     async def _flush_loop(self) -> None:
         while not self._closing:
             await self._flush.wait()
             self._flush.clear()
-            batch, self._pending = self._pending, []
-            unwait, self._unwait = self._unwait, set()
-            if not (batch or unwait) or not self._shared:
-                continue
             try:
+                # What is sent is taken once the lock is held: a sync that held it first
+                # has written holdings that already leave out what was queued before it.
                 async with self._io, asyncio.timeout(self._cfg.timeout_s):
-                    await self._send_releases(batch, unwait)
+                    if not self._shared:
+                        continue
+                    batch, self._pending = self._pending, []
+                    enter: set[str] = set()
+                    leave: set[str] = set()
+                    if self._marks_due and self._admission is not None:
+                        self._marks_due = False
+                        enter, leave = self._marks.changes(self._admission.waiting_backends())
+                    if batch or enter or leave:
+                        await self._send_releases(batch, enter, leave)
+                        self._marks.sent(enter, leave)
             except _FAILURES as exc:
                 self._fall_back(f"release failed: {exc!r}")
 
     async def _send_releases(
-        self, batch: Sequence[tuple[str, int, int]], unwait: Iterable[str] = ()
+        self,
+        batch: Sequence[tuple[str, int, int]],
+        enter: Iterable[str] = (),
+        leave: Iterable[str] = (),
     ) -> None:
         totals: dict[str, list[int]] = {}
         for name, tokens, seqs in batch:
             t = totals.setdefault(name, [0, 0])
             t[0] += tokens
             t[1] += seqs
-        gone = [self._keys.waiting(name) for name in unwait]
-        if not totals and not gone:
+        marks = [(name, 1) for name in enter] + [(name, 0) for name in leave]
+        if not totals and not marks:
             return
         pipe = self._client.pipeline(transaction=False)
-        for key in gone:
-            pipe.zrem(key, self._id)
+        for name, flag in marks:
+            pipe.evalsha(
+                self._shas["mark"], 1, self._keys.waiting(name), self._id, flag,
+                self._keys.channel, name,
+            )  # fmt: skip
         for name, (tokens, seqs) in totals.items():
             pipe.evalsha(
                 self._shas["release"],

@@ -153,6 +153,23 @@ return out
 )
 
 
+# KEYS: wait. ARGV: me, 1 to enter (0 to leave), channel, backend name. Entering is
+# published as a refusal is ("wait<TAB>NAME<TAB>replica"): replicas keeping credit there
+# give it back.
+MARK = (
+    _PRELUDE
+    + """
+if ARGV[2] == '1' then
+  redis.call('ZADD', KEYS[1], 'NX', now_ms(), ARGV[1])
+  redis.call('PUBLISH', ARGV[3], 'wait\t' .. ARGV[4] .. '\t' .. ARGV[1])
+else
+  redis.call('ZREM', KEYS[1], ARGV[1])
+end
+return 1
+"""
+)
+
+
 @dataclass(frozen=True, slots=True)
 class Keys:
     namespace: str

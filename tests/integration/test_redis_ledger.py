@@ -419,3 +419,66 @@ async def test_a_fallback_keeps_within_what_redis_records_while_the_lease_may_li
         r.release()
         kept.release()
         assert await _settles_at(redis_server.url, 0) == 0
+
+
+async def test_credit_goes_back_when_another_replica_queues_on_its_own_view(
+    redis_server: RedisServer,
+) -> None:
+    # a filled the node in a burst and keeps the freed room as credit while it runs one
+    # request at a time (each use keeps the credit alive). b's view says the node is
+    # full, so b queues without asking Redis: its entering the wait set is announced,
+    # and a gives the credit back.
+    async with (
+        replica(redis_server.url, "a", lease_s=10) as a,
+        replica(redis_server.url, "b", lease_s=10) as b,
+    ):
+        burst = [await a.admission.admit(_demand(1000), 1.0) for _ in range(10)]
+        for r in burst:
+            r.release()
+        stop = False
+
+        async def trickle() -> None:
+            while not stop:
+                async with a.admission.reserve(_demand(1000), 5.0):
+                    await asyncio.sleep(0.01)
+                await asyncio.sleep(0.01)
+
+        task = asyncio.create_task(trickle())
+        try:
+            for _ in range(100):  # b hears of a's holdings (a release or a heartbeat)
+                if b.ledger.others_tokens(b.node) > 8000:
+                    break
+                await asyncio.sleep(0.05)
+            started = time.monotonic()
+            got = await b.admission.admit(_demand(1000), 3.0)
+            assert time.monotonic() - started < 1.0
+            got.release()
+        finally:
+            stop = True
+            await task
+
+
+async def test_a_request_queued_in_the_fallback_and_granted_after_it_is_recorded(
+    redis_server: RedisServer,
+) -> None:
+    async with replica(redis_server.url, "a", lease_s=10, credit_hold_s=0) as a:
+        held = await a.admission.admit(_demand(6000), 1.0)
+        redis_server.stop()
+        for _ in range(60):
+            if not a.ledger.status().shared:
+                break
+            await asyncio.sleep(0.1)
+        assert not a.ledger.status().shared
+        waiting = asyncio.create_task(a.admission.admit(_demand(4500), 30.0))
+        await asyncio.sleep(0.2)
+        redis_server.start()
+        for _ in range(100):
+            if a.ledger.status().shared:
+                break
+            await asyncio.sleep(0.1)
+        assert a.ledger.status().shared
+        held.release()
+        late = await asyncio.wait_for(waiting, 5.0)  # granted once shared again
+        assert await _settles_at(redis_server.url, 4500) == 4500
+        late.release()
+        assert await _settles_at(redis_server.url, 0) == 0
