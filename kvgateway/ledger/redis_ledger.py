@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from redis.asyncio import Redis
@@ -33,16 +33,9 @@ from kvgateway.core.backends import Backend
 from kvgateway.core.fleet import Fleet
 from kvgateway.core.ledger import Holding, OthersView
 from kvgateway.core.reservation import Reservation
+from kvgateway.ledger.calls import LedgerCalls, release_totals
 from kvgateway.ledger.credit import Credit
-from kvgateway.ledger.scripts import (
-    HEARTBEAT,
-    MARK,
-    RELEASE,
-    RESERVE,
-    Keys,
-    Refused,
-    parse_message,
-)
+from kvgateway.ledger.scripts import Keys, Refused, parse_message
 from kvgateway.ledger.waiting import WaitMarks
 
 log = logging.getLogger("kvgateway.ledger")
@@ -74,14 +67,12 @@ class RedisLedger:
         self._cfg = cfg
         self._id = replica_id
         self._fleet = fleet
-        self._client = client
         self._keys = Keys(cfg.namespace)
+        self._calls = LedgerCalls(client, self._keys, replica_id, int(cfg.lease_s * 1000))
         self._view = OthersView(fleet.adjust)
-        self._lease_ms = int(cfg.lease_s * 1000)
         self._on_status = on_status
         self._on_credit = on_credit
         self._admission: Admission | None = None
-        self._shas: dict[str, str] = {}
         self._shared = False
         self._live = cfg.fallback_replicas
         self._reason = "not yet connected"
@@ -156,21 +147,12 @@ class RedisLedger:
         still_waiting = self._waiting_for(b.name)
         try:
             async with asyncio.timeout(self._cfg.timeout_s):
-                got = await self._client.evalsha(
-                    self._shas["reserve"],
-                    4,
-                    *self._keys.backend(b.name),
-                    self._keys.waiting(b.name),
-                    self._id,
+                got = await self._calls.reserve(
+                    b,
                     reservation.tokens - take_t,
                     reservation.seqs - take_s,
-                    b.budget_tokens,
-                    b.max_num_seqs,
-                    self._lease_ms,
-                    int(reservation.queued_s > 0),
-                    int(still_waiting),
-                    self._keys.channel,
-                    b.name,
+                    queued=reservation.queued_s > 0,
+                    still_waiting=still_waiting,
                 )
         except asyncio.CancelledError:
             # Redis may have recorded it: the next heartbeat rewrites our holdings.
@@ -185,7 +167,7 @@ class RedisLedger:
             self._confirming -= 1
             if self._confirming == 0:
                 self._no_confirms.set()
-        granted, others_t, others_s, live, lapsed = (int(x) for x in got)
+        granted, others_t, others_s, live, lapsed = got
         self._live = live
         self._renewed()
         if lapsed:
@@ -349,7 +331,7 @@ class RedisLedger:
             except TimeoutError:
                 log.warning("ledger tasks did not stop in time: %s", [t.get_name() for t in tasks])
             await self._leave()
-            await self._client.aclose()
+            await self._calls.close()
 
     async def _leave(self) -> None:
         """A clean stop: give back what is still recorded and drop the lease now."""
@@ -358,8 +340,8 @@ class RedisLedger:
         self._credit.drop_all()
         with contextlib.suppress(*_FAILURES):
             async with asyncio.timeout(self._cfg.timeout_s * 4):
-                await self._send_releases(self._pending)
-                await self._client.zrem(self._keys.live, self._id)
+                await self._calls.release(release_totals(self._pending))
+                await self._calls.leave()
 
     def _interval(self) -> float:
         return self._cfg.lease_s / 4
@@ -415,18 +397,12 @@ class RedisLedger:
             self._pending.clear()
             self._held_back.clear()
             self._credit.forget()
-        keys: list[str] = [self._keys.live]
-        args: list[int | str] = [self._id, self._lease_ms, int(absolute)]
         waiting = {b.name for b in backends if self._waiting_for(b.name)}
-        for i, b in enumerate(backends):
-            keys += [self._keys.tokens(b.name), self._keys.seqs(b.name), self._keys.waiting(b.name)]
-            args += [own[i].tokens, own[i].seqs] if absolute else [0, 0]
-            args.append(int(b.name in waiting))
         try:
             async with asyncio.timeout(self._cfg.timeout_s * 2):
                 if absolute:
-                    await self._load_scripts()
-                got = await self._client.evalsha(self._shas["heartbeat"], len(keys), *keys, *args)
+                    await self._calls.load_scripts()
+                values = await self._calls.heartbeat(backends, own if absolute else None, waiting)
         except _FAILURES as exc:
             if isinstance(exc, TimeoutError) and self._shared:
                 self._renewed()  # Redis may have run it
@@ -436,7 +412,6 @@ class RedisLedger:
                 self._reason = f"Redis unreachable: {exc!r}"
                 self._apply_share()  # backends a reload added get their share too
             return
-        values = [int(x) for x in got]
         self._renewed()
         self._marks.heartbeat(waiting)
         live_changed = values[0] != self._live
@@ -465,7 +440,7 @@ class RedisLedger:
         ends; against a Redis that hangs, each attempt would hold them for its timeout.)"""
         try:
             async with asyncio.timeout(self._cfg.timeout_s):
-                await self._client.ping()
+                await self._calls.ping()
         except _FAILURES as exc:
             self._reason = f"Redis unreachable: {exc!r}"
             self._apply_share()  # backends a reload added get their share too
@@ -480,11 +455,6 @@ class RedisLedger:
         own = self._view.own(b)
         parked = self._parked.get(b.name, (0, 0))
         return Holding(max(0, own.tokens - parked[0]), max(0, own.seqs - parked[1]))
-
-    async def _load_scripts(self) -> None:
-        scripts = (("reserve", RESERVE), ("release", RELEASE), ("heartbeat", HEARTBEAT))
-        for name, src in (*scripts, ("mark", MARK)):
-            self._shas[name] = await self._client.script_load(src)
 
     async def _flush_loop(self) -> None:
         while not self._closing:
@@ -503,48 +473,15 @@ class RedisLedger:
                         self._marks_due = False
                         enter, leave = self._marks.changes(self._admission.waiting_backends())
                     if batch or enter or leave:
-                        await self._send_releases(batch, enter, leave)
+                        await self._calls.release(release_totals(batch), enter, leave)
                         self._marks.sent(enter, leave)
             except _FAILURES as exc:
                 self._fall_back(f"release failed: {exc!r}")
 
-    async def _send_releases(
-        self,
-        batch: Sequence[tuple[str, int, int]],
-        enter: Iterable[str] = (),
-        leave: Iterable[str] = (),
-    ) -> None:
-        totals: dict[str, list[int]] = {}
-        for name, tokens, seqs in batch:
-            t = totals.setdefault(name, [0, 0])
-            t[0] += tokens
-            t[1] += seqs
-        marks = [(name, 1) for name in enter] + [(name, 0) for name in leave]
-        if not totals and not marks:
-            return
-        pipe = self._client.pipeline(transaction=False)
-        for name, flag in marks:
-            pipe.evalsha(
-                self._shas["mark"], 1, self._keys.waiting(name), self._id, flag,
-                self._keys.channel, name,
-            )  # fmt: skip
-        for name, (tokens, seqs) in totals.items():
-            pipe.evalsha(
-                self._shas["release"],
-                3,
-                *self._keys.backend(name),
-                self._id,
-                tokens,
-                seqs,
-                self._keys.channel,
-                name,
-            )
-        await pipe.execute()
-
     async def _listen_loop(self) -> None:
         while not self._closing:
             try:
-                async with self._client.pubsub() as ps:
+                async with self._calls.pubsub() as ps:
                     await ps.subscribe(self._keys.channel)
                     while not self._closing:
                         msg = await ps.get_message(ignore_subscribe_messages=True, timeout=1.0)

@@ -1,0 +1,113 @@
+"""The shared ledger's calls to Redis, one method per Lua script of
+:mod:`kvgateway.ledger.scripts`, with the keys and arguments in the order the script
+takes them. No state here beyond the scripts' hashes: what the calls mean for this
+replica's holdings is :class:`kvgateway.ledger.redis_ledger.RedisLedger`'s business.
+Unbounded on their own: the caller bounds every call."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+
+from redis.asyncio import Redis
+from redis.asyncio.client import PubSub
+
+from kvgateway.core.backends import Backend
+from kvgateway.core.ledger import Holding
+from kvgateway.ledger.scripts import HEARTBEAT, MARK, RELEASE, RESERVE, Keys
+
+
+class LedgerCalls:
+    def __init__(self, client: Redis, keys: Keys, replica_id: str, lease_ms: int) -> None:
+        self._client = client
+        self._keys = keys
+        self._id = replica_id
+        self._lease_ms = lease_ms
+        self._shas: dict[str, str] = {}
+
+    async def load_scripts(self) -> None:
+        scripts = {"reserve": RESERVE, "release": RELEASE, "heartbeat": HEARTBEAT, "mark": MARK}
+        for name, src in scripts.items():
+            self._shas[name] = await self._client.script_load(src)
+
+    async def reserve(
+        self, b: Backend, tokens: int, seqs: int, *, queued: bool, still_waiting: bool
+    ) -> tuple[int, int, int, int, int]:
+        """(granted, others' tokens, others' seqs, live replicas, lease had lapsed)."""
+        got = await self._client.evalsha(
+            self._shas["reserve"],
+            4,
+            *self._keys.backend(b.name),
+            self._keys.waiting(b.name),
+            self._id,
+            tokens,
+            seqs,
+            b.budget_tokens,
+            b.max_num_seqs,
+            self._lease_ms,
+            int(queued),
+            int(still_waiting),
+            self._keys.channel,
+            b.name,
+        )
+        granted, others_t, others_s, live, lapsed = (int(x) for x in got)
+        return granted, others_t, others_s, live, lapsed
+
+    async def heartbeat(
+        self, backends: Sequence[Backend], own: Sequence[Holding] | None, waiting: set[str]
+    ) -> list[int]:
+        """Renew the lease, write the wait marks and, with ``own``, this replica's
+        holdings as absolute values: [live replicas, lapsed, then others' tokens and
+        seqs per backend]."""
+        keys: list[str] = [self._keys.live]
+        args: list[int | str] = [self._id, self._lease_ms, int(own is not None)]
+        for i, b in enumerate(backends):
+            keys += [self._keys.tokens(b.name), self._keys.seqs(b.name), self._keys.waiting(b.name)]
+            args += [own[i].tokens, own[i].seqs] if own is not None else [0, 0]
+            args.append(int(b.name in waiting))
+        got = await self._client.evalsha(self._shas["heartbeat"], len(keys), *keys, *args)
+        return [int(x) for x in got]
+
+    async def release(
+        self,
+        totals: Mapping[str, tuple[int, int]],
+        enter: Iterable[str] = (),
+        leave: Iterable[str] = (),
+    ) -> None:
+        """One pipeline: wait marks (entered, left) and releases per backend."""
+        marks = [(name, 1) for name in enter] + [(name, 0) for name in leave]
+        if not totals and not marks:
+            return
+        pipe = self._client.pipeline(transaction=False)
+        for name, flag in marks:
+            pipe.evalsha(
+                self._shas["mark"], 1, self._keys.waiting(name), self._id, flag,
+                self._keys.channel, name,
+            )  # fmt: skip
+        for name, (tokens, seqs) in totals.items():
+            pipe.evalsha(
+                self._shas["release"], 3, *self._keys.backend(name), self._id, tokens, seqs,
+                self._keys.channel, name,
+            )  # fmt: skip
+        await pipe.execute()
+
+    async def ping(self) -> None:
+        await self._client.ping()
+
+    async def leave(self) -> None:
+        """Drop the lease now (a clean stop)."""
+        await self._client.zrem(self._keys.live, self._id)
+
+    def pubsub(self) -> PubSub:
+        return self._client.pubsub()
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+
+def release_totals(batch: Iterable[tuple[str, int, int]]) -> dict[str, tuple[int, int]]:
+    """Releases summed per backend (one script call each)."""
+    totals: dict[str, tuple[int, int]] = {}
+    for name, tokens, seqs in batch:
+        t = totals.get(name, (0, 0))
+        totals[name] = (t[0] + tokens, t[1] + seqs)
+    return totals
