@@ -158,6 +158,7 @@ class AdmissionCore:
         self._adjust(backend, booked, demand.sequences, 1)
         if ticket is not None and self._tenancy is not None:
             self._tenancy.granted(ticket, r.tokens)
+        self._ledger.granted(r)
         return r
 
     @staticmethod
@@ -339,7 +340,7 @@ class AdmissionCore:
             self._waiters = deque(w for w in self._waiters if w not in gone)
 
     def waiting_backends(self) -> set[str]:
-        """The backends queued requests claim."""
+        """The backends queued requests claim (as :meth:`waiting_for`)."""
         return {n for n, c in self._claim_counts.items() if c > 0}
 
     def waiting_for(self, name: str) -> bool:

@@ -46,6 +46,11 @@ class Ledger(Protocol):
         where this replica starts or stops waiting."""
         ...
 
+    def granted(self, reservation: Reservation) -> None:
+        """A reservation was just granted locally (synchronously, before anything else
+        runs): a shared ledger notes what its confirm will have to do."""
+        ...
+
 
 class LocalLedger:
     """The embedded ledger: one process, its reservations are the backend's counters."""
@@ -61,6 +66,9 @@ class LocalLedger:
         return None
 
     def queue_changed(self) -> None:
+        return None
+
+    def granted(self, reservation: Reservation) -> None:
         return None
 
 

@@ -56,8 +56,8 @@ class LedgerCalls:
         self, backends: Sequence[Backend], own: Sequence[Holding] | None, waiting: set[str]
     ) -> list[int]:
         """Renew the lease, write the wait marks and, with ``own``, this replica's
-        holdings as absolute values: [live replicas, lapsed, then others' tokens and
-        seqs per backend]."""
+        holdings as absolute values: [live replicas, lapsed, then per backend others'
+        tokens, others' seqs and whether another replica waits there]."""
         keys: list[str] = [self._keys.live]
         args: list[int | str] = [self._id, self._lease_ms, int(own is not None)]
         for i, b in enumerate(backends):

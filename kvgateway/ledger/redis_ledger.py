@@ -91,6 +91,9 @@ class RedisLedger:
         # Where Redis lists this replica as waiting; the queue changed since it was told.
         self._marks = WaitMarks()
         self._marks_due = False
+        # Backends where another replica waits (a published refusal or wait mark, or the
+        # last heartbeat's answer): no credit is kept or used there.
+        self._contended: set[str] = set()
         # While an absolute sync is out (the end of a fallback, or a resync): grants wait
         # for its answer, and releases in fallback are held back (the snapshot it sends
         # may or may not include them). The sync itself waits for confirms in flight, so
@@ -103,6 +106,12 @@ class RedisLedger:
         # Grants waiting for a sync's answer, per backend: in the local counters but not
         # in the sync's snapshot (each confirms on its own once the sync is done).
         self._parked: dict[str, list[int]] = {}
+        # By reservation id, from the moment of the grant (before its confirm can run):
+        # grants made while a sync was out (parked: its snapshot leaves them out), and
+        # grants made in the fallback with none out (the next sync's snapshot holds them:
+        # their confirm records nothing).
+        self._parked_ids: set[int] = set()
+        self._unrecorded: set[int] = set()
         # Releases and absolute syncs must not overlap (a batch in flight during a sync
         # would be subtracted from holdings that already exclude it).
         self._io = asyncio.Lock()
@@ -118,25 +127,43 @@ class RedisLedger:
     def shared(self) -> bool:
         return self._shared or self._sync_done is not None
 
+    def granted(self, reservation: Reservation) -> None:
+        if self._sync_done is not None:
+            self._park(reservation)
+        elif not self._shared:
+            self._unrecorded.add(reservation.id)
+
+    def _park(self, r: Reservation, sign: int = 1) -> None:
+        parked = self._parked.setdefault(r.backend.name, [0, 0])
+        parked[0] += sign * r.tokens
+        parked[1] += sign * r.seqs
+        if sign > 0:
+            self._parked_ids.add(r.id)
+        else:
+            self._parked_ids.discard(r.id)
+
     async def confirm(self, reservation: Reservation) -> bool:
         b = reservation.backend
-        if self._sync_done is not None:
-            parked = self._parked.setdefault(b.name, [0, 0])
-            parked[0] += reservation.tokens
-            parked[1] += reservation.seqs
+        if reservation.id in self._unrecorded:
+            self._unrecorded.discard(reservation.id)
+            return True  # granted in the fallback: in the snapshot of the sync that ends it
+        if reservation.id not in self._parked_ids and self._sync_done is not None:
+            self._park(reservation)
+        if reservation.id in self._parked_ids:
             try:
-                with contextlib.suppress(TimeoutError):
-                    # Longer than a sync can take (its wait for confirms, then its call).
-                    async with asyncio.timeout(self._cfg.timeout_s * 5):
-                        await self._sync_done.wait()
+                if self._sync_done is not None:
+                    with contextlib.suppress(TimeoutError):
+                        # Longer than a sync can take (its wait for confirms, its call).
+                        async with asyncio.timeout(self._cfg.timeout_s * 5):
+                            await self._sync_done.wait()
             finally:
-                parked[0] -= reservation.tokens
-                parked[1] -= reservation.seqs
+                self._park(reservation, -1)
         if not self._shared:
             return True  # still in fallback: the local share already limited it
         take_t = take_s = 0
-        if self._sync_done is None:
+        if self._sync_done is None and b.name not in self._contended:
             # What credit there is counts towards it; Redis is asked for the rest, if any.
+            # (Not where another replica waits: Redis decides, fairly, who goes first.)
             take_t, take_s = self._credit.take(b.name, reservation.tokens, reservation.seqs)
             if (take_t, take_s) == (reservation.tokens, reservation.seqs):
                 if self._on_credit is not None:
@@ -175,8 +202,9 @@ class RedisLedger:
         if not self.in_shared_mode():  # fell back while the call was out: decide again
             return False
         self._marks.confirmed(b.name, refused=not granted, still_waiting=still_waiting)
-        if not granted:
-            self.queue_changed()  # the refused request queues, or goes elsewhere
+        # The queue may have changed while the call was out (or the refused request
+        # queues again, or goes elsewhere): check the marks against it once more.
+        self.queue_changed()
         if granted:
             m = self._mine.setdefault(b.name, [0, 0])
             m[0] += reservation.tokens - take_t
@@ -190,12 +218,15 @@ class RedisLedger:
         return bool(granted)
 
     def release(self, reservation: Reservation) -> None:
+        self._unrecorded.discard(reservation.id)
+        if reservation.id in self._parked_ids:  # released before its confirm ran
+            self._park(reservation, -1)
         item = (reservation.backend.name, reservation.tokens, reservation.seqs)
         if not self._shared:
             if self._sync_done is not None:
                 self._held_back.append(item)
             return  # in fallback: the sync that ends it writes absolute holdings
-        if self._credit.enabled and self._sync_done is None:
+        if self._credit.enabled and self._sync_done is None and item[0] not in self._contended:
             self._credit.keep(*item)
             return
         self._give_back(*item)
@@ -414,6 +445,7 @@ class RedisLedger:
             return
         self._renewed()
         self._marks.heartbeat(waiting)
+        self.queue_changed()  # the queue may have changed while the heartbeat was out
         live_changed = values[0] != self._live
         self._live = values[0]
         if values[1] and not absolute:
@@ -431,7 +463,8 @@ class RedisLedger:
                 self._shared = True
                 log.info("shared ledger reached: %d live replica(s)", self._live)
         for i, b in enumerate(backends):
-            self._set_others(b, values[2 + 2 * i], values[3 + 2 * i])
+            self._set_others(b, values[2 + 3 * i], values[3 + 3 * i])
+        self._contended = {b.name for i, b in enumerate(backends) if values[4 + 3 * i]}
         if absolute or live_changed:
             self._notify()
 
@@ -503,7 +536,10 @@ class RedisLedger:
         if msg.replica == self._id:
             return
         if isinstance(msg, Refused):
-            self._credit.drop(msg.backend)  # a replica waits there: our credit goes back
+            # A replica waits there: our credit goes back, and none is kept there until
+            # a heartbeat finds nobody waiting.
+            self._contended.add(msg.backend)
+            self._credit.drop(msg.backend)
             return
         name, tokens, seqs = msg.backend, msg.tokens, msg.seqs
         b = self._fleet.get(name)

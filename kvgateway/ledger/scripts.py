@@ -128,7 +128,7 @@ return {ot, os}
 # (0/1), then (tokens_i, seqs_i, waiting_i) per backend. With absolute=1 this replica's
 # holdings are set to the given values (start-up, return from fallback, resync): never
 # added on top of the past. Returns {live replicas, 1 if my lease had lapsed, others'
-# tokens_1, others' seqs_1, ...}.
+# tokens_1, others' seqs_1, 1 if another replica waits there_1, ...}.
 HEARTBEAT = (
     _PRELUDE
     + """
@@ -147,6 +147,7 @@ for i = 2, #KEYS, 3 do
     out[#out + 1] = others(key, KEYS[1], me)
   end
   note_waiting(KEYS[i + 2], me, now, ARGV[i + 4] == '1')
+  out[#out + 1] = waiting(KEYS[i + 2], KEYS[1], me) and 1 or 0
 end
 return out
 """

@@ -482,3 +482,75 @@ async def test_a_request_queued_in_the_fallback_and_granted_after_it_is_recorded
         assert await _settles_at(redis_server.url, 4500) == 4500
         late.release()
         assert await _settles_at(redis_server.url, 0) == 0
+
+
+async def test_a_steady_holder_keeps_no_credit_where_another_replica_waits(
+    redis_server: RedisServer,
+) -> None:
+    # b runs one request at a time and would keep each one's room as credit, taking it
+    # again without asking Redis; a's request queues for that room. Once a waits there,
+    # b keeps no credit on that backend, so Redis decides who goes first.
+    async with (
+        replica(redis_server.url, "a", lease_s=10) as a,
+        replica(redis_server.url, "b", lease_s=10) as b,
+    ):
+        held = [await a.admission.admit(_demand(1000), 1.0) for _ in range(9)]
+        stop = False
+
+        async def trickle() -> None:
+            while not stop:
+                async with b.admission.reserve(_demand(1000), 5.0):
+                    await asyncio.sleep(0.01)
+                await asyncio.sleep(0.005)
+
+        task = asyncio.create_task(trickle())
+        try:
+            await asyncio.sleep(0.3)
+            for _ in range(4):
+                started = time.monotonic()
+                r = await a.admission.admit(_demand(1000), 2.0)
+                assert time.monotonic() - started < 1.0
+                await asyncio.sleep(0.02)
+                r.release()
+                await asyncio.sleep(0.1)
+        finally:
+            stop = True
+            await task
+        for r in held:
+            r.release()
+        assert await _settles_at(redis_server.url, 0, within=4.0) == 0
+
+
+async def test_a_grant_made_as_a_return_sync_begins_is_recorded_once(
+    redis_server: RedisServer,
+) -> None:
+    # A request queued in the fallback is granted in the same step as the sync that ends
+    # the fallback starts (here: a release inside its first call to Redis). The sync's
+    # snapshot holds the grant, so its confirm must not record it again.
+    async with replica(redis_server.url, "a", lease_s=10, credit_hold_s=0) as a:
+        held = await a.admission.admit(_demand(6000), 1.0)
+        redis_server.stop()
+        for _ in range(60):
+            if not a.ledger.status().shared:
+                break
+            await asyncio.sleep(0.1)
+        waiting = asyncio.create_task(a.admission.admit(_demand(4500), 30.0))
+        await asyncio.sleep(0.2)
+        calls = a.ledger._calls
+        ping = calls.ping
+
+        async def ping_then_release() -> None:
+            await ping()
+            if not held.released:
+                held.release()  # the waiter is granted now, before the snapshot
+
+        calls.ping = ping_then_release  # type: ignore[method-assign]
+        redis_server.start()
+        late = await asyncio.wait_for(waiting, 10.0)
+        for _ in range(100):
+            if a.ledger.status().shared:
+                break
+            await asyncio.sleep(0.1)
+        assert await _settles_at(redis_server.url, 4500) == 4500
+        late.release()
+        assert await _settles_at(redis_server.url, 0) == 0

@@ -41,6 +41,9 @@ class ScriptedLedger:
     def queue_changed(self) -> None:
         return None
 
+    def granted(self, r: Reservation) -> None:
+        return None
+
 
 def make(kv: int, others: int):
     b = backend("a", kv=kv)

@@ -120,6 +120,9 @@ class RecordingLedger:
     def queue_changed(self) -> None:
         return None
 
+    def granted(self, r: Reservation) -> None:
+        return None
+
 
 async def test_a_shared_ledger_gets_back_exactly_what_it_recorded():
     ledger = RecordingLedger()
