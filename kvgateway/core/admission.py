@@ -52,16 +52,14 @@ class Admission(AdmissionCore):
         Raises ContextLengthExceeded (never fits), NoHealthyBackend, or Saturated
         (queue full or timed out).
         """
-        # With a shared ledger the local grant must be confirmed; a refusal has refreshed
-        # the view (the backend now looks fuller), so deciding again picks another or
-        # waits. Asked per grant: a request that queued while the ledger was in its
-        # fallback may be granted after it is shared again.
+        # Every grant goes through the ledger's confirm (the in-process ledger says yes at
+        # once; a shared one records it, or lets it count locally in its fallback). A
+        # refusal has refreshed the view (the backend now looks fuller), so deciding
+        # again picks another backend or waits.
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while True:
             r = await self._admit_local(demand, deadline - loop.time())
-            if not self._ledger.shared:
-                return r
             ok = False
             try:
                 ok = await self._ledger.confirm(r)

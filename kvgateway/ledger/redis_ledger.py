@@ -103,15 +103,13 @@ class RedisLedger:
         self._no_confirms = asyncio.Event()
         self._no_confirms.set()
         self._held_back: list[tuple[str, int, int]] = []
-        # Grants waiting for a sync's answer, per backend: in the local counters but not
-        # in the sync's snapshot (each confirms on its own once the sync is done).
-        self._parked: dict[str, list[int]] = {}
-        # By reservation id, from the moment of the grant (before its confirm can run):
-        # grants made while a sync was out (parked: its snapshot leaves them out), and
-        # grants made in the fallback with none out (the next sync's snapshot holds them:
-        # their confirm records nothing).
-        self._parked_ids: set[int] = set()
-        self._unrecorded: set[int] = set()
+        # Grants not recorded in Redis by their own confirm yet, from the moment they are
+        # made until their confirm ends (or their release, if it comes first): by
+        # reservation id, and summed per backend. A sync's snapshot leaves them out; each
+        # is then recorded once, by its confirm (or, made in the fallback, by the next
+        # sync's snapshot once its confirm has let it go).
+        self._unsent: dict[int, Reservation] = {}
+        self._unsent_by: dict[str, list[int]] = {}
         # Releases and absolute syncs must not overlap (a batch in flight during a sync
         # would be subtracted from holdings that already exclude it).
         self._io = asyncio.Lock()
@@ -128,38 +126,38 @@ class RedisLedger:
         return self._shared or self._sync_done is not None
 
     def granted(self, reservation: Reservation) -> None:
-        if self._sync_done is not None:
-            self._park(reservation)
-        elif not self._shared:
-            self._unrecorded.add(reservation.id)
+        self._unsent[reservation.id] = reservation
+        by = self._unsent_by.setdefault(reservation.backend.name, [0, 0])
+        by[0] += reservation.tokens
+        by[1] += reservation.seqs
 
-    def _park(self, r: Reservation, sign: int = 1) -> None:
-        parked = self._parked.setdefault(r.backend.name, [0, 0])
-        parked[0] += sign * r.tokens
-        parked[1] += sign * r.seqs
-        if sign > 0:
-            self._parked_ids.add(r.id)
-        else:
-            self._parked_ids.discard(r.id)
+    def _sent(self, r: Reservation) -> bool:
+        """Let ``r`` go from the unsent grants; False if it was not there."""
+        if self._unsent.pop(r.id, None) is None:
+            return False
+        by = self._unsent_by[r.backend.name]
+        by[0] -= r.tokens
+        by[1] -= r.seqs
+        return True
 
     async def confirm(self, reservation: Reservation) -> bool:
+        try:
+            return await self._confirm(reservation)
+        finally:
+            # Recorded by now (its reserve, or credit already recorded as ours), refused
+            # or failed (released uncounted), or local in the fallback (the next sync's
+            # snapshot holds it): no longer to be left out of a snapshot.
+            self._sent(reservation)
+
+    async def _confirm(self, reservation: Reservation) -> bool:
         b = reservation.backend
-        if reservation.id in self._unrecorded:
-            self._unrecorded.discard(reservation.id)
-            return True  # granted in the fallback: in the snapshot of the sync that ends it
-        if reservation.id not in self._parked_ids and self._sync_done is not None:
-            self._park(reservation)
-        if reservation.id in self._parked_ids:
-            try:
-                if self._sync_done is not None:
-                    with contextlib.suppress(TimeoutError):
-                        # Longer than a sync can take (its wait for confirms, its call).
-                        async with asyncio.timeout(self._cfg.timeout_s * 5):
-                            await self._sync_done.wait()
-            finally:
-                self._park(reservation, -1)
+        if self._sync_done is not None:
+            with contextlib.suppress(TimeoutError):
+                # Longer than a sync can take (its wait for confirms, then its call).
+                async with asyncio.timeout(self._cfg.timeout_s * 5):
+                    await self._sync_done.wait()
         if not self._shared:
-            return True  # still in fallback: the local share already limited it
+            return True  # in the fallback: the local share already limited it
         take_t = take_s = 0
         if self._sync_done is None and b.name not in self._contended:
             # What credit there is counts towards it; Redis is asked for the rest, if any.
@@ -218,9 +216,8 @@ class RedisLedger:
         return bool(granted)
 
     def release(self, reservation: Reservation) -> None:
-        self._unrecorded.discard(reservation.id)
-        if reservation.id in self._parked_ids:  # released before its confirm ran
-            self._park(reservation, -1)
+        if self._sent(reservation):
+            return  # released before its confirm ran: never recorded, in no snapshot
         item = (reservation.backend.name, reservation.tokens, reservation.seqs)
         if not self._shared:
             if self._sync_done is not None:
@@ -482,12 +479,12 @@ class RedisLedger:
 
     def _own_settled(self, b: Backend) -> Holding:
         """This replica's holdings on ``b`` for an absolute sync: its own reservations
-        less the grants parked until the sync answers (they are recorded one by one
-        after it; in the snapshot too, they would count twice, or stay recorded for
-        good when Redis then refuses them)."""
+        less the grants whose confirm has not ended (each is recorded by its confirm;
+        in the snapshot too, it would count twice, or stay recorded for good when Redis
+        then refuses it)."""
         own = self._view.own(b)
-        parked = self._parked.get(b.name, (0, 0))
-        return Holding(max(0, own.tokens - parked[0]), max(0, own.seqs - parked[1]))
+        unsent = self._unsent_by.get(b.name, (0, 0))
+        return Holding(max(0, own.tokens - unsent[0]), max(0, own.seqs - unsent[1]))
 
     async def _flush_loop(self) -> None:
         while not self._closing:
