@@ -8,6 +8,7 @@ import contextlib
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 from redis.asyncio import Redis
@@ -553,4 +554,39 @@ async def test_a_grant_made_as_a_return_sync_begins_is_recorded_once(
             await asyncio.sleep(0.1)
         assert await _settles_at(redis_server.url, 4500) == 4500
         late.release()
+        assert await _settles_at(redis_server.url, 0) == 0
+
+
+async def test_a_grant_given_up_before_its_confirm_gives_nothing_back(
+    redis_server: RedisServer,
+) -> None:
+    # A resync is out (its call held here). A release hands the room to a queued request,
+    # whose client goes away in the same step: it is released before its confirm ran.
+    # Neither the sync's snapshot nor Redis ever held it, so nothing may be given back.
+    async with replica(redis_server.url, "a", lease_s=10, credit_hold_s=0) as a:
+        x = await a.admission.admit(_demand(6000), 1.0)
+        y = await a.admission.admit(_demand(2000), 1.0)
+        waiting = asyncio.create_task(a.admission.admit(_demand(4500), 30.0))
+        await asyncio.sleep(0.2)
+        calls = a.ledger._calls
+        heartbeat = calls.heartbeat
+        gate = asyncio.Event()
+
+        async def held_heartbeat(*args: Any, **kw: Any) -> list[int]:
+            await gate.wait()
+            return await heartbeat(*args, **kw)
+
+        calls.heartbeat = held_heartbeat  # type: ignore[method-assign]
+        a.ledger._resync = True
+        a.ledger._wake.set()
+        await asyncio.sleep(0.1)
+        assert a.ledger._sync_done is not None, "the resync is out"
+        x.release()  # the queued request is granted...
+        waiting.cancel()  # ...and its client goes away in the same step
+        calls.heartbeat = heartbeat  # type: ignore[method-assign]
+        gate.set()
+        with contextlib.suppress(asyncio.CancelledError):
+            await waiting
+        assert await _settles_at(redis_server.url, 2000) == 2000
+        y.release()
         assert await _settles_at(redis_server.url, 0) == 0
