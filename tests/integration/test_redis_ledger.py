@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 from redis.asyncio import Redis
+from redis.exceptions import RedisError
 
 from kvgateway.config.load import parse_config
 from kvgateway.config.model import LedgerConfig
@@ -589,4 +590,42 @@ async def test_a_grant_given_up_before_its_confirm_gives_nothing_back(
             await waiting
         assert await _settles_at(redis_server.url, 2000) == 2000
         y.release()
+        assert await _settles_at(redis_server.url, 0) == 0
+
+
+async def test_a_grant_made_while_a_sync_fails_is_in_the_next_snapshot(
+    redis_server: RedisServer,
+) -> None:
+    # A resync is out when a queued request is granted; the resync then fails (the
+    # replica falls back) and the grant runs locally. The sync that ends the fallback
+    # must write it, or another replica could be granted into its room.
+    async with replica(redis_server.url, "a", lease_s=10, credit_hold_s=0) as a:
+        x = await a.admission.admit(_demand(6000), 1.0)
+        waiting = asyncio.create_task(a.admission.admit(_demand(4500), 30.0))
+        await asyncio.sleep(0.2)
+        calls = a.ledger._calls
+        heartbeat = calls.heartbeat
+        gate = asyncio.Event()
+
+        async def failing_heartbeat(*args: Any, **kw: Any) -> list[int]:
+            await gate.wait()
+            raise RedisError("injected")
+
+        calls.heartbeat = failing_heartbeat  # type: ignore[method-assign]
+        a.ledger._resync = True
+        a.ledger._wake.set()
+        await asyncio.sleep(0.1)
+        assert a.ledger._sync_done is not None, "the resync is out"
+        gate.set()  # the sync fails at its next step...
+        x.release()  # ...and the queued request is granted in this one, while it is out
+        w = await asyncio.wait_for(waiting, 5.0)
+        assert not a.ledger.status().shared
+        calls.heartbeat = heartbeat  # type: ignore[method-assign]
+        for _ in range(100):
+            if a.ledger.status().shared:
+                break
+            await asyncio.sleep(0.1)
+        assert a.ledger.status().shared
+        assert await _settles_at(redis_server.url, 4500) == 4500
+        w.release()
         assert await _settles_at(redis_server.url, 0) == 0
