@@ -569,22 +569,9 @@ async def test_a_grant_given_up_before_its_confirm_gives_nothing_back(
         y = await a.admission.admit(_demand(2000), 1.0)
         waiting = asyncio.create_task(a.admission.admit(_demand(4500), 30.0))
         await asyncio.sleep(0.2)
-        calls = a.ledger._calls
-        heartbeat = calls.heartbeat
-        gate = asyncio.Event()
-
-        async def held_heartbeat(*args: Any, **kw: Any) -> list[int]:
-            await gate.wait()
-            return await heartbeat(*args, **kw)
-
-        calls.heartbeat = held_heartbeat  # type: ignore[method-assign]
-        a.ledger._resync = True
-        a.ledger._wake.set()
-        await asyncio.sleep(0.1)
-        assert a.ledger._sync_done is not None, "the resync is out"
+        gate = await _hold_a_resync(a)
         x.release()  # the queued request is granted...
         waiting.cancel()  # ...and its client goes away in the same step
-        calls.heartbeat = heartbeat  # type: ignore[method-assign]
         gate.set()
         with contextlib.suppress(asyncio.CancelledError):
             await waiting
@@ -603,24 +590,11 @@ async def test_a_grant_made_while_a_sync_fails_is_in_the_next_snapshot(
         x = await a.admission.admit(_demand(6000), 1.0)
         waiting = asyncio.create_task(a.admission.admit(_demand(4500), 30.0))
         await asyncio.sleep(0.2)
-        calls = a.ledger._calls
-        heartbeat = calls.heartbeat
-        gate = asyncio.Event()
-
-        async def failing_heartbeat(*args: Any, **kw: Any) -> list[int]:
-            await gate.wait()
-            raise RedisError("injected")
-
-        calls.heartbeat = failing_heartbeat  # type: ignore[method-assign]
-        a.ledger._resync = True
-        a.ledger._wake.set()
-        await asyncio.sleep(0.1)
-        assert a.ledger._sync_done is not None, "the resync is out"
+        gate = await _hold_a_resync(a, fail=True)
         gate.set()  # the sync fails at its next step...
         x.release()  # ...and the queued request is granted in this one, while it is out
         w = await asyncio.wait_for(waiting, 5.0)
         assert not a.ledger.status().shared
-        calls.heartbeat = heartbeat  # type: ignore[method-assign]
         for _ in range(100):
             if a.ledger.status().shared:
                 break
@@ -629,3 +603,26 @@ async def test_a_grant_made_while_a_sync_fails_is_in_the_next_snapshot(
         assert await _settles_at(redis_server.url, 4500) == 4500
         w.release()
         assert await _settles_at(redis_server.url, 0) == 0
+
+
+async def _hold_a_resync(a: Replica, *, fail: bool = False) -> asyncio.Event:
+    """Start a resync of ``a`` whose heartbeat call waits for the returned gate, then
+    answers (or, with ``fail``, raises a Redis error); returns once the sync is out. The
+    heartbeat call is put back as it was after this one."""
+    calls = a.ledger._calls
+    heartbeat = calls.heartbeat
+    gate = asyncio.Event()
+
+    async def held(*args: Any, **kw: Any) -> list[int]:
+        calls.heartbeat = heartbeat  # type: ignore[method-assign]
+        await gate.wait()
+        if fail:
+            raise RedisError("injected")
+        return await heartbeat(*args, **kw)
+
+    calls.heartbeat = held  # type: ignore[method-assign]
+    a.ledger._resync = True
+    a.ledger._wake.set()
+    await asyncio.sleep(0.1)
+    assert a.ledger._sync_done is not None, "the resync is out"
+    return gate
