@@ -14,6 +14,7 @@ inclusive shares are lower bounds.
 Needs py-spy (``.venv/bin/pip install py-spy``; not a project dependency).
 
     python -m bench.profile_gateway [--seconds 10] [--concurrency 32] [--top 25]
+        [--tokenizer qwen|DIR]
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench import procs
+from bench import model_dirs, procs
 from bench.overhead import gateway_yaml, run_loadgen
 
 _FRAME = re.compile(r"(.*?) \((.*?)(?::\d+)?\)$")
@@ -62,7 +63,13 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=10.0)
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--top", type=int, default=25)
+    p.add_argument(
+        "--tokenizer",
+        help="count exactly with this model's tokenizer and chat template (as bench.overhead's "
+        "--tokenizer); default the cl100k stand-in",
+    )
     args = p.parse_args()
+    tokenizer = model_dirs.tokenizer_dir(args.tokenizer) if args.tokenizer else None
     pyspy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     if not Path(pyspy).exists():
         sys.exit("py-spy is not installed: .venv/bin/pip install py-spy")
@@ -70,7 +77,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-profile-") as tmp:
         work = Path(tmp)
         up_port, gw_port = procs.free_port(), procs.free_port()
-        (work / "gateway.yaml").write_text(gateway_yaml(gw_port, up_port))
+        (work / "gateway.yaml").write_text(gateway_yaml(gw_port, up_port, tokenizer=tokenizer))
         with (
             procs.running(
                 "fake-upstream",
