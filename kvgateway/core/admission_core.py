@@ -286,10 +286,24 @@ class AdmissionCore:
             tokens += self._prefix.released(reservation.holding)  # shared blocks settled
         self._adjust(b, -tokens, -reservation.seqs, -1)
         if reservation.ticket is not None and self._tenancy is not None:
-            # A tenant limit may open too: _offer asks each waiter's gate again.
             self._tenancy.released(reservation.ticket, reservation.tokens)
         self._offer(reservation.backend)
+        if self._tenancy is not None:
+            self._ungate(reservation.backend)
         return True
+
+    def _ungate(self, offered: Backend) -> None:
+        """A tenant limit may have opened: waiters it held may now take room on backends
+        other than the one just offered (a tenant at its concurrency limit waits for any
+        of its requests to end, wherever that one ran)."""
+        opened: dict[str, Backend] = {}
+        for w in self._waiters:
+            if w.gated is not None and not w.future.done() and self._gate(w.demand) is None:
+                for b in self._index_for(w.demand.model).backends:
+                    if b.name in w.claims and b is not offered:
+                        opened.setdefault(b.name, b)
+        for b in opened.values():
+            self._offer(b)
 
     def release_after(self, r: Reservation, *, gone: bool) -> None:
         """Release ``r`` when the node has freed its blocks: at once, or after the

@@ -284,3 +284,22 @@ async def test_aging_serves_a_batch_waiter_despite_a_steady_interactive_stream()
     for r in (*held, batch.result()):
         adm.release(r)
     assert b.reserved_tokens == 0 and adm.queue_depth == 0
+
+
+async def test_a_tenant_limit_opened_by_a_release_elsewhere_admits_its_waiter_at_once():
+    # The tenant's running request is on the small node; its next one only fits the
+    # large node. Its end opens the concurrency limit: the waiter must not wait for some
+    # room to appear on the large node (it was idle all along) or time out.
+    small = backend("s", max_model_len=2048, kv=8192)
+    large = backend("l", tier="large", tier_index=1, max_model_len=32768, kv=65536)
+    adm, _ = make([small, large], auth(tenant("c", max_concurrent=1), tenant("o")))
+    held = await adm.admit(of("c", 100), 1.0)
+    assert held.backend is small
+    long = asyncio.create_task(adm.admit(of("c", 10_000), 5.0))
+    await asyncio.sleep(0)
+    assert adm.queue_depth == 1
+    adm.release(held)
+    r = await asyncio.wait_for(long, 0.5)
+    assert r.backend is large and adm.queue_depth == 0
+    adm.release(r)
+    assert small.reserved_tokens == large.reserved_tokens == 0
