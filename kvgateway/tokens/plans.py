@@ -4,6 +4,7 @@ the tokens its chat template and images add (pure; :mod:`.counting` counts a pla
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +39,59 @@ class CountPlan:
         self.fixed[-1] += tokens
 
 
+# Text-bearing content parts and the key holding their text (as vLLM parses them; the
+# exact path's chat_template has the same table).
+TEXT_PARTS = {
+    "text": "text",
+    "input_text": "text",
+    "output_text": "text",
+    "refusal": "refusal",
+    "thinking": "thinking",
+}
+# Message keys read apart; every other key's value may be rendered by a template.
+_READ_APART = frozenset({"role", "content", "name", "tool_calls", "function_call"})
+# Request fields the chat template renders besides messages and tools.
+_RENDERED_FIELDS = ("documents", "chat_template_kwargs")
+
+
+def json_text(value: Any) -> str:
+    """Compact JSON of a request value (as parsed from JSON; never raises)."""
+    try:
+        return json.dumps(value, ensure_ascii=False, separators=(",", ":"), default=str)
+    except (RecursionError, ValueError):
+        return str(value)[:1_000_000] if not isinstance(value, dict | list) else ""
+
+
+def rendered_texts(value: Any) -> Iterator[str]:
+    """What a template may print of a value: a string as it is, a list or object as its
+    JSON, a number as its digits (None and booleans print as keywords: the allowances)."""
+    if isinstance(value, str):
+        if value:
+            yield value
+    elif isinstance(value, dict | list):
+        if value:
+            yield json_text(value)
+    elif isinstance(value, int | float) and not isinstance(value, bool):
+        yield str(value)
+
+
+def part_text(part: Any) -> str | None:
+    """The text of a text-bearing content part (or a bare string part), else None."""
+    if isinstance(part, str):
+        return part
+    if not isinstance(part, dict):
+        return None
+    key = TEXT_PARTS.get(part.get("type"))  # type: ignore[arg-type]
+    text = part.get(key) if key is not None else None
+    return text if isinstance(text, str) else None
+
+
+def is_image(part: Any) -> bool:
+    return isinstance(part, dict) and (
+        part.get("type") in IMAGE_PARTS or (part.get("type") is None and "image_url" in part)
+    )
+
+
 def content_text(plan: CountPlan, content: Any, cfg: TokenizerConfig) -> None:
     """Add a message's content: its text parts, each image's fixed cost, and the JSON of
     any other part (an unknown part is never free)."""
@@ -47,23 +101,42 @@ def content_text(plan: CountPlan, content: Any, cfg: TokenizerConfig) -> None:
     if not isinstance(content, list):
         return
     for part in content:
-        if not isinstance(part, dict):
-            continue
-        kind = part.get("type")
-        if kind in {"text", "input_text"}:
-            text = part.get("text")
-            if isinstance(text, str):
-                plan.add_text(text)
-        elif kind in IMAGE_PARTS:
+        text = part_text(part)
+        if text is not None:
+            plan.add_text(text)
+        elif is_image(part):
             plan.add_fixed(cfg.image_tokens)
-        elif kind == "refusal":
-            text = part.get("refusal")
-            if isinstance(text, str):
-                plan.add_text(text)
-        else:
+        elif isinstance(part, dict):
             # Audio, files and future part types: count their JSON so an unknown part
             # is never free.
-            plan.add_text(json.dumps(part, separators=(",", ":")))
+            plan.add_text(json_text(part))
+
+
+def call_texts(msg: dict[str, Any]) -> Iterator[str]:
+    """Names and arguments of a message's tool calls (and legacy function call)."""
+    calls = msg.get("tool_calls")
+    fns = (
+        [c.get("function") for c in calls if isinstance(c, dict)] if isinstance(calls, list) else []
+    )
+    fns.append(msg.get("function_call"))
+    for fn in fns:
+        if isinstance(fn, dict):
+            yield from rendered_texts(fn.get("name"))
+            yield from rendered_texts(fn.get("arguments"))
+
+
+def message_extras(msg: dict[str, Any]) -> Iterator[str]:
+    """Texts of a message's other keys: reasoning, tool_call_id, a developer message's
+    tools, and whatever else a template may print."""
+    for key, value in msg.items():
+        if key not in _READ_APART:
+            yield from rendered_texts(value)
+
+
+def request_extras(body: dict[str, Any]) -> Iterator[str]:
+    """Texts of the request fields the template renders (documents, template kwargs)."""
+    for key in _RENDERED_FIELDS:
+        yield from rendered_texts(body.get(key))
 
 
 def plan_chat(body: dict[str, Any], cfg: TokenizerConfig) -> CountPlan:
@@ -80,17 +153,12 @@ def plan_chat(body: dict[str, Any], cfg: TokenizerConfig) -> CountPlan:
         if isinstance(name, str):
             plan.add_fixed(cfg.per_name_tokens)
             plan.add_text(name)
-        tool_calls = msg.get("tool_calls")
-        if isinstance(tool_calls, list):
-            for call in tool_calls:
-                fn = call.get("function") if isinstance(call, dict) else None
-                if isinstance(fn, dict):
-                    plan.add_text(str(fn.get("name", "")))
-                    plan.add_text(str(fn.get("arguments", "")))
-        fn_call = msg.get("function_call")
-        if isinstance(fn_call, dict):
-            plan.add_text(str(fn_call.get("name", "")))
-            plan.add_text(str(fn_call.get("arguments", "")))
+        for text in call_texts(msg):
+            plan.add_text(text)
+        for text in message_extras(msg):
+            plan.add_text(text)
+    for text in request_extras(body):
+        plan.add_text(text)
     # Tool and function schemas are rendered into the prompt by the chat template.
     for key in ("tools", "functions"):
         schemas = body.get(key)

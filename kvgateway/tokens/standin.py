@@ -33,7 +33,15 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from kvgateway.tokens.plans import IMAGE_PARTS
+from kvgateway.tokens.plans import (
+    call_texts,
+    is_image,
+    json_text,
+    message_extras,
+    part_text,
+    rendered_texts,
+    request_extras,
+)
 
 # The other way round: how many times the node's count the stand-in's may be, so that a
 # prompt whose stand-in count is past a context is not refused unasked. ASCII text: about
@@ -162,6 +170,8 @@ class ExtraCache:
 
 
 def _texts(body: dict[str, Any]) -> Iterator[str]:
+    """Every text of a chat request the node's template may render (as :func:`plan_chat`
+    counts them), tool schemas apart."""
     for msg in body.get("messages") or []:
         if not isinstance(msg, dict):
             continue
@@ -170,13 +180,15 @@ def _texts(body: dict[str, Any]) -> Iterator[str]:
             yield content
         elif isinstance(content, list):
             for part in content:
-                if isinstance(part, dict) and isinstance(part.get("text"), str):
-                    yield part["text"]
-        for call in msg.get("tool_calls") or []:
-            fn = call.get("function") if isinstance(call, dict) else None
-            if isinstance(fn, dict):
-                yield str(fn.get("name", ""))
-                yield str(fn.get("arguments", ""))
+                text = part_text(part)
+                if text is not None:
+                    yield text
+                elif isinstance(part, dict) and not is_image(part):
+                    yield json_text(part)
+        yield from rendered_texts(msg.get("name"))
+        yield from call_texts(msg)
+        yield from message_extras(msg)
+    yield from request_extras(body)
 
 
 def overcount(body: dict[str, Any]) -> float:
@@ -204,9 +216,9 @@ def _media(body: dict[str, Any]) -> tuple[int, int]:
         content = msg.get("content") if isinstance(msg, dict) else None
         if isinstance(content, list):
             for p in content:
-                if isinstance(p, dict) and p.get("type") not in ("text", "input_text", "refusal"):
+                if isinstance(p, dict) and part_text(p) is None:
                     media += 1
-                    images += p.get("type") in IMAGE_PARTS
+                    images += is_image(p)
     return media, images
 
 

@@ -62,8 +62,13 @@ import pytest
 import transformers
 
 from kvgateway.tokens.chat_template import ChatTemplate, TemplateError
+from kvgateway.tokens.counting import PromptCounter, TextCountCache
+from kvgateway.tokens.encoding import EncodingSpec, load_encoding
 from kvgateway.tokens.exact import ExactCounter
 from kvgateway.tokens.modeldir import ModelTokenizer, _templates
+from kvgateway.tokens.plans import plan_chat
+from kvgateway.tokens.spec import TokenizerConfig
+from kvgateway.tokens.standin import upper_bound
 from tests.support import corpus, templates
 
 # -- vLLM's request preparation, re-stated -----------------------------------------
@@ -628,3 +633,47 @@ def test_refusals_stay_refusals(case: str, custom: Callable[[str, str], Pair]) -
         node_ids(pair.hf, body, "string", THINKING)
     with pytest.raises(TemplateError):
         pair.gateway.prompt_ids(body)
+
+
+async def test_the_standin_bound_holds_for_what_only_the_template_renders(
+    custom: Callable[[str, str], Pair],
+) -> None:
+    """Reasoning, documents, template kwargs, refusal and thinking parts and tool-call ids
+    are rendered by the template: the stand-in's bound must cover them too (it once read
+    message content and tool calls only, and bounded a 12k-token prompt at 99)."""
+    pair = custom("thinking", THINKING)
+    exact = pair.gateway
+    standin = PromptCounter(load_encoding(EncodingSpec()), TextCountCache(), None)
+    digits = "".join(random.Random(5).choice("0123456789") for _ in range(3000))
+    ask = [{"role": "user", "content": "Check these."}]
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    bodies: list[dict[str, Any]] = [
+        {"messages": [*ask, {"role": "assistant", "content": "ok", "reasoning_content": digits}]},
+        {"messages": [*ask, {"role": "assistant", "content": "ok", "reasoning": digits}]},
+        {"messages": ask, "documents": [{"title": "t", "text": digits}]},
+        {"messages": ask, "chat_template_kwargs": {"house_style": digits}},
+        {
+            "messages": [
+                *ask,
+                {"role": "assistant", "content": [{"type": "refusal", "refusal": digits}]},
+            ]
+        },
+        {
+            "messages": [
+                *ask,
+                {"role": "assistant", "content": [{"type": "thinking", "thinking": digits}]},
+            ]
+        },
+        {
+            "messages": [
+                *ask,
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": digits, "content": "done"},
+            ]
+        },
+    ]
+    for body in bodies:
+        pair.check(body)  # the gateway's exact count is the node's
+        node = exact.count_chat_sync(body)
+        bound = upper_bound((await standin.count(plan_chat(body, TokenizerConfig()))).total, body)
+        assert node > 3000 and bound >= node, (body["messages"][-1], bound, node)
