@@ -17,7 +17,7 @@ from kvgateway.core.demand import Demand, PrefixHint, demand_tokens
 from kvgateway.core.output_model import ANY_KEY, OutputModel
 from kvgateway.core.output_risk import OutputOutlook, plan_output
 from kvgateway.core.prefix_keys import block_keys
-from kvgateway.errors import ModelNotFound
+from kvgateway.errors import BadRequest, ModelNotFound
 from kvgateway.server.node_tokenize import NodeTokenizer
 from kvgateway.server.openai_request import (
     Kind,
@@ -90,16 +90,23 @@ async def plan_request(
     largest = fleet.largest_context(model.name)
     estimator = counters.estimator_for(model.tokenizer)
     body = parsed.body
-    if parsed.kind == "completion":
-        counted_body = body
-        prompt = await estimator.completion(body, largest or None)
-    else:
-        counted_body = (
-            body
-            if parsed.kind == "chat"
-            else {"messages": responses_messages(body), "tools": body.get("tools")}
-        )
-        prompt = await estimator.chat(counted_body, largest or None)
+    try:
+        if parsed.kind == "completion":
+            counted_body = body
+            prompt = await estimator.completion(body, largest or None)
+        else:
+            counted_body = (
+                body
+                if parsed.kind == "chat"
+                else {"messages": responses_messages(body), "tools": body.get("tools")}
+            )
+            prompt = await estimator.chat(counted_body, largest or None)
+    except RecursionError as exc:
+        # JSON nested to just under json.loads' limit goes deeper still when a value is
+        # copied, dumped or rendered: a clean 400, not a 500.
+        raise BadRequest(
+            "A value in your request is nested too deeply to count.", code="invalid_value"
+        ) from exc
     if (
         node_tokenizer is not None
         and not prompt.exact

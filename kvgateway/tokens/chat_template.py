@@ -27,7 +27,6 @@ item (see :func:`conversation`).
 
 from __future__ import annotations
 
-import copy
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -239,9 +238,12 @@ def conversation(messages: Sequence[Any], fmt: ContentFormat) -> Conversation:
 
 
 def _tool_call(call: Any) -> Any:
-    call = copy.deepcopy(call)
-    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(call, dict):
+        return call
+    call = dict(call)  # only "function"'s "arguments" changes: a shallow copy each
+    fn = call.get("function")
     if isinstance(fn, dict):
+        fn = call["function"] = dict(fn)
         args = fn.get("arguments")
         if isinstance(args, str):
             try:
@@ -333,6 +335,8 @@ class ChatTemplate:
             raise TemplateError(f"chat template: {exc}") from exc
         except (TypeError, ValueError, KeyError, AttributeError, IndexError) as exc:
             raise TemplateError(f"chat template failed: {exc!r}") from exc
+        except RecursionError as exc:
+            raise TemplateError("chat template: a value is nested too deeply") from exc
         if final is not None:
             rendered = _cut_at_tag(rendered, final)
         return rendered

@@ -55,11 +55,9 @@ _RENDERED_FIELDS = ("documents", "chat_template_kwargs")
 
 
 def json_text(value: Any) -> str:
-    """Compact JSON of a request value (as parsed from JSON; never raises)."""
-    try:
-        return json.dumps(value, ensure_ascii=False, separators=(",", ":"), default=str)
-    except (RecursionError, ValueError):
-        return str(value)[:1_000_000] if not isinstance(value, dict | list) else ""
+    """Compact JSON of a request value (as parsed from JSON: a RecursionError at most,
+    for nesting just under the parser's limit)."""
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"), default=str)
 
 
 def rendered_texts(value: Any) -> Iterator[str]:

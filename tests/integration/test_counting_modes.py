@@ -6,6 +6,7 @@ and re-admission after a node's context-length 400."""
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 
 import aiohttp
@@ -84,6 +85,27 @@ async def test_exact_mode_counts_what_the_node_counts(start_fleet: StartFleet, v
             async with s.post(fleet.url + "/v1/completions", json=completion) as r:
                 data = await r.json()
                 assert int(r.headers["x-gateway-prompt-tokens"]) == data["usage"]["prompt_tokens"]
+        # A tool call carrying a key nested 600 deep (vLLM drops unknown keys): it was
+        # deep-copied to render, past Python's recursion limit, and answered 500.
+        deep = "1"
+        for _ in range(600):
+            deep = '{"a":' + deep + "}"
+        call = '{"id":"c","type":"function","function":{"name":"f","arguments":"{}"},"x":DEEP}'
+        raw = json.dumps(
+            {
+                "model": MODEL,
+                "max_tokens": 2,
+                "messages": [
+                    {"role": "user", "content": "q"},
+                    {"role": "assistant", "content": "", "tool_calls": ["CALL"]},
+                ],
+            }
+        ).replace('"CALL"', call.replace("DEEP", deep))
+        headers = {"Content-Type": "application/json"}
+        async with s.post(fleet.url + "/v1/chat/completions", data=raw, headers=headers) as r:
+            data = await r.json()
+            assert r.status == 200, data
+            assert int(r.headers["x-gateway-prompt-tokens"]) == data["usage"]["prompt_tokens"]
 
 
 async def test_standin_never_sends_a_node_a_prompt_it_must_refuse(
