@@ -209,7 +209,10 @@ class PrefixRouter:
                 self._sessions.popitem(last=False)
         if self.shared is None or not self._credit() or not hint.keys or d.sequences != 1:
             return None
-        return self.shared.acquire(b.name, hint.keys, hint.block_size)
+        # The node never shares the block holding the prompt's last token (it recomputes
+        # that token): the keys already stop before it; this keeps the rule here too.
+        keys = hint.keys[: max(0, (d.longest_prompt - 1) // hint.block_size)]
+        return self.shared.acquire(b.name, keys, hint.block_size)
 
     def _remember(self, name: str, keys: tuple[BlockKey, ...]) -> None:
         limit = self.scoring.holders_per_key

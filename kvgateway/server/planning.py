@@ -170,8 +170,9 @@ async def _prefix_hint(
 ) -> PrefixHint:
     """The prompt's block keys (a single prompt only) and its session, for routing.
 
-    Keys stop at the counted prompt's full blocks, so a credit for shared blocks can never
-    exceed what the demand reserved for the prompt."""
+    Keys stop at the prompt's full blocks before its last token's (what vLLM can take
+    from its cache), so a credit for shared blocks can never exceed what the demand
+    reserved for the prompt, nor what the node shares."""
     user = parsed.body.get("user")
     session = session or (user if isinstance(user, str) and user else None)
     ids_of = counters.ids_for(model.tokenizer)
@@ -193,7 +194,11 @@ async def _prefix_hint(
         found = ids()
     keys: tuple[int, ...] = ()
     if found:
-        keys = tuple(block_keys(found, block, max_blocks=longest // block))
+        # vLLM recomputes a prompt's last token (for its logits) and so never takes the
+        # block holding it from the cache: of a prompt of exactly k full blocks, k - 1 can
+        # be shared. The keys stop there (the last block's credit made a node preempt).
+        shareable = (min(len(found), longest) - 1) // block
+        keys = tuple(block_keys(found, block, max_blocks=max(0, shareable)))
     return PrefixHint(keys, block, session[:256] if session else None)
 
 

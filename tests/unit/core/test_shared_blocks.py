@@ -6,11 +6,13 @@ from __future__ import annotations
 import random
 from dataclasses import replace
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvgateway.core.admission import Reservation
-from kvgateway.core.demand import PrefixHint, demand_tokens
+from kvgateway.core.admission import Admission, Reservation
+from kvgateway.core.backends import Backend
+from kvgateway.core.demand import Demand, PrefixHint, demand_tokens
 from kvgateway.core.prefix_index import PrefixIndex
 from kvgateway.core.prefix_keys import block_keys
 from kvgateway.core.prefix_routing import PrefixRouter
@@ -75,31 +77,40 @@ def test_charge_covers_every_held_block_and_returns_to_zero(ops):
 BS = 16
 
 
-def _run(seed: int, blocks: int, prefix_lens: list[int], n: int) -> tuple[EngineCore, int]:
-    """Admit ``n`` requests sharing a few prefixes onto one node whose budget is the
-    engine's whole pool, with credit; run the engine; return it and the credited tokens."""
-    rnd = random.Random(seed)
-    # A small step budget: long prompts are prefilled in chunks, as on a busy node.
+def _node(blocks: int, seqs: int = 8) -> tuple[EngineCore, Backend, Admission]:
+    """One node whose budget is the engine's whole pool, admitting with credit. A small
+    step budget: long prompts are prefilled in chunks, as on a busy node."""
     engine = EngineCore(
         EngineConfig(
-            num_gpu_blocks=blocks + 1, block_size=BS, max_num_seqs=8, max_num_batched_tokens=64
+            num_gpu_blocks=blocks + 1, block_size=BS, max_num_seqs=seqs, max_num_batched_tokens=64
         )
     )
-    b = backend("n", kv=engine.config.kv_tokens, seqs=8, max_model_len=4096)
+    b = backend("n", kv=engine.config.kv_tokens, seqs=seqs, max_model_len=4096)
     router = PrefixRouter(PrefixIndex(), shared=SharedBlocks())
-    adm = admission_over([b], clock=lambda: engine.clock, prefix=router)
-    prefixes = [[rnd.randrange(1, 40_000) for _ in range(p)] for p in prefix_lens]
-    pending = []
-    for _ in range(n):
-        ids = rnd.choice(prefixes) + [rnd.randrange(1, 40_000) for _ in range(rnd.randrange(1, 40))]
-        out = rnd.randrange(1, 300)
-        d = replace(
-            demand(len(ids), out),
-            tokens=demand_tokens([len(ids)], out, 1, BS),
-            prefix=PrefixHint(tuple(block_keys(ids, BS)), BS),
-        )
-        # Many run to their max_tokens: the worst case the reservation must hold.
-        pending.append((d, ids, rnd.choice([out, rnd.randrange(1, out + 1)])))
+    return engine, b, admission_over([b], clock=lambda: engine.clock, prefix=router)
+
+
+def _request(ids: list[int], out: int) -> Demand:
+    return replace(
+        demand(len(ids), out),
+        tokens=demand_tokens([len(ids)], out, 1, BS),
+        prefix=PrefixHint(tuple(block_keys(ids, BS)), BS),
+    )
+
+
+def _drive(
+    engine: EngineCore,
+    b: Backend,
+    adm: Admission,
+    pending: list[tuple[Demand, list[int], int]],
+    hold_after: int = 0,
+) -> int:
+    """Admit ``pending`` (demand, prompt ids, tokens it generates) in order as room
+    appears (all but the first ``hold_after`` once the first has its first token), run the
+    engine to the end; the credited tokens."""
+    held_back = pending[hold_after:] if hold_after else []
+    if hold_after:
+        del pending[hold_after:]
     running: dict[int, tuple[Reservation, object]] = {}
     credited = 0
     steps = 0
@@ -127,10 +138,30 @@ def _run(seed: int, blocks: int, prefix_lens: list[int], n: int) -> tuple[Engine
         for seq in result.sampled:
             if seq.output_tokens == 1:
                 running[seq.seq_id][0].prefill_done()
+                pending += held_back
+                held_back = []
         for seq in result.finished:
             running.pop(seq.seq_id)[0].release()
     assert b.reserved_tokens == 0 and b.in_flight == 0
-    return engine, credited
+    return credited
+
+
+def _run(seed: int, blocks: int, prefix_lens: list[int], n: int) -> tuple[EngineCore, int]:
+    """Admit ``n`` requests sharing a few prefixes onto one node with credit; run the
+    engine; return it and the credited tokens."""
+    rnd = random.Random(seed)
+    engine, b, adm = _node(blocks)
+    prefixes = [[rnd.randrange(1, 40_000) for _ in range(p)] for p in prefix_lens]
+    pending = []
+    for _ in range(n):
+        # Some prompts are their prefix alone: a prompt of exactly k full blocks shares
+        # only k - 1 with another (the node recomputes its last token).
+        tail = rnd.choice([0, rnd.randrange(1, 40)])
+        ids = rnd.choice(prefixes) + [rnd.randrange(1, 40_000) for _ in range(tail)]
+        out = rnd.randrange(1, 300)
+        # Many run to their max_tokens: the worst case the reservation must hold.
+        pending.append((_request(ids, out), ids, rnd.choice([out, rnd.randrange(1, out + 1)])))
+    return engine, _drive(engine, b, adm, pending)
 
 
 @settings(max_examples=25, deadline=None)
@@ -143,6 +174,21 @@ def test_credit_never_makes_the_node_preempt(seed, blocks, prefix_lens):
     prefix_lens = [min(p, blocks * BS // 3) for p in prefix_lens]
     engine, _ = _run(seed, blocks, prefix_lens, 30)
     assert engine.num_preemptions == 0
+
+
+@pytest.mark.parametrize(("blocks", "holder_out"), [(60, 60), (40, 64), (48, 100)])
+def test_identical_prompts_of_whole_blocks_never_make_the_node_preempt(blocks, holder_out):
+    # A request holds a prompt of exactly 4 full blocks; 15 followers with the same
+    # prompt arrive once it has its first token, each running to its max_tokens. Each
+    # reuses 3 of the holder's blocks and allocates the 4th (vLLM recomputes the last
+    # token): credited all 4, they overfilled the pool (1-4 preemptions).
+    engine, b, adm = _node(blocks, seqs=16)
+    ids = list(range(1000, 1000 + 4 * BS))
+    pending = [(_request(ids, holder_out), ids, holder_out)]
+    pending += [(_request(ids, 48), ids, 48) for _ in range(15)]
+    credited = _drive(engine, b, adm, pending, hold_after=1)
+    assert engine.num_preemptions == 0
+    assert credited == 15 * 3 * BS
 
 
 def test_credit_admits_more_at_once_when_prompts_share_a_prefix():
