@@ -268,9 +268,10 @@ def _valid_prompt(prompt: Any) -> bool:
 
 
 def parse_responses(body: dict[str, Any], limits: Limits = Limits()) -> ParsedRequest:
-    """``POST /v1/responses``: ``instructions`` and ``input`` (a string or message items)
-    are a chat prompt to the node; ``max_output_tokens`` is the output budget. The body is
-    rewritten as chat ``messages`` only for counting (see :func:`responses_messages`)."""
+    """``POST /v1/responses``: ``instructions`` and ``input`` (a string or items: messages,
+    function calls and their outputs, reasoning) are a chat prompt to the node;
+    ``max_output_tokens`` is the output budget. The body is rewritten as a chat request
+    only for counting (see :mod:`kvgateway.tokens.responses_input`)."""
     model, stream, _ = _common(body, "responses")
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
@@ -295,24 +296,3 @@ def parse_responses(body: dict[str, Any], limits: Limits = Limits()) -> ParsedRe
     return ParsedRequest(
         "responses", body, model, stream, 1, requested, "max_output_tokens", sequences_per_prompt=1
     )
-
-
-def responses_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
-    """The chat messages a Responses request amounts to (what the node's template renders)."""
-    messages: list[dict[str, Any]] = []
-    if isinstance(body.get("instructions"), str):
-        messages.append({"role": "system", "content": body["instructions"]})
-    raw = body["input"]
-    if isinstance(raw, str):
-        return [*messages, {"role": "user", "content": raw}]
-    for item in raw:
-        content = item.get("content")
-        if isinstance(content, list):
-            content = [
-                {"type": "text", "text": part.get("text", "")}
-                if isinstance(part, dict) and isinstance(part.get("text"), str)
-                else part
-                for part in content
-            ]
-        messages.append({"role": item.get("role", "user"), "content": content})
-    return messages

@@ -27,11 +27,11 @@ from kvgateway.server.openai_request import (
     parse_chat,
     parse_completion,
     parse_responses,
-    responses_messages,
 )
 from kvgateway.tokens.calibration import PromptCalibration
 from kvgateway.tokens.counters import TokenCounters
 from kvgateway.tokens.prompt_estimate import PromptEstimate
+from kvgateway.tokens.responses_input import chat_body as responses_chat_body
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's documented default
 OFF_LOOP_BYTES = 1024 * 1024
@@ -95,11 +95,7 @@ async def plan_request(
             counted_body = body
             prompt = await estimator.completion(body, largest or None)
         else:
-            counted_body = (
-                body
-                if parsed.kind == "chat"
-                else {"messages": responses_messages(body), "tools": body.get("tools")}
-            )
+            counted_body = body if parsed.kind == "chat" else responses_chat_body(body)
             prompt = await estimator.chat(counted_body, largest or None)
     except RecursionError as exc:
         # JSON nested to just under json.loads' limit goes deeper still when a value is

@@ -1,10 +1,11 @@
 """``POST /v1/responses``: OpenAI's Responses API as vLLM serves it, through the engine.
 
-The request's ``instructions`` and ``input`` (a string, or message items whose content is
-a string or ``input_text`` parts) become a chat prompt, counted and admitted like a chat
-completion, with ``max_output_tokens`` as the output budget. The answer is one
-``message`` output item; streamed, it is vLLM's event sequence (``response.created``,
-``response.in_progress``, ``response.output_item.added``, ``response.content_part.added``,
+The request's ``instructions`` and ``input`` (a string, or items: messages, function
+calls and their outputs, reasoning) become the chat request vLLM renders for them
+(:mod:`kvgateway.tokens.responses_input`), counted and admitted like a chat completion, with
+``max_output_tokens`` as the output budget. The answer is one ``message`` output item;
+streamed, it is vLLM's event sequence (``response.created``, ``response.in_progress``,
+``response.output_item.added``, ``response.content_part.added``,
 ``response.output_text.delta`` per token, then the matching ``.done`` events and
 ``response.completed``), each as ``event: <type>`` plus ``data: <json>`` with a growing
 ``sequence_number``. Shapes follow ``vllm/entrypoints/openai/responses``.
@@ -24,13 +25,16 @@ from kvgateway.simulator.completions import ClientGone, wait_news
 from kvgateway.simulator.driver import RequestHandle
 from kvgateway.simulator.generation import filler_text, token_text
 from kvgateway.simulator.node import NODE_KEY
-from kvgateway.simulator.tokenizer import ChatMessage
+from kvgateway.simulator.tokenizer import ChatMessage, TemplateError
+from kvgateway.tokens.responses_input import chat_body
 
 
 @dataclass(frozen=True, slots=True)
 class ResponsesRequest:
     model: str | None
     messages: tuple[ChatMessage, ...]
+    # The chat request vLLM renders for it (kvgateway.tokens.responses_input.chat_body).
+    chat: dict[str, Any]
     instructions: str | None
     max_output_tokens: int | None
     stream: bool
@@ -38,16 +42,26 @@ class ResponsesRequest:
     top_p: float | None
 
 
-def _content_text(content: Any, where: str) -> str:
+def _message_text(message: dict[str, Any]) -> str:
+    """What the simulator's own tokenizer counts of a converted message (without the
+    model's template): its text, reasoning and tool calls."""
+    texts: list[str] = []
+    content = message.get("content")
     if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "\n".join(
+        texts.append(content)
+    elif isinstance(content, list):
+        texts.extend(
             part["text"]
             for part in content
             if isinstance(part, dict) and isinstance(part.get("text"), str)
         )
-    raise p.bad_request(f"{where}.content must be a string or a list of parts.", "input")
+    if isinstance(message.get("reasoning"), str):
+        texts.append(message["reasoning"])
+    for call in message.get("tool_calls") or ():
+        fn = call.get("function") if isinstance(call, dict) else None
+        if isinstance(fn, dict):
+            texts.extend(v for v in (fn.get("name"), fn.get("arguments")) if isinstance(v, str))
+    return "\n".join(texts)
 
 
 def parse_responses(body: dict[str, Any]) -> ResponsesRequest:
@@ -58,20 +72,25 @@ def parse_responses(body: dict[str, Any]) -> ResponsesRequest:
     if instructions is not None and not isinstance(instructions, str):
         raise p.bad_request("instructions must be a string.", "instructions")
     raw = body.get("input")
-    messages: list[ChatMessage] = []
-    if instructions:
-        messages.append(ChatMessage("system", instructions))
-    if isinstance(raw, str):
-        messages.append(ChatMessage("user", raw))
-    elif isinstance(raw, list) and raw:
+    if isinstance(raw, list) and raw:
         for i, item in enumerate(raw):
-            if not isinstance(item, dict) or not isinstance(item.get("role"), str):
-                raise p.bad_request(f"input[{i}] must be a message with a role.", "input")
-            messages.append(
-                ChatMessage(item["role"], _content_text(item.get("content"), f"input[{i}]"))
-            )
-    else:
+            if not isinstance(item, dict):
+                raise p.bad_request(f"input[{i}] must be an object.", "input")
+            content = item.get("content")
+            if content is not None and not isinstance(content, str | list):
+                raise p.bad_request(
+                    f"input[{i}].content must be a string or a list of parts.", "input"
+                )
+    elif not isinstance(raw, str):
         raise p.bad_request("input must be a string or a non-empty list of items.", "input")
+    # The chat request vLLM renders (function calls, their outputs and reasoning as vLLM
+    # converts them): the model's template renders it when the node has one.
+    chat = chat_body(body)
+    messages = tuple(
+        ChatMessage(m["role"], _message_text(m))
+        for m in chat["messages"]
+        if isinstance(m.get("role"), str)
+    )
     max_out = body.get("max_output_tokens")
     if max_out is not None and (
         isinstance(max_out, bool) or not isinstance(max_out, int) or max_out < 1
@@ -83,7 +102,8 @@ def parse_responses(body: dict[str, Any]) -> ResponsesRequest:
     temperature, top_p = body.get("temperature"), body.get("top_p")
     return ResponsesRequest(
         model=model,
-        messages=tuple(messages),
+        messages=messages,
+        chat=chat,
         instructions=instructions,
         max_output_tokens=max_out,
         stream=stream,
@@ -168,7 +188,10 @@ async def handle_responses(request: web.Request) -> web.StreamResponse:
     node = request.app[NODE_KEY]
     req = parse_responses(p.parse_json(await request.read()))
     node.check_model(req.model)
-    prompt_ids = await node.tokenizer.encode_chat_async(req.messages)
+    try:
+        prompt_ids = await node.tokenizer.encode_chat_request_async(req.chat, req.messages)
+    except TemplateError as exc:
+        raise p.bad_request(str(exc)) from exc
     budget = p.output_budget(node.settings.max_model_len, len(prompt_ids), req.max_output_tokens)
     shapes = _Shapes(req, node.settings.model)
     handle = node.driver.submit(prompt_ids, budget, n=1, ignore_eos=False, min_tokens=0)
