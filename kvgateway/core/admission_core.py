@@ -269,8 +269,13 @@ class AdmissionCore:
         if reservation.released:
             return False
         reservation.released = True
+        shared = 0
+        if reservation.holding is not None and self._prefix is not None:
+            shared = self._prefix.released(reservation.holding)  # shared blocks settled
         if reservation.counted:
-            self._ledger.release(reservation)
+            # The ledger moves shared copies as the book does: a holder's kept copy stays
+            # recorded until the last request holding those blocks ends.
+            self._ledger.release(reservation, shared)
         b = reservation.backend
         tokens = reservation.tokens + reservation.grown
         o = reservation.outlook
@@ -282,9 +287,7 @@ class AdmissionCore:
             tokens = reservation.base + reservation.grown - change
             if not risk.members:
                 del self._risks[b]
-        if reservation.holding is not None and self._prefix is not None:
-            tokens += self._prefix.released(reservation.holding)  # shared blocks settled
-        self._adjust(b, -tokens, -reservation.seqs, -1)
+        self._adjust(b, -(tokens + shared), -reservation.seqs, -1)
         if reservation.ticket is not None and self._tenancy is not None:
             self._tenancy.released(reservation.ticket, reservation.tokens)
         self._offer(reservation.backend)

@@ -36,9 +36,12 @@ class Ledger(Protocol):
         still has room across all replicas; False: refused (the view was refreshed)."""
         ...
 
-    def release(self, reservation: Reservation) -> None:
+    def release(self, reservation: Reservation, shared: int = 0) -> None:
         """A reservation the ledger may count ended (every one but those it refused);
-        synchronous: the ledger sends it later."""
+        synchronous: the ledger sends it later. ``shared``: tokens of prompt blocks
+        shared with other in-flight requests that move with this release (negative: a
+        copy this one paid for stays charged to them; positive: the last copy, charged
+        since its payer ended, goes with this one), as the local book moves them."""
         ...
 
     def queue_changed(self) -> None:
@@ -62,7 +65,7 @@ class LocalLedger:
     async def confirm(self, reservation: Reservation) -> bool:
         return True
 
-    def release(self, reservation: Reservation) -> None:
+    def release(self, reservation: Reservation, shared: int = 0) -> None:
         return None
 
     def queue_changed(self) -> None:

@@ -215,10 +215,16 @@ class RedisLedger:
         self._set_others(b, others_t, others_s)
         return bool(granted)
 
-    def release(self, reservation: Reservation) -> None:
+    def release(self, reservation: Reservation, shared: int = 0) -> None:
+        name = reservation.backend.name
         if self._sent(reservation):
-            return  # released before its confirm ran: never recorded, in no snapshot
-        item = (reservation.backend.name, reservation.tokens, reservation.seqs)
+            # Released before its confirm ran: never recorded, in no snapshot. A last
+            # shared copy it took over was recorded (by the request that paid for it).
+            if shared <= 0:
+                return
+            item = (name, shared, 0)
+        else:
+            item = (name, max(0, reservation.tokens + shared), reservation.seqs)
         if not self._shared:
             if self._sync_done is not None:
                 self._held_back.append(item)

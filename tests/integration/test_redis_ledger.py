@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import pytest
@@ -18,8 +18,12 @@ from kvgateway.config.load import parse_config
 from kvgateway.config.model import LedgerConfig
 from kvgateway.core.admission import Admission
 from kvgateway.core.backends import Backend
-from kvgateway.core.demand import Demand
+from kvgateway.core.demand import Demand, PrefixHint
 from kvgateway.core.fleet import Fleet
+from kvgateway.core.prefix_index import PrefixIndex
+from kvgateway.core.prefix_keys import block_keys
+from kvgateway.core.prefix_routing import PrefixRouter
+from kvgateway.core.shared_blocks import SharedBlocks
 from kvgateway.errors import Saturated
 from kvgateway.ledger.connect import redis_client
 from kvgateway.ledger.redis_ledger import LedgerStatus, RedisLedger
@@ -82,12 +86,18 @@ class Replica:
 
 @contextlib.asynccontextmanager
 async def replica(
-    url: str, rid: str, lease_s: float = 1.0, credit_hold_s: float = 0.05
+    url: str,
+    rid: str,
+    lease_s: float = 1.0,
+    credit_hold_s: float = 0.05,
+    prefix: PrefixRouter | None = None,
 ) -> AsyncIterator[Replica]:
     fleet, cfg = _config(url, lease_s, credit_hold_s)
     statuses: list[LedgerStatus] = []
     ledger = RedisLedger(cfg, rid, fleet, redis_client(cfg), on_status=statuses.append)
-    admission = Admission.for_fleet(fleet, lambda: fleet.config, time.monotonic, ledger=ledger)
+    admission = Admission.for_fleet(
+        fleet, lambda: fleet.config, time.monotonic, ledger=ledger, prefix=prefix
+    )
     async with ledger.running(admission):
         yield Replica(fleet, ledger, admission, statuses)
 
@@ -602,6 +612,31 @@ async def test_a_grant_made_while_a_sync_fails_is_in_the_next_snapshot(
         assert a.ledger.status().shared
         assert await _settles_at(redis_server.url, 4500) == 4500
         w.release()
+        assert await _settles_at(redis_server.url, 0) == 0
+
+
+async def test_shared_prefix_blocks_stay_recorded_until_their_last_holder_ends(
+    redis_server: RedisServer,
+) -> None:
+    # B's prompt shares A's 6 full blocks, credited while A runs. A ends first: the book
+    # keeps one copy of those blocks charged (B's), and so must Redis, or the other
+    # replicas see the node 96 tokens freer than it is while B runs.
+    router = PrefixRouter(PrefixIndex(), shared=SharedBlocks())
+    keys = tuple(block_keys(list(range(4000, 4100)), 16))
+    shared = replace(_demand(1000), longest_prompt=100, prefix=PrefixHint(keys, 16))
+    async with replica(redis_server.url, "a", credit_hold_s=0, prefix=router) as a:
+        first = await a.admission.admit(shared, 1.0)
+        first.prefill_done()
+        second = await a.admission.admit(shared, 1.0)
+        assert second.holding is not None and second.holding.credited_tokens == 96
+        assert await _settles_at(redis_server.url, 1000 + 904) == 1904
+        first.release()
+        assert a.node.reserved_tokens == 1000
+        assert await _settles_at(redis_server.url, 1000) == 1000
+        await asyncio.sleep(0.3)  # and it stays so
+        assert await _ledger_sum(redis_server.url) == 1000
+        second.release()
+        assert a.node.reserved_tokens == 0
         assert await _settles_at(redis_server.url, 0) == 0
 
 

@@ -34,9 +34,9 @@ class ScriptedLedger:
         self.view.set(r.backend, self.others, 0)
         return ok
 
-    def release(self, r: Reservation) -> None:
-        self.held -= r.tokens
-        self.released.append(r.tokens)
+    def release(self, r: Reservation, shared: int = 0) -> None:
+        self.held -= r.tokens + shared
+        self.released.append(r.tokens + shared)
 
     def queue_changed(self) -> None:
         return None

@@ -114,8 +114,8 @@ class RecordingLedger:
         self.held += reservation.tokens
         return True
 
-    def release(self, reservation: Reservation) -> None:
-        self.held -= reservation.tokens
+    def release(self, reservation: Reservation, shared: int = 0) -> None:
+        self.held -= reservation.tokens + shared
 
     def queue_changed(self) -> None:
         return None
