@@ -27,6 +27,9 @@ class PrefixHint:
     keys: tuple[int, ...]
     block_size: int
     session: str | None = None
+    # The keys are the node's own (its ids, nothing hashed in that they lack): blocks
+    # an in-flight request holds may be credited. Else they only guide routing.
+    credit: bool = True
 
 
 @dataclass(frozen=True, slots=True)

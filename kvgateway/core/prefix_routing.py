@@ -207,7 +207,13 @@ class PrefixRouter:
             self._sessions.move_to_end(hint.session)
             while len(self._sessions) > self.scoring.max_sessions:
                 self._sessions.popitem(last=False)
-        if self.shared is None or not self._credit() or not hint.keys or d.sequences != 1:
+        if (
+            self.shared is None
+            or not self._credit()
+            or not hint.keys
+            or not hint.credit
+            or d.sequences != 1
+        ):
             return None
         # The node never shares the block holding the prompt's last token (it recomputes
         # that token): the keys already stop before it; this keeps the rule here too.

@@ -30,6 +30,7 @@ from kvgateway.server.openai_request import (
 )
 from kvgateway.tokens.calibration import PromptCalibration
 from kvgateway.tokens.counters import TokenCounters
+from kvgateway.tokens.plans import part_text
 from kvgateway.tokens.prompt_estimate import PromptEstimate
 from kvgateway.tokens.responses_input import chat_body as responses_chat_body
 
@@ -176,18 +177,26 @@ async def _prefix_hint(
 
     estimator = counters.estimator_for(model.tokenizer)
 
-    def ids() -> list[int] | None:
+    def ids() -> tuple[list[int] | None, bool]:
+        """The prompt's ids, and whether they are the node's own."""
         if parsed.kind == "completion":
-            return ids_of.completion(body.get("prompt"))
+            prompt = body.get("prompt")
+            exact = estimator.exact_completion_ids(body)
+            if exact is not None:
+                return exact, True
+            # Token ids are the node's; a text is encoded with the stand-in here.
+            return ids_of.completion(prompt), _token_ids(prompt)
         # Chat (or responses as chat): the node's own ids when the model's tokenizer is
         # configured (KV events then match), else a stable stand-in layout.
         exact = estimator.exact_chat_ids(counted_body)
-        return exact if exact is not None else ids_of.chat(counted_body, model.tokenizer)
+        if exact is not None:
+            return exact, True
+        return ids_of.chat(counted_body, model.tokenizer), False
 
     if size > IDS_INLINE_BYTES:
-        found = await asyncio.get_running_loop().run_in_executor(counters.executor, ids)
+        found, own = await asyncio.get_running_loop().run_in_executor(counters.executor, ids)
     else:
-        found = ids()
+        found, own = ids()
     keys: tuple[int, ...] = ()
     if found:
         # vLLM recomputes a prompt's last token (for its logits) and so never takes the
@@ -195,7 +204,30 @@ async def _prefix_hint(
         # be shared. The keys stop there (the last block's credit made a node preempt).
         shareable = (min(len(found), longest) - 1) // block
         keys = tuple(block_keys(found, block, max_blocks=max(0, shareable)))
-    return PrefixHint(keys, block, session[:256] if session else None)
+    return PrefixHint(
+        keys, block, session[:256] if session else None, credit=own and _shares_as_keyed(body)
+    )
+
+
+def _token_ids(prompt: Any) -> bool:
+    return isinstance(prompt, list) and bool(prompt) and all(type(t) is int for t in prompt)
+
+
+def _shares_as_keyed(body: dict[str, Any]) -> bool:
+    """Does the node share this prompt's blocks exactly as its ids say? Not with images
+    or other media (vLLM's block hashes carry each item's content hash; the ids hold
+    placeholders), a ``cache_salt`` (its first block's hash carries the salt), or
+    ``prompt_logprobs`` (vLLM then reads nothing from its prefix cache)."""
+    if body.get("cache_salt") is not None or body.get("prompt_logprobs") is not None:
+        return False
+    for source in (body.get("messages"), body.get("input")):
+        if not isinstance(source, list):
+            continue
+        for msg in source:
+            content = msg.get("content") if isinstance(msg, dict) else None
+            if isinstance(content, list) and any(part_text(p) is None for p in content):
+                return False
+    return True
 
 
 def node_counted(prompt: PromptEstimate, count: int) -> PromptEstimate:

@@ -155,6 +155,19 @@ class ExactCounter:
         ids = self.tokenizer.encode_prompt(chat.text, add_special_tokens=chat.add_special_tokens)
         return ids + [media_id] * (chat.media * self._image_tokens)
 
+    def completion_ids(self, body: dict[str, Any]) -> list[int] | None:
+        """The node's ids of a completions request's single prompt (a text encoded as
+        the node encodes it, BOS/EOS as ``add_special_tokens`` says; ids as given);
+        None for a batch."""
+        prompts = _prompts(body.get("prompt"))
+        if len(prompts) != 1:
+            return None
+        prompt = prompts[0]
+        if isinstance(prompt, str):
+            add = _flag(body, "add_special_tokens", True)
+            return self.tokenizer.encode_prompt(prompt, add_special_tokens=add)
+        return list(prompt)
+
     def count_chat_sync(self, body: dict[str, Any]) -> int:
         """Like :meth:`count_chat`, on the calling thread (the event loop's: it uses the
         cache)."""

@@ -92,6 +92,11 @@ class PromptEstimator:
         keying its KV blocks; None without the model's tokenizer."""
         return self._exact.prompt_ids(body) if self._exact is not None else None
 
+    def exact_completion_ids(self, body: dict[str, Any]) -> list[int] | None:
+        """The node's own ids of a completions request's single prompt; None without the
+        model's tokenizer, or for a batch."""
+        return self._exact.completion_ids(body) if self._exact is not None else None
+
     @property
     def description(self) -> str:
         if self._exact is not None:

@@ -136,10 +136,29 @@ async def test_chat_follow_ups_stay_home_with_kv_events_whose_ids_cannot_match(
         assert len(set(turns)) == 1, homes
     now = fleet.state.clock()
     assert all(fleet.state.prefix.index.is_precise(n, now) for n in fleet.nodes)
+    # Its stand-in keys guide routing only: no block is credited on them (the template
+    # puts tools, roles and images where the stand-in layout does not).
+    st = fleet.state
+    raw = json.dumps(
+        {"model": MODEL, "messages": [{"role": "user", "content": SYSTEM}], "max_tokens": 8}
+    ).encode()
+    counted = await plan_request(raw, "chat", st.config, st.counters, st.calibration, st.fleet)
+    assert counted.demand.prefix is not None and counted.demand.prefix.keys
+    assert not counted.demand.prefix.credit
 
 
-async def test_a_prefix_held_by_a_running_stream_is_reserved_once(start_fleet: StartFleet):
-    fleet = await start_fleet(NODES[:1], gateway={"routing": {"prefix_aware": True}})
+async def test_a_prefix_held_by_a_running_stream_is_reserved_once(
+    start_fleet: StartFleet, vocab_dirs
+):
+    # Credit needs the node's own ids: the model's tokenizer (or token-id prompts).
+    qwen = str(vocab_dirs("qwen"))
+    fleet = await start_fleet(
+        [(name, tier, profile, {"tokenizer": qwen}) for name, tier, profile, _ in NODES[:1]],
+        gateway={
+            "models": [{"name": MODEL, "served_name": SERVED, "tokenizer": {"path": qwen}}],
+            "routing": {"prefix_aware": True},
+        },
+    )
     b = fleet.backend("small-1")
     doc = "The depot ledger lists every pallet that left the harbor today. " * 150
     long = {"model": MODEL, "prompt": doc, "max_tokens": 300, "stream": True, "ignore_eos": True}
@@ -203,3 +222,15 @@ async def test_chat_keys_match_the_nodes_events_with_the_models_tokenizer(
     hint = counted.demand.prefix
     assert hint is not None and len(hint.keys) >= len(keys) - 1
     assert hint.keys == tuple(keys[: len(hint.keys)])
+    assert hint.credit  # the node's own ids: shared blocks may be credited
+    # Not when the node hashes in what the ids lack, or reads nothing from its cache.
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    with_image = [*body["messages"], {"role": "user", "content": [image]}]
+    for extra in (
+        {"cache_salt": "tenant-b"},
+        {"prompt_logprobs": 1},
+        {"messages": with_image},
+    ):
+        raw = json.dumps({"model": MODEL, **body, "max_tokens": 8, **extra}).encode()
+        counted = await plan_request(raw, "chat", st.config, st.counters, st.calibration, st.fleet)
+        assert counted.demand.prefix is not None and not counted.demand.prefix.credit, extra
