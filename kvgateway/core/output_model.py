@@ -5,7 +5,8 @@ guarantee, and it costs capacity: nodes generate about half of it on average. Wi
 ``admission.output_reservation: learned`` a request reserves instead a high quantile
 (``1 - admission.preemption_risk``) of the output lengths seen for requests like it:
 the same model and client key, in the same ``max_tokens`` bucket (powers of two), never
-more than its ``max_tokens``. Until a group has ``min_samples`` observations the
+more than its ``max_tokens``. A sequence that ran to its own cap is read as running to
+the cap of the request asking (it was cut, not finished). Until a group has ``min_samples`` observations the
 model-wide group of that bucket answers; until that has them, nothing does and the
 request reserves its ``max_tokens``.
 
@@ -29,6 +30,10 @@ from dataclasses import dataclass
 from itertools import accumulate
 
 ANY_KEY = "*"
+# A sequence that ran to its cap: it would have gone on, how far nobody saw. Kept as a
+# length past every cap, so that it counts as running to the cap of whichever request
+# reads it (one capped at 129 says nothing about where a 256-token one stops).
+CENSORED = 1 << 40
 
 
 def bucket_of(max_tokens: int) -> int:
@@ -105,10 +110,11 @@ class OutputModel:
         self._seen = 0
 
     def observe(self, model: str, key: str, max_tokens: int, output_tokens: int) -> None:
-        """One finished sequence generated ``output_tokens`` of its ``max_tokens``."""
+        """One finished sequence generated ``output_tokens`` of its ``max_tokens`` (all of
+        them: it was cut there, and is kept as :data:`CENSORED`)."""
         if max_tokens < 1 or output_tokens < 0:
             return
-        value = min(output_tokens, max_tokens)
+        value = output_tokens if output_tokens < max_tokens else CENSORED
         b = bucket_of(max_tokens)
         for group in (
             ((model, key, b), (model, ANY_KEY, b)) if key != ANY_KEY else ((model, key, b),)

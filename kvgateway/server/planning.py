@@ -120,7 +120,11 @@ async def plan_request(
     each = reserved_prompts(prompt, model, calibration)
     longest = max(each)
     adm = config.admission
-    learned = adm.output_reservation == "learned" and not parsed.echo_only
+    learned = (
+        adm.output_reservation == "learned"
+        and not parsed.echo_only
+        and not _output_is_set(parsed.body)
+    )
     # KV is reserved for each prompt's bound, or in learned mode for what the nodes'
     # reports predict; the context fit keeps the bound either way (the node checks it).
     kv_prompts = learned_prompts(prompt, model, calibration, each) if learned else each
@@ -206,6 +210,16 @@ async def _prefix_hint(
         keys = tuple(block_keys(found, block, max_blocks=max(0, shareable)))
     return PrefixHint(
         keys, block, session[:256] if session else None, credit=own and _shares_as_keyed(body)
+    )
+
+
+def _output_is_set(body: dict[str, Any]) -> bool:
+    """Does the request fix its output length, so that no learned length applies?
+    ``ignore_eos`` runs to ``max_tokens`` (unless a stop string ends it), ``min_tokens``
+    sets a floor the learned lengths know nothing of: both reserve ``max_tokens``."""
+    min_tokens = body.get("min_tokens")
+    return body.get("ignore_eos") is True or (
+        isinstance(min_tokens, int) and not isinstance(min_tokens, bool) and min_tokens > 0
     )
 
 

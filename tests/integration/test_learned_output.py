@@ -18,12 +18,20 @@ async def _post(s: aiohttp.ClientSession, url: str, body: dict) -> None:
         await r.read()
 
 
+# The large node answers at length whatever is asked (what learning never saw).
+NODES = [
+    *NODE,
+    ("large-1", "large", "gpu80-8b", {"output_mean": 4000.0, "output_sigma": 0.0}),
+]
+
+
 async def test_learned_reservations_shrink_and_long_streams_stay_covered(start_fleet: StartFleet):
     fleet = await start_fleet(
-        NODE,
+        NODES,
         gateway={"admission": {"output_reservation": "learned", "preemption_risk": 0.05}},
     )
     b = fleet.backend("small-1")
+    large = fleet.backend("large-1")
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 400}
     async with aiohttp.ClientSession() as s:
         # Before anything is learned: the whole max_tokens is reserved.
@@ -37,16 +45,25 @@ async def test_learned_reservations_shrink_and_long_streams_stay_covered(start_f
         model = fleet.state.outputs.model
         learned = model.reservation(MODEL, "*", 400, 0.05)
         assert learned < 200  # outputs are ~40 tokens
-        # A stream that generates all 400 tokens anyway (ignore_eos): its reservation
-        # grows ahead of the node's footprint as it streams.
-        long = {**body, "stream": True, "ignore_eos": True}
+        # A request that fixes its own length (ignore_eos, min_tokens) learns nothing:
+        # it reserves its max_tokens.
+        for fixed in ({"ignore_eos": True}, {"min_tokens": 300}):
+            task = asyncio.create_task(_post(s, fleet.url, {**body, **fixed, "stream": True}))
+            while b.in_flight == 0:
+                await asyncio.sleep(0.001)
+            assert b.reserved_tokens >= 400, fixed
+            await task
+        # A prompt only the large node holds, whose answer runs to all 400 tokens: its
+        # reservation grows ahead of the node's footprint as it streams.
+        long = {**body, "messages": [{"role": "user", "content": "hello " * 9000}], "stream": True}
         seen = []
         async with s.post(fleet.url + "/v1/chat/completions", json=long) as r:
             assert r.status == 200
+            assert r.headers["x-gateway-backend"] == "large-1"
             async for _ in r.content.iter_any():
                 footprint = sum(fleet.state.outputs.statistics().values())
                 seen.append(footprint)
-                assert b.reserved_tokens >= footprint
+                assert large.reserved_tokens >= footprint
     # It did stream well past its learned reservation (the footprint is sampled between
     # runs of events, so its last tokens may not be seen).
     assert max(seen) > 300

@@ -83,3 +83,20 @@ def test_learned_reservation_on_a_lognormal_workload_saves_most_of_max_tokens():
     assert reserved < 1024
     over = sum(1 for o in draws[1000:] if o > reserved) / 1000
     assert over < 0.03  # held out: close to the 1% asked for
+
+
+def test_a_sequence_cut_at_its_cap_counts_as_running_to_the_askers_cap():
+    # Requests capped at 129 all ran to it: they were cut, not finished. A 256-token
+    # request in the same bucket learns nothing below 256 from them (it reserved 160
+    # and its node preempted).
+    m = OutputModel(min_samples=10)
+    for _ in range(64):
+        m.observe("m", "k", 129, 129)
+    assert m.reservation("m", "k", 256, 0.01) == 256
+    assert m.reservation("m", "k", 129, 0.01) == 129
+    shape = m.shape("m", "k", 256)
+    assert shape is not None and shape.outlook(0, 256, 0.5).expected == 256
+    # Sequences that stopped on their own below their cap are learned as they are.
+    for _ in range(640):
+        m.observe("m", "k", 200, 90)
+    assert m.reservation("m", "k", 256, 0.05) == 90
