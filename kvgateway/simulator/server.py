@@ -117,6 +117,9 @@ async def _models(request: web.Request) -> web.Response:
     return p.json_response(p.models_body(s.model, s.served_root, s.max_model_len, node.created))
 
 
+_NOT_TOKENIZE_FIELDS = frozenset({"documents", "reasoning_effort"})
+
+
 async def _tokenize(request: web.Request) -> web.Response:
     """vLLM's ``POST /tokenize``: a completion form (``prompt``, ``add_special_tokens``
     default true) or a chat form (``messages`` rendered with the template, as for
@@ -128,7 +131,10 @@ async def _tokenize(request: web.Request) -> web.Response:
     try:
         if "messages" in body:
             messages = p.parse_messages(body["messages"])
-            tokens = await _off_loop(node.tokenizer.encode_chat_request, body, messages)
+            # vLLM's TokenizeChatRequest has no documents or reasoning_effort (they reach
+            # the template only through chat_template_kwargs there): not rendered.
+            chat = {k: v for k, v in body.items() if k not in _NOT_TOKENIZE_FIELDS}
+            tokens = await _off_loop(node.tokenizer.encode_chat_request, chat, messages)
         elif isinstance(body.get("prompt"), str):
             tokens = await _off_loop(node.tokenizer.encode_completion_request, body, body["prompt"])
         else:

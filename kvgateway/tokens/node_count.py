@@ -27,6 +27,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from kvgateway.tokens.exact import template_arguments
+
 
 @dataclass(frozen=True, slots=True)
 class NodeCount:
@@ -109,22 +111,31 @@ def readmission_prompt_tokens(count: NodeCount, max_model_len: int) -> int:
 _CHAT_FIELDS = (
     "messages",
     "tools",
-    "documents",
     "chat_template",
-    "chat_template_kwargs",
     "add_generation_prompt",
     "continue_final_message",
     "add_special_tokens",
     "mm_processor_kwargs",
 )
 _COMPLETION_FIELDS = ("prompt", "add_special_tokens")
+# Set as template arguments by TokenizeChatRequest's own fields.
+_OWN_ARGUMENTS = ("add_generation_prompt", "continue_final_message")
 
 
 def tokenize_body(request: dict[str, Any], served_model: str, *, chat: bool) -> dict[str, Any]:
     """The ``/tokenize`` body that counts ``request`` (a chat or completions body) as the
-    node will count it when it is forwarded."""
+    node will count it when it is forwarded. A chat request's ``documents`` and
+    ``reasoning_effort`` (with the ``enable_thinking`` it implies) are not fields of
+    vLLM's TokenizeChatRequest: they go in its ``chat_template_kwargs``, merged as the
+    chat endpoint merges them (:func:`~kvgateway.tokens.exact.template_arguments`)."""
     fields = _CHAT_FIELDS if chat else _COMPLETION_FIELDS
     body = {k: request[k] for k in fields if k in request}
+    if chat:
+        kwargs = template_arguments(request)
+        for key in _OWN_ARGUMENTS:
+            kwargs.pop(key, None)
+        if kwargs:
+            body["chat_template_kwargs"] = kwargs
     body["model"] = served_model
     return body
 

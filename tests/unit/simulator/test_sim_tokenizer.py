@@ -4,6 +4,7 @@ usage, /tokenize, /detokenize, context-length 400s and KV accounting."""
 from __future__ import annotations
 
 import argparse
+import json
 import random
 from collections.abc import Callable
 from pathlib import Path
@@ -24,6 +25,7 @@ from kvgateway.tokens.node_count import (
 )
 from tests.support import corpus
 from tests.support.sim import SimFactory
+from tests.unit.tokens.test_vs_transformers import THINKING
 
 MODEL = TINY.model
 CL100K = load_encoding(EncodingSpec())
@@ -167,6 +169,37 @@ async def test_tokenize_body_asks_the_node_for_the_forwarded_count(
         gateway.tokenizer.encode_prompt("12345 67890")
     )
     assert tokenize_count({"error": {}}) is None
+
+
+async def test_tokenize_body_carries_documents_and_reasoning_effort_as_template_kwargs(
+    sim: SimFactory, vocab_dirs: Dirs, encodings: EncodingCache, tmp_path: Path
+) -> None:
+    # vLLM's TokenizeChatRequest has no documents or reasoning_effort fields: asked as
+    # fields, the node's count leaves out what the chat request renders (6 tokens short
+    # with Qwen3's template and reasoning_effort "none": a node 400 near the limit).
+    directory = tmp_path / "thinking"
+    directory.mkdir()
+    base = vocab_dirs("qwen")
+    (directory / "tokenizer.json").symlink_to(base / "tokenizer.json")
+    config = json.loads((base / "tokenizer_config.json").read_text())
+    config["chat_template"] = THINKING
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    node = await sim(tokenizer=str(directory))
+    gateway = ExactCounter(encodings.model(str(directory)))
+    docs = [{"title": "Cache", "text": "KV blocks are 16 tokens."}]
+    ask = {"messages": [{"role": "user", "content": "Which block size?"}], "max_tokens": 9}
+    for extra in (
+        {"reasoning_effort": "none"},
+        {"reasoning_effort": "high"},
+        {"documents": docs},
+        {"documents": docs, "chat_template_kwargs": {"house_style": "terse"}},
+        {"reasoning_effort": "low", "chat_template_kwargs": {"enable_thinking": True}},
+    ):
+        body = {**ask, **extra}
+        status, reply = await node.post("/tokenize", tokenize_body(body, MODEL, chat=True))
+        assert status == 200, reply
+        assert tokenize_count(reply) == gateway.count_chat_sync(body), extra
+        assert gateway.count_chat_sync(body) != gateway.count_chat_sync(ask), extra
 
 
 async def test_a_requests_own_template_is_refused_as_vllm_does(
