@@ -7,6 +7,7 @@ readers over an empty document to describe the format as a JSON Schema.
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
@@ -162,6 +163,7 @@ def _model(s: Section, encodings: EncodingCache) -> ModelConfig:
             "estimate_margin", d.estimate_margin, maximum=1.0, exclusive_min=False
         ),
         upper_bound=tok.flag("upper_bound", d.upper_bound),
+        chat_template_kwargs=_template_defaults(tok),
         **_tokenizer_dir(tok, enc, encodings),
     )
     tok.reject_unknown()
@@ -173,6 +175,19 @@ def _model(s: Section, encodings: EncodingCache) -> ModelConfig:
     )
     s.reject_unknown()
     return cfg
+
+
+def _template_defaults(tok: Section) -> str:
+    """``chat_template_kwargs``: what the nodes pass every chat template unless a request
+    says otherwise (vLLM's ``--default-chat-template-kwargs``), as canonical JSON."""
+    given = tok.mapping("chat_template_kwargs")
+    if not given:
+        return ""
+    try:
+        return json.dumps(dict(given), sort_keys=True, separators=(",", ":"))
+    except (TypeError, ValueError) as exc:
+        tok.fail("chat_template_kwargs", f"expected JSON values: {exc}")
+        return ""
 
 
 def _tokenizer_dir(tok: Section, enc: EncodingSpec, encodings: EncodingCache) -> dict[str, Any]:

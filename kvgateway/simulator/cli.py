@@ -41,6 +41,7 @@ _NODE_FLAGS = {
     "max_num_seqs": "max_num_seqs",
     "max_num_queued_reqs": "max_num_queued_reqs",
     "tokenizer": "tokenizer",
+    "default_chat_template_kwargs": "default_chat_template_kwargs",
 }
 
 
@@ -79,6 +80,12 @@ def register(subparsers: Any) -> None:
         "--tokenizer",
         metavar="DIR",
         help="ad-hoc node: count with this model tokenizer directory and its chat template",
+    )
+    parser.add_argument(
+        "--default-chat-template-kwargs",
+        metavar="JSON",
+        help="ad-hoc node: what every chat template gets unless a request says otherwise "
+        "(vLLM's flag), e.g. '{\"enable_thinking\": false}'",
     )
     sized = parser.add_argument_group("--preset node (vLLM's flags; default: vLLM's defaults)")
     sized.add_argument("--gpu-memory-gib", type=float, help="per GPU, as torch sees it")

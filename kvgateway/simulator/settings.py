@@ -9,6 +9,7 @@ does is decided by these fields, so two nodes built from equal settings behave a
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -80,6 +81,9 @@ class NodeSettings:
     # the node renders the model's chat template and counts with that tokenizer, as a
     # vLLM serving that model does; the fields above are then unused.
     tokenizer: str | None = None
+    # vLLM's --default-chat-template-kwargs: a JSON object every chat template gets
+    # unless a request's chat_template_kwargs (or its own fields) say otherwise.
+    default_chat_template_kwargs: str | None = None
 
     # /metrics: expose vllm:gpu_cache_usage_perc (vLLM < 0.12) instead of the new name.
     legacy_metric_names: bool = False
@@ -249,6 +253,16 @@ def validate(s: NodeSettings, path: str = "settings") -> None:
         )
     if s.tokenizer_bytes_per_token is not None and s.tokenizer_bytes_per_token <= 0:
         raise SettingsError(f"{path}.tokenizer_bytes_per_token: expected a positive number")
+    if s.default_chat_template_kwargs is not None:
+        try:
+            kwargs = json.loads(s.default_chat_template_kwargs)
+        except ValueError:
+            kwargs = None
+        if not isinstance(kwargs, dict):
+            raise SettingsError(
+                f"{path}.default_chat_template_kwargs: expected a JSON object, got "
+                f"{s.default_chat_template_kwargs!r}"
+            )
     if s.tokenizer is not None and not os.path.isdir(os.path.expanduser(s.tokenizer)):
         raise SettingsError(f"{path}.tokenizer: {s.tokenizer!r} is not a directory")
     if s.tokenizer_scale <= 0:

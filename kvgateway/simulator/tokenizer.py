@@ -12,6 +12,7 @@ overhead per message and per request.
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -46,7 +47,10 @@ class NodeTokenizer:
         self.exact: ExactCounter | None = None
         if settings.tokenizer is not None:
             model = encodings.model(settings.tokenizer, engine="tokenizers")
-            self.exact = ExactCounter(model)
+            defaults = settings.default_chat_template_kwargs
+            self.exact = ExactCounter(
+                model, template_defaults=json.loads(defaults) if defaults else None
+            )
         elif self._bytes_per_token is None:
             self._encoder = encodings.get(EncodingSpec(name=settings.tokenizer_encoding))
 

@@ -57,8 +57,11 @@ class ExactCounter:
         image_tokens: int = 765,
         trust_request_chat_template: bool = False,
         inline_chars: int = 24_000,
+        template_defaults: dict[str, Any] | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        # The node's default template arguments (--default-chat-template-kwargs).
+        self._defaults = dict(template_defaults or {})
         self._cache = cache if cache is not None else TextCountCache()
         self._executor = executor
         self._image_tokens = image_tokens
@@ -88,6 +91,7 @@ class ExactCounter:
             executor,
             image_tokens=config.image_tokens,
             trust_request_chat_template=trust_request_chat_template,
+            template_defaults=config.template_defaults(),
         )
 
     @property
@@ -124,7 +128,7 @@ class ExactCounter:
         if template is None:
             template = self._template(body, tools is not None)
         conv = conversation(body.get("messages") or [], template.content_format)
-        args = template_arguments(body)
+        args = template_arguments(body, self._defaults)
         text = template.render(
             conv.messages,
             tools=tools,
@@ -268,10 +272,13 @@ class ExactCounter:
         )
 
 
-def template_arguments(body: dict[str, Any]) -> dict[str, Any]:
+def template_arguments(
+    body: dict[str, Any], defaults: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """What vLLM hands apply_chat_template besides the messages and tools.
 
-    The request's ``chat_template_kwargs``, overridden by its own fields unless those
+    The node's ``defaults`` (``--default-chat-template-kwargs``), under the request's
+    ``chat_template_kwargs``, both overridden by the request's own fields unless those
     are null or "auto" (``add_generation_prompt``, ``continue_final_message``,
     ``documents``, ``reasoning_effort``). A ``reasoning_effort`` also sets
     ``enable_thinking`` (false for "none") unless the kwargs set it.
@@ -286,6 +293,7 @@ def template_arguments(body: dict[str, Any]) -> dict[str, Any]:
     whose value is None or "auto" are dropped)."""
     given = body.get("chat_template_kwargs")
     user: dict[str, Any] = dict(given) if isinstance(given, dict) else {}
+    merged = {**(defaults or {}), **user}
     fields: dict[str, Any] = {
         "add_generation_prompt": _flag(body, "add_generation_prompt", True),
         "continue_final_message": _flag(body, "continue_final_message", False),
@@ -295,8 +303,8 @@ def template_arguments(body: dict[str, Any]) -> dict[str, Any]:
     effort = fields["reasoning_effort"]
     if effort is not None and "enable_thinking" not in user:
         fields["enable_thinking"] = effort != "none"
-    user.update((k, v) for k, v in fields.items() if v is not None and v != "auto")
-    return user
+    merged.update((k, v) for k, v in fields.items() if v is not None and v != "auto")
+    return merged
 
 
 def _flag(body: dict[str, Any], key: str, default: bool) -> bool:

@@ -157,6 +157,8 @@ def plan_chat(body: dict[str, Any], cfg: TokenizerConfig) -> CountPlan:
             plan.add_text(text)
     for text in request_extras(body):
         plan.add_text(text)
+    for text in rendered_texts(cfg.template_defaults()):
+        plan.add_text(text)  # the nodes' default template arguments
     # Tool and function schemas are rendered into the prompt by the chat template.
     for key in ("tools", "functions"):
         schemas = body.get(key)

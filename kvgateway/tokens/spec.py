@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvgateway.tokens.encoding import EncodingSpec
 from kvgateway.tokens.modeldir import ModelTokenizer
@@ -32,3 +34,13 @@ class TokenizerConfig:
     # (tokens.exact); the encoding and allowances above are then only a fallback.
     path: str | None = None
     model: ModelTokenizer | None = field(default=None, compare=False, repr=False)
+    # The node's --default-chat-template-kwargs (models[].tokenizer.chat_template_kwargs),
+    # as canonical JSON (so the config stays hashable): below every request's own.
+    chat_template_kwargs: str = ""
+
+    def template_defaults(self) -> dict[str, Any]:
+        """The node's default chat-template arguments (empty without any)."""
+        if not self.chat_template_kwargs:
+            return {}
+        value = json.loads(self.chat_template_kwargs)
+        return value if isinstance(value, dict) else {}

@@ -23,6 +23,7 @@ from bench.counting_workload import (
 from kvgateway.tokens.exact import ExactCounter
 from kvgateway.tokens.modeldir import load_model_tokenizer
 from tests.support.fleet import MODEL, SERVED, StartFleet
+from tests.unit.tokens.test_vs_transformers import THINKING
 
 
 def corpus(rnd: random.Random, n: int) -> list[str]:
@@ -214,3 +215,47 @@ async def test_mixed_workload_against_a_real_vocabulary(
         assert (await fleet.nodes[name].state())["preemptions"] == 0
         assert fleet.backend(name).recent_rejections(fleet.state.clock()) == 0
     assert fleet.leaks() == {}
+
+
+async def test_the_nodes_default_template_kwargs_are_counted_when_configured(
+    start_fleet: StartFleet, vocab_dirs, tmp_path
+):
+    # A Qwen3-style node started with --default-chat-template-kwargs
+    # '{"enable_thinking": false}' adds an empty think block to every prompt: the gateway
+    # counts it once its model says so (models[].tokenizer.chat_template_kwargs).
+    directory = tmp_path / "thinking"
+    directory.mkdir()
+    base = vocab_dirs("qwen")
+    (directory / "tokenizer.json").symlink_to(base / "tokenizer.json")
+    config = json.loads((base / "tokenizer_config.json").read_text())
+    config["chat_template"] = THINKING
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    defaults = {"enable_thinking": False}
+    node = {"tokenizer": str(directory), "default_chat_template_kwargs": json.dumps(defaults)}
+    tok = {"path": str(directory), "chat_template_kwargs": defaults}
+    fleet = await start_fleet(
+        [("q-1", "large", "gpu80-8b", node)],
+        time_scale=200,
+        gateway={"models": [{"name": MODEL, "served_name": SERVED, "tokenizer": tok}]},
+    )
+    asks = [
+        {},
+        {"reasoning_effort": "high"},  # the request's own field wins over the default
+        {"chat_template_kwargs": {"enable_thinking": True}},
+    ]
+    async with aiohttp.ClientSession() as s:
+        counts = []
+        for extra in asks:
+            body = {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "Which block size?"}],
+                "max_tokens": 2,
+                **extra,
+            }
+            async with s.post(fleet.url + "/v1/chat/completions", json=body) as r:
+                data = await r.json()
+                assert r.status == 200, data
+                counted = int(r.headers["x-gateway-prompt-tokens"])
+                assert counted == data["usage"]["prompt_tokens"], extra
+                counts.append(counted)
+    assert counts[0] > counts[2]  # the empty think block, only by default

@@ -152,3 +152,21 @@ def test_empty_or_blank_keys_are_start_up_errors_naming_their_source(tmp_path, m
     monkeypatch.setenv("GW_KEYS", "sk-1, sk-2")
     cfg = parse_config_text("server: {api_keys_env: GW_KEYS, admin_api_keys: [adm]}\n" + base)
     assert cfg.server.api_keys == ("sk-1", "sk-2") and cfg.server.admin_api_keys == ("adm",)
+
+
+def test_a_models_template_defaults_are_read_and_checked():
+    from kvgateway.config.load import parse_config
+
+    backend = {"name": "b", "url": "http://h:1", "model": "m"}
+
+    def cfg(kwargs: object) -> dict:
+        return {
+            "models": [{"name": "m", "tokenizer": {"chat_template_kwargs": kwargs}}],
+            "tiers": [{"name": "t", "backends": [backend]}],
+        }
+
+    tok = parse_config(cfg({"enable_thinking": False})).models[0].tokenizer
+    assert tok.template_defaults() == {"enable_thinking": False}
+    assert parse_config(cfg(None)).models[0].tokenizer.template_defaults() == {}
+    with pytest.raises(ConfigError, match=r"models\[0\]\.tokenizer\.chat_template_kwargs"):
+        parse_config(cfg(["enable_thinking"]))
