@@ -18,8 +18,15 @@ Losing events makes the index wrong, so the sequence numbers are checked
 - an older number: a duplicate after a replay, ignored.
 
 A TCP disconnect seen by the socket monitor also resyncs (whatever happened meanwhile is
-unknown) and the next batch is taken as a fresh start. Every wait is bounded; each
-subscriber owns its named tasks and :meth:`close` ends them.
+unknown) and the next batch is taken as a fresh start.
+
+A batch that cannot be trusted resyncs too, and the stream carries on: one that does not
+decode, one holding an event the index cannot hold (checked by :func:`decode_batch`:
+``block_size < 1``, a token id outside int64, a list that is not a list), or one whose
+application fails for a reason nobody foresaw. One bad event from one node must neither
+kill the reader (leaving a stale view trusted as precise) nor the gateway's shutdown;
+such errors are counted and logged at a bounded rate. Every wait is bounded; each
+subscriber owns its named tasks and :meth:`close` ends them (and never raises theirs).
 """
 
 from __future__ import annotations
@@ -51,6 +58,11 @@ from kvgateway.core.prefix_index import (
 log = logging.getLogger("kvgateway.upstream.kv_events")
 
 _END_SEQ = -1
+
+# What the index can hold: tokens are packed as signed int64 (prefix_keys.pack_tokens);
+# msgpack's own integer range bounds an int block hash.
+_TOKEN_MIN, _TOKEN_MAX = -(2**63), 2**63 - 1
+_HASH_MIN, _HASH_MAX = -(2**63), 2**64 - 1
 
 
 class EventDecodeError(ValueError):
@@ -86,10 +98,58 @@ def _as_tuple(value: Any) -> Any:
     return tuple(_as_tuple(v) for v in value) if isinstance(value, list) else value
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _hash(value: Any) -> EngineHash:
-    if isinstance(value, bool) or not isinstance(value, int | bytes):
-        raise EventDecodeError(f"block hash must be an int or bytes, got {value!r}")
+    if isinstance(value, bytes):
+        return value
+    if isinstance(value, int) and not isinstance(value, bool) and _HASH_MIN <= value <= _HASH_MAX:
+        return value
+    raise EventDecodeError(f"block hash must be a 64-bit int or bytes, got {value!r:.80}")
+
+
+def _list(fields: dict[Any, Any], name: str) -> list[Any]:
+    value = fields[name]
+    if not isinstance(value, list):
+        raise EventDecodeError(f"{name} must be a list, got {value!r:.80}")
     return value
+
+
+def _hashes(fields: dict[Any, Any]) -> tuple[EngineHash, ...]:
+    return tuple(_hash(h) for h in _list(fields, "block_hashes"))
+
+
+def _token_ids(fields: dict[Any, Any]) -> tuple[int, ...]:
+    tokens = _list(fields, "token_ids")
+    for t in tokens:
+        if not (_is_int(t) and _TOKEN_MIN <= t <= _TOKEN_MAX):
+            raise EventDecodeError(f"token id must be a 64-bit signed int, got {t!r:.80}")
+    return tuple(tokens)
+
+
+def _block_size(fields: dict[Any, Any]) -> int:
+    value = fields["block_size"]
+    if not (_is_int(value) and value >= 1):
+        raise EventDecodeError(f"block_size must be a positive int, got {value!r:.80}")
+    return int(value)
+
+
+def _optional(fields: dict[Any, Any], name: str, kind: type) -> Any:
+    value = fields.get(name)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, kind)):
+        raise EventDecodeError(f"{name} must be a {kind.__name__} or null, got {value!r:.80}")
+    return value
+
+
+def _extra_keys(fields: dict[Any, Any]) -> tuple[tuple[Any, ...] | None, ...] | None:
+    extra = fields.get("extra_keys")
+    if extra is None:
+        return None
+    if not isinstance(extra, list) or not all(e is None or isinstance(e, list) for e in extra):
+        raise EventDecodeError(f"extra_keys must be a list of lists or nulls, got {extra!r:.80}")
+    return tuple(None if e is None else _as_tuple(e) for e in extra)
 
 
 def _event(raw: Any) -> CacheEvent | None:
@@ -104,31 +164,36 @@ def _event(raw: Any) -> CacheEvent | None:
     try:
         if tag == "BlockStored":
             parent = fields.get("parent_block_hash")
-            extra = fields.get("extra_keys")
             return BlocksStored(
-                block_hashes=tuple(_hash(h) for h in fields["block_hashes"]),
+                block_hashes=_hashes(fields),
                 parent_block_hash=None if parent is None else _hash(parent),
-                token_ids=tuple(int(t) for t in fields["token_ids"]),
-                block_size=int(fields["block_size"]),
-                medium=fields.get("medium"),
-                extra_keys=None if extra is None else tuple(_as_tuple(e) for e in extra),
-                group_idx=fields.get("group_idx"),
+                token_ids=_token_ids(fields),
+                block_size=_block_size(fields),
+                medium=_optional(fields, "medium", str),
+                extra_keys=_extra_keys(fields),
+                group_idx=_optional(fields, "group_idx", int),
             )
         if tag == "BlockRemoved":
             return BlocksRemoved(
-                block_hashes=tuple(_hash(h) for h in fields["block_hashes"]),
-                medium=fields.get("medium"),
-                group_idx=fields.get("group_idx"),
+                block_hashes=_hashes(fields),
+                medium=_optional(fields, "medium", str),
+                group_idx=_optional(fields, "group_idx", int),
             )
-    except (KeyError, TypeError, ValueError) as exc:
+    except EventDecodeError as exc:
         raise EventDecodeError(f"malformed {tag} event: {exc}") from exc
+    except (KeyError, TypeError, ValueError) as exc:
+        raise EventDecodeError(f"malformed {tag} event: {exc!r}") from exc
     if tag == "AllBlocksCleared":
         return AllCleared()
     return None  # an event kind this gateway does not know: skip it
 
 
 def decode_batch(payload: bytes) -> DecodedBatch:
-    """A ``KVEventBatch`` payload (map or array layout) as core events."""
+    """A ``KVEventBatch`` payload (map or array layout) as core events.
+
+    Raises :class:`EventDecodeError` for anything that is not one, including an event
+    the index could not hold: the whole batch is then untrusted, as a lost one would be.
+    """
     try:
         raw = msgspec.msgpack.decode(payload)
     except msgspec.DecodeError as exc:
@@ -174,6 +239,24 @@ class SubscriberStats:
     resyncs: int
     decode_errors: int
     last_seq: int | None
+    apply_errors: int = 0
+
+
+@dataclass(slots=True)
+class _LogLimit:
+    """At most one log line per ``interval_s``; the lines held back are counted."""
+
+    interval_s: float
+    next_at: float | None = None
+    held_back: int = 0
+
+    def allow(self, now: float) -> int | None:
+        """The number held back since the last line if one may be logged now, else None."""
+        if self.next_at is not None and now < self.next_at:
+            self.held_back += 1
+            return None
+        held, self.held_back, self.next_at = self.held_back, 0, now + self.interval_s
+        return held
 
 
 class KVEventSubscriber:
@@ -187,6 +270,7 @@ class KVEventSubscriber:
         *,
         clock: Callable[[], float] = time.monotonic,
         replay_timeout_s: float = 1.0,
+        error_log_interval_s: float = 30.0,
     ) -> None:
         self.source = source
         self._index = index
@@ -197,11 +281,19 @@ class KVEventSubscriber:
         self._tasks: list[asyncio.Task[None]] = []
         self._sub: zmq.asyncio.Socket | None = None
         self._batches = self._gaps = self._replayed = self._resyncs = self._errors = 0
+        self._apply_errors = 0
+        self._error_log = _LogLimit(error_log_interval_s)
         self.connected = asyncio.Event()
 
     def statistics(self) -> SubscriberStats:
         return SubscriberStats(
-            self._batches, self._gaps, self._replayed, self._resyncs, self._errors, self._last
+            self._batches,
+            self._gaps,
+            self._replayed,
+            self._resyncs,
+            self._errors,
+            self._last,
+            self._apply_errors,
         )
 
     def start(self) -> None:
@@ -218,17 +310,27 @@ class KVEventSubscriber:
         ]
 
     async def close(self) -> None:
+        """End the tasks and the socket. A task that had failed is logged, not raised:
+        a reader that died must not also fail the gateway's shutdown."""
         tasks, self._tasks = self._tasks, []
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
-        if self._sub is not None:
-            with contextlib.suppress(zmq.ZMQError):
-                self._sub.disable_monitor()
-            self._sub.close(linger=0)
-            self._sub = None
+        try:
+            for t in tasks:
+                t.cancel()
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+            for t, result in zip(tasks, results, strict=True):
+                if isinstance(result, Exception):
+                    log.error(
+                        "kv events of %s: task %s had failed",
+                        self.source.backend,
+                        t.get_name(),
+                        exc_info=result,
+                    )
+        finally:
+            if self._sub is not None:
+                with contextlib.suppress(zmq.ZMQError):
+                    self._sub.disable_monitor()
+                self._sub.close(linger=0)
+                self._sub = None
 
     # -- the stream ----------------------------------------------------------------
 
@@ -261,14 +363,30 @@ class KVEventSubscriber:
             batch = decode_batch(payload)
         except EventDecodeError as exc:
             self._errors += 1
-            self._resync(f"undecodable batch {seq}: {exc}")
+            self._reject(f"undecodable batch {seq}: {exc}")
             return
         self._batches += 1
-        self._index.apply_events(self.source.backend, batch.events, self._clock())
+        try:
+            self._index.apply_events(self.source.backend, batch.events, self._clock())
+        except Exception as exc:  # the view may be half-applied: never trust it, never die
+            self._apply_errors += 1
+            self._reject(f"batch {seq} could not be applied: {exc!r}")
+
+    def _reject(self, reason: str) -> None:
+        """Resync after a batch that cannot be trusted; logged at a bounded rate, since
+        a node sending bad events sends them on every batch."""
+        held_back = self._error_log.allow(self._clock())
+        if held_back is not None:
+            more = f"; {held_back} more like it not logged" if held_back else ""
+            log.warning("kv events of %s: resync (%s%s)", self.source.backend, reason, more)
+        self._clear()
 
     def _resync(self, reason: str) -> None:
-        self._resyncs += 1
         log.warning("kv events of %s: resync (%s)", self.source.backend, reason)
+        self._clear()
+
+    def _clear(self) -> None:
+        self._resyncs += 1
         self._index.clear(self.source.backend, self._clock())
 
     async def _replay(self, start: int, upto: int) -> bool:
@@ -349,7 +467,13 @@ class KVEventHub:
                 self._subs[name] = sub
 
     async def close(self) -> None:
-        for sub in self._subs.values():
-            await sub.close()
-        self._subs.clear()
-        self._ctx.destroy(linger=0)
+        """Close every subscriber, even after one fails to, then the context."""
+        subs, self._subs = list(self._subs.values()), {}
+        try:
+            for sub in subs:
+                try:
+                    await sub.close()
+                except Exception:
+                    log.exception("kv events of %s: close failed", sub.source.backend)
+        finally:
+            self._ctx.destroy(linger=0)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import msgspec
@@ -24,6 +24,7 @@ from kvgateway.simulator.engine import EngineConfig, EngineCore
 from kvgateway.simulator.kv_events import encode_batch
 from kvgateway.simulator.tokenizer import ChatMessage
 from kvgateway.upstream.kv_events import (
+    EventDecodeError,
     KVEventHub,
     KVEventSource,
     KVEventSubscriber,
@@ -172,7 +173,7 @@ def frames(seq: int, *events: Any) -> list[bytes]:
 async def zctx() -> AsyncIterator[zmq.asyncio.Context]:
     ctx = zmq.asyncio.Context()
     yield ctx
-    ctx.term()
+    ctx.destroy(linger=0)  # term() would wait forever for a socket a failed test left open
 
 
 async def test_a_lost_batch_without_replay_resyncs_the_backend(
@@ -385,3 +386,230 @@ async def test_hub_subscribes_and_detaches_backends(sim: SimFactory) -> None:
         assert hub.subscriber("sim") is None and not index.is_precise("sim", now=0.0)
     finally:
         await hub.close()
+
+
+# -- malformed events: a bad batch resyncs the backend, the reader lives on ------------
+
+
+def _stored(h: int, parent: int | None, tokens: list[int], **over: Any) -> dict[str, Any]:
+    event = {
+        "type": "BlockStored",
+        "block_hashes": [h],
+        "parent_block_hash": parent,
+        "token_ids": tokens,
+        "block_size": 4,
+        "lora_id": None,
+        "medium": "GPU",
+        "lora_name": None,
+    }
+    return event | over
+
+
+def _payload(*events: Any) -> bytes:
+    return msgspec.msgpack.encode({"ts": 1.0, "events": list(events), "data_parallel_rank": 0})
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"block_size": 0},
+        {"block_size": -4},
+        {"block_size": True},
+        {"block_size": "4"},
+        {"token_ids": [2**64 - 1] * 4},
+        {"token_ids": [2**63] * 4},
+        {"token_ids": [1, 2, 3, 4.5]},
+        {"token_ids": "abcd"},
+        {"block_hashes": 7},
+        {"block_hashes": [1.5]},
+        {"parent_block_hash": [1]},
+        {"extra_keys": [1]},
+        {"medium": 5},
+        {"group_idx": "0"},
+    ],
+)
+def test_decoder_rejects_events_the_index_cannot_hold(bad: dict[str, Any]) -> None:
+    with pytest.raises(EventDecodeError, match="malformed BlockStored"):
+        decode_batch(_payload(_stored(1, None, [1, 2, 3, 4], **bad)))
+
+
+def test_decoder_accepts_the_edges_of_what_the_index_can_hold() -> None:
+    top = [2**63 - 1, -(2**63), 0, 1]
+    (event,) = decode_batch(_payload(_stored(2**64 - 1, -(2**63), top, block_size=1))).events
+    assert isinstance(event, BlocksStored) and event.token_ids == tuple(top)
+    with pytest.raises(EventDecodeError, match="malformed BlockRemoved"):
+        decode_batch(_payload({"type": "BlockRemoved", "block_hashes": "ab", "medium": "GPU"}))
+
+
+class _Publisher:
+    """A real vLLM-like ZMQ publisher on loopback. XPUB, so a test can wait for the
+    subscription to arrive instead of losing its first batches to PUB's slow joiner."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, topic: bytes = b"kv") -> None:
+        self.sock = ctx.socket(zmq.XPUB)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind("tcp://127.0.0.1:*")
+        self.endpoint: str = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.topic = topic
+        self.seq = 0
+
+    async def subscribed(self) -> None:
+        msg = await asyncio.wait_for(self.sock.recv(), 5.0)
+        assert msg == b"\x01" + self.topic
+
+    async def send(self, *events: Any) -> None:
+        frames = [self.topic, self.seq.to_bytes(8, "big"), _payload(*events)]
+        await self.sock.send_multipart(frames)
+        self.seq += 1
+
+
+@pytest.fixture
+async def publisher(zctx: zmq.asyncio.Context) -> AsyncIterator[Callable[[], _Publisher]]:
+    """Publishers closed at teardown whatever the test did (zctx.term() waits for them)."""
+    made: list[_Publisher] = []
+
+    def make() -> _Publisher:
+        made.append(_Publisher(zctx))
+        return made[-1]
+
+    yield make
+    for pub in made:
+        pub.sock.close(linger=0)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [{"block_size": 0}, {"token_ids": [2**64 - 1] * 4}],
+    ids=["block_size_0", "token_2_64_minus_1"],
+)
+async def test_a_malformed_event_resyncs_and_the_subscriber_lives_on(
+    zctx: zmq.asyncio.Context,
+    publisher: Callable[[], _Publisher],
+    bad: dict[str, Any],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    pub = publisher()
+    index = PrefixIndex(resync_grace_s=0.0)
+    sub = KVEventSubscriber(KVEventSource("n", pub.endpoint, "kv"), index, zctx)
+    a, b, c = [1] * 4, [2] * 4, [3] * 4
+    sub.start()
+    try:
+        await pub.subscribed()
+        await pub.send(_stored(1, None, a))
+        await _until(lambda: index.precise_keys("n") == set(block_keys(a, 4)))
+        await pub.send(_stored(2, 1, b, **bad))  # malformed: the view can no longer be trusted
+        await _until(lambda: sub.statistics().last_seq == 1)
+        assert index.precise_keys("n") == frozenset()
+        await pub.send(_stored(3, None, b))
+        await pub.send(_stored(4, 3, c))
+        await pub.send({"type": "BlockRemoved", "block_hashes": [99], "medium": "GPU"})
+        await _until(lambda: sub.statistics().last_seq == 4)
+        assert index.precise_keys("n") == set(block_keys(b + c, 4))
+        stats = sub.statistics()
+        assert (stats.batches, stats.decode_errors, stats.resyncs) == (4, 1, 1)
+        assert index.statistics("n", now=0.0).resyncs == 1
+        assert "resync (undecodable batch 1: malformed BlockStored" in caplog.text
+        await pub.send({"type": "AllBlocksCleared"})
+        await _until(lambda: index.precise_keys("n") == frozenset())
+    finally:
+        await sub.close()  # must not raise
+
+
+async def test_malformed_batches_are_logged_at_a_bounded_rate(
+    zctx: zmq.asyncio.Context, caplog: pytest.LogCaptureFixture
+) -> None:
+    now = [0.0]
+    index = PrefixIndex(resync_grace_s=0.0)
+    source = KVEventSource("n", "tcp://127.0.0.1:1")
+    sub = KVEventSubscriber(source, index, zctx, clock=lambda: now[0], error_log_interval_s=10.0)
+    bad = _payload(_stored(1, None, [1] * 4, block_size=0))
+    for seq in range(5):
+        await sub.handle([b"kv", seq.to_bytes(8, "big"), bad])
+        now[0] += 1.0
+    assert sub.statistics().decode_errors == 5 and sub.statistics().resyncs == 5
+    lines = [r.getMessage() for r in caplog.records if "undecodable" in r.getMessage()]
+    assert len(lines) == 1
+    now[0] = 20.0
+    await sub.handle([b"kv", (5).to_bytes(8, "big"), bad])
+    lines = [r.getMessage() for r in caplog.records if "undecodable" in r.getMessage()]
+    assert len(lines) == 2 and "4 more like it not logged" in lines[1]
+
+
+class _FlakyIndex(PrefixIndex):
+    """An index that fails in ways nobody foresaw: applying a batch holding block hash
+    666, and clearing the view of backend ``bad``."""
+
+    def apply_events(self, backend: str, events: Any, now: float) -> None:
+        events = tuple(events)
+        super().apply_events(backend, events, now)
+        if any(isinstance(e, BlocksStored) and 666 in e.block_hashes for e in events):
+            raise RuntimeError("unforeseen")
+
+    def clear(self, backend: str, now: float) -> None:
+        if backend == "bad":
+            raise RuntimeError("clear failed")
+        super().clear(backend, now)
+
+
+async def test_a_batch_that_fails_to_apply_resyncs_and_the_subscriber_lives_on(
+    zctx: zmq.asyncio.Context, publisher: Callable[[], _Publisher]
+) -> None:
+    pub = publisher()
+    index = _FlakyIndex(resync_grace_s=0.0)
+    sub = KVEventSubscriber(KVEventSource("n", pub.endpoint, "kv"), index, zctx)
+    a, b = [1] * 4, [2] * 4
+    sub.start()
+    try:
+        await pub.subscribed()
+        await pub.send(_stored(1, None, a))
+        await pub.send(_stored(666, 1, b))  # half-applied, then fails
+        await pub.send(_stored(2, None, b))
+        await _until(lambda: sub.statistics().last_seq == 2)
+        assert index.precise_keys("n") == set(block_keys(b, 4))
+        stats = sub.statistics()
+        assert (stats.apply_errors, stats.decode_errors, stats.resyncs) == (1, 0, 1)
+    finally:
+        await sub.close()
+
+
+async def test_close_does_not_raise_a_failed_tasks_exception(
+    zctx: zmq.asyncio.Context,
+    publisher: Callable[[], _Publisher],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    pub = publisher()
+    sub = KVEventSubscriber(KVEventSource("bad", pub.endpoint, "kv"), _FlakyIndex(), zctx)
+    sub.start()
+    try:
+        await pub.subscribed()
+        await asyncio.wait_for(sub.connected.wait(), 5.0)
+        pub.sock.close(linger=0)  # the disconnect's resync fails: the monitor task dies
+        await _until(lambda: not sub.connected.is_set())
+        await asyncio.sleep(0)
+    finally:
+        await sub.close()
+    assert "had failed" in caplog.text and "clear failed" in caplog.text
+
+
+async def test_hub_closes_every_subscriber_even_after_one_failed(
+    publisher: Callable[[], _Publisher],
+) -> None:
+    bad, good = publisher(), publisher()
+    hub = KVEventHub(_FlakyIndex())
+    try:
+        await hub.sync(
+            [KVEventSource("bad", bad.endpoint, "kv"), KVEventSource("good", good.endpoint, "kv")]
+        )
+        await bad.subscribed()
+        await good.subscribed()
+        bad_sub = hub.subscriber("bad")
+        assert bad_sub is not None
+        await asyncio.wait_for(bad_sub.connected.wait(), 5.0)
+        bad.sock.close(linger=0)
+        await _until(lambda: not bad_sub.connected.is_set())
+        await asyncio.sleep(0)
+    finally:
+        await hub.close()  # must not raise, and must close "good" too
+    # The good subscriber's socket went away: its publisher sees the unsubscription.
+    assert await asyncio.wait_for(good.sock.recv(), 5.0) == b"\x00kv"
+    assert hub.subscriber("good") is None
