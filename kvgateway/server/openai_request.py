@@ -13,10 +13,12 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from kvgateway.errors import BadRequest
+from kvgateway.tokens.lax import lax_bool, lax_int
 
 Kind = Literal["chat", "completion", "responses"]
 
-_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
+# Keys of a content part vLLM reads as media when the part has no type.
+_MEDIA_KEYS = ("image_url", "audio_url", "video_url", "input_audio", "image_embeds")
 MAX_N = 128
 
 
@@ -133,11 +135,12 @@ def _missing(param: str) -> BadRequest:
 def _opt_positive_int(
     body: dict[str, Any], key: str, maximum: int | None = None, minimum: int = 1
 ) -> int | None:
-    value = body.get(key)
-    if value is None:
+    raw = body.get(key)
+    if raw is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise _type_error(key, "an integer", value)
+    value = lax_int(raw)  # as the node's pydantic reads it: 1000.0 and "1000" are 1000
+    if value is None:
+        raise _type_error(key, "an integer", raw)
     if value < minimum or (maximum is not None and value > maximum):
         limit = f" and at most {maximum}" if maximum else ""
         raise BadRequest(
@@ -155,9 +158,10 @@ def _common(body: dict[str, Any], kind: Kind) -> tuple[str, bool, int]:
     model = body["model"]
     if not isinstance(model, str) or not model:
         raise _type_error("model", "a non-empty string", model)
-    stream = body.get("stream")
-    if stream is not None and not isinstance(stream, bool):
-        raise _type_error("stream", "a boolean", stream)
+    raw_stream = body.get("stream")
+    stream = lax_bool(raw_stream)
+    if raw_stream is not None and stream is None:
+        raise _type_error("stream", "a boolean", raw_stream)
     opts = body.get("stream_options")
     if opts is not None and not isinstance(opts, dict):
         raise _type_error("stream_options", "an object", opts)
@@ -188,14 +192,10 @@ def parse_chat(body: dict[str, Any], limits: Limits = Limits()) -> ParsedRequest
         role = msg.get("role")
         if role is None:
             raise _missing(f"{where}.role")
-        if not isinstance(role, str) or role not in _ROLES:
-            raise BadRequest(
-                f"Invalid value for '{where}.role': {role!r}. Supported values are: "
-                + ", ".join(sorted(_ROLES))
-                + ".",
-                param=f"{where}.role",
-                code="invalid_value",
-            )
+        if not isinstance(role, str) or not role:
+            # vLLM takes any role (its custom message param: "ipython" is Llama 3.1's tool
+            # result); the model's template decides what it makes of it.
+            raise _type_error(f"{where}.role", "a non-empty string", role)
         content = msg.get("content")
         if content is not None and not isinstance(content, str | list):
             raise _type_error(f"{where}.content", "a string or an array of parts", content)
@@ -204,8 +204,15 @@ def parse_chat(body: dict[str, Any], limits: Limits = Limits()) -> ParsedRequest
             if parts > limits.max_content_parts:
                 raise _too_many("content parts", limits.max_content_parts)
             for j, part in enumerate(content):
-                if not isinstance(part, dict) or not isinstance(part.get("type"), str):
-                    raise _type_error(f"{where}.content[{j}]", "an object with a 'type'", part)
+                # A string is a text part, and a media part may leave out its type (both
+                # in vLLM's content part params).
+                if not isinstance(part, str) and not (
+                    isinstance(part, dict)
+                    and (isinstance(part.get("type"), str) or any(k in part for k in _MEDIA_KEYS))
+                ):
+                    raise _type_error(
+                        f"{where}.content[{j}]", "a string or an object with a 'type'", part
+                    )
     for key in ("tools", "functions"):
         if body.get(key) is not None and not isinstance(body[key], list):
             raise _type_error(key, "an array", body[key])
@@ -227,9 +234,10 @@ def parse_completion(body: dict[str, Any]) -> ParsedRequest:
             "a string, an array of strings, an array of token ids or an array of those",
             prompt,
         )
-    echo = body.get("echo")
-    if echo is not None and not isinstance(echo, bool):
-        raise _type_error("echo", "a boolean", echo)
+    raw_echo = body.get("echo")
+    echo = lax_bool(raw_echo)
+    if raw_echo is not None and echo is None:
+        raise _type_error("echo", "a boolean", raw_echo)
     # vLLM takes max_tokens 0 only with echo (the prompt back, nothing generated).
     requested = _opt_positive_int(body, "max_tokens", minimum=0 if echo else 1)
     best_of = _opt_positive_int(body, "best_of", MAX_N)

@@ -30,6 +30,7 @@ from kvgateway.server.openai_request import (
 )
 from kvgateway.tokens.calibration import PromptCalibration
 from kvgateway.tokens.counters import TokenCounters
+from kvgateway.tokens.lax import flag, lax_int
 from kvgateway.tokens.plans import part_text
 from kvgateway.tokens.prompt_estimate import PromptEstimate
 from kvgateway.tokens.responses_input import chat_body as responses_chat_body
@@ -217,10 +218,8 @@ def _output_is_set(body: dict[str, Any]) -> bool:
     """Does the request fix its output length, so that no learned length applies?
     ``ignore_eos`` runs to ``max_tokens`` (unless a stop string ends it), ``min_tokens``
     sets a floor the learned lengths know nothing of: both reserve ``max_tokens``."""
-    min_tokens = body.get("min_tokens")
-    return body.get("ignore_eos") is True or (
-        isinstance(min_tokens, int) and not isinstance(min_tokens, bool) and min_tokens > 0
-    )
+    min_tokens = lax_int(body.get("min_tokens"))
+    return flag(body, "ignore_eos", False) or (min_tokens is not None and min_tokens > 0)
 
 
 def _token_ids(prompt: Any) -> bool:

@@ -16,6 +16,7 @@ from typing import Any
 from aiohttp import web
 
 from kvgateway.simulator.tokenizer import ChatMessage
+from kvgateway.tokens.lax import lax_bool, lax_int
 
 
 class ApiError(Exception):
@@ -155,22 +156,24 @@ def parse_json(raw: bytes) -> dict[str, Any]:
 
 
 def _opt_int(body: dict[str, Any], key: str, minimum: int) -> int | None:
-    value = body.get(key)
-    if value is None:
+    raw = body.get(key)
+    if raw is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise bad_request(f"{key} must be an integer, got {value!r}.", key)
+    value = lax_int(raw)  # vLLM's pydantic models are lax: 1000.0 and "1000" are 1000
+    if value is None:
+        raise bad_request(f"{key} must be an integer, got {raw!r}.", key)
     if value < minimum:
         raise bad_request(f"{key} must be at least {minimum}, got {value}.", key)
     return value
 
 
 def _bool(body: dict[str, Any], key: str) -> bool:
-    value = body.get(key, False)
-    if value is None:
+    raw = body.get(key, False)
+    if raw is None:
         return False
-    if not isinstance(value, bool):
-        raise bad_request(f"{key} must be a boolean, got {value!r}.", key)
+    value = lax_bool(raw)  # lax, as vLLM's pydantic: "true", 1, "yes"...
+    if value is None:
+        raise bad_request(f"{key} must be a boolean, got {raw!r}.", key)
     return value
 
 

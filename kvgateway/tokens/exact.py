@@ -29,6 +29,7 @@ from kvgateway.tokens.chat_template import (
     tool_schemas,
 )
 from kvgateway.tokens.counting import PromptTokens, TextCountCache
+from kvgateway.tokens.lax import flag
 from kvgateway.tokens.modeldir import ModelTokenizer
 from kvgateway.tokens.spec import TokenizerConfig
 
@@ -138,7 +139,7 @@ class ExactCounter:
             special_tokens=self.tokenizer.special_tokens,
             kwargs=args,
         )
-        return RenderedChat(text, conv.media, _flag(body, "add_special_tokens", False))
+        return RenderedChat(text, conv.media, flag(body, "add_special_tokens", False))
 
     def encode_chat(self, body: dict[str, Any]) -> list[int]:
         """Token ids of a chat prompt (media items are not expanded)."""
@@ -168,7 +169,7 @@ class ExactCounter:
             return None
         prompt = prompts[0]
         if isinstance(prompt, str):
-            add = _flag(body, "add_special_tokens", True)
+            add = flag(body, "add_special_tokens", True)
             return self.tokenizer.encode_prompt(prompt, add_special_tokens=add)
         return list(prompt)
 
@@ -252,7 +253,7 @@ class ExactCounter:
 
     async def count_completion(self, body: dict[str, Any]) -> PromptTokens:
         """Count a completions request's ``prompt`` (a string, ids, or a batch of them)."""
-        add = _flag(body, "add_special_tokens", True)
+        add = flag(body, "add_special_tokens", True)
         extra = self._added_count(add)
         per_prompt: list[int] = []
         chars = 0
@@ -295,8 +296,8 @@ def template_arguments(
     user: dict[str, Any] = dict(given) if isinstance(given, dict) else {}
     merged = {**(defaults or {}), **user}
     fields: dict[str, Any] = {
-        "add_generation_prompt": _flag(body, "add_generation_prompt", True),
-        "continue_final_message": _flag(body, "continue_final_message", False),
+        "add_generation_prompt": flag(body, "add_generation_prompt", True),
+        "continue_final_message": flag(body, "continue_final_message", False),
         "documents": body.get("documents"),
         "reasoning_effort": body.get("reasoning_effort"),
     }
@@ -305,11 +306,6 @@ def template_arguments(
         fields["enable_thinking"] = effort != "none"
     merged.update((k, v) for k, v in fields.items() if v is not None and v != "auto")
     return merged
-
-
-def _flag(body: dict[str, Any], key: str, default: bool) -> bool:
-    value = body.get(key)
-    return value if isinstance(value, bool) else default
 
 
 def _prompts(prompt: Any) -> list[Any]:

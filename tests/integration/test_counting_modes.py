@@ -86,6 +86,34 @@ async def test_exact_mode_counts_what_the_node_counts(start_fleet: StartFleet, v
             async with s.post(fleet.url + "/v1/completions", json=completion) as r:
                 data = await r.json()
                 assert int(r.headers["x-gateway-prompt-tokens"]) == data["usage"]["prompt_tokens"]
+        # Shapes and values vLLM's lax request models take, which the gateway refused or
+        # read otherwise: a string content part, a media part without a type, any role,
+        # 2.0 and "2" for an integer, "true" for a boolean (add_special_tokens adds BOS).
+        image = {"image_url": {"url": "data:image/png;base64,AAAA"}}
+        for shape in (
+            {
+                "messages": [
+                    {"role": "user", "content": ["a string part", {"type": "text", "text": "b"}]}
+                ]
+            },
+            {"messages": [{"role": "user", "content": [image, "what is it?"]}]},
+            {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2.0},
+            {"messages": [{"role": "user", "content": "hi"}], "max_tokens": "2"},
+            {"messages": [{"role": "user", "content": "hi"}], "add_special_tokens": "true"},
+        ):
+            body = {"model": MODEL, "max_tokens": 2, **shape}
+            async with s.post(fleet.url + "/v1/chat/completions", json=body) as r:
+                data = await r.json()
+                assert r.status == 200, (shape, data)
+                assert int(r.headers["x-gateway-prompt-tokens"]) == data["usage"]["prompt_tokens"]
+        # Any role goes to the node, whose template decides (this one knows no "ipython").
+        body = {"model": MODEL, "messages": [{"role": "ipython", "content": "42"}]}
+        async with s.post(fleet.url + "/v1/chat/completions", json=body) as r:
+            assert r.status == 400 and "Unknown role" in (await r.json())["error"]["message"]
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": "true"}
+        async with s.post(fleet.url + "/v1/chat/completions", json=body) as r:
+            assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
+            assert b"data: [DONE]" in await r.read()
         # A tool call carrying a key nested 600 deep (vLLM drops unknown keys): it was
         # deep-copied to render, past Python's recursion limit, and answered 500.
         deep = "1"
