@@ -118,7 +118,13 @@ async def plan_request(
         exact = await node_tokenizer.count(model, counted_body, chat=parsed.kind != "completion")
         if exact is not None:
             prompt = node_counted(prompt, exact)
+    # truncate_prompt_tokens: the node keeps each prompt's last `keep` tokens.
+    keep = lax_int(body.get("truncate_prompt_tokens")) or 0
+    if 0 < keep < prompt.longest:
+        prompt = truncated(prompt, keep)
     each = reserved_prompts(prompt, model, calibration)
+    if prompt.truncated:
+        each = [min(n, keep) for n in each]
     longest = max(each)
     adm = config.admission
     learned = (
@@ -241,6 +247,20 @@ def _shares_as_keyed(body: dict[str, Any]) -> bool:
             if isinstance(content, list) and any(part_text(p) is None for p in content):
                 return False
     return True
+
+
+def truncated(prompt: PromptEstimate, keep: int) -> PromptEstimate:
+    """``prompt`` as the node runs it with ``truncate_prompt_tokens: keep``: each prompt's
+    last ``keep`` tokens (a bound of the whole is one of its last ``keep`` too)."""
+    each = tuple(min(n, keep) for n in prompt.each) or (min(prompt.longest, keep),)
+    return replace(
+        prompt,
+        total=sum(each),
+        longest=max(each),
+        each=each,
+        floor=min(prompt.floor, keep),
+        truncated=True,
+    )
 
 
 def node_counted(prompt: PromptEstimate, count: int) -> PromptEstimate:

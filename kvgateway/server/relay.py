@@ -54,7 +54,12 @@ def _reconcile(
         ex.output_tokens = usage.completion_tokens
     # vLLM reports the prompt once per request, whatever n is. Learned on the stand-in's
     # own count (what calibration scales); exact counts need no correction.
-    if usage is not None and counted.prompt.prompts == 1 and not counted.prompt.exact:
+    if (
+        usage is not None
+        and counted.prompt.prompts == 1
+        and not counted.prompt.exact
+        and not counted.prompt.truncated
+    ):
         state.calibration.observe(
             r.backend.name, counted.model.name, counted.prompt.standin, usage.prompt_tokens
         )

@@ -123,6 +123,23 @@ async def handle_completion(request: web.Request) -> web.StreamResponse:
     return await _generate(request, node, req, prompt_ids, chat=False)
 
 
+def _truncated(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """``truncate_prompt_tokens``: the prompt's last ``keep`` tokens (-1: max_model_len);
+    more than max_model_len is refused (vllm/entrypoints/utils.py,
+    ``_validate_truncation_size``; vLLM's tokenizers truncate on the left)."""
+    if keep is None or keep == 0:
+        return ids
+    if keep == -1:
+        keep = max_model_len
+    if keep > max_model_len:
+        raise p.bad_request(
+            f"truncate_prompt_tokens value ({keep}) is greater than max_model_len "
+            f"({max_model_len}). Please, select a smaller truncation size.",
+            "truncate_prompt_tokens",
+        )
+    return ids[-keep:] if len(ids) > keep else ids
+
+
 async def _generate(
     request: web.Request,
     node: SimNode,
@@ -132,6 +149,7 @@ async def _generate(
     chat: bool,
 ) -> web.StreamResponse:
     settings = node.settings
+    prompt_ids = _truncated(prompt_ids, req.truncate_prompt_tokens, settings.max_model_len)
     prompt_tokens = len(prompt_ids)
     budget = p.output_budget(settings.max_model_len, prompt_tokens, req.max_tokens)
     fault = node.faults.consume()

@@ -140,6 +140,8 @@ class GenerationRequest:
     ignore_eos: bool
     min_tokens: int
     messages: tuple[ChatMessage, ...] = ()
+    # Keep only the prompt's last this many tokens (-1: max_model_len), as vLLM does.
+    truncate_prompt_tokens: int | None = None
     prompt: str | None = None
     prompt_token_count: int | None = None  # prompt given as token ids
     prompt_token_ids: tuple[int, ...] | None = None
@@ -198,6 +200,7 @@ def _common(body: dict[str, Any], max_tokens: int | None) -> dict[str, Any]:
         "max_tokens": max_tokens,
         "ignore_eos": _bool(body, "ignore_eos"),
         "min_tokens": _opt_int(body, "min_tokens", 0) or 0,
+        "truncate_prompt_tokens": _opt_int(body, "truncate_prompt_tokens", -1),
     }
 
 

@@ -60,6 +60,9 @@ class PromptEstimate:
     # A count the node's will not be below (the total when exact): a stand-in count
     # divided by how far the stand-in may overcount this content (standin.overcount).
     floor: int = 0
+    # Cut to the request's truncate_prompt_tokens: the node's count says nothing of how
+    # the stand-in counts (no calibration from it).
+    truncated: bool = False
 
 
 class PromptEstimator:

@@ -106,6 +106,19 @@ async def test_exact_mode_counts_what_the_node_counts(start_fleet: StartFleet, v
                 data = await r.json()
                 assert r.status == 200, (shape, data)
                 assert int(r.headers["x-gateway-prompt-tokens"]) == data["usage"]["prompt_tokens"]
+        # truncate_prompt_tokens: the node keeps the prompt's last tokens; a prompt past
+        # every context then fits (it was refused), and reserves only what is kept.
+        digits = "".join(str(i % 10) for i in range(40_000))  # 40k tokens in Qwen's
+        for path, prompt in (
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": digits}]}),
+            ("/v1/completions", {"prompt": digits}),
+        ):
+            body = {"model": MODEL, "max_tokens": 2, "truncate_prompt_tokens": 1000, **prompt}
+            async with s.post(fleet.url + path, json=body) as r:
+                data = await r.json()
+                assert r.status == 200, data
+                assert int(r.headers["x-gateway-prompt-tokens"]) == 1000
+                assert data["usage"]["prompt_tokens"] == 1000
         # Any role goes to the node, whose template decides (this one knows no "ipython").
         body = {"model": MODEL, "messages": [{"role": "ipython", "content": "42"}]}
         async with s.post(fleet.url + "/v1/chat/completions", json=body) as r:
