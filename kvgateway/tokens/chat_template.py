@@ -167,9 +167,11 @@ class Conversation:
 
     messages: list[dict[str, Any]]
     media: int
+    # The media parts themselves, in order (an image's cost may depend on its size).
+    media_parts: tuple[Any, ...] = ()
 
 
-def _parse_content(content: Any, fmt: ContentFormat) -> tuple[Any, int]:
+def _parse_content(content: Any, fmt: ContentFormat, media_parts: list[Any]) -> tuple[Any, int]:
     if content is None:
         parts: list[Any] = []
     elif isinstance(content, str):
@@ -194,6 +196,7 @@ def _parse_content(content: Any, fmt: ContentFormat) -> tuple[Any, int]:
                 texts.append({"type": "text", "text": text} if fmt == "openai" else text)
         elif kind in _MEDIA_PARTS or any(k in part for k in _MEDIA_PARTS):
             media += 1
+            media_parts.append(part)
             if fmt == "openai":
                 texts.append({"type": "audio" if "audio" in str(kind) else "image"})
     if fmt == "openai":
@@ -205,11 +208,12 @@ def conversation(messages: Sequence[Any], fmt: ContentFormat) -> Conversation:
     """The request's messages turned into what vLLM hands the template."""
     out: list[dict[str, Any]] = []
     media = 0
+    parts: list[Any] = []
     for msg in messages:
         if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
             continue
         role = msg["role"]
-        content, n = _parse_content(msg.get("content"), fmt)
+        content, n = _parse_content(msg.get("content"), fmt, parts)
         media += n
         item: dict[str, Any] = {"role": role, "content": content}
         if role == "assistant":
@@ -234,7 +238,7 @@ def conversation(messages: Sequence[Any], fmt: ContentFormat) -> Conversation:
         if role == "developer":
             item["tools"] = msg.get("tools")
         out.append(item)
-    return Conversation(out, media)
+    return Conversation(out, media, tuple(parts))
 
 
 def _tool_call(call: Any) -> Any:

@@ -3,7 +3,8 @@
 :class:`ExactCounter` renders a chat request with the model's chat template
 (:mod:`.chat_template`) and tokenizes the text as vLLM does (``add_special_tokens``
 false for chat, true for completions, both overridable per request). Media parts
-cost ``image_tokens`` each.
+cost ``image_tokens`` each, or an image what the model's processor makes of its size
+(:mod:`.images`).
 
 Cost: the rendering of a multi-turn chat repeats its whole history every turn. With a
 tiktoken engine the text between two added tokens (``<|im_start|>``, ``<|eot_id|>``...)
@@ -29,6 +30,7 @@ from kvgateway.tokens.chat_template import (
     tool_schemas,
 )
 from kvgateway.tokens.counting import PromptTokens, TextCountCache
+from kvgateway.tokens.images import ImagePricing
 from kvgateway.tokens.lax import flag
 from kvgateway.tokens.modeldir import ModelTokenizer
 from kvgateway.tokens.spec import TokenizerConfig
@@ -44,6 +46,8 @@ class RenderedChat:
     text: str
     media: int
     add_special_tokens: bool
+    # What the media items cost the node (ImagePricing: flat, or an image by its size).
+    media_tokens: int = 0
 
 
 class ExactCounter:
@@ -65,7 +69,7 @@ class ExactCounter:
         self._defaults = dict(template_defaults or {})
         self._cache = cache if cache is not None else TextCountCache()
         self._executor = executor
-        self._image_tokens = image_tokens
+        self._pricing = ImagePricing(image_tokens, tokenizer.image_grid)
         self._trust_request_template = trust_request_chat_template
         self._inline_chars = inline_chars
         self._env = new_environment()
@@ -139,7 +143,8 @@ class ExactCounter:
             special_tokens=self.tokenizer.special_tokens,
             kwargs=args,
         )
-        return RenderedChat(text, conv.media, flag(body, "add_special_tokens", False))
+        cost = sum(self._pricing.cost(p) for p in conv.media_parts)
+        return RenderedChat(text, conv.media, flag(body, "add_special_tokens", False), cost)
 
     def encode_chat(self, body: dict[str, Any]) -> list[int]:
         """Token ids of a chat prompt (media items are not expanded)."""
@@ -155,10 +160,10 @@ class ExactCounter:
     def prompt_ids(self, body: dict[str, Any], media_id: int = 0) -> list[int]:
         """The node's prompt ids: the whole rendering encoded at once, no cache (so any
         thread may call it, unless request templates are trusted: choosing one compiles
-        and caches it), each media item expanded to ``image_tokens`` placeholder ids."""
+        and caches it), each media item expanded to as many placeholder ids as it costs."""
         chat = self.render_chat(body)
         ids = self.tokenizer.encode_prompt(chat.text, add_special_tokens=chat.add_special_tokens)
-        return ids + [media_id] * (chat.media * self._image_tokens)
+        return ids + [media_id] * chat.media_tokens
 
     def completion_ids(self, body: dict[str, Any]) -> list[int] | None:
         """The node's ids of a completions request's single prompt (a text encoded as
@@ -180,7 +185,7 @@ class ExactCounter:
         return (
             self._count_text_sync(chat.text)
             + self._added_count(chat.add_special_tokens)
-            + chat.media * self._image_tokens
+            + chat.media_tokens
         )
 
     def _pieces(self, text: str) -> tuple[int, list[str]]:
@@ -240,7 +245,7 @@ class ExactCounter:
         """Count a chat request; raises TemplateError when the node would refuse it."""
         chat = await self._render_off_loop(body)
         n, chars = await self.count_text(chat.text)
-        n += self._added_count(chat.add_special_tokens) + chat.media * self._image_tokens
+        n += self._added_count(chat.add_special_tokens) + chat.media_tokens
         return PromptTokens(total=n, longest=n, prompts=1, encoded_chars=chars, each=(n,))
 
     async def _render_off_loop(self, body: dict[str, Any]) -> RenderedChat:

@@ -30,6 +30,7 @@ from kvgateway.tokens.bytelevel import NotExact, to_tiktoken_ranks
 from kvgateway.tokens.chat_template import ChatTemplate, TemplateError
 from kvgateway.tokens.encoding import PATTERNS
 from kvgateway.tokens.engines import HfEngine, TextEngine, TiktokenEngine
+from kvgateway.tokens.images import ImageGrid, load_grid
 
 # Special-token attributes transformers passes to every chat template.
 _SPECIAL_NAMES = (
@@ -62,6 +63,9 @@ class ModelTokenizer:
     templates: Mapping[str, str] = field(default_factory=dict)
     # Why the engine was chosen (tiktoken proven exact, or the reason it was not).
     engine_note: str = ""
+    # The image processor's grid (preprocessor_config.json) when it sizes images by the
+    # picture (Qwen2-VL's): images then cost what the node's processor makes of them.
+    image_grid: ImageGrid | None = None
 
     @property
     def name(self) -> str:
@@ -292,4 +296,5 @@ def load_model_tokenizer(
         special_tokens=special,
         templates=templates,
         engine_note=note,
+        image_grid=load_grid(directory),
     )

@@ -300,3 +300,45 @@ async def test_the_nodes_default_template_kwargs_are_counted_when_configured(
                 assert counted == data["usage"]["prompt_tokens"], extra
                 counts.append(counted)
     assert counts[0] > counts[2]  # the empty think block, only by default
+
+
+async def test_images_cost_what_the_models_processor_makes_of_their_size(
+    start_fleet: StartFleet, vocab_dirs, tmp_path
+):
+    # A Qwen2-VL-style processor config beside the tokenizer: a 1920x1080 picture is
+    # 2,691 tokens on the node, not the flat 765 the gateway charged.
+    import base64
+    import io
+
+    from PIL import Image
+
+    base = vocab_dirs("qwen")
+    directory = tmp_path / "vl"
+    directory.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (directory / name).symlink_to(base / name)
+    processor = {"image_processor_type": "Qwen2VLImageProcessor", "patch_size": 14}
+    processor |= {"merge_size": 2, "min_pixels": 3136, "max_pixels": 12845056}
+    (directory / "preprocessor_config.json").write_text(json.dumps(processor))
+    fleet = await start_fleet(
+        [("q-1", "large", "gpu80-8b", {"tokenizer": str(directory)})],
+        time_scale=200,
+        gateway={
+            "models": [
+                {"name": MODEL, "served_name": SERVED, "tokenizer": {"path": str(directory)}}
+            ]
+        },
+    )
+    buf = io.BytesIO()
+    Image.new("RGB", (1920, 1080)).save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    part = {"type": "image_url", "image_url": {"url": url}}
+    body = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": [part, "?"]}]}
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(fleet.url + "/v1/chat/completions", json=body) as r,
+    ):
+        data = await r.json()
+        assert r.status == 200, data
+        counted = int(r.headers["x-gateway-prompt-tokens"])
+        assert counted == data["usage"]["prompt_tokens"] and counted > 2691

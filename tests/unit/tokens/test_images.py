@@ -1,0 +1,96 @@
+"""Images priced as the model's processor prices them (Qwen2-VL's grid), checked against
+transformers' own ``smart_resize``, with sizes read from real encoded images."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from PIL import Image
+from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
+
+from kvgateway.tokens.encoding import EncodingCache
+from kvgateway.tokens.exact import ExactCounter
+from kvgateway.tokens.images import ImageGrid, ImagePricing, image_size, load_grid
+
+
+def _data_url(width: int, height: int, fmt: str) -> str:
+    buf = io.BytesIO()
+    Image.new("RGB", (width, height), (200, 30, 30)).save(buf, format=fmt)
+    mime = {"JPEG": "jpeg", "PNG": "png", "GIF": "gif", "WEBP": "webp"}[fmt]
+    return f"data:image/{mime};base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def test_tokens_follow_transformers_smart_resize() -> None:
+    rnd = random.Random(7)
+    grid = ImageGrid()
+    sizes = [(1920, 1080), (3840, 2160), (28, 28), (10, 10), (4000, 20), (640, 480)]
+    sizes += [(rnd.randint(1, 5000), rnd.randint(1, 5000)) for _ in range(300)]
+    for w, h in sizes:
+        if max(w, h) / min(w, h) > 200:
+            continue
+        rh, rw = smart_resize(
+            h, w, factor=28, min_pixels=grid.min_pixels, max_pixels=grid.max_pixels
+        )
+        assert grid.tokens(w, h) == (rh // 28) * (rw // 28), (w, h)
+    # What the review measured at transformers' default limits.
+    assert grid.tokens(1920, 1080) == 2691 and grid.tokens(3840, 2160) == 10549
+    # A processor refuses ratios over 200; priced as the largest image (never under).
+    assert grid.tokens(5000, 10) == grid.max_tokens
+
+
+@pytest.mark.parametrize("fmt", ["PNG", "JPEG", "GIF", "WEBP"])
+def test_sizes_are_read_from_each_formats_header(fmt: str) -> None:
+    for w, h in ((1, 1), (33, 17), (1920, 1080), (640, 2000)):
+        assert image_size(_data_url(w, h, fmt)) == (w, h)
+    assert image_size("https://example.com/cat.png") is None
+    assert image_size("data:image/png;base64,AAAA") is None
+
+
+def test_unknown_sizes_cost_the_largest_image() -> None:
+    pricing = ImagePricing(765, ImageGrid(28, 3136, 28 * 28 * 1280))
+    remote = {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}
+    assert pricing.cost(remote) == 1280
+    small = {"type": "image_url", "image_url": {"url": _data_url(56, 56, "PNG")}}
+    assert pricing.cost(small) == 4
+    assert pricing.cost({"type": "input_audio", "input_audio": {}}) == 765  # flat
+    assert ImagePricing(765).cost(small) == 765
+
+
+def test_a_model_directory_with_a_qwen2_vl_processor_prices_images_by_size(
+    vocab_dirs: Callable[[str], Path], tmp_path: Path
+) -> None:
+    base = vocab_dirs("qwen")
+    directory = tmp_path / "vl"
+    directory.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (directory / name).symlink_to(base / name)
+    (directory / "preprocessor_config.json").write_text(
+        json.dumps(
+            {
+                "image_processor_type": "Qwen2VLImageProcessor",
+                "patch_size": 14,
+                "merge_size": 2,
+                "min_pixels": 3136,
+                "max_pixels": 12845056,
+            }
+        )
+    )
+    grid = load_grid(str(directory))
+    assert grid == ImageGrid(28, 3136, 12845056)
+    exact = ExactCounter(EncodingCache().model(str(directory)))
+    flat = ExactCounter(EncodingCache().model(str(base)))
+
+    def chat(url: str) -> dict[str, object]:
+        part = {"type": "image_url", "image_url": {"url": url}}
+        return {"messages": [{"role": "user", "content": [part, "what is it?"]}]}
+
+    big = chat(_data_url(1920, 1080, "PNG"))
+    assert exact.count_chat_sync(big) - flat.count_chat_sync(big) == 2691 - 765
+    assert len(exact.prompt_ids(big)) == exact.count_chat_sync(big)
+    assert load_grid(str(base)) is None  # no processor config: the flat cost
