@@ -1,7 +1,9 @@
 """Live output accounting: output tokens counted as they stream, per request and node.
 
 A streamed answer is counted chunk by chunk (:func:`count_stream_tokens`: one choice
-object per generated token, as vLLM streams by default; role announcements excepted),
+object per generated token, as vLLM streams by default; role announcements excepted;
+up to 1 + ``num_speculative_tokens`` per choice where the backend decodes
+speculatively, a bound that never passes the request's ``max_tokens``),
 so each in-flight request's real KV footprint (prompt + output so far) is known now,
 not only its worst case, and :meth:`OutputAccounting.statistics` sums it per node.
 
@@ -54,6 +56,12 @@ class LiveRequest:
     reserved_output: int  # per sequence
     block_size: int
     generated: int = 0  # over all sequences
+    # Tokens one streamed choice may carry: 1, or 1 + num_speculative_tokens where the
+    # node decodes speculatively (a step then emits up to that many at once).
+    tokens_per_event: int = 1
+    # At most this many per sequence (its max_tokens): the count of a speculative
+    # stream is a bound, and never grows past the output the request may have.
+    max_output: int = 0
     grown: int = 0  # tokens added to the reservation
     # Pooled: the per-sequence count at which the node's margin is next recomputed.
     next_progress: int = 1
@@ -71,15 +79,33 @@ class OutputAccounting:
     _live: dict[int, LiveRequest] = field(default_factory=dict)
 
     def start(
-        self, r: Reservation, prompt_tokens: int, sequences: int, reserved_output: int, block: int
+        self,
+        r: Reservation,
+        prompt_tokens: int,
+        sequences: int,
+        reserved_output: int,
+        block: int,
+        *,
+        max_output: int = 0,
+        tokens_per_event: int = 1,
     ) -> LiveRequest:
-        live = LiveRequest(r, prompt_tokens, max(1, sequences), reserved_output, block)
+        live = LiveRequest(
+            r,
+            prompt_tokens,
+            max(1, sequences),
+            reserved_output,
+            block,
+            tokens_per_event=max(1, tokens_per_event),
+            max_output=max_output,
+        )
         self._live[r.id] = live
         return live
 
     def on_events(self, live: LiveRequest, events: bytes) -> None:
         """Count a run of streamed events; grow the reservation ahead of the output."""
-        live.generated += count_stream_tokens(events)
+        live.generated += count_stream_tokens(events) * live.tokens_per_event
+        if live.max_output:
+            live.generated = min(live.generated, live.max_output * live.sequences)
         r = live.reservation
         per_seq = -(-live.generated // live.sequences)
         if r.outlook is not None:

@@ -132,6 +132,8 @@ async def relay_stream(
         counted.demand.sequences,
         counted.reserved_output or counted.output_tokens,
         state.fleet.block_size(counted.model.name),
+        max_output=counted.output_tokens,
+        tokens_per_event=1 + r.backend.config.num_speculative_tokens,
     )
     try:
         await _relay_events(state, ex, resp, r, out, live)

@@ -116,3 +116,20 @@ def test_a_pooled_stream_recomputes_its_nodes_margin_every_half_block_not_every_
     assert calls == list(range(1, 161, 8))
     adm.release(r)
     assert b.reserved_tokens == 0
+
+
+def test_a_speculative_nodes_choices_count_as_many_tokens_as_a_step_may_emit():
+    # With num_speculative_tokens 3 one streamed choice may carry 4 tokens: the live
+    # count is that bound (never under what the node holds), capped at max_tokens.
+    b, adm = _one_node()
+    r = adm.try_admit(demand(100, 20))
+    assert isinstance(r, Reservation)
+    acct = OutputAccounting()
+    live = acct.start(r, 100, 1, 20, 16, max_output=400, tokens_per_event=4)
+    for i in range(150):
+        acct.on_events(live, token())
+        assert live.generated == min(4 * (i + 1), 400)
+        assert b.reserved_tokens >= live.footprint
+    acct.end(live)
+    adm.release(r)
+    assert b.reserved_tokens == 0
