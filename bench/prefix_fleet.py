@@ -77,6 +77,7 @@ from typing import Any
 import aiohttp
 import uvloop
 
+from bench import model_dirs
 from bench.harness import demo_data, fleet_and_gateway, node_metrics
 from bench.report import table
 
@@ -369,13 +370,23 @@ async def _node_counters(run: Any) -> tuple[float, float, float, float]:
     return hits, queries, ttft_sum, ttft_count
 
 
-def fleet_data() -> dict[str, Any]:
+def fleet_data(tokenizer: str | None = None) -> dict[str, Any]:
+    """The 4-node fleet. ``tokenizer``: a model tokenizer directory the nodes count with
+    and the gateway reads (exact counting, and prefix keys that are the nodes' own ids,
+    so shared blocks are credited); else cl100k on both sides."""
     data = demo_data()
-    # The simulated nodes count with cl100k, the gateway's own encoding: reserve its
-    # count as it is (README, "Counting with the model's own tokenizer"), so that what
-    # is compared is routing, not the stand-in's worst-case vocabulary bound.
     for model in data["models"]:
-        model.setdefault("tokenizer", {})["upper_bound"] = False
+        tok = model.setdefault("tokenizer", {})
+        if tokenizer is not None:
+            tok["path"] = tokenizer
+        else:
+            # The simulated nodes count with cl100k, the gateway's own encoding: reserve
+            # its count as it is (README, "Counting with the model's own tokenizer"), so
+            # that what is compared is routing, not the stand-in's worst-case bound.
+            tok["upper_bound"] = False
+    simulate: dict[str, Any] = {"profile": "gpu24-8b"}
+    if tokenizer is not None:
+        simulate["tokenizer"] = tokenizer
     data["tiers"] = [
         {
             "name": "small",
@@ -385,7 +396,7 @@ def fleet_data() -> dict[str, Any]:
                     "url": "http://127.0.0.1:1",
                     "model": "llama-3.1-8b",
                     "max_num_seqs": 16,
-                    "simulate": {"profile": "gpu24-8b"},
+                    "simulate": dict(simulate),
                 }
                 for i in range(1, 5)
             ],
@@ -411,7 +422,7 @@ async def run_one(workload: str, name: str, args: argparse.Namespace) -> dict[st
         policy,
         time_scale=ts,
         seed=args.seed,
-        data=fleet_data(),
+        data=fleet_data(str(model_dirs.tokenizer_dir(args.tokenizer)) if args.tokenizer else None),
         gateway_overrides=gw,
         sim_overrides={"output_mean": 160.0},
     ) as run:
@@ -482,6 +493,12 @@ def main() -> None:
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--out", default="")
+    parser.add_argument(
+        "--tokenizer",
+        help="nodes and gateway count with this model's tokenizer and template (qwen, "
+        "llama3, tekken, sentencepiece or a directory; bench.model_dirs): exact counts "
+        "and shared-block credit. Default: cl100k on both sides",
+    )
     args = parser.parse_args()
     rows = []
     for workload in args.workloads.split(","):
