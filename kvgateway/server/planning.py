@@ -119,7 +119,7 @@ async def plan_request(
         if exact is not None:
             prompt = node_counted(prompt, exact)
     # truncate_prompt_tokens: the node keeps each prompt's last `keep` tokens.
-    keep = lax_int(body.get("truncate_prompt_tokens")) or 0
+    keep = truncation(body, prompt.longest)
     if 0 < keep < prompt.longest:
         prompt = truncated(prompt, keep)
     each = reserved_prompts(prompt, model, calibration)
@@ -209,6 +209,15 @@ async def _prefix_hint(
     else:
         found, own = ids()
     keys: tuple[int, ...] = ()
+    cut = False
+    keep = truncation(body, len(found)) if found else 0
+    if found and keep:
+        # The node keeps the prompt's last `keep` tokens (or first, truncation_side
+        # "right"): their blocks chain from another first block than the whole prompt's.
+        # Keyed as kept for routing; no credit (the node's hashes of a cut prompt are not
+        # worth the risk of one wrong block).
+        found = found[:keep] if body.get("truncation_side") == "right" else found[-keep:]
+        cut = True
     if found:
         # vLLM recomputes a prompt's last token (for its logits) and so never takes the
         # block holding it from the cache: of a prompt of exactly k full blocks, k - 1 can
@@ -216,7 +225,10 @@ async def _prefix_hint(
         shareable = (min(len(found), longest) - 1) // block
         keys = tuple(block_keys(found, block, max_blocks=max(0, shareable)))
     return PrefixHint(
-        keys, block, session[:256] if session else None, credit=own and _shares_as_keyed(body)
+        keys,
+        block,
+        session[:256] if session else None,
+        credit=own and not cut and _shares_as_keyed(body),
     )
 
 
@@ -247,6 +259,14 @@ def _shares_as_keyed(body: dict[str, Any]) -> bool:
             if isinstance(content, list) and any(part_text(p) is None for p in content):
                 return False
     return True
+
+
+def truncation(body: dict[str, Any], longest: int) -> int:
+    """How many prompt tokens the node keeps of each prompt (0: all of them):
+    ``truncate_prompt_tokens`` k > 0. (-1, "as many as fit", is resolved per node by
+    vLLM; here it keeps all, so a prompt past every context is refused.)"""
+    keep = lax_int(body.get("truncate_prompt_tokens")) or 0
+    return keep if 0 < keep < longest else 0
 
 
 def truncated(prompt: PromptEstimate, keep: int) -> PromptEstimate:

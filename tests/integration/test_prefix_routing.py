@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 from typing import Any
 
 import aiohttp
@@ -234,3 +235,45 @@ async def test_chat_keys_match_the_nodes_events_with_the_models_tokenizer(
         raw = json.dumps({"model": MODEL, **body, "max_tokens": 8, **extra}).encode()
         counted = await plan_request(raw, "chat", st.config, st.counters, st.calibration, st.fleet)
         assert counted.demand.prefix is not None and not counted.demand.prefix.credit, extra
+
+
+async def test_truncated_prompts_are_not_credited_blocks_of_their_cut_head(
+    start_fleet: StartFleet,
+):
+    # Followers share a 2,900-token head with a running request but ask the node to keep
+    # their last 1,500 tokens: the node caches the tail, which shares nothing. Keyed on
+    # the head, they were credited ~1,500 tokens each and the node preempted 6 times.
+    fleet = await start_fleet(NODES[:1], gateway={"routing": {"prefix_aware": True}})
+    b = fleet.backend("small-1")
+    rng = random.Random(7)
+    head = [rng.randrange(1000, 100_000) for _ in range(2900)]
+
+    def body(i: int, stream: bool = False) -> dict[str, Any]:
+        tail = [rng.randrange(1000, 100_000) for _ in range(100 + 7 * i)]
+        return {
+            "model": MODEL,
+            "prompt": head + tail,
+            "max_tokens": 1500,
+            "ignore_eos": True,
+            "truncate_prompt_tokens": 1500,
+            "stream": stream,
+        }
+
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(fleet.url + "/v1/completions", json=body(0, True)) as first,
+    ):
+        assert first.status == 200, await first.text()
+        await first.content.readany()
+
+        async def one(i: int) -> int:
+            async with s.post(fleet.url + "/v1/completions", json=body(i)) as r:
+                await r.read()
+                return r.status
+
+        statuses = await asyncio.gather(*(one(i) for i in range(1, 16)))
+        await first.read()
+    assert set(statuses) == {200}
+    state = await fleet.nodes["small-1"].state()
+    assert state["preemptions"] == 0
+    assert b.reserved_tokens == 0 and fleet.leaks() == {}
