@@ -126,6 +126,9 @@ class Admission(AdmissionCore):
             pass  # already handed over (granted) or dropped by a rebalance
         else:
             self._dequeued(waiter)
+            # It held its claims against those behind it: the room it could not use may
+            # fit them (nothing else would offer it until some release).
+            self._offer_claims(waiter)
         fut = waiter.future
         if fut.done() and not fut.cancelled() and fut.exception() is None:
             self.release(fut.result())

@@ -245,7 +245,15 @@ class AdmissionCore:
         self._dequeued(victim)
         if not victim.future.done():
             victim.future.set_exception(displaced_error())
+        self._offer_claims(victim)
         return True
+
+    def _offer_claims(self, w: _Waiter) -> None:
+        """``w`` left the queue without a grant: offer the backends it claimed to the
+        waiters behind it."""
+        for b in self._index_for(w.demand.model).backends:
+            if b.name in w.claims:
+                self._offer(b)
 
     def _claims(self, demand: Demand) -> frozenset[str]:
         """The backends routing could give this request: those that can hold it, minus

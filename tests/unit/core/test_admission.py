@@ -286,3 +286,31 @@ async def test_release_waits_for_the_kv_connector_and_for_an_abort_to_land():
     assert b.in_flight == 1
     await asyncio.sleep(0.08)
     assert b.in_flight == 0 and b.reserved_tokens == 0
+
+
+async def test_a_waiter_that_gives_up_offers_the_room_it_held_back_to_those_behind():
+    # A big request waits for room; a small one that fits queues behind it (FIFO). When
+    # the big one times out (or its client goes), the small one must be admitted at
+    # once, not at some later release or its own timeout.
+    b = backend("a", kv=10_000, seqs=64)
+    adm = admission_over([b], queue_size=100)
+    held = await adm.admit(demand(4900, 100), 1.0)
+    big = asyncio.create_task(adm.admit(demand(6900, 100), 0.2))
+    await asyncio.sleep(0)
+    small = asyncio.create_task(adm.admit(demand(2900, 100), 5.0))
+    await asyncio.sleep(0)
+    assert adm.queue_depth == 2
+    with pytest.raises(Saturated):
+        await big
+    r = await asyncio.wait_for(small, 0.5)
+    # The same when the waiter ahead is cancelled.
+    big2 = asyncio.create_task(adm.admit(demand(6900, 100), 5.0))
+    await asyncio.sleep(0)
+    small2 = asyncio.create_task(adm.admit(demand(1000, 100), 5.0))
+    await asyncio.sleep(0)
+    assert adm.queue_depth == 2
+    big2.cancel()
+    r2 = await asyncio.wait_for(small2, 0.5)
+    for x in (held, r, r2):
+        adm.release(x)
+    assert b.reserved_tokens == 0 and adm.queue_depth == 0
