@@ -284,6 +284,9 @@ class AdmissionCore:
             # The ledger moves shared copies as the book does: a holder's kept copy stays
             # recorded until the last request holding those blocks ends.
             self._ledger.release(reservation, shared)
+        elif shared > 0:
+            # Refused by the ledger, yet the last holder of copies its payer recorded.
+            self._ledger.release_shared(reservation.backend, shared)
         b = reservation.backend
         tokens = reservation.tokens + reservation.grown
         o = reservation.outlook

@@ -44,6 +44,12 @@ class Ledger(Protocol):
         since its payer ended, goes with this one), as the local book moves them."""
         ...
 
+    def release_shared(self, backend: Backend, tokens: int) -> None:
+        """A reservation the ledger never counted (it refused it) ended holding the last
+        copy of shared prefix blocks, recorded by the request that paid for them: give
+        those ``tokens`` back."""
+        ...
+
     def queue_changed(self) -> None:
         """A request joined or left the admission queue: a shared ledger tells the others
         where this replica starts or stops waiting."""
@@ -66,6 +72,9 @@ class LocalLedger:
         return True
 
     def release(self, reservation: Reservation, shared: int = 0) -> None:
+        return None
+
+    def release_shared(self, backend: Backend, tokens: int) -> None:
         return None
 
     def queue_changed(self) -> None:

@@ -225,6 +225,15 @@ class RedisLedger:
             item = (name, shared, 0)
         else:
             item = (name, max(0, reservation.tokens + shared), reservation.seqs)
+        self._return(item)
+
+    def release_shared(self, backend: Backend, tokens: int) -> None:
+        if tokens > 0:
+            self._return((backend.name, tokens, 0))
+
+    def _return(self, item: tuple[str, int, int]) -> None:
+        """Give ``item`` (backend, tokens, seqs) back: held back while a sync is out in
+        the fallback, kept as credit, or sent with the next release batch."""
         if not self._shared:
             if self._sync_done is not None:
                 self._held_back.append(item)

@@ -640,6 +640,40 @@ async def test_shared_prefix_blocks_stay_recorded_until_their_last_holder_ends(
         assert await _settles_at(redis_server.url, 0) == 0
 
 
+async def test_a_refused_follower_gives_back_the_shared_copy_it_took_over(
+    redis_server: RedisServer,
+) -> None:
+    # B is credited A's blocks; A ends while B's reserve is out (the book keeps one copy
+    # charged, now B's, and A gives Redis back all but it); then Redis refuses B. That
+    # copy was recorded by A and must leave Redis with B: it stayed there for good.
+    router = PrefixRouter(PrefixIndex(), shared=SharedBlocks())
+    keys = tuple(block_keys(list(range(4000, 4100)), 16))
+    shared = replace(_demand(1000), longest_prompt=100, prefix=PrefixHint(keys, 16))
+    async with (
+        replica(redis_server.url, "a", lease_s=2, credit_hold_s=0, prefix=router) as a,
+        replica(redis_server.url, "b", lease_s=2, credit_hold_s=0) as b,
+    ):
+        first = await a.admission.admit(shared, 1.0)
+        first.prefill_done()
+        assert await _settles_at(redis_server.url, 1000) == 1000
+        other = await b.admission.admit(_demand(8500), 1.0)  # a's view does not know yet
+        assert await _settles_at(redis_server.url, 9500) == 9500
+        reserve = a.ledger._calls.reserve
+
+        async def holder_ends_meanwhile(*args: Any, **kw: Any) -> Any:
+            a.ledger._calls.reserve = reserve  # type: ignore[method-assign]
+            first.release()
+            return await reserve(*args, **kw)
+
+        a.ledger._calls.reserve = holder_ends_meanwhile  # type: ignore[method-assign]
+        again = await a.admission.admit(shared, 0.3)  # refused once, then uncredited
+        again.release()
+        assert await _settles_at(redis_server.url, 8500) == 8500
+        other.release()
+        assert await _settles_at(redis_server.url, 0) == 0
+        assert a.node.reserved_tokens == 0
+
+
 async def _hold_a_resync(a: Replica, *, fail: bool = False) -> asyncio.Event:
     """Start a resync of ``a`` whose heartbeat call waits for the returned gate, then
     answers (or, with ``fail``, raises a Redis error); returns once the sync is out. The

@@ -6,6 +6,7 @@ import asyncio
 import pytest
 
 from kvgateway.core.admission import Admission, Reservation
+from kvgateway.core.backends import Backend
 from kvgateway.core.ledger import OthersView, local_share
 from kvgateway.core.routing_index import ModelIndex
 from kvgateway.errors import Saturated
@@ -37,6 +38,9 @@ class ScriptedLedger:
     def release(self, r: Reservation, shared: int = 0) -> None:
         self.held -= r.tokens + shared
         self.released.append(r.tokens + shared)
+
+    def release_shared(self, backend: Backend, tokens: int) -> None:
+        self.held -= tokens
 
     def queue_changed(self) -> None:
         return None

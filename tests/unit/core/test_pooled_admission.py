@@ -117,6 +117,9 @@ class RecordingLedger:
     def release(self, reservation: Reservation, shared: int = 0) -> None:
         self.held -= reservation.tokens + shared
 
+    def release_shared(self, backend: Backend, tokens: int) -> None:
+        self.held -= tokens
+
     def queue_changed(self) -> None:
         return None
 
