@@ -30,6 +30,7 @@ from kvgateway.core.routing import (
 )
 from kvgateway.core.routing_index import ModelIndex
 from kvgateway.core.tenancy import (
+    CLASS_FLOOR,
     Tenancy,
     Ticket,
     claims_ahead,
@@ -302,17 +303,23 @@ class AdmissionCore:
         if reservation.ticket is not None and self._tenancy is not None:
             self._tenancy.released(reservation.ticket, reservation.tokens)
         self._offer(reservation.backend)
-        if self._tenancy is not None:
-            self._ungate(reservation.backend)
+        if self._tenancy is not None and reservation.ticket is not None:
+            self._ungate(reservation.backend, reservation.ticket.tenant)
         return True
 
-    def _ungate(self, offered: Backend) -> None:
-        """A tenant limit may have opened: waiters it held may now take room on backends
-        other than the one just offered (a tenant at its concurrency limit waits for any
-        of its requests to end, wherever that one ran)."""
+    def _ungate(self, offered: Backend, tenant: str) -> None:
+        """``tenant``'s limit may have opened (and with it, any class floor): waiters it
+        held may now take room on backends other than the one just offered (a tenant at
+        its concurrency limit waits for any of its requests to end, wherever that one
+        ran). Only those waiters are asked again: a release touches no other tenant's."""
         opened: dict[str, Backend] = {}
         for w in self._waiters:
-            if w.gated is not None and not w.future.done() and self._gate(w.demand) is None:
+            if w.gated is None or w.future.done():
+                continue
+            if w.demand.tenant != tenant and w.gated != CLASS_FLOOR:
+                continue
+            w.gated = self._gate(w.demand)
+            if w.gated is None:
                 for b in self._index_for(w.demand.model).backends:
                     if b.name in w.claims and b is not offered:
                         opened.setdefault(b.name, b)
