@@ -299,7 +299,13 @@ def template_arguments(
     whose value is None or "auto" are dropped)."""
     given = body.get("chat_template_kwargs")
     user: dict[str, Any] = dict(given) if isinstance(given, dict) else {}
-    merged = {**(defaults or {}), **user}
+    # The node's defaults under the request's kwargs, whose null or "auto" values leave
+    # a default be (vLLM's ChatParams.with_defaults, merge_kwargs over the defaults).
+    merged = (
+        {**defaults, **{k: v for k, v in user.items() if v is not None and v != "auto"}}
+        if defaults
+        else user
+    )
     fields: dict[str, Any] = {
         "add_generation_prompt": flag(body, "add_generation_prompt", True),
         "continue_final_message": flag(body, "continue_final_message", False),

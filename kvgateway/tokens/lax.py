@@ -3,14 +3,15 @@ mode, which take ``"true"`` for a boolean and ``1000.0`` or ``"1000"`` for an in
 The gateway forwards the body unchanged, so it must read such values as the node will
 (a 400 where the node answers, or a default where the node sees ``true``, counts wrong).
 
-Pydantic v2's lax conversions: a boolean from a bool, the numbers 0 and 1, or the strings
-0/1, off/on, f/t, false/true, n/y, no/yes (any case); an integer from an int, a float
-without a fractional part, or a string holding an integer. Booleans are not integers
-here (a bool where a count belongs is refused, as a mistake)."""
+Pydantic v2's lax conversions (checked against pydantic itself): a boolean from a bool,
+the numbers 0 and 1, or the strings 0/1, off/on, f/t, false/true, n/y, no/yes (any case,
+no white space); an integer from an int, a bool, a float without a fractional part (below
+2**63), or a string holding an integer ("1_000", " 16.0 ")."""
 
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 _TRUE = frozenset({"1", "on", "t", "true", "y", "yes"})
@@ -18,13 +19,14 @@ _FALSE = frozenset({"0", "off", "f", "false", "n", "no"})
 
 
 def lax_bool(value: Any) -> bool | None:
-    """``value`` as a boolean, or None if pydantic would refuse it."""
+    """``value`` as a boolean, or None if pydantic would refuse it (strings are taken
+    as they are: " true" is refused)."""
     if isinstance(value, bool):
         return value
     if isinstance(value, int | float) and value in (0, 1):
         return bool(value)
     if isinstance(value, str):
-        text = value.strip().lower()
+        text = value.lower()
         if text in _TRUE:
             return True
         if text in _FALSE:
@@ -32,19 +34,26 @@ def lax_bool(value: Any) -> bool | None:
     return None
 
 
+# An integer as pydantic reads one from a string: ASCII digits, "_" between them, and a
+# fraction of zeros ("1_000", "16.0"); white space around is dropped.
+_INT_TEXT = re.compile(r"([+-]?[0-9]+(?:_[0-9]+)*)(?:\.0+)?")
+_FLOAT_INT_LIMIT = 2**63
+
+
 def lax_int(value: Any) -> int | None:
     """``value`` as an integer, or None if pydantic would refuse it."""
     if isinstance(value, bool):
-        return None
+        return int(value)
     if isinstance(value, int):
         return value
     if isinstance(value, float):
-        return int(value) if math.isfinite(value) and value.is_integer() else None
+        if math.isfinite(value) and value.is_integer() and abs(value) < _FLOAT_INT_LIMIT:
+            return int(value)
+        return None
     if isinstance(value, str):
-        text = value.strip()
-        digits = text[1:] if text[:1] in ("+", "-") else text
-        if digits.isascii() and digits.isdigit():
-            return int(text)
+        match = _INT_TEXT.fullmatch(value.strip())
+        if match:
+            return int(match.group(1).replace("_", ""))
     return None
 
 

@@ -11,7 +11,8 @@ from kvgateway.tokens.lax import flag, lax_bool, lax_int
     ("value", "expected"),
     [
         (True, True), (False, False), (1, True), (0, False), (1.0, True),
-        ("true", True), ("True", True), (" yes ", True), ("on", True), ("t", True), ("1", True),
+        ("true", True), ("True", True), ("yes", True), ("on", True), ("t", True), ("1", True),
+        (" true ", None), ("on ", None),
         ("false", False), ("OFF", False), ("n", False), ("0", False),
         (2, None), ("maybe", None), ("", None), (None, None), ([], None), (0.5, None),
     ],
@@ -24,8 +25,10 @@ def test_booleans(value: object, expected: bool | None) -> None:
     ("value", "expected"),
     [
         (7, 7), (-3, -3), (1000.0, 1000), ("1000", 1000), (" 12 ", 12), ("+5", 5), ("-5", -5),
-        (True, None), (1.5, None), (float("inf"), None), (float("nan"), None), ("1e3", None),
-        ("5.0", None), ("١٢", None), ("", None), (None, None), ([1], None),
+        (True, 1), (False, 0), ("1_000", 1000), ("16.0", 16), (" 8.00 ", 8), ("\t7\n", 7),
+        ("00012", 12), (1.5, None), (float("inf"), None), (float("nan"), None), (1e20, None),
+        ("1e3", None), ("5.", None), ("1.5", None), ("1 000", None), ("0x10", None),
+        ("١٢", None), ("²", None), ("", None), (None, None), ([1], None),
     ],
 )  # fmt: skip
 def test_integers(value: object, expected: int | None) -> None:
