@@ -143,7 +143,8 @@ class ExactCounter:
             special_tokens=self.tokenizer.special_tokens,
             kwargs=args,
         )
-        cost = sum(self._pricing.cost(p) for p in conv.media_parts)
+        pricing = self._pricing.for_request(body)
+        cost = sum(pricing.cost(p) for p in conv.media_parts)
         return RenderedChat(text, conv.media, flag(body, "add_special_tokens", False), cost)
 
     def encode_chat(self, body: dict[str, Any]) -> list[int]:

@@ -86,6 +86,21 @@ def load_grid(directory: str) -> ImageGrid | None:
     return ImageGrid(patch * merge, lo, max(lo, hi))
 
 
+def with_request(grid: ImageGrid, kwargs: Any) -> ImageGrid:
+    """``grid`` as a request's ``mm_processor_kwargs`` set it for that request
+    (``min_pixels`` / ``max_pixels``, or ``size``'s shortest and longest edge), as the
+    node's processor takes them."""
+    if not isinstance(kwargs, dict):
+        return grid
+    given = kwargs.get("size")
+    size: dict[str, Any] = given if isinstance(given, dict) else {}
+    lo = _positive(kwargs.get("min_pixels", size.get("shortest_edge")), grid.min_pixels)
+    hi = _positive(kwargs.get("max_pixels", size.get("longest_edge")), grid.max_pixels)
+    if (lo, hi) == (grid.min_pixels, grid.max_pixels):
+        return grid
+    return ImageGrid(grid.factor, lo, max(lo, hi))
+
+
 def _positive(value: Any, default: int) -> int:
     return (
         value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else default
@@ -98,6 +113,13 @@ class ImagePricing:
 
     flat: int = 765
     grid: ImageGrid | None = None
+
+    def for_request(self, body: dict[str, Any]) -> ImagePricing:
+        """The pricing a request's ``mm_processor_kwargs`` make of this one."""
+        if self.grid is None or "mm_processor_kwargs" not in body:
+            return self
+        grid = with_request(self.grid, body.get("mm_processor_kwargs"))
+        return self if grid is self.grid else ImagePricing(self.flat, grid)
 
     def cost(self, part: Any) -> int:
         if self.grid is None or not _is_image(part):
@@ -145,9 +167,27 @@ def _png(d: bytes) -> tuple[int, int] | None:
 
 
 def _gif(d: bytes) -> tuple[int, int] | None:
-    if d[:6] in (b"GIF87a", b"GIF89a") and len(d) >= 10:
-        w, h = struct.unpack("<HH", d[6:10])
-        return w, h
+    """The logical screen, grown to the first frame's extent as Pillow grows it (a frame
+    may reach past the screen: a 28x28 screen holding a 2000x1500 frame is 2000x1500 to
+    Pillow, and so to the node). None when the blocks do not lead to a frame."""
+    if d[:6] not in (b"GIF87a", b"GIF89a") or len(d) < 13:
+        return None
+    sw, sh = struct.unpack("<HH", d[6:10])
+    i = 13 + (3 << ((d[10] & 7) + 1) if d[10] & 0x80 else 0)
+    while i < len(d):
+        block = d[i]
+        if block == 0x2C:  # image descriptor: left, top, width, height
+            if i + 9 > len(d):
+                return None
+            left, top, w, h = struct.unpack("<HHHH", d[i + 1 : i + 9])
+            return max(sw, left + w), max(sh, top + h)
+        if block == 0x21:  # extension: its label, then sub-blocks until an empty one
+            i += 2
+            while i < len(d) and d[i]:
+                i += d[i] + 1
+            i += 1
+            continue
+        return None  # the trailer before any frame, or not a GIF block
     return None
 
 

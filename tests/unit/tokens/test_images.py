@@ -7,6 +7,7 @@ import base64
 import io
 import json
 import random
+import struct
 from collections.abc import Callable
 from pathlib import Path
 
@@ -94,3 +95,37 @@ def test_a_model_directory_with_a_qwen2_vl_processor_prices_images_by_size(
     assert exact.count_chat_sync(big) - flat.count_chat_sync(big) == 2691 - 765
     assert len(exact.prompt_ids(big)) == exact.count_chat_sync(big)
     assert load_grid(str(base)) is None  # no processor config: the flat cost
+
+
+def test_a_gif_frame_past_its_logical_screen_counts_at_the_size_pillow_opens() -> None:
+    # The header claims a 28x28 screen; the first frame is 2000x1500. Pillow (what vLLM
+    # opens images with) grows the image to the frame: it cost 4 tokens, not 3,834.
+    buf = io.BytesIO()
+    Image.new("P", (2000, 1500), 3).save(buf, format="GIF")
+    data = bytearray(buf.getvalue())
+    data[6:10] = struct.pack("<HH", 28, 28)
+    url = "data:image/gif;base64," + base64.b64encode(bytes(data)).decode()
+    opened = Image.open(io.BytesIO(bytes(data)))
+    opened.load()
+    assert image_size(url) == opened.size == (2000, 1500)
+    # An animated GIF with extensions before its first frame.
+    frames = [Image.new("P", (40, 30), c) for c in (1, 2)]
+    buf = io.BytesIO()
+    frames[0].save(buf, format="GIF", save_all=True, append_images=frames[1:], loop=0)
+    url = "data:image/gif;base64," + base64.b64encode(buf.getvalue()).decode()
+    assert image_size(url) == (40, 30)
+
+
+def test_a_requests_mm_processor_kwargs_resize_its_images() -> None:
+    # transformers' Qwen2VLImageProcessor with min_pixels 1003520 makes a 280x280 image
+    # 1,296 tokens (100 at the directory's limits): the request's kwargs count.
+    grid = ImageGrid(28, 3136, 12845056)
+    pricing = ImagePricing(765, grid)
+    part = {"type": "image_url", "image_url": {"url": _data_url(280, 280, "PNG")}}
+    assert pricing.cost(part) == 100
+    raised = pricing.for_request({"mm_processor_kwargs": {"min_pixels": 1003520}})
+    assert raised.cost(part) == 1296
+    by_size = pricing.for_request({"mm_processor_kwargs": {"size": {"shortest_edge": 1003520}}})
+    assert by_size.cost(part) == 1296
+    assert pricing.for_request({"mm_processor_kwargs": {"other": 1}}) is pricing
+    assert pricing.for_request({}) is pricing
