@@ -59,6 +59,7 @@ def _reconcile(
         and counted.prompt.prompts == 1
         and not counted.prompt.exact
         and not counted.prompt.truncated
+        and not counted.prompt.uncalibrated
     ):
         state.calibration.observe(
             r.backend.name, counted.model.name, counted.prompt.standin, usage.prompt_tokens

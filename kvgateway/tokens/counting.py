@@ -80,6 +80,9 @@ class PromptTokens:
     encoded_chars: int = 0
     # Each prompt's own count (a completions request may batch several).
     each: tuple[int, ...] = ()
+    # Set when the count is a bound (an image of unknown size priced at its largest):
+    # the least the node may count.
+    floor: int | None = None
 
 
 class TextCountCache:

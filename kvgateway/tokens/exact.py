@@ -46,8 +46,10 @@ class RenderedChat:
     text: str
     media: int
     add_special_tokens: bool
-    # What the media items cost the node (ImagePricing: flat, or an image by its size).
+    # What the media items cost the node (ImagePricing: flat, or an image by its size),
+    # and at least (less when an image's size is unknown: a remote URL).
     media_tokens: int = 0
+    media_floor: int = 0
 
 
 class ExactCounter:
@@ -144,8 +146,14 @@ class ExactCounter:
             kwargs=args,
         )
         pricing = self._pricing.for_request(body)
-        cost = sum(pricing.cost(p) for p in conv.media_parts)
-        return RenderedChat(text, conv.media, flag(body, "add_special_tokens", False), cost)
+        bounds = [pricing.bounds(p) for p in conv.media_parts]
+        return RenderedChat(
+            text,
+            conv.media,
+            flag(body, "add_special_tokens", False),
+            sum(hi for hi, _ in bounds),
+            sum(lo for _, lo in bounds),
+        )
 
     def encode_chat(self, body: dict[str, Any]) -> list[int]:
         """Token ids of a chat prompt (media items are not expanded)."""
@@ -247,7 +255,15 @@ class ExactCounter:
         chat = await self._render_off_loop(body)
         n, chars = await self.count_text(chat.text)
         n += self._added_count(chat.add_special_tokens) + chat.media_tokens
-        return PromptTokens(total=n, longest=n, prompts=1, encoded_chars=chars, each=(n,))
+        floor = n - chat.media_tokens + chat.media_floor
+        return PromptTokens(
+            total=n,
+            longest=n,
+            prompts=1,
+            encoded_chars=chars,
+            each=(n,),
+            floor=floor if floor < n else None,
+        )
 
     async def _render_off_loop(self, body: dict[str, Any]) -> RenderedChat:
         size = sum(len(str(m.get("content") or "")) for m in body.get("messages") or [])

@@ -40,6 +40,11 @@ class ImageGrid:
     max_pixels: int = _MAX_PIXELS
 
     @property
+    def min_tokens(self) -> int:
+        """Tokens of the smallest image the processor makes (at least min_pixels)."""
+        return max(1, -(-self.min_pixels // (self.factor * self.factor)))
+
+    @property
     def max_tokens(self) -> int:
         """Tokens of the largest image the processor makes (its resize keeps the area at
         most max_pixels)."""
@@ -122,12 +127,19 @@ class ImagePricing:
         return self if grid is self.grid else ImagePricing(self.flat, grid)
 
     def cost(self, part: Any) -> int:
+        return self.bounds(part)[0]
+
+    def bounds(self, part: Any) -> tuple[int, int]:
+        """What ``part`` costs at most and at least: the same when its size is known (or
+        the cost is flat); an image of unknown size (a remote URL) costs at most the
+        largest image the processor makes and at least the smallest."""
         if self.grid is None or not _is_image(part):
-            return self.flat
+            return self.flat, self.flat
         size = image_size(_url(part))
         if size is None:
-            return self.grid.max_tokens
-        return self.grid.tokens(*size)
+            return self.grid.max_tokens, self.grid.min_tokens
+        cost = self.grid.tokens(*size)
+        return cost, cost
 
 
 def _is_image(part: Any) -> bool:

@@ -15,7 +15,7 @@ import asyncio
 import logging
 import math
 from concurrent.futures import Executor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kvgateway.tokens.chat_template import TemplateError
@@ -63,6 +63,9 @@ class PromptEstimate:
     # Cut to the request's truncate_prompt_tokens: the node's count says nothing of how
     # the stand-in counts (no calibration from it).
     truncated: bool = False
+    # A bound that is not the stand-in's (the model's count with media of unknown size):
+    # no calibration from it either.
+    uncalibrated: bool = False
 
 
 class PromptEstimator:
@@ -213,6 +216,16 @@ def _as_counted(counted: PromptTokens, *, exact: bool = False) -> PromptEstimate
 
 
 def _exact(counted: PromptTokens) -> PromptEstimate:
+    if counted.floor is not None:
+        # A bound, not a count (an image of unknown size at its largest): reserved as
+        # counted, but the node's count decides near a limit (its /tokenize, or its
+        # context-length 400), and nothing is calibrated from it.
+        return replace(
+            _as_counted(counted, exact=False),
+            standin=0,
+            floor=counted.floor,
+            uncalibrated=True,
+        )
     return _as_counted(counted, exact=True)
 
 

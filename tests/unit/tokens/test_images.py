@@ -129,3 +129,34 @@ def test_a_requests_mm_processor_kwargs_resize_its_images() -> None:
     assert by_size.cost(part) == 1296
     assert pricing.for_request({"mm_processor_kwargs": {"other": 1}}) is pricing
     assert pricing.for_request({}) is pricing
+
+
+async def test_an_image_of_unknown_size_makes_the_count_a_bound_not_a_count(
+    vocab_dirs: Callable[[str], Path], tmp_path: Path
+) -> None:
+    # A remote URL: the node downloads the picture and prices it by its size; the
+    # gateway cannot. It reserves the largest image, but does not call that the node's
+    # count (a 16k-context node would be refused every remote image): near a limit the
+    # node's own count decides, and nothing is calibrated from it.
+    from kvgateway.tokens.counting import PromptCounter, TextCountCache
+    from kvgateway.tokens.encoding import EncodingSpec, load_encoding
+    from kvgateway.tokens.prompt_estimate import PromptEstimator
+    from kvgateway.tokens.spec import TokenizerConfig
+
+    base = vocab_dirs("qwen")
+    directory = tmp_path / "vl"
+    directory.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (directory / name).symlink_to(base / name)
+    config = {"image_processor_type": "Qwen2VLImageProcessor", "max_pixels": 12845056}
+    (directory / "preprocessor_config.json").write_text(json.dumps(config))
+    exact = ExactCounter(EncodingCache().model(str(directory)))
+    standin = PromptCounter(load_encoding(EncodingSpec()), TextCountCache(), None)
+    estimator = PromptEstimator(TokenizerConfig(), standin, exact)
+    remote = {"type": "image_url", "image_url": {"url": "https://example.com/cat.jpg"}}
+    inline = {"type": "image_url", "image_url": {"url": _data_url(120, 90, "PNG")}}
+    got = await estimator.chat({"messages": [{"role": "user", "content": [remote, "?"]}]})
+    assert not got.exact and got.uncalibrated and got.standin == 0
+    assert got.total - got.floor == 16384 - 4  # the largest image less the smallest
+    known = await estimator.chat({"messages": [{"role": "user", "content": [inline, "?"]}]})
+    assert known.exact and known.total == known.floor
