@@ -118,8 +118,12 @@ async def plan_request(
         exact = await node_tokenizer.count(model, counted_body, chat=parsed.kind != "completion")
         if exact is not None:
             prompt = node_counted(prompt, exact)
-    # truncate_prompt_tokens: the node keeps each prompt's last `keep` tokens.
+    # truncate_prompt_tokens: the node keeps each prompt's last `keep` tokens; -1 (and
+    # a Responses request's truncation "auto"): as many as fit beside the output.
     keep = truncation(body, prompt.longest)
+    if keep == 0 and largest and _truncates_to_fit(parsed):
+        fit = largest - output_budget(parsed, config, prompt.longest, largest)[0]
+        keep = fit if 0 < fit < prompt.longest else 0
     if 0 < keep < prompt.longest:
         prompt = truncated(prompt, keep)
     each = reserved_prompts(prompt, model, calibration)
@@ -211,6 +215,8 @@ async def _prefix_hint(
     keys: tuple[int, ...] = ()
     cut = False
     keep = truncation(body, len(found)) if found else 0
+    if found and not keep and _truncates_to_fit(parsed) and len(found) > longest:
+        keep = longest
     if found and keep:
         # The node keeps the prompt's last `keep` tokens (or first, truncation_side
         # "right"): their blocks chain from another first block than the whole prompt's.
@@ -263,10 +269,20 @@ def _shares_as_keyed(body: dict[str, Any]) -> bool:
 
 def truncation(body: dict[str, Any], longest: int) -> int:
     """How many prompt tokens the node keeps of each prompt (0: all of them):
-    ``truncate_prompt_tokens`` k > 0. (-1, "as many as fit", is resolved per node by
-    vLLM; here it keeps all, so a prompt past every context is refused.)"""
+    ``truncate_prompt_tokens`` k > 0 (-1, as many as fit, is :func:`_truncates_to_fit`)."""
     keep = lax_int(body.get("truncate_prompt_tokens")) or 0
     return keep if 0 < keep < longest else 0
+
+
+def _truncates_to_fit(parsed: ParsedRequest) -> bool:
+    """``truncate_prompt_tokens: -1`` (or a Responses request's ``truncation: "auto"``):
+    vLLM keeps the prompt's last max_model_len - max_tokens tokens
+    (vllm/renderers/params.py, ``_token_truncation``; ``ResponsesRequest.build_tok_params``
+    passes -1 unless truncation is "disabled")."""
+    body = parsed.body
+    if parsed.kind == "responses":
+        return body.get("truncation") == "auto"
+    return lax_int(body.get("truncate_prompt_tokens")) == -1
 
 
 def truncated(prompt: PromptEstimate, keep: int) -> PromptEstimate:

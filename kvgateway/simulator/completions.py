@@ -123,14 +123,16 @@ async def handle_completion(request: web.Request) -> web.StreamResponse:
     return await _generate(request, node, req, prompt_ids, chat=False)
 
 
-def _truncated(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
-    """``truncate_prompt_tokens``: the prompt's last ``keep`` tokens (-1: max_model_len);
-    more than max_model_len is refused (vllm/entrypoints/utils.py,
-    ``_validate_truncation_size``; vLLM's tokenizers truncate on the left)."""
+def _truncated(
+    ids: list[int], keep: int | None, max_model_len: int, max_tokens: int | None
+) -> list[int]:
+    """``truncate_prompt_tokens``: the prompt's last ``keep`` tokens (-1: as many as fit
+    beside ``max_tokens``, vllm/renderers/params.py ``_token_truncation``); more than
+    max_model_len is refused (``_validate_truncation_size``); vLLM truncates on the left."""
     if keep is None or keep == 0:
         return ids
     if keep == -1:
-        keep = max_model_len
+        keep = max(1, max_model_len - (max_tokens or 0))
     if keep > max_model_len:
         raise p.bad_request(
             f"truncate_prompt_tokens value ({keep}) is greater than max_model_len "
@@ -149,7 +151,9 @@ async def _generate(
     chat: bool,
 ) -> web.StreamResponse:
     settings = node.settings
-    prompt_ids = _truncated(prompt_ids, req.truncate_prompt_tokens, settings.max_model_len)
+    prompt_ids = _truncated(
+        prompt_ids, req.truncate_prompt_tokens, settings.max_model_len, req.max_tokens
+    )
     prompt_tokens = len(prompt_ids)
     budget = p.output_budget(settings.max_model_len, prompt_tokens, req.max_tokens)
     fault = node.faults.consume()

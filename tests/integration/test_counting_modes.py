@@ -119,6 +119,13 @@ async def test_exact_mode_counts_what_the_node_counts(start_fleet: StartFleet, v
                 assert r.status == 200, data
                 assert int(r.headers["x-gateway-prompt-tokens"]) == 1000
                 assert data["usage"]["prompt_tokens"] == 1000
+            # -1: as many as fit beside max_tokens (32,768 - 2 on this node).
+            body["truncate_prompt_tokens"] = -1
+            async with s.post(fleet.url + path, json=body) as r:
+                data = await r.json()
+                assert r.status == 200, data
+                assert int(r.headers["x-gateway-prompt-tokens"]) == 32_766
+                assert data["usage"]["prompt_tokens"] == 32_766
         # Any role goes to the node, whose template decides (this one knows no "ipython").
         body = {"model": MODEL, "messages": [{"role": "ipython", "content": "42"}]}
         async with s.post(fleet.url + "/v1/chat/completions", json=body) as r:
