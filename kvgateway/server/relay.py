@@ -67,9 +67,10 @@ def _reconcile(
     output = usage.completion_tokens if usage is not None else None
     if output is None:
         output = counted_output
-    if output is not None and not counted.parsed.echo_only:
-        per_seq = -(-output // max(1, counted.demand.sequences))
-        state.outputs.learn(counted.model.name, ex.client, counted.output_tokens, per_seq)
+    # One sequence's length per request: the mean of n sequences is narrower than the
+    # lengths it averages (and hides one cut at its cap), so n > 1 teaches nothing.
+    if output is not None and not counted.parsed.echo_only and counted.demand.sequences == 1:
+        state.outputs.learn(counted.model.name, ex.client, counted.output_tokens, output)
 
 
 async def read_body(
@@ -193,7 +194,9 @@ async def _relay_events(
         )
     elif rec.outcome == Outcome.PENDING:
         rec.outcome = Outcome.OK
-        _reconcile(state, ex, r, last, live.generated)
+        # The live count is the node's own only at one token per choice: a speculative
+        # node's is a bound, and teaches nothing (usage, when the stream has it, does).
+        _reconcile(state, ex, r, last, live.generated if live.tokens_per_event == 1 else None)
 
 
 # Chat and completions streams end with [DONE]; Responses streams with a final event.

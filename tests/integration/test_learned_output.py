@@ -45,6 +45,10 @@ async def test_learned_reservations_shrink_and_long_streams_stay_covered(start_f
         model = fleet.state.outputs.model
         learned = model.reservation(MODEL, "*", 400, 0.05)
         assert learned < 200  # outputs are ~40 tokens
+        # n > 1: the mean of its sequences is not one sequence's length; not learned.
+        seen = model.statistics().observations
+        await _post(s, fleet.url, {**body, "n": 2})
+        assert model.statistics().observations == seen
         # A request that fixes its own length (ignore_eos, min_tokens) learns nothing:
         # it reserves its max_tokens.
         for fixed in ({"ignore_eos": True}, {"min_tokens": 300}):
