@@ -22,6 +22,7 @@ from bench.counting_workload import (
 )
 from kvgateway.tokens.exact import ExactCounter
 from kvgateway.tokens.modeldir import load_model_tokenizer
+from tests.support import vocab
 from tests.support.fleet import MODEL, SERVED, StartFleet
 from tests.unit.tokens.test_vs_transformers import THINKING
 
@@ -271,13 +272,7 @@ async def test_the_nodes_default_template_kwargs_are_counted_when_configured(
     # A Qwen3-style node started with --default-chat-template-kwargs
     # '{"enable_thinking": false}' adds an empty think block to every prompt: the gateway
     # counts it once its model says so (models[].tokenizer.chat_template_kwargs).
-    directory = tmp_path / "thinking"
-    directory.mkdir()
-    base = vocab_dirs("qwen")
-    (directory / "tokenizer.json").symlink_to(base / "tokenizer.json")
-    config = json.loads((base / "tokenizer_config.json").read_text())
-    config["chat_template"] = THINKING
-    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    directory = vocab.variant(vocab_dirs("qwen"), tmp_path / "thinking", chat_template=THINKING)
     defaults = {"enable_thinking": False}
     node = {"tokenizer": str(directory), "default_chat_template_kwargs": json.dumps(defaults)}
     tok = {"path": str(directory), "chat_template_kwargs": defaults}
@@ -319,14 +314,8 @@ async def test_images_cost_what_the_models_processor_makes_of_their_size(
 
     from PIL import Image
 
-    base = vocab_dirs("qwen")
-    directory = tmp_path / "vl"
-    directory.mkdir()
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (directory / name).symlink_to(base / name)
-    processor = {"image_processor_type": "Qwen2VLImageProcessor", "patch_size": 14}
-    processor |= {"merge_size": 2, "min_pixels": 3136, "max_pixels": 12845056}
-    (directory / "preprocessor_config.json").write_text(json.dumps(processor))
+    processor = vocab.QWEN2_VL_PROCESSOR
+    directory = vocab.variant(vocab_dirs("qwen"), tmp_path / "vl", processor=processor)
     fleet = await start_fleet(
         [("q-1", "large", "gpu80-8b", {"tokenizer": str(directory)})],
         time_scale=200,

@@ -391,3 +391,33 @@ def vocab_dirs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path
     """``vocab_dirs(kind)``: the built directory, shared by all xdist workers of a run."""
     root = tmp_path_factory.getbasetemp().parent / "vocab-dirs"
     return lambda kind: build(kind, root)
+
+
+# A Qwen2-VL image processor's preprocessor_config.json, at transformers' default limits.
+QWEN2_VL_PROCESSOR = {
+    "image_processor_type": "Qwen2VLImageProcessor",
+    "patch_size": 14,
+    "merge_size": 2,
+    "min_pixels": 3136,
+    "max_pixels": 12845056,
+}
+
+
+def variant(
+    base: Path,
+    directory: Path,
+    *,
+    chat_template: str | None = None,
+    processor: dict[str, Any] | None = None,
+) -> Path:
+    """``base``'s vocabulary in ``directory``, with another chat template and/or an image
+    processor's ``preprocessor_config.json``."""
+    directory.mkdir(parents=True)
+    (directory / "tokenizer.json").symlink_to(base / "tokenizer.json")
+    config = json.loads((base / "tokenizer_config.json").read_text())
+    if chat_template is not None:
+        config["chat_template"] = chat_template
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    if processor is not None:
+        (directory / "preprocessor_config.json").write_text(json.dumps(processor))
+    return directory

@@ -4,7 +4,6 @@ usage, /tokenize, /detokenize, context-length 400s and KV accounting."""
 from __future__ import annotations
 
 import argparse
-import json
 import random
 from collections.abc import Callable
 from pathlib import Path
@@ -23,7 +22,7 @@ from kvgateway.tokens.node_count import (
     tokenize_body,
     tokenize_count,
 )
-from tests.support import corpus
+from tests.support import corpus, vocab
 from tests.support.sim import SimFactory
 from tests.unit.tokens.test_vs_transformers import THINKING
 
@@ -177,13 +176,7 @@ async def test_tokenize_body_carries_documents_and_reasoning_effort_as_template_
     # vLLM's TokenizeChatRequest has no documents or reasoning_effort fields: asked as
     # fields, the node's count leaves out what the chat request renders (6 tokens short
     # with Qwen3's template and reasoning_effort "none": a node 400 near the limit).
-    directory = tmp_path / "thinking"
-    directory.mkdir()
-    base = vocab_dirs("qwen")
-    (directory / "tokenizer.json").symlink_to(base / "tokenizer.json")
-    config = json.loads((base / "tokenizer_config.json").read_text())
-    config["chat_template"] = THINKING
-    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    directory = vocab.variant(vocab_dirs("qwen"), tmp_path / "thinking", chat_template=THINKING)
     node = await sim(tokenizer=str(directory))
     gateway = ExactCounter(encodings.model(str(directory)))
     docs = [{"title": "Cache", "text": "KV blocks are 16 tokens."}]

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import base64
 import io
-import json
 import random
 import struct
 from collections.abc import Callable
@@ -18,6 +17,7 @@ from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
 from kvgateway.tokens.encoding import EncodingCache
 from kvgateway.tokens.exact import ExactCounter
 from kvgateway.tokens.images import ImageGrid, ImagePricing, image_size, load_grid
+from tests.support import vocab
 
 
 def _data_url(width: int, height: int, fmt: str) -> str:
@@ -67,21 +67,7 @@ def test_a_model_directory_with_a_qwen2_vl_processor_prices_images_by_size(
     vocab_dirs: Callable[[str], Path], tmp_path: Path
 ) -> None:
     base = vocab_dirs("qwen")
-    directory = tmp_path / "vl"
-    directory.mkdir()
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (directory / name).symlink_to(base / name)
-    (directory / "preprocessor_config.json").write_text(
-        json.dumps(
-            {
-                "image_processor_type": "Qwen2VLImageProcessor",
-                "patch_size": 14,
-                "merge_size": 2,
-                "min_pixels": 3136,
-                "max_pixels": 12845056,
-            }
-        )
-    )
+    directory = vocab.variant(base, tmp_path / "vl", processor=vocab.QWEN2_VL_PROCESSOR)
     grid = load_grid(str(directory))
     assert grid == ImageGrid(28, 3136, 12845056)
     exact = ExactCounter(EncodingCache().model(str(directory)))
@@ -143,13 +129,8 @@ async def test_an_image_of_unknown_size_makes_the_count_a_bound_not_a_count(
     from kvgateway.tokens.prompt_estimate import PromptEstimator
     from kvgateway.tokens.spec import TokenizerConfig
 
-    base = vocab_dirs("qwen")
-    directory = tmp_path / "vl"
-    directory.mkdir()
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (directory / name).symlink_to(base / name)
     config = {"image_processor_type": "Qwen2VLImageProcessor", "max_pixels": 12845056}
-    (directory / "preprocessor_config.json").write_text(json.dumps(config))
+    directory = vocab.variant(vocab_dirs("qwen"), tmp_path / "vl", processor=config)
     exact = ExactCounter(EncodingCache().model(str(directory)))
     standin = PromptCounter(load_encoding(EncodingSpec()), TextCountCache(), None)
     estimator = PromptEstimator(TokenizerConfig(), standin, exact)
