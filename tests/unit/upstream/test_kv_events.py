@@ -23,14 +23,13 @@ from kvgateway.simulator.block_pool import (
 from kvgateway.simulator.engine import EngineConfig, EngineCore
 from kvgateway.simulator.kv_events import encode_batch
 from kvgateway.simulator.tokenizer import ChatMessage
+from kvgateway.upstream.kv_event_decode import EventDecodeError, decode_batch
 from kvgateway.upstream.kv_events import (
-    EventDecodeError,
     KVEventHub,
     KVEventSource,
     KVEventSubscriber,
     SeqAction,
     classify_seq,
-    decode_batch,
 )
 from tests.support.sim import SimClient, SimFactory, chat
 
