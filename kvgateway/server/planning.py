@@ -120,9 +120,14 @@ async def plan_request(
             prompt = node_counted(prompt, exact)
     # truncate_prompt_tokens: the node keeps each prompt's last `keep` tokens; -1 (and
     # a Responses request's truncation "auto"): as many as fit beside the output.
-    keep = truncation(body, prompt.longest)
-    if keep == 0 and largest and _truncates_to_fit(parsed):
-        fit = largest - output_budget(parsed, config, prompt.longest, largest)[0]
+    # Only on per-prompt counts: a batch counted past the limit is one lump (its prompts
+    # unknown), cut to one prompt's size it would reserve for one sequence of many.
+    per_prompt = len(prompt.each) == prompt.prompts
+    keep = truncation(body, prompt.longest) if per_prompt else 0
+    if keep == 0 and per_prompt and largest and _truncates_to_fit(parsed):
+        # The output the node gets: asked for, or the default as for a short prompt (the
+        # prompt is cut to make room for it, not the output to the prompt's leftover).
+        fit = largest - output_budget(parsed, config, 0, largest)[0]
         keep = fit if 0 < fit < prompt.longest else 0
     if 0 < keep < prompt.longest:
         prompt = truncated(prompt, keep)
