@@ -316,7 +316,9 @@ class AdmissionCore:
         for w in self._waiters:
             if w.gated is None or w.future.done():
                 continue
-            if w.demand.tenant != tenant and w.gated != CLASS_FLOOR:
+            # The resolved name (a tenant gone from the config on reload is the default).
+            name = w.ticket.tenant if w.ticket is not None else w.demand.tenant
+            if name != tenant and w.gated != CLASS_FLOOR:
                 continue
             w.gated = self._gate(w.demand)
             if w.gated is None:

@@ -362,8 +362,8 @@ def learned_prompts(
     of the worst-case vocabulary bound, never more than the bound; the bound until
     :data:`LEARNED_PROMPT_SAMPLES` reports were seen. Exact counts and batched prompts
     (already reserved by the prediction) stay as they are."""
-    if prompt.exact or len(bounds) != 1:
-        return bounds
+    if prompt.exact or prompt.uncalibrated or prompt.truncated or len(bounds) != 1:
+        return bounds  # no stand-in count to predict from (standin 0 or cut)
     margin = model.tokenizer.estimate_margin
     guess = calibration.learned(model.name, prompt.standin, margin, LEARNED_PROMPT_SAMPLES)
     return bounds if guess is None else [min(bounds[0], guess)]

@@ -92,18 +92,30 @@ def load_grid(directory: str) -> ImageGrid | None:
 
 
 def with_request(grid: ImageGrid, kwargs: Any) -> ImageGrid:
-    """``grid`` as a request's ``mm_processor_kwargs`` set it for that request
-    (``min_pixels`` / ``max_pixels``, or ``size``'s shortest and longest edge), as the
-    node's processor takes them."""
+    """``grid`` as a request's ``mm_processor_kwargs`` may set it (``min_pixels`` /
+    ``max_pixels``, or ``size``'s shortest and longest edge). transformers' slow and
+    fast Qwen2-VL processors read these in different orders (``size`` over the pixels,
+    or the instance's pixels over a request's ``size``), so each limit is the largest
+    any of them may take: an image costs at least what the node's processor makes of it,
+    and a request only ever raises its price here."""
     if not isinstance(kwargs, dict):
         return grid
     given = kwargs.get("size")
     size: dict[str, Any] = given if isinstance(given, dict) else {}
-    lo = _positive(kwargs.get("min_pixels", size.get("shortest_edge")), grid.min_pixels)
-    hi = _positive(kwargs.get("max_pixels", size.get("longest_edge")), grid.max_pixels)
+    lows = [kwargs.get("min_pixels"), size.get("shortest_edge")]
+    highs = [kwargs.get("max_pixels"), size.get("longest_edge")]
+    lo = max([grid.min_pixels, *(_pixels(v) for v in lows)])
+    hi = max([grid.max_pixels, *(_pixels(v) for v in highs)])
     if (lo, hi) == (grid.min_pixels, grid.max_pixels):
         return grid
     return ImageGrid(grid.factor, lo, max(lo, hi))
+
+
+def _pixels(value: Any) -> int:
+    """A pixel count as transformers takes it (an int or a float), else 0."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return 0
+    return int(value) if math.isfinite(value) and value > 0 else 0
 
 
 def _positive(value: Any, default: int) -> int:
@@ -133,8 +145,12 @@ class ImagePricing:
         """What ``part`` costs at most and at least: the same when its size is known (or
         the cost is flat); an image of unknown size (a remote URL) costs at most the
         largest image the processor makes and at least the smallest."""
-        if self.grid is None or not _is_image(part):
+        if self.grid is None:
             return self.flat, self.flat
+        if not _is_image(part):
+            # Video and audio on a model whose processor sizes by the input: the flat
+            # cost is a guess, not the node's count (a bound with no floor beyond 1).
+            return self.flat, 1
         size = image_size(_url(part))
         if size is None:
             return self.grid.max_tokens, self.grid.min_tokens

@@ -59,7 +59,7 @@ def test_unknown_sizes_cost_the_largest_image() -> None:
     assert pricing.cost(remote) == 1280
     small = {"type": "image_url", "image_url": {"url": _data_url(56, 56, "PNG")}}
     assert pricing.cost(small) == 4
-    assert pricing.cost({"type": "input_audio", "input_audio": {}}) == 765  # flat
+    assert pricing.bounds({"type": "input_audio", "input_audio": {}}) == (765, 1)  # a guess
     assert ImagePricing(765).cost(small) == 765
 
 
@@ -114,6 +114,16 @@ def test_a_requests_mm_processor_kwargs_resize_its_images() -> None:
     by_size = pricing.for_request({"mm_processor_kwargs": {"size": {"shortest_edge": 1003520}}})
     assert by_size.cost(part) == 1296
     assert pricing.for_request({"mm_processor_kwargs": {"other": 1}}) is pricing
+    # Processors disagree on which of size and the pixels wins, and take floats: the
+    # largest reading prices the image (transformers' slow processor: size wins, and a
+    # 6000x4000 image with max_pixels 1003520 but size's longest_edge 12845056 is 16,224).
+    big = {"type": "image_url", "image_url": {"url": _data_url(6000, 4000, "PNG")}}
+    both = {"max_pixels": 1003520, "size": {"shortest_edge": 3136, "longest_edge": 12845056}}
+    assert pricing.for_request({"mm_processor_kwargs": both}).cost(big) == 16224
+    floats = pricing.for_request({"mm_processor_kwargs": {"max_pixels": 25690112.0}})
+    assert floats.cost(big) == 30602
+    lowered = pricing.for_request({"mm_processor_kwargs": {"max_pixels": 1003520}})
+    assert lowered.cost(big) == 16224  # a request never lowers the price here
     assert pricing.for_request({}) is pricing
 
 
