@@ -156,7 +156,11 @@ class PromptEstimator:
         prompts = _prompts(body["prompt"])
         factor = completion_overcount(prompts) if self._config.upper_bound else 1.0
         stop = None if limit is None else math.ceil(limit * factor)
-        standin = await self._standin.count(plan, known, stop)
+        # Counting stops on the batch's total: past n prompts' worth, one of them is past
+        # the limit (a total past one prompt's worth refused batches whose every prompt
+        # fits).
+        batch_stop = None if stop is None else stop * max(1, len(prompts))
+        standin = await self._standin.count(plan, known, batch_stop)
         if not self._config.upper_bound or _past(standin, stop):
             return _as_counted(standin)
         counts = standin.each or (standin.total,)

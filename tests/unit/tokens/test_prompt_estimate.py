@@ -140,3 +140,17 @@ async def test_a_big_prompts_bound_is_scanned_off_the_loop() -> None:
         assert (await off.chat(body)).total == (await inline.chat(body)).total
         assert (await off.completion(prompts)).each == (await inline.completion(prompts)).each
     assert Recording.calls == 2
+
+
+async def test_a_batch_whose_prompts_each_fit_is_counted_prompt_by_prompt() -> None:
+    # Eight prompts of ~630 tokens against a 1,000-token context: their total passes
+    # the limit, yet each fits. Counting stopped on the total and read it as one prompt
+    # past the limit (the batch was refused); it stops only past eight prompts' worth.
+    estimator = PromptEstimator(CONFIG, _standin())
+    text = "the quick brown fox jumps over the lazy dog " * 70
+    got = await estimator.completion({"prompt": [text] * 8}, limit=1000)
+    assert got.prompts == 8 and len(got.each) == 8
+    assert max(got.each) < 1000 < got.total
+    # Past eight prompts' worth, one of them is past the limit: still stopped early.
+    huge = await estimator.completion({"prompt": [text * 20] * 8}, limit=1000)
+    assert huge.longest > 1000
