@@ -28,6 +28,7 @@ from kvgateway.server.openai_request import (
     parse_completion,
     parse_responses,
 )
+from kvgateway.server.truncation import truncated, truncates_to_fit, truncation
 from kvgateway.tokens.calibration import PromptCalibration
 from kvgateway.tokens.counters import TokenCounters
 from kvgateway.tokens.lax import flag, lax_int
@@ -124,7 +125,7 @@ async def plan_request(
     # unknown), cut to one prompt's size it would reserve for one sequence of many.
     per_prompt = len(prompt.each) == prompt.prompts
     keep = truncation(body, prompt.longest) if per_prompt else 0
-    if keep == 0 and per_prompt and largest and _truncates_to_fit(parsed):
+    if keep == 0 and per_prompt and largest and truncates_to_fit(parsed):
         # The output the node gets: asked for, or the default as for a short prompt (the
         # prompt is cut to make room for it, not the output to the prompt's leftover).
         fit = largest - output_budget(parsed, config, 0, largest)[0]
@@ -220,7 +221,7 @@ async def _prefix_hint(
     keys: tuple[int, ...] = ()
     cut = False
     keep = truncation(body, len(found)) if found else 0
-    if found and not keep and _truncates_to_fit(parsed) and len(found) > longest:
+    if found and not keep and truncates_to_fit(parsed) and len(found) > longest:
         keep = longest
     if found and keep:
         # The node keeps the prompt's last `keep` tokens (or first, truncation_side
@@ -270,38 +271,6 @@ def _shares_as_keyed(body: dict[str, Any]) -> bool:
             if isinstance(content, list) and any(part_text(p) is None for p in content):
                 return False
     return True
-
-
-def truncation(body: dict[str, Any], longest: int) -> int:
-    """How many prompt tokens the node keeps of each prompt (0: all of them):
-    ``truncate_prompt_tokens`` k > 0 (-1, as many as fit, is :func:`_truncates_to_fit`)."""
-    keep = lax_int(body.get("truncate_prompt_tokens")) or 0
-    return keep if 0 < keep < longest else 0
-
-
-def _truncates_to_fit(parsed: ParsedRequest) -> bool:
-    """``truncate_prompt_tokens: -1`` (or a Responses request's ``truncation: "auto"``):
-    vLLM keeps the prompt's last max_model_len - max_tokens tokens
-    (vllm/renderers/params.py, ``_token_truncation``; ``ResponsesRequest.build_tok_params``
-    passes -1 unless truncation is "disabled")."""
-    body = parsed.body
-    if parsed.kind == "responses":
-        return body.get("truncation") == "auto"
-    return lax_int(body.get("truncate_prompt_tokens")) == -1
-
-
-def truncated(prompt: PromptEstimate, keep: int) -> PromptEstimate:
-    """``prompt`` as the node runs it with ``truncate_prompt_tokens: keep``: each prompt's
-    last ``keep`` tokens (a bound of the whole is one of its last ``keep`` too)."""
-    each = tuple(min(n, keep) for n in prompt.each) or (min(prompt.longest, keep),)
-    return replace(
-        prompt,
-        total=sum(each),
-        longest=max(each),
-        each=each,
-        floor=min(prompt.floor, keep),
-        truncated=True,
-    )
 
 
 def node_counted(prompt: PromptEstimate, count: int) -> PromptEstimate:
