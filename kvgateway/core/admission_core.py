@@ -6,8 +6,8 @@ adds the async edge (a waiter parked on a future) on top. See that module for th
 from __future__ import annotations
 
 import asyncio
-from collections import Counter, deque
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Self
 
@@ -29,15 +29,8 @@ from kvgateway.core.routing import (
     route_to,
 )
 from kvgateway.core.routing_index import ModelIndex
-from kvgateway.core.tenancy import (
-    CLASS_FLOOR,
-    Tenancy,
-    Ticket,
-    claims_ahead,
-    displaceable,
-    displaced_error,
-    serve_order,
-)
+from kvgateway.core.tenancy import CLASS_FLOOR, Tenancy, Ticket, displaced_error
+from kvgateway.core.wait_queue import WaitQueue
 
 
 @dataclass(eq=False, slots=True)
@@ -84,7 +77,7 @@ class AdmissionCore:
         self._clock = clock
         self._on_decision = on_decision
         self._router = RouterState()
-        self._waiters: deque[_Waiter] = deque()
+        self._waiters: WaitQueue[_Waiter] = WaitQueue()
         # How many waiters claim each backend: "is it claimed?" without walking the queue.
         self._claim_counts: Counter[str] = Counter()
         # Learned requests in flight per node, and the pooled margin in its book.
@@ -222,24 +215,32 @@ class AdmissionCore:
             return None
         return self._tenancy.gate(demand.tenant, demand.tokens, self._budget())
 
-    def _ordered(self) -> list[_Waiter]:
-        """The waiters in the order they are served (arrival order without tenancy)."""
+    def _ordered(self) -> Iterator[_Waiter]:
+        """The waiters in the order they are served (arrival order without tenancy), as
+        a snapshot: the queue may change while it is read."""
         if self._tenancy is None:
-            return list(self._waiters)
-        return serve_order(self._waiters, self._clock(), self._tenancy.auth.aging_s)
+            return iter(self._waiters)
+        return self._waiters.ordered(self._clock(), self._tenancy.auth.aging_s)
 
     def _claimed_ahead(self, ticket: Ticket | None) -> frozenset[str]:
         """Backends claimed by waiters served before a newcomer holding ``ticket``."""
+        claimed = frozenset(n for n, c in self._claim_counts.items() if c > 0)
         if ticket is None or self._tenancy is None:
-            return frozenset(n for n, c in self._claim_counts.items() if c > 0)
-        live = (w for w in self._waiters if not w.future.done())
-        return frozenset(claims_ahead(live, ticket, self._clock(), self._tenancy.auth.aging_s))
+            return claimed
+        ahead = self._waiters.claims_ahead(
+            ticket,
+            self._clock(),
+            self._tenancy.auth.aging_s,
+            live=lambda w: not w.future.done(),
+            claimed=claimed,
+        )
+        return frozenset(ahead)
 
     def _displace(self, ticket: Ticket | None) -> bool:
         """Queue full: refuse the last waiter of a class below ``ticket``'s, if any."""
         if ticket is None or self._tenancy is None:
             return False
-        victim = displaceable(self._waiters, ticket, self._clock(), self._tenancy.auth.aging_s)
+        victim = self._waiters.displaceable(ticket, self._clock(), self._tenancy.auth.aging_s)
         if victim is None:
             return False
         self._waiters.remove(victim)
@@ -373,8 +374,8 @@ class AdmissionCore:
                 self._hand_over(w, decision, now)
             else:
                 claimed |= w.claims
-        if gone:
-            self._waiters = deque(w for w in self._waiters if w not in gone)
+        for w in gone:
+            self._waiters.discard(w)
 
     def waiting_backends(self) -> set[str]:
         """The backends queued requests claim (as :meth:`waiting_for`)."""
@@ -392,13 +393,34 @@ class AdmissionCore:
     def _offer(self, b: Backend) -> None:
         """Only ``b`` gained room: walk the waiters that claim it, in order, and stop at
         the first one it cannot take (later ones may not pass it). Nobody else's options
-        changed, so nobody else is asked."""
+        changed, so nobody else is asked; except that a waiter found abandoned on the
+        way (cancelled or timed out in this same instant, its own clean-up still to
+        run) is taken out there and then, and the backends it claimed are walked in
+        turn, each once: a storm of cancellations costs one walk, not one per waiter."""
+        todo: dict[str, Backend] = {b.name: b}
+        walked: set[str] = set()
+        while todo:
+            name = next(iter(todo))
+            walked.add(name)
+            for gone in self._walk(todo.pop(name)):
+                for other in self._index_for(gone.demand.model).backends:
+                    if other.name in gone.claims and other.name not in walked:
+                        todo.setdefault(other.name, other)
+
+    def _walk(self, b: Backend) -> list[_Waiter]:
+        """One walk of :meth:`_offer`; returns the abandoned waiters it took out."""
+        pruned: list[_Waiter] = []
         if self._claim_counts[b.name] <= 0:
-            return
+            return pruned
         now = self._clock()
         overflow = self._offload_overflow()
         for w in self._ordered():
-            if w.future.done() or b.name not in w.claims:
+            if w.future.done():
+                self._waiters.remove(w)
+                self._dequeued(w)
+                pruned.append(w)
+                continue
+            if b.name not in w.claims:
                 continue
             w.gated = self._gate(w.demand)
             if w.gated is not None:
@@ -407,9 +429,10 @@ class AdmissionCore:
                 self._index_for(w.demand.model), b, w.demand, now, offload_overflow=overflow
             )
             if routed is None:
-                return
+                break
             self._waiters.remove(w)
             self._hand_over(w, routed, now)
+        return pruned
 
     def _hand_over(self, w: _Waiter, decision: Routed, now: float) -> None:
         self._dequeued(w)

@@ -18,7 +18,7 @@ three things of it:
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
@@ -144,39 +144,6 @@ class Queued(Protocol):
 
 
 W = TypeVar("W", bound=Queued)
-
-
-def _key(w: Queued, now: float, aging_s: float) -> tuple[int, int, float, int]:
-    assert w.ticket is not None
-    return w.ticket.key(w.since, now, aging_s)
-
-
-def serve_order(waiters: Iterable[W], now: float, aging_s: float) -> list[W]:
-    """Waiters in the order they are served; arrival order if any has no ticket."""
-    ws = list(waiters)
-    if any(w.ticket is None for w in ws):
-        return ws
-    return sorted(ws, key=lambda w: _key(w, now, aging_s))
-
-
-def claims_ahead(waiters: Iterable[Queued], ticket: Ticket, now: float, aging_s: float) -> set[str]:
-    """Backends claimed by the waiters served before a newcomer holding ``ticket``
-    (a waiter kept by its tenant's own limit claims nothing)."""
-    mine = ticket.key(now, now, aging_s)
-    names: set[str] = set()
-    for w in waiters:
-        if w.gated is None and w.ticket is not None and _key(w, now, aging_s) < mine:
-            names |= w.claims
-    return names
-
-
-def displaceable(waiters: Iterable[W], ticket: Ticket, now: float, aging_s: float) -> W | None:
-    """Queue full: the waiter to refuse for a newcomer holding ``ticket``: the last one
-    served of the lowest class below the newcomer's, or None."""
-    lower = [w for w in waiters if w.ticket is not None and w.ticket.rank > ticket.rank]
-    if not lower:
-        return None
-    return max(lower, key=lambda w: (w.ticket.rank if w.ticket else 0, _key(w, now, aging_s)))
 
 
 def displaced_error() -> Saturated:

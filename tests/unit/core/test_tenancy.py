@@ -303,3 +303,36 @@ async def test_a_tenant_limit_opened_by_a_release_elsewhere_admits_its_waiter_at
     assert r.backend is large and adm.queue_depth == 0
     adm.release(r)
     assert small.reserved_tokens == large.reserved_tokens == 0
+
+
+async def test_a_storm_of_cancellations_walks_the_queue_once_and_serves_who_fits():
+    # 300 big waiters queued ahead of a small one that fits the room left; all 300 are
+    # cancelled in one instant (clients gone, or one timeout wave). The small one is
+    # served at once, and the 300 clean-ups do not each walk what is left of the queue
+    # (every walk reads the clock once: counted).
+    b = backend("a", kv=4096, max_model_len=4096, seqs=1000)
+    cfg = auth(tenant("x"), tenant("y", "batch"))
+    reads = [0]
+    adm, clock = make([b], cfg, queue_size=1000)
+
+    def counted() -> float:
+        reads[0] += 1
+        return clock[0]
+
+    adm._clock = counted
+    held = await adm.admit(of("x", 2500, 100), 1.0)  # 2,600 of 4,096 used
+    big = [asyncio.create_task(adm.admit(of("x", 3000, 100), 30.0)) for _ in range(300)]
+    await asyncio.sleep(0)
+    small = asyncio.create_task(adm.admit(of("y", 1000, 100), 30.0))
+    await asyncio.sleep(0)
+    assert adm.queue_depth == 301 and not small.done()  # served after x's (class order)
+    reads[0] = 0
+    for t in big:
+        t.cancel()
+    await asyncio.gather(*big, return_exceptions=True)
+    r = await asyncio.wait_for(small, 0.5)
+    assert adm.queue_depth == 0
+    assert reads[0] < 20, reads[0]  # one walk per backend, not one per cancelled waiter
+    adm.release(r)
+    adm.release(held)
+    assert b.reserved_tokens == 0
