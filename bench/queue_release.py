@@ -18,11 +18,12 @@ import random
 import time
 from dataclasses import replace
 
-from kvgateway.config.model import AuthConfig, BackendConfig, ClassConfig, TenantConfig
+from kvgateway.config.model import AuthConfig, BackendConfig, ClassConfig, Policy, TenantConfig
 from kvgateway.core.admission import Admission
 from kvgateway.core.backends import Backend
 from kvgateway.core.demand import Demand, demand_tokens
 from kvgateway.core.limits import Limit, Limits, LimitSource
+from kvgateway.core.reservation import Reservation
 from kvgateway.core.routing_index import ModelIndex
 from kvgateway.core.tenancy import Tenancy
 
@@ -46,7 +47,7 @@ def _admission(clock: list[float], queue_size: int) -> tuple[Admission, Backend]
     adm = Admission(
         index_for=lambda m: idx,
         adjust=idx.adjust,
-        policy=lambda: "kv_aware",
+        policy=lambda: Policy.KV_AWARE,
         offload_overflow=lambda: False,
         queue_size=lambda: queue_size,
         clock=lambda: clock[0],
@@ -72,7 +73,7 @@ async def measure(n: int) -> tuple[float, float, int]:
     clock = [0.0]
     adm, _ = _admission(clock, n + 10)
     rng = random.Random(1)
-    held = []
+    held: list[Reservation] = []
     while True:  # fill the node (16 sequences)
         try:
             held.append(await adm.admit(_demand(f"t{len(held) % 50}"), 0.0))
@@ -94,11 +95,11 @@ async def measure(n: int) -> tuple[float, float, int]:
     t0 = time.process_time()
     for t in waiting:
         t.cancel()
-    granted = [r for r in await asyncio.gather(*waiting, return_exceptions=True)]
+    outcomes = await asyncio.gather(*waiting, return_exceptions=True)
     storm = (time.process_time() - t0) * 1e3
-    for r in granted:
-        if not isinstance(r, BaseException):
-            adm.release(r)
+    for got in outcomes:
+        if not isinstance(got, BaseException):
+            adm.release(got)
     return per_release, storm, len(held)
 
 
