@@ -72,6 +72,10 @@ def kv_layout(arch: ModelArch, tp: int, kv_cache_dtype: str) -> KVLayout:
         (None, arch.num_layers - n_sliding),
         (arch.sliding_window, n_sliding),
     ]
+    # vLLM numbers the groups by each type's first layer (kv_cache_utils groups layers
+    # by spec in layer order): gpt-oss and Gemma 3 start with a sliding-window layer.
+    if min(arch.sliding_layers) == 0:
+        by_type.reverse()
     smallest = min(n for _, n in by_type)
     largest = max(n for _, n in by_type)
     # vLLM pads to the larger count when the two are close (e.g. gpt-oss + an EAGLE

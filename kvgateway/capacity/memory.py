@@ -42,9 +42,22 @@ def gib_to_bytes(gib: float) -> int:
     return int(gib * GIB)
 
 
+def _large_card(gpu_memory_gib: float | None) -> bool:
+    # vLLM's get_batch_defaults: >= 70 GiB and not an A100 (H100, H200, MI300X). An
+    # A100-80GB keeps the small defaults; give its flags explicitly when planning one.
+    return gpu_memory_gib is not None and gpu_memory_gib >= 70
+
+
 def default_max_num_batched_tokens(gpu_memory_gib: float | None) -> int:
-    """vLLM's default chunked-prefill budget for `vllm serve`: 8192 on >=70 GiB cards."""
-    return 8192 if gpu_memory_gib is not None and gpu_memory_gib >= 70 else 2048
+    """vLLM's default chunked-prefill budget for `vllm serve`: 8192 on >=70 GiB cards
+    (other than A100s), else 2048."""
+    return 8192 if _large_card(gpu_memory_gib) else 2048
+
+
+def default_max_num_seqs(gpu_memory_gib: float | None) -> int:
+    """vLLM's default `max_num_seqs` for `vllm serve`: 1024 on >=70 GiB cards (other
+    than A100s), else 256."""
+    return 1024 if _large_card(gpu_memory_gib) else DEFAULT_MAX_NUM_SEQS
 
 
 @dataclass(frozen=True, slots=True)

@@ -46,6 +46,8 @@ class BlocksStored:
     medium: str | None = MEDIUM_GPU
     extra_keys: tuple[tuple[Any, ...] | None, ...] | None = None
     group_idx: int | None = None
+    # vLLM's KVCacheSpecKind of the group ("full_attention", "sliding_window", ...).
+    kind: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +88,7 @@ class _Precise:
     __slots__ = (
         "block_size",
         "by_hash",
+        "full_group",
         "held",
         "orphans",
         "removed",
@@ -100,10 +103,32 @@ class _Precise:
         self.stored = self.removed = self.orphans = self.resyncs = 0
         self.resync_at: float | None = None
         self.block_size: int | None = None
+        # The KV-cache group this view follows, once events name their groups' kinds.
+        self.full_group: int | None = None
 
     def reset(self) -> None:
         self.by_hash.clear()
         self.held.clear()
+        self.full_group = None  # learnt again (a restarted node may serve another model)
+
+    def follows(self, event: BlocksStored | BlocksRemoved) -> bool:
+        """Whether the view follows this event's group: a full-attention one. vLLM numbers
+        groups by their first layer, so group 0 is a sliding-window group on models
+        whose first layer is one (gpt-oss); events that name kinds say which group is
+        full attention, and the view follows the first such group it hears of. Events
+        without kinds (older vLLM, one group): group 0 or unnumbered."""
+        if not _gpu(event.medium):
+            return False
+        group = event.group_idx
+        if isinstance(event, BlocksStored) and event.kind is not None:
+            if event.kind not in FULL_KINDS:
+                return False
+            if self.full_group is None:
+                self.full_group = group
+            return group == self.full_group
+        if group is None:
+            return True
+        return group == (self.full_group if self.full_group is not None else 0)
 
     def store(self, event: BlocksStored) -> None:
         self.block_size = event.block_size
@@ -142,8 +167,13 @@ class _Precise:
             self.removed += 1
 
 
-def _counts(medium: str | None, group_idx: int | None) -> bool:
-    return (medium is None or medium == MEDIUM_GPU) and (group_idx is None or group_idx == 0)
+# Groups whose blocks hold every token of the prefix (a prefix hit needs them all); a
+# sliding-window or Mamba group keeps only the end and frees the rest as it goes.
+FULL_KINDS = frozenset({"full_attention", "mla_attention", "sink_full_attention"})
+
+
+def _gpu(medium: str | None) -> bool:
+    return medium is None or medium == MEDIUM_GPU
 
 
 class PrefixIndex:
@@ -201,10 +231,10 @@ class PrefixIndex:
         state = self._precise.setdefault(backend, _Precise())
         for event in events:
             if isinstance(event, BlocksStored):
-                if _counts(event.medium, event.group_idx):
+                if state.follows(event):
                     state.store(event)
             elif isinstance(event, BlocksRemoved):
-                if _counts(event.medium, event.group_idx):
+                if state.follows(event):
                     state.remove(event)
             else:
                 state.reset()

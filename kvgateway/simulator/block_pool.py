@@ -60,12 +60,21 @@ class BlockStored:
     token_ids: tuple[int, ...]
     block_size: int
     medium: str = MEDIUM_GPU
+    # The KV-cache group, and its kind and window (vLLM's group_idx,
+    # kv_cache_spec_kind, kv_cache_spec_sliding_window).
+    group_idx: int = 0
+    sliding_window: int | None = None
+
+    @property
+    def kind(self) -> str:
+        return "sliding_window" if self.sliding_window is not None else "full_attention"
 
 
 @dataclass(frozen=True, slots=True)
 class BlockRemoved:
     block_hashes: tuple[int, ...]
     medium: str = MEDIUM_GPU
+    group_idx: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,8 +195,10 @@ class BlockPool:
         num_full: int,
         block_size: int,
         group: int,
+        window: int | None = None,
     ) -> None:
-        """Put blocks ``num_cached`` .. ``num_full`` of a request into the prefix cache."""
+        """Put blocks ``num_cached`` .. ``num_full`` of a request into the prefix cache
+        (``group``: its KV-cache group, whose sliding window is ``window``)."""
         if not self.enable_caching or num_cached >= num_full:
             return
         stored: list[int] = []
@@ -211,6 +222,8 @@ class BlockPool:
                     parent_block_hash=parent,
                     token_ids=tuple(token_ids[num_cached * block_size : num_full * block_size]),
                     block_size=block_size,
+                    group_idx=group,
+                    sliding_window=window,
                 )
             )
 
@@ -237,5 +250,7 @@ class BlockPool:
             if not holders:
                 del self._cached[key]
             if self.enable_events:
-                self._events.append(BlockRemoved(block_hashes=(external_hash(key[0]),)))
+                self._events.append(
+                    BlockRemoved(block_hashes=(external_hash(key[0]),), group_idx=key[1])
+                )
         block.block_hash = None

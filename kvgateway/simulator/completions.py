@@ -120,7 +120,10 @@ async def handle_completion(request: web.Request) -> web.StreamResponse:
         prompt_ids = await node.tokenizer.encode_completion_request_async(body, req.prompt or "")
     if not prompt_ids:
         prompt_ids = [_BOS_ID]  # vLLM adds BOS; an empty prompt is one token
-    return await _generate(request, node, req, prompt_ids, chat=False)
+    # Token ids are checked at their full length; text is encoded at most max_input + 1.
+    return await _generate(
+        request, node, req, prompt_ids, chat=False, text=req.prompt_token_ids is None
+    )
 
 
 def _truncated(
@@ -149,13 +152,14 @@ async def _generate(
     prompt_ids: list[int],
     *,
     chat: bool,
+    text: bool = True,
 ) -> web.StreamResponse:
     settings = node.settings
     prompt_ids = _truncated(
         prompt_ids, req.truncate_prompt_tokens, settings.max_model_len, req.max_tokens
     )
     prompt_tokens = len(prompt_ids)
-    budget = p.output_budget(settings.max_model_len, prompt_tokens, req.max_tokens)
+    budget = p.output_budget(settings.max_model_len, prompt_tokens, req.max_tokens, text=text)
     fault = node.faults.consume()
     if fault is not None and fault.hang_s:
         await _sleep_unless_gone(request, fault.hang_s)

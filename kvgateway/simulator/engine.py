@@ -14,14 +14,13 @@ Scheduling, after ``vllm/v1/core/sched/scheduler.py`` (FCFS policy):
    progress dropped, put back at the *front* of the waiting queue to be recomputed from
    scratch), repeatedly, until the block fits or the sequence preempted itself.
 2. Only if nothing was preempted this step, waiting sequences in FCFS order: the head is
-   admitted only if its whole prompt (plus output generated before a preemption) fits in
-   free blocks and fewer than ``max_num_seqs`` run; otherwise admission stops there
-   (head-of-line blocking, so a request bigger than the whole pool stalls the queue
-   forever, as in vLLM).
+   admitted if the blocks of its first chunk (what the token budget leaves of its prompt,
+   plus output generated before a preemption, past its cached prefix) are free and fewer
+   than ``max_num_seqs`` run; otherwise admission stops there (head-of-line blocking).
 
-vLLM allocates blocks chunk by chunk; here the admitted prompt's blocks are reserved at
-admission, which is what "the whole prompt must fit" amounts to and keeps a half-done
-prefill from being preempted by its own later chunks.
+Blocks are allocated chunk by chunk, as vLLM's ``allocate_slots`` does: a long prompt is
+admitted on its first chunk's blocks and takes the rest step by step, so when the pool
+runs out mid-prefill the newest running sequence is preempted, possibly itself.
 
 Blocks live in a :class:`~kvgateway.simulator.block_pool.BlockPool` managed per KV-cache
 group by :class:`~kvgateway.simulator.kv_manager.KVCacheManager`: with prefix caching
@@ -277,14 +276,16 @@ class EngineCore:
                 if seq.arrival > start:
                     break  # not arrived yet in simulated time
                 computed, num_hit = kv.get_computed_blocks(seq)
-                if not kv.allocate(seq.seq_id, seq, seq.num_tokens, num_hit, computed):
+                num_new = min(seq.num_tokens - num_hit, budget)
+                # Blocks for this step's chunk only, as vLLM's allocate_slots: the rest
+                # of the prompt takes its blocks in later steps, and may then preempt.
+                if not kv.allocate(seq.seq_id, seq, num_hit + num_new, num_hit, computed):
                     break  # FCFS: nobody overtakes the head
                 waiting.popleft()
                 seq.num_computed = num_hit
                 seq.state = SeqState.RUNNING
                 if seq.scheduled_at is None:
                     seq.scheduled_at = start
-                num_new = min(seq.num_tokens - num_hit, budget)
                 kv.cache_blocks(seq.seq_id, seq, num_hit + num_new)
                 self._count_blocks(seq)
                 running.append(seq)

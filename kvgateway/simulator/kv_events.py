@@ -7,8 +7,11 @@ After ``vllm/distributed/kv_events.py`` (``ZmqEventPublisher``; read, not copied
   publisher, so a subscriber sees a gap when it lost some.
 - The payload is msgspec's msgpack encoding of ``KVEventBatch(ts, events,
   data_parallel_rank)`` with tagged event structs (tag field ``type`` = class name) and
-  ``omit_defaults``: fields left at their default (``extra_keys``, ``group_idx``, ...)
-  are not sent. Current vLLM encodes structs as maps; releases before that used
+  ``omit_defaults``: fields left at their default (``extra_keys``, a full-attention
+  group's ``kv_cache_spec_sliding_window``) are not sent. Every event names its
+  KV-cache group (``group_idx``, ``kv_cache_spec_kind``, ``kv_cache_spec_sliding_window``
+  on BlockStored, ``group_idx`` on BlockRemoved), as vLLM does since hybrid models
+  publish events. Current vLLM encodes structs as maps; releases before that used
   ``array_like`` (``[ts, events, rank]``, events ``["BlockStored", hashes, parent,
   tokens, block_size, lora_id, medium, lora_name, ...]`` with every field, defaults
   included: msgspec omits nothing from arrays), selected by ``kv_events_array_like``.
@@ -80,15 +83,15 @@ def _event_fields(event: KVEvent) -> tuple[str, list[tuple[str, Any]]]:
             ("medium", event.medium),
             ("lora_name", None),
             ("extra_keys", None),
-            ("group_idx", None),
-            ("kv_cache_spec_kind", None),
-            ("kv_cache_spec_sliding_window", None),
+            ("group_idx", event.group_idx),
+            ("kv_cache_spec_kind", event.kind),
+            ("kv_cache_spec_sliding_window", event.sliding_window),
         ]
     if isinstance(event, BlockRemoved):
         return "BlockRemoved", [
             ("block_hashes", list(event.block_hashes)),
             ("medium", event.medium),
-            ("group_idx", None),
+            ("group_idx", event.group_idx),
         ]
     assert isinstance(event, AllBlocksCleared)
     return "AllBlocksCleared", []

@@ -20,11 +20,11 @@ After ``vllm/v1/core/kv_cache_manager.py``, ``kv_cache_coordinator.py`` and
 - Allocation needs the new blocks plus the hit blocks that are now free (touching them
   takes them out of the free queue), and fails without side effects if the pool is short.
 
-One simplification: the engine reserves an admitted prompt's blocks in every group at
-once (see ``engine.py``), so while a long prompt is prefilled its sliding-window group
-briefly holds blocks that vLLM, allocating chunk by chunk, would already have dropped.
-Admission on a hybrid node is therefore slightly stricter than vLLM's during long
-prefills, never looser: a budget of ``num_blocks // groups`` tokens stays safe.
+- The engine allocates chunk by chunk (``allocate`` up to the tokens scheduled this
+  step), so a sliding-window group drops what fell out of its window as a long prompt is
+  prefilled, and holds at most a window and a chunk of it.
+- Groups are numbered as vLLM numbers them, by each kind's first layer (see
+  ``capacity/layout.py``); cache events carry the group, its kind and its window.
 """
 
 from __future__ import annotations
@@ -249,6 +249,7 @@ class KVCacheManager:
                     num_full=num_full,
                     block_size=self.block_size,
                     group=g,
+                    window=self.windows[g],
                 )
                 cached[g] = num_full
 

@@ -73,54 +73,52 @@ def injected_error(status: int) -> ApiError:
     )
 
 
-def context_length_error(max_model_len: int, prompt_tokens: int, requested: int | None) -> ApiError:
-    """vLLM's 400 for prompt + requested output > max_model_len.
+def context_length_error(
+    max_model_len: int, prompt_tokens: int, requested: int | None, *, text: bool = True
+) -> ApiError:
+    """vLLM's 400 for prompt + requested output > max_model_len (``renderers/params.py``).
 
-    vLLM tokenizes at most ``max_input + 1`` tokens (max_input = max_model_len - requested
-    output), so an over-long prompt is reported as "at least max_input + 1" tokens. A
-    prompt alone at the limit with no output requested is reported exactly.
+    vLLM encodes text at most ``max_input + 1`` tokens long (max_input = max_model_len -
+    requested output), so an over-long text prompt is reported as "at least max_input +
+    1" tokens; token ids are reported at their length ("at least" only when that length
+    is max_input + 1). A prompt alone at the limit with no output requested is reported
+    exactly.
     """
     out = requested or 0
     if out > max_model_len:
         return bad_request(
-            f"max_tokens={out} cannot be greater than max_model_len={max_model_len}. "
-            f"Please request fewer output tokens.",
+            f"max_tokens={out} cannot be greater than max_model_len=max_total_tokens="
+            f"{max_model_len}. Please request fewer output tokens.",
             "max_tokens",
         )
     max_input = max_model_len - out
-    if prompt_tokens > max_input:
-        shown = max_input + 1
-        message = (
-            f"This model's maximum context length is {max_model_len} tokens. However, you "
-            f"requested {out} output tokens and your prompt contains at least {shown} input "
-            f"tokens, for a total of at least {shown + out} tokens. Please reduce the length "
-            f"of the input prompt or the number of requested output tokens. "
-            f"(parameter=input_tokens, value={shown})"
-        )
-    else:
-        shown = prompt_tokens
-        message = (
-            f"This model's maximum context length is {max_model_len} tokens. However, you "
-            f"requested {out} output tokens and your prompt contains {shown} input tokens, "
-            f"for a total of {shown + out} tokens. Please reduce the length of the input "
-            f"prompt or the number of requested output tokens. "
-            f"(parameter=input_tokens, value={shown})"
-        )
+    count = min(prompt_tokens, max_input + 1) if text else prompt_tokens
+    at_least = "at least " if count > max_input and count == max_input + 1 else ""
+    message = (
+        f"This model's maximum context length is {max_model_len} tokens. However, you "
+        f"requested {out} output tokens and your prompt contains {at_least}{count} input "
+        f"tokens, for a total of {at_least}{count + out} tokens. Please reduce the length "
+        f"of the input prompt or the number of requested output tokens. "
+        f"(parameter=input_tokens, value={count})"
+    )
     return bad_request(message, "input_tokens")
 
 
-def output_budget(max_model_len: int, prompt_tokens: int, requested: int | None) -> int:
+def output_budget(
+    max_model_len: int, prompt_tokens: int, requested: int | None, *, text: bool = True
+) -> int:
     """Tokens the request may generate, or :class:`ApiError` if it cannot fit.
 
     ``requested`` None means the client set no limit: vLLM then allows
     ``max_model_len - prompt_tokens``, which needs at least one token of room.
+    ``text``: the prompt came as text (its over-long count is cut at max_input + 1).
     """
     if requested is None:
         if prompt_tokens >= max_model_len:
-            raise context_length_error(max_model_len, prompt_tokens, None)
+            raise context_length_error(max_model_len, prompt_tokens, None, text=text)
         return max_model_len - prompt_tokens
     if prompt_tokens + requested > max_model_len:
-        raise context_length_error(max_model_len, prompt_tokens, requested)
+        raise context_length_error(max_model_len, prompt_tokens, requested, text=text)
     return requested
 
 

@@ -26,8 +26,8 @@ from kvgateway.capacity.errors import CapacityConfigError
 from kvgateway.capacity.estimate import CapacityEstimate, estimate
 from kvgateway.capacity.memory import (
     DEFAULT_GPU_MEMORY_UTILIZATION,
-    DEFAULT_MAX_NUM_SEQS,
     GIB,
+    default_max_num_seqs,
 )
 from kvgateway.capacity.presets import find_preset
 from kvgateway.capacity.spec import CapacitySpec
@@ -152,7 +152,7 @@ def size_node(
         max_model_len=max_model_len,
         num_gpu_blocks=est.num_gpu_blocks,
         block_size=est.block_size,
-        max_num_seqs=flags.max_num_seqs or DEFAULT_MAX_NUM_SEQS,
+        max_num_seqs=flags.max_num_seqs or default_max_num_seqs(gpu_memory_gib),
         max_num_batched_tokens=est.max_num_batched_tokens,
         gpu_memory_utilization=spec.gpu_memory_utilization,
         cache_dtype=flags.kv_cache_dtype,

@@ -126,6 +126,7 @@ def _event(raw: Any) -> CacheEvent | None:
                 medium=_optional(fields, "medium", str),
                 extra_keys=_extra_keys(fields),
                 group_idx=_optional(fields, "group_idx", int),
+                kind=_optional(fields, "kv_cache_spec_kind", str),
             )
         if tag == "BlockRemoved":
             return BlocksRemoved(

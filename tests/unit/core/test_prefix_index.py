@@ -85,6 +85,38 @@ def test_duplicates_are_counted_orphans_skipped_and_other_media_ignored() -> Non
     assert index.matched_blocks("n", block_keys([8, 8, 8, 8], 4), now=0.0) == 0
 
 
+def test_a_hybrid_node_is_followed_by_its_full_attention_group_whatever_its_number() -> None:
+    # gpt-oss / Gemma 3: layer 0 is sliding-window, so vLLM numbers that group 0 and the
+    # full-attention group 1. The sliding-window group frees the head of a long prompt
+    # as it goes (BlockRemoved in group 0): following group 0 forgot cached prefixes.
+    index = PrefixIndex()
+    prompt = list(range(12))
+    keys = block_keys(prompt, 4)
+    sw = {"group_idx": 0, "kind": "sliding_window"}
+    full = {"group_idx": 1, "kind": "full_attention"}
+    index.apply_events(
+        "n",
+        [stored([1, 2, 3], None, prompt, **sw), stored([1, 2, 3], None, prompt, **full)],
+        now=0.0,
+    )
+    assert index.matched_blocks("n", keys, now=0.0) == 3
+    index.apply_events("n", [BlocksRemoved((1, 2), group_idx=0)], now=0.0)  # out of window
+    assert index.matched_blocks("n", keys, now=0.0) == 3
+    index.apply_events("n", [BlocksRemoved((2,), group_idx=1)], now=0.0)  # evicted for good
+    assert index.matched_blocks("n", keys, now=0.0) == 1
+    # Events without kinds (older vLLM): group 0 or unnumbered, as before.
+    old = PrefixIndex()
+    old.apply_events("n", [stored([1], None, prompt[:4], group_idx=0)], now=0.0)
+    old.apply_events("n", [stored([2], None, prompt[:4], group_idx=None)], now=0.0)
+    old.apply_events("n", [stored([3], None, [7, 7, 7, 7], group_idx=1)], now=0.0)
+    assert old.matched_blocks("n", keys, now=0.0) == 1
+    assert old.matched_blocks("n", block_keys([7, 7, 7, 7], 4), now=0.0) == 0
+    # Mamba and other kinds hold no prefix a hit can use.
+    mamba = PrefixIndex()
+    mamba.apply_events("n", [stored([1], None, prompt[:4], group_idx=0, kind="mamba")], now=0.0)
+    assert mamba.matched_blocks("n", keys, now=0.0) == 0
+
+
 def test_approximate_view_expires_and_is_bounded_by_capacity() -> None:
     index = PrefixIndex(ttl_s=10.0)
     keys = block_keys(list(range(16)), 4)

@@ -81,16 +81,39 @@ def test_prompt_larger_than_pool_stalls_the_queue() -> None:
     assert c.has_work()
 
 
-def test_admission_needs_the_whole_prompt_in_free_blocks() -> None:
+def test_admission_takes_blocks_for_the_first_chunk_only() -> None:
+    # vLLM's allocate_slots asks for the blocks of the tokens scheduled this step, not
+    # of the whole prompt: a 24-token prompt under an 8-token budget takes 2 blocks.
     c = core(blocks=11, bs=4, batch=8)  # 10 usable blocks
-    first = add(c, 24, 50)  # 6 blocks reserved at admission
-    second = add(c, 20, 50)  # 5 blocks: does not fit in the 4 left
+    first = add(c, 24, 50)
     r = step(c)
-    assert first.state is SeqState.RUNNING and first.num_blocks == 6
-    assert second.state is SeqState.WAITING
-    # Chunked prefill: only 8 tokens of the 24-token prompt in this step.
+    assert first.state is SeqState.RUNNING and first.num_blocks == 2
     assert r.prefill_tokens == 8 and first.num_computed == 8 and first.output_tokens == 0
-    assert c.free_blocks == 4
+    assert c.free_blocks == 8
+    step(c)
+    assert first.num_blocks == 4 and first.num_computed == 16
+
+
+def test_a_prefill_admitted_on_its_first_chunk_is_preempted_when_the_pool_runs_out() -> None:
+    # What reserving the whole prompt at admission hid: the second prompt (20 tokens,
+    # 5 blocks) is admitted while only 4 blocks are free, takes them chunk by chunk
+    # beside the first one's decode, and is preempted (the newest running) when the
+    # pool runs out; it finishes once the first is done.
+    c = core(blocks=11, bs=4, batch=8)  # 10 usable blocks
+    first = add(c, 24, 8)  # 8 blocks at its end
+    second = add(c, 20, 4)  # 6 blocks at its end
+    for _ in range(3):  # the first prompt's three chunks fill each step's budget
+        step(c)
+    assert first.output_tokens == 1 and second.state is SeqState.WAITING
+    step(c)  # first decodes (7 blocks), second admitted on a 7-token chunk (2 blocks)
+    assert second.state is SeqState.RUNNING and second.num_blocks == 2
+    r = step(c)  # second's next chunk needs 2 more blocks: 1 is free
+    assert r.preempted == (second,) and second.state is SeqState.WAITING
+    assert c.num_preemptions == 1 and first.state is SeqState.RUNNING
+    run_all(c)
+    assert first.state is SeqState.FINISHED and second.state is SeqState.FINISHED
+    assert first.finished_at < second.finished_at  # type: ignore[operator]
+    assert c.used_blocks == 0
 
 
 def test_admission_stops_at_max_num_seqs() -> None:

@@ -191,6 +191,21 @@ async def test_too_long_prompt_gets_vllms_400(sim: SimFactory) -> None:
     status, body = await node.post("/v1/chat/completions", chat("hello " * 600))
     assert status == 400
     assert "requested 0 output tokens" in body["error"]["message"]
+    # Token ids are checked at their full length (vLLM truncates only what it encodes):
+    # "at least" only when that length happens to be max_input + 1.
+    status, body = await node.post("/v1/completions", {"prompt": [7] * 600, "max_tokens": 10})
+    assert (
+        status == 400
+        and "contains 600 input tokens, for a total of 610" in body["error"]["message"]
+    )
+    status, body = await node.post("/v1/completions", {"prompt": [7] * 503, "max_tokens": 10})
+    assert "contains at least 503 input tokens" in body["error"]["message"]
+    # max_tokens past the context alone, in vLLM's wording.
+    status, body = await node.post("/v1/completions", {"prompt": "hi", "max_tokens": 600})
+    assert status == 400 and body["error"]["message"] == (
+        "max_tokens=600 cannot be greater than max_model_len=max_total_tokens=512. "
+        "Please request fewer output tokens."
+    )
     # Exactly at the limit is fine.
     _, counted = await node.post("/tokenize", {"prompt": "hello " * 500})
     room = 512 - counted["count"]

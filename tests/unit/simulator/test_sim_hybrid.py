@@ -128,3 +128,42 @@ async def test_hybrid_node_reports_its_pool_blocks_and_group_capacity(aiohttp_cl
     assert 'num_gpu_blocks="65"' in info and 'sliding_window="128"' in info
     state = await (await client.get("/sim/state")).json()
     assert state["kv_tokens"] == 64 // 2 * 16
+
+
+def test_groups_are_numbered_by_first_layer_and_events_name_their_group() -> None:
+    # vLLM groups layers by spec in layer order: gpt-oss's layer 0 is sliding-window, so
+    # that group is 0 and full attention is 1; every cache event says which it is.
+    from kvgateway.capacity.layout import kv_layout
+    from kvgateway.simulator.block_pool import BlockRemoved, BlockStored
+
+    layout = kv_layout(preset_arch("gpt-oss-20b"), 1, "auto")
+    assert [g.sliding_window for g in layout.groups] == [128, None]
+    c = EngineCore(
+        EngineConfig(
+            num_gpu_blocks=17,
+            block_size=4,
+            max_model_len=256,
+            max_num_seqs=8,
+            max_num_batched_tokens=64,
+            cost=COST,
+            kv_windows=(8, None),
+            enable_kv_events=True,
+        )
+    )
+    seq = add(c, list(range(20)), 12)
+    stored = []
+    removed = []
+    for _ in range(50):
+        r = c.step(c.clock)
+        if r is None:
+            break
+        stored += [e for e in r.kv_events if isinstance(e, BlockStored)]
+        removed += [e for e in r.kv_events if isinstance(e, BlockRemoved)]
+    assert seq.state is SeqState.FINISHED
+    kinds = {(e.group_idx, e.kind, e.sliding_window) for e in stored}
+    assert kinds == {(0, "sliding_window", 8), (1, "full_attention", None)}
+    # Only the sliding-window group drops blocks while the request runs (out of window);
+    # they are cached and free, not evicted, so nothing is removed yet.
+    assert removed == []
+    full_hashes = [h for e in stored if e.group_idx == 1 for h in e.block_hashes]
+    assert len(full_hashes) == (20 + 12 - 1) // 4

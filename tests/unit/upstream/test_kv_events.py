@@ -100,7 +100,10 @@ ArrayCleared = type("AllBlocksCleared", (ArrayEvent,), {})
 EVENTS = (
     BlockStored(block_hashes=(11, 12), parent_block_hash=None, token_ids=(1,) * 8, block_size=4),
     BlockStored(block_hashes=(13,), parent_block_hash=12, token_ids=(2,) * 4, block_size=4),
+    # A hybrid model's sliding-window group (vLLM names every event's group).
+    BlockStored((11,), None, (1,) * 4, 4, group_idx=1, sliding_window=128),
     BlockRemoved(block_hashes=(11,)),
+    BlockRemoved(block_hashes=(11,), group_idx=1),
     AllBlocksCleared(),
 )
 
@@ -111,10 +114,13 @@ def _vllm_bytes(array_like: bool) -> bytes:
         if array_like
         else (MapStored, MapRemoved, MapCleared, MapBatch)
     )
+    full = (None, 0, "full_attention", None)  # extra_keys, group_idx, kind, window
     events = [
-        stored([11, 12], None, [1] * 8, 4, None, "GPU", None),
-        stored([13], 12, [2] * 4, 4, None, "GPU", None),
-        removed([11], "GPU"),
+        stored([11, 12], None, [1] * 8, 4, None, "GPU", None, *full),
+        stored([13], 12, [2] * 4, 4, None, "GPU", None, *full),
+        stored([11], None, [1] * 4, 4, None, "GPU", None, None, 1, "sliding_window", 128),
+        removed([11], "GPU", 0),
+        removed([11], "GPU", 1),
         cleared(),
     ]
     return msgspec.msgpack.encode(batch(1.5, events, 0))
@@ -127,9 +133,11 @@ def test_simulator_payload_is_byte_identical_to_vllm_structs(array_like: bool) -
     decoded = decode_batch(ours)
     assert decoded.ts == 1.5 and decoded.data_parallel_rank == 0
     assert decoded.events == (
-        BlocksStored((11, 12), None, (1,) * 8, 4, "GPU"),
-        BlocksStored((13,), 12, (2,) * 4, 4, "GPU"),
-        BlocksRemoved((11,), "GPU"),
+        BlocksStored((11, 12), None, (1,) * 8, 4, "GPU", None, 0, "full_attention"),
+        BlocksStored((13,), 12, (2,) * 4, 4, "GPU", None, 0, "full_attention"),
+        BlocksStored((11,), None, (1,) * 4, 4, "GPU", None, 1, "sliding_window"),
+        BlocksRemoved((11,), "GPU", 0),
+        BlocksRemoved((11,), "GPU", 1),
         AllCleared(),
     )
 
