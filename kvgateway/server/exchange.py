@@ -42,6 +42,10 @@ class Outcome(StrEnum):
     MID_STREAM_TOTAL_TIMEOUT = "mid_stream_total_timeout"
 
 
+# The status recorded for a request whose client closed the connection (nginx's).
+CLIENT_GONE = 499
+
+
 @dataclass(frozen=True, slots=True)
 class Failure:
     backend: str
@@ -72,6 +76,9 @@ class Exchange:
     charge: Charge | None = None
     limit_headers: dict[str, str] = field(default_factory=dict)
     output_tokens: int | None = None
+    # Output tokens relayed so far in a stream (the live count), for settling a stream
+    # the client left before its usage.
+    streamed_tokens: int | None = None
     limit_hit: str | None = None
     # Who sent it (a hash of the API key; "*" without one): output lengths learned per client.
     client: str = "*"

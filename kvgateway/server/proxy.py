@@ -29,7 +29,7 @@ from kvgateway.errors import (
 )
 from kvgateway.server.accesslog import AccessRecord
 from kvgateway.server.body import read_limited
-from kvgateway.server.exchange import Exchange, Failure, Outcome, finish
+from kvgateway.server.exchange import CLIENT_GONE, Exchange, Failure, Outcome, finish
 from kvgateway.server.openai_request import Kind
 from kvgateway.server.output_accounting import client_key
 from kvgateway.server.planning import plan_request, upstream_body, with_node_count
@@ -101,11 +101,11 @@ async def handle_completion(
     except ConnectionResetError:
         # The client went away between two writes, before aiohttp cancelled us. Nothing
         # can reach it; returning (not raising) keeps aiohttp from logging a traceback.
-        ex.record.status = 499
+        ex.record.status = CLIENT_GONE
         ex.record.outcome = Outcome.CLIENT_DISCONNECT
-        return web.Response(status=499)
+        return web.Response(status=CLIENT_GONE)
     except asyncio.CancelledError:
-        ex.record.status = 499  # client closed the connection (nginx's convention)
+        ex.record.status = CLIENT_GONE
         ex.record.outcome = Outcome.CLIENT_DISCONNECT
         raise
     finally:

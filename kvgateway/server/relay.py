@@ -157,7 +157,9 @@ async def _relay_events(
     timeouts = r.backend.config.timeouts
     rec = ex.record
     done = False
-    last = b""
+    # The events holding the usage chunk (include_usage): vLLM yields it and [DONE]
+    # apart, so it is often not in the last read.
+    usage = b""
     try:
         async with asyncio.timeout_at(_loop_deadline(ex.started + timeouts.total_s, state)):
             async for events in resp.events(timeouts.idle_s):
@@ -165,8 +167,10 @@ async def _relay_events(
                     r.prefill_done()  # the prompt's blocks are in the node's cache now
                 ex.first_byte(state.clock())
                 state.outputs.on_events(live, events)
+                ex.streamed_tokens = live.generated
                 await out.write(events)
-                last = events
+                if b'"prompt_tokens"' in events:
+                    usage = events
                 if _ends_stream(events):
                     done = True
                     break
@@ -196,7 +200,7 @@ async def _relay_events(
         rec.outcome = Outcome.OK
         # The live count is the node's own only at one token per choice: a speculative
         # node's is a bound, and teaches nothing (usage, when the stream has it, does).
-        _reconcile(state, ex, r, last, live.generated if live.tokens_per_event == 1 else None)
+        _reconcile(state, ex, r, usage, live.generated if live.tokens_per_event == 1 else None)
 
 
 # Chat and completions streams end with [DONE]; Responses streams with a final event.

@@ -22,7 +22,7 @@ from kvgateway.config.model import AuthConfig
 from kvgateway.core.quota import OUTPUT, PROMPT, REQUESTS, Charge, QuotaLedger, RateLimitHit
 from kvgateway.core.tenancy import Tenancy
 from kvgateway.errors import RateLimited
-from kvgateway.server.exchange import Exchange
+from kvgateway.server.exchange import CLIENT_GONE, Exchange
 
 TENANT = web.RequestKey("tenant", str)
 
@@ -165,14 +165,21 @@ def tenants_view(tenancy: Tenancy, ledger: QuotaLedger, now: float) -> list[dict
 
 def settle(ex: Exchange, ledger: QuotaLedger, now: float) -> None:
     """Replace the reserved output with what was generated: the usage when the node
-    reported it, nothing when no answer was relayed, else the reservation (a stream
-    without usage is charged in full). A request never admitted costs nothing."""
+    reported it; what a stream had relayed when its client left (499) before the usage
+    (capped at the reservation); nothing when no answer was relayed or the node refused;
+    else the reservation (a stream without usage is charged in full). A request never
+    admitted costs nothing."""
     c = ex.charge
     if c is None:
         return
+    status = ex.record.status
     if ex.output_tokens is not None:
         output = ex.output_tokens
-    elif ex.ttft_s is None or ex.record.status >= 400:
+    elif ex.ttft_s is None:
+        output = 0
+    elif status == CLIENT_GONE and ex.streamed_tokens is not None:
+        output = min(ex.streamed_tokens, c.reserved_output)
+    elif status >= 400:
         output = 0
     else:
         output = c.reserved_output

@@ -330,12 +330,11 @@ async def _stream_events(
         if handle.done:
             break
         await wait_news(request, handle, poll)
-    tail = ""
     if req.include_usage and handle.error is None:
         final = fmt.chunk([])
         final["usage"] = p.usage(handle.prompt_tokens, handle.completion_tokens)
-        tail = p.sse(final)
-    await _write(resp, tail + p.SSE_DONE)
+        await _write(resp, p.sse(final))  # vLLM yields the usage chunk and [DONE] apart
+    await _write(resp, p.SSE_DONE)
     try:
         await resp.write_eof()
     except ConnectionError as exc:

@@ -1,0 +1,140 @@
+"""What a stream is settled at: the node's usage chunk wherever it falls in the stream,
+and what was relayed when the client leaves (real gateway, a vLLM-shaped node on
+loopback that writes the way vLLM's generator yields)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from tests.support.fleet import MODEL, SERVED, StartFleet
+
+AUTH = {
+    "classes": [{"name": "batch"}],
+    "keys": [{"name": "etl", "key": "k-etl", "limits": {"output_tokens_per_minute": 100_000}}],
+}
+
+
+def _chunk(delta: dict[str, Any] | None, finish: str | None = None) -> bytes:
+    choices = [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish}]
+    body = {"id": "c", "object": "chat.completion.chunk", "model": SERVED, "choices": choices}
+    return b"data: " + json.dumps(body).encode() + b"\n\n"
+
+
+def vllm_like_node(tokens: int, pause_s: float) -> web.Application:
+    """Streams ``tokens`` one per write, then (include_usage) the usage chunk, a pause, and
+    [DONE]: vLLM yields them apart, so a proxy reads them apart."""
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(_chunk({"role": "assistant", "content": ""}))
+        for i in range(tokens):
+            await resp.write(_chunk({"content": " w"}, "length" if i == tokens - 1 else None))
+            await asyncio.sleep(0.002)
+        if (body.get("stream_options") or {}).get("include_usage"):
+            usage = {"prompt_tokens": 9, "completion_tokens": tokens, "total_tokens": 9 + tokens}
+            final = json.loads(_chunk(None)[6:])
+            final["usage"] = usage
+            await resp.write(b"data: " + json.dumps(final).encode() + b"\n\n")
+        await asyncio.sleep(pause_s)
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response(
+            {"object": "list", "data": [{"id": SERVED, "max_model_len": 8192}]}
+        )
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response()
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    return app
+
+
+async def gateway_over(start_fleet: StartFleet, url: str) -> Any:
+    fleet = await start_fleet(
+        [("only", "small", "gpu24-8b", {})],
+        gateway={"auth": AUTH},
+        backend_extra={"only": {"url": url, "max_model_len": 8192, "kv_cache_tokens": 100_000}},
+    )
+    for _ in range(100):
+        if fleet.backend("only").usable:
+            return fleet
+        await asyncio.sleep(0.05)
+    raise AssertionError("the node never became healthy")
+
+
+async def tenant_view(url: str) -> dict[str, Any]:
+    async with aiohttp.ClientSession() as s:
+        headers = {"Authorization": "Bearer k-etl"}
+        async with s.get(url + "/admin/backends", headers=headers) as r:
+            assert r.status == 200
+            return {t["name"]: t for t in (await r.json())["tenants"]}["etl"]
+
+
+async def test_usage_read_apart_from_done_settles_the_stream(
+    start_fleet: StartFleet, aiohttp_server: Any
+) -> None:
+    node = await aiohttp_server(vllm_like_node(tokens=20, pause_s=0.05))
+    url = str(node.make_url("")).rstrip("/")
+    fleet = await gateway_over(start_fleet, url)
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 500,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    async with aiohttp.ClientSession() as s:
+        headers = {"Authorization": "Bearer k-etl"}
+        async with s.post(fleet.url + "/v1/chat/completions", json=body, headers=headers) as r:
+            assert r.status == 200
+            text = (await r.read()).decode()
+    assert '"completion_tokens": 20' in text and text.endswith("data: [DONE]\n\n")
+    # Charged 500 at admission, settled at the node's 20 (it was 500: the usage chunk
+    # was not in the last read, [DONE] was).
+    assert (await tenant_view(fleet.url))["output_tokens_last_minute"] == 20
+    assert fleet.leaks() == {}
+
+
+async def test_a_client_leaving_mid_stream_is_charged_what_it_was_sent(
+    start_fleet: StartFleet, aiohttp_server: Any
+) -> None:
+    node = await aiohttp_server(vllm_like_node(tokens=300, pause_s=0.0))
+    url = str(node.make_url("")).rstrip("/")
+    fleet = await gateway_over(start_fleet, url)
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 900,
+        "stream": True,
+    }
+    got = 0
+    async with aiohttp.ClientSession() as s:
+        headers = {"Authorization": "Bearer k-etl"}
+        async with s.post(fleet.url + "/v1/chat/completions", json=body, headers=headers) as r:
+            assert r.status == 200
+            async for line in r.content:
+                if line.startswith(b"data: {") and b'"content": " w"' in line:
+                    got += 1
+                    if got == 100:
+                        break  # leave: the connection is closed with the session
+    for _ in range(100):  # the gateway notices the client is gone and settles
+        view = await tenant_view(fleet.url)
+        if view["kv_tokens"] == 0:
+            break
+        await asyncio.sleep(0.05)
+    charged = view["output_tokens_last_minute"]
+    # It was 0: a client could read 880 of 900 tokens and leave, again and again, free.
+    assert 100 <= charged <= 900, charged
+    assert fleet.leaks() == {}
