@@ -117,8 +117,18 @@ class QuotaLedger(Protocol):
         self, tenant: str, limits: TenantLimits, prompt: int, output: int, now: float
     ) -> Charge | RateLimitHit: ...
 
-    def settle(self, charge: Charge, output: int, now: float, *, served: bool = True) -> None:
-        """Replace the reserved output with ``output``; refund it all if not ``served``."""
+    def settle(
+        self,
+        charge: Charge,
+        output: int,
+        now: float,
+        *,
+        served: bool = True,
+        prompt: int | None = None,
+    ) -> None:
+        """Replace the reserved output with ``output`` (and the prompt charge with
+        ``prompt`` when given: known only from the answer); refund it all if not
+        ``served``."""
 
     def status(self, tenant: str, limits: TenantLimits, now: float) -> dict[str, RateStatus]: ...
 
@@ -161,15 +171,26 @@ class LocalQuotaLedger:
         entries = {name: self._window(tenant, name).add(asked, now) for name, asked in asks.items()}
         return Charge(tenant, output, entries)
 
-    def settle(self, charge: Charge, output: int, now: float, *, served: bool = True) -> None:
+    def settle(
+        self,
+        charge: Charge,
+        output: int,
+        now: float,
+        *,
+        served: bool = True,
+        prompt: int | None = None,
+    ) -> None:
         if charge.settled:
             return
         charge.settled = True
         if not served:  # never admitted (queue full, timed out): it costs nothing
             for name, entry in charge.entries.items():
                 self._window(charge.tenant, name).adjust(entry, 0, now)
-        elif output != charge.reserved_output:
+            return
+        if output != charge.reserved_output:
             self._window(charge.tenant, OUTPUT).adjust(charge.entries[OUTPUT], output, now)
+        if prompt is not None:
+            self._window(charge.tenant, PROMPT).adjust(charge.entries[PROMPT], prompt, now)
 
     def status(self, tenant: str, limits: TenantLimits, now: float) -> dict[str, RateStatus]:
         out = {}

@@ -2,6 +2,9 @@
 embeddings, rerank and score, tokenize and detokenize. They go to a healthy node of the
 model, the one with the fewest requests in flight, with no KV reservation: plain load
 balancing, bounded like every other upstream call, failing over before the first byte.
+Each counts against its tenant's requests_per_minute (refused with a 429 and the
+``x-ratelimit-*`` headers like the rest of the API), and the prompt tokens the node
+reports in its ``usage`` (embeddings, rerank, score) count against its prompt tokens.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ from kvgateway.server.openai_request import parse_body
 from kvgateway.server.proxy import REQUEST_ID, trace_headers
 from kvgateway.server.relay import MAX_RESPONSE_BYTES
 from kvgateway.server.state import GatewayState
-from kvgateway.upstream.client import open_request
+from kvgateway.server.tenants import TENANT, charge
+from kvgateway.upstream.client import find_usage, open_request
 
 PATHS = (
     "/v1/embeddings",
@@ -44,6 +48,25 @@ async def handle_passthrough(request: web.Request) -> web.StreamResponse:
     if body.get("model") != model.served_name and "model" in body:
         body["model"] = model.served_name
         raw = json.dumps(body, separators=(",", ":")).encode()
+    tenant = request.get(TENANT, cfg.auth.default_tenant.name)
+    paid, limit_headers = charge(state.quotas, state.tenancy, tenant, 0, 0, state.clock())
+    served = False
+    prompt: int | None = None
+    try:
+        resp, data = await _relay(state, request, model, raw)
+        served = True
+        usage = find_usage(data) if b'"prompt_tokens"' in data else None
+        prompt = usage.prompt_tokens if usage is not None else None
+        resp.headers.update(limit_headers)
+        return resp
+    finally:
+        state.quotas.settle(paid, 0, state.clock(), served=served, prompt=prompt)
+
+
+async def _relay(
+    state: GatewayState, request: web.Request, model: ModelConfig, raw: bytes
+) -> tuple[web.Response, bytes]:
+    """The node's answer (failing over before the first byte), and its body."""
     tried: set[str] = set()
     last: UpstreamError | None = None
     for _ in range(MAX_ATTEMPTS):
@@ -67,7 +90,7 @@ async def handle_passthrough(request: web.Request) -> web.StreamResponse:
                 data = await resp.read(MAX_RESPONSE_BYTES)
                 headers = resp.relay_headers()
             headers.update({"x-request-id": request[REQUEST_ID], "x-gateway-backend": backend.name})
-            return web.Response(status=resp.status, body=data, headers=headers)
+            return web.Response(status=resp.status, body=data, headers=headers), data
         except UpstreamError as err:
             if not err.retryable:
                 raise

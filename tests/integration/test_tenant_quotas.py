@@ -98,3 +98,29 @@ async def test_output_is_settled_with_the_usage(start_fleet: StartFleet, monkeyp
     status, headers, body = await chat(fleet, "k-etl", max_tokens=1200)
     assert status == 429 and body["error"]["param"] == "output_tokens_per_minute"
     assert "never fit" in body["error"]["message"] and "Retry-After" not in headers
+
+
+async def test_passthrough_endpoints_count_against_the_tenants_limits(
+    start_fleet: StartFleet, monkeypatch
+):
+    # Embeddings, tokenize, score and rerank hold no KV reservation, but they are requests
+    # of a tenant: its requests_per_minute refuses them (they went through unlimited),
+    # they carry the x-ratelimit-* headers, and the prompt tokens the node reports count.
+    monkeypatch.setenv("ETL_KEYS", "k-etl")
+    fleet = await start_fleet([("only", "small", "gpu24-8b", {})], gateway={"auth": AUTH})
+    headers = {"Authorization": "Bearer k-app"}
+    async with aiohttp.ClientSession() as s:
+        body = {"model": MODEL, "input": "hello world " * 50}
+        async with s.post(fleet.url + "/v1/embeddings", json=body, headers=headers) as r:
+            assert r.status == 200
+            assert r.headers["x-ratelimit-remaining-requests"] == "1"
+            reported = (await r.json())["usage"]["prompt_tokens"]
+        async with s.post(fleet.url + "/tokenize", json={"prompt": "hi"}, headers=headers) as r:
+            assert r.status == 200 and r.headers["x-ratelimit-remaining-requests"] == "0"
+        async with s.post(fleet.url + "/v1/embeddings", json=body, headers=headers) as r:
+            assert r.status == 429
+            err = (await r.json())["error"]
+            assert err["param"] == "requests_per_minute" and "Retry-After" in r.headers
+    view = {t["name"]: t for t in (await admin(fleet, "k-app"))["tenants"]}
+    assert view["app"]["requests_last_minute"] == 2
+    assert view["app"]["prompt_tokens_last_minute"] == reported > 0
