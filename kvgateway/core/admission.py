@@ -31,7 +31,7 @@ from kvgateway.core.admission_core import AdmissionCore, _Waiter
 from kvgateway.core.demand import Demand, context_error
 from kvgateway.core.reservation import Reservation, Reserving
 from kvgateway.core.routing import NoBackend, TooLong, Wait
-from kvgateway.core.tenancy import gated_error
+from kvgateway.core.tenancy import gated_error, tenant_queue_full_error
 from kvgateway.errors import NoHealthyBackend, Saturated
 
 __all__ = ["Admission", "Reservation", "Reserving"]
@@ -91,16 +91,25 @@ class Admission(AdmissionCore):
                 retry_after=5,
             )
         assert isinstance(outcome, Wait)
-        full = len(self._waiters) >= self._queue_size()
-        if timeout <= 0 or (full and not self._displace(ticket)):
-            raise Saturated(
-                "Every backend that can hold this request is at its KV-cache budget and "
-                "the admission queue is full. Retry later.",
-                retry_after=max(1.0, timeout),
-            )
+        gated = self._gate(demand)
+        if gated is not None:
+            # Held by its own tenant's limit: it waits in its tenant's share of the
+            # queue (queue_size of them at most), never in the room others queue in.
+            name = ticket.tenant if ticket is not None else demand.tenant
+            waiting = self._queued_of(name)
+            if timeout <= 0 or waiting >= self._queue_size():
+                raise tenant_queue_full_error(name, gated, waiting)
+        else:
+            full = self._queued_for_room() >= self._queue_size()
+            if timeout <= 0 or (full and not self._displace(ticket)):
+                raise Saturated(
+                    "Every backend that can hold this request is at its KV-cache budget "
+                    "and the admission queue is full. Retry later.",
+                    retry_after=max(1.0, timeout),
+                )
         loop = asyncio.get_running_loop()
         waiter = _Waiter(demand, loop.create_future(), self._clock(), self._claims(demand), ticket)
-        waiter.gated = self._gate(demand)
+        waiter.gated = gated
         self._enqueue(waiter)
         try:
             async with asyncio.timeout(timeout):

@@ -155,6 +155,15 @@ def displaced_error() -> Saturated:
     )
 
 
+def tenant_queue_full_error(tenant: str, gate: str, waiting: int) -> Saturated:
+    return Saturated(
+        f"Tenant '{tenant}' is at its {gate} limit and already has {waiting} requests "
+        "waiting for it. Retry later.",
+        code=f"tenant_{gate}",
+        retry_after=1.0,
+    )
+
+
 def gated_error(tenant: str, gate: str, timeout: float) -> Saturated:
     return Saturated(
         f"Tenant '{tenant}' stayed at its {gate} limit for {timeout:g}s. Retry later.",

@@ -336,3 +336,29 @@ async def test_a_storm_of_cancellations_walks_the_queue_once_and_serves_who_fits
     adm.release(r)
     adm.release(held)
     assert b.reserved_tokens == 0
+
+
+async def test_waiters_held_by_their_own_tenant_limit_do_not_fill_the_shared_queue():
+    # queue_size 2. Tenant e (max_concurrent 1) parks two requests behind its own limit;
+    # another tenant's request that must wait for room still queues (it got a 429
+    # fleet_saturated), and e's third is refused at once as e's own limit, not the fleet.
+    b = backend("a", kv=2048, max_model_len=2048)
+    adm, _ = make([b], auth(tenant("e", "batch", max_concurrent=1), tenant("q")), queue_size=2)
+    running = await adm.admit(of("e", 1000, 100), 1.0)
+    parked = [asyncio.create_task(adm.admit(of("e", 100, 10), 5.0)) for _ in range(2)]
+    await asyncio.sleep(0)
+    assert adm.queue_depth == 2
+    big = await adm.admit(of("q", 800, 100), 1.0)  # the node is nearly full now
+    waiting = asyncio.create_task(adm.admit(of("q", 500, 100), 5.0))
+    await asyncio.sleep(0)
+    assert not waiting.done() and adm.queue_depth == 3
+    with pytest.raises(Saturated) as info:
+        await adm.admit(of("e", 100, 10), 5.0)
+    assert info.value.code == "tenant_max_concurrent"
+    adm.release(big)
+    q = await asyncio.wait_for(waiting, 0.5)
+    adm.release(q)
+    adm.release(running)
+    for task in parked:  # one at a time: e runs one request at most
+        adm.release(await asyncio.wait_for(task, 0.5))
+    assert b.reserved_tokens == 0 and adm.queue_depth == 0
