@@ -122,6 +122,14 @@ class Fleet:
     def reap_drained(self) -> None:
         self._draining = [b for b in self._draining if b.in_flight > 0]
 
+    def _undrain(self, cfg: BackendConfig) -> Backend | None:
+        for b in self._draining:
+            if b.name == cfg.name and b.config.url == cfg.url and b.model == cfg.model:
+                self._draining.remove(b)
+                b.draining = False
+                return b
+        return None
+
     def apply(self, config: GatewayConfig, derived: Mapping[str, Observed]) -> ReloadSummary:
         old = {b.name: b for b in self._active}
         self.config = config
@@ -132,6 +140,14 @@ class Fleet:
         for i, tier in enumerate(config.tiers):
             for cfg in tier.backends:
                 prev = old.pop(cfg.name, None)
+                if prev is None:
+                    # Removed by an earlier reload and back before it drained: the same
+                    # node, still holding its requests; one object, or its reservations
+                    # are forgotten (and /metrics shows the name twice).
+                    prev = self._undrain(cfg)
+                    if prev is not None:
+                        added.append(cfg.name)
+                        prev.config, prev.tier_index = cfg, i
                 if prev is None or prev.config.url != cfg.url or prev.model != cfg.model:
                     if prev is not None:
                         # Same name, different node: the old one drains, the new one starts

@@ -282,7 +282,13 @@ class FleetCollector(Collector):
             labels=labels,
         )
         now = self._now()
-        for b in self._backends():
+        backends = self._backends()
+        # A node replaced under the same name (new url) drains beside its successor: one
+        # series per name, the successor's (Prometheus rejects repeated label sets).
+        active = {b.name for b in backends if not b.draining}
+        for b in backends:
+            if b.draining and b.name in active:
+                continue
             lv = [b.name, b.tier, b.model]
             fams["budget"].add_metric(lv, b.budget_tokens)
             fams["kv"].add_metric(lv, b.kv_cache_tokens)

@@ -2,7 +2,7 @@ from kvgateway.config.load import parse_config
 from kvgateway.core.fleet import Fleet
 
 
-def _config(names):
+def _config(names, url="http://{}.invalid:9"):
     return parse_config(
         {
             "models": [{"name": "m"}],
@@ -12,7 +12,7 @@ def _config(names):
                     "backends": [
                         {
                             "name": n,
-                            "url": f"http://{n}.invalid:9",
+                            "url": url.format(n),
                             "model": "m",
                             "max_model_len": 4096,
                             "kv_cache_tokens": 65536,
@@ -39,3 +39,21 @@ def test_a_removed_backend_leaves_when_its_last_request_ends():
     fleet.adjust(a, -100, -1, -1)
     assert a not in fleet.backends
     assert [b.name for b in fleet.backends] == ["b"]
+
+
+def test_a_backend_back_before_it_drained_is_the_same_backend_with_its_requests():
+    # Removed by one reload, added back by the next while requests still ran on it: one
+    # object holding them (it was a second, empty one: the node's requests were not in
+    # its budget, and /metrics had the name twice).
+    fleet = Fleet(_config(["a", "b"]))
+    a = fleet.get("a")
+    assert a is not None
+    fleet.adjust(a, 300, 1, 1)
+    fleet.apply(_config(["b"]), {})
+    summary = fleet.apply(_config(["a", "b"]), {})
+    assert summary.added == ("a",)
+    assert fleet.get("a") is a and not a.draining
+    assert [b.name for b in fleet.backends] == ["a", "b"]
+    assert a.reserved_tokens == 300
+    fleet.adjust(a, -300, -1, -1)
+    assert [b.name for b in fleet.backends] == ["a", "b"] and a.reserved_tokens == 0

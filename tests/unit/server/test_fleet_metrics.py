@@ -1,0 +1,23 @@
+"""Per-backend series across reloads: one per backend name."""
+
+from kvgateway.core.fleet import Fleet
+from kvgateway.server.metrics import FleetCollector
+from tests.unit.core.test_fleet import _config
+
+
+def test_a_node_replaced_under_its_name_is_one_series_in_metrics():
+    # `a` moves to another node (new url) while a request runs on the old one: the old
+    # drains beside the new, and /metrics had every backend series twice for `a`
+    # (Prometheus rejects a scrape with repeated label sets).
+    fleet = Fleet(_config(["a"]))
+    old = fleet.get("a")
+    assert old is not None
+    fleet.adjust(old, 300, 1, 1)
+    fleet.apply(_config(["a"], url="http://{}-moved.invalid:9"), {})
+    assert old.draining and len([b for b in fleet.backends if b.name == "a"]) == 2
+    collector = FleetCollector(lambda: fleet.backends, lambda: 0.0)
+    for family in collector.collect():
+        labels = [tuple(sorted(s.labels.items())) for s in family.samples]
+        assert len(labels) == len(set(labels)), family.name
+    reserved = next(f for f in collector.collect() if f.name == "gateway_backend_reserved_tokens")
+    assert [s.value for s in reserved.samples] == [0]  # the successor's
