@@ -25,6 +25,7 @@ from kvgateway.server.relay import MAX_RESPONSE_BYTES
 from kvgateway.server.state import GatewayState
 from kvgateway.server.tenants import TENANT, charge
 from kvgateway.upstream.client import find_usage, open_request
+from kvgateway.upstream.error_body import is_error_object, openai_error_body
 
 PATHS = (
     "/v1/embeddings",
@@ -90,6 +91,9 @@ async def _relay(
                 data = await resp.read(MAX_RESPONSE_BYTES)
                 headers = resp.relay_headers()
             headers.update({"x-request-id": request[REQUEST_ID], "x-gateway-backend": backend.name})
+            if resp.status >= 400 and not is_error_object(data):
+                data = openai_error_body(resp.status, data, backend.name)
+                headers["Content-Type"] = "application/json"
             return web.Response(status=resp.status, body=data, headers=headers), data
         except UpstreamError as err:
             if not err.retryable:

@@ -18,6 +18,7 @@ from kvgateway.server.exchange import Exchange, Failure, Outcome
 from kvgateway.server.output_accounting import LiveRequest
 from kvgateway.server.state import GatewayState
 from kvgateway.upstream.client import MidStreamError, UpstreamResponse, find_usage
+from kvgateway.upstream.error_body import is_error_object, openai_error_body
 
 MAX_RESPONSE_BYTES = 256 * 1024 * 1024
 
@@ -112,6 +113,9 @@ def answer_body(
     ex.first_byte(state.clock())
     headers = resp.relay_headers()
     headers.update(gateway_headers(ex, r))
+    if resp.status >= 400 and not is_error_object(data):
+        data = openai_error_body(resp.status, data, r.backend.name)
+        headers["Content-Type"] = "application/json"
     return web.Response(status=resp.status, body=data, headers=headers)
 
 

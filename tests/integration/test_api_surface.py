@@ -77,6 +77,13 @@ async def test_tokenize_detokenize_and_rerank_are_load_balanced(start_fleet: Sta
             assert r.status == 200, await r.text()
         async with s.post(fleet.url + "/v1/embeddings", json={"model": "nope", "input": "x"}) as r:
             assert r.status == 404 and (await r.json())["error"]["code"] == "model_not_found"
+        # A node without the route answers aiohttp's text/plain "404: Not Found": the
+        # client still gets an OpenAI error object (it got the text as it was).
+        body = {"model": MODEL, "query": "q", "documents": ["a"]}
+        async with s.post(fleet.url + "/v2/rerank", json=body) as r:
+            assert r.status == 404 and r.content_type == "application/json"
+            err = (await r.json())["error"]
+            assert err["code"] == "upstream_404" and "Not Found" in err["message"]
     assert backends == {"small-1", "small-2"}  # both nodes took some
     assert fleet.leaks() == {}
 
