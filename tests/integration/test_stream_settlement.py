@@ -25,7 +25,7 @@ def _chunk(delta: dict[str, Any] | None, finish: str | None = None) -> bytes:
     return b"data: " + json.dumps(body).encode() + b"\n\n"
 
 
-def vllm_like_node(tokens: int, pause_s: float) -> web.Application:
+def vllm_like_node(tokens: int, pause_s: float, reported: int | None = None) -> web.Application:
     """Streams ``tokens`` one per write, then (include_usage) the usage chunk, a pause, and
     [DONE]: vLLM yields them apart, so a proxy reads them apart."""
 
@@ -38,7 +38,8 @@ def vllm_like_node(tokens: int, pause_s: float) -> web.Application:
             await resp.write(_chunk({"content": " w"}, "length" if i == tokens - 1 else None))
             await asyncio.sleep(0.002)
         if (body.get("stream_options") or {}).get("include_usage"):
-            usage = {"prompt_tokens": 9, "completion_tokens": tokens, "total_tokens": 9 + tokens}
+            said = tokens if reported is None else reported
+            usage = {"prompt_tokens": 9, "completion_tokens": said, "total_tokens": 9 + said}
             final = json.loads(_chunk(None)[6:])
             final["usage"] = usage
             await resp.write(b"data: " + json.dumps(final).encode() + b"\n\n")
@@ -138,3 +139,25 @@ async def test_a_client_leaving_mid_stream_is_charged_what_it_was_sent(
     # It was 0: a client could read 880 of 900 tokens and leave, again and again, free.
     assert 100 <= charged <= 900, charged
     assert fleet.leaks() == {}
+
+
+async def test_a_node_reporting_more_than_max_tokens_is_not_believed(
+    start_fleet: StartFleet, aiohttp_server: Any
+) -> None:
+    # A broken or hostile node says 10**9 completion tokens: the tenant was charged that
+    # and refused for a minute. It is charged at most max_tokens x n.
+    node = await aiohttp_server(vllm_like_node(tokens=20, pause_s=0.0, reported=10**9))
+    fleet = await gateway_over(start_fleet, str(node.make_url("")).rstrip("/"))
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 500,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    async with aiohttp.ClientSession() as s:
+        headers = {"Authorization": "Bearer k-etl"}
+        async with s.post(fleet.url + "/v1/chat/completions", json=body, headers=headers) as r:
+            assert r.status == 200
+            await r.read()
+    assert (await tenant_view(fleet.url))["output_tokens_last_minute"] == 500
