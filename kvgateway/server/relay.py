@@ -17,7 +17,7 @@ from kvgateway.errors import UpstreamError, UpstreamTimeout
 from kvgateway.server.exchange import Exchange, Failure, Outcome
 from kvgateway.server.output_accounting import LiveRequest
 from kvgateway.server.state import GatewayState
-from kvgateway.upstream.client import MidStreamError, UpstreamResponse, find_usage
+from kvgateway.upstream.client import USAGE_MARKS, MidStreamError, UpstreamResponse, find_usage
 from kvgateway.upstream.error_body import is_error_object, openai_error_body
 
 MAX_RESPONSE_BYTES = 256 * 1024 * 1024
@@ -173,7 +173,7 @@ async def _relay_events(
                 state.outputs.on_events(live, events)
                 ex.streamed_tokens = live.generated
                 await out.write(events)
-                if b'"prompt_tokens"' in events:
+                if USAGE_MARKS[0] in events or USAGE_MARKS[1] in events:
                     usage = events
                 if _ends_stream(events):
                     done = True

@@ -40,8 +40,10 @@ _DROP_RESPONSE_HEADERS = frozenset(
     }
 )
 _MAX_ERROR_BODY = 64 * 1024
-_USAGE_RE = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
-_COMPLETION_RE = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+# Chat and completions usage, or the Responses API's (input/output tokens).
+_USAGE_RE = re.compile(rb'"(?:prompt|input)_tokens"\s*:\s*(\d+)')
+_COMPLETION_RE = re.compile(rb'"(?:completion|output)_tokens"\s*:\s*(\d+)')
+USAGE_MARKS = (b'"prompt_tokens"', b'"input_tokens"')
 
 
 class MidStreamError(Exception):

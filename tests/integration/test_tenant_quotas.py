@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
 
@@ -124,3 +125,26 @@ async def test_passthrough_endpoints_count_against_the_tenants_limits(
     view = {t["name"]: t for t in (await admin(fleet, "k-app"))["tenants"]}
     assert view["app"]["requests_last_minute"] == 2
     assert view["app"]["prompt_tokens_last_minute"] == reported > 0
+
+
+async def test_responses_api_output_is_settled_with_its_usage(start_fleet: StartFleet, monkeypatch):
+    # The Responses API names its usage input_tokens / output_tokens: it was never read,
+    # so every /v1/responses request was charged its whole max_output_tokens.
+    monkeypatch.setenv("ETL_KEYS", "k-etl")
+    fleet = await start_fleet([("only", "small", "gpu24-8b", {})], gateway={"auth": AUTH})
+    headers = {"Authorization": "Bearer k-etl"}
+    produced = 0
+    async with aiohttp.ClientSession() as s:
+        body = {"model": MODEL, "input": "hi", "max_output_tokens": 300}
+        async with s.post(fleet.url + "/v1/responses", json=body, headers=headers) as r:
+            assert r.status == 200
+            produced += (await r.json())["usage"]["output_tokens"]
+        async with s.post(
+            fleet.url + "/v1/responses", json={**body, "stream": True}, headers=headers
+        ) as r:
+            assert r.status == 200
+            text = (await r.read()).decode()
+    done = [line for line in text.splitlines() if '"response.completed"' in line]
+    produced += json.loads(done[-1].removeprefix("data: "))["response"]["usage"]["output_tokens"]
+    view = {t["name"]: t for t in (await admin(fleet, "k-etl"))["tenants"]}
+    assert view["etl"]["output_tokens_last_minute"] == produced < 600
