@@ -137,6 +137,10 @@ class BackendConfig:
     path: str = ""
     # vLLM's --kv-events-config publisher (tcp://HOST:PORT) for precise prefix routing.
     kv_events: str | None = None
+    # Its replay socket (--kv-events-config replay_endpoint): batches lost in transit are
+    # fetched again instead of forgetting the node's whole cache view; and the topic.
+    kv_events_replay: str | None = None
+    kv_events_topic: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -126,12 +126,14 @@ def _backend_settings(
         num_speculative_tokens=s.integer("num_speculative_tokens", 0, minimum=0),
         release_delay_s=s.number("release_delay_s", 0.0, exclusive_min=False),
         path=s.path,
-        kv_events=_kv_events(s),
+        kv_events=_kv_events(s, "kv_events"),
+        kv_events_replay=_kv_events(s, "kv_events_replay"),
+        kv_events_topic=s.opt_str("kv_events_topic") or "",
     )
 
 
-def _kv_events(s: Section) -> str | None:
-    endpoint = s.opt_str("kv_events")
+def _kv_events(s: Section, key: str) -> str | None:
+    endpoint = s.opt_str(key)
     if endpoint is None:
         return None
     parts = urlsplit(endpoint)
@@ -140,6 +142,7 @@ def _kv_events(s: Section) -> str | None:
     except ValueError:
         port = None
     if parts.scheme != "tcp" or not parts.hostname or port is None or "*" in endpoint:
-        s.fail("kv_events", f'expected tcp://HOST:PORT (the node\'s publisher), got "{endpoint}"')
+        what = "publisher" if key == "kv_events" else "replay socket"
+        s.fail(key, f'expected tcp://HOST:PORT (the node\'s {what}), got "{endpoint}"')
         return None
     return endpoint

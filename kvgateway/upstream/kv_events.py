@@ -288,7 +288,11 @@ class KVEventSubscriber:
 
 def kv_event_sources(config: GatewayConfig) -> list[KVEventSource]:
     """The backends publishing KV events (``kv_events:``), for the :class:`KVEventHub`."""
-    return [KVEventSource(b.name, b.kv_events) for b in config.backends if b.kv_events]
+    return [
+        KVEventSource(b.name, b.kv_events, b.kv_events_topic, b.kv_events_replay)
+        for b in config.backends
+        if b.kv_events
+    ]
 
 
 class KVEventHub:

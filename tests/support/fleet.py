@@ -107,6 +107,10 @@ async def start_fleet(aiohttp_server: Any) -> StartFleet:
             if publisher is not None and publisher.endpoint:
                 # A node publishing KV events (`kv_events_endpoint`): the gateway subscribes.
                 entry["kv_events"] = publisher.endpoint
+                if settings.kv_events_topic:
+                    entry["kv_events_topic"] = settings.kv_events_topic
+                if publisher.replay_endpoint:
+                    entry["kv_events_replay"] = publisher.replay_endpoint
             entry.update((backend_extra or {}).get(name, {}))
             tiers.setdefault(tier, []).append(entry)
         config: dict[str, Any] = {

@@ -33,7 +33,8 @@ def test_defaults_keep_todays_behaviour():
 
 def test_everything_set():
     cfg = parse(
-        ', kv_events: "tcp://10.0.0.1:5557"',
+        ', kv_events: "tcp://10.0.0.1:5557", kv_events_replay: "tcp://10.0.0.1:5558"'
+        ", kv_events_topic: kv",
         """
         routing: {prefix_aware: true}
         admission: {prefix_credit: false, output_reservation: learned, preemption_risk: 0.05}
@@ -43,6 +44,13 @@ def test_everything_set():
     assert cfg.admission.output_reservation == "learned"
     assert cfg.admission.preemption_risk == 0.05
     assert cfg.backends[0].kv_events == "tcp://10.0.0.1:5557"
+    # The node's replay socket and topic reach its subscriber: a lost batch is fetched
+    # again instead of forgetting the node's cache view (the setting was not there).
+    from kvgateway.upstream.kv_events import KVEventSource, kv_event_sources
+
+    assert kv_event_sources(cfg) == [
+        KVEventSource("a", "tcp://10.0.0.1:5557", "kv", "tcp://10.0.0.1:5558")
+    ]
 
 
 @pytest.mark.parametrize(
@@ -55,6 +63,11 @@ def test_everything_set():
         ),
         (', kv_events: "tcp://*:5557"', "", "tiers[0].backends[0].kv_events: expected tcp://"),
         (', kv_events: "tcp://h"', "", "tiers[0].backends[0].kv_events: expected tcp://"),
+        (
+            ', kv_events: "tcp://h:1", kv_events_replay: "h:2"',
+            "",
+            "tiers[0].backends[0].kv_events_replay: expected tcp://HOST:PORT (the node's replay",
+        ),
         ("", "admission: {output_reservation: half}", "admission.output_reservation"),
         ("", "admission: {preemption_risk: 0.9}", "admission.preemption_risk"),
     ],
