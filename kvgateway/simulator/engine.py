@@ -14,13 +14,16 @@ Scheduling, after ``vllm/v1/core/sched/scheduler.py`` (FCFS policy):
    progress dropped, put back at the *front* of the waiting queue to be recomputed from
    scratch), repeatedly, until the block fits or the sequence preempted itself.
 2. Only if nothing was preempted this step, waiting sequences in FCFS order: the head is
-   admitted if the blocks of its first chunk (what the token budget leaves of its prompt,
-   plus output generated before a preemption, past its cached prefix) are free and fewer
-   than ``max_num_seqs`` run; otherwise admission stops there (head-of-line blocking).
+   admitted if its whole sequence (prompt, plus output generated before a preemption)
+   fits the free blocks past its cached prefix (vLLM's ``scheduler_reserve_full_isl``,
+   on by default: ``allocate_slots(full_sequence_must_fit=True)``; a sliding-window group
+   counted up to its admission cap) and fewer than ``max_num_seqs`` run; otherwise
+   admission stops there (head-of-line blocking, so a request bigger than the whole pool
+   stalls the queue, as in vLLM).
 
-Blocks are allocated chunk by chunk, as vLLM's ``allocate_slots`` does: a long prompt is
-admitted on its first chunk's blocks and takes the rest step by step, so when the pool
-runs out mid-prefill the newest running sequence is preempted, possibly itself.
+Blocks are then allocated chunk by chunk, as ``allocate_slots`` does: an admitted prompt
+takes the blocks of each chunk as it is scheduled, so decodes growing meanwhile can still
+run the pool out mid-prefill, and then the newest running sequence is preempted.
 
 Blocks live in a :class:`~kvgateway.simulator.block_pool.BlockPool` managed per KV-cache
 group by :class:`~kvgateway.simulator.kv_manager.KVCacheManager`: with prefix caching
@@ -277,10 +280,16 @@ class EngineCore:
                     break  # not arrived yet in simulated time
                 computed, num_hit = kv.get_computed_blocks(seq)
                 num_new = min(seq.num_tokens - num_hit, budget)
-                # Blocks for this step's chunk only, as vLLM's allocate_slots: the rest
-                # of the prompt takes its blocks in later steps, and may then preempt.
-                if not kv.allocate(seq.seq_id, seq, num_hit + num_new, num_hit, computed):
+                # Admitted only if its whole sequence fits the free blocks (vLLM's
+                # scheduler_reserve_full_isl, on by default), then given blocks for this
+                # step's chunk only: the rest come step by step, so decodes growing
+                # meanwhile may still preempt it mid-prefill.
+                whole = min(seq.num_tokens, cfg.max_model_len)
+                if not kv.can_admit(
+                    seq.seq_id, whole, num_hit, computed, cfg.max_num_batched_tokens
+                ) or not kv.allocate(seq.seq_id, seq, num_hit + num_new, num_hit, computed):
                     break  # FCFS: nobody overtakes the head
+                kv.record_lookup(seq, num_hit)
                 waiting.popleft()
                 seq.num_computed = num_hit
                 seq.state = SeqState.RUNNING

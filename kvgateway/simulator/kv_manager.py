@@ -146,16 +146,21 @@ class KVCacheManager:
                         assert block is not None
                         row.append(block)
                 computed[g] = row
+        return computed, hit * self.block_size
+
+    def record_lookup(self, req: KVRequest, num_hit: int) -> None:
+        """Count an admitted request's lookup in the prefix-cache stats (vLLM records
+        at admission: a waiting head looked up again every step is counted once)."""
         s = self.stats
+        num_tokens = len(req.token_ids)
         if req.num_preemptions:
             s.preempted_requests += 1
             s.preempted_queries += num_tokens
-            s.preempted_hits += hit * self.block_size
+            s.preempted_hits += num_hit
         else:
             s.requests += 1
             s.queries += num_tokens
-            s.hits += hit * self.block_size
-        return computed, hit * self.block_size
+            s.hits += num_hit
 
     def _sliding_hit(self, req: KVRequest, group: int, limit: int) -> int:
         window = self.windows[group]
@@ -194,8 +199,63 @@ class KVCacheManager:
             if new <= 0:
                 return True
         self._remove_skipped(req_id, num_computed)
+        need, plan = self._plan(table, num_tokens, num_computed, computed)
+        if need > self.pool.num_free:
+            return False
+        if table is None:
+            table = self._tables[req_id] = [[] for _ in self.windows]
+            self._num_cached[req_id] = [0] * len(self.windows)
+        cached = self._num_cached[req_id]
+        # Every group's hits are touched before any group takes new blocks, as vLLM's
+        # allocate_new_computed_blocks does: taking blocks first could evict a hit of
+        # another group of the same request.
+        for g in range(len(plan)):
+            hits = computed[g] if computed is not None else []
+            if hits:
+                self.pool.touch(hits)
+                table[g].extend(hits)
+                cached[g] = len(hits)
+                null_hits = sum(1 for b in hits if b is self.pool.null_block)
+                self._nulls[req_id] = self._nulls.get(req_id, 0) + null_hits
+        for g, (nulls, new) in enumerate(plan):
+            self._nulls[req_id] = self._nulls.get(req_id, 0) + nulls
+            table[g].extend([self.pool.null_block] * nulls)
+            cached[g] = max(cached[g], nulls)
+            table[g].extend(self.pool.get_new_blocks(new))
+        return True
+
+    def can_admit(
+        self,
+        req_id: int,
+        num_tokens: int,
+        num_computed: int,
+        computed: ComputedBlocks | None,
+        max_num_batched_tokens: int,
+    ) -> bool:
+        """Whether a waiting request's whole sequence (``num_tokens``) fits the free
+        blocks, its hits included: vLLM's admission gate (``scheduler_reserve_full_isl``,
+        on by default: ``allocate_slots(full_sequence_must_fit=True)``). A sliding-window
+        group is counted up to its admission cap, the blocks a window and a chunk can
+        span: ``cdiv(min(window - 1 + max_num_batched_tokens, num_tokens), block_size) + 1``.
+        """
+        need, _ = self._plan(
+            self._tables.get(req_id), num_tokens, num_computed, computed, max_num_batched_tokens
+        )
+        return need <= self.pool.num_free
+
+    def _plan(
+        self,
+        table: list[list[Block]] | None,
+        num_tokens: int,
+        num_computed: int,
+        computed: ComputedBlocks | None,
+        admission_cap: int | None = None,
+    ) -> tuple[int, list[tuple[int, int]]]:
+        """Free blocks needed, and (nulls to add, new blocks) per group, to hold
+        ``num_tokens`` tokens."""
+        bs = self.block_size
         need = 0
-        plan: list[tuple[int, int]] = []  # (nulls to add, new blocks) per group
+        plan: list[tuple[int, int]] = []
         for g, window in enumerate(self.windows):
             have = len(table[g]) if table is not None else 0
             hits = computed[g] if computed is not None else []
@@ -207,27 +267,11 @@ class KVCacheManager:
                 # A new request's blocks wholly before the window are never allocated.
                 nulls = self._skipped_tokens(window, num_computed) // bs
             new = max(0, cdiv(num_tokens, bs) - have - nulls)
+            if window is not None and admission_cap is not None:
+                new = min(new, cdiv(min(window - 1 + admission_cap, num_tokens), bs) + 1)
             plan.append((nulls, new))
             need += new
-        if need > self.pool.num_free:
-            return False
-        if table is None:
-            table = self._tables[req_id] = [[] for _ in self.windows]
-            self._num_cached[req_id] = [0] * len(self.windows)
-        cached = self._num_cached[req_id]
-        for g, (nulls, new) in enumerate(plan):
-            hits = computed[g] if computed is not None else []
-            null_hits = 0
-            if hits:
-                self.pool.touch(hits)
-                table[g].extend(hits)
-                cached[g] = len(hits)
-                null_hits = sum(1 for b in hits if b is self.pool.null_block)
-            self._nulls[req_id] = self._nulls.get(req_id, 0) + nulls + null_hits
-            table[g].extend([self.pool.null_block] * nulls)
-            cached[g] = max(cached[g], nulls)
-            table[g].extend(self.pool.get_new_blocks(new))
-        return True
+        return need, plan
 
     def cache_blocks(self, req_id: int, req: KVRequest, num_tokens: int) -> None:
         """Cache the full blocks among the first ``num_tokens`` tokens (once scheduled)."""

@@ -140,6 +140,7 @@ GPU24_GPTOSS_20B = NodeSettings(
     kv_read_s_per_token=49_152 / 1.0e12,
     sliding_window=128,
     num_sliding_window_groups=1,
+    sliding_window_first=True,  # layer 0 is a sliding-window layer
 )
 
 PROFILES: Mapping[str, NodeSettings] = MappingProxyType(

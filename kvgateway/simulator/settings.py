@@ -95,6 +95,9 @@ class NodeSettings:
     # sliding-window groups of `sliding_window` tokens share the pool (capacity/layout.py).
     sliding_window: int | None = None
     num_sliding_window_groups: int = 0
+    # vLLM numbers the groups by each kind's first layer: True when layer 0 is a
+    # sliding-window layer (gpt-oss, Gemma 3), so the sliding-window groups come first.
+    sliding_window_first: bool = False
     # --kv-events-config: ZMQ PUB endpoint (binds when it has `*`, else connects, as vLLM),
     # topic, optional ROUTER replay endpoint; `kv_events_array_like` selects the layout
     # of vLLM releases before the map-encoded events. See kv_events.py.
@@ -110,7 +113,8 @@ class NodeSettings:
     @property
     def kv_windows(self) -> tuple[int | None, ...]:
         """Per KV-cache group: None for full attention, else its sliding window."""
-        return (None,) + (self.sliding_window,) * self.num_sliding_window_groups
+        sliding = (self.sliding_window,) * self.num_sliding_window_groups
+        return (*sliding, None) if self.sliding_window_first else (None, *sliding)
 
     @property
     def kv_tokens(self) -> int:
@@ -277,7 +281,3 @@ def validate(s: NodeSettings, path: str = "settings") -> None:
         raise SettingsError(
             f"{path}.sliding_window: a positive window is needed with sliding-window groups"
         )
-    if s.num_sliding_window_groups and s.kv_events_endpoint is not None:
-        # vLLM turns its hybrid KV-cache manager off when KV events are on; the
-        # simulator does not model that fallback.
-        raise SettingsError(f"{path}.kv_events: not supported on a hybrid (sliding-window) node")

@@ -24,6 +24,7 @@ from typing import Any
 from kvgateway.capacity.arch import KV_DTYPE_ALIASES
 from kvgateway.capacity.errors import CapacityConfigError
 from kvgateway.capacity.estimate import CapacityEstimate, estimate
+from kvgateway.capacity.layout import KVLayout
 from kvgateway.capacity.memory import (
     DEFAULT_GPU_MEMORY_UTILIZATION,
     GIB,
@@ -161,9 +162,25 @@ def size_node(
         offload_s=flags.cpu_offload_gb * GIB / PCIE_BYTES_PER_S,
         prefill_s_per_token=2 * info.param_count / card.effective_flops,
         kv_read_s_per_token=est.bytes_per_token / bw,
+        **_groups(est.layout),
     )
     validate(settings, "sized node")
     return SizedNode(settings, est, card, log)
+
+
+def _groups(layout: KVLayout) -> dict[str, Any]:
+    """The node's KV-cache groups as NodeSettings fields: a hybrid model's
+    sliding-window groups share the pool with its full-attention ones (a model whose
+    every layer slides is one group; it is sized as full attention, which holds less)."""
+    windows = [g.sliding_window for g in layout.groups]
+    sliding = [w for w in windows if w is not None]
+    if not sliding or len(sliding) == len(windows):
+        return {}
+    return {
+        "sliding_window": sliding[0],
+        "num_sliding_window_groups": len(sliding),
+        "sliding_window_first": windows[0] is not None,
+    }
 
 
 # Keys of a ``simulate:`` block that size a --preset node (the rest are NodeSettings).

@@ -167,3 +167,59 @@ def test_groups_are_numbered_by_first_layer_and_events_name_their_group() -> Non
     assert removed == []
     full_hashes = [h for e in stored if e.group_idx == 1 for h in e.block_hashes]
     assert len(full_hashes) == (20 + 12 - 1) // 4
+
+
+def test_a_request_touches_every_groups_hits_before_taking_new_blocks() -> None:
+    # The pool nearly full of cached blocks: a request hitting a 32-token prefix in both
+    # groups, whose sliding-window group (0) took its new blocks first, popped and
+    # evicted its own full-attention hits (vLLM touches all groups' hits first).
+    c = EngineCore(
+        EngineConfig(
+            num_gpu_blocks=25,
+            block_size=4,
+            max_model_len=256,
+            max_num_seqs=8,
+            max_num_batched_tokens=64,
+            cost=COST,
+            kv_windows=(8, None),
+            enable_kv_events=True,
+        )
+    )
+    prefix = list(range(1000, 1032))  # 8 blocks
+    add(c, prefix, 1)
+    drain(c)
+    c.add(prompt_token_ids=list(range(5000, 5016)), target_tokens=1, target_reason="length",
+          arrival=c.clock)  # fmt: skip
+    drain(c)
+    c.kv.pool.take_events()
+    b = c.add(prompt_token_ids=prefix + list(range(7000, 7028)), target_tokens=2,
+              target_reason="length", arrival=c.clock)  # fmt: skip
+    r = c.step(c.clock)
+    assert r is not None
+    own = {h for h in b.block_hashes[:8]}
+    from kvgateway.simulator.block_pool import BlockRemoved, external_hash
+
+    evicted = [e for e in r.kv_events if isinstance(e, BlockRemoved) and e.group_idx == 1]
+    assert not [e for e in evicted if set(e.block_hashes) & {external_hash(h) for h in own}]
+    sliding, full = c.kv.blocks_of(b.seq_id)
+    null = c.kv.pool.null_block
+    assert not ({id(x) for x in sliding} & {id(x) for x in full}) - {id(null)}
+    c.kv.check()
+
+
+def test_the_hybrid_profile_numbers_its_groups_as_vllm() -> None:
+    settings = get_profile("gpu24-gptoss-20b")
+    from kvgateway.capacity.layout import kv_layout
+
+    layout = kv_layout(preset_arch("gpt-oss-20b"), 1, "auto")
+    assert settings.kv_windows == tuple(g.sliding_window for g in layout.groups) == (128, None)
+
+
+def test_a_preset_hybrid_node_has_its_sliding_window_group() -> None:
+    # gateway simulate --preset gpt-oss-20b: it was simulated with one full-attention
+    # group, holding twice the tokens a vLLM node holds.
+    from kvgateway.simulator.sizing import ServeFlags, size_node
+
+    node = size_node("gpt-oss-20b", 80, ServeFlags())
+    assert node.settings.kv_windows == (128, None)
+    assert node.settings.kv_tokens == (node.settings.num_gpu_blocks - 1) // 2 * 16

@@ -68,14 +68,6 @@ def test_hybrid_settings_divide_the_pool_between_groups() -> None:
             {"num_sliding_window_groups": 1},
             "tiers[0].backends[0].simulate.sliding_window: a positive window is needed",
         ),
-        (
-            {
-                "num_sliding_window_groups": 1,
-                "sliding_window": 64,
-                "kv_events": {"endpoint": "tcp://127.0.0.1:1"},
-            },
-            "tiers[0].backends[0].simulate.kv_events: not supported on a hybrid",
-        ),
     ],
 )
 def test_errors_name_the_yaml_path(simulate: dict[str, Any], message: str) -> None:

@@ -218,3 +218,16 @@ def test_pool_refuses_to_free_a_block_twice() -> None:
         pass
     else:
         raise AssertionError("a double free went unnoticed")
+
+
+def test_a_waiting_head_looked_up_every_step_is_counted_once() -> None:
+    # vLLM records prefix-cache stats at admission; the simulator counted every lookup
+    # of a head blocked for lack of blocks (31 "requests" for 2, the hit rate inflated).
+    c = core(21)
+    prefix = list(range(100, 140))  # 10 blocks
+    add(c, [*prefix, 1], 30)
+    c.step(0.0)
+    add(c, prefix + [2] * 40, 1)  # hits 10 blocks, needs 10 more: waits for the first
+    drain(c)
+    s = c.kv.stats
+    assert (s.requests, s.queries, s.hits) == (2, 41 + 80, 40)
