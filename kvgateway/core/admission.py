@@ -31,7 +31,7 @@ from kvgateway.core.admission_core import AdmissionCore, _Waiter
 from kvgateway.core.demand import Demand, context_error
 from kvgateway.core.reservation import Reservation, Reserving
 from kvgateway.core.routing import NoBackend, TooLong, Wait
-from kvgateway.core.tenancy import gated_error, tenant_queue_full_error
+from kvgateway.core.tenancy import Ticket, gated_error, tenant_queue_full_error
 from kvgateway.errors import NoHealthyBackend, Saturated
 
 __all__ = ["Admission", "Reservation", "Reserving"]
@@ -77,7 +77,21 @@ class Admission(AdmissionCore):
                 )
 
     async def _admit_local(self, demand: Demand, timeout: float) -> Reservation:
-        ticket = self._tenancy.ticket(demand.tenant, demand.tokens) if self._tenancy else None
+        if self._tenancy is None:
+            return await self._admit_ticketed(demand, timeout, None)
+        ticket = self._tenancy.ticket(demand.tenant, demand.tokens)
+        try:
+            return await self._admit_ticketed(demand, timeout, ticket)
+        except BaseException:
+            # Refused, timed out, displaced or cancelled: served nothing, so its place in
+            # the fair-queuing order is given back (its tenant's next tag is not pushed
+            # back by requests that never ran).
+            self._tenancy.refund(ticket, demand.tokens)
+            raise
+
+    async def _admit_ticketed(
+        self, demand: Demand, timeout: float, ticket: Ticket | None
+    ) -> Reservation:
         outcome = self.try_admit(demand, ticket)
         if self._on_decision is not None and not isinstance(outcome, Reservation):
             self._on_decision(outcome, demand)
@@ -96,9 +110,9 @@ class Admission(AdmissionCore):
             # Held by its own tenant's limit: it waits in its tenant's share of the
             # queue (queue_size of them at most), never in the room others queue in.
             name = ticket.tenant if ticket is not None else demand.tenant
-            waiting = self._queued_of(name)
-            if timeout <= 0 or waiting >= self._queue_size():
-                raise tenant_queue_full_error(name, gated, waiting)
+            parked = self._parked_of(name)
+            if timeout <= 0 or parked >= self._queue_size():
+                raise tenant_queue_full_error(name, gated, parked)
         else:
             full = self._queued_for_room() >= self._queue_size()
             if timeout <= 0 or (full and not self._displace(ticket)):

@@ -270,12 +270,13 @@ class AdmissionCore:
         does not count against the shared queue (it claims nothing)."""
         return sum(1 for w in self._waiters if w.gated is None)
 
-    def _queued_of(self, tenant: str) -> int:
-        """Waiters of ``tenant`` (by the name their ticket resolved)."""
+    def _parked_of(self, tenant: str) -> int:
+        """Waiters of ``tenant`` (by the name their ticket resolved) held by its limits."""
         return sum(
             1
             for w in self._waiters
-            if (w.ticket.tenant if w.ticket is not None else w.demand.tenant) == tenant
+            if w.gated is not None
+            and (w.ticket.tenant if w.ticket is not None else w.demand.tenant) == tenant
         )
 
     def _enqueue(self, w: _Waiter) -> None:

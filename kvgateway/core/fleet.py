@@ -122,11 +122,20 @@ class Fleet:
     def reap_drained(self) -> None:
         self._draining = [b for b in self._draining if b.in_flight > 0]
 
+    def _drain(self, b: Backend) -> None:
+        b.draining = True
+        self._draining.append(b)
+        self._discovered.pop(b.name, None)
+
     def _undrain(self, cfg: BackendConfig) -> Backend | None:
+        """The draining backend of this name, url and model, back in service: its
+        requests are still on it. What the node reported was forgotten when it left, so
+        it counts as unchecked until probed again (and its limits rediscovered)."""
         for b in self._draining:
             if b.name == cfg.name and b.config.url == cfg.url and b.model == cfg.model:
                 self._draining.remove(b)
                 b.draining = False
+                b.healthy = False
                 return b
         return None
 
@@ -140,24 +149,19 @@ class Fleet:
         for i, tier in enumerate(config.tiers):
             for cfg in tier.backends:
                 prev = old.pop(cfg.name, None)
-                if prev is None:
+                if prev is not None and (prev.config.url != cfg.url or prev.model != cfg.model):
+                    # Same name, different node: the old one drains, and the new one
+                    # starts unknown until probed (or is one still draining from before).
+                    self._drain(prev)
+                    changed.append(cfg.name)
+                    prev = self._undrain(cfg)
+                elif prev is None:
                     # Removed by an earlier reload and back before it drained: the same
                     # node, still holding its requests; one object, or its reservations
                     # are forgotten (and /metrics shows the name twice).
                     prev = self._undrain(cfg)
-                    if prev is not None:
-                        added.append(cfg.name)
-                        prev.config, prev.tier_index = cfg, i
-                if prev is None or prev.config.url != cfg.url or prev.model != cfg.model:
-                    if prev is not None:
-                        # Same name, different node: the old one drains, the new one starts
-                        # unknown until probed.
-                        prev.draining = True
-                        self._draining.append(prev)
-                        self._discovered.pop(cfg.name, None)
-                        changed.append(cfg.name)
-                    else:
-                        added.append(cfg.name)
+                    added.append(cfg.name)
+                if prev is None:
                     active.append(self._new_backend(cfg, i))
                     continue
                 if prev.config != cfg or prev.tier_index != i:
@@ -170,9 +174,7 @@ class Fleet:
                 )
                 active.append(prev)
         for gone in old.values():
-            gone.draining = True
-            self._draining.append(gone)
-            self._discovered.pop(gone.name, None)
+            self._drain(gone)
         self._active = active
         self._index()
         self.reap_drained()

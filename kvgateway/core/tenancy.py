@@ -90,6 +90,14 @@ class Tenancy:
         self._seq += 1
         return Ticket(t.name, klass, auth.rank(t), start, self._seq)
 
+    def refund(self, ticket: Ticket, tokens: int) -> None:
+        """A request tagged ``ticket`` was never served: if no later request of its
+        tenant was tagged since, its tenant's finish tag goes back to where it started
+        (as if it had never come; a later tag stays, or the tenant's order would change)."""
+        weight = self.tenant(ticket.tenant).weight
+        if self._finish.get(ticket.tenant) == ticket.start + tokens / weight:
+            self._finish[ticket.tenant] = ticket.start
+
     def gate(self, name: str, tokens: int, budget: int) -> str | None:
         """The tenant or class limit that keeps this request waiting now, if any."""
         auth = self._auth()

@@ -177,16 +177,20 @@ class WaitQueue(Generic[W]):
 
     def displaceable(self, ticket: Ticket, now: float, aging_s: float) -> W | None:
         """Queue full: the waiter to refuse for a newcomer holding ``ticket``: the last
-        one served of the lowest class below the newcomer's, or None."""
-        lower = [r for r in self._classes if r > ticket.rank]
-        if not lower:
-            return None
-        r = max(lower)
-        c = self._classes[r]
-        for entry in reversed(c.by_tag):  # the latest tag not lifted
-            if lift(r, entry[3].since, now, aging_s) <= 0:
-                return entry[3]
-        return c.by_arrival[-1][3]  # all lifted: the least lifted, newest
+        one served of the lowest class below the newcomer's, among those queued for room
+        (one held by its own tenant's limit takes no place in the queue: refusing it
+        would make none), or None."""
+        for r in sorted((r for r in self._classes if r > ticket.rank), reverse=True):
+            c = self._classes[r]
+            for entry in reversed(c.by_tag):  # the latest tags not lifted
+                w = entry[3]
+                if w.gated is None and lift(r, w.since, now, aging_s) <= 0:
+                    return w
+            for entry in reversed(c.by_arrival):  # then the least lifted, newest
+                w = entry[3]
+                if w.gated is None and lift(r, w.since, now, aging_s) > 0:
+                    return w
+        return None
 
 
 def _delete(entries: list[_Entry[W]], entry: _Entry[W]) -> None:

@@ -282,13 +282,14 @@ class FleetCollector(Collector):
             labels=labels,
         )
         now = self._now()
-        backends = self._backends()
         # A node replaced under the same name (new url) drains beside its successor: one
-        # series per name, the successor's (Prometheus rejects repeated label sets).
-        active = {b.name for b in backends if not b.draining}
-        for b in backends:
-            if b.draining and b.name in active:
+        # series per name, the active one's, else the first draining one's (Prometheus
+        # rejects a scrape with repeated label sets). Active backends come first.
+        seen: set[str] = set()
+        for b in self._backends():
+            if b.name in seen:
                 continue
+            seen.add(b.name)
             lv = [b.name, b.tier, b.model]
             fams["budget"].add_metric(lv, b.budget_tokens)
             fams["kv"].add_metric(lv, b.kv_cache_tokens)

@@ -32,10 +32,21 @@ _CHOICE = re.compile(rb'"index"\s*:')
 _ROLE = re.compile(rb'"role"\s*:')
 
 
+# The Responses API streams one delta event per token (text, reasoning, tool arguments).
+_RESPONSES_DELTA = re.compile(
+    rb'"type"\s*:\s*"response\.(?:output_text|reasoning_text|reasoning_summary_text'
+    rb'|function_call_arguments)\.delta"'
+)
+
+
 def count_stream_tokens(events: bytes) -> int:
     """Output tokens in a run of SSE events (an over-count never an under-count of
-    vLLM's one-token chunks: a finish-only chunk counts as one)."""
-    return max(0, len(_CHOICE.findall(events)) - len(_ROLE.findall(events)))
+    vLLM's one-token chunks: a finish-only chunk counts as one). Chat and completions
+    chunks are counted by their choices, Responses events by their deltas."""
+    chat = max(0, len(_CHOICE.findall(events)) - len(_ROLE.findall(events)))
+    if b"response." not in events:
+        return chat
+    return chat + len(_RESPONSES_DELTA.findall(events))
 
 
 def client_key(authorization: str) -> str:

@@ -171,8 +171,8 @@ async def _relay_events(
                     r.prefill_done()  # the prompt's blocks are in the node's cache now
                 ex.first_byte(state.clock())
                 state.outputs.on_events(live, events)
-                ex.streamed_tokens = live.generated
                 await out.write(events)
+                ex.streamed_tokens = live.generated  # relayed (a failed write was not)
                 if USAGE_MARKS[0] in events or USAGE_MARKS[1] in events:
                     usage = events
                 if _ends_stream(events):

@@ -161,3 +161,64 @@ async def test_a_node_reporting_more_than_max_tokens_is_not_believed(
             assert r.status == 200
             await r.read()
     assert (await tenant_view(fleet.url))["output_tokens_last_minute"] == 500
+
+
+def responses_node(tokens: int) -> web.Application:
+    """A /v1/responses stream: one output_text.delta event per token, as vLLM's."""
+
+    async def responses(request: web.Request) -> web.StreamResponse:
+        await request.json()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+
+        def event(kind: str, **fields: Any) -> bytes:
+            return f"event: {kind}\ndata: {json.dumps({'type': kind, **fields})}\n\n".encode()
+
+        await resp.write(event("response.created", response={"id": "r"}))
+        for i in range(tokens):
+            delta = {"sequence_number": i, "output_index": 0, "content_index": 0, "delta": " w"}
+            await resp.write(event("response.output_text.delta", **delta))
+            await asyncio.sleep(0.002)
+        usage = {"input_tokens": 9, "output_tokens": tokens, "total_tokens": 9 + tokens}
+        await resp.write(event("response.completed", response={"id": "r", "usage": usage}))
+        return resp
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response(
+            {"object": "list", "data": [{"id": SERVED, "max_model_len": 8192}]}
+        )
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response()
+
+    app = web.Application()
+    app.router.add_post("/v1/responses", responses)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    return app
+
+
+async def test_a_responses_client_leaving_mid_stream_is_charged_what_it_was_sent(
+    start_fleet: StartFleet, aiohttp_server: Any
+) -> None:
+    # Its deltas were not counted as tokens (they carry no choice index): it was charged 0.
+    node = await aiohttp_server(responses_node(300))
+    fleet = await gateway_over(start_fleet, str(node.make_url("")).rstrip("/"))
+    body = {"model": MODEL, "input": "hi", "max_output_tokens": 900, "stream": True}
+    got = 0
+    async with aiohttp.ClientSession() as s:
+        headers = {"Authorization": "Bearer k-etl"}
+        async with s.post(fleet.url + "/v1/responses", json=body, headers=headers) as r:
+            assert r.status == 200
+            async for line in r.content:
+                if line.startswith(b"data:") and b"output_text.delta" in line:
+                    got += 1
+                    if got == 100:
+                        break
+    for _ in range(100):
+        view = await tenant_view(fleet.url)
+        if view["kv_tokens"] == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert 100 <= view["output_tokens_last_minute"] <= 900
+    assert fleet.leaks() == {}

@@ -57,3 +57,18 @@ def test_a_backend_back_before_it_drained_is_the_same_backend_with_its_requests(
     assert a.reserved_tokens == 300
     fleet.adjust(a, -300, -1, -1)
     assert [b.name for b in fleet.backends] == ["a", "b"] and a.reserved_tokens == 0
+
+
+def test_a_node_given_back_its_old_url_is_its_old_backend_not_a_second_one():
+    # x moves to a new url while the old node holds 60,000 tokens, then comes back: one
+    # object for the old node (a fresh one offered 62,259 free tokens on a node with ~5k),
+    # and it counts as unchecked (what the node reported was dropped) until probed.
+    fleet = Fleet(_config(["x"]))
+    old = fleet.get("x")
+    assert old is not None
+    fleet.adjust(old, 60_000, 1, 1)
+    fleet.apply(_config(["x"], url="http://{}-new.invalid:9"), {})
+    fleet.apply(_config(["x"]), {})
+    assert fleet.get("x") is old and not old.draining and old.reserved_tokens == 60_000
+    assert not old.healthy  # probed again before it takes new work
+    assert [b.config.url for b in fleet.backends if b.name == "x"] == [old.config.url]

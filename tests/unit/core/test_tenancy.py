@@ -362,3 +362,57 @@ async def test_waiters_held_by_their_own_tenant_limit_do_not_fill_the_shared_que
     for task in parked:  # one at a time: e runs one request at most
         adm.release(await asyncio.wait_for(task, 0.5))
     assert b.reserved_tokens == 0 and adm.queue_depth == 0
+
+
+async def test_a_full_queue_never_displaces_a_request_parked_behind_its_own_limit():
+    # Refusing a parked request frees no place in the queue for room: the newcomer was
+    # queued anyway and the shared queue grew past queue_size (32 with queue_size 2),
+    # while every parked request was needlessly refused as displaced_by_priority.
+    b = backend("a", kv=2048, max_model_len=2048)
+    cfg = auth(tenant("i", "interactive"), tenant("e", "batch", max_concurrent=1), tenant("q"))
+    adm, _ = make([b], cfg, queue_size=2)
+    running = await adm.admit(of("e", 100, 10), 1.0)
+    big = await adm.admit(of("q", 1700, 100), 1.0)
+    waiting = [asyncio.create_task(adm.admit(of("q", 500, 100), 30.0)) for _ in range(2)]
+    await asyncio.sleep(0)
+    tasks = []
+    for _ in range(10):
+        tasks.append(asyncio.create_task(adm.admit(of("e", 100, 10), 30.0)))  # parks
+        await asyncio.sleep(0)
+        tasks.append(asyncio.create_task(adm.admit(of("i", 500, 100), 30.0)))  # needs room
+        await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    room = sum(1 for w in adm._waiters if w.gated is None)
+    assert room <= 2, room
+    parked = [t for t in tasks[0::2] if t.done()]
+    assert not any(
+        isinstance(t.exception(), Saturated) and t.exception().code == "displaced_by_priority"
+        for t in parked
+    )
+    for t in tasks + waiting:
+        t.cancel()
+    await asyncio.gather(*tasks, *waiting, return_exceptions=True)
+    adm.release(big)
+    adm.release(running)
+    assert b.reserved_tokens == 0 and adm.queue_depth == 0
+
+
+async def test_requests_refused_or_cancelled_do_not_push_their_tenant_back():
+    # 50 requests refused at once (the tenant's parking full) advanced its fair-queuing
+    # tag as if served: its next request queued behind others' later work.
+    b = backend("a", kv=2048, max_model_len=2048, seqs=1)
+    t = Tenancy(lambda: auth(tenant("e", max_concurrent=1), tenant("o")))
+    adm = admission_over(
+        [b], queue_size=1, tenancy=t, budget=lambda: b.budget_tokens, clock=lambda: 0.0
+    )
+    running = await adm.admit(of("e", 100, 10), 1.0)
+    parked = asyncio.create_task(adm.admit(of("e", 100, 10), 30.0))
+    await asyncio.sleep(0)
+    for _ in range(50):
+        with pytest.raises(Saturated):
+            await adm.admit(of("e", 1000, 100), 5.0)
+    parked.cancel()
+    await asyncio.gather(parked, return_exceptions=True)
+    adm.release(running)
+    # Served: one request of 112 tokens. Its next tag starts there, not at 55,424.
+    assert t.ticket("e", 100).start == running.tokens == 112

@@ -70,8 +70,9 @@ def test_order_claims_and_victim_match_the_definition_under_churn(seed):
                 newcomer, now, aging_s, live=lambda w: not w.done, claimed=everything
             )
             assert got == want
-            # The last one served of the lowest class below the newcomer's.
-            lower = [w for w in arrival if w.ticket.rank > rank]
+            # The last one served of the lowest class below the newcomer's, among those
+            # queued for room (not held by their tenant's limit).
+            lower = [w for w in arrival if w.ticket.rank > rank and w.gated is None]
             lowest = [w for w in lower if w.ticket.rank == max(v.ticket.rank for v in lower)]
             victim = by_key(lowest, now, aging_s)[-1] if lowest else None
             assert q.displaceable(newcomer, now, aging_s) is victim

@@ -21,3 +21,19 @@ def test_a_node_replaced_under_its_name_is_one_series_in_metrics():
         assert len(labels) == len(set(labels)), family.name
     reserved = next(f for f in collector.collect() if f.name == "gateway_backend_reserved_tokens")
     assert [s.value for s in reserved.samples] == [0]  # the successor's
+
+
+def test_two_draining_nodes_of_one_name_are_one_series():
+    fleet = Fleet(_config(["x", "y"]))
+    first = fleet.get("x")
+    assert first is not None
+    fleet.adjust(first, 100, 1, 1)
+    fleet.apply(_config(["x", "y"], url="http://{}-moved.invalid:9"), {})
+    second = fleet.get("x")
+    assert second is not None
+    fleet.adjust(second, 100, 1, 1)
+    fleet.apply(_config(["y"]), {})  # x removed: both x nodes drain
+    assert [b.name for b in fleet.backends].count("x") == 2
+    for family in FleetCollector(lambda: fleet.backends, lambda: 0.0).collect():
+        labels = [tuple(sorted(s.labels.items())) for s in family.samples]
+        assert len(labels) == len(set(labels)), family.name
