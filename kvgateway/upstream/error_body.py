@@ -10,6 +10,7 @@ the message; JSON error bodies pass through unchanged.
 from __future__ import annotations
 
 import json
+import re
 
 _TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
           404: "NotFoundError", 413: "BadRequestError", 422: "UnprocessableEntityError",
@@ -17,8 +18,16 @@ _TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDe
 _MAX_TEXT = 500
 
 
+# Bodies past this are not parsed on the event loop: one that opens as an error object
+# is taken for one (a 422 can echo a whole prompt back).
+_PARSE_LIMIT = 64 * 1024
+_ERROR_OPENING = re.compile(rb'\A\s*\{\s*"(?:error|object)"\s*:')
+
+
 def is_error_object(data: bytes) -> bool:
     """Whether ``data`` is a JSON error object an OpenAI client can read."""
+    if len(data) > _PARSE_LIMIT:
+        return _ERROR_OPENING.match(data) is not None
     try:
         body = json.loads(data)
     except (ValueError, RecursionError):

@@ -23,3 +23,10 @@ def test_error_objects_pass_and_anything_else_is_wrapped():
     }
     long = openai_error_body(400, b"x" * 10_000, "n1")
     assert len(long) < 700
+
+
+def test_a_large_body_is_judged_by_its_opening_not_parsed():
+    big = b'{"error": {"message": "' + b"x" * 300_000 + b'", "code": 422}}'
+    assert is_error_object(big) and openai_error_body(422, big, "n1") is big
+    page = b"<html>" + b"x" * 300_000
+    assert json.loads(openai_error_body(502, page, "n1"))["error"]["code"] == "upstream_502"
