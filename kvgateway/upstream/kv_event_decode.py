@@ -127,6 +127,7 @@ def _event(raw: Any) -> CacheEvent | None:
                 extra_keys=_extra_keys(fields),
                 group_idx=_optional(fields, "group_idx", int),
                 kind=_optional(fields, "kv_cache_spec_kind", str),
+                window=_optional(fields, "kv_cache_spec_sliding_window", int),
             )
         if tag == "BlockRemoved":
             return BlocksRemoved(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from aiohttp.test_utils import TestClient
 
 from kvgateway.capacity.layout import discovered_usable_tokens
@@ -223,3 +224,49 @@ def test_a_preset_hybrid_node_has_its_sliding_window_group() -> None:
     node = size_node("gpt-oss-20b", 80, ServeFlags())
     assert node.settings.kv_windows == (128, None)
     assert node.settings.kv_tokens == (node.settings.num_gpu_blocks - 1) // 2 * 16
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_the_gateways_view_of_a_hybrid_node_predicts_its_prefix_hits(seed: int) -> None:
+    # A hybrid node's events (sliding-window group 0, full attention 1), through the wire
+    # format into the gateway's precise prefix view: before each request, the blocks the
+    # view says it will hit are the blocks the node hits. Following only the full
+    # group over-predicted (a hit also needs the window's blocks before its end).
+    import random
+
+    from kvgateway.core.prefix_index import PrefixIndex
+    from kvgateway.core.prefix_keys import block_keys
+    from kvgateway.simulator.kv_events import encode_batch
+    from kvgateway.upstream.kv_event_decode import decode_batch
+
+    rng = random.Random(seed)
+    c = EngineCore(
+        EngineConfig(
+            num_gpu_blocks=120,
+            block_size=4,
+            max_model_len=512,
+            max_num_seqs=6,
+            max_num_batched_tokens=32,
+            cost=COST,
+            kv_windows=(8, None),
+            enable_kv_events=True,
+        )
+    )
+    index = PrefixIndex()
+    prefixes = [list(range(1000 * k, 1000 * k + rng.randint(8, 60))) for k in range(1, 8)]
+    wrong = 0
+    for _ in range(150):
+        ids = rng.choice(prefixes) + [rng.randint(1, 999) for _ in range(rng.randint(1, 20))]
+        believed = index.matched_blocks("n", block_keys(ids, 4)[: (len(ids) - 1) // 4], c.clock)
+        seq = add(c, ids, rng.randint(1, 6))
+        _, hit = c.kv.get_computed_blocks(seq)
+        wrong += believed * 4 != hit
+        for _ in range(rng.randint(0, 4)):
+            r = c.step(c.clock)
+            if r is None:
+                break
+            if r.kv_events:
+                index.apply_events(
+                    "n", decode_batch(encode_batch(r.kv_events, r.end)).events, r.end
+                )
+    assert wrong == 0

@@ -135,7 +135,7 @@ def test_simulator_payload_is_byte_identical_to_vllm_structs(array_like: bool) -
     assert decoded.events == (
         BlocksStored((11, 12), None, (1,) * 8, 4, "GPU", None, 0, "full_attention"),
         BlocksStored((13,), 12, (2,) * 4, 4, "GPU", None, 0, "full_attention"),
-        BlocksStored((11,), None, (1,) * 4, 4, "GPU", None, 1, "sliding_window"),
+        BlocksStored((11,), None, (1,) * 4, 4, "GPU", None, 1, "sliding_window", 128),
         BlocksRemoved((11,), "GPU", 0),
         BlocksRemoved((11,), "GPU", 1),
         AllCleared(),
