@@ -50,6 +50,8 @@ class GatewayError(Exception):
         self.param = param
         self.code = code or self.default_code
         self.retry_after = retry_after
+        # Headers the answer carries besides Retry-After (the tenant's x-ratelimit-*).
+        self.extra_headers: dict[str, str] = {}
 
     def body(self) -> dict[str, Any]:
         return {
@@ -66,8 +68,8 @@ class GatewayError(Exception):
 
     def headers(self) -> dict[str, str]:
         if self.retry_after is None:
-            return {}
-        return {"Retry-After": str(max(1, round(self.retry_after)))}
+            return dict(self.extra_headers)
+        return {**self.extra_headers, "Retry-After": str(max(1, round(self.retry_after)))}
 
 
 class BadRequest(GatewayError):

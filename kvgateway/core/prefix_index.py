@@ -171,12 +171,12 @@ class _Precise:
                 if self.full_group is None:
                     self.full_group = group
                 return self.full if group == self.full_group else None
-            if event.kind in SLIDING_KINDS and (event.window or 0) > 0 and group is not None:
-                window = self.sliding.get(group)
-                if window is None:
-                    window = self.sliding[group] = (event.window, _Blocks())
-                return window[1]
-            return None
+            if group is None:
+                return None
+            followed = self.sliding.get(group)
+            if followed is None:
+                followed = self.sliding[group] = (_reach(event), _Blocks())
+            return followed[1]
         if group is None:
             return self.full
         if group in self.sliding:
@@ -241,6 +241,19 @@ class _Precise:
                 n = _sliding_hit(keys, blocks.held, n, -(-(window - 1) // bs))
             if n == before:
                 return n
+
+
+def _reach(event: BlocksStored) -> int:
+    """How far back from a hit's end a group that is not full attention must hold blocks,
+    in tokens (the window): a sliding window its own; Mamba one block (its state at the
+    hit's end, vLLM's MambaManager); any other kind (chunked local attention, a kind
+    this gateway does not know) every block from the start, which never predicts a hit
+    the node would not give."""
+    if event.kind in SLIDING_KINDS and event.window is not None and event.window > 0:
+        return event.window
+    if event.kind == "mamba":
+        return 2  # cdiv(2 - 1, block_size) = 1 block
+    return 1 << 62
 
 
 def _sliding_hit(keys: Sequence[BlockKey], held: dict[BlockKey, int], limit: int, need: int) -> int:

@@ -16,7 +16,13 @@ from aiohttp import web
 
 from kvgateway.config.model import ModelConfig
 from kvgateway.core.backends import Backend
-from kvgateway.errors import BadRequest, ModelNotFound, NoHealthyBackend, UpstreamError
+from kvgateway.errors import (
+    BadRequest,
+    GatewayError,
+    ModelNotFound,
+    NoHealthyBackend,
+    UpstreamError,
+)
 from kvgateway.server.appkeys import STATE
 from kvgateway.server.body import read_limited
 from kvgateway.server.openai_request import parse_body
@@ -57,9 +63,14 @@ async def handle_passthrough(request: web.Request) -> web.StreamResponse:
         resp, data = await _relay(state, request, model, raw)
         served = True
         usage = find_usage(data) if b'"prompt_tokens"' in data else None
-        prompt = usage.prompt_tokens if usage is not None else None
+        # No input holds more tokens than its body has bytes (text or ids): a node
+        # reporting more is not believed (10^9 locked its tenant out for a minute).
+        prompt = min(usage.prompt_tokens, len(raw)) if usage is not None else None
         resp.headers.update(limit_headers)
         return resp
+    except GatewayError as err:
+        err.extra_headers = {**limit_headers, **err.extra_headers}
+        raise
     finally:
         state.quotas.settle(paid, 0, state.clock(), served=served, prompt=prompt)
 

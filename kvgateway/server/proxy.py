@@ -33,7 +33,14 @@ from kvgateway.server.exchange import CLIENT_GONE, Exchange, Failure, Outcome, f
 from kvgateway.server.openai_request import Kind
 from kvgateway.server.output_accounting import client_key
 from kvgateway.server.planning import plan_request, upstream_body, with_node_count
-from kvgateway.server.relay import answer_body, error_event, error_message, read_body, relay_stream
+from kvgateway.server.relay import (
+    answer_body,
+    error_event,
+    error_message,
+    is_event_stream,
+    read_body,
+    relay_stream,
+)
 from kvgateway.server.state import GatewayState
 from kvgateway.server.tenants import TENANT, charge, settle
 from kvgateway.server.tracing import Tracing, set_attributes
@@ -95,6 +102,8 @@ async def handle_completion(
         if isinstance(err, RateLimited):
             ex.limit_hit = err.param
         resp = error_response(err, rid)
+        for name, value in ex.limit_headers.items():  # charged: the tenant's limits too
+            resp.headers.setdefault(name, value)
         if state.draining:
             resp.force_close()  # leaving: the client reconnects elsewhere
         return resp
@@ -240,7 +249,7 @@ async def _attempt(
         return err
     async with resp:
         backend.consecutive_failures = 0
-        if counted.parsed.stream and resp.status == 200:
+        if counted.parsed.stream and resp.status == 200 and is_event_stream(resp):
             return await relay_stream(state, ex, resp, r)
         data = await read_body(state, ex, resp, r)
         if resp.status == 400 and not counted.prompt.exact and not ex.recounted:

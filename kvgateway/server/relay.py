@@ -18,7 +18,7 @@ from kvgateway.server.exchange import Exchange, Failure, Outcome
 from kvgateway.server.output_accounting import LiveRequest
 from kvgateway.server.state import GatewayState
 from kvgateway.upstream.client import USAGE_MARKS, MidStreamError, UpstreamResponse, find_usage
-from kvgateway.upstream.error_body import is_error_object, openai_error_body
+from kvgateway.upstream.error_body import is_error_object, is_json_object, openai_error_body
 
 MAX_RESPONSE_BYTES = 256 * 1024 * 1024
 
@@ -101,9 +101,25 @@ def error_message(data: bytes) -> str:
     return message if isinstance(message, str) else ""
 
 
+def is_event_stream(resp: UpstreamResponse) -> bool:
+    """A streamed answer (vLLM's text/event-stream); anything else is answered whole."""
+    return resp.header("content-type").lower().startswith("text/event-stream")
+
+
 def answer_body(
     state: GatewayState, ex: Exchange, resp: UpstreamResponse, r: Reservation, data: bytes
 ) -> web.Response:
+    if resp.status == 200 and not is_json_object(data):
+        # Not an answer an OpenAI client can read (plain text, HTML, cut-off JSON): the
+        # SDK would hand the caller a bare string. A bad gateway, and nothing generated.
+        ex.record.outcome = "backend_invalid_answer"
+        r.backend.note_rejection(state.clock())
+        ex.first_byte(state.clock())
+        headers = gateway_headers(ex, r)
+        body = openai_error_body(502, data, r.backend.name, code="upstream_invalid_answer")
+        return web.Response(
+            status=502, body=body, content_type="application/json", headers=headers
+        )
     if resp.status == 200:
         _reconcile(state, ex, r, data, None)
         ex.record.outcome = Outcome.OK

@@ -61,12 +61,18 @@ class Usage:
 
 
 def find_usage(data: bytes) -> Usage | None:
-    """Usage from a response body or final stream chunk (it sits near the end)."""
-    tail = data[-2048:]
-    m = _USAGE_RE.search(tail) or _USAGE_RE.search(data)
+    """Usage from a response body or final stream chunk: read from the last ``"usage"``
+    key on. What comes before it can hold client-made keys named like usage fields (a
+    Responses answer echoes the request's JSON schema and tools just before its usage);
+    what follows it cannot (string content is escaped, so no bare key appears in it)."""
+    at = data.rfind(b'"usage"')
+    if at < 0:
+        return None
+    tail = data[at:]
+    m = _USAGE_RE.search(tail)
     if m is None:
         return None
-    c = _COMPLETION_RE.search(tail) or _COMPLETION_RE.search(data)
+    c = _COMPLETION_RE.search(tail)
     return Usage(int(m.group(1)), int(c.group(1)) if c else None)
 
 
@@ -87,6 +93,11 @@ class UpstreamResponse:
     @property
     def status(self) -> int:
         return self._conn.status
+
+    def header(self, name: str) -> str:
+        """One header's value ("" if absent)."""
+        wanted = name.lower()
+        return next((v for k, v in self._conn.headers if k.lower() == wanted), "")
 
     def relay_headers(self) -> dict[str, str]:
         """The node's headers minus hop-by-hop and length headers (each side sets its own)."""

@@ -40,9 +40,15 @@ def is_error_object(data: bytes) -> bool:
     return body.get("object") == "error" and isinstance(body.get("message"), str)
 
 
-def openai_error_body(status: int, data: bytes, backend: str) -> bytes:
+def is_json_object(data: bytes) -> bool:
+    """Whether a 200 answer is shaped as a JSON object (checked at its ends only: the
+    gateway never parses whole answers)."""
+    return data.lstrip()[:1] == b"{" and data.rstrip()[-1:] == b"}"
+
+
+def openai_error_body(status: int, data: bytes, backend: str, *, code: str = "") -> bytes:
     """``data`` if it is an error object already, else one wrapping its text."""
-    if is_error_object(data):
+    if is_error_object(data) and status >= 400:
         return data
     text = data[:_MAX_TEXT].decode("utf-8", "replace").strip()
     message = f"Backend {backend} answered {status}" + (f": {text}" if text else ".")
@@ -50,6 +56,6 @@ def openai_error_body(status: int, data: bytes, backend: str) -> bytes:
         "message": message,
         "type": _TYPES.get(status, "BadRequestError" if status < 500 else "InternalServerError"),
         "param": None,
-        "code": f"upstream_{status}",
+        "code": code or f"upstream_{status}",
     }
     return json.dumps({"error": error}).encode()

@@ -222,3 +222,62 @@ async def test_a_responses_client_leaving_mid_stream_is_charged_what_it_was_sent
         await asyncio.sleep(0.05)
     assert 100 <= view["output_tokens_last_minute"] <= 900
     assert fleet.leaks() == {}
+
+
+def odd_node() -> web.Application:
+    """Answers chat with a 200 in plain text, and embeddings with a usage of 10^9."""
+
+    async def chat(request: web.Request) -> web.Response:
+        await request.json()
+        return web.Response(text="hello plain text", content_type="text/plain")
+
+    async def embeddings(request: web.Request) -> web.Response:
+        await request.json()
+        usage = {"prompt_tokens": 10**9, "total_tokens": 10**9}
+        data = [{"object": "embedding", "index": 0, "embedding": [0.0]}]
+        return web.json_response({"object": "list", "data": data, "usage": usage})
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response(
+            {"object": "list", "data": [{"id": SERVED, "max_model_len": 8192}]}
+        )
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response()
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_post("/v1/embeddings", embeddings)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    return app
+
+
+async def test_answers_no_client_can_read_are_a_bad_gateway_and_cost_nothing(
+    start_fleet: StartFleet, aiohttp_server: Any
+) -> None:
+    # A 200 in plain text was relayed (the SDK returned a bare string) and charged the
+    # whole max_tokens; a node's 10^9 prompt tokens on embeddings locked the tenant out.
+    node = await aiohttp_server(odd_node())
+    fleet = await gateway_over(start_fleet, str(node.make_url("")).rstrip("/"))
+    headers = {"Authorization": "Bearer k-etl"}
+    async with aiohttp.ClientSession() as s:
+        for stream in (False, True):
+            body = {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 50,
+                "stream": stream,
+            }
+            async with s.post(fleet.url + "/v1/chat/completions", json=body, headers=headers) as r:
+                assert r.status == 502 and r.content_type == "application/json"
+                err = (await r.json())["error"]
+                assert err["code"] == "upstream_invalid_answer"
+                assert "x-ratelimit-limit-output-tokens" in r.headers  # charged: its limits
+        body = {"model": MODEL, "input": "hello"}
+        async with s.post(fleet.url + "/v1/embeddings", json=body, headers=headers) as r:
+            assert r.status == 200
+    view = await tenant_view(fleet.url)
+    assert view["output_tokens_last_minute"] == 0
+    assert view["prompt_tokens_last_minute"] < 10_000  # at most the body's bytes
+    assert fleet.leaks() == {}

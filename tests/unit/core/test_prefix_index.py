@@ -92,7 +92,7 @@ def test_a_hybrid_node_is_followed_by_its_full_attention_group_whatever_its_numb
     index = PrefixIndex()
     prompt = list(range(12))
     keys = block_keys(prompt, 4)
-    sw = {"group_idx": 0, "kind": "sliding_window"}
+    sw = {"group_idx": 0, "kind": "sliding_window", "window": 4}
     full = {"group_idx": 1, "kind": "full_attention"}
     index.apply_events(
         "n",
@@ -103,7 +103,9 @@ def test_a_hybrid_node_is_followed_by_its_full_attention_group_whatever_its_numb
     index.apply_events("n", [BlocksRemoved((1, 2), group_idx=0)], now=0.0)  # out of window
     assert index.matched_blocks("n", keys, now=0.0) == 3
     index.apply_events("n", [BlocksRemoved((2,), group_idx=1)], now=0.0)  # evicted for good
-    assert index.matched_blocks("n", keys, now=0.0) == 1
+    # One block left in full attention, but the window's block before it is gone too:
+    # vLLM's hybrid lookup hits nothing.
+    assert index.matched_blocks("n", keys, now=0.0) == 0
     # Events without kinds (older vLLM): group 0 or unnumbered, as before.
     old = PrefixIndex()
     old.apply_events("n", [stored([1], None, prompt[:4], group_idx=0)], now=0.0)
@@ -166,3 +168,23 @@ def test_expected_blocks_decay_with_age_unless_reported_by_events() -> None:
     index.apply_events("b", [BlocksStored((1, 2), None, tuple(range(8)), 4)], now=0.0)
     assert index.expected_blocks("b", keys, now=1_000.0) == 2.0
     assert index.expected_blocks("c", keys, now=0.0) == 0.0
+
+
+@pytest.mark.parametrize(("kind", "hit"), [("mamba", 4), ("chunked_local_attention", 4)])
+def test_mamba_and_other_groups_cut_a_hybrid_hit_back(kind: str, hit: int) -> None:
+    # Jamba / Nemotron-H / Qwen3-Next (Mamba), Llama 4 (chunked local attention): vLLM's
+    # hybrid lookup needs those groups too; their events were ignored, so the view
+    # predicted the whole full-attention run (8 blocks) where the node hits 4.
+    index = PrefixIndex()
+    prompt = list(range(40))
+    keys = block_keys(prompt, 4)
+    full = {"group_idx": 0, "kind": "full_attention"}
+    other = {"group_idx": 1, "kind": kind}
+    hashes = list(range(1, 11))
+    index.apply_events(
+        "n",
+        [stored(hashes, None, prompt, **full), stored(hashes, None, prompt, **other)],
+        now=0.0,
+    )
+    index.apply_events("n", [BlocksRemoved(tuple(hashes[4:]), group_idx=1)], now=0.0)
+    assert index.matched_blocks("n", keys[:8], now=0.0) == hit
