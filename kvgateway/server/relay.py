@@ -117,9 +117,7 @@ def answer_body(
         ex.first_byte(state.clock())
         headers = gateway_headers(ex, r)
         body = openai_error_body(502, data, r.backend.name, code="upstream_invalid_answer")
-        return web.Response(
-            status=502, body=body, content_type="application/json", headers=headers
-        )
+        return web.Response(status=502, body=body, content_type="application/json", headers=headers)
     if resp.status == 200:
         _reconcile(state, ex, r, data, None)
         ex.record.outcome = Outcome.OK
