@@ -15,7 +15,7 @@ from typing import Any
 
 import msgspec
 
-from kvgateway.core.prefix_index import (
+from kvgateway.core.cache_view import (
     AllCleared,
     BlocksRemoved,
     BlocksStored,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -17,6 +18,28 @@ AUTH = {
     "classes": [{"name": "batch"}],
     "keys": [{"name": "etl", "key": "k-etl", "limits": {"output_tokens_per_minute": 100_000}}],
 }
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def node_app(posts: dict[str, Handler]) -> web.Application:
+    """A vLLM-shaped node: the given POST routes, /v1/models (8k context) and /health."""
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response(
+            {"object": "list", "data": [{"id": SERVED, "max_model_len": 8192}]}
+        )
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response()
+
+    app = web.Application()
+    for path, handler in posts.items():
+        app.router.add_post(path, handler)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    return app
 
 
 def _chunk(delta: dict[str, Any] | None, finish: str | None = None) -> bytes:
@@ -47,19 +70,7 @@ def vllm_like_node(tokens: int, pause_s: float, reported: int | None = None) -> 
         await resp.write(b"data: [DONE]\n\n")
         return resp
 
-    async def models(request: web.Request) -> web.Response:
-        return web.json_response(
-            {"object": "list", "data": [{"id": SERVED, "max_model_len": 8192}]}
-        )
-
-    async def health(request: web.Request) -> web.Response:
-        return web.Response()
-
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", chat)
-    app.router.add_get("/v1/models", models)
-    app.router.add_get("/health", health)
-    return app
+    return node_app({"/v1/chat/completions": chat})
 
 
 async def gateway_over(start_fleet: StartFleet, url: str) -> Any:
@@ -183,19 +194,7 @@ def responses_node(tokens: int) -> web.Application:
         await resp.write(event("response.completed", response={"id": "r", "usage": usage}))
         return resp
 
-    async def models(request: web.Request) -> web.Response:
-        return web.json_response(
-            {"object": "list", "data": [{"id": SERVED, "max_model_len": 8192}]}
-        )
-
-    async def health(request: web.Request) -> web.Response:
-        return web.Response()
-
-    app = web.Application()
-    app.router.add_post("/v1/responses", responses)
-    app.router.add_get("/v1/models", models)
-    app.router.add_get("/health", health)
-    return app
+    return node_app({"/v1/responses": responses})
 
 
 async def test_a_responses_client_leaving_mid_stream_is_charged_what_it_was_sent(
@@ -237,20 +236,7 @@ def odd_node() -> web.Application:
         data = [{"object": "embedding", "index": 0, "embedding": [0.0]}]
         return web.json_response({"object": "list", "data": data, "usage": usage})
 
-    async def models(request: web.Request) -> web.Response:
-        return web.json_response(
-            {"object": "list", "data": [{"id": SERVED, "max_model_len": 8192}]}
-        )
-
-    async def health(request: web.Request) -> web.Response:
-        return web.Response()
-
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", chat)
-    app.router.add_post("/v1/embeddings", embeddings)
-    app.router.add_get("/v1/models", models)
-    app.router.add_get("/health", health)
-    return app
+    return node_app({"/v1/chat/completions": chat, "/v1/embeddings": embeddings})
 
 
 async def test_answers_no_client_can_read_are_a_bad_gateway_and_cost_nothing(

@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvgateway.core.prefix_index import AllCleared, BlocksRemoved, BlocksStored, PrefixIndex
+from kvgateway.core.cache_view import AllCleared, BlocksRemoved, BlocksStored
+from kvgateway.core.prefix_index import PrefixIndex
 from kvgateway.core.prefix_keys import ROOT_KEY, block_keys, request_extra_keys
 
 

@@ -12,7 +12,8 @@ import zmq.asyncio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvgateway.core.prefix_index import AllCleared, BlocksRemoved, BlocksStored, PrefixIndex
+from kvgateway.core.cache_view import AllCleared, BlocksRemoved, BlocksStored
+from kvgateway.core.prefix_index import PrefixIndex
 from kvgateway.core.prefix_keys import block_keys
 from kvgateway.simulator.block_pool import (
     AllBlocksCleared,
