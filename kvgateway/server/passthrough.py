@@ -63,9 +63,12 @@ async def handle_passthrough(request: web.Request) -> web.StreamResponse:
         resp, data = await _relay(state, request, model, raw)
         served = True
         usage = find_usage(data) if b'"prompt_tokens"' in data else None
-        # No input holds more tokens than its body has bytes (text or ids): a node
-        # reporting more is not believed (10^9 locked its tenant out for a minute).
-        prompt = min(usage.prompt_tokens, len(raw)) if usage is not None else None
+        if usage is not None:
+            # Not more than each input (or query-document pair) at the longest context
+            # the model's nodes take: a node reporting 10^9 is not believed (it locked
+            # its tenant out for a minute).
+            context = state.fleet.largest_context(model.name) or usage.prompt_tokens
+            prompt = min(usage.prompt_tokens, _inputs(body) * context)
         resp.headers.update(limit_headers)
         return resp
     except GatewayError as err:
@@ -115,6 +118,18 @@ async def _relay(
     if last is not None:
         raise last
     raise NoHealthyBackend(f"No healthy backend for model '{model.name}'.", retry_after=5)
+
+
+def _inputs(body: dict[str, Any]) -> int:
+    """How many sequences the node encodes for this request (each at most its context):
+    embeddings' inputs, score's pairs, rerank's documents; one otherwise."""
+    counts = [1]
+    for field in ("input", "documents", "text_1", "text_2", "data_1", "data_2", "messages"):
+        value = body.get(field)
+        if isinstance(value, list) and value:
+            # A list of token ids is one input; a list of lists or strings is many.
+            counts.append(1 if all(isinstance(v, int) for v in value) else len(value))
+    return max(counts)
 
 
 def _model(state: GatewayState, body: dict[str, Any]) -> ModelConfig:

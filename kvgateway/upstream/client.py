@@ -60,14 +60,23 @@ class Usage:
     completion_tokens: int | None
 
 
+_USAGE_KEY = re.compile(rb"\s*:\s*\{")
+
+
 def find_usage(data: bytes) -> Usage | None:
-    """Usage from a response body or final stream chunk: read from the last ``"usage"``
-    key on. What comes before it can hold client-made keys named like usage fields (a
-    Responses answer echoes the request's JSON schema and tools just before its usage);
-    what follows it cannot (string content is escaped, so no bare key appears in it)."""
-    at = data.rfind(b'"usage"')
-    if at < 0:
-        return None
+    """Usage from a response body or final stream chunk: read from the last ``usage``
+    *key* (``"usage": {``) on. What comes before it can hold client-made keys named like
+    usage fields (a Responses answer echoes the request's JSON schema and tools just
+    before its usage); a string value "usage" after it (a rerank document echoed, a
+    prompt token in prompt_logprobs, a Responses ``user``) is never followed by a colon."""
+    end = len(data)
+    while True:
+        at = data.rfind(b'"usage"', 0, end)
+        if at < 0:
+            return None
+        if _USAGE_KEY.match(data, at + 7):
+            break
+        end = at
     tail = data[at:]
     m = _USAGE_RE.search(tail)
     if m is None:

@@ -265,5 +265,5 @@ async def test_answers_no_client_can_read_are_a_bad_gateway_and_cost_nothing(
             assert r.status == 200
     view = await tenant_view(fleet.url)
     assert view["output_tokens_last_minute"] == 0
-    assert view["prompt_tokens_last_minute"] < 10_000  # at most the body's bytes
+    assert view["prompt_tokens_last_minute"] < 10_000  # at most one input at 8k context
     assert fleet.leaks() == {}

@@ -148,3 +148,19 @@ async def test_responses_api_output_is_settled_with_its_usage(start_fleet: Start
     produced += json.loads(done[-1].removeprefix("data: "))["response"]["usage"]["output_tokens"]
     view = {t["name"]: t for t in (await admin(fleet, "k-etl"))["tenants"]}
     assert view["etl"]["output_tokens_last_minute"] == produced < 600
+
+
+async def test_score_pairs_are_charged_what_the_node_counted(start_fleet: StartFleet, monkeypatch):
+    # The node counts the query once per document: a legitimate count can exceed the
+    # request's bytes many times (a bytes cap charged 2,027 of 18,050).
+    monkeypatch.setenv("ETL_KEYS", "k-etl")
+    fleet = await start_fleet([("only", "small", "gpu24-8b", {})], gateway={"auth": AUTH})
+    body = {"model": MODEL, "text_1": "the quick brown fox jumps " * 40, "text_2": ["a"] * 50}
+    async with aiohttp.ClientSession() as s:
+        headers = {"Authorization": "Bearer k-etl"}
+        async with s.post(fleet.url + "/v1/score", json=body, headers=headers) as r:
+            assert r.status == 200
+            reported = (await r.json())["usage"]["prompt_tokens"]
+    assert reported > len(json.dumps(body))
+    view = {t["name"]: t for t in (await admin(fleet, "k-etl"))["tenants"]}
+    assert view["etl"]["prompt_tokens_last_minute"] == reported

@@ -28,3 +28,22 @@ def test_usage_fields_planted_in_echoed_request_json_are_not_read():
     chat = {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 7}}
     assert find_usage(json.dumps(chat).encode()) == Usage(5, 7)
     assert find_usage(b'{"usage": null}') is None and find_usage(b"{}") is None
+
+
+def test_a_string_value_usage_after_the_real_usage_is_not_taken_for_it():
+    # vLLM's rerank answer echoes documents after its usage; chat's prompt_logprobs come
+    # after usage too: a document or token "usage" hid the real usage (charged 0, or
+    # the whole max_tokens).
+    rerank = {
+        "id": "r",
+        "usage": {"prompt_tokens": 367, "total_tokens": 367},
+        "results": [{"index": 0, "document": {"text": "usage"}, "relevance_score": 0.5}],
+    }
+    assert find_usage(json.dumps(rerank).encode()) == Usage(367, None)
+    chat = {
+        "choices": [],
+        "usage": {"prompt_tokens": 12, "completion_tokens": 285},
+        "prompt_logprobs": [None, {"42": {"logprob": -1.0, "decoded_token": "usage"}}],
+    }
+    assert find_usage(json.dumps(chat).encode()) == Usage(12, 285)
+    assert find_usage(b'{"a": "usage", "b": "usage"}') is None
