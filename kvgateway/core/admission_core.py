@@ -430,9 +430,9 @@ class AdmissionCore:
         overflow = self._offload_overflow()
         for w in self._ordered():
             if w.future.done():
-                self._waiters.remove(w)
-                self._dequeued(w)
-                pruned.append(w)
+                if self._waiters.discard(w):  # not taken out since the snapshot
+                    self._dequeued(w)
+                    pruned.append(w)
                 continue
             if b.name not in w.claims:
                 continue
