@@ -110,11 +110,11 @@ class Admission(AdmissionCore):
             # Held by its own tenant's limit: it waits in its tenant's share of the
             # queue (queue_size of them at most), never in the room others queue in.
             name = ticket.tenant if ticket is not None else demand.tenant
-            parked = self._parked_of(name)
+            parked = self._waiters.parked_of(name, _tenant_of)
             if timeout <= 0 or parked >= self._queue_size():
                 raise tenant_queue_full_error(name, gated, parked)
         else:
-            full = self._queued_for_room() >= self._queue_size()
+            full = self._waiters.waiting_for_room() >= self._queue_size()
             if timeout <= 0 or (full and not self._displace(ticket)):
                 raise Saturated(
                     "Every backend that can hold this request is at its KV-cache budget "
@@ -157,3 +157,9 @@ class Admission(AdmissionCore):
             self.release(fut.result())
         else:
             fut.cancel()
+
+
+def _tenant_of(w: _Waiter) -> str:
+    """The name a waiter's ticket resolved (a tenant gone from the config on reload is
+    the default), else the one it asked as."""
+    return w.ticket.tenant if w.ticket is not None else w.demand.tenant

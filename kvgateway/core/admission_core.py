@@ -265,20 +265,6 @@ class AdmissionCore:
             could = [b for b in could if not b.offload]
         return frozenset(b.name for b in could)
 
-    def _queued_for_room(self) -> int:
-        """Waiters queued for room on a backend: a waiter held by its own tenant's limit
-        does not count against the shared queue (it claims nothing)."""
-        return sum(1 for w in self._waiters if w.gated is None)
-
-    def _parked_of(self, tenant: str) -> int:
-        """Waiters of ``tenant`` (by the name their ticket resolved) held by its limits."""
-        return sum(
-            1
-            for w in self._waiters
-            if w.gated is not None
-            and (w.ticket.tenant if w.ticket is not None else w.demand.tenant) == tenant
-        )
-
     def _enqueue(self, w: _Waiter) -> None:
         self._waiters.append(w)
         self._claim_counts.update(w.claims)

@@ -102,6 +102,15 @@ class WaitQueue(Generic[W]):
         self.remove(w)
         return True
 
+    def waiting_for_room(self) -> int:
+        """Waiters queued for room on a backend: one held by its own tenant's limit does
+        not count against the shared queue (it claims nothing)."""
+        return sum(1 for w in self._arrival if w.gated is None)
+
+    def parked_of(self, tenant: str, tenant_of: Callable[[W], str]) -> int:
+        """Waiters of ``tenant`` (as ``tenant_of`` names a waiter's) held by its limits."""
+        return sum(1 for w in self._arrival if w.gated is not None and tenant_of(w) == tenant)
+
     # ---- serving order ----------------------------------------------------------
 
     def ordered(self, now: float, aging_s: float) -> Iterator[W]:

@@ -86,6 +86,12 @@ async def gateway_over(start_fleet: StartFleet, url: str) -> Any:
     raise AssertionError("the node never became healthy")
 
 
+def chat(max_tokens: int, **extra: Any) -> dict[str, Any]:
+    """A one-message chat request body."""
+    messages = [{"role": "user", "content": "hi"}]
+    return {"model": MODEL, "messages": messages, "max_tokens": max_tokens, **extra}
+
+
 async def tenant_view(url: str) -> dict[str, Any]:
     async with aiohttp.ClientSession() as s:
         headers = {"Authorization": "Bearer k-etl"}
@@ -100,13 +106,7 @@ async def test_usage_read_apart_from_done_settles_the_stream(
     node = await aiohttp_server(vllm_like_node(tokens=20, pause_s=0.05))
     url = str(node.make_url("")).rstrip("/")
     fleet = await gateway_over(start_fleet, url)
-    body = {
-        "model": MODEL,
-        "messages": [{"role": "user", "content": "hi"}],
-        "max_tokens": 500,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
+    body = chat(500, stream=True, stream_options={"include_usage": True})
     async with aiohttp.ClientSession() as s:
         headers = {"Authorization": "Bearer k-etl"}
         async with s.post(fleet.url + "/v1/chat/completions", json=body, headers=headers) as r:
@@ -125,12 +125,7 @@ async def test_a_client_leaving_mid_stream_is_charged_what_it_was_sent(
     node = await aiohttp_server(vllm_like_node(tokens=300, pause_s=0.0))
     url = str(node.make_url("")).rstrip("/")
     fleet = await gateway_over(start_fleet, url)
-    body = {
-        "model": MODEL,
-        "messages": [{"role": "user", "content": "hi"}],
-        "max_tokens": 900,
-        "stream": True,
-    }
+    body = chat(900, stream=True)
     got = 0
     async with aiohttp.ClientSession() as s:
         headers = {"Authorization": "Bearer k-etl"}
@@ -159,13 +154,7 @@ async def test_a_node_reporting_more_than_max_tokens_is_not_believed(
     # and refused for a minute. It is charged at most max_tokens x n.
     node = await aiohttp_server(vllm_like_node(tokens=20, pause_s=0.0, reported=10**9))
     fleet = await gateway_over(start_fleet, str(node.make_url("")).rstrip("/"))
-    body = {
-        "model": MODEL,
-        "messages": [{"role": "user", "content": "hi"}],
-        "max_tokens": 500,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
+    body = chat(500, stream=True, stream_options={"include_usage": True})
     async with aiohttp.ClientSession() as s:
         headers = {"Authorization": "Bearer k-etl"}
         async with s.post(fleet.url + "/v1/chat/completions", json=body, headers=headers) as r:
@@ -249,12 +238,7 @@ async def test_answers_no_client_can_read_are_a_bad_gateway_and_cost_nothing(
     headers = {"Authorization": "Bearer k-etl"}
     async with aiohttp.ClientSession() as s:
         for stream in (False, True):
-            body = {
-                "model": MODEL,
-                "messages": [{"role": "user", "content": "hi"}],
-                "max_tokens": 50,
-                "stream": stream,
-            }
+            body = chat(50, stream=stream)
             async with s.post(fleet.url + "/v1/chat/completions", json=body, headers=headers) as r:
                 assert r.status == 502 and r.content_type == "application/json"
                 err = (await r.json())["error"]

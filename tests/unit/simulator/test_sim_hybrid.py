@@ -17,16 +17,25 @@ COST = CostModel(
 )
 
 
-def core(windows: tuple[int | None, ...], blocks: int = 17) -> EngineCore:
+def core(
+    windows: tuple[int | None, ...],
+    blocks: int = 17,
+    *,
+    events: bool = False,
+    mml: int = 256,
+    seqs: int = 8,
+    batch: int = 64,
+) -> EngineCore:
     return EngineCore(
         EngineConfig(
             num_gpu_blocks=blocks,
             block_size=4,
-            max_model_len=256,
-            max_num_seqs=8,
-            max_num_batched_tokens=64,
+            max_model_len=mml,
+            max_num_seqs=seqs,
+            max_num_batched_tokens=batch,
             cost=COST,
             kv_windows=windows,
+            enable_kv_events=events,
         )
     )
 
@@ -139,18 +148,7 @@ def test_groups_are_numbered_by_first_layer_and_events_name_their_group() -> Non
 
     layout = kv_layout(preset_arch("gpt-oss-20b"), 1, "auto")
     assert [g.sliding_window for g in layout.groups] == [128, None]
-    c = EngineCore(
-        EngineConfig(
-            num_gpu_blocks=17,
-            block_size=4,
-            max_model_len=256,
-            max_num_seqs=8,
-            max_num_batched_tokens=64,
-            cost=COST,
-            kv_windows=(8, None),
-            enable_kv_events=True,
-        )
-    )
+    c = core((8, None), 17, events=True)
     seq = add(c, list(range(20)), 12)
     stored = []
     removed = []
@@ -174,18 +172,7 @@ def test_a_request_touches_every_groups_hits_before_taking_new_blocks() -> None:
     # The pool nearly full of cached blocks: a request hitting a 32-token prefix in both
     # groups, whose sliding-window group (0) took its new blocks first, popped and
     # evicted its own full-attention hits (vLLM touches all groups' hits first).
-    c = EngineCore(
-        EngineConfig(
-            num_gpu_blocks=25,
-            block_size=4,
-            max_model_len=256,
-            max_num_seqs=8,
-            max_num_batched_tokens=64,
-            cost=COST,
-            kv_windows=(8, None),
-            enable_kv_events=True,
-        )
-    )
+    c = core((8, None), 25, events=True)
     prefix = list(range(1000, 1032))  # 8 blocks
     add(c, prefix, 1)
     drain(c)
@@ -240,18 +227,7 @@ def test_the_gateways_view_of_a_hybrid_node_predicts_its_prefix_hits(seed: int) 
     from kvgateway.upstream.kv_event_decode import decode_batch
 
     rng = random.Random(seed)
-    c = EngineCore(
-        EngineConfig(
-            num_gpu_blocks=120,
-            block_size=4,
-            max_model_len=512,
-            max_num_seqs=6,
-            max_num_batched_tokens=32,
-            cost=COST,
-            kv_windows=(8, None),
-            enable_kv_events=True,
-        )
-    )
+    c = core((8, None), 120, events=True, mml=512, seqs=6, batch=32)
     index = PrefixIndex()
     prefixes = [list(range(1000 * k, 1000 * k + rng.randint(8, 60))) for k in range(1, 8)]
     wrong = 0
