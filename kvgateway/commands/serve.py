@@ -207,8 +207,8 @@ async def serve(
     if reloader is not None:
         loop.add_signal_handler(signal.SIGHUP, reloader.request)
     watcher = (
-        asyncio.create_task(watch_file(app, config_path), name="config-watch")
-        if watch and config_path
+        asyncio.create_task(watch_file(reloader.request, config_path), name="config-watch")
+        if watch and reloader is not None and config_path
         else None
     )
     orphan_watch = (

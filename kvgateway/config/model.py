@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
+from urllib.parse import urlsplit
 
 from kvgateway.tokens.spec import TokenizerConfig
 
@@ -179,10 +180,26 @@ class DnsGroupConfig:
     lookup: str = "address"
 
     def member(self, address: str, port: int | None = None) -> BackendConfig:
-        """The backend at one resolved address (IPv4 or IPv6, without brackets)."""
+        """The backend at one resolved address (IPv4 or IPv6, without brackets). Its KV
+        events come from that address too: the template's ``kv_events`` names the
+        group's DNS name as host (each pod publishes on its own address)."""
         host = f"[{address}]" if ":" in address else address
         where = f"{host}:{self.port if port is None else port}"
-        return replace(self.template, name=f"{self.name}@{where}", url=f"{self.scheme}://{where}")
+        t = self.template
+        return replace(
+            t,
+            name=f"{self.name}@{where}",
+            url=f"{self.scheme}://{where}",
+            kv_events=_at_host(t.kv_events, host),
+            kv_events_replay=_at_host(t.kv_events_replay, host),
+        )
+
+
+def _at_host(endpoint: str | None, host: str) -> str | None:
+    """``tcp://NAME:PORT`` with ``host`` for NAME."""
+    if endpoint is None:
+        return None
+    return f"tcp://{host}:{urlsplit(endpoint).port}"
 
 
 @dataclass(frozen=True, slots=True)

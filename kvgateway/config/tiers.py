@@ -85,6 +85,15 @@ def _dns_group(
     scheme = s.choice("scheme", ("http", "https"), "http")
     interval = s.number("resolve_interval_s", 10.0)
     template = _backend_settings(s, f"{scheme}://{dns}:{port}", tier, offload, models, timeouts)
+    for key in ("kv_events", "kv_events_replay"):
+        endpoint = getattr(template, key)
+        if endpoint is not None and urlsplit(endpoint).hostname != dns.lower():
+            # One publisher for every member would credit each with the others' caches.
+            s.fail(
+                key,
+                f"a dns group's members publish on their own addresses: give "
+                f"tcp://{dns}:PORT (each member's address takes the name's place), got \"{endpoint}\"",
+            )
     return DnsGroupConfig(
         name=template.name,
         dns=dns,

@@ -55,6 +55,17 @@ class Observed:
     # Derived: how many KV-cache groups share the pool (2+ for hybrid attention models).
     kv_groups: int | None = None
 
+    def keeping_pool_of(self, earlier: Observed | None) -> Observed:
+        """This report, with ``earlier``'s pool if this one has none."""
+        if earlier is None or earlier.num_gpu_blocks is None or self.num_gpu_blocks is not None:
+            return self
+        return replace(
+            self,
+            kv_cache_tokens=earlier.kv_cache_tokens,
+            block_size=earlier.block_size,
+            num_gpu_blocks=earlier.num_gpu_blocks,
+        )
+
 
 def usable_tokens(num_gpu_blocks: int, block_size: int) -> int:
     """Tokens requests can use on a node that reports ``num_gpu_blocks`` (one KV group)."""

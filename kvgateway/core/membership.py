@@ -93,8 +93,17 @@ class DiscoveredMembers:
         self._members[group] = tuple(members)
         return self.config
 
+    def preview(self, base: GatewayConfig) -> GatewayConfig:
+        """The config a reload to ``base`` would make, changing nothing (so a reload
+        rejected after this leaves the members on the config still running)."""
+        return base.with_members(self._kept(base))
+
     def rebase(self, base: GatewayConfig) -> GatewayConfig:
         """A new file config; members of groups that still exist are kept, rebuilt from it."""
+        self._base, self._members = base, self._kept(base)
+        return self.config
+
+    def _kept(self, base: GatewayConfig) -> dict[str, tuple[BackendConfig, ...]]:
         groups = {g.name: g for g in base.dns_groups}
         kept: dict[str, tuple[BackendConfig, ...]] = {}
         for name, members in self._members.items():
@@ -106,5 +115,4 @@ class DiscoveredMembers:
                     pairs = [(a, group.port) for a, _ in pairs]
                 rebuilt = (group.member(a, p) for a, p in canonical_endpoints(pairs))
                 kept[name] = tuple(sorted(rebuilt, key=lambda m: m.name))
-        self._base, self._members = base, kept
-        return self.config
+        return kept

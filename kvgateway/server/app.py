@@ -13,7 +13,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 import aiohttp
@@ -32,7 +31,7 @@ from kvgateway.core.quota import QuotaLedger
 from kvgateway.core.shared_blocks import SharedBlocks
 from kvgateway.errors import BodyTooLarge, GatewayError, MethodNotAllowed, NotFound, Unauthorized
 from kvgateway.server import admin
-from kvgateway.server.appkeys import EXPOSITION, KV_EVENTS, MONITOR, STATE
+from kvgateway.server.appkeys import DNS, EXPOSITION, KV_EVENTS, MONITOR, STATE
 from kvgateway.server.body import end_unread_body
 from kvgateway.server.ledger_view import LedgerMetrics, build_ledger
 from kvgateway.server.metrics import FleetCollector, GatewayMetrics
@@ -151,14 +150,20 @@ def create_app(
             app[STATE] = state
             app[MONITOR] = monitor
             app[KV_EVENTS] = hub
-            await hub.sync(kv_event_sources(config))
+            app[DNS] = discovery = DnsDiscovery(
+                config.dns_groups,
+                FleetMembers(app),
+                nameservers=config.discovery.nameservers,
+                timeout_s=config.discovery.timeout_s,
+            )
+            hub.follow(kv_event_sources(config))
             await monitor.probe_all_once()
             monitor.sync()
             try:
                 async with contextlib.AsyncExitStack() as stack:
                     if ledger is not None:
                         await stack.enter_async_context(ledger.running(state.admission))
-                    await stack.enter_async_context(_dns_discovery(app, config))
+                    await stack.enter_async_context(discovery)
                     yield
             finally:
                 await monitor.close()
@@ -194,20 +199,6 @@ def create_app(
     app.router.add_get("/admin/backends", admin.admin_backends)
     app.router.add_get("/metrics", admin.metrics)
     return app
-
-
-def _dns_discovery(
-    app: web.Application, config: GatewayConfig
-) -> AbstractAsyncContextManager[object]:
-    """Backend groups named by DNS (a headless Service): members follow the answers."""
-    if not config.dns_groups:
-        return contextlib.nullcontext()
-    return DnsDiscovery(
-        config.dns_groups,
-        FleetMembers(app),
-        nameservers=config.discovery.nameservers,
-        timeout_s=config.discovery.timeout_s,
-    )
 
 
 def _client_request_id(request: web.Request) -> str:

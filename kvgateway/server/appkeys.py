@@ -7,6 +7,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from kvgateway.server.state import GatewayState
+from kvgateway.upstream.dns import DnsDiscovery
 from kvgateway.upstream.kv_events import KVEventHub
 from kvgateway.upstream.monitor import Monitor
 
@@ -16,3 +17,4 @@ MONITOR = web.AppKey("monitor", Monitor)
 # series merged (prometheus-client multiprocess mode) plus this worker's live collectors.
 EXPOSITION = web.AppKey("exposition", CollectorRegistry)
 KV_EVENTS = web.AppKey("kv_events", KVEventHub)
+DNS = web.AppKey("dns", DnsDiscovery)

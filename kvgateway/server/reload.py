@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from aiohttp import web
 
@@ -23,7 +23,7 @@ from kvgateway.config.yamlread import ConfigError
 from kvgateway.core.derived_limits import derive_all
 from kvgateway.core.fleet import ReloadSummary
 from kvgateway.core.limits import Observed
-from kvgateway.server.appkeys import KV_EVENTS, MONITOR, STATE
+from kvgateway.server.appkeys import DNS, KV_EVENTS, MONITOR, STATE
 from kvgateway.upstream.kv_events import kv_event_sources
 
 log = logging.getLogger("kvgateway.server.reload")
@@ -33,8 +33,9 @@ def reload_config(app: web.Application, path: str) -> bool:
     """Load ``path`` and apply it; False (old config kept) when it is invalid."""
     state = app[STATE]
     try:
+        base = load_config(path)
         # Members of DNS groups that survive the reload are kept, not drained.
-        new = state.members.rebase(load_config(path))
+        new = state.members.preview(base)
         derived = derive_all(new)
         for model in new.models:
             state.counters.encodings.get(model.tokenizer.encoding)
@@ -43,8 +44,9 @@ def reload_config(app: web.Application, path: str) -> bool:
         log.error("reload of %s rejected, still serving the previous config: %s", path, exc)
         return False
     old = state.config
-    if new.dns_groups != old.dns_groups:
-        log.warning("changes to DNS backend groups take effect on restart")
+    state.members.rebase(base)
+    # A DNS group added, removed or changed is looked up from now on with its new settings.
+    app[DNS].update(new.dns_groups, state.members.members)
     if (new.server.host, new.server.port) != (old.server.host, old.server.port):
         log.warning(
             "server.host/port changes need a restart; keeping %s:%s",
@@ -75,6 +77,7 @@ def apply_config(
     summary = state.fleet.apply(new, derive_all(new) if derived is None else derived)
     state.config = new
     app[MONITOR].sync()
+    app[KV_EVENTS].follow(kv_event_sources(new))
     state.admission.rebalance()
     return summary
 
@@ -116,8 +119,7 @@ class Reloader:
             await self._wanted.wait()
             self._wanted.clear()
             try:
-                if reload_config(self._app, self._path):
-                    await self._app[KV_EVENTS].sync(kv_event_sources(self._app[STATE].config))
+                reload_config(self._app, self._path)
             except Exception:
                 self._app[STATE].metrics.reloads.labels(result="error").inc()
                 log.exception("reload of %s failed; still serving the previous config", self._path)
@@ -128,9 +130,10 @@ class Reloader:
             await self._task
 
 
-async def watch_file(app: web.Application, path: str, interval: float = 1.0) -> None:
-    """Reload when the file's mtime or size changes (polling: works on every filesystem
-    and inside ConfigMap volumes, whose symlinks swap atomically)."""
+async def watch_file(reload: Callable[[], None], path: str, interval: float = 1.0) -> None:
+    """Call ``reload`` (:meth:`Reloader.request`) when the file's mtime or size changes
+    (polling: works on every filesystem and inside ConfigMap volumes, whose symlinks swap
+    atomically)."""
 
     def stamp() -> tuple[float, int] | None:
         try:
@@ -145,8 +148,4 @@ async def watch_file(app: web.Application, path: str, interval: float = 1.0) -> 
         now = stamp()
         if now is not None and now != last:
             last = now
-            try:
-                reload_config(app, path)
-            except Exception:
-                app[STATE].metrics.reloads.labels(result="error").inc()
-                log.exception("reload of %s failed; still serving the previous config", path)
+            reload()

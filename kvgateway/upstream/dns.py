@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any, Protocol
 
@@ -122,22 +122,51 @@ class DnsDiscovery:
         nameservers: Sequence[str] = (),
         timeout_s: float = 2.0,
     ) -> None:
-        self._groups = tuple(groups)
+        self._groups = {g.name: g for g in groups}
         self._sink = sink
         self._nameservers = tuple(nameservers)
         self._timeout = timeout_s
-        self._members: dict[str, tuple[str, ...]] = {g.name: () for g in self._groups}
-        self._tasks: list[asyncio.Task[None]] = []
+        self._members: dict[str, tuple[str, ...]] = {g.name: () for g in groups}
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._stopped: set[asyncio.Task[None]] = set()
+        self._running = False
 
     def members(self, group: str) -> tuple[str, ...]:
         """The member names last handed to the sink for ``group``."""
         return self._members[group]
 
+    def update(
+        self, groups: Sequence[DnsGroupConfig], members: Callable[[str], Sequence[BackendConfig]]
+    ) -> None:
+        """Follow a reloaded config. A group that is new or whose settings changed is
+        watched afresh from ``members(name)`` (the members the reload kept, rebuilt from
+        the new settings); one no longer configured is not watched any more (its members
+        left with the config); an unchanged one goes on as it was."""
+        wanted = {g.name: g for g in groups}
+        for name in list(self._groups):
+            if wanted.get(name) != self._groups[name]:
+                task = self._tasks.pop(name, None)
+                if task is not None:
+                    task.cancel("dns group changed by a reload")
+                    self._stopped.add(task)
+                    task.add_done_callback(self._stopped.discard)
+                del self._groups[name], self._members[name]
+        for name, group in wanted.items():
+            if name not in self._groups:
+                self._groups[name] = group
+                self._members[name] = tuple(m.name for m in members(name))
+                if self._running:
+                    self._start(group)
+
+    def _start(self, group: DnsGroupConfig) -> None:
+        self._tasks[group.name] = asyncio.create_task(
+            self._watch(group), name=f"dns-discovery:{group.name}"
+        )
+
     async def __aenter__(self) -> DnsDiscovery:
-        self._tasks = [
-            asyncio.create_task(self._watch(g), name=f"dns-discovery:{g.name}")
-            for g in self._groups
-        ]
+        self._running = True
+        for g in self._groups.values():
+            self._start(g)
         return self
 
     async def __aexit__(
@@ -146,10 +175,12 @@ class DnsDiscovery:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        for task in self._tasks:
+        self._running = False
+        tasks = [*self._tasks.values(), *self._stopped]
+        for task in tasks:
             task.cancel("gateway shutting down")
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._tasks = []
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._tasks = {}
 
     async def refresh(self, group: DnsGroupConfig) -> bool:
         """Look the group up once and apply the answer; False if the lookup failed."""

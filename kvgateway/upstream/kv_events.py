@@ -159,6 +159,11 @@ class KVEventSubscriber:
             asyncio.create_task(self._watch(monitor), name=f"kv-events-monitor:{name}"),
         ]
 
+    def stop(self) -> None:
+        """Cancel the tasks (they read nothing more); :meth:`close` then ends them."""
+        for t in self._tasks:
+            t.cancel()
+
     async def close(self) -> None:
         """End the tasks and the socket. A task that had failed is logged, not raised:
         a reader that died must not also fail the gateway's shutdown."""
@@ -303,27 +308,45 @@ class KVEventHub:
         self._clock = clock
         self._ctx = zmq.asyncio.Context()
         self._subs: dict[str, KVEventSubscriber] = {}
+        self._closing: set[asyncio.Task[None]] = set()
 
     def subscriber(self, backend: str) -> KVEventSubscriber | None:
         return self._subs.get(backend)
 
-    async def sync(self, sources: Sequence[KVEventSource]) -> None:
-        """Subscribe to ``sources``; drop (and detach) backends no longer listed."""
+    def follow(self, sources: Sequence[KVEventSource]) -> None:
+        """Subscribe to ``sources`` now; backends no longer listed (or listed with another
+        source) are detached at once and their subscribers closed in the background
+        (:meth:`close` waits for those)."""
         wanted = {s.backend: s for s in sources}
         for name in list(self._subs):
             if name not in wanted or self._subs[name].source != wanted[name]:
-                await self._subs.pop(name).close()
+                sub = self._subs.pop(name)
+                sub.stop()  # its reader feeds the index no more from here on
                 self._index.detach_events(name)
+                closing = asyncio.create_task(sub.close(), name=f"kv-events-close:{name}")
+                self._closing.add(closing)
+                closing.add_done_callback(self._closed)
         for name, source in wanted.items():
             if name not in self._subs:
                 sub = KVEventSubscriber(source, self._index, self._ctx, clock=self._clock)
                 sub.start()
                 self._subs[name] = sub
 
+    async def sync(self, sources: Sequence[KVEventSource]) -> None:
+        """:meth:`follow`, then wait until the dropped subscribers are closed."""
+        self.follow(sources)
+        await asyncio.gather(*self._closing, return_exceptions=True)
+
+    def _closed(self, task: asyncio.Task[None]) -> None:
+        self._closing.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("kv events: closing a subscriber failed", exc_info=task.exception())
+
     async def close(self) -> None:
         """Close every subscriber, even after one fails to, then the context."""
         subs, self._subs = list(self._subs.values()), {}
         try:
+            await asyncio.gather(*self._closing, return_exceptions=True)
             for sub in subs:
                 try:
                     await sub.close()

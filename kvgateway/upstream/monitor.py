@@ -23,8 +23,11 @@ from kvgateway.core.backends import Backend
 from kvgateway.core.fleet import Fleet
 from kvgateway.core.limits import LimitSource
 from kvgateway.upstream import feedback, probe
+from kvgateway.upstream.client import read_capped
 
 log = logging.getLogger("kvgateway.upstream.monitor")
+
+_HEALTH_BODY_MAX = 64 * 1024
 
 RESTART_DELAY_S = 1.0
 
@@ -105,7 +108,7 @@ class Monitor:
             if feedback.expire_stale(b, now, fb):
                 self._admission.rebalance()
             self._admission.end_pause(b, now)
-            wake = min(next_health, next_load if fb.enabled else next_health)
+            wake = min(next_health, next_discovery, next_load if fb.enabled else next_health)
             if b.paused and b.paused_until:
                 wake = min(wake, b.paused_until)
             await asyncio.sleep(max(0.01, wake - self._clock()))
@@ -137,7 +140,12 @@ class Monitor:
         except probe.ProbeError as exc:
             log.warning("backend %s: discovery failed: %s", b.name, exc)
             return
-        if self._fleet.set_discovered(b, found.observed):
+        # A /metrics that failed this time says nothing new of the pool: the last report
+        # stands (a blip of one scrape once made the node unusable until the next probe).
+        observed = found.observed
+        if found.metrics is None:
+            observed = observed.keeping_pool_of(self._fleet.discovered(b))
+        if self._fleet.set_discovered(b, observed):
             log.info(
                 "backend %s limits: max_model_len=%s (%s) kv_cache_tokens=%s (%s)",
                 b.name,
@@ -185,7 +193,10 @@ async def _health(session: aiohttp.ClientSession, b: Backend, timeout: float) ->
     try:
         async with asyncio.timeout(timeout):
             async with session.get(f"{b.config.url}/health") as resp:
-                await resp.read()
+                # vLLM answers with an empty body; read a little (so the connection can
+                # be reused), never a node's endless answer.
+                with contextlib.suppress(ValueError):
+                    await read_capped(resp.content, _HEALTH_BODY_MAX)
                 if resp.status == 200:
                     return True, ""
                 return False, f"HTTP {resp.status}"

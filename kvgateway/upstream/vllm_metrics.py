@@ -7,6 +7,7 @@ families the gateway uses go through prometheus_client's parser.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -17,6 +18,11 @@ RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
 PREEMPTIONS = "vllm:num_preemptions"  # counter family; samples end in _total
 CACHE_INFO = "vllm:cache_config_info"
+
+# Beyond any real node: vLLM's block sizes are 16-128 for attention, a few thousand
+# where a hybrid model aligns them to its Mamba state; 10^8 blocks would be ~10^9 tokens.
+MAX_BLOCK_SIZE = 16_384
+MAX_GPU_BLOCKS = 100_000_000
 
 _WANTED = (KV_USAGE, KV_USAGE_OLD, RUNNING, WAITING, PREEMPTIONS + "_total", CACHE_INFO)
 
@@ -48,6 +54,8 @@ def parse_node_metrics(text: str) -> ScrapedMetrics:
     block_size: int | None = None
     for family in text_string_to_metric_families(kept):
         for s in family.samples:
+            if s.name != CACHE_INFO and not 0.0 <= s.value < math.inf:
+                continue  # NaN, infinite or negative: not a reading of anything
             if s.name == KV_USAGE:
                 usage = s.value if usage is None else max(usage, s.value)
             elif s.name == KV_USAGE_OLD:
@@ -55,12 +63,13 @@ def parse_node_metrics(text: str) -> ScrapedMetrics:
             elif s.name in (RUNNING, WAITING, PREEMPTIONS + "_total"):
                 sums[s.name] = sums.get(s.name, 0.0) + s.value
             elif s.name == CACHE_INFO:
-                nb = _int_label(s.labels.get("num_gpu_blocks"))
+                nb = _int_label(s.labels.get("num_gpu_blocks"), MAX_GPU_BLOCKS)
                 if nb is not None:
                     blocks = nb if blocks is None else min(blocks, nb)
-                block_size = _int_label(s.labels.get("block_size")) or block_size
+                block_size = _int_label(s.labels.get("block_size"), MAX_BLOCK_SIZE) or block_size
+    kv = usage if usage is not None else old_usage
     return ScrapedMetrics(
-        kv_usage=usage if usage is not None else old_usage,
+        kv_usage=None if kv is None else min(kv, 1.0),
         running=sums.get(RUNNING),
         waiting=sums.get(WAITING),
         preemptions=sums.get(PREEMPTIONS + "_total"),
@@ -69,10 +78,10 @@ def parse_node_metrics(text: str) -> ScrapedMetrics:
     )
 
 
-def _int_label(value: str | None) -> int | None:
-    if value is None:
+def _int_label(value: str | None, most: int) -> int | None:
+    """A plain decimal label from 1 to ``most``; anything else is not reported (one node
+    claiming block_size="1000000" would otherwise set the whole model's block size)."""
+    if value is None or not (value.isascii() and value.isdigit()) or len(value) > 12:
         return None
-    try:
-        return int(value)
-    except ValueError:
-        return None
+    n = int(value)
+    return n if 1 <= n <= most else None

@@ -319,3 +319,89 @@ async def test_members_appear_and_leave_a_running_gateway_under_load(
         stop.set()
         await asyncio.gather(*workers)
     assert statuses and set(statuses) == {200}, {s: statuses.count(s) for s in set(statuses)}
+
+
+def gateway_config(dns: Dnsmasq, port: int = 8000, kv: int = 100_000, **group: object) -> dict:
+    """A DNS group whose limits are configured (no node needs to answer for them)."""
+    cfg = config(dns, interval=0.05)
+    cfg["tiers"][0]["backends"][0].update(
+        {"port": port, "discover": False, "max_model_len": 4096, "kv_cache_tokens": kv, **group}
+    )
+    cfg["health"] = {"interval_s": 5}
+    return cfg
+
+
+async def test_reloads_change_a_running_gateways_dns_groups(
+    dns: Dnsmasq, aiohttp_server, tmp_path: Path
+) -> None:
+    """A reload rejected after parsing changes nothing (it once left the members on the
+    rejected file: every later DNS change failed to apply, the group frozen); a reload
+    that changes a group's settings is looked up with them from then on (the next DNS
+    change once brought back the old port and budget); a group removed stops, and comes
+    back when configured again. Members' KV events come from their own addresses."""
+    from kvgateway.config.load import load_config
+    from kvgateway.server.app import KV_EVENTS, STATE, create_app
+    from kvgateway.server.reload import reload_config
+
+    dns.set_addresses({NAME: ["127.0.0.2"]})
+    path = tmp_path / "gw.yaml"
+    path.write_text(yaml.safe_dump(gateway_config(dns)))
+    gw = await aiohttp_server(create_app(load_config(str(path))))
+    app = gw.app
+    state = app[STATE]
+
+    def members() -> set[tuple[str, int | None]]:
+        return {(b.name, b.kv_cache_tokens) for b in state.fleet.active}
+
+    async def until(want: set[tuple[str, int | None]]) -> None:
+        async with asyncio.timeout(5):
+            while members() != want:
+                await asyncio.sleep(0.02)
+
+    await until({("pool@127.0.0.2:8000", 100_000)})
+    # Parses, then fails the capacity derivation: rejected, and nothing of it kept.
+    bad = gateway_config(dns)
+    bad["tiers"][0]["backends"].append(
+        {"name": "static", "url": "http://127.0.0.9:1", "model": "m", "capacity": {"nope": 1}}
+    )
+    path.write_text(yaml.safe_dump(bad))
+    assert reload_config(app, str(path)) is False
+    await asyncio.to_thread(dns.set_addresses, {NAME: ["127.0.0.2", "127.0.0.3"]})
+    await until({("pool@127.0.0.2:8000", 100_000), ("pool@127.0.0.3:8000", 100_000)})
+
+    # New port, smaller budget, KV events: the members now, and the next answer too.
+    path.write_text(
+        yaml.safe_dump(gateway_config(dns, port=9000, kv=50_000, kv_events=f"tcp://{NAME}:5557"))
+    )
+    assert reload_config(app, str(path))
+    await until({("pool@127.0.0.2:9000", 50_000), ("pool@127.0.0.3:9000", 50_000)})
+    await asyncio.to_thread(dns.set_addresses, {NAME: ["127.0.0.3", "127.0.0.4"]})
+    await until({("pool@127.0.0.3:9000", 50_000), ("pool@127.0.0.4:9000", 50_000)})
+    sub = app[KV_EVENTS].subscriber("pool@127.0.0.4:9000")
+    assert sub is not None and sub.source.endpoint == "tcp://127.0.0.4:5557"
+    assert app[KV_EVENTS].subscriber("pool@127.0.0.2:9000") is None  # gone with its member
+
+    # The group removed: its members leave and the lookups stop; configured again, back.
+    no_group = gateway_config(dns)
+    no_group["tiers"][0]["backends"] = [
+        {"name": "static", "url": "http://127.0.0.9:1", "model": "m", "discover": False}
+        | {"max_model_len": 4096, "kv_cache_tokens": 1000}
+    ]
+    path.write_text(yaml.safe_dump(no_group))
+    assert reload_config(app, str(path))
+    await until({("static", 1000)})
+    async with asyncio.timeout(2):
+        while [t for t in asyncio.all_tasks() if t.get_name() == "dns-discovery:pool"]:
+            await asyncio.sleep(0.02)
+    path.write_text(yaml.safe_dump(gateway_config(dns)))
+    assert reload_config(app, str(path))
+    await until({("pool@127.0.0.3:8000", 100_000), ("pool@127.0.0.4:8000", 100_000)})
+
+
+def test_a_dns_groups_kv_events_name_the_group(dns: Dnsmasq) -> None:
+    """One publisher for every member would credit each with all the others' caches."""
+    cfg = gateway_config(dns, kv_events="tcp://10.0.0.1:5557")
+    with pytest.raises(ConfigError, match=r"tiers\[0\]\.backends\[0\]\.kv_events: a dns group"):
+        parse_config(cfg)
+    (group,) = parse_config(gateway_config(dns, kv_events=f"tcp://{NAME}:5557")).dns_groups
+    assert group.member("fd00::7").kv_events == "tcp://[fd00::7]:5557"

@@ -10,7 +10,7 @@ import aiohttp
 import pytest
 import yaml
 
-from kvgateway.server.app import STATE
+from kvgateway.server.app import KV_EVENTS, STATE
 from kvgateway.server.reload import reload_config
 from tests.support.fleet import MODEL, StartFleet
 
@@ -277,21 +277,33 @@ async def test_node_restarted_with_new_limits_is_rediscovered(
 
 
 async def test_watch_reloads_on_file_change(start_fleet: StartFleet, tmp_path):
-    from kvgateway.server.reload import watch_file
+    """A file change goes through the same reload as SIGHUP: the fleet follows, and so do
+    the KV-event subscriptions (a watch reload once left a new `kv_events:` unsubscribed)."""
+    from kvgateway.server.reload import Reloader, watch_file
 
     fleet = await start_fleet(TWO_SMALL, time_scale=50)
+    app = fleet.gateway.app
     cfg = tmp_path / "gw.yaml"
     write_config(cfg, fleet, ["small-1", "small-2"])
-    watcher = asyncio.create_task(watch_file(fleet.gateway.app, str(cfg), interval=0.05))
+    reloader = Reloader(app, str(cfg))
+    watcher = asyncio.create_task(watch_file(reloader.request, str(cfg), interval=0.05))
     try:
         await asyncio.sleep(0.1)
         write_config(cfg, fleet, ["small-2"])
+        data = yaml.safe_load(cfg.read_text())
+        data["tiers"][0]["backends"][0]["kv_events"] = "tcp://127.0.0.1:5599"
+        cfg.write_text(yaml.safe_dump(data))
         for _ in range(100):
-            if [x.name for x in fleet.state.fleet.active] == ["small-2"]:
+            if [x.name for x in fleet.state.fleet.active] == ["small-2"] and app[
+                KV_EVENTS
+            ].subscriber("small-2"):
                 break
             await asyncio.sleep(0.05)
         assert [x.name for x in fleet.state.fleet.active] == ["small-2"]
+        sub = app[KV_EVENTS].subscriber("small-2")
+        assert sub is not None and sub.source.endpoint == "tcp://127.0.0.1:5599"
     finally:
         watcher.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await watcher
+        await reloader.close()

@@ -1,6 +1,7 @@
 """The backend monitor against a real simulated node on loopback."""
 
 import asyncio
+import contextlib
 import dataclasses
 
 import aiohttp
@@ -90,3 +91,103 @@ async def test_a_crashing_watcher_is_restarted_and_health_keeps_updating(aiohttp
             assert not b.healthy
         finally:
             await monitor.close()
+
+
+def _node_app(state: dict) -> "aiohttp.web.Application":
+    """A node that answers as vLLM does, but for what ``state`` says to break."""
+    from aiohttp import web
+
+    async def models(_: web.Request) -> web.Response:
+        return web.json_response({"data": [{"id": SERVED, "max_model_len": 8192}]})
+
+    async def metrics(_: web.Request) -> web.Response:
+        if state.get("metrics_down"):
+            return web.Response(status=503)
+        return web.Response(
+            text='vllm:cache_config_info{block_size="16",num_gpu_blocks="2000"} 1.0\n'
+        )
+
+    async def health(request: web.Request) -> web.StreamResponse:
+        if not state.get("endless_health"):
+            return web.Response()
+        resp = web.StreamResponse()
+        await resp.prepare(request)
+        chunk = b"x" * 65536
+        with contextlib.suppress(ConnectionError):
+            while True:  # a broken node: an answer without end
+                await resp.write(chunk)
+                state["sent"] = state.get("sent", 0) + len(chunk)
+        return resp
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/health", health)
+    return app
+
+
+async def test_a_nodes_endless_health_answer_is_not_read_to_its_end(aiohttp_server):
+    """/health bodies were read whole: a node could push any amount into the gateway's
+    memory (600 MiB measured). Now a few KiB decide nothing: the status does."""
+    from kvgateway.upstream.monitor import _health
+
+    state = {"endless_health": True}
+    node = await aiohttp_server(_node_app(state))
+    config = parse_config(
+        {
+            "models": [{"name": "m", "served_name": SERVED}],
+            "tiers": [
+                {
+                    "name": "t",
+                    "backends": [
+                        {"name": "n", "url": str(node.make_url("")).rstrip("/"), "model": "m"}
+                    ],
+                }
+            ],
+        }
+    )
+    b = Fleet(config).get("n")
+    assert b is not None
+    async with aiohttp.ClientSession() as session:
+        assert await _health(session, b, 5.0) == (True, "")
+    assert state["sent"] < 8 * 1024 * 1024
+
+
+async def test_a_failed_metrics_scrape_keeps_the_pool_last_reported(aiohttp_server):
+    """Rediscovery whose /metrics fails once (a 503 blip) keeps the node's pool as last
+    reported: it once made the node's KV budget unknown, the node unusable."""
+    state: dict = {}
+    node = await aiohttp_server(_node_app(state))
+    url = str(node.make_url("")).rstrip("/")
+    config = parse_config(
+        {
+            "models": [{"name": "m", "served_name": SERVED}],
+            "tiers": [{"name": "t", "backends": [{"name": "n", "url": url, "model": "m"}]}],
+        }
+    )
+    fleet = Fleet(config)
+    adm = Admission(
+        index_for=fleet.index,
+        adjust=fleet.adjust,
+        policy=lambda: config.routing.policy,
+        offload_overflow=lambda: False,
+        queue_size=lambda: 100,
+        clock=asyncio.get_running_loop().time,
+    )
+    b = fleet.get("n")
+    assert b is not None
+    async with aiohttp.ClientSession() as session:
+        monitor = Monitor(
+            fleet=fleet,
+            admission=adm,
+            session=session,
+            config=lambda: config,
+            clock=asyncio.get_running_loop().time,
+        )
+        await monitor.probe_all_once()
+        assert b.usable and b.kv_cache_tokens == 1999 * 16
+        state["metrics_down"] = True
+        await monitor._discover(b)
+        assert b.usable and b.kv_cache_tokens == 1999 * 16
+        assert b.limits.kv_cache_tokens.source == "discovered"
+        await monitor.close()

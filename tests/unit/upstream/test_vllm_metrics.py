@@ -29,3 +29,29 @@ vllm:cache_config_info{block_size="16",engine="1",num_gpu_blocks="900"} 1.0
 def test_garbage_gives_nothing_rather_than_crashing():
     m = parse_node_metrics("hello\nworld 1 2 3\n")
     assert m.kv_usage is None and m.num_gpu_blocks is None
+
+
+def test_implausible_values_are_not_readings():
+    """A node's page is not trusted blindly: one node claiming block_size="1000000" set
+    the whole model's reservation block size (every request rounded up to 10^6 tokens),
+    a negative one gave a negative pool, and NaN or infinite gauges went through as is."""
+    text = """# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0"} NaN
+vllm:kv_cache_usage_perc{engine="1"} +Inf
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0"} -3
+vllm:num_requests_running{engine="1"} 2
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{block_size="1000000",engine="0",num_gpu_blocks="-5"} 1.0
+"""
+    m = parse_node_metrics(text)
+    assert (m.kv_usage, m.running, m.block_size, m.num_gpu_blocks) == (None, 2.0, None, None)
+    for label in ('block_size="-16"', 'block_size="1_6"', 'block_size="16.0"', 'block_size="0"'):
+        page = f"# TYPE vllm:cache_config_info gauge\nvllm:cache_config_info{{{label}}} 1.0\n"
+        assert parse_node_metrics(page).block_size is None, label
+    page = 'vllm:cache_config_info{block_size="32",num_gpu_blocks="100000000000"} 1.0\n'
+    assert (parse_node_metrics(page).block_size, parse_node_metrics(page).num_gpu_blocks) == (
+        32,
+        None,
+    )
+    assert parse_node_metrics("vllm:kv_cache_usage_perc 1.7\n").kv_usage == 1.0
