@@ -187,7 +187,7 @@ class Section:
 
     def text(self, key: str, default: str | None = None) -> str:
         note: dict[str, Any] = {"type": "string", "minLength": 1}
-        if default is not None:
+        if default:  # "" is the schema's stand-in for a default taken from another key
             note["default"] = default
         self._note(key, note, required=default is None)
         value = self.raw(key, default)
@@ -202,6 +202,7 @@ class Section:
     def opt_str(self, key: str) -> str | None:
         if self.has(key):
             return self.text(key)
+        self.raw(key)  # known here, even unset: an unknown key's error lists it
         self._note(key, {"type": ["string", "null"]})
         return None
 

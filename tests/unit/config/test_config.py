@@ -170,3 +170,12 @@ def test_a_models_template_defaults_are_read_and_checked():
     assert parse_config(cfg(None)).models[0].tokenizer.template_defaults() == {}
     with pytest.raises(ConfigError, match=r"models\[0\]\.tokenizer\.chat_template_kwargs"):
         parse_config(cfg(["enable_thinking"]))
+
+
+def test_an_unknown_keys_error_lists_the_optional_keys_left_unset():
+    """The hint listed only keys that were read, and optional strings left unset were
+    not: a misspelt `served_modle` was told of every key but `served_model`."""
+    with pytest.raises(ConfigError) as err:
+        parse(BASE.replace("max_num_seqs: 8", "served_modle: x"))
+    known = str(err.value).split("known keys here: ")[1]
+    assert "served_model" in known and "kv_events" in known, str(err.value)

@@ -230,3 +230,18 @@ def test_a_reference_is_replaced_by_its_value_or_default(prefix, name, value, de
     assert expand_env(with_default, "k", reading, {name: value}) == prefix + expected + suffix
     assert expand_env(with_default, "k", reading, {}) == prefix + default + suffix
     assert not reading.errors
+
+
+def test_schema_defaults_are_values_the_loader_accepts():
+    """`served_name` (the model's name) and a key's `class` (the lowest class) default to
+    other keys' values: the schema once advertised "" for them, which the loader refuses."""
+
+    def defaults(node: object) -> list[object]:
+        if isinstance(node, dict):
+            own = [node["default"]] if "default" in node else []
+            return own + [d for v in node.values() for d in defaults(v)]
+        if isinstance(node, list):
+            return [d for v in node for d in defaults(v)]
+        return []
+
+    assert "" not in defaults(config_schema())
