@@ -82,6 +82,9 @@ class AdmissionCore:
         self._claim_counts: Counter[str] = Counter()
         # Learned requests in flight per node, and the pooled margin in its book.
         self._risks: dict[Backend, NodeRisk] = {}
+        # Per backend: what the book holds beyond the reservations' granted ``tokens``
+        # (growth, learned margins), which a shared ledger never records.
+        self._unrecorded: Counter[Backend] = Counter()
 
     @classmethod
     def for_fleet(
@@ -149,6 +152,7 @@ class AdmissionCore:
             added = self._remargin(risk, o.z)
             booked = r.base + added
             r.tokens = r.base + max(0, added)
+            self._unrecorded[backend] += booked - r.tokens
         self._adjust(backend, booked, demand.sequences, 1)
         if ticket is not None and self._tenancy is not None:
             self._tenancy.granted(ticket, r.tokens)
@@ -169,6 +173,7 @@ class AdmissionCore:
         if reservation.released or tokens <= 0:
             return
         self._adjust(reservation.backend, tokens, 0, 0)
+        self._unrecorded[reservation.backend] += tokens
         reservation.grown += tokens
 
     def progress(self, reservation: Reservation, generated: int) -> int:
@@ -186,6 +191,7 @@ class AdmissionCore:
         change = self._remargin(risk, o.z)
         if change:
             self._adjust(b, change, 0, 0)
+            self._unrecorded[b] += change
         return max(0, change)
 
     def prefill_done(self, reservation: Reservation) -> None:
@@ -286,8 +292,9 @@ class AdmissionCore:
             # The ledger moves shared copies as the book does: a holder's kept copy stays
             # recorded until the last request holding those blocks ends.
             self._ledger.release(reservation, shared)
-        elif shared > 0:
-            # Refused by the ledger, yet the last holder of copies its payer recorded.
+        elif shared:
+            # Refused by the ledger: the last holder of copies its payer recorded (> 0),
+            # or the payer of a copy that stays charged to others, never recorded (< 0).
             self._ledger.release_shared(reservation.backend, shared)
         b = reservation.backend
         tokens = reservation.tokens + reservation.grown
@@ -301,6 +308,11 @@ class AdmissionCore:
             if not risk.members:
                 del self._risks[b]
         self._adjust(b, -(tokens + shared), -reservation.seqs, -1)
+        left = self._unrecorded[b] - (tokens - reservation.tokens)
+        if left:
+            self._unrecorded[b] = left
+        else:
+            del self._unrecorded[b]
         if reservation.ticket is not None and self._tenancy is not None:
             self._tenancy.released(reservation.ticket, reservation.tokens)
         self._offer(reservation.backend)
@@ -380,6 +392,12 @@ class AdmissionCore:
     def waiting_backends(self) -> set[str]:
         """The backends queued requests claim (as :meth:`waiting_for`)."""
         return {n for n, c in self._claim_counts.items() if c > 0}
+
+    def unrecorded(self, b: Backend) -> int:
+        """Tokens ``b``'s book holds for this process beyond its reservations' granted
+        ``tokens`` (growth, learned margins): never recorded by a shared ledger, so never
+        part of what a sync writes there."""
+        return self._unrecorded[b]
 
     def waiting_for(self, name: str) -> bool:
         """Does a queued request claim backend ``name``? (A shared ledger tells the other

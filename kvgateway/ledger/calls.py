@@ -69,17 +69,17 @@ class LedgerCalls:
         )
 
     async def heartbeat(
-        self, backends: Sequence[Backend], own: Sequence[Holding] | None, waiting: set[str]
+        self, names: Sequence[str], own: Sequence[Holding] | None, waiting: set[str]
     ) -> list[int]:
         """Renew the lease, write the wait marks and, with ``own``, this replica's
-        holdings as absolute values: [live replicas, lapsed, then per backend others'
-        tokens, others' seqs and whether another replica waits there]."""
+        holdings as absolute values: [live replicas, lapsed, then per backend name
+        others' tokens, others' seqs and whether another replica waits there]."""
         keys: list[str] = [self._keys.live]
         args: list[int | str] = [self._id, self._lease_ms, int(own is not None)]
-        for i, b in enumerate(backends):
-            keys += [self._keys.tokens(b.name), self._keys.seqs(b.name), self._keys.waiting(b.name)]
+        for i, name in enumerate(names):
+            keys += [self._keys.tokens(name), self._keys.seqs(name), self._keys.waiting(name)]
             args += [own[i].tokens, own[i].seqs] if own is not None else [0, 0]
-            args.append(int(b.name in waiting))
+            args.append(int(name in waiting))
         async with self._slots:
             got = await self._client.evalsha(self._shas["heartbeat"], len(keys), *keys, *args)
         return [int(x) for x in got]

@@ -219,17 +219,22 @@ class RedisLedger:
         name = reservation.backend.name
         if self._sent(reservation):
             # Released before its confirm ran: never recorded, in no snapshot. A last
-            # shared copy it took over was recorded (by the request that paid for it).
-            if shared <= 0:
-                return
-            item = (name, shared, 0)
-        else:
-            item = (name, max(0, reservation.tokens + shared), reservation.seqs)
-        self._return(item)
+            # shared copy it took over was recorded (by the request that paid for it);
+            # a copy it paid for that stays charged to others was not, and is now.
+            self.release_shared(reservation.backend, shared)
+            return
+        self._return((name, max(0, reservation.tokens + shared), reservation.seqs))
 
     def release_shared(self, backend: Backend, tokens: int) -> None:
         if tokens > 0:
             self._return((backend.name, tokens, 0))
+        elif tokens < 0:
+            # Its holders give it back when they end: record it (an increment), or every
+            # such copy would leave Redis undercounting this replica for good.
+            if self._shared:
+                self._give_back(backend.name, tokens, 0)
+            elif self._sync_done is not None:
+                self._held_back.append((backend.name, tokens, 0))
 
     def _return(self, item: tuple[str, int, int]) -> None:
         """Give ``item`` (backend, tokens, seqs) back: held back while a sync is out in
@@ -433,8 +438,15 @@ class RedisLedger:
 
     async def _heartbeat(self, *, absolute: bool) -> None:
         backends = list(self._fleet.active)
-        own = [self._own_settled(b) for b in backends] if absolute else []
+        names = [b.name for b in backends]
+        own: list[Holding] = []
         if absolute:
+            # Every name this replica may hold room under: draining backends (removed,
+            # or replaced by a reload) included, and names it had recorded before.
+            rest = {b.name for b in self._fleet.backends} | set(self._mine)
+            rest |= {item[0] for item in (*self._pending, *self._held_back)}
+            names += sorted(rest - set(names))
+            own = [self._own_settled(n) for n in names]
             # From here on the holdings in `own` are the truth: releases queued or held
             # back until now are in them, and credit is not.
             self._pending.clear()
@@ -445,7 +457,7 @@ class RedisLedger:
             async with asyncio.timeout(self._cfg.timeout_s * 2):
                 if absolute:
                     await self._calls.load_scripts()
-                values = await self._calls.heartbeat(backends, own if absolute else None, waiting)
+                values = await self._calls.heartbeat(names, own if absolute else None, waiting)
         except _FAILURES as exc:
             if isinstance(exc, TimeoutError) and self._shared:
                 self._renewed()  # Redis may have run it
@@ -463,7 +475,7 @@ class RedisLedger:
         if values[1] and not absolute:
             self._lapsed()
         if absolute:
-            self._mine = {b.name: [own[i].tokens, own[i].seqs] for i, b in enumerate(backends)}
+            self._mine = {n: [own[i].tokens, own[i].seqs] for i, n in enumerate(names)}
             # Given back while the sync was out (a resync in shared mode): not in the
             # snapshot, still to be sent.
             for name, tokens, seqs in self._pending:
@@ -492,14 +504,23 @@ class RedisLedger:
             return False
         return True
 
-    def _own_settled(self, b: Backend) -> Holding:
-        """This replica's holdings on ``b`` for an absolute sync: its own reservations
-        less the grants whose confirm has not ended (each is recorded by its confirm;
-        in the snapshot too, it would count twice, or stay recorded for good when Redis
-        then refuses it)."""
-        own = self._view.own(b)
-        unsent = self._unsent_by.get(b.name, (0, 0))
-        return Holding(max(0, own.tokens - unsent[0]), max(0, own.seqs - unsent[1]))
+    def _own_settled(self, name: str) -> Holding:
+        """This replica's holdings under ``name`` for an absolute sync: its own
+        reservations on every backend of that name (a draining one's releases are
+        subtracted there later), less the grants whose confirm has not ended (each is
+        recorded by its confirm; in the snapshot too, it would count twice, or stay
+        recorded for good when Redis then refuses it), less what its book holds that
+        releases never give back (growth, learned margins)."""
+        tokens = seqs = 0
+        for b in self._fleet.backends:
+            if b.name == name:
+                own = self._view.own(b)
+                tokens += own.tokens
+                seqs += own.seqs
+                if self._admission is not None:
+                    tokens -= self._admission.unrecorded(b)
+        unsent = self._unsent_by.get(name, (0, 0))
+        return Holding(max(0, tokens - unsent[0]), max(0, seqs - unsent[1]))
 
     async def _flush_loop(self) -> None:
         while not self._closing:

@@ -6,129 +6,32 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import pytest
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from kvgateway.config.load import parse_config
-from kvgateway.config.model import LedgerConfig
 from kvgateway.core.admission import Admission
-from kvgateway.core.backends import Backend
-from kvgateway.core.demand import Demand, PrefixHint
-from kvgateway.core.fleet import Fleet
+from kvgateway.core.demand import PrefixHint
 from kvgateway.core.prefix_index import PrefixIndex
 from kvgateway.core.prefix_keys import block_keys
 from kvgateway.core.prefix_routing import PrefixRouter
 from kvgateway.core.shared_blocks import SharedBlocks
 from kvgateway.errors import Saturated
 from kvgateway.ledger.connect import redis_client
-from kvgateway.ledger.redis_ledger import LedgerStatus, RedisLedger
+from kvgateway.ledger.redis_ledger import RedisLedger
+from tests.support.ledger_replicas import (
+    BUDGET,
+    Replica,
+    demand,
+    fleet_and_config,
+    ledger_sum,
+    replica,
+    settles_at,
+)
 from tests.support.redis_server import RedisServer
-
-BUDGET = 10_000  # kv_cache_tokens with budget_fraction 1.0
-
-
-def _config(
-    url: str, lease_s: float = 1.0, credit_hold_s: float = 0.05
-) -> tuple[Fleet, LedgerConfig]:
-    cfg = parse_config(
-        {
-            "models": [{"name": "m"}],
-            "admission": {"budget_fraction": 1.0},
-            # As long a Redis timeout as the lease allows: a machine busy with other
-            # tests must not make these replicas flap into the fallback.
-            "ledger": {
-                "url": url,
-                "lease_s": lease_s,
-                "timeout_s": min(0.5, lease_s / 3),
-                "credit_hold_s": credit_hold_s,
-            },
-            "tiers": [
-                {
-                    "name": "t",
-                    "backends": [
-                        {
-                            "name": "n1",
-                            "url": "http://127.0.0.1:9",
-                            "model": "m",
-                            "max_model_len": 4096,
-                            "kv_cache_tokens": BUDGET,
-                            "max_num_seqs": 64,
-                        }
-                    ],
-                }
-            ],
-        }
-    )
-    fleet = Fleet(cfg)
-    for b in fleet.active:
-        b.healthy = b.ever_healthy = True
-    return fleet, cfg.ledger
-
-
-@dataclass
-class Replica:
-    fleet: Fleet
-    ledger: RedisLedger
-    admission: Admission
-    statuses: list[LedgerStatus]
-
-    @property
-    def node(self) -> Backend:
-        b = self.fleet.get("n1")
-        assert b is not None
-        return b
-
-
-@contextlib.asynccontextmanager
-async def replica(
-    url: str,
-    rid: str,
-    lease_s: float = 1.0,
-    credit_hold_s: float = 0.05,
-    prefix: PrefixRouter | None = None,
-) -> AsyncIterator[Replica]:
-    fleet, cfg = _config(url, lease_s, credit_hold_s)
-    statuses: list[LedgerStatus] = []
-    ledger = RedisLedger(cfg, rid, fleet, redis_client(cfg), on_status=statuses.append)
-    admission = Admission.for_fleet(
-        fleet, lambda: fleet.config, time.monotonic, ledger=ledger, prefix=prefix
-    )
-    async with ledger.running(admission):
-        yield Replica(fleet, ledger, admission, statuses)
-
-
-def _demand(tokens: int) -> Demand:
-    return Demand(
-        model="m",
-        prompt_tokens=tokens - 16,
-        longest_prompt=1000,
-        output_tokens=16,
-        sequences=1,
-        tokens=tokens,
-    )
-
-
-async def _ledger_sum(url: str) -> int:
-    client = Redis.from_url(url)
-    try:
-        held = await client.hgetall("{kvgw}:tok:n1")
-        return sum(int(v) for v in held.values())
-    finally:
-        await client.aclose()
-
-
-async def _settles_at(url: str, want: int, within: float = 3.0) -> int:
-    """The ledger's sum once it reaches ``want`` (credit goes back after its hold and
-    releases are pipelined), or what it is after ``within`` seconds."""
-    deadline = time.monotonic() + within
-    while (got := await _ledger_sum(url)) != want and time.monotonic() < deadline:
-        await asyncio.sleep(0.02)
-    return got
 
 
 async def _evalsha_calls(url: str) -> int:
@@ -146,14 +49,14 @@ async def test_two_replicas_never_reserve_more_than_the_budget(redis_server: Red
         peak = 0
 
         async def one(r: Replica) -> None:
-            async with r.admission.reserve(_demand(1000), 20.0):
+            async with r.admission.reserve(demand(1000), 20.0):
                 nonlocal peak
-                peak = max(peak, await _ledger_sum(redis_server.url))
+                peak = max(peak, await ledger_sum(redis_server.url))
                 await asyncio.sleep(0.02)
 
         await asyncio.gather(*(one(r) for _ in range(20) for r in (a, b)))
         assert 0 < peak <= BUDGET
-        assert await _settles_at(redis_server.url, 0) == 0
+        assert await settles_at(redis_server.url, 0) == 0
 
 
 async def test_a_release_wakes_a_waiter_in_another_replica(redis_server: RedisServer) -> None:
@@ -161,9 +64,9 @@ async def test_a_release_wakes_a_waiter_in_another_replica(redis_server: RedisSe
         replica(redis_server.url, "a", lease_s=20) as a,
         replica(redis_server.url, "b", lease_s=20) as b,
     ):
-        held = await a.admission.admit(_demand(8000), 1.0)
+        held = await a.admission.admit(demand(8000), 1.0)
         # b does not know yet: its local grant is refused by Redis and it waits.
-        waiting = asyncio.create_task(b.admission.admit(_demand(4000), 5.0))
+        waiting = asyncio.create_task(b.admission.admit(demand(4000), 5.0))
         await asyncio.sleep(0.2)
         assert not waiting.done() and b.node.reserved_tokens >= 8000
         started = time.monotonic()
@@ -178,16 +81,16 @@ async def test_a_replica_that_stops_heartbeating_loses_its_holdings(
     redis_server: RedisServer,
 ) -> None:
     async with replica(redis_server.url, "b", lease_s=1.0) as b:
-        fleet, cfg = _config(redis_server.url, 1.0)
+        fleet, cfg = fleet_and_config(redis_server.url, 1.0)
         dead = RedisLedger(cfg, "dead", fleet, redis_client(cfg))
         adm = Admission.for_fleet(fleet, lambda: fleet.config, time.monotonic, ledger=dead)
         async with dead.running(adm):
-            await adm.admit(_demand(9000), 1.0)  # never released
+            await adm.admit(demand(9000), 1.0)  # never released
             dead._shared = False
         with pytest.raises(Saturated):
-            await b.admission.admit(_demand(4000), 0.3)
+            await b.admission.admit(demand(4000), 0.3)
         started = time.monotonic()
-        r = await b.admission.admit(_demand(4000), 3.0)
+        r = await b.admission.admit(demand(4000), 3.0)
         assert time.monotonic() - started < 1.5  # within the 1 s lease (+ a heartbeat)
         r.release()
 
@@ -196,13 +99,13 @@ async def test_restart_with_the_same_identity_does_not_double_count(
     redis_server: RedisServer,
 ) -> None:
     async with replica(redis_server.url, "a") as a:
-        r = await a.admission.admit(_demand(6000), 1.0)
+        r = await a.admission.admit(demand(6000), 1.0)
         a.ledger._shared = False
         del r
-    assert await _ledger_sum(redis_server.url) == 6000
+    assert await ledger_sum(redis_server.url) == 6000
     async with replica(redis_server.url, "a") as again:
-        assert await _ledger_sum(redis_server.url) == 0
-        r2 = await again.admission.admit(_demand(9000), 1.0)
+        assert await ledger_sum(redis_server.url) == 0
+        r2 = await again.admission.admit(demand(9000), 1.0)
         r2.release()
 
 
@@ -210,17 +113,17 @@ async def test_redis_down_falls_back_to_a_share_then_returns(redis_server: Redis
     async with replica(redis_server.url, "a") as a, replica(redis_server.url, "b") as b:
         await asyncio.sleep(0.3)  # a heartbeat: both see 2 live replicas
         assert a.ledger.status().live_replicas == 2
-        kept = await a.admission.admit(_demand(3000), 1.0)
+        kept = await a.admission.admit(demand(3000), 1.0)
         redis_server.stop()
         # The next call fails within timeout_s; the replica falls back, it does not fail:
         # past what Redis records for it once its lease (1 s) has run out.
-        r = await a.admission.admit(_demand(1000), 3.0)
+        r = await a.admission.admit(demand(1000), 3.0)
         r.release()
         assert not a.ledger.status().shared and a.ledger.status().reason
         # Blind: a's share is half the budget and it already holds 3000 of it.
         with pytest.raises(Saturated):
-            await a.admission.admit(_demand(3000), 0.2)
-        r = await a.admission.admit(_demand(2000), 0.2)
+            await a.admission.admit(demand(3000), 0.2)
+        r = await a.admission.admit(demand(2000), 0.2)
         redis_server.start()
         for _ in range(40):
             if a.ledger.status().shared and b.ledger.status().shared:
@@ -229,10 +132,10 @@ async def test_redis_down_falls_back_to_a_share_then_returns(redis_server: Redis
         assert a.ledger.status().shared and b.ledger.status().shared
         assert a.statuses[-1].shared and a.ledger.status().fallbacks == 1
         # Counted once: what a holds, written as absolute values on return.
-        assert await _ledger_sum(redis_server.url) == 5000
+        assert await ledger_sum(redis_server.url) == 5000
         r.release()
         kept.release()
-        assert await _settles_at(redis_server.url, 0) == 0
+        assert await settles_at(redis_server.url, 0) == 0
 
 
 async def test_started_while_redis_is_down_serves_a_share_then_joins(
@@ -244,16 +147,16 @@ async def test_started_while_redis_is_down_serves_a_share_then_joins(
         assert not status.shared and "unreachable" in status.reason
         # Never saw the real count: fallback_replicas (2) is assumed.
         assert a.node.free_tokens == BUDGET // 2
-        r = await a.admission.admit(_demand(4000), 0.2)
+        r = await a.admission.admit(demand(4000), 0.2)
         with pytest.raises(Saturated):
-            await a.admission.admit(_demand(2000), 0.2)
+            await a.admission.admit(demand(2000), 0.2)
         redis_server.start()
         for _ in range(40):
             if a.ledger.status().shared:
                 break
             await asyncio.sleep(0.1)
         assert a.ledger.status().shared and a.ledger.status().live_replicas == 1
-        assert await _ledger_sum(redis_server.url) == 4000
+        assert await ledger_sum(redis_server.url) == 4000
         assert a.node.free_tokens == BUDGET - 4000  # alone: the whole budget again
         r.release()
 
@@ -265,13 +168,13 @@ async def test_new_requests_leave_freed_room_to_another_replicas_queue(
         replica(redis_server.url, "a", lease_s=20) as a,
         replica(redis_server.url, "b", lease_s=20) as b,
     ):
-        held = await a.admission.admit(_demand(8000), 1.0)
-        big = asyncio.create_task(b.admission.admit(_demand(4000), 5.0))
+        held = await a.admission.admit(demand(8000), 1.0)
+        big = asyncio.create_task(b.admission.admit(demand(4000), 5.0))
         await asyncio.sleep(0.2)
         assert not big.done() and b.admission.queue_depth == 1
         # 2,000 tokens are free, but b's request has been queued for them longer: a new
         # request at a queues behind it instead of taking the room first.
-        small = asyncio.create_task(a.admission.admit(_demand(1000), 5.0))
+        small = asyncio.create_task(a.admission.admit(demand(1000), 5.0))
         await asyncio.sleep(0.2)
         assert not small.done() and a.admission.queue_depth == 1
         held.release()
@@ -279,29 +182,29 @@ async def test_new_requests_leave_freed_room_to_another_replicas_queue(
         got_small = await asyncio.wait_for(small, 2.0)
         got_big.release()
         got_small.release()
-        assert await _settles_at(redis_server.url, 0) == 0
+        assert await settles_at(redis_server.url, 0) == 0
         # Nobody queues any more: new requests pass at once again.
-        r = await a.admission.admit(_demand(1000), 0.01)
+        r = await a.admission.admit(demand(1000), 0.01)
         r.release()
 
 
 async def test_a_request_that_fits_in_credit_skips_redis(redis_server: RedisServer) -> None:
     async with replica(redis_server.url, "a", credit_hold_s=0.2) as a:
-        first = await a.admission.admit(_demand(2000), 1.0)
+        first = await a.admission.admit(demand(2000), 1.0)
         first.release()
         # The room stays recorded as a's for the hold: nobody else can count on it.
-        assert await _ledger_sum(redis_server.url) == 2000
+        assert await ledger_sum(redis_server.url) == 2000
         calls = await _evalsha_calls(redis_server.url)
-        second = await a.admission.admit(_demand(1900), 1.0)
-        third = await a.admission.admit(_demand(1500), 1.0)  # more than is left: asks
+        second = await a.admission.admit(demand(1900), 1.0)
+        third = await a.admission.admit(demand(1500), 1.0)  # more than is left: asks
         assert a.ledger.credit_grants == 1
         assert await _evalsha_calls(redis_server.url) == calls + 1
         # What is held is recorded once: the credit's 2,000 and 1,400 more asked for.
-        assert await _ledger_sum(redis_server.url) == 3400
+        assert await ledger_sum(redis_server.url) == 3400
         second.release()
         third.release()
         # Idle for the hold, the credit goes back.
-        assert await _settles_at(redis_server.url, 0) == 0
+        assert await settles_at(redis_server.url, 0) == 0
 
 
 async def test_a_refusal_elsewhere_takes_the_credit_back_at_once(
@@ -311,18 +214,18 @@ async def test_a_refusal_elsewhere_takes_the_credit_back_at_once(
         replica(redis_server.url, "a", lease_s=8, credit_hold_s=2.0) as a,
         replica(redis_server.url, "b", lease_s=8, credit_hold_s=2.0) as b,
     ):
-        held = await a.admission.admit(_demand(6000), 1.0)
+        held = await a.admission.admit(demand(6000), 1.0)
         held.release()  # 6,000 kept as a's credit for up to 2 s
-        assert await _ledger_sum(redis_server.url) == 6000
+        assert await ledger_sum(redis_server.url) == 6000
         started = time.monotonic()
         # b has not heard of it (no release was published): Redis refuses b, b waits,
         # and the refusal, published, makes a give its credit back.
-        got = await b.admission.admit(_demand(6000), 3.0)
+        got = await b.admission.admit(demand(6000), 3.0)
         assert time.monotonic() - started < 1.0, "b waited for the credit's hold"
         assert b.ledger.credit_grants == 0
         got.release()
-        assert await _settles_at(redis_server.url, 6000) == 6000  # b's credit now
-        assert await _settles_at(redis_server.url, 0, within=4.0) == 0
+        assert await settles_at(redis_server.url, 6000) == 6000  # b's credit now
+        assert await settles_at(redis_server.url, 0, within=4.0) == 0
 
 
 async def test_a_grant_that_waits_for_a_sync_is_recorded_once(redis_server: RedisServer) -> None:
@@ -332,25 +235,25 @@ async def test_a_grant_that_waits_for_a_sync_is_recorded_once(redis_server: Redi
     # must not be in the snapshot too (counted twice, or never released from Redis when
     # Redis then refuses it).
     async with replica(redis_server.url, "a", lease_s=20, credit_hold_s=0) as a:
-        kept = await a.admission.admit(_demand(1000), 1.0)
+        kept = await a.admission.admit(demand(1000), 1.0)
         ctl = Redis.from_url(redis_server.url)
         try:
             await ctl.execute_command("CLIENT", "PAUSE", "400", "WRITE")  # scripts wait
-            out = asyncio.create_task(a.admission.admit(_demand(300), 3.0))
+            out = asyncio.create_task(a.admission.admit(demand(300), 3.0))
             await asyncio.sleep(0.05)  # its confirm is out
             a.ledger._resync = True
             sync = asyncio.create_task(a.ledger._heartbeat_once())
             await asyncio.sleep(0.05)  # the sync waits for that confirm
-            late = await a.admission.admit(_demand(500), 3.0)  # granted, parked, confirmed
+            late = await a.admission.admit(demand(500), 3.0)  # granted, parked, confirmed
             await sync
             first = await out
             assert a.ledger.status().shared
-            assert await _ledger_sum(redis_server.url) == 1800
+            assert await ledger_sum(redis_server.url) == 1800
         finally:
             await ctl.aclose()
         for r in (late, first, kept):
             r.release()
-        assert await _settles_at(redis_server.url, 0) == 0
+        assert await settles_at(redis_server.url, 0) == 0
 
 
 async def test_a_replica_whose_lease_lapsed_writes_its_holdings_again(
@@ -363,19 +266,19 @@ async def test_a_replica_whose_lease_lapsed_writes_its_holdings_again(
         replica(redis_server.url, "a", lease_s=1.0) as a,
         replica(redis_server.url, "b", lease_s=1.0) as b,
     ):
-        held = await a.admission.admit(_demand(6000), 1.0)
+        held = await a.admission.admit(demand(6000), 1.0)
         ctl = Redis.from_url(redis_server.url)
         try:
             await ctl.zrem("{kvgw}:live", "a")  # a's lease ran out while it was frozen
         finally:
             await ctl.aclose()
-        other = await b.admission.admit(_demand(3000), 1.0)  # b's call drops a's holdings
-        assert await _settles_at(redis_server.url, 9000) == 9000  # a's next heartbeat
+        other = await b.admission.admit(demand(3000), 1.0)  # b's call drops a's holdings
+        assert await settles_at(redis_server.url, 9000) == 9000  # a's next heartbeat
         with pytest.raises(Saturated):
-            await b.admission.admit(_demand(4000), 0.6)
+            await b.admission.admit(demand(4000), 0.6)
         other.release()
         held.release()
-        assert await _settles_at(redis_server.url, 0) == 0
+        assert await settles_at(redis_server.url, 0) == 0
 
 
 async def test_a_replica_that_stops_waiting_leaves_the_wait_set_at_once(
@@ -388,18 +291,18 @@ async def test_a_replica_that_stops_waiting_leaves_the_wait_set_at_once(
         replica(redis_server.url, "a", lease_s=10) as a,
         replica(redis_server.url, "b", lease_s=10) as b,
     ):
-        held = await a.admission.admit(_demand(8000), 1.0)
+        held = await a.admission.admit(demand(8000), 1.0)
         with pytest.raises(Saturated):
-            await b.admission.admit(_demand(4000), 0.3)
+            await b.admission.admit(demand(4000), 0.3)
         held.release()
-        assert await _settles_at(redis_server.url, 0) == 0
+        assert await settles_at(redis_server.url, 0) == 0
         ctl = Redis.from_url(redis_server.url)
         try:
             assert await ctl.zrange("{kvgw}:wait:n1", 0, -1) == []
         finally:
             await ctl.aclose()
         started = time.monotonic()
-        r = await a.admission.admit(_demand(4000), 3.0)
+        r = await a.admission.admit(demand(4000), 3.0)
         assert time.monotonic() - started < 0.5
         r.release()
 
@@ -412,25 +315,25 @@ async def test_a_fallback_keeps_within_what_redis_records_while_the_lease_may_li
     # that; once the lease has run out for sure, within its blind share (the whole
     # budget: it was alone).
     async with replica(redis_server.url, "a", lease_s=2.0, credit_hold_s=0) as a:
-        kept = await a.admission.admit(_demand(3000), 1.0)
+        kept = await a.admission.admit(demand(3000), 1.0)
         redis_server.stop()
         started = time.monotonic()
         with pytest.raises(Saturated):
-            await a.admission.admit(_demand(1000), 0.5)
+            await a.admission.admit(demand(1000), 0.5)
         assert not a.ledger.status().shared
-        r = await a.admission.admit(_demand(1000), 4.0)  # once the lease is over
+        r = await a.admission.admit(demand(1000), 4.0)  # once the lease is over
         assert time.monotonic() - started < 2.6
         with pytest.raises(Saturated):
-            await a.admission.admit(_demand(6500), 0.2)  # 3000 + 1000 + 6500 > 10000
+            await a.admission.admit(demand(6500), 0.2)  # 3000 + 1000 + 6500 > 10000
         redis_server.start()
         for _ in range(40):
             if a.ledger.status().shared:
                 break
             await asyncio.sleep(0.1)
-        assert await _ledger_sum(redis_server.url) == 4000
+        assert await ledger_sum(redis_server.url) == 4000
         r.release()
         kept.release()
-        assert await _settles_at(redis_server.url, 0) == 0
+        assert await settles_at(redis_server.url, 0) == 0
 
 
 async def test_credit_goes_back_when_another_replica_queues_on_its_own_view(
@@ -444,14 +347,14 @@ async def test_credit_goes_back_when_another_replica_queues_on_its_own_view(
         replica(redis_server.url, "a", lease_s=10) as a,
         replica(redis_server.url, "b", lease_s=10) as b,
     ):
-        burst = [await a.admission.admit(_demand(1000), 1.0) for _ in range(10)]
+        burst = [await a.admission.admit(demand(1000), 1.0) for _ in range(10)]
         for r in burst:
             r.release()
         stop = False
 
         async def trickle() -> None:
             while not stop:
-                async with a.admission.reserve(_demand(1000), 5.0):
+                async with a.admission.reserve(demand(1000), 5.0):
                     await asyncio.sleep(0.01)
                 await asyncio.sleep(0.01)
 
@@ -462,7 +365,7 @@ async def test_credit_goes_back_when_another_replica_queues_on_its_own_view(
                     break
                 await asyncio.sleep(0.05)
             started = time.monotonic()
-            got = await b.admission.admit(_demand(1000), 3.0)
+            got = await b.admission.admit(demand(1000), 3.0)
             assert time.monotonic() - started < 1.0
             got.release()
         finally:
@@ -474,14 +377,14 @@ async def test_a_request_queued_in_the_fallback_and_granted_after_it_is_recorded
     redis_server: RedisServer,
 ) -> None:
     async with replica(redis_server.url, "a", lease_s=10, credit_hold_s=0) as a:
-        held = await a.admission.admit(_demand(6000), 1.0)
+        held = await a.admission.admit(demand(6000), 1.0)
         redis_server.stop()
         for _ in range(60):
             if not a.ledger.status().shared:
                 break
             await asyncio.sleep(0.1)
         assert not a.ledger.status().shared
-        waiting = asyncio.create_task(a.admission.admit(_demand(4500), 30.0))
+        waiting = asyncio.create_task(a.admission.admit(demand(4500), 30.0))
         await asyncio.sleep(0.2)
         redis_server.start()
         for _ in range(100):
@@ -491,9 +394,9 @@ async def test_a_request_queued_in_the_fallback_and_granted_after_it_is_recorded
         assert a.ledger.status().shared
         held.release()
         late = await asyncio.wait_for(waiting, 5.0)  # granted once shared again
-        assert await _settles_at(redis_server.url, 4500) == 4500
+        assert await settles_at(redis_server.url, 4500) == 4500
         late.release()
-        assert await _settles_at(redis_server.url, 0) == 0
+        assert await settles_at(redis_server.url, 0) == 0
 
 
 async def test_a_steady_holder_keeps_no_credit_where_another_replica_waits(
@@ -506,12 +409,12 @@ async def test_a_steady_holder_keeps_no_credit_where_another_replica_waits(
         replica(redis_server.url, "a", lease_s=10) as a,
         replica(redis_server.url, "b", lease_s=10) as b,
     ):
-        held = [await a.admission.admit(_demand(1000), 1.0) for _ in range(9)]
+        held = [await a.admission.admit(demand(1000), 1.0) for _ in range(9)]
         stop = False
 
         async def trickle() -> None:
             while not stop:
-                async with b.admission.reserve(_demand(1000), 5.0):
+                async with b.admission.reserve(demand(1000), 5.0):
                     await asyncio.sleep(0.01)
                 await asyncio.sleep(0.005)
 
@@ -520,7 +423,7 @@ async def test_a_steady_holder_keeps_no_credit_where_another_replica_waits(
             await asyncio.sleep(0.3)
             for _ in range(4):
                 started = time.monotonic()
-                r = await a.admission.admit(_demand(1000), 2.0)
+                r = await a.admission.admit(demand(1000), 2.0)
                 assert time.monotonic() - started < 1.0
                 await asyncio.sleep(0.02)
                 r.release()
@@ -530,7 +433,7 @@ async def test_a_steady_holder_keeps_no_credit_where_another_replica_waits(
             await task
         for r in held:
             r.release()
-        assert await _settles_at(redis_server.url, 0, within=4.0) == 0
+        assert await settles_at(redis_server.url, 0, within=4.0) == 0
 
 
 async def test_a_grant_made_as_a_return_sync_begins_is_recorded_once(
@@ -540,13 +443,13 @@ async def test_a_grant_made_as_a_return_sync_begins_is_recorded_once(
     # the fallback starts (here: a release inside its first call to Redis). The sync's
     # snapshot holds the grant, so its confirm must not record it again.
     async with replica(redis_server.url, "a", lease_s=10, credit_hold_s=0) as a:
-        held = await a.admission.admit(_demand(6000), 1.0)
+        held = await a.admission.admit(demand(6000), 1.0)
         redis_server.stop()
         for _ in range(60):
             if not a.ledger.status().shared:
                 break
             await asyncio.sleep(0.1)
-        waiting = asyncio.create_task(a.admission.admit(_demand(4500), 30.0))
+        waiting = asyncio.create_task(a.admission.admit(demand(4500), 30.0))
         await asyncio.sleep(0.2)
         calls = a.ledger._calls
         ping = calls.ping
@@ -563,9 +466,9 @@ async def test_a_grant_made_as_a_return_sync_begins_is_recorded_once(
             if a.ledger.status().shared:
                 break
             await asyncio.sleep(0.1)
-        assert await _settles_at(redis_server.url, 4500) == 4500
+        assert await settles_at(redis_server.url, 4500) == 4500
         late.release()
-        assert await _settles_at(redis_server.url, 0) == 0
+        assert await settles_at(redis_server.url, 0) == 0
 
 
 async def test_a_grant_given_up_before_its_confirm_gives_nothing_back(
@@ -575,9 +478,9 @@ async def test_a_grant_given_up_before_its_confirm_gives_nothing_back(
     # whose client goes away in the same step: it is released before its confirm ran.
     # Neither the sync's snapshot nor Redis ever held it, so nothing may be given back.
     async with replica(redis_server.url, "a", lease_s=10, credit_hold_s=0) as a:
-        x = await a.admission.admit(_demand(6000), 1.0)
-        y = await a.admission.admit(_demand(2000), 1.0)
-        waiting = asyncio.create_task(a.admission.admit(_demand(4500), 30.0))
+        x = await a.admission.admit(demand(6000), 1.0)
+        y = await a.admission.admit(demand(2000), 1.0)
+        waiting = asyncio.create_task(a.admission.admit(demand(4500), 30.0))
         await asyncio.sleep(0.2)
         gate = await _hold_a_resync(a)
         x.release()  # the queued request is granted...
@@ -585,9 +488,9 @@ async def test_a_grant_given_up_before_its_confirm_gives_nothing_back(
         gate.set()
         with contextlib.suppress(asyncio.CancelledError):
             await waiting
-        assert await _settles_at(redis_server.url, 2000) == 2000
+        assert await settles_at(redis_server.url, 2000) == 2000
         y.release()
-        assert await _settles_at(redis_server.url, 0) == 0
+        assert await settles_at(redis_server.url, 0) == 0
 
 
 async def test_a_grant_made_while_a_sync_fails_is_in_the_next_snapshot(
@@ -597,8 +500,8 @@ async def test_a_grant_made_while_a_sync_fails_is_in_the_next_snapshot(
     # replica falls back) and the grant runs locally. The sync that ends the fallback
     # must write it, or another replica could be granted into its room.
     async with replica(redis_server.url, "a", lease_s=10, credit_hold_s=0) as a:
-        x = await a.admission.admit(_demand(6000), 1.0)
-        waiting = asyncio.create_task(a.admission.admit(_demand(4500), 30.0))
+        x = await a.admission.admit(demand(6000), 1.0)
+        waiting = asyncio.create_task(a.admission.admit(demand(4500), 30.0))
         await asyncio.sleep(0.2)
         gate = await _hold_a_resync(a, fail=True)
         gate.set()  # the sync fails at its next step...
@@ -610,9 +513,9 @@ async def test_a_grant_made_while_a_sync_fails_is_in_the_next_snapshot(
                 break
             await asyncio.sleep(0.1)
         assert a.ledger.status().shared
-        assert await _settles_at(redis_server.url, 4500) == 4500
+        assert await settles_at(redis_server.url, 4500) == 4500
         w.release()
-        assert await _settles_at(redis_server.url, 0) == 0
+        assert await settles_at(redis_server.url, 0) == 0
 
 
 async def test_shared_prefix_blocks_stay_recorded_until_their_last_holder_ends(
@@ -623,21 +526,21 @@ async def test_shared_prefix_blocks_stay_recorded_until_their_last_holder_ends(
     # replicas see the node 96 tokens freer than it is while B runs.
     router = PrefixRouter(PrefixIndex(), shared=SharedBlocks())
     keys = tuple(block_keys(list(range(4000, 4100)), 16))
-    shared = replace(_demand(1000), longest_prompt=100, prefix=PrefixHint(keys, 16))
+    shared = replace(demand(1000), longest_prompt=100, prefix=PrefixHint(keys, 16))
     async with replica(redis_server.url, "a", credit_hold_s=0, prefix=router) as a:
         first = await a.admission.admit(shared, 1.0)
         first.prefill_done()
         second = await a.admission.admit(shared, 1.0)
         assert second.holding is not None and second.holding.credited_tokens == 96
-        assert await _settles_at(redis_server.url, 1000 + 904) == 1904
+        assert await settles_at(redis_server.url, 1000 + 904) == 1904
         first.release()
         assert a.node.reserved_tokens == 1000
-        assert await _settles_at(redis_server.url, 1000) == 1000
+        assert await settles_at(redis_server.url, 1000) == 1000
         await asyncio.sleep(0.3)  # and it stays so
-        assert await _ledger_sum(redis_server.url) == 1000
+        assert await ledger_sum(redis_server.url) == 1000
         second.release()
         assert a.node.reserved_tokens == 0
-        assert await _settles_at(redis_server.url, 0) == 0
+        assert await settles_at(redis_server.url, 0) == 0
 
 
 async def test_a_refused_follower_gives_back_the_shared_copy_it_took_over(
@@ -648,16 +551,16 @@ async def test_a_refused_follower_gives_back_the_shared_copy_it_took_over(
     # copy was recorded by A and must leave Redis with B: it stayed there for good.
     router = PrefixRouter(PrefixIndex(), shared=SharedBlocks())
     keys = tuple(block_keys(list(range(4000, 4100)), 16))
-    shared = replace(_demand(1000), longest_prompt=100, prefix=PrefixHint(keys, 16))
+    shared = replace(demand(1000), longest_prompt=100, prefix=PrefixHint(keys, 16))
     async with (
         replica(redis_server.url, "a", lease_s=2, credit_hold_s=0, prefix=router) as a,
         replica(redis_server.url, "b", lease_s=2, credit_hold_s=0) as b,
     ):
         first = await a.admission.admit(shared, 1.0)
         first.prefill_done()
-        assert await _settles_at(redis_server.url, 1000) == 1000
-        other = await b.admission.admit(_demand(8500), 1.0)  # a's view does not know yet
-        assert await _settles_at(redis_server.url, 9500) == 9500
+        assert await settles_at(redis_server.url, 1000) == 1000
+        other = await b.admission.admit(demand(8500), 1.0)  # a's view does not know yet
+        assert await settles_at(redis_server.url, 9500) == 9500
         reserve = a.ledger._calls.reserve
 
         async def holder_ends_meanwhile(*args: Any, **kw: Any) -> Any:
@@ -668,9 +571,9 @@ async def test_a_refused_follower_gives_back_the_shared_copy_it_took_over(
         a.ledger._calls.reserve = holder_ends_meanwhile  # type: ignore[method-assign]
         again = await a.admission.admit(shared, 0.3)  # refused once, then uncredited
         again.release()
-        assert await _settles_at(redis_server.url, 8500) == 8500
+        assert await settles_at(redis_server.url, 8500) == 8500
         other.release()
-        assert await _settles_at(redis_server.url, 0) == 0
+        assert await settles_at(redis_server.url, 0) == 0
         assert a.node.reserved_tokens == 0
 
 

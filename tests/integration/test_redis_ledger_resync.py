@@ -1,0 +1,185 @@
+"""What an absolute sync writes to Redis (after a lapsed lease or a fallback) and what
+releases give back afterwards must agree, on every path: grown reservations, backends
+removed or replaced by a reload while their requests run, prefix copies of a request
+Redis refused. Each case once left Redis counting a replica's holdings wrong for as long
+as it lived (real redis-server; replicas in this process)."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+
+import pytest
+from redis.asyncio import Redis
+
+from kvgateway.config.load import parse_config
+from kvgateway.core.demand import PrefixHint
+from kvgateway.core.prefix_index import PrefixIndex
+from kvgateway.core.prefix_keys import block_keys
+from kvgateway.core.prefix_routing import PrefixRouter
+from kvgateway.core.reservation import Reservation
+from kvgateway.core.shared_blocks import SharedBlocks
+from kvgateway.errors import Saturated
+from tests.support.ledger_replicas import (
+    BUDGET,
+    Replica,
+    config_doc,
+    demand,
+    ledger_sum,
+    replica,
+    settles_at,
+)
+from tests.support.redis_server import RedisServer
+
+
+async def _lapse(url: str, rid: str) -> None:
+    """Take ``rid``'s lease away, as a freeze longer than the lease would."""
+    client = Redis.from_url(url)
+    try:
+        await client.zrem("{kvgw}:live", rid)
+    finally:
+        await client.aclose()
+
+
+async def _held(url: str, rid: str, name: str = "n1") -> int:
+    client = Redis.from_url(url)
+    try:
+        return int(await client.hget(f"{{kvgw}}:tok:{name}", rid) or 0)
+    finally:
+        await client.aclose()
+
+
+async def _until(url: str, rid: str, want: int, name: str = "n1", within: float = 3.0) -> int:
+    async with asyncio.timeout(within):
+        while (got := await _held(url, rid, name)) != want:
+            await asyncio.sleep(0.02)
+    return got
+
+
+async def _admit_all(r: Replica, n: int, tokens: int = 1000) -> list[Reservation]:
+    got = []
+    for _ in range(n):
+        try:
+            got.append(await r.admission.admit(demand(tokens), 0.3))
+        except Saturated:
+            break
+    return got
+
+
+async def test_a_sync_writes_what_releases_give_back_not_growth(
+    redis_server: RedisServer,
+) -> None:
+    """A stream that outgrew its reservation is charged in the book, never in Redis; a
+    sync once wrote the growth there, and the release took back only the grant: 3,000
+    tokens stayed recorded after everything ended."""
+    url = redis_server.url
+    async with replica(url, "a", credit_hold_s=0.0) as a:
+        r = await a.admission.admit(demand(1000), 1.0)
+        a.admission.grow(r, 3000)
+        await _lapse(url, "a")
+        await asyncio.sleep(0.6)  # the next heartbeat finds the lease gone: absolute sync
+        assert await _until(url, "a", 1000) == 1000
+        a.admission.release(r)
+        assert await settles_at(url, 0) == 0
+
+
+async def test_a_backend_removed_while_in_fallback_is_synced_back_to_nothing(
+    redis_server: RedisServer,
+) -> None:
+    """A reload removed n2 while 3 requests ran there; they ended while Redis was slow
+    (fallback: releases are not sent, the return sync writes the truth). The sync wrote
+    only the active backends: n2 kept 3,000 recorded, room lost to every replica."""
+    url = redis_server.url
+    doc = config_doc(url, credit_hold_s=0.0, name="n2")
+    async with replica(url, "a", credit_hold_s=0.0) as a, replica(url, "b", credit_hold_s=0.0) as b:
+        for r in (a, b):
+            r.fleet.apply(parse_config(doc), {})
+            r.admission.rebalance()
+            for x in r.fleet.active:
+                x.healthy = x.ever_healthy = True
+        held = [await a.admission.admit(demand(1000), 1.0) for _ in range(3)]
+        assert await ledger_sum(url, "n2") == 3000
+        a.fleet.apply(parse_config(config_doc(url, credit_hold_s=0.0)), {})  # n2 goes
+        a.admission.rebalance()
+        client = Redis.from_url(url)
+        try:
+            await client.execute_command("CLIENT", "PAUSE", "1500", "WRITE")
+            async with asyncio.timeout(3):
+                while a.ledger.in_shared_mode():
+                    await asyncio.sleep(0.02)
+            for r in held:
+                a.admission.release(r)
+            async with asyncio.timeout(6):
+                while not a.ledger.in_shared_mode():
+                    await asyncio.sleep(0.05)
+        finally:
+            await client.aclose()
+        assert await _until(url, "a", 0, "n2") == 0
+        assert len(await _admit_all(b, 10)) == BUDGET // 1000
+
+
+async def test_a_backend_replaced_by_a_reload_is_synced_under_its_name_whole(
+    redis_server: RedisServer,
+) -> None:
+    """n1 given a new URL: its old object drains 3 requests, the new one runs 7. A sync
+    wrote the new object's 7,000 only; the old ones' releases then took 3,000 off it, and
+    another replica filled the new node to 13,000 of 10,000."""
+    url = redis_server.url
+    async with replica(url, "a", credit_hold_s=0.0) as a, replica(url, "b", credit_hold_s=0.0) as b:
+        old = [await a.admission.admit(demand(1000), 1.0) for _ in range(3)]
+        doc = config_doc(url, credit_hold_s=0.0)
+        doc["tiers"][0]["backends"][0]["url"] = "http://127.0.0.2:9"
+        a.fleet.apply(parse_config(doc), {})
+        a.admission.rebalance()
+        a.node.healthy = a.node.ever_healthy = True
+        new = [await a.admission.admit(demand(1000), 1.0) for _ in range(7)]
+        await _lapse(url, "a")
+        await asyncio.sleep(0.6)
+        assert await _until(url, "a", 10_000) == 10_000
+        for r in old:
+            a.admission.release(r)
+        assert await _until(url, "a", 7000) == 7000
+        assert len(await _admit_all(b, 10)) == 3
+        for r in new:
+            a.admission.release(r)
+
+
+async def test_a_refused_payers_prefix_copy_left_to_a_follower_is_recorded(
+    redis_server: RedisServer,
+) -> None:
+    """R paid for prefix blocks; while its confirm was out the other copy's payer ended,
+    then Redis refused R. The book kept R's copy charged to a credited follower F, which
+    gave it back when it ended: Redis undercounted the replica by the copy for good."""
+    url = redis_server.url
+    router = PrefixRouter(PrefixIndex(), shared=SharedBlocks())
+    keys = tuple(block_keys(list(range(4000, 4100)), 16))
+    shared = replace(demand(1000), longest_prompt=100, prefix=PrefixHint(keys, 16))
+    async with (
+        replica(url, "a", lease_s=2.0, credit_hold_s=0.0, prefix=router) as a,
+        replica(url, "b", lease_s=2.0, credit_hold_s=0.0) as b,
+    ):
+        q = await a.admission.admit(demand(2000), 1.0)
+        p1 = await a.admission.admit(shared, 1.0)  # pays the prefix blocks
+        await b.admission.admit(demand(5000), 1.0)
+        reserve = a.ledger._calls.reserve
+        box: dict[str, Reservation] = {}
+
+        async def slow_reserve(*args: object, **kw: object) -> object:
+            a.ledger._calls.reserve = reserve  # type: ignore[method-assign]
+            p1.prefill_done()
+            box["f"] = await a.admission.admit(shared, 1.0)  # credited P1's ready blocks
+            p1.release()  # R's copy is now the one charged
+            await _until(url, "a", 2000 + box["f"].tokens)
+            await b.admission.admit(demand(1200), 1.0)  # B fills the room: R is refused
+            return await reserve(*args, **kw)  # type: ignore[arg-type]
+
+        a.ledger._calls.reserve = slow_reserve  # type: ignore[method-assign]
+        with pytest.raises(Saturated):
+            await a.admission.admit(shared, 0.3)  # R, refused by Redis
+        f = box["f"]
+        assert f.holding is not None and f.holding.credited_tokens > 0
+        own = a.node.reserved_tokens - a.ledger.others_tokens(a.node)
+        assert await _until(url, "a", own) == own  # the copy is recorded with F's grant
+        f.release()
+        assert await _until(url, "a", 2000) == 2000  # Q alone, as the book says
+        q.release()
