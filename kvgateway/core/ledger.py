@@ -9,7 +9,9 @@ so the next local decision already sees the backend as fuller.
 
 When the shared ledger is unreachable the view becomes a conservative local share: the
 others are taken to hold ``budget - budget // live`` of every backend, ``live`` being
-the replica count last seen, so the replicas together stay within each budget.
+the replica count last seen, so replicas that all lost Redis together stay within each
+budget. (One replica cut off alone, past its lease, is counted as gone by those that
+still reach Redis: its share can then overcommit a node; see the README.)
 """
 
 from __future__ import annotations

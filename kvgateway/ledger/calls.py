@@ -19,9 +19,20 @@ from kvgateway.ledger.scripts import HEARTBEAT, MARK, RELEASE, RESERVE, Keys
 
 class LedgerCalls:
     def __init__(
-        self, client: Redis, keys: Keys, replica_id: str, lease_ms: int, *, slots: int = 30
+        self,
+        client: Redis,
+        keys: Keys,
+        replica_id: str,
+        lease_ms: int,
+        stall_ms: int,
+        *,
+        slots: int = 30,
     ) -> None:
         self._client = client
+        # Held a lease before (Redis answered one of our calls): losing it now means
+        # holdings may be missing there, and the scripts stall grants for stall_ms.
+        self.joined = False
+        self._stall_ms = stall_ms
         # Calls wait their turn here, first come first served, for fewer than the pool's
         # connections (the listener holds one): redis-py's blocking pool hands freed
         # connections out unfairly, and with more callers than connections some waited
@@ -41,12 +52,14 @@ class LedgerCalls:
 
     async def reserve(
         self, b: Backend, tokens: int, seqs: int, *, queued: bool, still_waiting: bool
-    ) -> tuple[int, int, int, int, int]:
-        """(granted, others' tokens, others' seqs, live replicas, lease had lapsed)."""
+    ) -> tuple[int, int, int, int, int, int]:
+        """(granted, others' tokens, others' seqs, live replicas, lease had lapsed, ms
+        the stall has left)."""
         async with self._slots:
             got = await self._evalsha_reserve(b, tokens, seqs, queued, still_waiting)
-        granted, others_t, others_s, live, lapsed = (int(x) for x in got)
-        return granted, others_t, others_s, live, lapsed
+        self.joined = True
+        granted, others_t, others_s, live, lapsed, stall = (int(x) for x in got)
+        return granted, others_t, others_s, live, lapsed, stall
 
     async def _evalsha_reserve(
         self, b: Backend, tokens: int, seqs: int, queued: bool, still_waiting: bool
@@ -66,22 +79,32 @@ class LedgerCalls:
             int(still_waiting),
             self._keys.channel,
             b.name,
+            int(self.joined),
+            self._stall_ms,
         )
 
     async def heartbeat(
         self, names: Sequence[str], own: Sequence[Holding] | None, waiting: set[str]
     ) -> list[int]:
         """Renew the lease, write the wait marks and, with ``own``, this replica's
-        holdings as absolute values: [live replicas, lapsed, then per backend name
-        others' tokens, others' seqs and whether another replica waits there]."""
+        holdings as absolute values: [live replicas, lapsed, ms the stall has left, then
+        per backend name others' tokens, others' seqs and whether another replica waits
+        there]."""
         keys: list[str] = [self._keys.live]
-        args: list[int | str] = [self._id, self._lease_ms, int(own is not None)]
+        args: list[int | str] = [
+            self._id,
+            self._lease_ms,
+            int(own is not None),
+            int(self.joined),
+            self._stall_ms,
+        ]
         for i, name in enumerate(names):
             keys += [self._keys.tokens(name), self._keys.seqs(name), self._keys.waiting(name)]
             args += [own[i].tokens, own[i].seqs] if own is not None else [0, 0]
             args.append(int(name in waiting))
         async with self._slots:
             got = await self._client.evalsha(self._shas["heartbeat"], len(keys), *keys, *args)
+        self.joined = True
         return [int(x) for x in got]
 
     async def release(

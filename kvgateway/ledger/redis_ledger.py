@@ -68,7 +68,10 @@ class RedisLedger:
         self._id = replica_id
         self._fleet = fleet
         self._keys = Keys(cfg.namespace)
-        self._calls = LedgerCalls(client, self._keys, replica_id, int(cfg.lease_s * 1000))
+        # A lost lease stalls grants this long: a heartbeat interval for every replica
+        # to find its own lease gone, and the calls to write its holdings again.
+        stall_ms = int((cfg.lease_s / 4 + 4 * cfg.timeout_s) * 1000)
+        self._calls = LedgerCalls(client, self._keys, replica_id, int(cfg.lease_s * 1000), stall_ms)
         self._view = OthersView(fleet.adjust)
         self._on_status = on_status
         self._on_credit = on_credit
@@ -88,6 +91,7 @@ class RedisLedger:
         # it, so a fallback keeps within that (see _apply_share).
         self._renewed_at: float | None = None
         self._lease_timer: asyncio.TimerHandle | None = None
+        self._stall_timer: asyncio.TimerHandle | None = None
         # Where Redis lists this replica as waiting; the queue changed since it was told.
         self._marks = WaitMarks()
         self._marks_due = False
@@ -192,11 +196,13 @@ class RedisLedger:
             self._confirming -= 1
             if self._confirming == 0:
                 self._no_confirms.set()
-        granted, others_t, others_s, live, lapsed = got
+        granted, others_t, others_s, live, lapsed, stall = got
         self._live = live
         self._renewed()
         if lapsed:
             self._lapsed()
+        if stall:
+            self._after_stall(stall)
         if not self.in_shared_mode():  # fell back while the call was out: decide again
             return False
         self._marks.confirmed(b.name, refused=not granted, still_waiting=still_waiting)
@@ -402,6 +408,18 @@ class RedisLedger:
             self._wake.clear()
             await self._heartbeat_once()
 
+    def _after_stall(self, left_ms: int) -> None:
+        """Redis stalls grants (a replica's lease was lost: holdings may be missing there)
+        for ``left_ms`` more: a heartbeat then brings the others' holdings as rewritten,
+        and with them room for the requests queued meanwhile."""
+        if self._stall_timer is None:
+            loop = asyncio.get_running_loop()
+            self._stall_timer = loop.call_later(left_ms / 1000 + 0.01, self._stall_over)
+
+    def _stall_over(self) -> None:
+        self._stall_timer = None
+        self._wake.set()
+
     def _lapsed(self) -> None:
         """Redis had let this replica's lease lapse (the process was frozen, or cut off
         longer than the lease): the others may have deleted its holdings while its
@@ -474,6 +492,8 @@ class RedisLedger:
         self._live = values[0]
         if values[1] and not absolute:
             self._lapsed()
+        if values[2]:
+            self._after_stall(values[2])
         if absolute:
             self._mine = {n: [own[i].tokens, own[i].seqs] for i, n in enumerate(names)}
             # Given back while the sync was out (a resync in shared mode): not in the
@@ -487,8 +507,8 @@ class RedisLedger:
                 self._shared = True
                 log.info("shared ledger reached: %d live replica(s)", self._live)
         for i, b in enumerate(backends):
-            self._set_others(b, values[2 + 3 * i], values[3 + 3 * i])
-        self._contended = {b.name for i, b in enumerate(backends) if values[4 + 3 * i]}
+            self._set_others(b, values[3 + 3 * i], values[4 + 3 * i])
+        self._contended = {b.name for i, b in enumerate(backends) if values[5 + 3 * i]}
         if absolute or live_changed:
             self._notify()
 

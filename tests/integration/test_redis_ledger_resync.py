@@ -7,6 +7,7 @@ as it lived (real redis-server; replicas in this process)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from dataclasses import replace
 
 import pytest
@@ -56,7 +57,19 @@ async def _until(url: str, rid: str, want: int, name: str = "n1", within: float 
     return got
 
 
-async def _admit_all(r: Replica, n: int, tokens: int = 1000) -> list[Reservation]:
+async def _no_stall(url: str, within: float = 5.0) -> None:
+    """Until grants are no longer stalled (a lost lease stalls them; see ledger.scripts)."""
+    client = Redis.from_url(url)
+    try:
+        async with asyncio.timeout(within):
+            while await client.zscore("{kvgw}:live", "!stall") is not None:
+                await asyncio.sleep(0.05)
+    finally:
+        await client.aclose()
+
+
+async def _admit_all(url: str, r: Replica, n: int, tokens: int = 1000) -> list[Reservation]:
+    await _no_stall(url)
     got = []
     for _ in range(n):
         try:
@@ -115,7 +128,7 @@ async def test_a_backend_removed_while_in_fallback_is_synced_back_to_nothing(
         finally:
             await client.aclose()
         assert await _until(url, "a", 0, "n2") == 0
-        assert len(await _admit_all(b, 10)) == BUDGET // 1000
+        assert len(await _admit_all(url, b, 10)) == BUDGET // 1000
 
 
 async def test_a_backend_replaced_by_a_reload_is_synced_under_its_name_whole(
@@ -139,7 +152,7 @@ async def test_a_backend_replaced_by_a_reload_is_synced_under_its_name_whole(
         for r in old:
             a.admission.release(r)
         assert await _until(url, "a", 7000) == 7000
-        assert len(await _admit_all(b, 10)) == 3
+        assert len(await _admit_all(url, b, 10)) == 3
         for r in new:
             a.admission.release(r)
 
@@ -183,3 +196,28 @@ async def test_a_refused_payers_prefix_copy_left_to_a_follower_is_recorded(
         f.release()
         assert await _until(url, "a", 2000) == 2000  # Q alone, as the book says
         q.release()
+
+
+async def test_a_redis_restart_without_persistence_does_not_lend_room_in_use(
+    redis_server: RedisServer,
+) -> None:
+    """Redis restarts empty while A runs 8,000 of n1's 10,000: the first replica back saw
+    the others at 0 and admitted the whole budget (18,000 recorded). A lost lease now
+    stalls every grant until each live replica has written its holdings again."""
+    url = redis_server.url
+    async with (
+        replica(url, "a", lease_s=2.0, credit_hold_s=0.0) as a,
+        replica(url, "b", lease_s=2.0, credit_hold_s=0.0) as b,
+    ):
+        held = [await a.admission.admit(demand(1000), 1.0) for _ in range(8)]
+        redis_server.stop()
+        redis_server.start()
+        got: list[Reservation] = []
+        deadline = asyncio.get_running_loop().time() + 6.0
+        while asyncio.get_running_loop().time() < deadline and len(got) < 4:
+            with contextlib.suppress(Saturated):
+                got.append(await b.admission.admit(demand(1000), 1.0))
+        assert len(got) == 2, len(got)  # the room A's running requests leave, no more
+        assert await _until(url, "a", 8000) == 8000
+        for r in (*held, *got):
+            r.release()
