@@ -21,6 +21,7 @@ from kvgateway.capacity.errors import CapacityConfigError
 from kvgateway.capacity.explain import explain_log
 from kvgateway.capacity.logparse import parse_vllm_log
 from kvgateway.capacity.memory import DEFAULT_GPU_MEMORY_UTILIZATION, GIB
+from kvgateway.capacity.presets import find_preset
 from kvgateway.capacity.report import log_json, plan_json, render_log, render_plan, render_presets
 from kvgateway.capacity.spec import CapacitySpec
 from kvgateway.capacity.speculative import SPECULATIVE_METHODS
@@ -226,6 +227,16 @@ def run(args: argparse.Namespace) -> int:
         if facts.is_empty:
             return _fail(f"--from-log: no vLLM KV-cache lines found in {args.from_log!r}")
         spec = None
+        known = _logged_preset(facts.model) if not has_model and "num_layers" not in data else None
+        if known is not None:
+            # The log names a built-in model: its layout reads the log (a hybrid model's
+            # logged count is not its pool), unless the caller gives another.
+            data["preset"], has_model = known, True
+            print(
+                f"gateway plan: the log names {facts.model}: read with the built-in preset "
+                f"{known} (--preset or --model-config to read it otherwise)",
+                file=sys.stderr,
+            )
         if has_model:
             if "gpu_memory_gib" not in data and "kv_cache_memory_gib" not in data:
                 data["kv_cache_memory_gib"] = facts.available_kv_gib or 1.0
@@ -245,3 +256,13 @@ def run(args: argparse.Namespace) -> int:
         return _fail(str(exc))
     print(json.dumps(plan_json(plan), indent=2) if args.json else render_plan(plan))
     return 0 if plan.fits else 1
+
+
+def _logged_preset(model: str | None) -> str | None:
+    """The built-in preset of the model a log names, if there is one."""
+    if not model:
+        return None
+    try:
+        return find_preset(model).name
+    except CapacityConfigError:
+        return None

@@ -23,7 +23,7 @@ from kvgateway.capacity.advice import (
     suggested_max_num_seqs,
 )
 from kvgateway.capacity.arch import KV_CACHE_DTYPES
-from kvgateway.capacity.estimate import estimate
+from kvgateway.capacity.estimate import CapacityEstimate, estimate
 from kvgateway.capacity.logparse import LogFacts
 from kvgateway.capacity.memory import GIB
 from kvgateway.capacity.spec import CapacitySpec
@@ -62,7 +62,7 @@ def logged_tokens(facts: LogFacts, block_size: int) -> int | None:
     return facts.v0_kv_token_capacity
 
 
-def _findings(facts: LogFacts, bs: int) -> list[str]:
+def _findings(facts: LogFacts, bs: int, *, with_model: bool) -> list[str]:
     out: list[str] = []
     tokens = logged_tokens(facts, bs)
     if facts.needed_kv_gib is not None and facts.available_kv_gib is not None:
@@ -84,19 +84,35 @@ def _findings(facts: LogFacts, bs: int) -> list[str]:
             f"than the {facts.v0_kv_token_capacity:,} tokens its KV cache holds"
             + (f" ({facts.num_gpu_blocks} blocks x {bs})." if facts.num_gpu_blocks else ".")
         )
-    elif tokens is not None:
-        out.append(
-            f"The KV pool holds {tokens:,} tokens as logged ({tokens // bs:,} blocks of {bs}, "
-            f"counting the null block vLLM reserves): {tokens - bs:,} usable. Use "
-            f"kv_cache_tokens: {tokens - bs} for this node in the gateway."
-        )
-    if tokens and facts.available_kv_gib and facts.available_kv_gib > 0:
+    elif tokens is not None and not with_model:  # with a model, explain_log reads it
+        sign = _hybrid_sign(facts, tokens, bs)
+        if sign is not None:
+            out.append(
+                f"This model has several KV-cache groups ({sign}): the logged {tokens:,} "
+                "tokens are not the pool's size for short requests, and the log alone cannot "
+                "say what is. Give --preset or --model-config for the node's kv_cache_tokens."
+            )
+        else:
+            out.append(
+                f"The KV pool holds {tokens:,} tokens as logged ({tokens // bs:,} blocks of "
+                f"{bs}, counting the null block vLLM reserves): {tokens - bs:,} usable. Use "
+                f"kv_cache_tokens: {tokens - bs} for this node in the gateway (for a model of "
+                "one kind of attention; one that mixes in sliding-window or Mamba layers is "
+                "logged at full-length concurrency by the newest vLLM: give --preset or "
+                "--model-config)."
+            )
+    if tokens and not with_model and facts.available_kv_gib and facts.available_kv_gib > 0:
         implied = facts.available_kv_gib * GIB / tokens
         out.append(
             f"{facts.available_kv_gib:.2f} GiB for {tokens:,} tokens: about {implied:,.0f} "
             "bytes of KV per token per GPU."
         )
-    if facts.max_concurrency is not None and facts.concurrency_len and tokens:
+    if (
+        facts.max_concurrency is not None
+        and facts.concurrency_len
+        and tokens
+        and _hybrid_sign(facts, tokens, bs) is None
+    ):
         usable = (tokens - bs) / facts.concurrency_len
         out.append(
             f"'Maximum concurrency {facts.max_concurrency:.2f}x' for "
@@ -193,7 +209,7 @@ def _cross_check(facts: LogFacts, spec: CapacitySpec) -> tuple[CrossCheck | None
         )
     if tokens is None:
         return None, logged_spec
-    predicted = est.vllm_logged_tokens
+    predicted, _ = _closest_logged(est, tokens)
     deviation = (predicted - tokens) / tokens
     detail = (
         f"architecture: {est.bytes_per_token:,} B/token per GPU x "
@@ -209,6 +225,57 @@ def _cross_check(facts: LogFacts, spec: CapacitySpec) -> tuple[CrossCheck | None
     return CrossCheck(predicted, tokens, deviation, detail), logged_spec
 
 
+# vLLM's defaults for max_num_batched_tokens (API server: 2048, 8192 on >= 70 GiB GPUs;
+# offline LLM: 8192 / 16384): a hybrid model's logged count depends on it, and the log
+# does not say which applied.
+_DEFAULT_BATCHED = (2048, 8192, 16384)
+
+
+def _logged_forms(est: CapacityEstimate) -> list[tuple[int, int | None]]:
+    """What vLLM may log as ``GPU KV cache size`` for this pool, each with the
+    max_num_batched_tokens it assumes (None: the older ``blocks // groups * block_size``,
+    which does not depend on it). The newest releases log ``max_concurrency x
+    max_model_len``: the same number for one-group models, more for hybrids."""
+    forms: list[tuple[int, int | None]] = [(est.vllm_logged_tokens, None)]
+    if est.layout.num_groups > 1:
+        for mnbt in dict.fromkeys((est.max_num_batched_tokens, *_DEFAULT_BATCHED)):
+            logged = lay.vllm_logged_tokens_at_length(
+                est.layout, est.num_gpu_blocks, est.block_size, mnbt, est.target_len
+            )
+            forms.append((logged, mnbt))
+    return forms
+
+
+def _closest_logged(est: CapacityEstimate, tokens: int) -> tuple[int, int | None]:
+    return min(_logged_forms(est), key=lambda form: abs(form[0] - tokens))
+
+
+def _budget_from_logged(est: CapacityEstimate, tokens: int) -> int:
+    """Usable KV tokens (the gateway's kv_cache_tokens) from the node's logged count, read
+    in the wording it is closest to."""
+    layout, bs = est.layout, est.block_size
+    _, mnbt = _closest_logged(est, tokens)
+    if mnbt is None:
+        blocks = tokens // bs * layout.num_groups
+    else:
+        blocks = lay.blocks_from_logged_at_length(layout, tokens, bs, mnbt, est.target_len)
+    return lay.kv_tokens_from_blocks(blocks, bs, layout.num_groups)
+
+
+def _hybrid_sign(facts: LogFacts, tokens: int | None, bs: int) -> str | None:
+    """Why a log alone cannot give the pool: it shows a model of several KV-cache groups
+    (padding layers, or a token count that is not concurrency x length)."""
+    if facts.padding_layers:
+        return f"vLLM added {facts.padding_layers} padding layers"
+    c, length = facts.max_concurrency, facts.concurrency_len
+    if tokens and c is not None and length and abs(tokens - c * length) > 0.006 * length + bs:
+        return (
+            f"{tokens:,} tokens is not {c:.2f}x {length:,} (it would be for one group of "
+            "full attention)"
+        )
+    return None
+
+
 def _requests(concurrency: float) -> str:
     n = math.floor(concurrency)
     return f"{n} concurrent request fits" if n == 1 else f"{n} concurrent requests fit"
@@ -216,6 +283,8 @@ def _requests(concurrency: float) -> str:
 
 def _log_only(facts: LogFacts, bs: int) -> tuple[tuple[Recommendation, ...], Settings | None]:
     tokens = logged_tokens(facts, bs)
+    if _hybrid_sign(facts, tokens, bs) is not None:
+        return (), None  # the pool is unknown: advice on it would be wrong
     if facts.estimated_max_model_len is not None:
         tokens = facts.estimated_max_model_len
     if not tokens or tokens <= bs:
@@ -279,14 +348,15 @@ def _log_only(facts: LogFacts, bs: int) -> tuple[tuple[Recommendation, ...], Set
 
 def explain_log(facts: LogFacts, spec: CapacitySpec | None = None) -> LogReport:
     bs = spec.block_size if spec is not None else 16
-    findings = _findings(facts, bs)
+    with_model = spec is not None and bool(facts.available_kv_gib)
+    findings = _findings(facts, bs, with_model=with_model)
     if spec is not None and facts.available_kv_gib is not None and facts.available_kv_gib > 0:
         check, logged_spec = _cross_check(facts, spec)
         plan = make_plan(logged_spec)
         tokens = logged_tokens(facts, bs)
         if plan.settings is not None and tokens and not facts.startup_failed:
             # The node's own count beats our prediction from a GiB figure rounded to 0.01.
-            budget = tokens - bs
+            budget = _budget_from_logged(plan.estimate, tokens)
             plan = replace(plan, settings=replace(plan.settings, kv_cache_tokens=budget))
             findings.append(
                 f"The backend entry uses kv_cache_tokens {budget}: the node's own count "

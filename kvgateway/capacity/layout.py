@@ -120,6 +120,25 @@ def vllm_logged_tokens(layout: KVLayout, blocks: int, block_size: int) -> int:
     return blocks // layout.num_groups * block_size
 
 
+def vllm_logged_tokens_at_length(
+    layout: KVLayout, blocks: int, block_size: int, max_num_batched_tokens: int, max_model_len: int
+) -> int:
+    """What the newest vLLM prints there: ``int(max_concurrency * max_model_len)``, the
+    context tokens the pool holds at full-length concurrency. The same as
+    :func:`vllm_logged_tokens` for one group; more for a hybrid model, whose
+    sliding-window groups hold at most a window per request."""
+    per_request = blocks_per_request(layout, max_model_len, block_size, max_num_batched_tokens)
+    return int(blocks / per_request * max_model_len)
+
+
+def blocks_from_logged_at_length(
+    layout: KVLayout, tokens: int, block_size: int, max_num_batched_tokens: int, max_model_len: int
+) -> int:
+    """The pool's blocks from a :func:`vllm_logged_tokens_at_length` figure (never more)."""
+    per_request = blocks_per_request(layout, max_model_len, block_size, max_num_batched_tokens)
+    return tokens * per_request // max(1, max_model_len)
+
+
 def kv_tokens_from_blocks(num_blocks: int, block_size: int, num_groups: int = 1) -> int:
     """KV tokens requests can hold in a pool of ``num_blocks`` blocks: the one formula.
 

@@ -6,6 +6,7 @@ import json
 import textwrap
 from typing import Any
 
+from kvgateway.capacity import layout as lay
 from kvgateway.capacity.advice import Plan, Recommendation, Settings
 from kvgateway.capacity.alternatives import needed_len
 from kvgateway.capacity.arch import kv_bytes_per_token
@@ -177,7 +178,12 @@ def render_plan(plan: Plan, *, header: bool = True) -> str:
         + (f" in {est.layout.num_groups} groups" if est.layout.is_hybrid else "")
         + " (block 0 is vLLM's reserved null block)",
         f"kv_cache_tokens      {est.kv_cache_tokens:,} usable (vLLM will log 'GPU KV cache "
-        f"size: {est.vllm_logged_tokens:,} tokens')",
+        f"size: {est.vllm_logged_tokens:,} tokens'"
+        + (
+            f"; the newest releases {_logged_at_length(est):,}, tokens at full-length concurrency)"
+            if est.layout.is_hybrid
+            else ")"
+        ),
         f"Longest context      {est.max_model_len_fit:,} tokens for one request"
         + (f" (model limit {limit:,})" if limit else ""),
         f"Concurrency          {conc}",
@@ -347,3 +353,9 @@ def render_presets() -> str:
             f"{preset.param_count / 1e9:>7.1f}B  {preset.hf_id}: {preset.summary}"
         )
     return "\n".join(lines)
+
+
+def _logged_at_length(est: CapacityEstimate) -> int:
+    return lay.vllm_logged_tokens_at_length(
+        est.layout, est.num_gpu_blocks, est.block_size, est.max_num_batched_tokens, est.target_len
+    )

@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvgateway.capacity import layout as lay
 from kvgateway.capacity.arch import KV_DTYPE_ALIASES
 from kvgateway.capacity.errors import CapacityConfigError
 from kvgateway.capacity.estimate import CapacityEstimate, estimate
@@ -245,8 +246,12 @@ def _check(flags: ServeFlags) -> None:
 
 
 def _no_fit_message(est: CapacityEstimate, max_model_len: int) -> str:
-    per_token = est.layout.group_size * est.bytes_per_token_per_layer * est.layout.num_groups
-    needed = per_token * max_model_len / GIB
+    # vLLM's _max_memory_usage_bytes_from_groups: one request's blocks in every group (a
+    # sliding-window group's capped by its window), each a page of every layer it pools.
+    blocks = lay.blocks_per_request(
+        est.layout, max_model_len, est.block_size, est.max_num_batched_tokens
+    )
+    needed = est.kv_layers_per_gpu * lay.page_bytes(est.layout, est.block_size) * blocks / GIB
     return (
         f"To serve at least one request with the models's max seq len ({max_model_len}), "
         f"({needed:.2f} GiB KV cache is needed, which is larger than the available KV cache "

@@ -220,9 +220,47 @@ def test_from_log_stdin(
     data = run_json(["--from-log", "-"], capsys)
     assert data["log"]["kv_cache_tokens"] == 290_096
     assert data["kv_cache_tokens"] == 290_080
-    assert data["max_model_len_fit"] == 290_080
-    assert data["max_concurrency"] == pytest.approx(290_080 / 40_960, abs=1e-4)
-    assert data["bytes_per_token"] == pytest.approx(147_456, rel=0.001)  # implied by the log
+    # The log names Qwen/Qwen3-8B, a built-in preset: its 40,960-token limit applies.
+    assert data["max_model_len_fit"] == 40_960
+    assert data["max_concurrency"] == pytest.approx(290_080 / 40_960, abs=1e-3)
+    assert data["bytes_per_token"] == 147_456
+
+
+GEMMA_LOG = """\
+INFO [core.py] Initializing a V1 LLM engine ({version}) with config: model='{model}', \
+tokenizer='{model}', dtype=torch.bfloat16, max_seq_len=131072, tensor_parallel_size=2, \
+pipeline_parallel_size=1, quantization=None, kv_cache_dtype=auto
+INFO [gpu_worker.py] Available KV cache memory: 20.0 GiB
+INFO [kv_cache_utils.py] GPU KV cache size: {tokens} tokens
+INFO [kv_cache_utils.py] Maximum concurrency for 131,072 tokens per request: 2.81x
+"""
+
+
+def test_a_hybrid_models_log_is_read_in_either_wording(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Gemma 3 (sliding window + full attention, 7 groups) on a 32,768-block pool: vLLM
+    logs 74,896 tokens (blocks // groups x 16), and the newest releases 368,540 (2.81x
+    131,072, tokens at full-length concurrency). Read as a one-group pool, the newest
+    wording made the gateway budget 368,524 tokens: 4.9x what short requests can hold."""
+    for version, tokens in (("v0.21.0", "74,896"), ("v0.31.0", "368,540")):
+        log = tmp_path / f"{version}.log"
+        log.write_text(
+            GEMMA_LOG.format(version=version, model="google/gemma-3-27b-it", tokens=tokens)
+        )
+        code, out, err = run(["--from-log", str(log)], capsys)
+        assert "read with the built-in preset gemma-3-27b" in err  # named by the log
+        assert code == 0 and "Cross-check against the model: matches" in out, out
+        assert "# kv_cache_tokens: 74880" in out, out
+        # A model the gateway does not know: the old wording shows it is not one group.
+        log.write_text(GEMMA_LOG.format(version=version, model="acme/unknown", tokens=tokens))
+        code, out, _ = run(["--from-log", str(log)], capsys)
+        flat = " ".join(out.split())
+        if tokens == "74,896":
+            assert "This model has several KV-cache groups" in flat
+            assert "Use kv_cache_tokens" not in flat and "Lower --max-model-len" not in flat
+        else:  # indistinguishable from one group by the log alone: said so
+            assert "give --preset or --model-config" in flat
 
 
 def test_module_entry_point() -> None:

@@ -74,6 +74,18 @@ def test_refuses_to_start_like_vllm_and_logs_why() -> None:
     assert facts.max_model_len == 40960 and facts.needed_kv_gib == 5.62
 
 
+def test_a_sliding_window_models_refusal_states_what_vllm_would_need() -> None:
+    """vLLM sizes one full-length request by its groups (a sliding-window group capped by
+    its window): 3.05 GiB for gpt-oss-20b at 131,072 tokens, not the 6.00 GiB that counting
+    every group as full attention gave (and `plan --from-log` would read as the need)."""
+    with pytest.raises(StartupError) as info:
+        size_node(
+            "gpt-oss-20b", 24.0, ServeFlags(gpu_memory_utilization=0.70, max_model_len=131072)
+        )
+    facts = parse_vllm_log("\n".join(info.value.log))
+    assert facts.needed_kv_gib == 3.05, str(info.value)
+
+
 def test_a_gpu_too_small_for_the_weights_has_no_memory_for_blocks() -> None:
     with pytest.raises(StartupError) as info:
         size_node("qwen3-8b", 16, ServeFlags(max_model_len=4096))
