@@ -88,6 +88,9 @@ class ModelArch:
     tied_embeddings: bool = False
     # DeepSeek-style multi-token-prediction layers shipped with the checkpoint.
     num_nextn_predict_layers: int = 0
+    # A KV-cache quantization the checkpoint carries ("fp8"): vLLM's kv_cache_dtype "auto"
+    # then resolves to it, not to the model dtype.
+    kv_cache_quant: str | None = None
     # What the config parser had to assume; shown with every estimate.
     notes: tuple[str, ...] = ()
 
@@ -141,6 +144,8 @@ def kv_heads_per_gpu(arch: ModelArch, tp: int) -> int:
 def kv_bytes_per_token_per_layer(arch: ModelArch, tp: int, kv_cache_dtype: str) -> int:
     """One token's K+V (or MLA latent) in one layer on one GPU, in bytes."""
     dtype = kv_cache_dtype.lower()
+    if dtype == "auto" and arch.kv_cache_quant is not None:
+        dtype = arch.kv_cache_quant
     if arch.is_mla:
         if dtype == "fp8_ds_mla":
             return FP8_DS_MLA_BYTES_PER_TOKEN

@@ -292,5 +292,26 @@ def arch_from_hf_config(
         weight_bytes_per_param=weight_bytes_per_param or dense_bytes,
         tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         num_nextn_predict_layers=_int(cfg, "num_nextn_predict_layers", required=False) or 0,
+        kv_cache_quant=_kv_cache_quant(cfg),
         notes=tuple(notes),
     )
+
+
+def _kv_cache_quant(cfg: Mapping[str, Any]) -> str | None:
+    """The KV-cache quantization a checkpoint declares, as vLLM's ``kv_cache_dtype auto``
+    resolves it: compressed-tensors ``kv_cache_scheme`` of 8-bit floats, or ModelOpt's
+    ``kv_cache_quant_algo: FP8``, is an fp8 cache."""
+    quant = cfg.get("quantization_config")
+    if not isinstance(quant, Mapping):
+        return None
+    scheme = quant.get("kv_cache_scheme")
+    if (
+        isinstance(scheme, Mapping)
+        and scheme.get("num_bits") == 8
+        and str(scheme.get("type", "float")).lower() == "float"
+    ):
+        return "fp8"
+    algo = quant.get("kv_cache_quant_algo")
+    if isinstance(algo, str) and algo.upper() == "FP8":
+        return "fp8"
+    return None

@@ -141,3 +141,25 @@ def test_every_preset_parses(preset: str) -> None:
 def test_unknown_preset_lists_the_known_ones() -> None:
     with pytest.raises(CapacityConfigError, match="qwen3-8b"):
         preset_arch("llama-9")
+
+
+def test_a_checkpoint_with_an_fp8_kv_cache_halves_the_bytes_under_auto() -> None:
+    """vLLM resolves --kv-cache-dtype auto to fp8 when the checkpoint quantizes its KV
+    cache (compressed-tensors kv_cache_scheme, ModelOpt kv_cache_quant_algo): the pool
+    holds twice the tokens the model dtype would give (163,824 planned, 327,664 served)."""
+    from kvgateway.capacity.arch import kv_bytes_per_token_per_layer
+    from kvgateway.capacity.hf_config import arch_from_hf_config
+
+    base = {
+        "model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "torch_dtype": "bfloat16",
+    }  # fmt: skip
+    plain = arch_from_hf_config(base, name="m")
+    assert kv_bytes_per_token_per_layer(plain, 1, "auto") == 4096
+    for quant in (
+        {"quant_method": "compressed-tensors", "kv_cache_scheme": {"num_bits": 8, "type": "float"}},
+        {"quant_method": "modelopt", "kv_cache_quant_algo": "FP8"},
+    ):
+        arch = arch_from_hf_config({**base, "quantization_config": quant}, name="m")
+        assert kv_bytes_per_token_per_layer(arch, 1, "auto") == 2048, quant
+        assert kv_bytes_per_token_per_layer(arch, 1, "bfloat16") == 4096  # asked for: kept
