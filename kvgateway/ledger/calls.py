@@ -29,9 +29,9 @@ class LedgerCalls:
         slots: int = 30,
     ) -> None:
         self._client = client
-        # Held a lease before (Redis answered one of our calls): losing it now means
-        # holdings may be missing there, and the scripts stall grants for stall_ms.
-        self.joined = False
+        # The ledger's epoch as Redis last told it (0: not yet): another one means Redis
+        # lost its data, and the scripts stall grants for stall_ms.
+        self.epoch = 0
         self._stall_ms = stall_ms
         # Calls wait their turn here, first come first served, for fewer than the pool's
         # connections (the listener holds one): redis-py's blocking pool hands freed
@@ -57,8 +57,7 @@ class LedgerCalls:
         the stall has left)."""
         async with self._slots:
             got = await self._evalsha_reserve(b, tokens, seqs, queued, still_waiting)
-        self.joined = True
-        granted, others_t, others_s, live, lapsed, stall = (int(x) for x in got)
+        granted, others_t, others_s, live, lapsed, stall, self.epoch = (int(x) for x in got)
         return granted, others_t, others_s, live, lapsed, stall
 
     async def _evalsha_reserve(
@@ -66,9 +65,10 @@ class LedgerCalls:
     ) -> list[bytes]:
         return await self._client.evalsha(  # type: ignore[no-any-return]
             self._shas["reserve"],
-            4,
+            5,
             *self._keys.backend(b.name),
             self._keys.waiting(b.name),
+            self._keys.epoch,
             self._id,
             tokens,
             seqs,
@@ -79,7 +79,7 @@ class LedgerCalls:
             int(still_waiting),
             self._keys.channel,
             b.name,
-            int(self.joined),
+            self.epoch,
             self._stall_ms,
         )
 
@@ -90,12 +90,12 @@ class LedgerCalls:
         holdings as absolute values: [live replicas, lapsed, ms the stall has left, then
         per backend name others' tokens, others' seqs and whether another replica waits
         there]."""
-        keys: list[str] = [self._keys.live]
+        keys: list[str] = [self._keys.live, self._keys.epoch]
         args: list[int | str] = [
             self._id,
             self._lease_ms,
             int(own is not None),
-            int(self.joined),
+            self.epoch,
             self._stall_ms,
         ]
         for i, name in enumerate(names):
@@ -104,8 +104,9 @@ class LedgerCalls:
             args.append(int(name in waiting))
         async with self._slots:
             got = await self._client.evalsha(self._shas["heartbeat"], len(keys), *keys, *args)
-        self.joined = True
-        return [int(x) for x in got]
+        values = [int(x) for x in got]
+        self.epoch = values[3]
+        return values[:3] + values[4:]
 
     async def release(
         self,

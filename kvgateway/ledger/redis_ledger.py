@@ -68,8 +68,8 @@ class RedisLedger:
         self._id = replica_id
         self._fleet = fleet
         self._keys = Keys(cfg.namespace)
-        # A lost lease stalls grants this long: a heartbeat interval for every replica
-        # to find its own lease gone, and the calls to write its holdings again.
+        # Redis losing its data stalls grants this long: a heartbeat interval for every
+        # replica to find it, and the calls to write its holdings again.
         stall_ms = int((cfg.lease_s / 4 + 4 * cfg.timeout_s) * 1000)
         self._calls = LedgerCalls(client, self._keys, replica_id, int(cfg.lease_s * 1000), stall_ms)
         self._view = OthersView(fleet.adjust)
@@ -409,9 +409,10 @@ class RedisLedger:
             await self._heartbeat_once()
 
     def _after_stall(self, left_ms: int) -> None:
-        """Redis stalls grants (a replica's lease was lost: holdings may be missing there)
-        for ``left_ms`` more: a heartbeat then brings the others' holdings as rewritten,
-        and with them room for the requests queued meanwhile."""
+        """Redis stalls grants (it lost its data: holdings are missing there until every
+        replica has written its own again) for ``left_ms`` more: a heartbeat then brings
+        the others' holdings as rewritten, and with them room for the requests queued
+        meanwhile."""
         if self._stall_timer is None:
             loop = asyncio.get_running_loop()
             self._stall_timer = loop.call_later(left_ms / 1000 + 0.01, self._stall_over)

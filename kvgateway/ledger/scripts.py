@@ -12,11 +12,12 @@ Layout (all keys share the ``{namespace}`` hash tag, so they live in one slot):
 Only holdings of replicas whose lease is live are summed; a dead replica's fields are
 deleted by whoever reads them next, so a replica killed with -9 stops counting when its
 lease runs out; one that was only frozen learns at its next call that its lease had
-lapsed, and writes its holdings again. A lease lost by a replica that had one stalls
-every grant for a while (member ``!stall`` of the live set, scored with the stall's end):
-the holdings in Redis may be incomplete, everyone's after a restart without persistence,
-until each live replica has found its own lease gone and written them again. Time is the
-Redis server's (``TIME``), so replicas' clocks do not matter.
+lapsed, and writes its holdings again. ``{ns}:epoch`` says when the ledger's data began:
+a replica that finds another epoch than the one it knew (Redis restarted without
+persistence, and every holding is gone) stalls every grant for a while (member
+``!stall`` of the live set, scored with the stall's end), until each live replica has
+found the same and written its holdings again. Time is the Redis server's (``TIME``), so
+replicas' clocks do not matter.
 
 Fairness across replicas (approximately one FIFO queue): while another live replica has
 requests queued for a backend, a *new* request elsewhere is refused there (it queues in its
@@ -33,25 +34,31 @@ local function now_ms()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
--- Renew my lease; also says whether it had lapsed (my holdings may have been deleted
--- meanwhile: the caller writes them again), how many replicas are live, and for how
--- many ms more grants are stalled. A lease lost by a replica that had one (joined)
--- means holdings may be missing from Redis, maybe everyone's (Redis restarted without
--- persistence): no grant until every live replica has had time to find its own lease
--- gone and write its holdings again (stall ms). The stall is the member '!stall' of the
--- live set, its score the stall's end, so it expires as leases do.
-local function live(key, me, now, lease, joined, stall)
+-- Renew my lease. Says whether it had lapsed (my holdings may have been deleted
+-- meanwhile: the caller writes them again), how many replicas are live, the ms a stall
+-- has left, and the ledger's epoch: when its data began (a Redis that lost its data,
+-- restarted without persistence, begins another). A replica that knew an earlier epoch
+-- finds holdings missing, maybe everyone's: no grant until every live replica has had
+-- time to find the same and write its holdings again (stall ms). A lease lost while the
+-- data stayed (a freeze, a cut, a clean stop under the same identity) stalls nothing.
+-- The stall is the member '!stall' of the live set, its score the stall's end.
+local function live(key, epochkey, me, now, lease, known, stall)
   redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
   local lapsed = redis.call('ZSCORE', key, me) == false
+  local epoch = redis.call('GET', epochkey)
+  if not epoch then
+    epoch = string.format('%d', now)
+    redis.call('SET', epochkey, epoch)
+  end
   local ends = tonumber(redis.call('ZSCORE', key, '!stall') or '0')
-  if lapsed and joined == '1' and now + stall > ends then
+  if known ~= '0' and known ~= epoch and now + stall > ends then
     ends = now + stall
     redis.call('ZADD', key, ends, '!stall')
   end
   redis.call('ZADD', key, now + lease, me)
   local left = math.max(0, ends - now)
   local n = redis.call('ZCARD', key) - (left > 0 and 1 or 0)
-  return n, lapsed and 1 or 0, left
+  return n, lapsed and 1 or 0, left, epoch
 end
 -- Sum of the live replicas' holdings except mine; dead replicas' fields go.
 local function others(key, livekey, me)
@@ -87,13 +94,13 @@ local function mine(key, me)
 end
 """
 
-# KEYS: live, tok, seq, wait. ARGV: me, tokens, seqs, budget tokens, budget seqs, lease
-# ms, queued (1: this request waited in a queue), still waiting (1: more of mine queue),
-# channel, backend name, joined (1: I had a lease before), stall ms. Returns {granted
-# 0/1, others' tokens, others' seqs, live replicas, 1 if my lease had lapsed, ms the
-# stall has left}; a request refused for fairness or in a stall is told the backend is
-# full, so that it queues instead of asking again. A refusal for fairness is published
-# ("wait<TAB>NAME<TAB>replica"): other replicas give back the credit they keep there.
+# KEYS: live, tok, seq, wait, epoch. ARGV: me, tokens, seqs, budget tokens, budget seqs,
+# lease ms, queued (1: this request waited in a queue), still waiting (1: more of mine
+# queue), channel, backend name, the epoch I know ('0': none yet), stall ms. Returns
+# {granted 0/1, others' tokens, others' seqs, live replicas, 1 if my lease had lapsed, ms
+# the stall has left, epoch}; a request refused for fairness or in a stall is told the
+# backend is full, so that it queues instead of asking again. A refusal for fairness is
+# published ("wait<TAB>NAME<TAB>replica"): other replicas give back their credit there.
 RESERVE = (
     _PRELUDE
     + """
@@ -101,12 +108,13 @@ local me = ARGV[1]
 local tokens, seqs = tonumber(ARGV[2]), tonumber(ARGV[3])
 local bt, bs = tonumber(ARGV[4]), tonumber(ARGV[5])
 local now = now_ms()
-local n, lapsed, stall = live(KEYS[1], me, now, tonumber(ARGV[6]), ARGV[11], tonumber(ARGV[12]))
+local n, lapsed, stall, epoch = live(
+  KEYS[1], KEYS[5], me, now, tonumber(ARGV[6]), ARGV[11], tonumber(ARGV[12]))
 local ot, os = others(KEYS[2], KEYS[1], me), others(KEYS[3], KEYS[1], me)
 local mt, ms = mine(KEYS[2], me), mine(KEYS[3], me)
 if stall > 0 then
   note_waiting(KEYS[4], me, now, true)
-  return {0, math.max(ot, bt - mt), math.max(os, bs - ms), n, lapsed, stall}
+  return {0, math.max(ot, bt - mt), math.max(os, bs - ms), n, lapsed, stall, epoch}
 end
 local function refused()
   note_waiting(KEYS[4], me, now, true)
@@ -114,16 +122,16 @@ local function refused()
 end
 if ARGV[7] ~= '1' and waiting(KEYS[4], KEYS[1], me) then
   refused()
-  return {0, math.max(ot, bt - mt), math.max(os, bs - ms), n, lapsed, 0}
+  return {0, math.max(ot, bt - mt), math.max(os, bs - ms), n, lapsed, 0, epoch}
 end
 if ot + mt + tokens <= bt and os + ms + seqs <= bs then
   redis.call('HINCRBY', KEYS[2], me, tokens)
   redis.call('HINCRBY', KEYS[3], me, seqs)
   note_waiting(KEYS[4], me, now, ARGV[8] == '1')
-  return {1, ot, os, n, lapsed, 0}
+  return {1, ot, os, n, lapsed, 0, epoch}
 end
 refused()
-return {0, ot, os, n, lapsed, 0}
+return {0, ot, os, n, lapsed, 0, epoch}
 """
 )
 
@@ -145,30 +153,31 @@ return {ot, os}
 """
 )
 
-# KEYS: live, then (tok_i, seq_i, wait_i) per backend. ARGV: me, lease ms, absolute
-# (0/1), joined (1: I had a lease before), stall ms, then (tokens_i, seqs_i, waiting_i)
-# per backend. With absolute=1 this replica's holdings are set to the given values
-# (start-up, return from fallback, resync): never added on top of the past. Returns
-# {live replicas, 1 if my lease had lapsed, ms the stall has left, others' tokens_1,
-# others' seqs_1, 1 if another replica waits there_1, ...}.
+# KEYS: live, epoch, then (tok_i, seq_i, wait_i) per backend. ARGV: me, lease ms,
+# absolute (0/1), the epoch I know ('0': none yet), stall ms, then (tokens_i, seqs_i,
+# waiting_i) per backend. With absolute=1 this replica's holdings are set to the given
+# values (start-up, return from fallback, resync): never added on top of the past.
+# Returns {live replicas, 1 if my lease had lapsed, ms the stall has left, epoch, others'
+# tokens_1, others' seqs_1, 1 if another replica waits there_1, ...}.
 HEARTBEAT = (
     _PRELUDE
     + """
 local me = ARGV[1]
 local now = now_ms()
-local n, lapsed, stall = live(KEYS[1], me, now, tonumber(ARGV[2]), ARGV[4], tonumber(ARGV[5]))
+local n, lapsed, stall, epoch = live(
+  KEYS[1], KEYS[2], me, now, tonumber(ARGV[2]), ARGV[4], tonumber(ARGV[5]))
 local absolute = ARGV[3] == '1'
-local out = {n, lapsed, stall}
-for i = 2, #KEYS, 3 do
+local out = {n, lapsed, stall, epoch}
+for i = 3, #KEYS, 3 do
   for k = 0, 1 do
     local key = KEYS[i + k]
     if absolute then
-      local v = tonumber(ARGV[i + k + 4])
+      local v = tonumber(ARGV[i + k + 3])
       if v > 0 then redis.call('HSET', key, me, v) else redis.call('HDEL', key, me) end
     end
     out[#out + 1] = others(key, KEYS[1], me)
   end
-  note_waiting(KEYS[i + 2], me, now, ARGV[i + 6] == '1')
+  note_waiting(KEYS[i + 2], me, now, ARGV[i + 5] == '1')
   out[#out + 1] = waiting(KEYS[i + 2], KEYS[1], me) and 1 or 0
 end
 return out
@@ -200,6 +209,10 @@ class Keys:
     @property
     def live(self) -> str:
         return f"{{{self.namespace}}}:live"
+
+    @property
+    def epoch(self) -> str:
+        return f"{{{self.namespace}}}:epoch"
 
     @property
     def channel(self) -> str:

@@ -221,3 +221,31 @@ async def test_a_redis_restart_without_persistence_does_not_lend_room_in_use(
         assert await _until(url, "a", 8000) == 8000
         for r in (*held, *got):
             r.release()
+
+
+async def test_a_lease_lost_while_redis_kept_its_data_stalls_nobody(
+    redis_server: RedisServer,
+) -> None:
+    """Only a Redis that lost its data stalls grants: a replica's own lapse (a freeze) or
+    a clean stop of another process under the same identity (a supervisor that stopped
+    waiting for its previous run's workers) once stalled every replica for seconds."""
+    url = redis_server.url
+    async with replica(url, "a") as a, replica(url, "b") as b:
+        async with replica(url, "a"):  # the same identity, stopped cleanly: leave()
+            pass
+        await _lapse(url, "b")
+        await asyncio.sleep(0.6)  # both find their leases gone at their next heartbeat
+        assert a.ledger.status().shared and b.ledger.status().shared
+        assert await redis_server_stall(url) is None
+        started = asyncio.get_running_loop().time()
+        r = await b.admission.admit(demand(1000), 5.0)
+        assert asyncio.get_running_loop().time() - started < 0.5
+        r.release()
+
+
+async def redis_server_stall(url: str) -> float | None:
+    client = Redis.from_url(url)
+    try:
+        return await client.zscore("{kvgw}:live", "!stall")
+    finally:
+        await client.aclose()
