@@ -55,42 +55,40 @@ class Admission(AdmissionCore):
         # Every grant goes through the ledger's confirm (the in-process ledger says yes at
         # once; a shared one records it, or lets it count locally in its fallback). A
         # refusal has refreshed the view (the backend now looks fuller), so deciding
-        # again picks another backend or waits.
+        # again picks another backend or waits: in the place it had, with its arrival
+        # time and fair-queuing tag (not behind everyone who came while it was out).
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        while True:
-            r = await self._admit_local(demand, deadline - loop.time())
-            ok = False
-            try:
-                ok = await self._ledger.confirm(r)
-            finally:
-                if not ok:
-                    r.counted = False
-                    self.release(r)
-            if ok:
-                return r
-            if loop.time() >= deadline:
-                raise Saturated(
-                    f"The shared ledger had no room for this request ({demand.tokens} KV "
-                    f"tokens) within {timeout:g}s. Retry later.",
-                    retry_after=max(1.0, timeout / 2),
-                )
-
-    async def _admit_local(self, demand: Demand, timeout: float) -> Reservation:
-        if self._tenancy is None:
-            return await self._admit_ticketed(demand, timeout, None)
-        ticket = self._tenancy.ticket(demand.tenant, demand.tokens)
+        since = self._clock()
+        ticket = self._tenancy.ticket(demand.tenant, demand.tokens) if self._tenancy else None
         try:
-            return await self._admit_ticketed(demand, timeout, ticket)
+            while True:
+                r = await self._admit_ticketed(demand, deadline - loop.time(), ticket, since)
+                ok = False
+                try:
+                    ok = await self._ledger.confirm(r)
+                finally:
+                    if not ok:
+                        r.counted = False
+                        self.release(r)
+                if ok:
+                    return r
+                if loop.time() >= deadline:
+                    raise Saturated(
+                        f"The shared ledger had no room for this request ({demand.tokens} KV "
+                        f"tokens) within {timeout:g}s. Retry later.",
+                        retry_after=max(1.0, timeout / 2),
+                    )
         except BaseException:
             # Refused, timed out, displaced or cancelled: served nothing, so its place in
             # the fair-queuing order is given back (its tenant's next tag is not pushed
             # back by requests that never ran).
-            self._tenancy.refund(ticket, demand.tokens)
+            if self._tenancy is not None and ticket is not None:
+                self._tenancy.refund(ticket, demand.tokens)
             raise
 
     async def _admit_ticketed(
-        self, demand: Demand, timeout: float, ticket: Ticket | None
+        self, demand: Demand, timeout: float, ticket: Ticket | None, since: float
     ) -> Reservation:
         outcome = self.try_admit(demand, ticket)
         if self._on_decision is not None and not isinstance(outcome, Reservation):
@@ -122,7 +120,7 @@ class Admission(AdmissionCore):
                     retry_after=max(1.0, timeout),
                 )
         loop = asyncio.get_running_loop()
-        waiter = _Waiter(demand, loop.create_future(), self._clock(), self._claims(demand), ticket)
+        waiter = _Waiter(demand, loop.create_future(), since, self._claims(demand), ticket)
         waiter.gated = gated
         self._enqueue(waiter)
         try:

@@ -126,3 +126,45 @@ async def test_cancelled_while_confirming_releases_locally():
     with pytest.raises(asyncio.CancelledError):
         await task
     assert b.in_flight == 0 and b.reserved_tokens == 0 and ledger.released == []
+
+
+async def test_a_request_the_ledger_refused_keeps_its_place_in_the_queue():
+    """R1 was granted locally and refused by the ledger while R2 arrived and queued; R1
+    went back in as a newcomer, behind R2 (over a Redis stall, once per heartbeat). It
+    keeps its arrival and fair-queuing tag: when room for one comes, it is R1's."""
+    from kvgateway.config.model import AuthConfig
+    from kvgateway.core.tenancy import Tenancy
+
+    b = backend("a", kv=1000)
+    idx = ModelIndex([b])
+    view = OthersView(idx.adjust)
+    ledger = ScriptedLedger(view, 0, 1000)
+    loop = asyncio.get_running_loop()
+    adm = Admission(
+        index_for=lambda m: idx,
+        adjust=idx.adjust,
+        policy=lambda: "kv_aware",
+        offload_overflow=lambda: False,
+        queue_size=lambda: 10,
+        clock=loop.time,
+        ledger=ledger,
+        tenancy=Tenancy(AuthConfig),
+    )
+    ledger.delay = 0.05
+    ledger.others = 800  # held elsewhere; this replica's view does not know yet
+    r1 = asyncio.create_task(adm.admit(demand(800), 5.0))
+    await asyncio.sleep(0.01)  # R1 granted locally, its confirm out
+    r2 = asyncio.create_task(adm.admit(demand(300), 5.0))
+    await asyncio.sleep(0.01)
+    assert adm.queue_depth == 1  # R2 waits for R1's room
+    await asyncio.sleep(0.1)  # R1 refused: back in the queue
+    assert adm.queue_depth == 2 and not r1.done() and not r2.done()
+    ledger.others = 0
+    ledger.delay = 0.0
+    if view.set(b, 0, 0):
+        adm.offer(b)
+    got = await r1
+    await asyncio.sleep(0.05)
+    assert not r2.done()  # 200 left: R2 (300) waits behind R1
+    got.release()
+    (await r2).release()
