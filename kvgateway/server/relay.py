@@ -53,6 +53,10 @@ def _reconcile(
     usage = find_usage(data) if b'"usage"' in data else None
     if usage is not None and usage.completion_tokens is not None:
         ex.output_tokens = usage.completion_tokens
+    elif counted_output is not None:
+        # A stream without include_usage (the SDKs' default): what it relayed, one token
+        # per streamed choice as vLLM streams them (--stream-interval 1, no speculation).
+        ex.output_tokens = counted_output
     # vLLM reports the prompt once per request, whatever n is. Learned on the stand-in's
     # own count (what calibration scales); exact counts need no correction.
     if (

@@ -22,7 +22,7 @@ from kvgateway.config.model import AuthConfig
 from kvgateway.core.quota import OUTPUT, PROMPT, REQUESTS, Charge, QuotaLedger, RateLimitHit
 from kvgateway.core.tenancy import Tenancy
 from kvgateway.errors import RateLimited
-from kvgateway.server.exchange import CLIENT_GONE, Exchange
+from kvgateway.server.exchange import CLIENT_GONE, Exchange, Outcome
 
 TENANT = web.RequestKey("tenant", str)
 
@@ -163,12 +163,24 @@ def tenants_view(tenancy: Tenancy, ledger: QuotaLedger, now: float) -> list[dict
     return out
 
 
+# A stream the node failed, stalled or ended early: the gateway wrote the error event.
+_CUT_BY_NODE = frozenset(
+    {
+        Outcome.MID_STREAM_TIMEOUT,
+        Outcome.MID_STREAM_RESET,
+        Outcome.MID_STREAM_TRUNCATED,
+        Outcome.MID_STREAM_TOTAL_TIMEOUT,
+    }
+)
+
+
 def settle(ex: Exchange, ledger: QuotaLedger, now: float) -> None:
     """Replace the reserved output with what was generated: the usage when the node
-    reported it; what a stream had relayed when its client left (499) before the usage
-    (capped at the reservation); nothing when no answer was relayed or the node refused;
-    else the reservation (a stream without usage is charged in full). A request never
-    admitted costs nothing."""
+    reported it; what a stream had relayed when its client left (499) or its node failed
+    or cut it before the usage (capped at the reservation: a node's failure does not cost
+    the tenant its whole max_tokens); nothing when no answer was relayed or the node
+    refused; else the reservation (a stream without usage is charged in full). A request
+    never admitted costs nothing."""
     c = ex.charge
     if c is None:
         return
@@ -179,7 +191,9 @@ def settle(ex: Exchange, ledger: QuotaLedger, now: float) -> None:
             output = min(output, ex.counted.output_tokens * ex.counted.demand.sequences)
     elif ex.ttft_s is None:
         output = 0
-    elif status == CLIENT_GONE and ex.streamed_tokens is not None:
+    elif ex.streamed_tokens is not None and (
+        status == CLIENT_GONE or ex.record.outcome in _CUT_BY_NODE
+    ):
         output = min(ex.streamed_tokens, c.reserved_output)
     elif status >= 400:
         output = 0

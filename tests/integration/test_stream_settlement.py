@@ -251,3 +251,51 @@ async def test_answers_no_client_can_read_are_a_bad_gateway_and_cost_nothing(
     assert view["output_tokens_last_minute"] == 0
     assert view["prompt_tokens_last_minute"] < 10_000  # at most one input at 8k context
     assert fleet.leaks() == {}
+
+
+async def test_a_stream_the_node_cuts_is_charged_what_it_was_sent(
+    start_fleet: StartFleet, aiohttp_server: Any
+) -> None:
+    """The node dies after 100 of 900 tokens: the tenant was charged all 900 (a stream
+    without usage was charged its reservation), paying for the node's failure."""
+
+    async def chat_dies(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(_chunk({"role": "assistant", "content": ""}))
+        for _ in range(100):
+            await resp.write(_chunk({"content": " w"}))
+        assert request.transport is not None
+        request.transport.close()  # the node process died
+        return resp
+
+    node = await aiohttp_server(node_app({"/v1/chat/completions": chat_dies}))
+    fleet = await gateway_over(start_fleet, str(node.make_url("")).rstrip("/"))
+    body = chat(900, stream=True)
+    async with aiohttp.ClientSession() as s:
+        headers = {"Authorization": "Bearer k-etl"}
+        async with s.post(fleet.url + "/v1/chat/completions", json=body, headers=headers) as r:
+            assert r.status == 200
+            text = (await r.read()).decode()
+    assert '"error"' in text  # the client was told
+    view = await tenant_view(fleet.url)
+    assert view["output_tokens_last_minute"] == 100, view
+    assert fleet.leaks() == {}
+
+
+async def test_a_stream_without_include_usage_is_charged_what_it_relayed(
+    start_fleet: StartFleet, aiohttp_server: Any
+) -> None:
+    """The OpenAI SDKs stream without include_usage by default: such a stream of 20
+    tokens was charged its whole max_tokens (500) against the tenant's output quota."""
+    node = await aiohttp_server(vllm_like_node(tokens=20, pause_s=0.0))
+    fleet = await gateway_over(start_fleet, str(node.make_url("")).rstrip("/"))
+    async with aiohttp.ClientSession() as s:
+        headers = {"Authorization": "Bearer k-etl"}
+        body = chat(500, stream=True)
+        async with s.post(fleet.url + "/v1/chat/completions", json=body, headers=headers) as r:
+            assert r.status == 200
+            text = (await r.read()).decode()
+    assert '"usage"' not in text and text.endswith("data: [DONE]\n\n")
+    assert (await tenant_view(fleet.url))["output_tokens_last_minute"] == 20
+    assert fleet.leaks() == {}
