@@ -149,6 +149,7 @@ class KVEventSubscriber:
     def start(self) -> None:
         sub = self._sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.IPV6, 1)  # libzmq does not connect to tcp://[v6]:port without
         sub.setsockopt(zmq.SUBSCRIBE, self.source.topic.encode())
         monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         sub.connect(self.source.endpoint)
@@ -251,6 +252,7 @@ class KVEventSubscriber:
             return False
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IPV6, 1)
         got: list[tuple[int, bytes]] = []
         try:
             sock.connect(endpoint)

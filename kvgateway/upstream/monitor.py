@@ -99,7 +99,7 @@ class Monitor:
             if b.healthy and self._clock() >= next_discovery:
                 # A node restarted between two probes (say with a new --max-model-len)
                 # never looked unhealthy: ask it again now and then.
-                await self._discover(b)
+                await self._discover(b, periodic=True)
                 next_discovery = self._clock() + cfg.health.rediscover_interval_s
             if fb.enabled and b.healthy and self._clock() >= next_load:
                 await self._scrape(b)
@@ -108,7 +108,9 @@ class Monitor:
             if feedback.expire_stale(b, now, fb):
                 self._admission.rebalance()
             self._admission.end_pause(b, now)
-            wake = min(next_health, next_discovery, next_load if fb.enabled else next_health)
+            wake = min(next_health, next_load if fb.enabled else next_health)
+            if b.healthy:  # rediscovery waits for health: its time is no wake-up before
+                wake = min(wake, next_discovery)
             if b.paused and b.paused_until:
                 wake = min(wake, b.paused_until)
             await asyncio.sleep(max(0.01, wake - self._clock()))
@@ -132,7 +134,9 @@ class Monitor:
             )
             self._admission.rebalance()
 
-    async def _discover(self, b: Backend) -> None:
+    async def _discover(self, b: Backend, *, periodic: bool = False) -> None:
+        """Ask the node for its limits. ``periodic``: the routine rediscovery of a node
+        that stayed healthy (not one that just came back, maybe restarted)."""
         if not b.config.discover:
             return
         try:
@@ -140,11 +144,19 @@ class Monitor:
         except probe.ProbeError as exc:
             log.warning("backend %s: discovery failed: %s", b.name, exc)
             return
-        # A /metrics that failed this time says nothing new of the pool: the last report
-        # stands (a blip of one scrape once made the node unusable until the next probe).
+        # A /metrics that failed on a routine rediscovery says nothing new of the pool:
+        # the last report stands (a blip once made the node unusable until the next
+        # probe). Not for a node that came back, or now reports another context length:
+        # it may have restarted with a smaller pool, unknown until /metrics answers.
         observed = found.observed
-        if found.metrics is None:
-            observed = observed.keeping_pool_of(self._fleet.discovered(b))
+        seen = self._fleet.discovered(b)
+        if (
+            found.metrics is None
+            and periodic
+            and seen is not None
+            and seen.max_model_len == observed.max_model_len
+        ):
+            observed = observed.keeping_pool_of(seen)
         if self._fleet.set_discovered(b, observed):
             log.info(
                 "backend %s limits: max_model_len=%s (%s) kv_cache_tokens=%s (%s)",

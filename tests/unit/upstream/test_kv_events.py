@@ -453,10 +453,13 @@ class _Publisher:
     """A real vLLM-like ZMQ publisher on loopback. XPUB, so a test can wait for the
     subscription to arrive instead of losing its first batches to PUB's slow joiner."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, topic: bytes = b"kv") -> None:
+    def __init__(
+        self, ctx: zmq.asyncio.Context, topic: bytes = b"kv", host: str = "127.0.0.1"
+    ) -> None:
         self.sock = ctx.socket(zmq.XPUB)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.bind("tcp://127.0.0.1:*")
+        self.sock.setsockopt(zmq.IPV6, 1)
+        self.sock.bind(f"tcp://{host}:*")
         self.endpoint: str = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
         self.topic = topic
         self.seq = 0
@@ -621,3 +624,28 @@ async def test_hub_closes_every_subscriber_even_after_one_failed(
     # The good subscriber's socket went away: its publisher sees the unsubscription.
     assert await asyncio.wait_for(good.sock.recv(), 5.0) == b"\x00kv"
     assert hub.subscriber("good") is None
+
+
+async def test_a_publisher_on_an_ipv6_address_is_subscribed_to(zctx: zmq.asyncio.Context) -> None:
+    """A DNS member with an IPv6 address subscribes at tcp://[addr]:PORT: libzmq ignored
+    that endpoint without its IPv6 option, and the member's events never came."""
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback on this machine")
+    pub = _Publisher(zctx, host="[::1]")
+    index = PrefixIndex(resync_grace_s=0.0)
+    assert pub.endpoint.startswith("tcp://[::1]:")
+    sub = KVEventSubscriber(KVEventSource("n", pub.endpoint, "kv"), index, zctx)
+    a = [5] * 4
+    sub.start()
+    try:
+        await pub.subscribed()
+        await pub.send(_stored(1, None, a))
+        await _until(lambda: index.precise_keys("n") == set(block_keys(a, 4)))
+    finally:
+        await sub.close()
+        pub.sock.close(linger=0)

@@ -98,7 +98,8 @@ def _node_app(state: dict) -> "aiohttp.web.Application":
     from aiohttp import web
 
     async def models(_: web.Request) -> web.Response:
-        return web.json_response({"data": [{"id": SERVED, "max_model_len": 8192}]})
+        mml = state.get("max_model_len", 8192)
+        return web.json_response({"data": [{"id": SERVED, "max_model_len": mml}]})
 
     async def metrics(_: web.Request) -> web.Response:
         if state.get("metrics_down"):
@@ -108,6 +109,8 @@ def _node_app(state: dict) -> "aiohttp.web.Application":
         )
 
     async def health(request: web.Request) -> web.StreamResponse:
+        if state.get("down"):
+            return web.Response(status=503)
         if not state.get("endless_health"):
             return web.Response()
         resp = web.StreamResponse()
@@ -187,7 +190,91 @@ async def test_a_failed_metrics_scrape_keeps_the_pool_last_reported(aiohttp_serv
         await monitor.probe_all_once()
         assert b.usable and b.kv_cache_tokens == 1999 * 16
         state["metrics_down"] = True
-        await monitor._discover(b)
+        await monitor._discover(b, periodic=True)  # the routine rediscovery
         assert b.usable and b.kv_cache_tokens == 1999 * 16
         assert b.limits.kv_cache_tokens.source == "discovered"
         await monitor.close()
+
+
+def _monitored(url: str, **health: object) -> tuple[Fleet, Admission, object]:
+    config = parse_config(
+        {
+            "models": [{"name": "m", "served_name": SERVED}],
+            "health": {"interval_s": 0.05, "timeout_s": 1, **health},
+            "load_feedback": {"enabled": False},
+            "tiers": [{"name": "t", "backends": [{"name": "n", "url": url, "model": "m"}]}],
+        }
+    )
+    fleet = Fleet(config)
+    adm = Admission(
+        index_for=fleet.index,
+        adjust=fleet.adjust,
+        policy=lambda: config.routing.policy,
+        offload_overflow=lambda: False,
+        queue_size=lambda: 100,
+        clock=asyncio.get_running_loop().time,
+    )
+    return fleet, adm, config
+
+
+async def test_a_node_back_with_a_failing_metrics_page_is_not_given_its_old_pool(aiohttp_server):
+    """A node that went down and came back (restarted, maybe with a smaller pool) while
+    its /metrics fails has an unknown pool: keeping the last report budgeted it at twice
+    what it held."""
+    state: dict = {}
+    node = await aiohttp_server(_node_app(state))
+    fleet, adm, config = _monitored(str(node.make_url("")).rstrip("/"))
+    b = fleet.get("n")
+    assert b is not None
+    async with aiohttp.ClientSession() as session:
+        monitor = Monitor(
+            fleet=fleet, admission=adm, session=session, config=lambda: config,
+            clock=asyncio.get_running_loop().time,
+        )  # fmt: skip
+        monitor.sync()
+        for _ in range(100):
+            if b.usable:
+                break
+            await asyncio.sleep(0.02)
+        assert b.kv_cache_tokens == 1999 * 16
+        state.update(down=True)
+        for _ in range(200):
+            if not b.healthy:
+                break
+            await asyncio.sleep(0.02)
+        state.update(down=False, metrics_down=True, max_model_len=4096)
+        for _ in range(200):
+            if b.healthy:
+                break
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.1)
+        assert b.healthy and b.max_model_len == 4096
+        assert not b.usable and b.limits.kv_cache_tokens.source == "unknown"
+        await monitor.close()
+
+
+async def test_an_unhealthy_node_is_not_polled_in_a_tight_loop(aiohttp_server):
+    """Rediscovery waits for health; its due time was a wake-up all the same: an
+    unhealthy node's watcher woke every 10 ms once that time had passed."""
+    state: dict = {"down": True}
+    node = await aiohttp_server(_node_app(state))
+    fleet, adm, config = _monitored(
+        str(node.make_url("")).rstrip("/"), interval_s=1.0, rediscover_interval_s=0.05
+    )
+    loops = [0]
+    end_pause = adm.end_pause
+
+    def counting(b: object, now: float) -> None:
+        loops[0] += 1
+        end_pause(b, now)  # type: ignore[arg-type]
+
+    adm.end_pause = counting  # type: ignore[method-assign]
+    async with aiohttp.ClientSession() as session:
+        monitor = Monitor(
+            fleet=fleet, admission=adm, session=session, config=lambda: config,
+            clock=asyncio.get_running_loop().time,
+        )  # fmt: skip
+        monitor.sync()
+        await asyncio.sleep(1.5)
+        await monitor.close()
+    assert loops[0] <= 4, loops[0]  # one per health interval (1 s), not ~100 a second
