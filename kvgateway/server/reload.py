@@ -44,9 +44,6 @@ def reload_config(app: web.Application, path: str) -> bool:
         log.error("reload of %s rejected, still serving the previous config: %s", path, exc)
         return False
     old = state.config
-    state.members.rebase(base)
-    # A DNS group added, removed or changed is looked up from now on with its new settings.
-    app[DNS].update(new.dns_groups, state.members.members)
     if (new.server.host, new.server.port) != (old.server.host, old.server.port):
         log.warning(
             "server.host/port changes need a restart; keeping %s:%s",
@@ -56,6 +53,10 @@ def reload_config(app: web.Application, path: str) -> bool:
     if new.ledger.shared and new.ledger != old.ledger:
         log.warning("ledger settings take effect on restart; the running ledger is unchanged")
     summary = apply_config(app, new, derived)
+    # Only once applied: a DNS group added, removed or changed is looked up from now on
+    # with its new settings, from the members it has.
+    state.members.rebase(base)
+    app[DNS].update(new.dns_groups, state.members.members)
     state.metrics.reloads.labels(result="ok").inc()
     log.info(
         "reloaded %s: added=%s removed=%s changed=%s",
