@@ -496,7 +496,14 @@ class RedisLedger:
         if values[2]:
             self._after_stall(values[2])
         if absolute:
-            self._mine = {n: [own[i].tokens, own[i].seqs] for i, n in enumerate(names)}
+            # A name gone from the fleet with nothing left under it is forgotten (DNS
+            # members come and go: the next sync need not write them again).
+            present = {b.name for b in self._fleet.backends}
+            self._mine = {
+                n: [own[i].tokens, own[i].seqs]
+                for i, n in enumerate(names)
+                if n in present or own[i].tokens or own[i].seqs
+            }
             # Given back while the sync was out (a resync in shared mode): not in the
             # snapshot, still to be sent.
             for name, tokens, seqs in self._pending:

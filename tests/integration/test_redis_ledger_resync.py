@@ -128,6 +128,7 @@ async def test_a_backend_removed_while_in_fallback_is_synced_back_to_nothing(
         finally:
             await client.aclose()
         assert await _until(url, "a", 0, "n2") == 0
+        assert "n2" not in a.ledger._mine  # written once, then forgotten: gone, nothing held
         assert len(await _admit_all(url, b, 10)) == BUDGET // 1000
 
 
