@@ -184,7 +184,10 @@ def _parse_content(content: Any, fmt: ContentFormat, media_parts: list[Any]) -> 
     media = 0
     for part in parts:
         if isinstance(part, str):
-            texts.append({"type": "text", "text": part} if fmt == "openai" else part)
+            if fmt == "openai":
+                texts.append({"type": "text", "text": part})
+            elif part:  # vLLM keeps a part only if it is truthy: "" adds no "\n"
+                texts.append(part)
             continue
         if not isinstance(part, dict):
             continue
@@ -192,8 +195,17 @@ def _parse_content(content: Any, fmt: ContentFormat, media_parts: list[Any]) -> 
         field = _TEXT_PARTS.get(kind) if isinstance(kind, str) else None
         if field is not None:
             text = part.get(field)
-            if isinstance(text, str):
-                texts.append({"type": "text", "text": text} if fmt == "openai" else text)
+            if isinstance(text, str) and fmt == "openai":
+                texts.append({"type": "text", "text": text})
+            elif isinstance(text, str) and text:
+                texts.append(text)
+        elif kind == "tool_reference" and isinstance(part.get("name"), str):
+            # vLLM's own part type: the tool's name stands in for it.
+            name = part["name"]
+            if fmt == "openai":
+                texts.append({"type": "tool_reference", "name": name})
+            elif name:
+                texts.append(name)
         elif kind in _MEDIA_PARTS or any(k in part for k in _MEDIA_PARTS):
             media += 1
             media_parts.append(part)

@@ -123,6 +123,8 @@ def vllm_conversation(messages: list[dict[str, Any]], fmt: str) -> list[dict[str
                 text = part.get(field)
                 if text is None and part["type"] in ("text", "refusal"):
                     continue
+            if fmt != "openai" and not text:
+                continue  # vLLM keeps a parsed part only if it is truthy
             pieces.append({"type": "text", "text": text} if fmt == "openai" else text)
         new: dict[str, Any] = {
             "role": role,
@@ -677,3 +679,16 @@ async def test_the_standin_bound_holds_for_what_only_the_template_renders(
         node = exact.count_chat_sync(body)
         bound = upper_bound((await standin.count(plan_chat(body, TokenizerConfig()))).total, body)
         assert node > 3000 and bound >= node, (body["messages"][-1], bound, node)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_empty_text_parts_add_nothing(kind: str, pairs: Callable[[str], Pair]) -> None:
+    """vLLM keeps a parsed content part only if it is truthy: in the string format an
+    empty text part is dropped before the parts are joined with "\\n" (counted as one
+    more token, or two with a leading one, on Tekken and SentencePiece vocabularies)."""
+    pair = pairs(kind)
+    for parts in (["hello", ""], ["", "hello"], ["", ""], ["a", "", "b"]):
+        content = [{"type": "text", "text": t} for t in parts]
+        system = {"role": "system", "content": content[::-1]}
+        pair.check({"messages": [system, {"role": "user", "content": content}]})
+        pair.check({"messages": [{"role": "user", "content": ["x", "", *parts]}]})
