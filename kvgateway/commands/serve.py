@@ -12,6 +12,7 @@ import signal
 import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
+from functools import partial
 
 from aiohttp import web
 
@@ -75,6 +76,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def _main(args: argparse.Namespace) -> int:
+    # Until the loop's handler is in, a SIGHUP (a reload asked early, or passed on by a
+    # supervisor) would end the process: it finds the file read anyway.
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     watch_parent: int | None = None
     if args.supervisor_pid is not None:
         # First of all: a worker whose supervisor is killed must not serve on.
@@ -91,27 +95,13 @@ def _main(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         sys.stderr.write(f"gateway: invalid config: {exc}\n")
         return 2
-    server = replace(
-        config.server,
-        host=args.host or config.server.host,
-        port=args.port if args.port is not None else config.server.port,
-        drain_delay_s=(
-            args.drain_delay_s if args.drain_delay_s is not None else config.server.drain_delay_s
-        ),
-    )
-    config = replace(config, server=server)
-    if args.ledger_url:
-        if not args.ledger_url.startswith(("redis://", "rediss://")):
-            sys.stderr.write(
-                f"gateway: --ledger-url must be redis:// or rediss://, got {args.ledger_url!r}\n"
-            )
-            return 2
-        config = replace(config, ledger=replace(config.ledger, url=args.ledger_url))
-    if args.worker_count is not None:
-        # Until Redis answers a worker has never seen the live count, and its blind share
-        # must not assume fewer replicas than its own supervisor runs.
-        floor = max(config.ledger.fallback_replicas, args.worker_count)
-        config = replace(config, ledger=replace(config.ledger, fallback_replicas=floor))
+    if args.ledger_url and not args.ledger_url.startswith(("redis://", "rediss://")):
+        sys.stderr.write(
+            f"gateway: --ledger-url must be redis:// or rediss://, got {args.ledger_url!r}\n"
+        )
+        return 2
+    overrides = partial(_with_overrides, args)
+    config = overrides(config)
     if args.workers < 1:
         sys.stderr.write("gateway: --workers must be at least 1\n")
         return 2
@@ -131,6 +121,7 @@ def _main(args: argparse.Namespace) -> int:
         serve(
             config,
             config_path=args.config,
+            overrides=overrides,
             watch=args.watch,
             worker=args.worker_index,
             metrics_dir=args.metrics_dir,
@@ -138,6 +129,27 @@ def _main(args: argparse.Namespace) -> int:
         )
     )
     return 0
+
+
+def _with_overrides(args: argparse.Namespace, config: GatewayConfig) -> GatewayConfig:
+    """The command line's settings over the file's: at start and at every reload."""
+    server = replace(
+        config.server,
+        host=args.host or config.server.host,
+        port=args.port if args.port is not None else config.server.port,
+        drain_delay_s=(
+            args.drain_delay_s if args.drain_delay_s is not None else config.server.drain_delay_s
+        ),
+    )
+    config = replace(config, server=server)
+    if args.ledger_url:
+        config = replace(config, ledger=replace(config.ledger, url=args.ledger_url))
+    if args.worker_count is not None:
+        # Until Redis answers a worker has never seen the live count, and its blind share
+        # must not assume fewer replicas than its own supervisor runs.
+        floor = max(config.ledger.fallback_replicas, args.worker_count)
+        config = replace(config, ledger=replace(config.ledger, fallback_replicas=floor))
+    return config
 
 
 def run(main: Awaitable[None]) -> None:
@@ -161,6 +173,7 @@ async def serve(
     config: GatewayConfig,
     *,
     config_path: str | None = None,
+    overrides: Callable[[GatewayConfig], GatewayConfig] | None = None,
     watch: bool = False,
     ready: Callable[[str], None] | None = None,
     stop: asyncio.Event | None = None,
@@ -203,7 +216,7 @@ async def serve(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    reloader = Reloader(app, config_path) if config_path is not None else None
+    reloader = Reloader(app, config_path, overrides) if config_path is not None else None
     if reloader is not None:
         loop.add_signal_handler(signal.SIGHUP, reloader.request)
     watcher = (
@@ -226,8 +239,11 @@ async def serve(
     try:
         await stop.wait()
     finally:
+        # Draining: a further signal (systemd's SIGTERM to the group beside the
+        # supervisor's, a second Ctrl-C, a SIGHUP) must not end the process with its
+        # default action and cut the streams the grace period is for.
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            loop.remove_signal_handler(sig)
+            loop.add_signal_handler(sig, _already_stopping, sig)
         for task in (watcher, orphan_watch, queue_gauge):
             if task is not None:
                 task.cancel()
@@ -236,6 +252,10 @@ async def serve(
         if reloader is not None:
             await reloader.close()
         await _shutdown(app, runner, site, config)
+
+
+def _already_stopping(sig: signal.Signals) -> None:
+    log.info("%s while shutting down: ignored (the drain goes on)", sig.name)
 
 
 async def _watch_parent(parent: int, stop: asyncio.Event) -> None:

@@ -13,7 +13,8 @@ running, a killed supervisor's workers would go on serving the port while a new
 supervisor's workers took their ledger identities (``host:port/wN``) and wrote their
 holdings as zero. For the same reason a new supervisor first waits, bounded, for the
 workers of a previous run on its port that are still draining, and removes the metrics
-directories that dead runs left behind.
+directories that dead runs left behind; a run whose supervisor lives (it holds a lock in
+its directory) is left alone, and on the same port refused.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import fcntl
 import logging
 import os
 import re
@@ -40,8 +42,13 @@ from prometheus_client import multiprocess
 
 log = logging.getLogger("kvgateway.server")
 
-# A worker that keeps dying is restarted at most this often.
+# A worker that dies is restarted after this, twice as long each time it dies again
+# within _STEADY_S of its start, up to _RESTART_BACKOFF_MAX_S.
 _RESTART_BACKOFF_S = 1.0
+_RESTART_BACKOFF_MAX_S = 60.0
+_STEADY_S = 30.0
+# In a run's metrics directory: held (flock) by its supervisor while it lives.
+_LOCK = "supervisor.lock"
 # <prefix><port>-<supervisor pid>-<mkdtemp's random part, no '-'>
 _RUN_PREFIX = "kvgateway-metrics-"
 _RUN_DIR = re.compile(rf"{_RUN_PREFIX}(\d+)-(\d+)-[a-z0-9_]+")
@@ -95,6 +102,10 @@ def bind_to_supervisor(supervisor: int) -> Literal["kernel", "poll", "orphaned"]
     return how if os.getppid() == supervisor else "orphaned"
 
 
+class SupervisorRunning(Exception):
+    """A live supervisor already runs workers on the port."""
+
+
 @dataclass(frozen=True, slots=True)
 class PreviousRun:
     """A metrics directory some supervisor made: its port, its pid, and the pids of the
@@ -141,6 +152,24 @@ def alive(pid: int) -> bool:
     return True
 
 
+def _held(lock: Path) -> bool:
+    """Is ``lock`` held by a live supervisor? (Its flock goes with its process: a run
+    whose supervisor is gone, even killed with -9, holds nothing.)"""
+    try:
+        fd = os.open(lock, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return False
+
+
 def _runs(pid: int, marker: bytes) -> bool:
     """``pid`` is alive and (where /proc tells) its command line holds ``marker``: a pid
     the kernel gave to some other program since is not waited for. An empty command line
@@ -166,13 +195,13 @@ def settle_previous_runs(tmp: Path, port: int, wait_s: float) -> None:
     deadline = time.monotonic() + wait_s
     for run in previous_runs(tmp):
         marker = str(run.path).encode()
-        if run.supervisor != me and _runs(run.supervisor, b"kvgateway"):
+        if run.supervisor != me and _held(run.path / _LOCK):
             if run.port == port:
-                log.warning(
-                    "another supervisor (pid %d) runs workers on port %d: theirs and ours "
-                    "share ledger identities",
-                    run.supervisor,
-                    port,
+                # Beside its workers ours would take their ledger identities and write
+                # their holdings as zero.
+                raise SupervisorRunning(
+                    f"another supervisor (pid {run.supervisor}) runs workers on port "
+                    f"{port}: stop it first (theirs and ours would share ledger identities)"
                 )
             continue
         waiting = {p for p in run.workers - {me} if _runs(p, marker)}
@@ -209,10 +238,22 @@ def supervise(args: argparse.Namespace, workers: int, port: int, previous_wait_s
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM if signum != signal.SIGHUP else signal.SIGHUP)
 
+    # Before anything that takes time: a signal in the first seconds must not kill us
+    # with the default action (SIGHUP's is to end the process).
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, forward)
     tmp = Path(tempfile.gettempdir())
-    settle_previous_runs(tmp, port, previous_wait_s)
+    try:
+        settle_previous_runs(tmp, port, previous_wait_s)
+    except SupervisorRunning as exc:
+        log.error("gateway: %s", exc)
+        return 1
     me = os.getpid()
     with tempfile.TemporaryDirectory(prefix=f"{_RUN_PREFIX}{port}-{me}-", dir=tmp) as metrics_dir:
+        # Held while this run lives: how the next supervisor tells a live run (a pid alone
+        # cannot say; a command line depends on how we were started).
+        lock = os.open(Path(metrics_dir) / _LOCK, os.O_CREAT | os.O_RDWR, 0o600)
+        fcntl.flock(lock, fcntl.LOCK_EX)
         env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": metrics_dir}
 
         def start(i: int) -> subprocess.Popen[bytes]:
@@ -220,15 +261,12 @@ def supervise(args: argparse.Namespace, workers: int, port: int, previous_wait_s
             cmd = [sys.executable, "-m", "kvgateway", *argv]
             return subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
 
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            signal.signal(sig, forward)
         for i in range(workers):
             if not stopping:
                 procs[i] = start(i)
-        if stopping:  # told during a start: the worker it made was not told
-            forward(signal.SIGTERM, None)
         log.info("gateway: %d workers started (pids %s)", workers, [p.pid for p in procs.values()])
-        last_restart = 0.0
+        backoff = {i: _RESTART_BACKOFF_S for i in procs}
+        started = {i: time.monotonic() for i in procs}
         while not stopping:
             time.sleep(0.2)
             for i, p in list(procs.items()):
@@ -238,11 +276,27 @@ def supervise(args: argparse.Namespace, workers: int, port: int, previous_wait_s
                 # Removes its gauges (live modes: see server/metrics.py); its counters
                 # and histograms stay in the sums.
                 multiprocess.mark_process_dead(p.pid, metrics_dir)  # type: ignore[no-untyped-call]
-                log.error("gateway worker %d (pid %d) exited with %d; restarting", i, p.pid, code)
-                wait = last_restart + _RESTART_BACKOFF_S - time.monotonic()
-                if wait > 0:
-                    time.sleep(wait)
-                last_restart = time.monotonic()
+                # One that keeps dying (an invalid config on disk: a restarted worker
+                # reads the file) is retried less and less often, up to a minute apart.
+                lived = time.monotonic() - started[i]
+                wait = _RESTART_BACKOFF_S if lived > _STEADY_S else backoff[i]
+                backoff[i] = min(_RESTART_BACKOFF_MAX_S, wait * 2)
+                log.error(
+                    "gateway worker %d (pid %d) exited with %d after %.0fs; restarting in %.0fs",
+                    i, p.pid, code, lived, wait,
+                )  # fmt: skip
+                deadline = time.monotonic() + wait
+                while not stopping and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                if stopping:
+                    break
                 procs[i] = start(i)
+                started[i] = time.monotonic()
+        # Told to stop: every worker is told, one started after the signal too (a second
+        # SIGTERM to one told already is ignored while it drains).
+        for p in procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
         codes = [p.wait() for p in procs.values()]
+        os.close(lock)
     return 0 if all(c == 0 for c in codes) else 1

@@ -368,6 +368,17 @@ class RedisLedger:
         self._admission = admission
         self._apply_share()  # blind until the first sync answers
         await self._heartbeat_once()
+        if not self._shared:
+            # Said as a fall back is said (log, /ready, the fallback gauge): an alert on
+            # the gauge must fire for a replica that never reached Redis too.
+            log.warning(
+                "shared ledger unreachable at start (%s): this replica keeps within 1/%d "
+                "of each backend's budget until Redis answers",
+                self._reason,
+                self._live,
+            )
+            self._fallbacks += 1
+            self._notify()
         tasks = [
             asyncio.create_task(self._heartbeat_loop(), name="ledger-heartbeat"),
             asyncio.create_task(self._flush_loop(), name="ledger-release"),

@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 
 from aiohttp import web
 
+from kvgateway import __version__
 from kvgateway.config.load import load_config
 from kvgateway.config.model import BackendConfig, GatewayConfig
 from kvgateway.config.yamlread import ConfigError
@@ -29,11 +30,18 @@ from kvgateway.upstream.kv_events import kv_event_sources
 log = logging.getLogger("kvgateway.server.reload")
 
 
-def reload_config(app: web.Application, path: str) -> bool:
-    """Load ``path`` and apply it; False (old config kept) when it is invalid."""
+def reload_config(
+    app: web.Application,
+    path: str,
+    overrides: Callable[[GatewayConfig], GatewayConfig] | None = None,
+) -> bool:
+    """Load ``path`` and apply it (with ``overrides``: the command line's settings over
+    the file's, as at start); False (old config kept) when it is invalid."""
     state = app[STATE]
     try:
         base = load_config(path)
+        if overrides is not None:
+            base = overrides(base)
         # Members of DNS groups that survive the reload are kept, not drained.
         new = state.members.preview(base)
         derived = derive_all(new)
@@ -53,6 +61,10 @@ def reload_config(app: web.Application, path: str) -> bool:
     if new.ledger.shared and new.ledger != old.ledger:
         log.warning("ledger settings take effect on restart; the running ledger is unchanged")
     summary = apply_config(app, new, derived)
+    if new.routing.policy != old.routing.policy:
+        build = state.metrics.build_info
+        build.labels(version=__version__, policy=old.routing.policy).set(0)
+        build.labels(version=__version__, policy=new.routing.policy).set(1)
     # Only once applied: a DNS group added, removed or changed is looked up from now on
     # with its new settings, from the members it has.
     state.members.rebase(base)
@@ -105,9 +117,15 @@ class FleetMembers:
 class Reloader:
     """Runs reloads of one config file on its own task, one at a time."""
 
-    def __init__(self, app: web.Application, path: str) -> None:
+    def __init__(
+        self,
+        app: web.Application,
+        path: str,
+        overrides: Callable[[GatewayConfig], GatewayConfig] | None = None,
+    ) -> None:
         self._app = app
         self._path = path
+        self._overrides = overrides
         self._wanted = asyncio.Event()
         self._task = asyncio.create_task(self._run(), name="config-reload")
 
@@ -120,7 +138,7 @@ class Reloader:
             await self._wanted.wait()
             self._wanted.clear()
             try:
-                reload_config(self._app, self._path)
+                reload_config(self._app, self._path, self._overrides)
             except Exception:
                 self._app[STATE].metrics.reloads.labels(result="error").inc()
                 log.exception("reload of %s failed; still serving the previous config", self._path)

@@ -307,3 +307,34 @@ async def test_watch_reloads_on_file_change(start_fleet: StartFleet, tmp_path):
         with contextlib.suppress(asyncio.CancelledError):
             await watcher
         await reloader.close()
+
+
+async def test_a_reload_keeps_the_command_lines_settings_and_says_the_new_policy(
+    start_fleet: StartFleet, tmp_path, caplog
+):
+    """`serve --port P` reloaded: the file's port came back (and every SIGHUP warned that
+    a port change needs a restart); gateway_build_info kept the old policy."""
+    import argparse
+    from dataclasses import replace
+
+    from kvgateway import __version__
+    from kvgateway.commands.serve import _with_overrides
+
+    fleet = await start_fleet(TWO_SMALL, time_scale=50)
+    app = fleet.gateway.app
+    state = app[STATE]
+    # As `serve --port 18093` started it (the file says another port).
+    state.config = replace(state.config, server=replace(state.config.server, port=18093))
+    running = state.config.server
+    args = argparse.Namespace(
+        host=None, port=18093, drain_delay_s=None, ledger_url=None, worker_count=None
+    )
+    cfg = tmp_path / "gw.yaml"
+    write_config(cfg, fleet, ["small-1", "small-2"], routing={"policy": "round_robin"})
+    old_policy = app[STATE].config.routing.policy
+    assert reload_config(app, str(cfg), lambda c: _with_overrides(args, replace(c)))
+    assert app[STATE].config.server.port == running.port
+    assert "need a restart" not in caplog.text
+    build = app[STATE].metrics.build_info
+    assert build.labels(version=__version__, policy="round_robin")._value.get() == 1
+    assert build.labels(version=__version__, policy=old_policy)._value.get() == 0

@@ -49,6 +49,11 @@ async def test_workers_started_without_redis_share_each_budget_by_their_number(
                     ledger, b = await _one_worker(g.url)
                     seen[ledger["replica_id"]] = (ledger, b)
                 await asyncio.sleep(0.02)
+            # Said in /metrics as any fallback is (it was 0 for a replica that never
+            # reached Redis: the documented alert could not fire).
+            async with aiohttp.ClientSession() as s, s.get(g.url + "/metrics") as r:
+                text = await r.text()
+            assert "gateway_ledger_fallback 1.0" in text, text[-3000:]
         finally:
             await stop_gateway(g)
     finally:

@@ -70,11 +70,17 @@ class Supervisors:
         self.procs: list[asyncio.subprocess.Process] = []
         self.workers: set[int] = set()
 
-    async def start(self) -> asyncio.subprocess.Process:
+    async def start(self, *extra: str, console: bool = False) -> asyncio.subprocess.Process:
+        """``console``: as the `gateway` command starts it (its command line then has no
+        "kvgateway" in it), not `python -m kvgateway`."""
         log = self.work / f"sup{len(self.procs)}.log"
+        cmd = [str(Path(sys.executable).with_name("gateway"))] if console else [
+            sys.executable, "-m", "kvgateway"
+        ]  # fmt: skip
         with log.open("wb") as fh:
             proc = await asyncio.create_subprocess_exec(
-                *(sys.executable, "-m", "kvgateway", "serve", "--config", str(self.config)),
+                *cmd,
+                *("serve", "--config", str(self.config), *extra),
                 "--workers",
                 "2",
                 stdout=fh,
@@ -204,3 +210,57 @@ def test_metrics_directories_name_their_run_and_files_their_writers() -> None:
     assert parse_run_dir("kvgateway-metrics-8080-123-") is None
     files = ["counter_11.db", "gauge_livemax_12.db", "histogram_11.db", "notes.txt"]
     assert writer_pids(files) == {11, 12}
+
+
+async def test_a_running_supervisor_is_never_taken_for_a_dead_one(
+    tmp_path: Path, node: str, redis_server: RedisServer
+) -> None:
+    """Started as `gateway serve` (the console script), a live supervisor was taken for a
+    dead run: one started on another port removed its metrics directory (its workers
+    then crashed in a loop), one on the same port started workers beside its own under the
+    same ledger identities. Its run is marked by a lock it holds now."""
+    sups = Supervisors(tmp_path, node, redis_server.url, grace_s=1.0)
+    try:
+        first = await sups.start(console=True)
+        workers = await sups.ready(first)
+        (run,) = sups.runs()
+        same_port = await sups.start()
+        assert await asyncio.wait_for(same_port.wait(), 30) == 1
+        assert "another supervisor" in sups.log(), sups.log()
+        (other_port,) = free_ports(1)
+        elsewhere = await sups.start("--port", str(other_port))
+        deadline = time.monotonic() + 40
+        while len(sups.runs()) < 2:
+            assert elsewhere.returncode is None and time.monotonic() < deadline, sups.log()
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(1.0)
+        assert run in sups.runs() and all(_running(p) for p in workers), sups.log()
+        assert (await get_json(sups.url + "/ready"))["ready"] is True
+    finally:
+        await sups.close()
+
+
+async def test_a_stop_during_a_restarts_backoff_ends_every_worker(
+    tmp_path: Path, node: str, redis_server: RedisServer
+) -> None:
+    """SIGTERM while a crashed worker waited to be restarted: the supervisor then started
+    it, told nobody, and waited for it for good (a second SIGTERM was needed)."""
+    sups = Supervisors(tmp_path, node, redis_server.url, grace_s=1.0)
+    try:
+        sup = await sups.start()
+        workers = await sups.ready(sup)
+        os.kill(workers[0], signal.SIGKILL)
+        deadline = time.monotonic() + 20
+        while not (fresh := set(_children(sup.pid)) - set(workers)):
+            assert time.monotonic() < deadline, sups.log()
+            await asyncio.sleep(0.02)
+        sups.workers |= fresh
+        for pid in fresh:  # dies again at once: the next start waits out a backoff
+            os.kill(pid, signal.SIGKILL)
+        await asyncio.sleep(0.4)
+        sup.terminate()
+        assert await asyncio.wait_for(sup.wait(), 20) is not None
+        await _gone([*workers, *fresh], within_s=5.0)
+        assert not _children(sup.pid)
+    finally:
+        await sups.close()
