@@ -10,6 +10,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from functools import partial
@@ -77,8 +78,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 def _main(args: argparse.Namespace) -> int:
     # Until the loop's handler is in, a SIGHUP (a reload asked early, or passed on by a
-    # supervisor) would end the process: it finds the file read anyway.
-    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    # supervisor) would end the process: it is noted, and the reload runs once serving.
+    reload_pending = threading.Event()
+    signal.signal(signal.SIGHUP, lambda signum, frame: reload_pending.set())
     watch_parent: int | None = None
     if args.supervisor_pid is not None:
         # First of all: a worker whose supervisor is killed must not serve on.
@@ -122,12 +124,17 @@ def _main(args: argparse.Namespace) -> int:
             config,
             config_path=args.config,
             overrides=overrides,
+            reload_pending=reload_pending,
             watch=args.watch,
             worker=args.worker_index,
             metrics_dir=args.metrics_dir,
             parent=watch_parent,
         )
     )
+    # Stopped and drained: a late SIGTERM (a group's, a supervisor's) must not turn the
+    # clean exit into a kill while the interpreter tears down.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
     return 0
 
 
@@ -174,6 +181,7 @@ async def serve(
     *,
     config_path: str | None = None,
     overrides: Callable[[GatewayConfig], GatewayConfig] | None = None,
+    reload_pending: threading.Event | None = None,
     watch: bool = False,
     ready: Callable[[str], None] | None = None,
     stop: asyncio.Event | None = None,
@@ -219,6 +227,8 @@ async def serve(
     reloader = Reloader(app, config_path, overrides) if config_path is not None else None
     if reloader is not None:
         loop.add_signal_handler(signal.SIGHUP, reloader.request)
+        if reload_pending is not None and reload_pending.is_set():
+            reloader.request()  # asked while starting: the file may have changed since
     watcher = (
         asyncio.create_task(watch_file(reloader.request, config_path), name="config-watch")
         if watch and reloader is not None and config_path

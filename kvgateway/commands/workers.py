@@ -152,6 +152,10 @@ def alive(pid: int) -> bool:
     return True
 
 
+def _ignore_sighup() -> None:
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+
+
 def _held(lock: Path) -> bool:
     """Is ``lock`` held by a live supervisor? (Its flock goes with its process: a run
     whose supervisor is gone, even killed with -9, holds nothing.)"""
@@ -204,6 +208,8 @@ def settle_previous_runs(tmp: Path, port: int, wait_s: float) -> None:
                     f"{port}: stop it first (theirs and ours would share ledger identities)"
                 )
             continue
+        if run.supervisor != me and not (run.path / _LOCK).exists() and alive(run.supervisor):
+            continue  # being made this instant (the lock comes next), or an older release's
         waiting = {p for p in run.workers - {me} if _runs(p, marker)}
         if waiting and run.port == port:
             log.warning(
@@ -231,12 +237,19 @@ def supervise(args: argparse.Namespace, workers: int, port: int, previous_wait_s
     stopping: list[int] = []
     procs: dict[int, subprocess.Popen[bytes]] = {}
 
+    told: set[int] = set()  # workers sent SIGTERM (once: a second one ends them at exit)
+
     def forward(signum: int, frame: FrameType | None) -> None:
         if signum != signal.SIGHUP:
             stopping.append(signum)
         for p in procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM if signum != signal.SIGHUP else signal.SIGHUP)
+            if p.poll() is not None:
+                continue
+            if signum == signal.SIGHUP:
+                p.send_signal(signal.SIGHUP)
+            elif p.pid not in told:
+                told.add(p.pid)
+                p.send_signal(signal.SIGTERM)
 
     # Before anything that takes time: a signal in the first seconds must not kill us
     # with the default action (SIGHUP's is to end the process).
@@ -252,14 +265,25 @@ def supervise(args: argparse.Namespace, workers: int, port: int, previous_wait_s
     with tempfile.TemporaryDirectory(prefix=f"{_RUN_PREFIX}{port}-{me}-", dir=tmp) as metrics_dir:
         # Held while this run lives: how the next supervisor tells a live run (a pid alone
         # cannot say; a command line depends on how we were started).
-        lock = os.open(Path(metrics_dir) / _LOCK, os.O_CREAT | os.O_RDWR, 0o600)
+        # Held before it shows under its name (renamed into place), so a lock seen there
+        # that is not held is a dead run's.
+        taking = Path(metrics_dir) / (_LOCK + ".new")
+        lock = os.open(taking, os.O_CREAT | os.O_RDWR, 0o600)
         fcntl.flock(lock, fcntl.LOCK_EX)
+        taking.rename(Path(metrics_dir) / _LOCK)
         env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": metrics_dir}
 
         def start(i: int) -> subprocess.Popen[bytes]:
             argv = worker_args(args, i, metrics_dir, workers=workers, supervisor=me)
             cmd = [sys.executable, "-m", "kvgateway", *argv]
-            return subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
+            # SIGHUP ignored from the start (inherited across exec): one passed on while
+            # the worker still imports would end it; it reloads once its loop handles it.
+            return subprocess.Popen(  # the supervisor runs no threads
+                cmd,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                preexec_fn=_ignore_sighup,  # noqa: PLW1509
+            )
 
         for i in range(workers):
             if not stopping:
@@ -292,11 +316,8 @@ def supervise(args: argparse.Namespace, workers: int, port: int, previous_wait_s
                     break
                 procs[i] = start(i)
                 started[i] = time.monotonic()
-        # Told to stop: every worker is told, one started after the signal too (a second
-        # SIGTERM to one told already is ignored while it drains).
-        for p in procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
+        # Told to stop: every worker is told, one started after the signal too.
+        forward(signal.SIGTERM, None)
         codes = [p.wait() for p in procs.values()]
         os.close(lock)
     return 0 if all(c == 0 for c in codes) else 1

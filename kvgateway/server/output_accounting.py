@@ -30,6 +30,9 @@ from kvgateway.core.reservation import Reservation
 
 _CHOICE = re.compile(rb'"index"\s*:')
 _ROLE = re.compile(rb'"role"\s*:')
+# A streamed tool call's own index, as vLLM writes a DeltaToolCall (id, type, index,
+# function): not a choice. (Written in another order it is counted: an over-count.)
+_TOOL_CALL_INDEX = re.compile(rb'"index"\s*:\s*\d+\s*,\s*"function"')
 
 
 # The Responses API streams one delta event per token (text, reasoning, tool arguments).
@@ -43,7 +46,10 @@ def count_stream_tokens(events: bytes) -> int:
     """Output tokens in a run of SSE events (an over-count never an under-count of
     vLLM's one-token chunks: a finish-only chunk counts as one). Chat and completions
     chunks are counted by their choices, Responses events by their deltas."""
-    chat = max(0, len(_CHOICE.findall(events)) - len(_ROLE.findall(events)))
+    indexes = len(_CHOICE.findall(events))
+    if b'"tool_calls"' in events:
+        indexes -= len(_TOOL_CALL_INDEX.findall(events))
+    chat = max(0, indexes - len(_ROLE.findall(events)))
     if b"response." not in events:
         return chat
     return chat + len(_RESPONSES_DELTA.findall(events))

@@ -10,6 +10,7 @@ import contextlib
 import os
 import signal
 import socket
+import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -264,3 +265,24 @@ async def test_a_stop_during_a_restarts_backoff_ends_every_worker(
         assert not _children(sup.pid)
     finally:
         await sups.close()
+
+
+def test_a_run_directory_is_removed_only_once_its_supervisor_is_gone(tmp_path: Path) -> None:
+    """A directory made this instant has no lock yet: another supervisor sharing TMPDIR
+    once removed it (its workers then had no metrics directory). Left while its
+    supervisor lives; removed once it is gone."""
+    from kvgateway.commands.workers import settle_previous_runs
+
+    live = subprocess.Popen(["sleep", "30"])
+    try:
+        young = tmp_path / f"kvgateway-metrics-9001-{live.pid}-abc"
+        young.mkdir()
+        settle_previous_runs(tmp_path, 9002, wait_s=0.0)
+        assert young.exists()
+        live.kill()
+        live.wait()
+        settle_previous_runs(tmp_path, 9002, wait_s=0.0)
+        assert not young.exists()
+    finally:
+        live.kill()
+        live.wait()

@@ -133,3 +133,17 @@ def test_a_speculative_nodes_choices_count_as_many_tokens_as_a_step_may_emit():
     acct.end(live)
     adm.release(r)
     assert b.reserved_tokens == 0
+
+
+def test_a_streamed_tool_calls_own_index_is_not_a_token() -> None:
+    """vLLM's tool-call chunks carry the choice's "index" and the tool call's: counted
+    twice, a stream without usage was charged (and taught) twice its output."""
+    first = (
+        b'data: {"choices":[{"index":0,"delta":{"tool_calls":[{"id":"c1","type":"function",'
+        b'"index":0,"function":{"name":"f","arguments":""}}]},"finish_reason":null}]}\n\n'
+    )
+    more = (
+        b'data: {"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"function":'
+        b'{"arguments":"\\"ci"}}]},"finish_reason":null}]}\n\n'
+    )
+    assert count_stream_tokens(first + more * 9) == 10
