@@ -49,7 +49,7 @@ class ScriptedLedger:
         return None
 
 
-def make(kv: int, others: int):
+def make(kv: int, others: int, clock=lambda: 0.0, tenancy=None):
     b = backend("a", kv=kv)
     idx = ModelIndex([b])
     view = OthersView(idx.adjust)
@@ -60,8 +60,9 @@ def make(kv: int, others: int):
         policy=lambda: "kv_aware",
         offload_overflow=lambda: False,
         queue_size=lambda: 10,
-        clock=lambda: 0.0,
+        clock=clock,
         ledger=ledger,
+        tenancy=tenancy,
     )
     return b, view, ledger, adm
 
@@ -135,21 +136,8 @@ async def test_a_request_the_ledger_refused_keeps_its_place_in_the_queue():
     from kvgateway.config.model import AuthConfig
     from kvgateway.core.tenancy import Tenancy
 
-    b = backend("a", kv=1000)
-    idx = ModelIndex([b])
-    view = OthersView(idx.adjust)
-    ledger = ScriptedLedger(view, 0, 1000)
     loop = asyncio.get_running_loop()
-    adm = Admission(
-        index_for=lambda m: idx,
-        adjust=idx.adjust,
-        policy=lambda: "kv_aware",
-        offload_overflow=lambda: False,
-        queue_size=lambda: 10,
-        clock=loop.time,
-        ledger=ledger,
-        tenancy=Tenancy(AuthConfig),
-    )
+    b, view, ledger, adm = make(1000, 0, clock=loop.time, tenancy=Tenancy(AuthConfig))
     ledger.delay = 0.05
     ledger.others = 800  # held elsewhere; this replica's view does not know yet
     r1 = asyncio.create_task(adm.admit(demand(800), 5.0))

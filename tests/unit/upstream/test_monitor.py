@@ -7,6 +7,7 @@ import dataclasses
 import aiohttp
 
 from kvgateway.config.load import parse_config
+from kvgateway.config.model import GatewayConfig
 from kvgateway.core.admission import Admission
 from kvgateway.core.fleet import Fleet
 from kvgateway.simulator.profiles import get_profile
@@ -15,14 +16,12 @@ from kvgateway.upstream.monitor import Monitor
 from tests.support.fleet import ENCODINGS, SERVED
 
 
-async def test_a_crashing_watcher_is_restarted_and_health_keeps_updating(aiohttp_server):
-    settings = dataclasses.replace(get_profile("gpu24-8b"), name="n", model=SERVED, seed=1)
-    node = await aiohttp_server(create_node(settings, encodings=ENCODINGS))
-    url = str(node.make_url("")).rstrip("/")
+def _monitored(url: str, **health: object) -> tuple[Fleet, Admission, GatewayConfig]:
+    """One backend ``n`` at ``url``, watched every 50 ms, without load feedback."""
     config = parse_config(
         {
             "models": [{"name": "m", "served_name": SERVED}],
-            "health": {"interval_s": 0.05, "timeout_s": 1, "rediscover_interval_s": 60},
+            "health": {"interval_s": 0.05, "timeout_s": 1, **health},
             "load_feedback": {"enabled": False},
             "tiers": [{"name": "t", "backends": [{"name": "n", "url": url, "model": "m"}]}],
         }
@@ -36,6 +35,14 @@ async def test_a_crashing_watcher_is_restarted_and_health_keeps_updating(aiohttp
         queue_size=lambda: 100,
         clock=asyncio.get_running_loop().time,
     )
+    return fleet, adm, config
+
+
+async def test_a_crashing_watcher_is_restarted_and_health_keeps_updating(aiohttp_server):
+    settings = dataclasses.replace(get_profile("gpu24-8b"), name="n", model=SERVED, seed=1)
+    node = await aiohttp_server(create_node(settings, encodings=ENCODINGS))
+    url = str(node.make_url("")).rstrip("/")
+    fleet, adm, config = _monitored(url, rediscover_interval_s=60)
     calls = [0]
 
     def flaky_config():
@@ -136,20 +143,8 @@ async def test_a_nodes_endless_health_answer_is_not_read_to_its_end(aiohttp_serv
 
     state = {"endless_health": True}
     node = await aiohttp_server(_node_app(state))
-    config = parse_config(
-        {
-            "models": [{"name": "m", "served_name": SERVED}],
-            "tiers": [
-                {
-                    "name": "t",
-                    "backends": [
-                        {"name": "n", "url": str(node.make_url("")).rstrip("/"), "model": "m"}
-                    ],
-                }
-            ],
-        }
-    )
-    b = Fleet(config).get("n")
+    fleet, _, _ = _monitored(str(node.make_url("")).rstrip("/"))
+    b = fleet.get("n")
     assert b is not None
     async with aiohttp.ClientSession() as session:
         assert await _health(session, b, 5.0) == (True, "")
@@ -161,22 +156,7 @@ async def test_a_failed_metrics_scrape_keeps_the_pool_last_reported(aiohttp_serv
     reported: it once made the node's KV budget unknown, the node unusable."""
     state: dict = {}
     node = await aiohttp_server(_node_app(state))
-    url = str(node.make_url("")).rstrip("/")
-    config = parse_config(
-        {
-            "models": [{"name": "m", "served_name": SERVED}],
-            "tiers": [{"name": "t", "backends": [{"name": "n", "url": url, "model": "m"}]}],
-        }
-    )
-    fleet = Fleet(config)
-    adm = Admission(
-        index_for=fleet.index,
-        adjust=fleet.adjust,
-        policy=lambda: config.routing.policy,
-        offload_overflow=lambda: False,
-        queue_size=lambda: 100,
-        clock=asyncio.get_running_loop().time,
-    )
+    fleet, adm, config = _monitored(str(node.make_url("")).rstrip("/"))
     b = fleet.get("n")
     assert b is not None
     async with aiohttp.ClientSession() as session:
@@ -194,27 +174,6 @@ async def test_a_failed_metrics_scrape_keeps_the_pool_last_reported(aiohttp_serv
         assert b.usable and b.kv_cache_tokens == 1999 * 16
         assert b.limits.kv_cache_tokens.source == "discovered"
         await monitor.close()
-
-
-def _monitored(url: str, **health: object) -> tuple[Fleet, Admission, object]:
-    config = parse_config(
-        {
-            "models": [{"name": "m", "served_name": SERVED}],
-            "health": {"interval_s": 0.05, "timeout_s": 1, **health},
-            "load_feedback": {"enabled": False},
-            "tiers": [{"name": "t", "backends": [{"name": "n", "url": url, "model": "m"}]}],
-        }
-    )
-    fleet = Fleet(config)
-    adm = Admission(
-        index_for=fleet.index,
-        adjust=fleet.adjust,
-        policy=lambda: config.routing.policy,
-        offload_overflow=lambda: False,
-        queue_size=lambda: 100,
-        clock=asyncio.get_running_loop().time,
-    )
-    return fleet, adm, config
 
 
 async def test_a_node_back_with_a_failing_metrics_page_is_not_given_its_old_pool(aiohttp_server):
