@@ -251,6 +251,10 @@ def _step_fp8(spec: CapacitySpec, est: CapacityEstimate, length: int) -> Recomme
     if spec.kv_cache_dtype.startswith("fp8") or spec.kv_cache_dtype.endswith("per_token_head"):
         detail = f"already {spec.kv_cache_dtype}: {est.bytes_per_token:,} B/token"
         return Recommendation(4, title, detail)
+    if spec.kv_cache_dtype == "auto" and spec.model.kv_cache_quant is not None:
+        quant = spec.model.kv_cache_quant
+        detail = f"already {quant} (from the checkpoint): {est.bytes_per_token:,} B/token"
+        return Recommendation(4, title, detail)
     alt = estimate(replace(spec, kv_cache_dtype="fp8"))
     detail = (
         f"{est.bytes_per_token:,} -> {alt.bytes_per_token:,} B/token: "

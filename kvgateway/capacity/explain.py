@@ -22,7 +22,7 @@ from kvgateway.capacity.advice import (
     round_down,
     suggested_max_num_seqs,
 )
-from kvgateway.capacity.arch import KV_CACHE_DTYPES
+from kvgateway.capacity.arch import DTYPE_BYTES, KV_CACHE_DTYPES
 from kvgateway.capacity.estimate import CapacityEstimate, estimate
 from kvgateway.capacity.logparse import LogFacts
 from kvgateway.capacity.memory import GIB
@@ -171,6 +171,12 @@ def logged_drafter(facts: LogFacts) -> SpeculativeSpec | None:
 def _cross_check(facts: LogFacts, spec: CapacitySpec) -> tuple[CrossCheck | None, CapacitySpec]:
     assert facts.available_kv_gib is not None
     dtype = facts.kv_cache_dtype if facts.kv_cache_dtype in KV_CACHE_DTYPES else None
+    if facts.dtype in DTYPE_BYTES and facts.dtype != spec.model.dtype:
+        # The node's --dtype, not the checkpoint's: kv_cache_dtype auto follows it (an fp32
+        # cache only when the node runs in fp32, as this one does).
+        spec = replace(spec, model=replace(spec.model, dtype=facts.dtype))
+        if DTYPE_BYTES[facts.dtype] == 4 and dtype in (None, "auto"):
+            dtype = "float32"
     logged_spec = replace(
         spec,
         kv_cache_memory_gib=facts.available_kv_gib,
@@ -268,7 +274,12 @@ def _hybrid_sign(facts: LogFacts, tokens: int | None, bs: int) -> str | None:
     if facts.padding_layers:
         return f"vLLM added {facts.padding_layers} padding layers"
     c, length = facts.max_concurrency, facts.concurrency_len
-    if tokens and c is not None and length and abs(tokens - c * length) > 0.006 * length + bs:
+    if not tokens or c is None or not length:
+        return None
+    # One group: the newest wording logs c x length, the older blocks x block_size, which
+    # is c x length in whole blocks (c printed to two decimals either way).
+    padded = -(-length // bs) * bs
+    if all(abs(tokens - c * n) > 0.006 * n + bs for n in (length, padded)):
         return (
             f"{tokens:,} tokens is not {c:.2f}x {length:,} (it would be for one group of "
             "full attention)"

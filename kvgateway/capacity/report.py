@@ -180,7 +180,7 @@ def render_plan(plan: Plan, *, header: bool = True) -> str:
         f"kv_cache_tokens      {est.kv_cache_tokens:,} usable (vLLM will log 'GPU KV cache "
         f"size: {est.vllm_logged_tokens:,} tokens'"
         + (
-            f"; the newest releases {_logged_at_length(est):,}, tokens at full-length concurrency)"
+            f"; the newest releases {_logged_at_length(est):,}: tokens at full-length concurrency)"
             if est.layout.is_hybrid
             else ")"
         ),

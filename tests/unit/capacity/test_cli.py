@@ -308,3 +308,60 @@ def test_a_model_that_fits_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
         ["--preset", "llama-3.1-70b", "--gpu-memory-gib", "79.25", "--tp", "4"], capsys
     )
     assert code == 0 and "DOES NOT FIT" not in out
+
+
+ONE_GROUP_LOG = (
+    "INFO [core.py] Initializing a V1 LLM engine (v0.10.1.1) with config: model='{model}', "
+    "dtype=torch.{dtype}, max_seq_len={length}, tensor_parallel_size=1, "
+    "pipeline_parallel_size=1, quantization=None, kv_cache_dtype=auto\n"
+    "INFO [gpu_worker.py] Available KV cache memory: 56.21 GiB\n"
+    "INFO [kv_cache_utils.py] GPU KV cache size: {tokens} tokens\n"
+    "INFO [kv_cache_utils.py] Maximum concurrency for {length:,} tokens per request: {c}x\n"
+)
+
+
+def test_one_group_logs_read_as_one_group(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """A one-group log at a length that is not whole blocks (460,496 tokens = 91.95x 5,008
+    padded, not 5,000) was taken for a hybrid and got no advice; one from a node run with
+    --dtype float32 was cross-checked at the preset's 16-bit cache (off by 2x)."""
+    log = tmp_path / "ft.log"
+    log.write_text(
+        ONE_GROUP_LOG.format(
+            model="my-org/llama-ft", dtype="bfloat16", length=5000, tokens="460,496", c="91.95"
+        )
+    )
+    code, out, _ = run(["--from-log", str(log)], capsys)
+    flat = " ".join(out.split())
+    assert code == 0 and "Use kv_cache_tokens: 460480" in flat and "several" not in flat
+    log.write_text(
+        ONE_GROUP_LOG.format(
+            model="meta-llama/Llama-3.1-8B-Instruct",
+            dtype="float32",
+            length=131072,
+            tokens="230,240",
+            c="1.76",
+        )
+    )
+    code, out, _ = run(["--from-log", str(log)], capsys)
+    assert code == 0 and "Cross-check against the model: matches" in out, out
+    assert "262,144 B/token" in out
+
+
+def test_a_checkpoint_with_an_fp8_cache_is_not_told_to_use_one(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    config = {
+        "model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "torch_dtype": "bfloat16",
+        "vocab_size": 128256, "intermediate_size": 14336, "max_position_embeddings": 131072,
+        "quantization_config": {
+            "quant_method": "compressed-tensors",
+            "kv_cache_scheme": {"num_bits": 8, "type": "float"},
+        },
+    }  # fmt: skip
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    _, out, _ = run(["--model-config", str(path), "--kv-cache-memory-gib", "20"], capsys)
+    assert "already fp8 (from the checkpoint)" in " ".join(out.split()), out
