@@ -82,7 +82,9 @@ async def test_ladder_stops_at_the_first_preempting_step(
         ladder=(1, 2, 4, 8, 16),
         prompt_tokens=100,
         output_tokens=100,
-        duration_s=3.0,
+        # Simulated seconds: 0.5 s wall a step. Eight requests outgrow the pool after ~30
+        # decode steps; at 3 s (0.15 s wall) a busy machine sometimes ran fewer.
+        duration_s=10.0,
         timeout_s=30.0,
         time_scale=20.0,
     )
