@@ -36,6 +36,7 @@ from kvgateway.core.reservation import Reservation
 from kvgateway.ledger.calls import LedgerCalls, release_totals
 from kvgateway.ledger.credit import Credit
 from kvgateway.ledger.scripts import Keys, Refused, parse_message
+from kvgateway.ledger.snapshot import UnsentGrants, settled_holding
 from kvgateway.ledger.waiting import WaitMarks
 
 log = logging.getLogger("kvgateway.ledger")
@@ -107,13 +108,8 @@ class RedisLedger:
         self._no_confirms = asyncio.Event()
         self._no_confirms.set()
         self._held_back: list[tuple[str, int, int]] = []
-        # Grants not recorded in Redis by their own confirm yet, from the moment they are
-        # made until their confirm ends (or their release, if it comes first): by
-        # reservation id, and summed per backend. A sync's snapshot leaves them out; each
-        # is then recorded once, by its confirm (or, made in the fallback, by the next
-        # sync's snapshot once its confirm has let it go).
-        self._unsent: dict[int, Reservation] = {}
-        self._unsent_by: dict[str, list[int]] = {}
+        # Grants not recorded in Redis by their own confirm yet (see ledger.snapshot).
+        self._unsent = UnsentGrants()
         # Releases and absolute syncs must not overlap (a batch in flight during a sync
         # would be subtracted from holdings that already exclude it).
         self._io = asyncio.Lock()
@@ -130,19 +126,7 @@ class RedisLedger:
         return self._shared or self._sync_done is not None
 
     def granted(self, reservation: Reservation) -> None:
-        self._unsent[reservation.id] = reservation
-        by = self._unsent_by.setdefault(reservation.backend.name, [0, 0])
-        by[0] += reservation.tokens
-        by[1] += reservation.seqs
-
-    def _sent(self, r: Reservation) -> bool:
-        """Let ``r`` go from the unsent grants; False if it was not there."""
-        if self._unsent.pop(r.id, None) is None:
-            return False
-        by = self._unsent_by[r.backend.name]
-        by[0] -= r.tokens
-        by[1] -= r.seqs
-        return True
+        self._unsent.add(reservation)
 
     async def confirm(self, reservation: Reservation) -> bool:
         try:
@@ -151,7 +135,7 @@ class RedisLedger:
             # Recorded by now (its reserve, or credit already recorded as ours), refused
             # or failed (released uncounted), or local in the fallback (the next sync's
             # snapshot holds it): no longer to be left out of a snapshot.
-            self._sent(reservation)
+            self._unsent.sent(reservation)
 
     async def _confirm(self, reservation: Reservation) -> bool:
         b = reservation.backend
@@ -223,7 +207,7 @@ class RedisLedger:
 
     def release(self, reservation: Reservation, shared: int = 0) -> None:
         name = reservation.backend.name
-        if self._sent(reservation):
+        if self._unsent.sent(reservation):
             # Released before its confirm ran: never recorded, in no snapshot. A last
             # shared copy it took over was recorded (by the request that paid for it);
             # a copy it paid for that stays charged to others was not, and is now.
@@ -544,22 +528,16 @@ class RedisLedger:
         return True
 
     def _own_settled(self, name: str) -> Holding:
-        """This replica's holdings under ``name`` for an absolute sync: its own
-        reservations on every backend of that name (a draining one's releases are
-        subtracted there later), less the grants whose confirm has not ended (each is
-        recorded by its confirm; in the snapshot too, it would count twice, or stay
-        recorded for good when Redis then refuses it), less what its book holds that
-        releases never give back (growth, learned margins)."""
-        tokens = seqs = 0
-        for b in self._fleet.backends:
-            if b.name == name:
-                own = self._view.own(b)
-                tokens += own.tokens
-                seqs += own.seqs
-                if self._admission is not None:
-                    tokens -= self._admission.unrecorded(b)
-        unsent = self._unsent_by.get(name, (0, 0))
-        return Holding(max(0, tokens - unsent[0]), max(0, seqs - unsent[1]))
+        """This replica's holdings under ``name`` for an absolute sync, as releases will
+        give them back (:func:`kvgateway.ledger.snapshot.settled_holding`)."""
+        adm = self._admission
+        return settled_holding(
+            name,
+            self._fleet.backends,
+            self._view.own,
+            adm.unrecorded if adm is not None else lambda b: 0,
+            self._unsent,
+        )
 
     async def _flush_loop(self) -> None:
         while not self._closing:

@@ -38,6 +38,18 @@ def _monitored(url: str, **health: object) -> tuple[Fleet, Admission, GatewayCon
     return fleet, adm, config
 
 
+def _monitor(
+    fleet: Fleet, adm: Admission, config: GatewayConfig, session: aiohttp.ClientSession
+) -> Monitor:
+    return Monitor(
+        fleet=fleet,
+        admission=adm,
+        session=session,
+        config=lambda: config,
+        clock=asyncio.get_running_loop().time,
+    )
+
+
 async def test_a_crashing_watcher_is_restarted_and_health_keeps_updating(aiohttp_server):
     settings = dataclasses.replace(get_profile("gpu24-8b"), name="n", model=SERVED, seed=1)
     node = await aiohttp_server(create_node(settings, encodings=ENCODINGS))
@@ -160,13 +172,7 @@ async def test_a_failed_metrics_scrape_keeps_the_pool_last_reported(aiohttp_serv
     b = fleet.get("n")
     assert b is not None
     async with aiohttp.ClientSession() as session:
-        monitor = Monitor(
-            fleet=fleet,
-            admission=adm,
-            session=session,
-            config=lambda: config,
-            clock=asyncio.get_running_loop().time,
-        )
+        monitor = _monitor(fleet, adm, config, session)
         await monitor.probe_all_once()
         assert b.usable and b.kv_cache_tokens == 1999 * 16
         state["metrics_down"] = True
@@ -186,10 +192,7 @@ async def test_a_node_back_with_a_failing_metrics_page_is_not_given_its_old_pool
     b = fleet.get("n")
     assert b is not None
     async with aiohttp.ClientSession() as session:
-        monitor = Monitor(
-            fleet=fleet, admission=adm, session=session, config=lambda: config,
-            clock=asyncio.get_running_loop().time,
-        )  # fmt: skip
+        monitor = _monitor(fleet, adm, config, session)
         monitor.sync()
         for _ in range(100):
             if b.usable:
@@ -229,10 +232,7 @@ async def test_an_unhealthy_node_is_not_polled_in_a_tight_loop(aiohttp_server):
 
     adm.end_pause = counting  # type: ignore[method-assign]
     async with aiohttp.ClientSession() as session:
-        monitor = Monitor(
-            fleet=fleet, admission=adm, session=session, config=lambda: config,
-            clock=asyncio.get_running_loop().time,
-        )  # fmt: skip
+        monitor = _monitor(fleet, adm, config, session)
         monitor.sync()
         await asyncio.sleep(1.5)
         await monitor.close()
