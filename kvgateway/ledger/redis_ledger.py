@@ -35,6 +35,8 @@ from kvgateway.core.ledger import Holding, OthersView
 from kvgateway.core.reservation import Reservation
 from kvgateway.ledger.calls import LedgerCalls, release_totals
 from kvgateway.ledger.credit import Credit
+from kvgateway.ledger.fallback import FallbackShare
+from kvgateway.ledger.recorded import Recorded
 from kvgateway.ledger.scripts import Keys, Refused, parse_message
 from kvgateway.ledger.snapshot import UnsentGrants, settled_holding
 from kvgateway.ledger.waiting import WaitMarks
@@ -81,17 +83,20 @@ class RedisLedger:
         self._live = cfg.fallback_replicas
         self._reason = "not yet connected"
         self._fallbacks = 0
-        # What this replica has recorded in Redis per backend (for pub/sub arithmetic).
-        self._mine: dict[str, list[int]] = {}
+        self._mine = Recorded()  # for pub/sub arithmetic and the fallback caps
         self._pending: list[tuple[str, int, int]] = []
         self._flush = asyncio.Event()
         self._resync = False
         self._wake = asyncio.Event()  # a heartbeat is due now (a lapsed lease)
-        # When (loop time) the last call that renewed this replica's lease was sent: until
-        # lease_s after it the others may count this replica at what Redis records for
-        # it, so a fallback keeps within that (see _apply_share).
-        self._renewed_at: float | None = None
-        self._lease_timer: asyncio.TimerHandle | None = None
+        self._share = FallbackShare(
+            cfg.lease_s,
+            fleet,
+            self._view,
+            self._mine,
+            live=lambda: self._live,
+            offer=self._offer,
+            in_fallback=lambda: not self._shared,
+        )
         self._stall_timer: asyncio.TimerHandle | None = None
         # Where Redis lists this replica as waiting; the queue changed since it was told.
         self._marks = WaitMarks()
@@ -173,7 +178,7 @@ class RedisLedger:
             raise
         except _FAILURES as exc:
             if isinstance(exc, TimeoutError):
-                self._renewed()  # Redis may have run it: the lease may have been renewed
+                self._share.renewed()  # Redis may have run it: the lease may have been renewed
             self._fall_back(f"reserve failed: {exc!r}")
             return False
         finally:
@@ -182,7 +187,7 @@ class RedisLedger:
                 self._no_confirms.set()
         granted, others_t, others_s, live, lapsed, stall = got
         self._live = live
-        self._renewed()
+        self._share.renewed()
         if lapsed:
             self._lapsed()
         if stall:
@@ -194,9 +199,7 @@ class RedisLedger:
         # queues again, or goes elsewhere): check the marks against it once more.
         self.queue_changed()
         if granted:
-            m = self._mine.setdefault(b.name, [0, 0])
-            m[0] += reservation.tokens - take_t
-            m[1] += reservation.seqs - take_s
+            self._mine.add(b.name, reservation.tokens - take_t, reservation.seqs - take_s)
         else:
             # Refused: the backend is contended here; what credit there was goes back.
             if take_t or take_s:
@@ -252,9 +255,7 @@ class RedisLedger:
         return self._credit.grants
 
     def _give_back(self, name: str, tokens: int, seqs: int) -> None:
-        m = self._mine.setdefault(name, [0, 0])
-        m[0] -= tokens
-        m[1] -= seqs
+        self._mine.give_back([(name, tokens, seqs)])
         self._pending.append((name, tokens, seqs))
         self._flush.set()
 
@@ -285,9 +286,13 @@ class RedisLedger:
         if self._on_status is not None:
             self._on_status(self.status())
 
-    def _set_others(self, b: Backend, tokens: int, seqs: int) -> None:
-        if self._view.set(b, tokens, seqs) and self._admission is not None:
+    def _offer(self, b: Backend) -> None:
+        if self._admission is not None:
             self._admission.offer(b)
+
+    def _set_others(self, b: Backend, tokens: int, seqs: int) -> None:
+        if self._view.set(b, tokens, seqs):
+            self._offer(b)
 
     def _fall_back(self, reason: str) -> None:
         if not self._shared:
@@ -302,46 +307,14 @@ class RedisLedger:
             "for it for %.1f s (its lease), then 1/%d of each backend's budget, until Redis "
             "answers again",
             reason,
-            max(0.0, self._lease_left()),
+            max(0.0, self._share.lease_left()),
             self._live,
         )
-        self._apply_share()
+        self._share.apply()
         self._notify()
         # One slow answer (a busy event loop, a Redis hiccup) is often all it was: try to
         # return soon, not a heartbeat interval later; then every interval while it fails.
         asyncio.get_running_loop().call_later(self._cfg.timeout_s, self._wake.set)
-
-    def _apply_share(self) -> None:
-        """The fallback's view. While this replica's lease may still be live, a replica
-        that reaches Redis counts it at what Redis records for it (Redis may be down for
-        this replica alone): it keeps within that, and within its share. Once the lease
-        has run out for sure, its share alone."""
-        caps = None
-        left = self._lease_left()
-        if left > 0:
-            caps = {n: Holding(max(0, m[0]), max(0, m[1])) for n, m in self._mine.items()}
-            if self._lease_timer is None:
-                loop = asyncio.get_running_loop()
-                self._lease_timer = loop.call_later(left, self._lease_over)
-        grew = self._view.fall_back(self._fleet.active, self._live, caps)
-        if self._admission is not None:
-            for b in grew:
-                self._admission.offer(b)
-
-    def _lease_left(self) -> float:
-        if self._renewed_at is None:
-            return 0.0
-        return self._renewed_at + self._cfg.lease_s - asyncio.get_running_loop().time()
-
-    def _lease_over(self) -> None:
-        self._lease_timer = None
-        if not self._shared:
-            self._apply_share()
-
-    def _renewed(self) -> None:
-        """A call renewed the lease (or may have: one that timed out may still have run),
-        at the latest now."""
-        self._renewed_at = asyncio.get_running_loop().time()
 
     # ---- background -------------------------------------------------------------
 
@@ -350,7 +323,7 @@ class RedisLedger:
         """Join the ledger (or start in fallback if Redis is not there) and keep the
         lease, the view and the listener going until the block ends."""
         self._admission = admission
-        self._apply_share()  # blind until the first sync answers
+        self._share.apply()  # blind until the first sync answers
         await self._heartbeat_once()
         if not self._shared:
             # Said as a fall back is said (log, /ready, the fallback gauge): an alert on
@@ -443,10 +416,7 @@ class RedisLedger:
                 held, self._held_back = self._held_back, []
                 done.set()
             if self.in_shared_mode() and held:
-                for name, tokens, seqs in held:
-                    m = self._mine.setdefault(name, [0, 0])
-                    m[0] -= tokens
-                    m[1] -= seqs
+                self._mine.give_back(held)
                 self._pending.extend(held)
                 self._flush.set()
 
@@ -457,7 +427,7 @@ class RedisLedger:
         if absolute:
             # Every name this replica may hold room under: draining backends (removed,
             # or replaced by a reload) included, and names it had recorded before.
-            rest = {b.name for b in self._fleet.backends} | set(self._mine)
+            rest = {b.name for b in self._fleet.backends} | self._mine.names()
             rest |= {item[0] for item in (*self._pending, *self._held_back)}
             names += sorted(rest - set(names))
             own = [self._own_settled(n) for n in names]
@@ -474,14 +444,14 @@ class RedisLedger:
                 values = await self._calls.heartbeat(names, own if absolute else None, waiting)
         except _FAILURES as exc:
             if isinstance(exc, TimeoutError) and self._shared:
-                self._renewed()  # Redis may have run it
+                self._share.renewed()  # Redis may have run it
             if self._shared:
                 self._fall_back(f"heartbeat failed: {exc!r}")
             else:
                 self._reason = f"Redis unreachable: {exc!r}"
-                self._apply_share()  # backends a reload added get their share too
+                self._share.apply()  # backends a reload added get their share too
             return
-        self._renewed()
+        self._share.renewed()
         self._marks.heartbeat(waiting)
         self.queue_changed()  # the queue may have changed while the heartbeat was out
         live_changed = values[0] != self._live
@@ -491,20 +461,10 @@ class RedisLedger:
         if values[2]:
             self._after_stall(values[2])
         if absolute:
-            # A name gone from the fleet with nothing left under it is forgotten (DNS
-            # members come and go: the next sync need not write them again).
-            present = {b.name for b in self._fleet.backends}
-            self._mine = {
-                n: [own[i].tokens, own[i].seqs]
-                for i, n in enumerate(names)
-                if n in present or own[i].tokens or own[i].seqs
-            }
+            self._mine.rewrite(names, own, {b.name for b in self._fleet.backends})
             # Given back while the sync was out (a resync in shared mode): not in the
             # snapshot, still to be sent.
-            for name, tokens, seqs in self._pending:
-                m = self._mine.setdefault(name, [0, 0])
-                m[0] -= tokens
-                m[1] -= seqs
+            self._mine.give_back(self._pending)
             self._resync = False
             if not self._shared:
                 self._shared = True
@@ -523,7 +483,7 @@ class RedisLedger:
                 await self._calls.ping()
         except _FAILURES as exc:
             self._reason = f"Redis unreachable: {exc!r}"
-            self._apply_share()  # backends a reload added get their share too
+            self._share.apply()  # backends a reload added get their share too
             return False
         return True
 
@@ -595,5 +555,5 @@ class RedisLedger:
         b = self._fleet.get(name)
         if b is None:
             return
-        m = self._mine.get(name, [0, 0])
-        self._set_others(b, tokens - max(0, m[0]), seqs - max(0, m[1]))
+        mine = self._mine.on(name)
+        self._set_others(b, tokens - mine.tokens, seqs - mine.seqs)
