@@ -51,6 +51,10 @@ class AdmissionConfig:
     # A chat request without max_tokens may generate up to the rest of the context on
     # vLLM; the gateway caps it at the reserved default so the reservation holds.
     inject_default_output: bool = True
+    # Send every chat and completions stream to the node with include_usage and
+    # continuous_usage_stats (and take out of the relayed chunks what the client did not
+    # ask for): the node's own output count on every chunk, not one token per chunk.
+    node_stream_usage: bool = True
     # With routing.prefix_aware: prompt blocks that a running request on the same node
     # already holds are reserved once, not once per request.
     prefix_credit: bool = True

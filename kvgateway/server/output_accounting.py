@@ -1,9 +1,11 @@
 """Live output accounting: output tokens counted as they stream, per request and node.
 
-A streamed answer is counted chunk by chunk (:func:`count_stream_tokens`: one choice
-object per generated token, as vLLM streams by default; role announcements excepted;
-up to 1 + ``num_speculative_tokens`` per choice where the backend decodes
-speculatively, a bound that never passes the request's ``max_tokens``),
+A streamed answer is counted by the node itself where it reports usage on every chunk
+(:mod:`kvgateway.server.stream_usage`), else chunk by chunk
+(:func:`count_stream_tokens`: one choice object per generated token, as vLLM streams
+when it keeps up; role announcements excepted; up to 1 + ``num_speculative_tokens`` per
+choice where the backend decodes speculatively, a bound that never passes the request's
+``max_tokens``),
 so each in-flight request's real KV footprint (prompt + output so far) is known now,
 not only its worst case, and :meth:`OutputAccounting.statistics` sums it per node.
 
@@ -82,6 +84,13 @@ class LiveRequest:
     grown: int = 0  # tokens added to the reservation
     # Pooled: the per-sequence count at which the node's margin is next recomputed.
     next_progress: int = 1
+    # The count is the node's own (per-chunk usage), not counted from the chunks.
+    reported: bool = False
+
+    @property
+    def exact(self) -> bool:
+        """The count is the output itself, not a bound of it."""
+        return self.reported or self.tokens_per_event == 1
 
     @property
     def footprint(self) -> int:
@@ -118,9 +127,14 @@ class OutputAccounting:
         self._live[r.id] = live
         return live
 
-    def on_events(self, live: LiveRequest, events: bytes) -> None:
-        """Count a run of streamed events; grow the reservation ahead of the output."""
-        live.generated += count_stream_tokens(events) * live.tokens_per_event
+    def on_events(self, live: LiveRequest, events: bytes, reported: int | None = None) -> None:
+        """Count a run of streamed events (or take ``reported``, the node's own count of
+        the output so far); grow the reservation ahead of the output."""
+        if reported is not None:
+            live.reported = True
+            live.generated = reported
+        else:
+            live.generated += count_stream_tokens(events) * live.tokens_per_event
         if live.max_output:
             live.generated = min(live.generated, live.max_output * live.sequences)
         r = live.reservation

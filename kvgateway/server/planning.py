@@ -28,6 +28,7 @@ from kvgateway.server.openai_request import (
     parse_completion,
     parse_responses,
 )
+from kvgateway.server.stream_usage import UsageAsk, ask_node, usage_ask
 from kvgateway.server.truncation import truncated, truncates_to_fit, truncation
 from kvgateway.tokens.calibration import PromptCalibration
 from kvgateway.tokens.counters import TokenCounters
@@ -64,6 +65,8 @@ class Counted:
     reserved_output: int = 0
     # Prompt tokens KV is reserved for: the prompts' bounds, or less when learned.
     reserved_prompt: int = 0
+    # A stream whose usage the node is asked for: what the client itself asked.
+    usage_ask: UsageAsk | None = None
 
 
 async def plan_request(
@@ -173,7 +176,8 @@ async def plan_request(
         prefix=prefix,
         outlook=outlook,
     )
-    return Counted(model, parsed, prompt, output, demand, injected, reserved, sum(kv_prompts))
+    ask = usage_ask(parsed.kind, parsed.stream, body) if adm.node_stream_usage else None
+    return Counted(model, parsed, prompt, output, demand, injected, reserved, sum(kv_prompts), ask)
 
 
 async def _prefix_hint(
@@ -398,5 +402,8 @@ def upstream_body(counted: Counted) -> bytes | None:
         changed = True
     if counted.injected_output is not None:
         body[counted.parsed.output_field] = counted.injected_output
+        changed = True
+    if counted.usage_ask is not None and not counted.usage_ask.continuous:
+        ask_node(body)
         changed = True
     return json.dumps(body, separators=(",", ":")).encode() if changed else None

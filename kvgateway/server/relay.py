@@ -17,6 +17,7 @@ from kvgateway.errors import UpstreamError, UpstreamTimeout
 from kvgateway.server.exchange import Exchange, Failure, Outcome
 from kvgateway.server.output_accounting import LiveRequest
 from kvgateway.server.state import GatewayState
+from kvgateway.server.stream_usage import UsageTap
 from kvgateway.upstream.client import USAGE_MARKS, MidStreamError, UpstreamResponse, find_usage
 from kvgateway.upstream.error_body import is_error_object, is_json_object, openai_error_body
 
@@ -54,8 +55,8 @@ def _reconcile(
     if usage is not None and usage.completion_tokens is not None:
         ex.output_tokens = usage.completion_tokens
     elif counted_output is not None:
-        # A stream without include_usage (the SDKs' default): what it relayed, one token
-        # per streamed choice as vLLM streams them (--stream-interval 1, no speculation).
+        # A stream that ended without a usage chunk: the node's per-chunk count, or (a
+        # node that reports none) one token per streamed choice.
         ex.output_tokens = counted_output
     # vLLM reports the prompt once per request, whatever n is. Learned on the stand-in's
     # own count (what calibration scales); exact counts need no correction.
@@ -159,8 +160,10 @@ async def relay_stream(
         max_output=counted.output_tokens,
         tokens_per_event=1 + r.backend.config.num_speculative_tokens,
     )
+    ask = counted.usage_ask
+    tap = UsageTap(ask) if ask is not None else None
     try:
-        await _relay_events(state, ex, resp, r, out, live)
+        await _relay_events(state, ex, resp, r, out, live, tap)
     finally:
         state.outputs.end(live)
         ex.grown_tokens += live.grown
@@ -175,24 +178,32 @@ async def _relay_events(
     r: Reservation,
     out: web.StreamResponse,
     live: LiveRequest,
+    tap: UsageTap | None,
 ) -> None:
     timeouts = r.backend.config.timeouts
     rec = ex.record
     done = False
-    # The events holding the usage chunk (include_usage): vLLM yields it and [DONE]
-    # apart, so it is often not in the last read.
+    # The events holding the usage chunk: vLLM yields it and [DONE] apart, so it is often
+    # not in the last read.
     usage = b""
     try:
         async with asyncio.timeout_at(_loop_deadline(ex.started + timeouts.total_s, state)):
-            async for events in resp.events(timeouts.idle_s):
+            async for got in resp.events(timeouts.idle_s):
                 if ex.ttft_s is None:
                     r.prefill_done()  # the prompt's blocks are in the node's cache now
                 ex.first_byte(state.clock())
-                state.outputs.on_events(live, events)
-                await out.write(events)
+                events = got
+                if tap is not None:
+                    events = tap.feed(got)
+                    state.outputs.on_events(live, events, tap.completion_tokens)
+                    usage = tap.final
+                else:
+                    state.outputs.on_events(live, events)
+                    if USAGE_MARKS[0] in events or USAGE_MARKS[1] in events:
+                        usage = events
+                if events:
+                    await out.write(events)
                 ex.streamed_tokens = live.generated  # relayed (a failed write was not)
-                if USAGE_MARKS[0] in events or USAGE_MARKS[1] in events:
-                    usage = events
                 if _ends_stream(events):
                     done = True
                     break
@@ -220,9 +231,9 @@ async def _relay_events(
         )
     elif rec.outcome == Outcome.PENDING:
         rec.outcome = Outcome.OK
-        # The live count is the node's own only at one token per choice: a speculative
-        # node's is a bound, and teaches nothing (usage, when the stream has it, does).
-        _reconcile(state, ex, r, usage, live.generated if live.tokens_per_event == 1 else None)
+        # The live count is the output only if the node reported it or sent one token per
+        # choice: a speculative node's chunk count is a bound, and teaches nothing.
+        _reconcile(state, ex, r, usage, live.generated if live.exact else None)
 
 
 # Chat and completions streams end with [DONE]; Responses streams with a final event.

@@ -42,6 +42,7 @@ _NODE_FLAGS = {
     "max_num_queued_reqs": "max_num_queued_reqs",
     "tokenizer": "tokenizer",
     "default_chat_template_kwargs": "default_chat_template_kwargs",
+    "stream_interval": "stream_interval",
 }
 
 
@@ -86,6 +87,11 @@ def register(subparsers: Any) -> None:
         metavar="JSON",
         help="ad-hoc node: what every chat template gets unless a request says otherwise "
         "(vLLM's flag), e.g. '{\"enable_thinking\": false}'",
+    )
+    parser.add_argument(
+        "--stream-interval",
+        type=int,
+        help="ad-hoc node: stream tokens this many at a time (vLLM's flag; default 1)",
     )
     sized = parser.add_argument_group("--preset node (vLLM's flags; default: vLLM's defaults)")
     sized.add_argument("--gpu-memory-gib", type=float, help="per GPU, as torch sees it")

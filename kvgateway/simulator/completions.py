@@ -185,7 +185,15 @@ async def _generate(
     )
     try:
         if req.stream:
-            return await _stream(request, handle, fmt, req=req, drop_after=drop_after, poll=poll)
+            return await _stream(
+                request,
+                handle,
+                fmt,
+                req=req,
+                drop_after=drop_after,
+                poll=poll,
+                interval=settings.stream_interval,
+            )
         return await _collect(request, handle, fmt, poll=poll)
     except ClientGone:
         # Nobody is listening; aiohttp discards whatever is returned on a closed socket.
@@ -273,6 +281,7 @@ async def _stream(
     req: p.GenerationRequest,
     drop_after: int | None,
     poll: float | None,
+    interval: int,
 ) -> web.StreamResponse:
     resp = web.StreamResponse(
         status=200,
@@ -283,7 +292,9 @@ async def _stream(
             await resp.prepare(request)
         except ConnectionError as exc:  # gone before the headers went out
             raise ClientGone from exc
-        await _stream_events(request, resp, handle, fmt, req=req, drop_after=drop_after, poll=poll)
+        await _stream_events(
+            request, resp, handle, fmt, req=req, drop_after=drop_after, poll=poll, interval=interval
+        )
     return resp
 
 
@@ -296,27 +307,41 @@ async def _stream_events(
     req: p.GenerationRequest,
     drop_after: int | None,
     poll: float | None,
+    interval: int,
 ) -> None:
-    started = [False] * len(handle.seqs)
+    choices = len(handle.seqs)
+    started = [False] * choices
+    unsent = [0] * choices  # generated, not yet streamed (--stream-interval)
     sent = 0
     while True:
         events: list[str] = []
         for index, start, count, reason in handle.take():
             if fmt.chat and not started[index]:
                 # vLLM sends the role with the first output of each choice.
-                events.append(p.sse(fmt.chunk([fmt.role(index)])))
-            started[index] = True
-            for k in range(count):
-                finish = reason if k == count - 1 else None
-                if finish is None and not req.continuous_usage:
-                    events.append(fmt.token_event(index, start + k))
-                    continue
-                chunk = fmt.chunk([fmt.delta(index, token_text(start + k), finish)])
+                role = fmt.chunk([fmt.role(index)])
                 if req.continuous_usage:
-                    chunk["usage"] = p.usage(handle.prompt_tokens, handle.completion_tokens)
-                events.append(p.sse(chunk))
-            if count == 0 and reason is not None:
-                events.append(p.sse(fmt.chunk([fmt.delta(index, "", reason)])))
+                    role["usage"] = p.usage(handle.prompt_tokens, 0)
+                events.append(p.sse(role))
+            first_output = not started[index]
+            started[index] = True
+            unsent[index] += count
+            # What piled up since the choice's last chunk goes out as one chunk (vLLM's
+            # API server merges the outputs it has not streamed yet), with
+            # --stream-interval N only once N have piled up: the first output and the
+            # finish go at once.
+            if reason is None and not first_output and unsent[index] < interval:
+                continue
+            tokens, unsent[index] = unsent[index], 0
+            first = start + count - tokens
+            if tokens == 1 and reason is None and not req.continuous_usage:
+                events.append(fmt.token_event(index, first))
+                continue
+            text = "".join(token_text(first + k) for k in range(tokens))
+            chunk = fmt.chunk([fmt.delta(index, text, reason)])
+            if req.continuous_usage:
+                # This choice's output so far, as vLLM reports it per chunk.
+                chunk["usage"] = p.usage(handle.prompt_tokens, first + tokens)
+            events.append(p.sse(chunk))
         if handle.error is not None:
             error = p.error_body(handle.error, "InternalServerError", 500)
             events.append(p.sse(error))

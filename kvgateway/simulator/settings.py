@@ -89,6 +89,10 @@ class NodeSettings:
     legacy_metric_names: bool = False
     engine_label: str = "0"
 
+    # vLLM's --stream-interval: a stream sends the first token at once, then tokens only
+    # once this many have piled up (and at the finish).
+    stream_interval: int = 1
+
     # Prefix caching, on by default as in vLLM V1 (--no-enable-prefix-caching turns it off).
     enable_prefix_caching: bool = True
     # Hybrid attention: besides one full-attention KV-cache group, this many
@@ -215,6 +219,7 @@ def validate(s: NodeSettings, path: str = "settings") -> None:
         "max_num_batched_tokens": s.max_num_batched_tokens,
         "output_min": s.output_min,
         "output_max": s.output_max,
+        "stream_interval": s.stream_interval,
     }
     for name, value in positive_ints.items():
         if value < 1:

@@ -97,7 +97,9 @@ async def test_openai_client_streaming_with_usage(sim: SimFactory) -> None:
     assert all(c.object == "chat.completion.chunk" for c in chunks)
     assert chunks[0].choices[0].delta.role == "assistant"
     content = [c for c in chunks if c.choices and c.choices[0].delta.content]
-    assert len(content) == 5  # one chunk per decode step
+    # One chunk per decode step while the writer keeps up; what piled up goes as one
+    # chunk when it does not (vLLM's API server merges outputs the same way).
+    assert 1 <= len(content) <= 5
     assert (
         "".join(c.choices[0].delta.content or "" for c in content) == " the quick brown fox jumps"
     )
@@ -119,8 +121,11 @@ async def test_raw_sse_format_and_done(sim: SimFactory) -> None:
     events = raw.split("\n\n")
     assert events[-1] == "" and events[-2] == "data: [DONE]"
     payloads = [json.loads(e.removeprefix("data: ")) for e in events[:-2]]
-    assert [p["object"] for p in payloads] == ["text_completion"] * 3
-    assert [p["choices"][0]["finish_reason"] for p in payloads] == [None, None, "stop"]
+    # Three tokens, one chunk each unless they piled up (then merged, as vLLM does).
+    assert 1 <= len(payloads) <= 3
+    assert all(p["object"] == "text_completion" for p in payloads)
+    reasons = [p["choices"][0]["finish_reason"] for p in payloads]
+    assert reasons == [None] * (len(payloads) - 1) + ["stop"]
     assert all("usage" not in p for p in payloads)  # include_usage was not asked for
 
 
@@ -281,35 +286,44 @@ async def test_chat_chunks_are_exactly_vllms_shape(sim: SimFactory) -> None:
     head = {k: events[0][k] for k in ("id", "created")}
     assert head["id"].startswith("chatcmpl-")
     common = {**head, "object": "chat.completion.chunk", "model": MODEL}
-    assert events == [
-        {
+    assert events[0] == {
+        **common,
+        "choices": [
+            {
+                "index": 0,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+        ],
+    }
+    # " the", " quick": a chunk each, or one chunk if they piled up (vLLM merges them).
+    content = events[1:]
+    assert 1 <= len(content) <= 2
+    texts = [e["choices"][0]["delta"]["content"] for e in content]
+    assert "".join(texts) == " the quick"
+    assert content[-1] == {
+        **common,
+        "choices": [
+            {
+                "index": 0,
+                "delta": {"content": texts[-1]},
+                "logprobs": None,
+                "finish_reason": "stop",
+                "stop_reason": None,
+            }
+        ],
+    }
+    for e in content[:-1]:
+        assert e == {
             **common,
             "choices": [
                 {
                     "index": 0,
-                    "delta": {"role": "assistant", "content": ""},
+                    "delta": {"content": texts[0]},
                     "logprobs": None,
                     "finish_reason": None,
                 }
             ],
-        },
-        {
-            **common,
-            "choices": [
-                {"index": 0, "delta": {"content": " the"}, "logprobs": None, "finish_reason": None}
-            ],
-        },
-        {
-            **common,
-            "choices": [
-                {
-                    "index": 0,
-                    "delta": {"content": " quick"},
-                    "logprobs": None,
-                    "finish_reason": "stop",
-                    "stop_reason": None,
-                }
-            ],
-        },
-    ]
+        }
     assert all(e["id"] == head["id"] for e in events)

@@ -1,0 +1,126 @@
+"""The node's own output count on every stream, whatever the client asked for.
+
+Counting a stream's chunks tells the generated tokens only while vLLM sends one token
+per chunk. It often does not: ``--stream-interval N`` sends N at a time; an API server
+that falls behind its engine merges what piled up into one chunk
+(``RequestOutputCollector`` in ``vllm/v1/engine/output_processor.py``); a tool-call or
+reasoning parser holds tokens back without a chunk; a speculative node emits several per
+step. So every chat and completions stream is sent to the node with
+``stream_options: {include_usage: true, continuous_usage_stats: true}``: each chunk then
+carries its choice's ``completion_tokens`` so far, and the stream ends with a usage-only
+chunk (``"choices": []``). :class:`UsageTap` reads them, and takes out of the relayed
+bytes what the client did not ask for: the per-chunk ``usage`` objects unless it asked
+for continuous usage, the final usage chunk unless it asked for ``include_usage``.
+
+A node that ignores the options (not vLLM) sends no usage: the chunk count stands in.
+No I/O here.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from kvgateway.tokens.lax import lax_bool
+
+_COMPLETION = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+# A usage object inside a chunk (one level of nesting: the *_tokens_details objects).
+# Inside a JSON string a quote is escaped, so this never matches generated text.
+_USAGE_FIELD = re.compile(rb',\s*"usage"\s*:\s*(?:null|\{(?:[^{}]|\{[^{}]*\})*\})')
+_NO_CHOICES = re.compile(rb'"choices"\s*:\s*\[\s*\]')
+_CHOICE_INDEX = re.compile(rb'"choices"\s*:\s*\[\s*\{\s*"index"\s*:\s*(\d+)')
+
+
+@dataclass(frozen=True, slots=True)
+class UsageAsk:
+    """What the client's own ``stream_options`` asked for."""
+
+    include_usage: bool
+    continuous: bool
+
+
+def usage_ask(kind: str, stream: bool, body: dict[str, Any]) -> UsageAsk | None:
+    """The client's ask, for a stream whose usage the gateway asks the node for (chat and
+    completions); None for anything else."""
+    if not stream or kind not in ("chat", "completion"):
+        return None
+    opts = body.get("stream_options")
+    opts = opts if isinstance(opts, dict) else {}
+    include = lax_bool(opts.get("include_usage")) is True
+    return UsageAsk(include, include and lax_bool(opts.get("continuous_usage_stats")) is True)
+
+
+def ask_node(body: dict[str, Any]) -> None:
+    """Set ``body``'s stream options to bring the node's counts (see the module)."""
+    opts = body.get("stream_options")
+    opts = dict(opts) if isinstance(opts, dict) else {}
+    opts["include_usage"] = True
+    opts["continuous_usage_stats"] = True
+    body["stream_options"] = opts
+
+
+class UsageTap:
+    """One stream's node-reported output so far; :meth:`feed` returns what to relay."""
+
+    def __init__(self, ask: UsageAsk) -> None:
+        self._ask = ask
+        self._per_choice: dict[int, int] = {}
+        self.final = b""  # the usage-only chunk, once it came
+
+    @property
+    def completion_tokens(self) -> int | None:
+        """Output generated so far over all choices, as the node counts; None while the
+        node has reported nothing."""
+        if not self._per_choice:
+            return None
+        return sum(self._per_choice.values())
+
+    def feed(self, events: bytes) -> bytes:
+        """Read a run of complete SSE events; the same events without what the client
+        did not ask for."""
+        if self._ask.continuous or b'"usage"' not in events:
+            if self._ask.continuous and b'"usage"' in events:
+                self._read(events)
+            return events
+        out = []
+        for event in events.split(b"\n\n"):
+            if not event:
+                continue
+            if b'"usage"' not in event:
+                out.append(event)
+                continue
+            if _NO_CHOICES.search(event):
+                self._read_final(event)
+                if self._ask.include_usage:
+                    out.append(event)
+                continue
+            self._read_chunk(event)
+            out.append(_USAGE_FIELD.sub(b"", event, count=1))
+        return b"".join(e + b"\n\n" for e in out)
+
+    def _read(self, events: bytes) -> None:
+        for event in events.split(b"\n\n"):
+            if b'"usage"' not in event:
+                continue
+            if _NO_CHOICES.search(event):
+                self._read_final(event)
+            else:
+                self._read_chunk(event)
+
+    def _read_chunk(self, event: bytes) -> None:
+        m = _COMPLETION.search(event)
+        if m is None:
+            return
+        at = _CHOICE_INDEX.search(event)
+        i = int(at.group(1)) if at is not None else 0
+        n = int(m.group(1))
+        if n > self._per_choice.get(i, 0) or i not in self._per_choice:
+            self._per_choice[i] = n
+
+    def _read_final(self, event: bytes) -> None:
+        self.final = event + b"\n\n"
+        m = _COMPLETION.search(event)
+        if m is not None:
+            # The node's total over every choice: the count from here on.
+            self._per_choice = {0: int(m.group(1))}

@@ -1,0 +1,87 @@
+"""UsageTap against chunks as vLLM's serving code writes them (pydantic's compact JSON,
+usage last; the usage-only chunk with ``"choices":[]`` at the end)."""
+
+from __future__ import annotations
+
+import json
+
+from kvgateway.server.stream_usage import UsageAsk, UsageTap, ask_node, usage_ask
+
+NONE = UsageAsk(include_usage=False, continuous=False)
+FINAL = UsageAsk(include_usage=True, continuous=False)
+
+
+def chunk(index: int, text: str, done: int, details: bool = False) -> bytes:
+    usage = (
+        f'{{"prompt_tokens":9,"total_tokens":{9 + done},"completion_tokens":{done},'
+        + ('"completion_tokens_details":{"reasoning_tokens":2},' if details else "")
+        + '"prompt_tokens_details":null}'
+    )
+    body = (
+        f'{{"id":"c","object":"chat.completion.chunk","created":1,"model":"m","choices":'
+        f'[{{"index":{index},"delta":{{"content":{json.dumps(text)}}},"logprobs":null,'
+        f'"finish_reason":null}}],"usage":{usage}}}'
+    )
+    return b"data: " + body.encode() + b"\n\n"
+
+
+def final(total: int) -> bytes:
+    return (
+        b'data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"m",'
+        b'"choices":[],"usage":{"prompt_tokens":9,"total_tokens":'
+        + str(9 + total).encode()
+        + b',"completion_tokens":'
+        + str(total).encode()
+        + b"}}\n\n"
+    )
+
+
+def test_per_chunk_usage_is_read_and_taken_out_for_a_client_that_did_not_ask() -> None:
+    tap = UsageTap(NONE)
+    out = tap.feed(chunk(0, "one two", 2) + chunk(0, " three", 3, details=True))
+    assert b"usage" not in out
+    for event in out.split(b"\n\n")[:-1]:
+        json.loads(event[6:])  # still valid JSON
+    assert tap.completion_tokens == 3
+    out = tap.feed(final(3) + b"data: [DONE]\n\n")
+    assert out == b"data: [DONE]\n\n"
+    assert tap.completion_tokens == 3 and b'"completion_tokens":3' in tap.final
+
+
+def test_include_usage_keeps_only_the_final_chunk() -> None:
+    tap = UsageTap(FINAL)
+    out = tap.feed(chunk(0, "a", 1) + final(1) + b"data: [DONE]\n\n")
+    assert out.count(b'"usage"') == 1 and out.startswith(b"data: {") and b'"choices":[]' in out
+
+
+def test_text_that_looks_like_usage_is_left_alone() -> None:
+    text = ',"usage":{"completion_tokens":99}'
+    tap = UsageTap(NONE)
+    out = tap.feed(chunk(0, text, 1))
+    assert json.loads(out[6:])["choices"][0]["delta"]["content"] == text
+    assert tap.completion_tokens == 1
+
+
+def test_n_choices_sum_their_own_counts() -> None:
+    tap = UsageTap(NONE)
+    tap.feed(chunk(0, "a", 1) + chunk(1, "b", 1) + chunk(0, "c", 2) + chunk(1, "d", 4))
+    assert tap.completion_tokens == 6
+
+
+def test_a_node_without_usage_reports_nothing() -> None:
+    tap = UsageTap(NONE)
+    plain = b'data: {"choices":[{"index":0,"delta":{"content":"x"}}]}\n\n'
+    assert tap.feed(plain) == plain and tap.completion_tokens is None
+
+
+def test_the_ask_keeps_the_clients_other_options() -> None:
+    body = {"stream": True, "stream_options": {"include_usage": "true", "x": 1}}
+    ask = usage_ask("chat", True, body)
+    assert ask == UsageAsk(include_usage=True, continuous=False)
+    ask_node(body)
+    assert body["stream_options"] == {
+        "include_usage": True,
+        "x": 1,
+        "continuous_usage_stats": True,
+    }
+    assert usage_ask("chat", False, body) is None and usage_ask("responses", True, body) is None
