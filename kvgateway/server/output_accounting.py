@@ -148,9 +148,14 @@ class OutputAccounting:
                 live.next_progress = per_seq + max(1, live.block_size // 2)
             return
         covered = live.reserved_output + live.grown // live.sequences
+        if live.max_output and covered >= live.max_output:
+            return  # covers all a sequence may generate (max_tokens mode, or grown there)
         if per_seq >= covered and not r.released:
-            # Blocks enough to be ahead again: one read may bring many tokens at once.
+            # Blocks enough to be ahead again: one read may bring many tokens at once; never
+            # past what max_tokens needs.
             blocks = (per_seq - covered) // live.block_size + 1
+            if live.max_output:
+                blocks = min(blocks, -(-(live.max_output - covered) // live.block_size))
             extra = blocks * live.sequences * live.block_size
             r.owner.grow(r, extra)
             live.grown += extra

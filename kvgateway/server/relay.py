@@ -236,22 +236,21 @@ async def _relay_events(
         _reconcile(state, ex, r, usage, live.generated if live.exact else None)
 
 
-# Chat and completions streams end with [DONE]; Responses streams with a final event.
+# Chat and completions streams end with [DONE]; Responses streams with a final event,
+# which carries the whole response (as long as the answer, and its tools echoed).
 _RESPONSES_END = (
-    b'"type":"response.completed"',
-    b'"type":"response.failed"',
-    b'"type":"response.incomplete"',
-    b'"type": "response.completed"',
-    b'"type": "response.failed"',
-    b'"type": "response.incomplete"',
+    b"event: response.completed\n",
+    b"event: response.failed\n",
+    b"event: response.incomplete\n",
 )
 
 
 def _ends_stream(events: bytes) -> bool:
     if events.endswith(b"data: [DONE]\n\n"):
         return True
-    tail = events[-4096:]
-    return b"event: response." in tail and any(m in tail for m in _RESPONSES_END)
+    # The run's last event: from the blank line before it (if any) to its end.
+    cut = events.rfind(b"\n\n", 0, len(events) - 2)
+    return events.startswith(_RESPONSES_END, cut + 2 if cut >= 0 else 0)
 
 
 def _loop_deadline(deadline: float, state: GatewayState) -> float:

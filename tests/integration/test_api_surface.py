@@ -181,3 +181,19 @@ async def test_litellm_raises_its_context_window_error(start_fleet: StartFleet, 
         num_retries=0,
     )
     assert ok.choices[0].message.content
+
+
+async def test_a_long_responses_stream_ends_cleanly(start_fleet: StartFleet, client):
+    """The final event carries the whole response: past 4 KB (~1,000 tokens, or less
+    with tools echoed) the gateway took a complete stream for one cut short, appended
+    an error event and the SDK raised APIError after response.completed."""
+    fixed = {"output_dist": "fixed", "output_mean": 1500.0, "output_max": 1500}
+    fleet = await start_fleet([("small-1", "small", "gpu24-8b", fixed)], time_scale=500)
+    oai = client(fleet.url)
+    stream = await oai.responses.create(
+        model=MODEL, input="Tell a long story", max_output_tokens=1500, stream=True
+    )
+    kinds = [event.type async for event in stream]
+    assert kinds[-1] in ("response.completed", "response.incomplete")
+    assert kinds.count("response.output_text.delta") > 1000
+    assert fleet.leaks() == {}

@@ -81,6 +81,27 @@ def test_one_read_of_many_tokens_grows_the_reservation_past_all_of_them():
     adm.release(r)
 
 
+def test_a_stream_at_its_max_tokens_does_not_grow() -> None:
+    """max_tokens mode reserves the whole output: a stream that reaches it grew the node's
+    book by a block per sequence anyway (n=4, max_tokens 64: 64 more than needed)."""
+    b, adm = _one_node()
+    r = adm.try_admit(demand(100, 64, n=4))
+    assert isinstance(r, Reservation)
+    held = b.reserved_tokens
+    acct = OutputAccounting()
+    live = acct.start(r, 100, 4, 64, 16, max_output=64)
+    for _ in range(64):
+        acct.on_events(live, b"".join(token(k) for k in range(4)))
+        assert b.reserved_tokens >= live.footprint
+    assert live.generated == 256 and b.reserved_tokens == held and live.grown == 0
+    # Learned: grows as it must, but never past what max_tokens needs.
+    r2 = adm.try_admit(demand(100, 20))
+    assert isinstance(r2, Reservation)
+    live2 = acct.start(r2, 100, 1, 20, 16, max_output=40)
+    acct.on_events(live2, token() * 400)
+    assert live2.generated == 40 and live2.grown == 32  # 20 + 32 covers 40, in blocks
+
+
 def test_a_pooled_stream_moves_its_nodes_margin_and_stays_covered():
     b, adm = _one_node()
     r, outlook = _admit_pooled(adm)
