@@ -273,12 +273,28 @@ class AdmissionCore:
 
     def _enqueue(self, w: _Waiter) -> None:
         self._waiters.append(w)
-        self._claim_counts.update(w.claims)
+        if w.gated is None:
+            self._claim_counts.update(w.claims)
         self._ledger.queue_changed()
 
     def _dequeued(self, w: _Waiter) -> None:
-        self._claim_counts.subtract(w.claims)
+        if w.gated is None:
+            self._claim_counts.subtract(w.claims)
         self._ledger.queue_changed()
+
+    def _regate(self, w: _Waiter) -> str | None:
+        """Ask ``w``'s tenant limit again. While it holds ``w``, ``w`` claims no backend:
+        it would keep other requests (of this replica, and through a shared ledger's wait
+        marks, of every replica) off backends it cannot take."""
+        gate = self._gate(w.demand)
+        if (gate is None) != (w.gated is None):
+            if gate is None:
+                self._claim_counts.update(w.claims)
+            else:
+                self._claim_counts.subtract(w.claims)
+            self._ledger.queue_changed()
+        w.gated = gate
+        return gate
 
     def release(self, reservation: Reservation) -> bool:
         """Return a reservation's tokens and slot; only the first call has an effect."""
@@ -317,14 +333,14 @@ class AdmissionCore:
             self._tenancy.released(reservation.ticket, reservation.tokens)
         self._offer(reservation.backend)
         if self._tenancy is not None and reservation.ticket is not None:
-            self._ungate(reservation.backend, reservation.ticket.tenant)
+            self._ungate(reservation.ticket.tenant)
         return True
 
-    def _ungate(self, offered: Backend, tenant: str) -> None:
+    def _ungate(self, tenant: str) -> None:
         """``tenant``'s limit may have opened (and with it, any class floor): waiters it
-        held may now take room on backends other than the one just offered (a tenant at
-        its concurrency limit waits for any of its requests to end, wherever that one
-        ran). Only those waiters are asked again: a release touches no other tenant's."""
+        held may now take room on any backend they could use (a tenant at its
+        concurrency limit waits for any of its requests to end, wherever that one ran).
+        Only those waiters are asked again: a release touches no other tenant's."""
         opened: dict[str, Backend] = {}
         for w in self._waiters:
             if w.gated is None or w.future.done():
@@ -333,10 +349,11 @@ class AdmissionCore:
             name = w.ticket.tenant if w.ticket is not None else w.demand.tenant
             if name != tenant and w.gated != CLASS_FLOOR:
                 continue
-            w.gated = self._gate(w.demand)
-            if w.gated is None:
+            if self._regate(w) is None:
+                # The backend just offered too: it was walked while this waiter claimed
+                # nothing.
                 for b in self._index_for(w.demand.model).backends:
-                    if b.name in w.claims and b is not offered:
+                    if b.name in w.claims:
                         opened.setdefault(b.name, b)
         for b in opened.values():
             self._offer(b)
@@ -376,8 +393,7 @@ class AdmissionCore:
                 gone.add(w)
                 self._dequeued(w)
                 continue
-            w.gated = self._gate(w.demand)
-            if w.gated is not None:
+            if self._regate(w) is not None:
                 continue
             d = _with_busy(w.demand, claimed) if claimed else w.demand
             decision = self.decide(d)
@@ -440,8 +456,7 @@ class AdmissionCore:
                 continue
             if b.name not in w.claims:
                 continue
-            w.gated = self._gate(w.demand)
-            if w.gated is not None:
+            if self._regate(w) is not None:
                 continue
             routed = route_to(
                 self._index_for(w.demand.model), b, w.demand, now, offload_overflow=overflow

@@ -191,6 +191,24 @@ async def test_a_waiter_at_its_concurrency_limit_does_not_hold_up_others_and_tim
     assert b.reserved_tokens == 0 and b.in_flight == 0
 
 
+async def test_a_waiter_held_by_its_own_limit_claims_no_backend_until_the_limit_opens():
+    """A parked request was listed as waiting for every backend it could use: a shared
+    ledger put this replica in their wait sets, and every other replica's new requests
+    there queued until the next heartbeat (~2.5 s each), on an idle node."""
+    b = backend("a", kv=4096)
+    adm, _ = make([b], auth(tenant("c", max_concurrent=1), tenant("o")))
+    held = await adm.admit(of("c", 100), 1.0)
+    parked = asyncio.create_task(adm.admit(of("c", 100), 5.0))
+    await asyncio.sleep(0)
+    assert adm.queue_depth == 1
+    assert not adm.waiting_for("a") and adm.waiting_backends() == set()
+    adm.release(held)  # the limit opens: it claims, and is admitted on the released node
+    r = await asyncio.wait_for(parked, 0.5)
+    assert r.backend is b and not adm.waiting_for("a")
+    adm.release(r)
+    assert b.reserved_tokens == 0 and b.in_flight == 0
+
+
 async def test_two_equal_tenants_flooding_one_class_get_kv_tokens_within_ten_percent():
     b = backend("a", kv=8192, seqs=64)
     adm, _ = make([b], auth(tenant("big"), tenant("small")), queue_size=1000)
