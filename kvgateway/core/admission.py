@@ -117,7 +117,7 @@ class Admission(AdmissionCore):
                 raise Saturated(
                     "Every backend that can hold this request is at its KV-cache budget "
                     "and the admission queue is full. Retry later.",
-                    retry_after=max(1.0, timeout),
+                    retry_after=1.0,  # refused at once: room may free any moment
                 )
         loop = asyncio.get_running_loop()
         waiter = _Waiter(demand, loop.create_future(), since, self._claims(demand), ticket)

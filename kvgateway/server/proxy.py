@@ -42,7 +42,7 @@ from kvgateway.server.relay import (
     relay_stream,
 )
 from kvgateway.server.state import GatewayState
-from kvgateway.server.tenants import TENANT, charge, settle
+from kvgateway.server.tenants import TENANT, charge, limit_headers, settle
 from kvgateway.server.tracing import Tracing, set_attributes
 from kvgateway.tokens.node_count import (
     NodeCount,
@@ -102,6 +102,13 @@ async def handle_completion(
         if isinstance(err, RateLimited):
             ex.limit_hit = err.param
         resp = error_response(err, rid)
+        if ex.charge is not None:
+            # Settled now (a request never admitted is refunded): the headers say what the
+            # tenant has left after this request, not what its charge had taken.
+            settle(ex, state.quotas, state.clock())
+            ex.limit_headers = limit_headers(
+                state.quotas, state.tenancy, ex.charge.tenant, state.clock()
+            )
         for name, value in ex.limit_headers.items():  # charged: the tenant's limits too
             resp.headers.setdefault(name, value)
         if state.draining:

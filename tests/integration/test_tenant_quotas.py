@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from typing import Any
@@ -164,3 +165,39 @@ async def test_score_pairs_are_charged_what_the_node_counted(start_fleet: StartF
     assert reported > len(json.dumps(body))
     view = {t["name"]: t for t in (await admin(fleet, "k-etl"))["tenants"]}
     assert view["etl"]["prompt_tokens_last_minute"] == reported
+
+
+async def test_a_refused_request_is_refunded_in_its_own_rate_limit_headers(
+    start_fleet: StartFleet,
+) -> None:
+    """A 429 for a full queue refunds the request, but its x-ratelimit headers were
+    those of its charge: remaining 0 and a minute to wait while 2 of 3 were used. And
+    its Retry-After was the whole queue timeout (8 s) for a refusal made at once."""
+    auth = {"keys": [{"name": "app", "key": "k-app", "limits": {"requests_per_minute": 3}}]}
+    fleet = await start_fleet(
+        [("only", "small", "gpu24-8b", {})],
+        time_scale=1.0,
+        gateway={"auth": auth, "admission": {"queue_size": 1, "queue_timeout_s": 8}},
+        backend_extra={"only": {"max_num_seqs": 1}},
+    )
+
+    async def post(max_tokens: int) -> tuple[int, dict[str, str]]:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+        body["max_tokens"] = max_tokens
+        async with aiohttp.ClientSession() as s:
+            headers = {"Authorization": "Bearer k-app"}
+            async with s.post(fleet.url + "/v1/chat/completions", json=body, headers=headers) as r:
+                await r.read()
+                return r.status, dict(r.headers)
+
+    running = asyncio.create_task(post(2000))
+    await asyncio.sleep(0.5)
+    queued = asyncio.create_task(post(5))
+    await asyncio.sleep(0.5)
+    status, headers = await post(5)
+    assert status == 429
+    assert headers["x-ratelimit-remaining-requests"] == "1", headers
+    assert headers["Retry-After"] == "1"
+    running.cancel()
+    queued.cancel()
+    await asyncio.gather(running, queued, return_exceptions=True)
