@@ -1,12 +1,15 @@
 """Reading ``auth:`` (tenants, priority classes, the default tenant) and API keys.
 
 Keys are read the same way everywhere: ``NAME`` (a string or a list), ``NAME_file`` (one
-key a line, or ``NAME=key`` lines of an env file) and ``NAME_env`` (a comma-separated
-environment variable). An empty key is an error naming where it came from.
+key a line, or ``NAME=key`` lines of an env file; see :func:`key_file_line`) and
+``NAME_env`` (a comma-separated environment variable). An empty key is an error naming
+where it came from.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import os
 import re
 
@@ -21,6 +24,13 @@ from kvgateway.config.yamlread import Section
 
 # Tenant and class names become metric label values: keep them short and plain.
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+# A key file's ``NAME=value`` line (``export NAME=value`` too, as a shell-sourced env file
+# has it): only a variable name before the first ``=`` makes one.
+_ENV_LINE = re.compile(r"^(?:export\s+)?[A-Za-z_][A-Za-z0-9_]*=(.*)$")
+# A padded base64 key (``openssl rand -base64 16`` prints ``q0H5mV2yZr8x1pQw3kLmNw==``) often
+# looks like ``NAME=`` or ``NAME==``; one of at least 16 characters is read as a key.
+_PADDED_BASE64 = re.compile(r"^[A-Za-z0-9+/]{14,}={1,2}$")
 
 
 def read_auth(s: Section, legacy_keys: tuple[str, ...]) -> AuthConfig:
@@ -143,9 +153,39 @@ def read_keys(s: Section, name: str) -> tuple[str, ...]:
     return tuple(k.strip() for _, k in found if k.strip())
 
 
+def key_file_line(line: str) -> str:
+    """The key on one (stripped, not blank, not comment) line of a key file.
+
+    A padded base64 key (canonical base64 of 16 characters or more ending in ``=`` or
+    ``==``, as ``openssl rand -base64`` prints) is read whole. Otherwise ``NAME=key`` and
+    ``export NAME=key`` lines (``NAME`` a variable name: letters, digits and ``_``, not
+    starting with a digit) hold the key after the first ``=``, without one pair of
+    surrounding quotes (``NAME="key"`` or ``NAME='key'``, as dotenv files have them); any
+    other line is the key itself, ``=`` included. ``NAME=`` gives an empty key and
+    ``NAME==`` the key ``=``, which the caller refuses."""
+    if _is_padded_base64(line):
+        return line
+    env = _ENV_LINE.match(line)
+    if env is None:
+        return line
+    value = env.group(1).strip()
+    if len(value) >= 2 and value[0] == value[-1] and value[0] in "\"'":
+        value = value[1:-1]
+    return value
+
+
+def _is_padded_base64(line: str) -> bool:
+    if len(line) % 4 or not _PADDED_BASE64.match(line):
+        return False
+    try:
+        return base64.b64encode(base64.b64decode(line, validate=True)).decode() == line
+    except binascii.Error:
+        return False
+
+
 def read_keys_file(path: str, s: Section, key: str) -> list[tuple[str, str]]:
-    """One key per line (blank lines and # comments ignored), or NAME=key lines like an env
-    file of secrets. Returns (where, key) pairs."""
+    """One key per line (blank lines and # comments ignored), or ``NAME=key`` lines like an
+    env file of secrets (see :func:`key_file_line`). Returns (where, key) pairs."""
     where = s.where(key)
     try:
         with open(os.path.expanduser(path), encoding="utf-8") as fh:
@@ -158,6 +198,12 @@ def read_keys_file(path: str, s: Section, key: str) -> list[tuple[str, str]]:
         line = raw.strip()
         if not line or line.startswith("#"):
             continue
-        key = line.split("=", 1)[1] if "=" in line else line
-        keys.append((f"{where} ({path} line {number})", key))
+        found = key_file_line(line)
+        if found and not found.strip("="):
+            s.reading.fail(
+                f"{where} ({path} line {number})",
+                f"{found!r} is not a key (a base64 key's padding left without the key?); fix it",
+            )
+            continue
+        keys.append((f"{where} ({path} line {number})", found))
     return keys
