@@ -103,7 +103,7 @@ class Admission(AdmissionCore):
                 retry_after=5,
             )
         assert isinstance(outcome, Wait)
-        gated = self._gate(demand)
+        gated = self._gate(demand, ticket)
         if gated is not None:
             # Held by its own tenant's limit: it waits in its tenant's share of the
             # queue (queue_size of them at most), never in the room others queue in.

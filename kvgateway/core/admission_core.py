@@ -80,6 +80,9 @@ class AdmissionCore:
         self._waiters: WaitQueue[_Waiter] = WaitQueue()
         # How many waiters claim each backend: "is it claimed?" without walking the queue.
         self._claim_counts: Counter[str] = Counter()
+        # Per tenant: its waiters that its limits let through, waiting for room (count,
+        # tokens): they count against those limits as if running.
+        self._through: dict[str, list[int]] = {}
         # Learned requests in flight per node, and the pooled margin in its book.
         self._risks: dict[Backend, NodeRisk] = {}
         # Per backend: what the book holds beyond the reservations' granted ``tokens``
@@ -201,7 +204,7 @@ class AdmissionCore:
 
     def try_admit(self, demand: Demand, ticket: Ticket | None = None) -> Decision | Reservation:
         """Reserve now if the policy finds room that no waiter ahead of it claims."""
-        if self._gate(demand) is not None:
+        if self._gate(demand, ticket) is not None:
             return Wait()
         decision = self.decide(demand)
         if isinstance(decision, Routed) and self._claim_counts[decision.backend.name] > 0:
@@ -216,10 +219,22 @@ class AdmissionCore:
 
     # ---- tenancy: order, gates, displacement ------------------------------------
 
-    def _gate(self, demand: Demand) -> str | None:
+    def _gate(
+        self, demand: Demand, ticket: Ticket | None, own: _Waiter | None = None
+    ) -> str | None:
+        """The limit holding ``demand`` back, counting the tenant's waiters already let
+        through (all of them would otherwise pass at once when a limit opens by one, and
+        overfill the queue); ``own``, a waiter asking again, does not count itself."""
         if self._tenancy is None:
             return None
-        return self._tenancy.gate(demand.tenant, demand.tokens, self._budget())
+        ahead = ahead_tokens = 0
+        through = self._through.get(_tenant_key(demand, ticket))
+        if through is not None:
+            ahead, ahead_tokens = through
+            if own is not None and own.gated is None:
+                ahead -= 1
+                ahead_tokens -= own.demand.tokens
+        return self._tenancy.gate(demand.tenant, demand.tokens, self._budget(), ahead, ahead_tokens)
 
     def _ordered(self) -> Iterator[_Waiter]:
         """The waiters in the order they are served (arrival order without tenancy), as
@@ -274,24 +289,35 @@ class AdmissionCore:
     def _enqueue(self, w: _Waiter) -> None:
         self._waiters.append(w)
         if w.gated is None:
-            self._claim_counts.update(w.claims)
+            self._waits_for_room(w, 1)
         self._ledger.queue_changed()
 
     def _dequeued(self, w: _Waiter) -> None:
         if w.gated is None:
-            self._claim_counts.subtract(w.claims)
+            self._waits_for_room(w, -1)
         self._ledger.queue_changed()
+
+    def _waits_for_room(self, w: _Waiter, sign: int) -> None:
+        """``w`` starts (1) or stops (-1) waiting for room: its claims, and its place
+        among its tenant's requests let through."""
+        if sign > 0:
+            self._claim_counts.update(w.claims)
+        else:
+            self._claim_counts.subtract(w.claims)
+        key = _tenant_key(w.demand, w.ticket)
+        through = self._through.setdefault(key, [0, 0])
+        through[0] += sign
+        through[1] += sign * w.demand.tokens
+        if through[0] <= 0:
+            del self._through[key]
 
     def _regate(self, w: _Waiter) -> str | None:
         """Ask ``w``'s tenant limit again. While it holds ``w``, ``w`` claims no backend:
         it would keep other requests (of this replica, and through a shared ledger's wait
         marks, of every replica) off backends it cannot take."""
-        gate = self._gate(w.demand)
+        gate = self._gate(w.demand, w.ticket, own=w)
         if (gate is None) != (w.gated is None):
-            if gate is None:
-                self._claim_counts.update(w.claims)
-            else:
-                self._claim_counts.subtract(w.claims)
+            self._waits_for_room(w, 1 if gate is None else -1)
             self._ledger.queue_changed()
         w.gated = gate
         return gate
@@ -342,7 +368,7 @@ class AdmissionCore:
         concurrency limit waits for any of its requests to end, wherever that one ran).
         Only those waiters are asked again: a release touches no other tenant's."""
         opened: dict[str, Backend] = {}
-        for w in self._waiters:
+        for w in self._ordered():  # in serving order: the first let through go first
             if w.gated is None or w.future.done():
                 continue
             # The resolved name (a tenant gone from the config on reload is the default).
@@ -476,6 +502,11 @@ class AdmissionCore:
     @property
     def queue_depth(self) -> int:
         return len(self._waiters)
+
+
+def _tenant_key(demand: Demand, ticket: Ticket | None) -> str:
+    """The tenant a request counts under: its ticket's resolved name, else its own."""
+    return ticket.tenant if ticket is not None else demand.tenant
 
 
 def _with_busy(d: Demand, names: frozenset[str]) -> Demand:

@@ -98,14 +98,19 @@ class Tenancy:
         if self._finish.get(ticket.tenant) == ticket.start + tokens / weight:
             self._finish[ticket.tenant] = ticket.start
 
-    def gate(self, name: str, tokens: int, budget: int) -> str | None:
-        """The tenant or class limit that keeps this request waiting now, if any."""
+    def gate(
+        self, name: str, tokens: int, budget: int, ahead: int = 0, ahead_tokens: int = 0
+    ) -> str | None:
+        """The tenant or class limit that keeps this request waiting now, if any.
+        ``ahead`` (``ahead_tokens``): the tenant's other requests already let through its
+        limits and waiting for room, which count as if running."""
         auth = self._auth()
         t = self.tenant(name)
         limits = t.limits
-        if limits.max_concurrent is not None and self.requests[t.name] >= limits.max_concurrent:
+        running = self.requests[t.name] + ahead
+        if limits.max_concurrent is not None and running >= limits.max_concurrent:
             return MAX_CONCURRENT
-        held = self.tokens[t.name]
+        held = self.tokens[t.name] + ahead_tokens
         # A tenant holding nothing may always run one request, however large.
         if (
             limits.max_kv_share is not None

@@ -209,6 +209,34 @@ async def test_a_waiter_held_by_its_own_limit_claims_no_backend_until_the_limit_
     assert b.reserved_tokens == 0 and b.in_flight == 0
 
 
+async def test_a_limit_that_opens_by_one_lets_one_parked_request_through():
+    """Tenant e (max_concurrent 1) has two parked; when its request ends (its room going
+    to q's waiter), both were let through at once: the shared queue held 3 of 3 (two of
+    them e's, which can run one at a time) and another tenant got 429 fleet_saturated."""
+    b = backend("a", kv=8192, max_model_len=2048, seqs=1)
+    cfg = auth(tenant("e", max_concurrent=1), tenant("q"), tenant("z"))
+    adm, _ = make([b], cfg, queue_size=3)
+    running = await adm.admit(of("e", 100, 10), 1.0)
+    qs = [asyncio.create_task(adm.admit(of("q", 100, 10), 30.0)) for _ in range(2)]
+    await asyncio.sleep(0)
+    parked = [asyncio.create_task(adm.admit(of("e", 100, 10), 30.0)) for _ in range(2)]
+    await asyncio.sleep(0)
+    adm.release(running)
+    await asyncio.sleep(0)
+    # q's first request runs; q's second and one of e's wait for room, one of e's parked.
+    assert adm.queue_depth == 3
+    assert sum(1 for t in parked if not t.done()) == 2
+    z = asyncio.create_task(adm.admit(of("z", 100, 10), 30.0))
+    await asyncio.sleep(0.05)
+    assert not z.done()  # queued (the shared queue held 2 of 3 before z), not refused
+    for t in [*parked, *qs, z]:
+        t.cancel()
+    for r in await asyncio.gather(*parked, *qs, z, return_exceptions=True):
+        if not isinstance(r, BaseException):
+            adm.release(r)
+    assert b.reserved_tokens == 0 and b.in_flight == 0
+
+
 async def test_two_equal_tenants_flooding_one_class_get_kv_tokens_within_ten_percent():
     b = backend("a", kv=8192, seqs=64)
     adm, _ = make([b], auth(tenant("big"), tenant("small")), queue_size=1000)
