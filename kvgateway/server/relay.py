@@ -186,11 +186,10 @@ async def _relay_events(
     # The events holding the usage chunk: vLLM yields it and [DONE] apart, so it is often
     # not in the last read.
     usage = b""
+    prefilled = False
     try:
         async with asyncio.timeout_at(_loop_deadline(ex.started + timeouts.total_s, state)):
             async for got in resp.events(timeouts.idle_s):
-                if ex.ttft_s is None:
-                    r.prefill_done()  # the prompt's blocks are in the node's cache now
                 ex.first_byte(state.clock())
                 events = got
                 if tap is not None:
@@ -201,6 +200,11 @@ async def _relay_events(
                     state.outputs.on_events(live, events)
                     if USAGE_MARKS[0] in events or USAGE_MARKS[1] in events:
                         usage = events
+                if not prefilled and live.generated > 0:
+                    # A token came: the prompt's blocks are in the node's cache now (not at
+                    # the first event: a Responses stream announces itself before prefill).
+                    prefilled = True
+                    r.prefill_done()
                 if events:
                     await out.write(events)
                 ex.streamed_tokens = live.generated  # relayed (a failed write was not)

@@ -277,3 +277,42 @@ async def test_truncated_prompts_are_not_credited_blocks_of_their_cut_head(
     state = await fleet.nodes["small-1"].state()
     assert state["preemptions"] == 0
     assert b.reserved_tokens == 0 and fleet.leaks() == {}
+
+
+async def test_a_responses_stream_holds_no_credit_before_its_first_token(
+    start_fleet: StartFleet, vocab_dirs
+):
+    """A Responses stream announces itself (response.created) before its prefill: it was
+    taken as holding its prompt's blocks from that first event, so a request sharing the
+    prompt was credited blocks the node had not computed yet (and would compute again)."""
+    qwen = str(vocab_dirs("qwen"))
+    fleet = await start_fleet(
+        [("small-1", "small", "gpu24-8b", {"tokenizer": qwen})],
+        time_scale=1.0,  # a ~1.5k-token prefill takes ~0.3 s
+        gateway={
+            "models": [{"name": MODEL, "served_name": SERVED, "tokenizer": {"path": qwen}}],
+            "routing": {"prefix_aware": True},
+        },
+    )
+    b = fleet.backend("small-1")
+    doc = "The depot ledger lists every pallet that left the harbor today. " * 150
+    first_body = {"model": MODEL, "input": doc, "max_output_tokens": 50, "stream": True}
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(fleet.url + "/v1/responses", json=first_body) as first,
+    ):
+        assert first.status == 200
+        head = await first.content.readuntil(b"\n\n")
+        assert b"response.created" in head  # announced; its prefill is still running
+        alone = b.reserved_tokens
+        body = {"model": MODEL, "input": doc + " Which pallets?", "max_output_tokens": 50}
+        second = asyncio.create_task(s.post(fleet.url + "/v1/responses", json=body))
+        while b.in_flight < 2:
+            await asyncio.sleep(0.001)
+        # Nothing is cached yet: the second request reserved its whole prompt.
+        assert b.reserved_tokens - alone > alone * 0.9
+        async with await second as r:
+            assert r.status == 200
+            await r.read()
+        await first.read()
+    assert fleet.leaks() == {}
