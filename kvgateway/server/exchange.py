@@ -40,6 +40,8 @@ class Outcome(StrEnum):
     MID_STREAM_RESET = "mid_stream_reset"
     MID_STREAM_TRUNCATED = "mid_stream_truncated"
     MID_STREAM_TOTAL_TIMEOUT = "mid_stream_total_timeout"
+    # An SSE event past the gateway's cap (upstream.client.MAX_EVENT_BYTES).
+    MID_STREAM_TOO_LARGE = "mid_stream_too_large"
 
 
 # The status recorded for a request whose client closed the connection (nginx's).

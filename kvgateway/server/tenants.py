@@ -170,6 +170,7 @@ _CUT_BY_NODE = frozenset(
         Outcome.MID_STREAM_RESET,
         Outcome.MID_STREAM_TRUNCATED,
         Outcome.MID_STREAM_TOTAL_TIMEOUT,
+        Outcome.MID_STREAM_TOO_LARGE,
     }
 )
 

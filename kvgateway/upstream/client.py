@@ -44,6 +44,11 @@ _MAX_ERROR_BODY = 64 * 1024
 _USAGE_RE = re.compile(rb'"(?:prompt|input)_tokens"\s*:\s*(\d+)')
 _COMPLETION_RE = re.compile(rb'"(?:completion|output)_tokens"\s*:\s*(\d+)')
 USAGE_MARKS = (b'"prompt_tokens"', b'"input_tokens"')
+# The largest SSE event held while it arrives: as large as a whole non-streamed answer
+# (server.relay.MAX_RESPONSE_BYTES), since a Responses stream's final event carries the
+# whole response. A node that never ends its event fails the stream here instead of
+# being buffered without limit.
+MAX_EVENT_BYTES = 256 * 1024 * 1024
 
 
 class MidStreamError(Exception):
@@ -130,13 +135,22 @@ class UpstreamResponse:
             ) from exc
         return b"".join(chunks)
 
-    async def events(self, idle_s: float) -> AsyncIterator[bytes]:
-        """Runs of complete SSE events as they arrive, ending in a blank line.
+    async def events(self, idle_s: float, max_event: int | None = None) -> AsyncIterator[bytes]:
+        """Runs of complete SSE events as they arrive, each ending in a blank line.
 
         Partial events are held back so an error event the gateway appends never lands in
-        the middle of one. Raises MidStreamError on reset or an idle gap longer than
-        ``idle_s``."""
-        pending = b""
+        the middle of one; one left incomplete when the body ends is dropped (the relay
+        then writes its own error event), except a lone ``data: [DONE]`` line. Line ends
+        are normalised to ``\\n`` (SSE also allows CRLF and CR; what reads the events
+        looks for ``\\n\\n``). Raises MidStreamError on reset, an idle gap longer than
+        ``idle_s`` or an incomplete event larger than ``max_event`` bytes (default
+        :data:`MAX_EVENT_BYTES`)."""
+        cap = MAX_EVENT_BYTES if max_event is None else max_event
+        # The incomplete event, in the pieces it came in (never joined until complete:
+        # each read is scanned once, however long the event).
+        parts: list[bytes] = []
+        size = 0
+        cr_tail = False  # the last read ended in CR, which was made a LF
         conn = self._conn
         while True:
             try:
@@ -148,15 +162,38 @@ class UpstreamResponse:
             except HTTPClientError as exc:
                 raise MidStreamError("reset", f"the backend connection broke ({exc})") from exc
             if not chunk:
-                if pending.strip():
-                    yield pending + b"\n\n"
+                # A stream's end marker is whole once its line is; any other event may
+                # have lost lines (a Responses event's data after its event line).
+                if 0 < size < 64 and b"".join(parts).lstrip(b"\n") == b"data: [DONE]\n":
+                    yield b"data: [DONE]\n\n"
                 return
-            pending += chunk
-            cut = pending.rfind(b"\n\n")
+            if cr_tail or b"\r" in chunk:
+                if cr_tail and chunk.startswith(b"\n"):
+                    chunk = chunk[1:]  # the LF of a CRLF split between reads
+                cr_tail = chunk.endswith(b"\r")
+                chunk = chunk.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+                if not chunk:
+                    continue
+            # The last event end in this read, or one split between reads ("\n" | "\n").
+            cut = chunk.rfind(b"\n\n")
+            if cut >= 0:
+                cut += 2
+            elif chunk[0] == 0x0A and parts and parts[-1].endswith(b"\n"):
+                cut = 1
             if cut < 0:
-                continue
-            ready, pending = pending[: cut + 2], pending[cut + 2 :]
-            yield ready
+                parts.append(chunk)
+                size += len(chunk)
+            else:
+                parts.append(chunk[:cut] if cut < len(chunk) else chunk)
+                ready = b"".join(parts) if len(parts) > 1 else parts[0]
+                rest = chunk[cut:]
+                parts = [rest] if rest else []
+                size = len(rest)
+                yield ready
+            if size > cap:
+                raise MidStreamError(
+                    "too_large", f"the backend sent an event larger than {cap} bytes"
+                )
 
     def close(self) -> None:
         self._pool.release(self._conn, self._origin)
