@@ -31,7 +31,13 @@ from kvgateway.core.admission_core import AdmissionCore, _Waiter
 from kvgateway.core.demand import Demand, context_error
 from kvgateway.core.reservation import Reservation, Reserving
 from kvgateway.core.routing import NoBackend, TooLong, Wait
-from kvgateway.core.tenancy import Ticket, gated_error, tenant_queue_full_error
+from kvgateway.core.tenancy import (
+    CLASS_FLOOR,
+    Ticket,
+    floors_error,
+    gated_error,
+    tenant_queue_full_error,
+)
 from kvgateway.errors import NoHealthyBackend, Saturated
 
 __all__ = ["Admission", "Reservation", "Reserving"]
@@ -104,6 +110,8 @@ class Admission(AdmissionCore):
             )
         assert isinstance(outcome, Wait)
         gated = self._gate(demand, ticket)
+        if gated == CLASS_FLOOR and self._never_passes_floors(demand):
+            raise floors_error(demand.tenant, demand.tokens)
         if gated is not None:
             # Held by its own tenant's limit: it waits in its tenant's share of the
             # queue (queue_size of them at most), never in the room others queue in.

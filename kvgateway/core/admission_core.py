@@ -236,6 +236,11 @@ class AdmissionCore:
                 ahead_tokens -= own.demand.tokens
         return self._tenancy.gate(demand.tenant, demand.tokens, self._budget(), ahead, ahead_tokens)
 
+    def _never_passes_floors(self, demand: Demand) -> bool:
+        return self._tenancy is not None and self._tenancy.never_passes_floors(
+            demand.tenant, demand.tokens, self._budget()
+        )
+
     def _ordered(self) -> Iterator[_Waiter]:
         """The waiters in the order they are served (arrival order without tenancy), as
         a snapshot: the queue may change while it is read."""

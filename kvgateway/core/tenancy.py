@@ -128,6 +128,14 @@ class Tenancy:
             return CLASS_FLOOR
         return None
 
+    def never_passes_floors(self, name: str, tokens: int, budget: int) -> bool:
+        """Other classes' floors leave this request no room however the fleet is used:
+        each holds its floor or keeps it free, so ``tokens`` plus those floors must fit."""
+        auth = self._auth()
+        own = auth.class_of(self.tenant(name))
+        floors = sum(c.floor_share * budget for c in auth.classes if c.name != own)
+        return floors > 0 and tokens + floors > budget
+
     def granted(self, ticket: Ticket, tokens: int) -> None:
         klass = ticket.klass
         self._virtual[klass] = max(self._virtual.get(klass, 0.0), ticket.start)
@@ -174,6 +182,15 @@ def tenant_queue_full_error(tenant: str, gate: str, waiting: int) -> Saturated:
         "waiting for it. Retry later.",
         code=f"tenant_{gate}",
         retry_after=1.0,
+    )
+
+
+def floors_error(tenant: str, tokens: int) -> Saturated:
+    return Saturated(
+        f"Tenant '{tenant}': this request needs {tokens} KV tokens, more than the other "
+        "priority classes' floor_share leaves to its class; it can never be admitted. "
+        "Reduce the request.",
+        code=f"tenant_{CLASS_FLOOR}",
     )
 
 

@@ -237,6 +237,25 @@ async def test_a_limit_that_opens_by_one_lets_one_parked_request_through():
     assert b.reserved_tokens == 0 and b.in_flight == 0
 
 
+async def test_a_request_the_class_floors_can_never_let_through_is_refused_at_once():
+    """interactive keeps 30% of 10,000 tokens: a 7,408-token batch request can never
+    pass. It waited out its whole queue timeout, then got a 429 with Retry-After (so
+    clients retried for ever); the same request from an interactive tenant runs."""
+    b = backend("a", kv=10_000, max_model_len=10_000)
+    classes = (ClassConfig("interactive", floor_share=0.3), ClassConfig("batch"))
+    adm, _ = make([b], auth(tenant("i", "interactive"), tenant("b", "batch"), classes=classes))
+    big = b.budget_tokens * 3 // 4
+    with pytest.raises(Saturated) as info:
+        await asyncio.wait_for(adm.admit(of("b", big - 16, 16), 30.0), 0.5)
+    assert info.value.code == "tenant_class_floor" and info.value.retry_after is None
+    assert "never" in info.value.message
+    r = await adm.admit(of("i", big - 16, 16), 1.0)
+    adm.release(r)
+    # One that fits beside the floor still waits for it to free, as before.
+    small = await adm.admit(of("b", 1000, 16), 1.0)
+    adm.release(small)
+
+
 async def test_two_equal_tenants_flooding_one_class_get_kv_tokens_within_ten_percent():
     b = backend("a", kv=8192, seqs=64)
     adm, _ = make([b], auth(tenant("big"), tenant("small")), queue_size=1000)
