@@ -130,12 +130,12 @@ def answer_body(
         ex.record.outcome = f"backend_{resp.status}"
         r.backend.note_rejection(state.clock())
     ex.first_byte(state.clock())
-    headers = resp.relay_headers()
-    headers.update(gateway_headers(ex, r))
+    relayed = resp.relay_headers()
+    relayed.update(gateway_headers(ex, r))
     if resp.status >= 400 and not is_error_object(data):
         data = openai_error_body(resp.status, data, r.backend.name)
-        headers["Content-Type"] = "application/json"
-    return web.Response(status=resp.status, body=data, headers=headers)
+        relayed["Content-Type"] = "application/json"
+    return web.Response(status=resp.status, body=data, headers=relayed)
 
 
 async def relay_stream(

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 
 import aiohttp
+from multidict import CIMultiDict
 
 from kvgateway.config.model import TimeoutConfig
 from kvgateway.core.backends import Backend
@@ -113,9 +114,13 @@ class UpstreamResponse:
         wanted = name.lower()
         return next((v for k, v in self._conn.headers if k.lower() == wanted), "")
 
-    def relay_headers(self) -> dict[str, str]:
-        """The node's headers minus hop-by-hop and length headers (each side sets its own)."""
-        return {k: v for k, v in self._conn.headers if k.lower() not in _DROP_RESPONSE_HEADERS}
+    def relay_headers(self) -> CIMultiDict[str]:
+        """The node's headers minus hop-by-hop and length headers (each side sets its own),
+        case-insensitive: a header the gateway sets replaces the node's however it is
+        spelled (uvicorn sends lower case)."""
+        return CIMultiDict(
+            (k, v) for k, v in self._conn.headers if k.lower() not in _DROP_RESPONSE_HEADERS
+        )
 
     async def read(self, limit: int) -> bytes:
         """The whole body; failures here are upstream errors (nothing was sent yet)."""

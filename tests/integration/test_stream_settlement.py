@@ -299,3 +299,24 @@ async def test_a_stream_without_include_usage_is_charged_what_it_relayed(
     assert '"usage"' not in text and text.endswith("data: [DONE]\n\n")
     assert (await tenant_view(fleet.url))["output_tokens_last_minute"] == 20
     assert fleet.leaks() == {}
+
+
+async def test_a_nodes_error_in_its_own_shape_is_relayed_with_one_content_type(
+    start_fleet: StartFleet, aiohttp_server: Any
+) -> None:
+    """uvicorn sends header names in lower case: a FastAPI 404 ({"detail": ...}) came back
+    with both the node's content-type and the gateway's Content-Type."""
+
+    async def not_found(request: web.Request) -> web.Response:
+        body = b'{"detail":"Not Found"}'
+        return web.Response(status=404, body=body, headers={"content-type": "text/html"})
+
+    node = await aiohttp_server(node_app({"/v1/chat/completions": not_found}))
+    fleet = await gateway_over(start_fleet, str(node.make_url("")).rstrip("/"))
+    async with aiohttp.ClientSession() as s:
+        headers = {"Authorization": "Bearer k-etl"}
+        async with s.post(fleet.url + "/v1/chat/completions", json=chat(5), headers=headers) as r:
+            assert r.status == 404
+            assert r.headers.getall("Content-Type") == ["application/json"]
+            assert (await r.json())["error"]["code"]
+    assert fleet.leaks() == {}
