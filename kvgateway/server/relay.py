@@ -167,6 +167,8 @@ async def relay_stream(
     finally:
         state.outputs.end(live)
         ex.grown_tokens += live.grown
+    if ex.record.outcome == Outcome.OK:
+        resp.ended()  # its body's own end may still be on its way: the pool waits for it
     await out.write_eof()
     return out
 

@@ -97,10 +97,11 @@ class UpstreamResponse:
     ``Response``. It offers what the proxy needs: the status, the headers to relay, the
     whole body (bounded) or the SSE events as they come."""
 
-    __slots__ = ("_conn", "_origin", "_pool", "backend_name")
+    __slots__ = ("_conn", "_ended", "_origin", "_pool", "backend_name")
 
     def __init__(self, conn: Connection, pool: NodePool, origin: Origin, backend_name: str):
         self._conn = conn
+        self._ended = False
         self._pool = pool
         self._origin = origin
         self.backend_name = backend_name
@@ -200,8 +201,14 @@ class UpstreamResponse:
                     "too_large", f"the backend sent an event larger than {cap} bytes"
                 )
 
+    def ended(self) -> None:
+        """The stream reached its own end marker ([DONE], a Responses stream's last event):
+        what may still come is the body's own end (the chunked terminator, which uvicorn
+        writes apart), after which the connection can serve another request."""
+        self._ended = True
+
     def close(self) -> None:
-        self._pool.release(self._conn, self._origin)
+        self._pool.release(self._conn, self._origin, ending=self._ended)
 
     async def __aenter__(self) -> UpstreamResponse:
         return self

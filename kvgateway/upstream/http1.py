@@ -332,6 +332,21 @@ class Connection(asyncio.Protocol):
             and self._transport.get_write_buffer_size() == 0
         )
 
+    @property
+    def ending(self) -> bool:
+        """Only the end of a chunked body may still come: every chunk that arrived was
+        read, and the parser waits at a chunk boundary (for the terminator)."""
+        return (
+            self._mode in (_CHUNK_CRLF, _CHUNK_SIZE, _TRAILER)
+            and not self._chunks
+            and not self._buf
+            and self.keep_alive
+            and self._error is None
+            and not self.closed
+            and self._transport is not None
+            and self._transport.get_write_buffer_size() == 0
+        )
+
     def close(self) -> None:
         self.closed = True
         if self.idle_handle is not None:

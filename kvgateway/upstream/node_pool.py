@@ -88,9 +88,12 @@ class NodePool:
             raise
         return conn
 
-    def release(self, conn: Connection, origin: Origin) -> None:
-        """Back to the pool if its response was read to the end, else closed."""
-        if not conn.reusable:
+    def release(self, conn: Connection, origin: Origin, *, ending: bool = False) -> None:
+        """Back to the pool if its response was read to the end, or (``ending``: its
+        reader saw the stream's own end marker) only the body's end may still come, which
+        the connection reads on its own; else closed. (A stream whose client left is
+        closed: that is how the node learns to abort it.)"""
+        if not (conn.reusable or (ending and conn.ending)):
             conn.close()
             return
         idle = self._idle.setdefault(origin, [])
@@ -105,14 +108,20 @@ class NodePool:
 
     def _take(self, o: Origin) -> Connection | None:
         idle = self._idle.get(o)
-        while idle:
-            conn = idle.pop()
-            if conn.idle_handle is not None:
-                conn.idle_handle.cancel()
-                conn.idle_handle = None
-            if not conn.closed:
+        if not idle:
+            return None
+        for i in range(len(idle) - 1, -1, -1):  # the most recently used first
+            conn = idle[i]
+            if conn.reusable:
+                del idle[i]
+                if conn.idle_handle is not None:
+                    conn.idle_handle.cancel()
+                    conn.idle_handle = None
                 return conn
-        return None
+            if not conn.ending:  # closed by the node, or more came than the body's end
+                del idle[i]
+                conn.close()
+        return None  # none ready (a stream's body end may still be on its way)
 
     def _expire_idle(self, conn: Connection, o: Origin) -> None:
         idle = self._idle.get(o)

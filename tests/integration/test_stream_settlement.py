@@ -320,3 +320,37 @@ async def test_a_nodes_error_in_its_own_shape_is_relayed_with_one_content_type(
             assert r.headers.getall("Content-Type") == ["application/json"]
             assert (await r.json())["error"]["code"]
     assert fleet.leaks() == {}
+
+
+async def test_streams_reuse_their_connection_to_the_node(
+    start_fleet: StartFleet, aiohttp_server: Any
+) -> None:
+    """The node ends its body (the chunked terminator) in a write of its own after
+    [DONE]: the gateway stopped reading at [DONE] and closed the connection, so every
+    stream to a node opened a new one."""
+    peers: set[Any] = set()
+
+    async def chat_stream(request: web.Request) -> web.StreamResponse:
+        assert request.transport is not None
+        peers.add(request.transport.get_extra_info("peername"))
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(_chunk({"role": "assistant", "content": ""}))
+        await resp.write(_chunk({"content": " w"}, "stop"))
+        await resp.write(b"data: [DONE]\n\n")
+        await asyncio.sleep(0.01)  # the body's end comes apart, as uvicorn writes it
+        return resp
+
+    node = await aiohttp_server(node_app({"/v1/chat/completions": chat_stream}))
+    fleet = await gateway_over(start_fleet, str(node.make_url("")).rstrip("/"))
+    async with aiohttp.ClientSession() as s:
+        headers = {"Authorization": "Bearer k-etl"}
+        for _ in range(5):
+            body = chat(50, stream=True)
+            async with s.post(fleet.url + "/v1/chat/completions", json=body, headers=headers) as r:
+                assert r.status == 200
+                assert (await r.read()).endswith(b"data: [DONE]\n\n")
+            await asyncio.sleep(0.03)  # the next request comes after the body's end
+    assert len(peers) == 1, peers
+    assert fleet.leaks() == {}
