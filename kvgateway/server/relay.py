@@ -191,7 +191,10 @@ async def _relay_events(
     prefilled = False
     try:
         async with asyncio.timeout_at(_loop_deadline(ex.started + timeouts.total_s, state)):
-            async for got in resp.events(timeouts.idle_s):
+            # The node sends a stream's head at once and its first event after the prefill:
+            # that wait is bounded by first_byte_s (from the request's start), not idle_s.
+            first_s = max(0.1, ex.started + timeouts.first_byte_s - state.clock())
+            async for got in resp.events(timeouts.idle_s, first_s=first_s):
                 ex.first_byte(state.clock())
                 events = got
                 if tap is not None:

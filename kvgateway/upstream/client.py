@@ -141,7 +141,9 @@ class UpstreamResponse:
             ) from exc
         return b"".join(chunks)
 
-    async def events(self, idle_s: float, max_event: int | None = None) -> AsyncIterator[bytes]:
+    async def events(
+        self, idle_s: float, max_event: int | None = None, first_s: float | None = None
+    ) -> AsyncIterator[bytes]:
         """Runs of complete SSE events as they arrive, each ending in a blank line.
 
         Partial events are held back so an error event the gateway appends never lands in
@@ -149,8 +151,9 @@ class UpstreamResponse:
         then writes its own error event), except a lone ``data: [DONE]`` line. Line ends
         are normalised to ``\\n`` (SSE also allows CRLF and CR; what reads the events
         looks for ``\\n\\n``). Raises MidStreamError on reset, an idle gap longer than
-        ``idle_s`` or an incomplete event larger than ``max_event`` bytes (default
-        :data:`MAX_EVENT_BYTES`)."""
+        ``idle_s`` (``first_s`` until the first event: a node sends a stream's head
+        before its prefill, which may take longer) or an incomplete event larger than
+        ``max_event`` bytes (default :data:`MAX_EVENT_BYTES`)."""
         cap = MAX_EVENT_BYTES if max_event is None else max_event
         # The incomplete event, in the pieces it came in (never joined until complete:
         # each read is scanned once, however long the event).
@@ -158,13 +161,12 @@ class UpstreamResponse:
         size = 0
         cr_tail = False  # the last read ended in CR, which was made a LF
         conn = self._conn
+        wait = idle_s if first_s is None else first_s
         while True:
             try:
-                chunk = await conn.readany(idle_s)
+                chunk = await conn.readany(wait)
             except TimeoutError as exc:
-                raise MidStreamError(
-                    "timeout", f"the backend sent nothing for {idle_s:g}s"
-                ) from exc
+                raise MidStreamError("timeout", f"the backend sent nothing for {wait:g}s") from exc
             except HTTPClientError as exc:
                 raise MidStreamError("reset", f"the backend connection broke ({exc})") from exc
             if not chunk:
@@ -195,6 +197,7 @@ class UpstreamResponse:
                 rest = chunk[cut:]
                 parts = [rest] if rest else []
                 size = len(rest)
+                wait = idle_s
                 yield ready
             if size > cap:
                 raise MidStreamError(

@@ -354,3 +354,34 @@ async def test_streams_reuse_their_connection_to_the_node(
             await asyncio.sleep(0.03)  # the next request comes after the body's end
     assert len(peers) == 1, peers
     assert fleet.leaks() == {}
+
+
+async def test_a_streams_prefill_is_bounded_by_first_byte_s_not_idle_s(
+    start_fleet: StartFleet, aiohttp_server: Any
+) -> None:
+    """vLLM sends a stream's head at once and its first event after the prefill: a long
+    prefill on an offload node (first_byte_s 600) was cut at idle_s (60 s)."""
+
+    async def slow_prefill(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await asyncio.sleep(0.6)  # the prefill
+        await resp.write(_chunk({"role": "assistant", "content": ""}))
+        await resp.write(_chunk({"content": " w"}, "stop"))
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    node = await aiohttp_server(node_app({"/v1/chat/completions": slow_prefill}))
+    url = str(node.make_url("")).rstrip("/")
+    extra = {"max_model_len": 8192, "kv_cache_tokens": 100_000}
+    fleet = await start_fleet(
+        [("only", "small", "gpu24-8b", {})],
+        backend_extra={"only": {"url": url, **extra, "timeouts": {"idle_s": 0.3}}},
+    )
+    async with aiohttp.ClientSession() as s:
+        async with s.post(fleet.url + "/v1/chat/completions", json=chat(5, stream=True)) as r:
+            assert r.status == 200
+            text = await r.read()
+    assert b'"error"' not in text and text.endswith(b"data: [DONE]\n\n")
+    assert fleet.leaks() == {}
