@@ -379,9 +379,12 @@ async def test_a_streams_prefill_is_bounded_by_first_byte_s_not_idle_s(
         [("only", "small", "gpu24-8b", {})],
         backend_extra={"only": {"url": url, **extra, "timeouts": {"idle_s": 0.3}}},
     )
-    async with aiohttp.ClientSession() as s:
-        async with s.post(fleet.url + "/v1/chat/completions", json=chat(5, stream=True)) as r:
-            assert r.status == 200
-            text = await r.read()
+    body = chat(5, stream=True)
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(fleet.url + "/v1/chat/completions", json=body) as r,
+    ):
+        assert r.status == 200
+        text = await r.read()
     assert b'"error"' not in text and text.endswith(b"data: [DONE]\n\n")
     assert fleet.leaks() == {}
