@@ -24,12 +24,12 @@ from typing import Any
 
 from kvgateway.tokens.lax import lax_bool
 
-_COMPLETION = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+_COMPLETION = re.compile(rb'"completion_tokens"\s*:\s*(\d{1,15})(?!\d)')
 # A usage object inside a chunk (one level of nesting: the *_tokens_details objects).
 # Inside a JSON string a quote is escaped, so this never matches generated text.
 _USAGE_FIELD = re.compile(rb',\s*"usage"\s*:\s*(?:null|\{(?:[^{}]|\{[^{}]*\})*\})')
 _NO_CHOICES = re.compile(rb'"choices"\s*:\s*\[\s*\]')
-_CHOICE_INDEX = re.compile(rb'"choices"\s*:\s*\[\s*\{\s*"index"\s*:\s*(\d+)')
+_CHOICE_INDEX = re.compile(rb'"choices"\s*:\s*\[\s*\{\s*"index"\s*:\s*(\d{1,9})(?!\d)')
 
 
 @dataclass(frozen=True, slots=True)

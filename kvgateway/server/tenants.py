@@ -163,9 +163,11 @@ def tenants_view(tenancy: Tenancy, ledger: QuotaLedger, now: float) -> list[dict
     return out
 
 
-# A stream the node failed, stalled or ended early: the gateway wrote the error event.
-_CUT_BY_NODE = frozenset(
+# A stream the node failed, stalled or ended early, or the gateway's own shutdown ended:
+# the gateway wrote the error event.
+_CUT_SHORT = frozenset(
     {
+        Outcome.CANCELLED_SHUTDOWN,
         Outcome.MID_STREAM_TIMEOUT,
         Outcome.MID_STREAM_RESET,
         Outcome.MID_STREAM_TRUNCATED,
@@ -177,9 +179,9 @@ _CUT_BY_NODE = frozenset(
 
 def settle(ex: Exchange, ledger: QuotaLedger, now: float) -> None:
     """Replace the reserved output with what was generated: the usage when the node
-    reported it; what a stream had relayed when its client left (499) or its node failed
-    or cut it before the usage (capped at the reservation: a node's failure does not cost
-    the tenant its whole max_tokens); nothing when no answer was relayed or the node
+    reported it; what a stream had relayed when its client left (499), its node failed or
+    cut it, or the gateway's shutdown ended it before the usage (capped at the
+    reservation: a failure not the tenant's does not cost it its whole max_tokens); nothing when no answer was relayed or the node
     refused; else the reservation (a stream without usage is charged in full). A request
     never admitted costs nothing."""
     c = ex.charge
@@ -193,7 +195,7 @@ def settle(ex: Exchange, ledger: QuotaLedger, now: float) -> None:
     elif ex.ttft_s is None:
         output = 0
     elif ex.streamed_tokens is not None and (
-        status == CLIENT_GONE or ex.record.outcome in _CUT_BY_NODE
+        status == CLIENT_GONE or ex.record.outcome in _CUT_SHORT
     ):
         output = min(ex.streamed_tokens, c.reserved_output)
     elif status >= 400:

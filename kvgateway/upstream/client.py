@@ -42,8 +42,8 @@ _DROP_RESPONSE_HEADERS = frozenset(
 )
 _MAX_ERROR_BODY = 64 * 1024
 # Chat and completions usage, or the Responses API's (input/output tokens).
-_USAGE_RE = re.compile(rb'"(?:prompt|input)_tokens"\s*:\s*(\d+)')
-_COMPLETION_RE = re.compile(rb'"(?:completion|output)_tokens"\s*:\s*(\d+)')
+_USAGE_RE = re.compile(rb'"(?:prompt|input)_tokens"\s*:\s*(\d{1,15})(?!\d)')
+_COMPLETION_RE = re.compile(rb'"(?:completion|output)_tokens"\s*:\s*(\d{1,15})(?!\d)')
 USAGE_MARKS = (b'"prompt_tokens"', b'"input_tokens"')
 # The largest SSE event held while it arrives: as large as a whole non-streamed answer
 # (server.relay.MAX_RESPONSE_BYTES), since a Responses stream's final event carries the

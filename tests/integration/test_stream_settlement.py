@@ -388,3 +388,28 @@ async def test_a_streams_prefill_is_bounded_by_first_byte_s_not_idle_s(
         text = await r.read()
     assert b'"error"' not in text and text.endswith(b"data: [DONE]\n\n")
     assert fleet.leaks() == {}
+
+
+async def test_a_stream_the_gateways_shutdown_ends_is_charged_what_it_relayed(
+    start_fleet: StartFleet,
+) -> None:
+    """A stream cut by the gateway's own shutdown was charged its whole max_tokens."""
+    fleet = await start_fleet(
+        [("only", "small", "gpu24-8b", {})], time_scale=1.0, gateway={"auth": AUTH}
+    )
+    body = chat(500, stream=True, ignore_eos=True)
+    async with aiohttp.ClientSession() as s:
+        headers = {"Authorization": "Bearer k-etl"}
+        async with s.post(fleet.url + "/v1/chat/completions", json=body, headers=headers) as r:
+            assert r.status == 200
+            got = b""
+            while got.count(b"data: ") < 6:  # a few tokens relayed
+                got += await r.content.readany()
+            for ex in list(fleet.state.active.values()):
+                ex.end_now()
+            got += await r.read()
+    assert b"shutting down" in got.lower() or b'"error"' in got
+    charged = (await tenant_view(fleet.url))["output_tokens_last_minute"]
+    assert 0 < charged < 100, charged
+    await asyncio.sleep(0.5)  # the node's abort lands (abort_release_delay_s)
+    assert fleet.leaks() == {}

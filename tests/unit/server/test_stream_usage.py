@@ -85,3 +85,16 @@ def test_the_ask_keeps_the_clients_other_options() -> None:
         "continuous_usage_stats": True,
     }
     assert usage_ask("chat", False, body) is None and usage_ask("responses", True, body) is None
+
+
+def test_a_hostile_nodes_endless_numbers_are_not_read() -> None:
+    """int() refuses more than 4,300 digits: settlement raised ValueError."""
+    from kvgateway.upstream.client import find_usage
+
+    digits = b"9" * 5000
+    body = b'{"choices":[],"usage":{"prompt_tokens":9,"completion_tokens":' + digits + b"}}"
+    usage = find_usage(body)
+    assert usage is None or usage.completion_tokens is None
+    tap = UsageTap(NONE)
+    tap.feed(b"data: " + body + b"\n\n")
+    assert tap.completion_tokens is None
