@@ -27,7 +27,7 @@ _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 # A key file's ``NAME=value`` line (``export NAME=value`` too, as a shell-sourced env file
 # has it): only a variable name before the first ``=`` makes one.
-_ENV_LINE = re.compile(r"^(?:export\s+)?[A-Za-z_][A-Za-z0-9_]*=(.*)$")
+_ENV_LINE = re.compile(r"^(?:export\s+)?[A-Za-z_][A-Za-z0-9_]*\s*=\s*(.*)$")
 # A padded base64 key (``openssl rand -base64 16`` prints ``q0H5mV2yZr8x1pQw3kLmNw==``) often
 # looks like ``NAME=`` or ``NAME==``; one of at least 16 characters is read as a key.
 _PADDED_BASE64 = re.compile(r"^[A-Za-z0-9+/]{14,}={1,2}$")

@@ -63,11 +63,15 @@ class AdmissionCore:
         tenancy: Tenancy | None = None,
         budget: Callable[[], int] = lambda: 0,
         prefix: PrefixRouter | None = None,
+        capacity: Callable[[], int] | None = None,
     ) -> None:
         self._ledger: Ledger = ledger if ledger is not None else LocalLedger()
         self._abort_delay = abort_delay
         self._tenancy = tenancy
         self._budget = budget
+        # The budget with every configured backend usable: what "never" is judged against
+        # (a node down for a moment does not make a request impossible).
+        self._capacity = capacity or budget
         self._index_for = index_for
         self._prefix = prefix
         self._adjust = adjust
@@ -104,6 +108,7 @@ class AdmissionCore:
         return cls(
             tenancy=tenancy or Tenancy(lambda: config().auth),
             budget=lambda: sum(b.budget_tokens for b in fleet.backends if b.usable),
+            capacity=lambda: sum(b.budget_tokens for b in fleet.active),
             index_for=fleet.index,
             adjust=fleet.adjust,
             policy=lambda: config().routing.policy,
@@ -238,7 +243,7 @@ class AdmissionCore:
 
     def _never_passes_floors(self, demand: Demand) -> bool:
         return self._tenancy is not None and self._tenancy.never_passes_floors(
-            demand.tenant, demand.tokens, self._budget()
+            demand.tenant, demand.tokens, self._capacity()
         )
 
     def _ordered(self) -> Iterator[_Waiter]:

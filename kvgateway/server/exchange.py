@@ -60,6 +60,9 @@ class Exchange:
     request: web.Request
     record: AccessRecord
     started: float
+    # When the current attempt's request went to its node (the first event's wait of a
+    # stream counts from here, not from a wait in the queue).
+    sent: float = 0.0
     counted: Counted | None = None
     # Admitted again with the node's own count after it refused the prompt as too long.
     recounted: bool = False

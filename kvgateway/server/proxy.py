@@ -238,6 +238,7 @@ async def _attempt(
     assert counted is not None
     backend = r.backend
     timeouts = backend.config.timeouts
+    ex.sent = state.clock()
     try:
         resp = await open_request(
             state.nodes,

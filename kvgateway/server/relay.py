@@ -192,8 +192,9 @@ async def _relay_events(
     try:
         async with asyncio.timeout_at(_loop_deadline(ex.started + timeouts.total_s, state)):
             # The node sends a stream's head at once and its first event after the prefill:
-            # that wait is bounded by first_byte_s (from the request's start), not idle_s.
-            first_s = max(0.1, ex.started + timeouts.first_byte_s - state.clock())
+            # that wait is bounded by first_byte_s (from when the request went to the node,
+            # not from a wait in the queue), not idle_s.
+            first_s = max(0.1, ex.sent + timeouts.first_byte_s - state.clock())
             async for got in resp.events(timeouts.idle_s, first_s=first_s):
                 ex.first_byte(state.clock())
                 events = got

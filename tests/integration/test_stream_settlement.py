@@ -413,3 +413,46 @@ async def test_a_stream_the_gateways_shutdown_ends_is_charged_what_it_relayed(
     assert 0 < charged < 100, charged
     await asyncio.sleep(0.5)  # the node's abort lands (abort_release_delay_s)
     assert fleet.leaks() == {}
+
+
+async def test_a_queued_streams_first_event_wait_counts_from_when_it_was_sent(
+    start_fleet: StartFleet, aiohttp_server: Any
+) -> None:
+    """The first event's wait counted from the request's arrival: one that waited ~2 s in
+    the queue had 0.1 s left of first_byte_s (2 s) for a 0.3 s prefill."""
+
+    async def slow(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await asyncio.sleep(0.3)  # the prefill
+        await resp.write(_chunk({"role": "assistant", "content": ""}))
+        await asyncio.sleep(body.get("hold", 0))  # a long decode
+        await resp.write(_chunk({"content": " w"}, "stop"))
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    node = await aiohttp_server(node_app({"/v1/chat/completions": slow}))
+    url = str(node.make_url("")).rstrip("/")
+    timeouts = {"first_byte_s": 2.0, "idle_s": 5}
+    extra = {"url": url, "max_model_len": 8192, "kv_cache_tokens": 1200, "timeouts": timeouts}
+    fleet = await start_fleet(
+        [("only", "small", "gpu24-8b", {})],
+        gateway={"admission": {"queue_timeout_s": 10}},
+        backend_extra={"only": extra},
+    )
+    msg = chat(300, stream=True)
+    msg["messages"][0]["content"] = "hi " * 300  # two of them do not fit the node's budget
+
+    async def one(s: aiohttp.ClientSession, hold: float) -> bytes:
+        async with s.post(fleet.url + "/v1/chat/completions", json={**msg, "hold": hold}) as r:
+            assert r.status == 200
+            return await r.read()
+
+    async with aiohttp.ClientSession() as s:
+        first = asyncio.create_task(one(s, 2.0))
+        await asyncio.sleep(0.2)
+        second = await one(s, 0.0)  # queued ~2 s behind the first
+        await first
+    assert b'"error"' not in second and second.endswith(b"data: [DONE]\n\n")
+    assert fleet.leaks() == {}

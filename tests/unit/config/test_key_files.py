@@ -80,6 +80,8 @@ def test_a_base64_key_authenticates_and_a_bare_equals_sign_does_not(tmp_path):
         "NAME='sk-key'",
         "_name9=sk-key",
         "NAME= sk-key",
+        "NAME = sk-key",  # dotenv files allow spaces around the =
+        'export NAME = "sk-key"',
     ],
 )
 def test_name_equals_lines_give_the_value_without_its_quotes(tmp_path, line):

@@ -256,6 +256,28 @@ async def test_a_request_the_class_floors_can_never_let_through_is_refused_at_on
     adm.release(small)
 
 
+async def test_a_node_down_for_a_moment_does_not_make_a_request_impossible():
+    """ "Never" was judged on the nodes usable at the time: with one of two down, a batch
+    request that fits beside the floors on the whole fleet was refused for good."""
+    a, b = backend("a", kv=10_000), backend("b", kv=10_000)
+    classes = (ClassConfig("interactive", floor_share=0.3), ClassConfig("batch"))
+    cfg = auth(tenant("i", "interactive"), tenant("b", "batch"), classes=classes)
+    adm = admission_over(
+        [a, b],
+        queue_size=100,
+        tenancy=Tenancy(lambda: cfg),
+        budget=lambda: sum(x.budget_tokens for x in (a, b) if x.usable),
+        capacity=lambda: a.budget_tokens + b.budget_tokens,
+    )
+    b.healthy = False
+    waiting = asyncio.create_task(adm.admit(of("b", 7000, 16), 5.0))
+    await asyncio.sleep(0.05)
+    assert not waiting.done()  # waits for the node, not refused
+    b.healthy = True
+    adm.rebalance()
+    adm.release(await asyncio.wait_for(waiting, 1.0))
+
+
 async def test_two_equal_tenants_flooding_one_class_get_kv_tokens_within_ten_percent():
     b = backend("a", kv=8192, seqs=64)
     adm, _ = make([b], auth(tenant("big"), tenant("small")), queue_size=1000)
