@@ -60,6 +60,8 @@ class Exchange:
     request: web.Request
     record: AccessRecord
     started: float
+    # How long a request refused by admission (a 429) had waited in the queue.
+    refused_after_s: float = 0.0
     # When the current attempt's request went to its node (the first event's wait of a
     # stream counts from here, not from a wait in the queue).
     sent: float = 0.0
@@ -120,6 +122,19 @@ class Exchange:
                 self.deadline.reschedule(asyncio.get_running_loop().time())
 
 
+# Shorter than this, a refusal was made at once (a full queue), not after a wait.
+_QUEUED_S = 0.001
+
+
+def failure_cause(code: str) -> str:
+    """The metrics' ``cause`` for a failure's code (the access log keeps the code):
+    connect, timeout, reset, status_5xx, mid_stream, invalid_answer."""
+    cause = code.removeprefix("upstream_")
+    if len(cause) == 3 and cause.startswith("5") and cause.isdigit():
+        return "status_5xx"
+    return cause
+
+
 def finish(ex: Exchange, m: GatewayMetrics, now: float, access_log: bool) -> None:
     """The exchange's metrics and access line, from its final state."""
     rec = ex.record
@@ -136,10 +151,13 @@ def finish(ex: Exchange, m: GatewayMetrics, now: float, access_log: bool) -> Non
         m.of(m.decisions, tier, reason).inc()
         if queued_s > 0:
             m.queue_wait.observe(queued_s)
+    if ex.refused_after_s > _QUEUED_S:
+        m.queue_wait.observe(ex.refused_after_s)  # a wait that ended in a 429 is one too
     for f in ex.failures:
-        m.of(m.upstream_failures, f.backend, f.cause).inc()
+        cause = failure_cause(f.cause)
+        m.of(m.upstream_failures, f.backend, cause).inc()
         if f.retried:
-            m.of(m.upstream_retries, f.backend, f.cause).inc()
+            m.of(m.upstream_retries, f.backend, cause).inc()
     if ex.rejection is not None:
         m.of(m.rejections, ex.rejection).inc()
     if rec.tenant != "-":

@@ -108,7 +108,8 @@ class GatewayMetrics:
         )
         self.queue_wait = Histogram(
             "gateway_queue_wait_seconds",
-            "Time requests spent in the admission queue before a backend had room.",
+            "Time requests spent in the admission queue: until a backend had room, or until "
+            "refused (429: the queue timeout, or displaced).",
             buckets=WAIT_BUCKETS,
             registry=registry,
         )
@@ -161,7 +162,7 @@ class GatewayMetrics:
         self.upstream_failures = Counter(
             "gateway_upstream_failures",
             "Upstream failures by backend and cause (connect, timeout, status_5xx, "
-            "reset, mid_stream).",
+            "reset, mid_stream, invalid_answer).",
             ["backend", "cause"],
             registry=registry,
         )

@@ -23,6 +23,7 @@ from kvgateway.errors import (
     GatewayError,
     NoHealthyBackend,
     RateLimited,
+    Saturated,
     ShuttingDown,
     UpstreamError,
     UpstreamTimeout,
@@ -202,7 +203,12 @@ async def _forward(state: GatewayState, ex: Exchange, raw: bytes) -> web.StreamR
         demand = replace(counted.demand, tenant=ex.record.tenant)
         ex.record.attempts += 1
         with state.tracing.span("gateway.admission", tokens=demand.tokens) as span:
-            r = await _admit(state, ex, demand, deadline, excluded, last_error)
+            asked = state.clock()
+            try:
+                r = await _admit(state, ex, demand, deadline, excluded, last_error)
+            except Saturated:
+                ex.refused_after_s = state.clock() - asked  # waited, and was refused
+                raise
             set_attributes(
                 span,
                 backend=r.backend.name,

@@ -152,6 +152,11 @@ async def test_full_fleet_gives_429_with_retry_after(start_fleet: StartFleet, cl
         assert int(r.headers["Retry-After"]) >= 1
         body = await r.json()
         assert body["error"]["type"] == "rate_limit_error"
+    # Its wait in the queue is in the histogram the runbook reads against
+    # queue_timeout_s (only admitted requests' waits were).
+    waits = fleet.state.metrics.registry.get_sample_value("gateway_queue_wait_seconds_count")
+    waited = fleet.state.metrics.registry.get_sample_value("gateway_queue_wait_seconds_sum")
+    assert waits is not None and waits >= 1 and waited is not None and waited >= 0.25
     for h in hogs:
         h.cancel()
     await asyncio.gather(*hogs, return_exceptions=True)
