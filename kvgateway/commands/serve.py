@@ -30,8 +30,10 @@ from kvgateway.core.derived_limits import derive_all
 from kvgateway.ledger.connect import LedgerConfigError
 from kvgateway.server.accesslog import setup_logging
 from kvgateway.server.app import STATE, create_app
+from kvgateway.server.appkeys import WORKER_GAUGES
 from kvgateway.server.protocol import GatewayRunner
 from kvgateway.server.reload import Reloader, watch_file
+from kvgateway.server.tenants import tenant_holdings
 
 log = logging.getLogger("kvgateway.server")
 
@@ -240,7 +242,7 @@ async def serve(
         else None
     )
     queue_gauge = (
-        asyncio.create_task(_publish_queue_depth(app), name="queue-depth-gauge")
+        asyncio.create_task(_publish_worker_gauges(app), name="worker-gauges")
         if metrics_dir is not None
         else None
     )
@@ -276,12 +278,16 @@ async def _watch_parent(parent: int, stop: asyncio.Event) -> None:
     stop.set()
 
 
-async def _publish_queue_depth(app: web.Application) -> None:
-    """With workers, a scrape reaches one of them: the others' queue depths are written
-    here (a single process writes its own when it answers /metrics)."""
+async def _publish_worker_gauges(app: web.Application) -> None:
+    """With workers, a scrape reaches one of them: what each holds (its queue, its
+    reservations per backend and per tenant) is written here every second, for /metrics
+    to sum over the live workers (a single process reads its own at the scrape)."""
     state = app[STATE]
+    gauges = app[WORKER_GAUGES]
+    others = state.ledger.others_tokens if state.ledger is not None else None
     while True:
         state.metrics.queue_depth.set(state.admission.queue_depth)
+        gauges.publish(state.fleet.backends, others, tenant_holdings(state.tenancy))
         await asyncio.sleep(QUEUE_GAUGE_S)
 
 

@@ -31,10 +31,10 @@ from kvgateway.core.quota import QuotaLedger
 from kvgateway.core.shared_blocks import SharedBlocks
 from kvgateway.errors import BodyTooLarge, GatewayError, MethodNotAllowed, NotFound, Unauthorized
 from kvgateway.server import admin
-from kvgateway.server.appkeys import DNS, EXPOSITION, KV_EVENTS, MONITOR, STATE
+from kvgateway.server.appkeys import DNS, EXPOSITION, KV_EVENTS, MONITOR, STATE, WORKER_GAUGES
 from kvgateway.server.body import end_unread_body
 from kvgateway.server.ledger_view import LedgerMetrics, build_ledger
-from kvgateway.server.metrics import FleetCollector, GatewayMetrics
+from kvgateway.server.metrics import FleetCollector, GatewayMetrics, WorkerGauges
 from kvgateway.server.passthrough import PATHS as PASSTHROUGH_PATHS
 from kvgateway.server.passthrough import handle_passthrough
 from kvgateway.server.proxy import REQUEST_ID, error_response, handle_completion
@@ -80,15 +80,21 @@ def create_app(
     fleet = Fleet(config, derive_all(config) if derived is None else derived)
     encodings = encodings or EncodingCache()
     ledger = build_ledger(config, fleet, LedgerMetrics(registry), worker)
+    per_worker = metrics_dir is not None
     live = FleetCollector(
-        lambda: fleet.backends, clock, ledger.others_tokens if ledger is not None else None
+        lambda: fleet.backends,
+        clock,
+        ledger.others_tokens if ledger is not None else None,
+        per_worker=per_worker,
     )
     registry.register(live)
     exposition = registry
+    worker_gauges = None
     if metrics_dir is not None:
         exposition = CollectorRegistry()
         MultiProcessCollector(exposition, path=metrics_dir)  # type: ignore[no-untyped-call]
         exposition.register(live)
+        worker_gauges = WorkerGauges(registry)
     metrics.build_info.labels(version=__version__, policy=config.routing.policy).set(1)
     # Load every tokenizer now: a bad encoding must fail start-up, not the first request.
     for model in config.models:
@@ -137,8 +143,10 @@ def create_app(
                 prefix=prefix,
                 nodes=nodes,
             )
-            collector = TenantCollector(state.tenancy, state.quotas, clock)
+            collector = TenantCollector(state.tenancy, state.quotas, clock, per_worker=per_worker)
             registry.register(collector)
+            if exposition is not registry:
+                exposition.register(collector)
             monitor = Monitor(
                 fleet=fleet,
                 admission=state.admission,
@@ -168,6 +176,8 @@ def create_app(
             finally:
                 await monitor.close()
                 registry.unregister(collector)
+                if exposition is not registry:
+                    exposition.unregister(collector)
         finally:
             await hub.close()
             nodes.close()
@@ -176,6 +186,8 @@ def create_app(
             huge.shutdown(wait=False, cancel_futures=True)
 
     app[EXPOSITION] = exposition
+    if worker_gauges is not None:
+        app[WORKER_GAUGES] = worker_gauges
     app.cleanup_ctx.append(runtime)
 
     async def chat(request: web.Request) -> web.StreamResponse:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
+from kvgateway.server.metrics import WorkerGauges
 from kvgateway.server.state import GatewayState
 from kvgateway.upstream.dns import DnsDiscovery
 from kvgateway.upstream.kv_events import KVEventHub
@@ -16,5 +17,7 @@ MONITOR = web.AppKey("monitor", Monitor)
 # What /metrics exposes: the app's registry, or with `serve --workers N` every worker's
 # series merged (prometheus-client multiprocess mode) plus this worker's live collectors.
 EXPOSITION = web.AppKey("exposition", CollectorRegistry)
+# With `serve --workers N`: this worker's holdings, published for the instance's sums.
+WORKER_GAUGES = web.AppKey("worker_gauges", WorkerGauges)
 KV_EVENTS = web.AppKey("kv_events", KVEventHub)
 DNS = web.AppKey("dns", DnsDiscovery)

@@ -220,17 +220,38 @@ class GatewayMetrics:
         return child
 
 
+# What this gateway instance reserves on a backend (name, help): read live, or with
+# `serve --workers` summed over the workers (WorkerGauges).
+RESERVED = (
+    "gateway_backend_reserved_tokens",
+    "KV tokens reserved by requests in flight through this gateway instance.",
+)
+IN_FLIGHT = ("gateway_backend_in_flight", "Requests in flight through this gateway instance.")
+TENANT_KV = ("gateway_tenant_kv_tokens", "KV tokens reserved for the tenant now.")
+TENANT_HELD = ("gateway_tenant_in_flight", "The tenant's admitted requests.")
+TENANT_GRANTED = (
+    "gateway_tenant_kv_tokens_granted",
+    "KV tokens reserved for the tenant's requests, summed over admissions "
+    "(its KV-token throughput; fair queuing evens it out within a class).",
+)
+
+
 class FleetCollector(Collector):
-    """Per-backend gauges read from live state at scrape time."""
+    """Per-backend gauges read from live state at scrape time. ``per_worker``: the
+    instance's reservations come from :class:`WorkerGauges` (a scrape reaches one worker
+    only), not from this process."""
 
     def __init__(
         self,
         backends: Callable[[], Sequence[Backend]],
         now: Callable[[], float],
         others: Callable[[Backend], int] | None = None,
+        *,
+        per_worker: bool = False,
     ) -> None:
         self._backends = backends
         self._now = now
+        self._per_worker = per_worker
         # With a shared ledger: what the other replicas hold on a backend (folded into
         # its counters). `reserved` stays this process's own, so sums over replicas hold.
         self._others = others
@@ -249,16 +270,13 @@ class FleetCollector(Collector):
             "kv": gauge(
                 "gateway_backend_kv_cache_tokens", "The backend's KV-cache capacity in tokens."
             ),
-            "reserved": gauge(
-                "gateway_backend_reserved_tokens",
-                "KV tokens reserved by requests in flight through this gateway process.",
-            ),
+            "reserved": gauge(RESERVED[0], RESERVED[1]),
             "fleet_reserved": gauge(
                 "gateway_backend_fleet_reserved_tokens",
                 "KV tokens reserved on the backend by every gateway replica, as this one's "
                 "ledger last saw (its own only with the in-process ledger).",
             ),
-            "in_flight": gauge("gateway_backend_in_flight", "Requests in flight."),
+            "in_flight": gauge(IN_FLIGHT[0], IN_FLIGHT[1]),
             "cap": gauge(
                 "gateway_backend_max_num_seqs", "Concurrency cap (sequences) of the backend."
             ),
@@ -309,5 +327,64 @@ class FleetCollector(Collector):
                     fams["waiting"].add_metric(lv, b.load.waiting)
                 if b.load.preemptions is not None:
                     preempt.add_metric(lv, b.load.preemptions)
+        if self._per_worker:
+            del fams["reserved"], fams["in_flight"]
         yield from fams.values()
         yield preempt
+
+
+class WorkerGauges:
+    """With ``serve --workers`` a scrape reaches one worker: what each worker holds is
+    written here (every second, :meth:`publish`) to gauges that /metrics sums over the
+    live workers, and each tenant's granted tokens to a counter, so the instance's
+    figures are whole whichever worker answers. A backend or tenant gone after a reload
+    stays at 0 (the workers' metric files keep its series)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        labels = ["backend", "tier", "model"]
+        live = {"registry": registry, "multiprocess_mode": "livesum"}
+        self._reserved = Gauge(*RESERVED, labels, **live)  # type: ignore[arg-type]
+        self._in_flight = Gauge(*IN_FLIGHT, labels, **live)  # type: ignore[arg-type]
+        self._tenant_kv = Gauge(*TENANT_KV, ["tenant"], **live)  # type: ignore[arg-type]
+        self._tenant_held = Gauge(*TENANT_HELD, ["tenant"], **live)  # type: ignore[arg-type]
+        self._granted = Counter(*TENANT_GRANTED, ["tenant"], registry=registry)
+        self._granted_sent: dict[str, int] = {}
+        self._backends_seen: set[tuple[str, str, str]] = set()
+        self._tenants_seen: set[str] = set()
+
+    def publish(
+        self,
+        backends: Sequence[Backend],
+        others: Callable[[Backend], int] | None,
+        tenants: Iterable[tuple[str, int, int, int]],
+    ) -> None:
+        """This worker's own reservations per backend (first of each name, as the
+        collector), and per tenant (name, KV tokens, requests, tokens granted so far)."""
+        seen: set[tuple[str, str, str]] = set()
+        names: set[str] = set()
+        for b in backends:
+            if b.name in names:
+                continue
+            names.add(b.name)
+            lv = (b.name, b.tier, b.model)
+            seen.add(lv)
+            own = b.reserved_tokens - (others(b) if others is not None else 0)
+            self._reserved.labels(*lv).set(own)
+            self._in_flight.labels(*lv).set(b.in_flight)
+        for lv in self._backends_seen - seen:
+            self._reserved.labels(*lv).set(0)
+            self._in_flight.labels(*lv).set(0)
+        self._backends_seen = seen
+        present: set[str] = set()
+        for name, kv, held, granted in tenants:
+            present.add(name)
+            self._tenant_kv.labels(name).set(kv)
+            self._tenant_held.labels(name).set(held)
+            sent = self._granted_sent.get(name, 0)
+            if granted > sent:
+                self._granted.labels(name).inc(granted - sent)
+                self._granted_sent[name] = granted
+        for name in self._tenants_seen - present:
+            self._tenant_kv.labels(name).set(0)
+            self._tenant_held.labels(name).set(0)
+        self._tenants_seen = present

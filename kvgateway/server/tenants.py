@@ -23,6 +23,7 @@ from kvgateway.core.quota import OUTPUT, PROMPT, REQUESTS, Charge, QuotaLedger, 
 from kvgateway.core.tenancy import Tenancy
 from kvgateway.errors import RateLimited
 from kvgateway.server.exchange import CLIENT_GONE, Exchange, Outcome
+from kvgateway.server.metrics import TENANT_GRANTED, TENANT_HELD, TENANT_KV
 
 TENANT = web.RequestKey("tenant", str)
 
@@ -108,29 +109,30 @@ class TenantCollector(Collector):
     """KV tokens and requests each tenant holds now, and its usage over the last minute,
     read when Prometheus scrapes (labels: tenant names from the config only)."""
 
-    def __init__(self, tenancy: Tenancy, ledger: QuotaLedger, clock: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        tenancy: Tenancy,
+        ledger: QuotaLedger,
+        clock: Callable[[], float],
+        *,
+        per_worker: bool = False,
+    ) -> None:
         self._tenancy = tenancy
         self._ledger = ledger
         self._clock = clock
+        # With `serve --workers`: what tenants hold comes from WorkerGauges (summed over
+        # the workers); only the quota windows are read here.
+        self._per_worker = per_worker
 
     def collect(self) -> Iterable[Metric]:
-        kv = GaugeMetricFamily(
-            "gateway_tenant_kv_tokens", "KV tokens reserved for the tenant now.", labels=["tenant"]
-        )
-        held = GaugeMetricFamily(
-            "gateway_tenant_in_flight", "The tenant's admitted requests.", labels=["tenant"]
-        )
+        kv = GaugeMetricFamily(*TENANT_KV, labels=["tenant"])
+        held = GaugeMetricFamily(*TENANT_HELD, labels=["tenant"])
         minute = GaugeMetricFamily(
             "gateway_tenant_minute_usage",
             "The tenant's use of each per-minute limit over the last minute (this process).",
             labels=["tenant", "limit"],
         )
-        granted = CounterMetricFamily(
-            "gateway_tenant_kv_tokens_granted",
-            "KV tokens reserved for the tenant's requests, summed over admissions "
-            "(its KV-token throughput; fair queuing evens it out within a class).",
-            labels=["tenant"],
-        )
+        granted = CounterMetricFamily(*TENANT_GRANTED, labels=["tenant"])
         now = self._clock()
         for t in self._tenancy.auth.tenants:
             kv.add_metric([t.name], self._tenancy.tokens[t.name])
@@ -138,7 +140,18 @@ class TenantCollector(Collector):
             held.add_metric([t.name], self._tenancy.requests[t.name])
             for name, used in self._ledger.usage(t.name, now).items():
                 minute.add_metric([t.name, name], used)
+        if self._per_worker:
+            yield minute
+            return
         yield from (kv, held, minute, granted)
+
+
+def tenant_holdings(t: Tenancy) -> list[tuple[str, int, int, int]]:
+    """Per tenant: name, KV tokens and requests held now, tokens granted so far."""
+    return [
+        (c.name, t.tokens[c.name], t.requests[c.name], t.granted_tokens[c.name])
+        for c in t.auth.tenants
+    ]
 
 
 def tenants_view(tenancy: Tenancy, ledger: QuotaLedger, now: float) -> list[dict[str, Any]]:

@@ -83,3 +83,53 @@ async def test_a_killed_workers_gauges_leave_metrics_with_it(
         assert gauges == ["gateway_queue_depth 0.0"], gauges
     finally:
         await stop_gateway(g)
+
+
+def _samples(text: str, name: str) -> list[float]:
+    return [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name)]
+
+
+async def test_the_instances_reservations_and_tenants_are_whole_whichever_worker_answers(
+    tmp_path: Path, node: str, redis_server: RedisServer
+) -> None:
+    """A scrape reaches one worker: gateway_backend_reserved_tokens was that worker's
+    alone (0.44 of a fleet 0.94 reserved: GatewayFleetSaturated never fired), and the
+    tenant families were missing."""
+    g: GatewayProc = await start_gateway(tmp_path, "w", node, redis_server.url, "--workers", "2")
+    body = {
+        "model": "llama",
+        "messages": [{"role": "user", "content": "Tell me everything. " * 50}],
+        "max_tokens": 3000,  # 2-3 s at this time scale: the gauges are written every 1 s
+        "stream": True,
+        "ignore_eos": True,
+    }
+
+    async def stream() -> None:
+        # A session each: a new connection, so the kernel spreads them over the workers.
+        async with (
+            aiohttp.ClientSession() as s,
+            s.post(g.url + "/v1/chat/completions", json=body) as r,
+        ):
+            await r.read()
+
+    streams = [asyncio.create_task(stream()) for _ in range(6)]  # all fit the node
+    try:
+
+        async def whole() -> bool:
+            text = await _metrics(g.url)
+            ours = sum(_samples(text, "gateway_backend_reserved_tokens{"))
+            fleet = max(_samples(text, "gateway_backend_fleet_reserved_tokens{"), default=0)
+            # Every worker's own, summed, is the instance's: all 6 streams (the kernel
+            # spreads them over the workers), and what the ledger sees held.
+            held = sum(_samples(text, "gateway_backend_in_flight{"))
+            return held == 6 and fleet > 0 and abs(ours - fleet) <= 0.05 * fleet
+
+        await _until(whole, "the reserved tokens were one worker's, not the instance's")
+        text = await _metrics(g.url)
+        for family in ("gateway_tenant_kv_tokens", "gateway_tenant_in_flight"):
+            assert _samples(text, family + "{"), family
+    finally:
+        for t in streams:
+            t.cancel()
+        await asyncio.gather(*streams, return_exceptions=True)
+        await stop_gateway(g)
