@@ -31,6 +31,7 @@ from kvgateway.core.quota import QuotaLedger
 from kvgateway.core.shared_blocks import SharedBlocks
 from kvgateway.errors import BodyTooLarge, GatewayError, MethodNotAllowed, NotFound, Unauthorized
 from kvgateway.server import admin
+from kvgateway.server.accesslog import AccessRecord, log_access
 from kvgateway.server.appkeys import DNS, EXPOSITION, KV_EVENTS, MONITOR, STATE, WORKER_GAUGES
 from kvgateway.server.body import end_unread_body
 from kvgateway.server.ledger_view import LedgerMetrics, build_ledger
@@ -247,6 +248,16 @@ async def _errors_middleware(request: web.Request, handler: Handler) -> web.Stre
         return error_response(BodyTooLarge(exc.text or "Request body too large."), rid)
 
 
+def _refused_key(state: GatewayState, request: web.Request) -> None:
+    """A request without a valid key: counted, and in the access log (no key in it)."""
+    state.metrics.rejections.labels(reason="auth").inc()
+    if state.config.server.access_log:
+        rid = request.get(REQUEST_ID, "-")
+        log_access(
+            AccessRecord(rid, request.method, request.path, status=401, outcome="unauthorized")
+        )
+
+
 @web.middleware
 async def _auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     state = request.app[STATE]
@@ -257,7 +268,7 @@ async def _auth_middleware(request: web.Request, handler: Handler) -> web.Stream
     header = request.headers.get("Authorization", "")
     if path.startswith("/admin/") and server.admin_api_keys:
         if key_owner(header, (("admin", k) for k in server.admin_api_keys)) is None:
-            state.metrics.rejections.labels(reason="auth").inc()
+            _refused_key(state, request)
             raise Unauthorized(
                 "Incorrect API key provided. Send it as 'Authorization: Bearer <key>'. "
                 "/admin/* takes an admin key."
@@ -265,7 +276,7 @@ async def _auth_middleware(request: web.Request, handler: Handler) -> web.Stream
         return await handler(request)
     tenant = tenant_for_key(state.config.auth, header)
     if tenant is None:
-        state.metrics.rejections.labels(reason="auth").inc()
+        _refused_key(state, request)
         raise Unauthorized("Incorrect API key provided. Send it as 'Authorization: Bearer <key>'.")
     request[TENANT] = tenant
     return await handler(request)

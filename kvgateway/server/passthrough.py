@@ -9,6 +9,7 @@ reports in its ``usage`` (embeddings, rerank, score) count against its prompt to
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -21,15 +22,19 @@ from kvgateway.errors import (
     GatewayError,
     ModelNotFound,
     NoHealthyBackend,
+    RateLimited,
     UpstreamError,
 )
+from kvgateway.server.accesslog import AccessRecord
 from kvgateway.server.appkeys import STATE
 from kvgateway.server.body import read_limited
+from kvgateway.server.exchange import CLIENT_GONE, Exchange, Failure, Outcome, finish
 from kvgateway.server.openai_request import parse_body
 from kvgateway.server.proxy import REQUEST_ID, trace_headers
 from kvgateway.server.relay import MAX_RESPONSE_BYTES
 from kvgateway.server.state import GatewayState
 from kvgateway.server.tenants import TENANT, charge
+from kvgateway.server.tracing import set_attributes
 from kvgateway.upstream.client import find_usage, open_request
 from kvgateway.upstream.error_body import is_error_object, openai_error_body
 
@@ -47,20 +52,57 @@ MAX_ATTEMPTS = 2
 
 
 async def handle_passthrough(request: web.Request) -> web.StreamResponse:
+    """One passthrough request, in the access log and the metrics as every request is
+    (model, backend, status, failures, refusals) and in the client's trace."""
     state = request.app[STATE]
+    ex = Exchange(
+        request=request,
+        record=AccessRecord(
+            request_id=request[REQUEST_ID],
+            method=request.method,
+            path=request.path,
+            tenant=request.get(TENANT, state.config.auth.default_tenant.name),
+        ),
+        started=state.clock(),
+    )
+    try:
+        with state.tracing.request("gateway.request", request.headers) as span:
+            resp = await _serve(state, request, ex)
+            set_attributes(span, status=resp.status, request_id=ex.record.request_id)
+        ex.record.status = resp.status
+        ex.record.outcome = Outcome.OK if resp.status < 400 else f"backend_{resp.status}"
+        return resp
+    except GatewayError as err:
+        ex.record.status = err.status
+        ex.record.outcome = err.code
+        ex.rejection = err.rejection_reason
+        if isinstance(err, RateLimited):
+            ex.limit_hit = err.param
+        raise
+    except (asyncio.CancelledError, ConnectionResetError):
+        ex.record.status = CLIENT_GONE
+        ex.record.outcome = Outcome.CLIENT_DISCONNECT
+        raise
+    finally:
+        finish(ex, state.metrics, state.clock(), state.config.server.access_log)
+
+
+async def _serve(state: GatewayState, request: web.Request, ex: Exchange) -> web.Response:
     cfg = state.config
     raw = await read_limited(request, cfg.admission.max_body_bytes, cfg.server.body_timeout_s)
     body = parse_body(raw)
     model = _model(state, body)
+    ex.record.model = model.name
     if body.get("model") != model.served_name and "model" in body:
         body["model"] = model.served_name
         raw = json.dumps(body, separators=(",", ":")).encode()
-    tenant = request.get(TENANT, cfg.auth.default_tenant.name)
+    tenant = ex.record.tenant
     paid, limit_headers = charge(state.quotas, state.tenancy, tenant, 0, 0, state.clock())
     served = False
     prompt: int | None = None
     try:
-        resp, data = await _relay(state, request, model, raw)
+        with state.tracing.span("gateway.upstream"):
+            resp, data = await _relay(state, request, model, raw, ex)
         served = True
         usage = find_usage(data) if b'"prompt_tokens"' in data else None
         if usage is not None:
@@ -79,16 +121,18 @@ async def handle_passthrough(request: web.Request) -> web.StreamResponse:
 
 
 async def _relay(
-    state: GatewayState, request: web.Request, model: ModelConfig, raw: bytes
+    state: GatewayState, request: web.Request, model: ModelConfig, raw: bytes, ex: Exchange
 ) -> tuple[web.Response, bytes]:
     """The node's answer (failing over before the first byte), and its body."""
     tried: set[str] = set()
     last: UpstreamError | None = None
-    for _ in range(MAX_ATTEMPTS):
+    for attempt in range(MAX_ATTEMPTS):
         backend = _pick(state, model.name, tried)
         if backend is None:
             break
         tried.add(backend.name)
+        ex.record.attempts += 1
+        ex.record.backend, ex.record.tier = backend.name, backend.tier
         state.fleet.adjust(backend, 0, 0, 1)
         try:
             timeouts = backend.config.timeouts
@@ -110,6 +154,8 @@ async def _relay(
                 headers["Content-Type"] = "application/json"
             return web.Response(status=resp.status, body=data, headers=headers), data
         except UpstreamError as err:
+            retried = err.retryable and attempt + 1 < MAX_ATTEMPTS
+            ex.failures.append(Failure(backend.name, err.code, retried))
             if not err.retryable:
                 raise
             last = err

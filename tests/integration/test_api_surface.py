@@ -150,6 +150,23 @@ async def test_opentelemetry_spans_for_admission_and_the_upstream_call(start_fle
     state = await fleet.nodes["small-1"].state()
     upstream_id = format(spans["gateway.upstream"].context.span_id, "016x")
     assert state["last_traceparent"] == f"00-{trace_id}-{upstream_id}-01"
+    # Passthrough requests too (they sent no traceparent and made no span).
+    exporter.clear()
+    other = "0af7651916cd43dd8448eb211c80319c"
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(
+            fleet.url + "/v1/embeddings",
+            json={"model": MODEL, "input": ["hi"]},
+            headers={"traceparent": f"00-{other}-00f067aa0ba902b7-01"},
+        ) as r,
+    ):
+        assert r.status == 200
+    spans = {sp.name: sp for sp in exporter.get_finished_spans()}
+    assert {"gateway.request", "gateway.upstream"} <= set(spans)
+    state = await fleet.nodes["small-1"].state()
+    upstream_id = format(spans["gateway.upstream"].context.span_id, "016x")
+    assert state["last_traceparent"] == f"00-{other}-{upstream_id}-01"
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -197,3 +214,38 @@ async def test_a_long_responses_stream_ends_cleanly(start_fleet: StartFleet, cli
     assert kinds[-1] in ("response.completed", "response.incomplete")
     assert kinds.count("response.output_text.delta") > 1000
     assert fleet.leaks() == {}
+
+
+async def test_passthrough_requests_are_in_the_access_log_and_the_metrics(
+    start_fleet: StartFleet, client, caplog
+):
+    """Embeddings, tokenize and the rest wrote no access line and were in no metric (not
+    even their 404s), though the README promises one access line per request."""
+    import logging
+
+    fleet = await start_fleet(SMALL, time_scale=200, gateway={"server": {"access_log": True}})
+    caplog.set_level(logging.INFO, logger="kvgateway.access")
+    oai = client(fleet.url)
+    await oai.embeddings.create(model=MODEL, input=["hello there"])
+    with pytest.raises(openai.NotFoundError):
+        await oai.embeddings.create(model="no-such-model", input=["x"])
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(fleet.url + "/tokenize", json={"model": MODEL, "prompt": "hi"}) as r,
+    ):
+        assert r.status == 200
+    lines = [r.access for r in caplog.records if r.name == "kvgateway.access"]
+    assert [(a["path"], a["status"]) for a in lines] == [
+        ("/v1/embeddings", 200),
+        ("/v1/embeddings", 404),
+        ("/tokenize", 200),
+    ]
+    assert lines[0]["model"] == MODEL and lines[0]["backend"].startswith("small-")
+    registry = fleet.state.metrics.registry
+    ok = registry.get_sample_value(
+        "gateway_requests_total",
+        {"model": MODEL, "tier": "small", "backend": lines[0]["backend"], "status": "200"},
+    )
+    assert ok is not None and ok >= 1
+    refused = registry.get_sample_value("gateway_rejections_total", {"reason": "unknown_model"})
+    assert refused == 1

@@ -74,8 +74,9 @@ async def test_keys_name_tenants_and_requests_per_minute_give_429_with_headers(
     status, headers, _ = await chat(fleet, "k-etl-2")
     assert status == 200 and "x-ratelimit-limit-requests" not in headers
     assert headers["x-ratelimit-limit-output-tokens"] == "1000"
-    tenants = [r.access["tenant"] for r in caplog.records if r.name == "kvgateway.access"]
-    assert tenants == ["app", "app", "app", "etl"]  # the 401 names no tenant: it has none
+    lines = [r.access for r in caplog.records if r.name == "kvgateway.access"]
+    assert [a["tenant"] for a in lines] == ["-", "app", "app", "app", "etl"]
+    assert lines[0]["status"] == 401  # the refused key has a line too, naming no tenant
     async with aiohttp.ClientSession() as s, s.get(fleet.url + "/metrics") as r:
         text = await r.text()
     assert 'gateway_tenant_requests_total{status="200",tenant="app"} 2.0' in text
