@@ -75,7 +75,7 @@ def _backend_view(b: Backend, now: float) -> dict[str, Any]:
     return {
         "name": b.name,
         "tier": b.tier,
-        "url": b.config.url,
+        "url": _without_userinfo(b.config.url),
         "models": [b.model],
         "served_model": b.config.served_model,
         "offload": b.offload,
@@ -148,3 +148,15 @@ async def metrics(request: web.Request) -> web.Response:
     state.metrics.queue_depth.set(state.admission.queue_depth)
     body = generate_latest(request.app[EXPOSITION])
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_PLAIN_0_0_4})
+
+
+def _without_userinfo(url: str) -> str:
+    """``url`` without ``user:password@`` (a credential in a configured URL is no one's
+    business at /admin, which client keys may read when no admin key is set)."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url
+    host, slash, path = rest.partition("/")
+    if "@" in host:
+        host = host.rsplit("@", 1)[1]
+    return f"{scheme}{sep}{host}{slash}{path}"
