@@ -161,7 +161,7 @@ async def relay_stream(
         tokens_per_event=1 + r.backend.config.num_speculative_tokens,
     )
     ask = counted.usage_ask
-    tap = UsageTap(ask) if ask is not None else None
+    tap = UsageTap(ask, counted.demand.sequences) if ask is not None else None
     try:
         await _relay_events(state, ex, resp, r, out, live, tap)
     finally:

@@ -27,9 +27,29 @@ from kvgateway.tokens.lax import lax_bool
 _COMPLETION = re.compile(rb'"completion_tokens"\s*:\s*(\d{1,15})(?!\d)')
 # A usage object inside a chunk (one level of nesting: the *_tokens_details objects).
 # Inside a JSON string a quote is escaped, so this never matches generated text.
-_USAGE_FIELD = re.compile(rb',\s*"usage"\s*:\s*(?:null|\{(?:[^{}]|\{[^{}]*\})*\})')
+_USAGE_FIELD = re.compile(rb',\s*"usage"\s*:\s*(?:null|\{[^{}]*(?:\{[^{}]*\}[^{}]*)*\})')
 _NO_CHOICES = re.compile(rb'"choices"\s*:\s*\[\s*\]')
 _CHOICE_INDEX = re.compile(rb'"choices"\s*:\s*\[\s*\{\s*"index"\s*:\s*(\d{1,9})(?!\d)')
+
+
+def _without_usage(events: bytes) -> bytes:
+    """``events`` without their chunks' usage objects: found as vLLM writes them
+    (compact JSON), else by the general pattern."""
+    at = events.find(b',"usage":')
+    if at < 0:
+        return _USAGE_FIELD.sub(b"", events)
+    parts = []
+    start = 0
+    while at >= 0:
+        m = _USAGE_FIELD.match(events, at)
+        if m is None:  # not a usage object (a usage key of something else)
+            at = events.find(b',"usage":', at + 1)
+            continue
+        parts.append(events[start:at])
+        start = m.end()
+        at = events.find(b',"usage":', start)
+    parts.append(events[start:])
+    return b"".join(parts)
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,8 +83,9 @@ def ask_node(body: dict[str, Any]) -> None:
 class UsageTap:
     """One stream's node-reported output so far; :meth:`feed` returns what to relay."""
 
-    def __init__(self, ask: UsageAsk) -> None:
+    def __init__(self, ask: UsageAsk, choices: int = 1) -> None:
         self._ask = ask
+        self._one_choice = choices == 1
         self._per_choice: dict[int, int] = {}
         self.final = b""  # the usage-only chunk, once it came
 
@@ -83,6 +104,14 @@ class UsageTap:
             if self._ask.continuous and b'"usage"' in events:
                 self._read(events)
             return events
+        if self._one_choice and b"[]" not in events:
+            # The common run (one choice, no final chunk): its last count is the count,
+            # and the usage objects are taken out where they are found.
+            at = events.rfind(b'"completion_tokens"')
+            m = _COMPLETION.match(events, at) if at >= 0 else None
+            if m is not None:
+                self._per_choice[0] = int(m.group(1))
+            return _without_usage(events)
         out = []
         for event in events.split(b"\n\n"):
             if not event:
@@ -96,7 +125,7 @@ class UsageTap:
                     out.append(event)
                 continue
             self._read_chunk(event)
-            out.append(_USAGE_FIELD.sub(b"", event, count=1))
+            out.append(_without_usage(event))
         return b"".join(e + b"\n\n" for e in out)
 
     def _read(self, events: bytes) -> None:

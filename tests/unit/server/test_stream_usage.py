@@ -63,7 +63,7 @@ def test_text_that_looks_like_usage_is_left_alone() -> None:
 
 
 def test_n_choices_sum_their_own_counts() -> None:
-    tap = UsageTap(NONE)
+    tap = UsageTap(NONE, choices=2)
     tap.feed(chunk(0, "a", 1) + chunk(1, "b", 1) + chunk(0, "c", 2) + chunk(1, "d", 4))
     assert tap.completion_tokens == 6
 
