@@ -254,11 +254,14 @@ async def _stream(
             events = []
             for _index, start, count, reason in handle.take():
                 finish = reason or finish
-                events += [
-                    event("response.output_text.delta", **at, content_index=0,
-                          delta=token_text(start + k), logprobs=[])
-                    for k in range(count)
-                ]  # fmt: skip
+                if count:
+                    # One delta per engine output: what piled up since the last one goes
+                    # as one (vLLM's API server merges the outputs it has not streamed).
+                    text = "".join(token_text(start + k) for k in range(count))
+                    events.append(
+                        event("response.output_text.delta", **at, content_index=0,
+                              delta=text, logprobs=[])
+                    )  # fmt: skip
             if handle.error is not None:
                 events.append(
                     event("error", code="InternalServerError", message=handle.error, param=None)

@@ -111,9 +111,10 @@ async def test_responses_streaming_event_sequence(oai: openai.AsyncOpenAI, node:
     deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     final = events[-1].response  # type: ignore[union-attr]
     assert deltas and final.output_text == deltas
-    assert final.usage is not None and final.usage.output_tokens == kinds.count(
-        "response.output_text.delta"
-    )
+    # A delta per engine output: one token each while the writer keeps up, several
+    # merged when they piled up (as vLLM's API server merges them).
+    assert final.usage is not None
+    assert 1 <= kinds.count("response.output_text.delta") <= final.usage.output_tokens
     await node.wait_idle()
 
 
