@@ -146,6 +146,7 @@ async def admin_backends(request: web.Request) -> web.Response:
 async def metrics(request: web.Request) -> web.Response:
     state = request.app[STATE]
     state.metrics.queue_depth.set(state.admission.queue_depth)
+    state.metrics.forget_backends({b.name for b in state.fleet.backends})
     body = generate_latest(request.app[EXPOSITION])
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_PLAIN_0_0_4})
 

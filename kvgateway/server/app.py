@@ -154,7 +154,7 @@ def create_app(
                 session=session,
                 config=lambda: state.config,
                 clock=clock,
-                on_crash=lambda b: metrics.watcher_restarts.labels(backend=b.name).inc(),
+                on_crash=lambda b: metrics.of(metrics.watcher_restarts, b.name).inc(),
             )
             app[STATE] = state
             app[MONITOR] = monitor

@@ -12,6 +12,7 @@ keep a dead worker's counts, as totals must.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -203,6 +204,16 @@ class GatewayMetrics:
             ["model"],
             registry=registry,
         )
+        # The metrics labelled by backend, and where that label is (forget_backends).
+        self._by_backend: dict[int, tuple[MetricWrapperBase, int]] = {
+            id(m): (m, at)
+            for m, at in (
+                (self.requests, 2),
+                (self.upstream_retries, 0),
+                (self.upstream_failures, 0),
+                (self.watcher_restarts, 0),
+            )
+        }
         self.build_info = Gauge(
             "gateway_build_info",
             "Gateway version and routing policy.",
@@ -218,6 +229,21 @@ class GatewayMetrics:
         if child is None:
             child = self._children[key] = metric.labels(*values)
         return child
+
+    def forget_backends(self, present: set[str]) -> None:
+        """Drop the series of backends gone from the fleet (a reload removed them, or DNS
+        discovery's members came and went: ``pool@IP:port`` names would pile up for as
+        long as the process runs). In multi-process mode the workers' files keep them."""
+        by_id = self._by_backend
+        gone = [
+            (key, by_id[key[0]][0])
+            for key in self._children
+            if key[0] in by_id and key[1][by_id[key[0]][1]] not in present
+        ]
+        for key, metric in gone:
+            del self._children[key]
+            with contextlib.suppress(KeyError):
+                metric.remove(*key[1])
 
 
 # What this gateway instance reserves on a backend (name, help): read live, or with

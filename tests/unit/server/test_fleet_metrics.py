@@ -37,3 +37,26 @@ def test_two_draining_nodes_of_one_name_are_one_series():
     for family in FleetCollector(lambda: fleet.backends, lambda: 0.0).collect():
         labels = [tuple(sorted(s.labels.items())) for s in family.samples]
         assert len(labels) == len(set(labels)), family.name
+
+
+def test_series_of_backends_gone_from_the_fleet_are_dropped() -> None:
+    """DNS members (pool@IP:port) come and go: their series piled up for good."""
+    from prometheus_client import CollectorRegistry
+
+    from kvgateway.server.metrics import GatewayMetrics
+
+    registry = CollectorRegistry()
+    m = GatewayMetrics(registry)
+    for n in range(50):
+        m.of(m.requests, "llama", "small", f"pool@10.0.0.{n}:8000", "200").inc()
+        m.of(m.upstream_failures, f"pool@10.0.0.{n}:8000", "connect").inc()
+    m.forget_backends({"pool@10.0.0.49:8000"})
+    text = [s for f in registry.collect() for s in f.samples if "backend" in s.labels]
+    assert {s.labels["backend"] for s in text} == {"pool@10.0.0.49:8000"}
+    # A backend that comes back counts afresh.
+    m.of(m.requests, "llama", "small", "pool@10.0.0.1:8000", "200").inc()
+    value = registry.get_sample_value(
+        "gateway_requests_total",
+        {"model": "llama", "tier": "small", "backend": "pool@10.0.0.1:8000", "status": "200"},
+    )
+    assert value == 1
