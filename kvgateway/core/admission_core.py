@@ -314,6 +314,9 @@ class AdmissionCore:
             self._claim_counts.update(w.claims)
         else:
             self._claim_counts.subtract(w.claims)
+            for name in w.claims:  # no key left at 0 (DNS members come and go as names)
+                if self._claim_counts[name] <= 0:
+                    del self._claim_counts[name]
         key = _tenant_key(w.demand, w.ticket)
         through = self._through.setdefault(key, [0, 0])
         through[0] += sign

@@ -92,6 +92,12 @@ class PrefixIndex:
         self._max.pop(backend, None)
         self._precise.pop(backend, None)
 
+    def keep_backends(self, present: set[str]) -> None:
+        """Forget every backend not in ``present`` (gone from the fleet: its view would
+        stay, up to its whole cache of block keys, for as long as the process runs)."""
+        for name in {*self._approx, *self._max, *self._precise} - present:
+            self.remove_backend(name)
+
     # -- feeding -------------------------------------------------------------------
 
     def record_routed(self, backend: str, keys: Sequence[BlockKey], now: float) -> None:

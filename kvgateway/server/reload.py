@@ -91,6 +91,11 @@ def apply_config(
     state.config = new
     app[MONITOR].sync()
     app[KV_EVENTS].follow(kv_event_sources(new))
+    # What was learned of backends no longer in service goes (DNS members come and go).
+    present = {b.name for b in state.fleet.active}
+    state.calibration.keep_backends(present)
+    if state.prefix is not None:
+        state.prefix.index.keep_backends(present)
     state.admission.rebalance()
     return summary
 

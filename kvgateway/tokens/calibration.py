@@ -20,7 +20,7 @@ far. Reads never go below the gateway's own count.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 MAX_RATIO = 4.0
@@ -58,11 +58,26 @@ class _Fit:
 
 class PromptCalibration:
     def __init__(self, observe: Callable[[str, float], None] | None = None) -> None:
-        self._fits: dict[tuple[str, str], _Fit] = {}
+        # By model, then backend: a request reads its model's fits only.
+        self._fits: dict[str, dict[str, _Fit]] = {}
         self._observe = observe
 
-    def _model_fits(self, model: str) -> list[_Fit]:
-        return [f for (_, m), f in self._fits.items() if m == model]
+    def _model_fits(self, model: str) -> Iterable[_Fit]:
+        return self._fits.get(model, {}).values()
+
+    def backends(self) -> set[str]:
+        """The backends with a fit (any model)."""
+        return {name for fits in self._fits.values() for name in fits}
+
+    def keep_backends(self, present: set[str]) -> None:
+        """Forget the fits of backends gone from the fleet: DNS members come and go as
+        new names, and every request reads its model's fits (and a gone node's ratio
+        would bound every prompt for good)."""
+        for model, fits in list(self._fits.items()):
+            for name in [n for n in fits if n not in present]:
+                del fits[name]
+            if not fits:
+                del self._fits[model]
 
     def ratio(self, model: str) -> float:
         """The largest learned tokenizer ratio among ``model``'s backends (1.0 unknown)."""
@@ -94,4 +109,4 @@ class PromptCalibration:
             return
         if self._observe is not None:
             self._observe(model, reported / estimated)
-        self._fits.setdefault((backend, model), _Fit()).add(estimated, reported)
+        self._fits.setdefault(model, {}).setdefault(backend, _Fit()).add(estimated, reported)

@@ -109,6 +109,7 @@ class NodePool:
     def _take(self, o: Origin) -> Connection | None:
         idle = self._idle.get(o)
         if not idle:
+            self._idle.pop(o, None)  # no empty list kept per origin ever seen
             return None
         for i in range(len(idle) - 1, -1, -1):  # the most recently used first
             conn = idle[i]

@@ -343,3 +343,32 @@ async def test_a_reload_keeps_the_command_lines_settings_and_says_the_new_policy
     build = app[STATE].metrics.build_info
     assert build.labels(version=__version__, policy="round_robin")._value.get() == 1
     assert build.labels(version=__version__, policy=old_policy)._value.get() == 0
+
+
+async def test_what_was_learned_of_a_removed_backend_goes_with_it(
+    start_fleet: StartFleet, tmp_path
+):
+    """DNS members come and go as new names: a gone backend's prefix view (up to its
+    whole cache of block keys) and its calibration fit (read by every request) stayed
+    for as long as the process ran."""
+    fleet = await start_fleet(TWO_SMALL, time_scale=50, gateway={"routing": {"prefix_aware": True}})
+    app = fleet.gateway.app
+    state = app[STATE]
+    async with aiohttp.ClientSession() as s:
+        for i in range(8):
+            body = chat(f"question {i} " + "about the depot ledger " * 40)
+            async with s.post(fleet.url + "/v1/chat/completions", json=body) as r:
+                assert r.status == 200
+    assert state.prefix is not None
+
+    def routed(name: str) -> int:
+        return state.prefix.index.statistics(name, state.clock()).approximate_blocks
+
+    gone = max(("small-1", "small-2"), key=routed)  # the one that took the traffic
+    kept = "small-2" if gone == "small-1" else "small-1"
+    assert routed(gone) > 0 and gone in state.calibration.backends()
+    cfg = tmp_path / "gw.yaml"
+    write_config(cfg, fleet, [kept], routing={"prefix_aware": True})
+    assert reload_config(app, str(cfg))
+    assert gone not in state.calibration.backends()
+    assert routed(gone) == 0
