@@ -157,7 +157,7 @@ class AdmissionCore:
                 risk = self._risks[backend] = NodeRisk(backend.limits.block_size)
             r.outlook, r.base = o, max(0, tokens - o.slack)
             risk.put(r.id, contribution(o, demand.sequences, -1, risk.block))
-            added = self._remargin(risk, o.z)
+            added = self._remargin(risk)
             booked = r.base + added
             r.tokens = r.base + max(0, added)
             self._unrecorded[backend] += booked - r.tokens
@@ -168,9 +168,9 @@ class AdmissionCore:
         return r
 
     @staticmethod
-    def _remargin(risk: NodeRisk, z: float) -> int:
+    def _remargin(risk: NodeRisk) -> int:
         """Set the node's margin to what its learned requests need; the change."""
-        need = risk.need(z)
+        need = risk.need()
         change, risk.held = need - risk.held, need
         return change
 
@@ -196,7 +196,7 @@ class AdmissionCore:
         if reservation.released or o is None or risk is None or reservation.id not in risk.members:
             return 0
         risk.put(reservation.id, contribution(o, reservation.seqs, generated, risk.block))
-        change = self._remargin(risk, o.z)
+        change = self._remargin(risk)
         if change:
             self._adjust(b, change, 0, 0)
             self._unrecorded[b] += change
@@ -358,7 +358,7 @@ class AdmissionCore:
         if o is not None and risk is not None and reservation.id in risk.members:
             # Its base leaves the book; the node's margin is what the others need now.
             risk.remove(reservation.id)
-            change = self._remargin(risk, o.z)
+            change = self._remargin(risk)
             tokens = reservation.base + reservation.grown - change
             if not risk.members:
                 del self._risks[b]

@@ -115,33 +115,32 @@ class OutputModel:
         if max_tokens < 1 or output_tokens < 0:
             return
         value = output_tokens if output_tokens < max_tokens else CENSORED
-        b = bucket_of(max_tokens)
-        for group in (
-            ((model, key, b), (model, ANY_KEY, b)) if key != ANY_KEY else ((model, key, b),)
-        ):
-            ring = self._groups.get(group)
-            if ring is None:
-                ring = self._groups[group] = deque(maxlen=self._window)
-            ring.append(value)
-            self._groups.move_to_end(group)
-            self._shapes.pop(group, None)
+        # Only the client's own group: another key's answers never set a client's
+        # reservation (one key could teach the gateway that every answer is short, and
+        # every other key's flood would be booked at a few tokens each).
+        group = (model, key, bucket_of(max_tokens))
+        ring = self._groups.get(group)
+        if ring is None:
+            ring = self._groups[group] = deque(maxlen=self._window)
+        ring.append(value)
+        self._groups.move_to_end(group)
+        self._shapes.pop(group, None)
         self._seen += 1
         while len(self._groups) > self._max_groups:
             gone, _ = self._groups.popitem(last=False)
             self._shapes.pop(gone, None)
 
     def shape(self, model: str, key: str, max_tokens: int) -> OutputShape | None:
-        """The learned lengths for such a request (the client's group, else the
-        model-wide one), or None while too little is known."""
-        b = bucket_of(max_tokens)
-        for group in ((model, key, b), (model, ANY_KEY, b)):
-            ring = self._groups.get(group)
-            if ring is not None and len(ring) >= self._min:
-                shape = self._shapes.get(group)
-                if shape is None:
-                    shape = self._shapes[group] = OutputShape(list(ring))
-                return shape
-        return None
+        """The learned lengths for such a request (its client's own), or None while too
+        little is known."""
+        group = (model, key, bucket_of(max_tokens))
+        ring = self._groups.get(group)
+        if ring is None or len(ring) < self._min:
+            return None
+        shape = self._shapes.get(group)
+        if shape is None:
+            shape = self._shapes[group] = OutputShape(list(ring))
+        return shape
 
     def quantile(self, model: str, key: str, max_tokens: int, q: float) -> int | None:
         """The ``q`` quantile of learned output lengths for such a request (at most

@@ -106,20 +106,23 @@ class Contribution:
     gap: float = 0.0
     ceiling: float = 0.0
     seqs: int = 0
+    # z of the risk it was planned with (a reload may change the risk mid-flight).
+    z: float = 0.0
 
 
 def contribution(o: OutputOutlook, seqs: int, generated: int, block: int) -> Contribution:
     """``o``'s request of ``seqs`` sequences, each having generated ``generated`` tokens
     (-1: not counted live, unconditional)."""
     now = o.shape.outlook(generated, o.max_tokens, 1.0 - o.risk)
-    ahead = generated + block if generated >= 0 else 0
+    ahead = min(generated + block, o.max_tokens) if generated >= 0 else 0  # never past the cap
     expected = max(now.expected, float(ahead))
     return Contribution(
         excess=seqs * max(0.0, expected - o.covered),
         variance=seqs * now.variance,
         gap=seqs * max(0.0, now.quantile - now.expected),
-        ceiling=float(max(o.ceiling, seqs * max(0, ahead - o.covered))),
+        ceiling=float(o.ceiling),  # what max_tokens reserves beyond the base: never more
         seqs=seqs,
+        z=o.z,
     )
 
 
@@ -136,6 +139,9 @@ class NodeRisk:
     seqs: int = 0
     # The margin now in the node's book (tokens, whole blocks).
     held: int = 0
+    # How many members were planned with each z: the margin uses the largest, whichever
+    # member last changed (a reload that changes preemption_risk mid-flight).
+    zs: dict[float, int] = field(default_factory=dict)
 
     def put(self, rid: int, c: Contribution) -> None:
         """Add request ``rid``'s contribution, or replace it."""
@@ -148,6 +154,7 @@ class NodeRisk:
         if not self.members:
             self.excess = self.variance = self.gap = self.ceiling = 0.0
             self.seqs = 0
+            self.zs.clear()
         elif c is not None:
             self._apply(c, -1)
 
@@ -159,11 +166,18 @@ class NodeRisk:
         self.gap += sign * c.gap
         self.ceiling += sign * c.ceiling
         self.seqs += sign * c.seqs
+        left = self.zs.get(c.z, 0) + sign
+        if left > 0:
+            self.zs[c.z] = left
+        else:
+            self.zs.pop(c.z, None)
 
-    def need(self, z: float) -> int:
-        """The margin the node's requests need now, in whole blocks."""
+    def need(self) -> int:
+        """The margin the node's requests need now, in whole blocks (at the most
+        cautious risk any of them was planned with)."""
         if not self.members:
             return 0
+        z = max(self.zs, default=0.0)
         spread = max(0.0, self.gap)
         if self.seqs >= POOLED_MIN_SEQUENCES:
             spread = min(spread, z * math.sqrt(max(0.0, self.variance)))
