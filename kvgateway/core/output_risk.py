@@ -86,11 +86,9 @@ def plan_output(
     covered = max(1, min(max_tokens, math.ceil(o.expected)))
     spread = math.ceil(o.expected + z * math.sqrt(o.variance))
     checked = max(covered, min(max_tokens, max(o.quantile, spread)))
+    tokens = demand_tokens(prompts, checked, n, block)
     base = demand_tokens(prompts, covered, n, block)
     full = demand_tokens(prompts, max_tokens, n, block)
-    # A block more: the node's margin is rounded up to whole blocks as a sum, which can
-    # take one block past the requests' own slack (never past what max_tokens takes).
-    tokens = min(full, demand_tokens(prompts, checked, n, block) + block)
     outlook = OutputOutlook(
         shape, max_tokens, risk, z, covered, checked, slack=tokens - base, ceiling=full - base
     )
