@@ -114,7 +114,7 @@ def contribution(o: OutputOutlook, seqs: int, generated: int, block: int) -> Con
     """``o``'s request of ``seqs`` sequences, each having generated ``generated`` tokens
     (-1: not counted live, unconditional)."""
     now = o.shape.outlook(generated, o.max_tokens, 1.0 - o.risk)
-    ahead = min(generated + block, o.max_tokens) if generated >= 0 else 0  # never past the cap
+    ahead = generated + block if generated >= 0 else 0
     expected = max(now.expected, float(ahead))
     return Contribution(
         excess=seqs * max(0.0, expected - o.covered),

@@ -207,6 +207,13 @@ def test_the_book_covers_the_node_and_returns_to_zero(seed, blocks, risk):
     _run(seed, blocks, 40, risk)
 
 
+def test_the_book_covers_the_node_near_the_cap():
+    """Found by the property above: with each stream's lookahead capped at max_tokens,
+    a node's sequences, rounded to blocks one by one, held 592 tokens against a book of
+    576. The lookahead stays a block; the node's margin is capped instead."""
+    _run(456, 40, 40, 0.01)
+
+
 def test_max_tokens_never_preempts_and_pooled_runs_more_at_once_rarely_preempting():
     runs = 12
     plain = [_run(seed, 120, 60, None) for seed in range(runs)]
