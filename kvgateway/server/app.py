@@ -76,7 +76,7 @@ def create_app(
     ``metrics_dir``."""
     registry = registry if registry is not None else CollectorRegistry()
     tracing = from_environment(config.tracing.enabled, tracer_provider)
-    metrics = GatewayMetrics(registry)
+    metrics = GatewayMetrics(registry, multiprocess=metrics_dir is not None)
     # Limits derived from capacity blocks (and each hybrid model's KV groups).
     fleet = Fleet(config, derive_all(config) if derived is None else derived)
     encodings = encodings or EncodingCache()
@@ -254,7 +254,9 @@ def _refused_key(state: GatewayState, request: web.Request) -> None:
     if state.config.server.access_log:
         rid = request.get(REQUEST_ID, "-")
         log_access(
-            AccessRecord(rid, request.method, request.path, status=401, outcome="unauthorized")
+            AccessRecord(
+                rid, request.method, request.path, status=401, outcome=Unauthorized.default_code
+            )
         )
 
 

@@ -62,8 +62,11 @@ RATIO_BUCKETS = (0.5, 0.8, 0.9, 0.95, 0.98, 1.0, 1.02, 1.05, 1.1, 1.2, 1.5, 2.0)
 
 
 class GatewayMetrics:
-    def __init__(self, registry: CollectorRegistry) -> None:
+    def __init__(self, registry: CollectorRegistry, *, multiprocess: bool = False) -> None:
         self.registry = registry
+        self._multiprocess = multiprocess
+        # Backends missing at the last scrape: dropped at the next if still missing.
+        self._absent: set[str] = set()
         # Labelled children by (metric, label values): `labels()` validates and locks on
         # every call, ~11 times per request. Label values come from bounded sets (models,
         # tiers, backends, statuses, tenants), as the registry's own children do.
@@ -233,13 +236,23 @@ class GatewayMetrics:
     def forget_backends(self, present: set[str]) -> None:
         """Drop the series of backends gone from the fleet (a reload removed them, or DNS
         discovery's members came and went: ``pool@IP:port`` names would pile up for as
-        long as the process runs). In multi-process mode the workers' files keep them."""
+        long as the process runs), once they were exposed one more time after leaving
+        (their last requests are counted). ``-`` (answered by the gateway itself) always
+        stays. Not in multi-process mode: the workers' files keep every series."""
+        if self._multiprocess:
+            return
         by_id = self._by_backend
+        absent = {
+            key[1][by_id[key[0]][1]]
+            for key in self._children
+            if key[0] in by_id and key[1][by_id[key[0]][1]] not in present
+        } - {"-"}
         gone = [
             (key, by_id[key[0]][0])
             for key in self._children
-            if key[0] in by_id and key[1][by_id[key[0]][1]] not in present
+            if key[0] in by_id and key[1][by_id[key[0]][1]] in absent & self._absent
         ]
+        self._absent = absent
         for key, metric in gone:
             del self._children[key]
             with contextlib.suppress(KeyError):

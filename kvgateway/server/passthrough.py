@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import replace
 from typing import Any
 
 from aiohttp import web
@@ -126,10 +127,12 @@ async def _relay(
     """The node's answer (failing over before the first byte), and its body."""
     tried: set[str] = set()
     last: UpstreamError | None = None
-    for attempt in range(MAX_ATTEMPTS):
+    for _ in range(MAX_ATTEMPTS):
         backend = _pick(state, model.name, tried)
         if backend is None:
             break
+        if ex.failures:  # the last failure is retried here, on another backend
+            ex.failures[-1] = replace(ex.failures[-1], retried=True)
         tried.add(backend.name)
         ex.record.attempts += 1
         ex.record.backend, ex.record.tier = backend.name, backend.tier
@@ -154,8 +157,7 @@ async def _relay(
                 headers["Content-Type"] = "application/json"
             return web.Response(status=resp.status, body=data, headers=headers), data
         except UpstreamError as err:
-            retried = err.retryable and attempt + 1 < MAX_ATTEMPTS
-            ex.failures.append(Failure(backend.name, err.code, retried))
+            ex.failures.append(Failure(backend.name, err.code, retried=False))
             if not err.retryable:
                 raise
             last = err

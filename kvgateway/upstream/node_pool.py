@@ -128,6 +128,8 @@ class NodePool:
         idle = self._idle.get(o)
         if idle is not None and conn in idle:
             idle.remove(conn)
+            if not idle:
+                del self._idle[o]  # an origin gone for good (a DNS member) leaves nothing
         conn.close()
 
     async def _connect(self, o: Origin, timeout: float) -> Connection:

@@ -456,3 +456,22 @@ async def test_a_queued_streams_first_event_wait_counts_from_when_it_was_sent(
         await first
     assert b'"error"' not in second and second.endswith(b"data: [DONE]\n\n")
     assert fleet.leaks() == {}
+
+
+async def test_a_passthrough_failure_with_nowhere_else_to_go_is_not_counted_as_retried(
+    start_fleet: StartFleet, aiohttp_server: Any
+) -> None:
+    async def failing(request: web.Request) -> web.Response:
+        return web.json_response({"error": {"message": "busy"}}, status=503)
+
+    node = await aiohttp_server(node_app({"/v1/embeddings": failing}))
+    fleet = await gateway_over(start_fleet, str(node.make_url("")).rstrip("/"))
+    async with aiohttp.ClientSession() as s:
+        headers = {"Authorization": "Bearer k-etl"}
+        body = {"model": MODEL, "input": ["hi"]}
+        async with s.post(fleet.url + "/v1/embeddings", json=body, headers=headers) as r:
+            assert r.status >= 500
+    registry = fleet.state.metrics.registry
+    labels = {"backend": "only", "cause": "status_5xx"}
+    assert registry.get_sample_value("gateway_upstream_failures_total", labels) == 1
+    assert registry.get_sample_value("gateway_upstream_retries_total", labels) is None

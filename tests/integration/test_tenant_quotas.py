@@ -76,7 +76,8 @@ async def test_keys_name_tenants_and_requests_per_minute_give_429_with_headers(
     assert headers["x-ratelimit-limit-output-tokens"] == "1000"
     lines = [r.access for r in caplog.records if r.name == "kvgateway.access"]
     assert [a["tenant"] for a in lines] == ["-", "app", "app", "app", "etl"]
-    assert lines[0]["status"] == 401  # the refused key has a line too, naming no tenant
+    # The refused key has a line too, naming no tenant, its outcome the error's code.
+    assert (lines[0]["status"], lines[0]["outcome"]) == (401, "invalid_api_key")
     async with aiohttp.ClientSession() as s, s.get(fleet.url + "/metrics") as r:
         text = await r.text()
     assert 'gateway_tenant_requests_total{status="200",tenant="app"} 2.0' in text

@@ -354,6 +354,54 @@ async def test_connections_the_node_closed_while_idle_leave_the_pool() -> None:
         # The full list of dead connections made room for a live one, and the timers
         # clear the rest.
         await asyncio.sleep(0.3)
-        assert not pool._idle[origin]
+        assert not pool._idle.get(origin)
         assert len(accepted) == 4
+        pool.close()
+
+
+async def test_a_stream_left_at_its_end_marker_is_reused_once_its_body_ends() -> None:
+    """uvicorn writes a chunked body's terminator apart from the last event: a reader
+    that stops at [DONE] leaves the connection waiting for it, and the pool reuses it
+    once it came (it used to be closed: a new connection per stream)."""
+    head = (
+        b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+    )
+    event = b"data: [DONE]\n\n"
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            await _read_request(reader)
+            writer.write(head + b"%x\r\n%s\r\n" % (len(event), event))
+            await writer.drain()
+            await asyncio.sleep(0.05)
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
+
+    async with _server(handler) as (url, accepted):
+        pool = NodePool()
+        origin = pool.origin(url)
+        for _ in range(3):
+            conn = await pool.request(url, "/v1/x", b"{}", {}, connect_s=2)
+            assert await conn.readany(2) == event  # the stream's own end: the reader stops
+            pool.release(conn, origin, ending=True)
+            await asyncio.sleep(0.1)  # the body's end comes
+        assert len(accepted) == 1
+        # Not ended by its marker (a client gone): closed, so the node aborts it.
+        conn = await pool.request(url, "/v1/x", b"{}", {}, connect_s=2)
+        assert await conn.readany(2) == event
+        pool.release(conn, origin)
+        assert conn.closed
+        pool.close()
+
+
+async def test_an_origin_whose_last_idle_connection_expired_leaves_nothing() -> None:
+    ok = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}"
+    async with _server(_serve([ok])) as (url, _):
+        pool = NodePool(idle_s=0.05)
+        origin = pool.origin(url)
+        conn = await pool.request(url, "/", b"", {}, connect_s=2)
+        assert await _body(conn) == b"{}"
+        pool.release(conn, origin)
+        await asyncio.sleep(0.15)
+        assert pool._idle == {}  # a DNS member gone for good keeps no empty list
         pool.close()
