@@ -7,15 +7,9 @@ import pytest
 from kvgateway.config.load import parse_config_text
 from kvgateway.config.model import DEFAULT_TENANT
 from kvgateway.config.yamlread import ConfigError
+from tests.support.config_text import ONE_BACKEND
 
-BASE = """
-models:
-  - name: m
-tiers:
-  - name: small
-    backends:
-      - {name: a, url: "http://127.0.0.1:9000", model: m}
-"""
+BASE = ONE_BACKEND
 
 
 def parse(extra: str):

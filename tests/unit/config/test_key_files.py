@@ -9,15 +9,9 @@ import pytest
 from kvgateway.config.load import parse_config_text
 from kvgateway.config.yamlread import ConfigError
 from kvgateway.server.tenants import key_owner, tenant_for_key
+from tests.support.config_text import ONE_BACKEND
 
-BASE = """
-models:
-  - name: m
-tiers:
-  - name: small
-    backends:
-      - {name: a, url: "http://127.0.0.1:9000", model: m}
-"""
+BASE = ONE_BACKEND
 
 # `openssl rand -base64 16` and `openssl rand -base64 32`: padded with `==` and `=`; both
 # are also a variable name followed by `=`, so NAME= alone cannot tell them from env lines.
