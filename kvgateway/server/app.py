@@ -35,7 +35,7 @@ from kvgateway.server.accesslog import AccessRecord, log_access
 from kvgateway.server.appkeys import DNS, EXPOSITION, KV_EVENTS, MONITOR, STATE, WORKER_GAUGES
 from kvgateway.server.body import end_unread_body
 from kvgateway.server.ledger_view import LedgerMetrics, build_ledger
-from kvgateway.server.metrics import FleetCollector, GatewayMetrics, WorkerGauges
+from kvgateway.server.metrics import FleetCollector, GatewayMetrics
 from kvgateway.server.passthrough import PATHS as PASSTHROUGH_PATHS
 from kvgateway.server.passthrough import handle_passthrough
 from kvgateway.server.proxy import REQUEST_ID, error_response, handle_completion
@@ -43,6 +43,7 @@ from kvgateway.server.reload import FleetMembers
 from kvgateway.server.state import Clock, GatewayState
 from kvgateway.server.tenants import TENANT, TenantCollector, key_owner, tenant_for_key
 from kvgateway.server.tracing import from_environment
+from kvgateway.server.worker_gauges import WorkerGauges
 from kvgateway.tokens.counters import TokenCounters
 from kvgateway.tokens.encoding import EncodingCache
 from kvgateway.upstream.dns import DnsDiscovery

@@ -6,8 +6,8 @@ from __future__ import annotations
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-from kvgateway.server.metrics import WorkerGauges
 from kvgateway.server.state import GatewayState
+from kvgateway.server.worker_gauges import WorkerGauges
 from kvgateway.upstream.dns import DnsDiscovery
 from kvgateway.upstream.kv_events import KVEventHub
 from kvgateway.upstream.monitor import Monitor

@@ -73,6 +73,24 @@ def vllm_like_node(tokens: int, pause_s: float, reported: int | None = None) -> 
     return node_app({"/v1/chat/completions": chat})
 
 
+def slow_prefill_node(prefill_s: float) -> web.Application:
+    """Sends a stream's head at once and its first event after ``prefill_s``, as vLLM
+    does; a body's ``hold`` (seconds) is a long decode before the last token."""
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await asyncio.sleep(prefill_s)
+        await resp.write(_chunk({"role": "assistant", "content": ""}))
+        await asyncio.sleep(body.get("hold", 0))
+        await resp.write(_chunk({"content": " w"}, "stop"))
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    return node_app({"/v1/chat/completions": chat})
+
+
 async def gateway_over(start_fleet: StartFleet, url: str) -> Any:
     fleet = await start_fleet(
         [("only", "small", "gpu24-8b", {})],
@@ -362,17 +380,7 @@ async def test_a_streams_prefill_is_bounded_by_first_byte_s_not_idle_s(
     """vLLM sends a stream's head at once and its first event after the prefill: a long
     prefill on an offload node (first_byte_s 600) was cut at idle_s (60 s)."""
 
-    async def slow_prefill(request: web.Request) -> web.StreamResponse:
-        await request.read()
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        await asyncio.sleep(0.6)  # the prefill
-        await resp.write(_chunk({"role": "assistant", "content": ""}))
-        await resp.write(_chunk({"content": " w"}, "stop"))
-        await resp.write(b"data: [DONE]\n\n")
-        return resp
-
-    node = await aiohttp_server(node_app({"/v1/chat/completions": slow_prefill}))
+    node = await aiohttp_server(slow_prefill_node(0.6))
     url = str(node.make_url("")).rstrip("/")
     extra = {"max_model_len": 8192, "kv_cache_tokens": 100_000}
     fleet = await start_fleet(
@@ -421,18 +429,7 @@ async def test_a_queued_streams_first_event_wait_counts_from_when_it_was_sent(
     """The first event's wait counted from the request's arrival: one that waited ~2 s in
     the queue had 0.1 s left of first_byte_s (2 s) for a 0.3 s prefill."""
 
-    async def slow(request: web.Request) -> web.StreamResponse:
-        body = await request.json()
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        await asyncio.sleep(0.3)  # the prefill
-        await resp.write(_chunk({"role": "assistant", "content": ""}))
-        await asyncio.sleep(body.get("hold", 0))  # a long decode
-        await resp.write(_chunk({"content": " w"}, "stop"))
-        await resp.write(b"data: [DONE]\n\n")
-        return resp
-
-    node = await aiohttp_server(node_app({"/v1/chat/completions": slow}))
+    node = await aiohttp_server(slow_prefill_node(0.3))
     url = str(node.make_url("")).rstrip("/")
     timeouts = {"first_byte_s": 2.0, "idle_s": 5}
     extra = {"url": url, "max_model_len": 8192, "kv_cache_tokens": 1200, "timeouts": timeouts}
