@@ -96,6 +96,50 @@ def shape(rnd: random.Random) -> tuple[int, int]:
     return rnd.randint(24_000, 100_000), rnd.randint(128, 256)
 
 
+def learned_ceiling(seed: int, samples: int = 200_000) -> dict[str, Any]:
+    """How much more an oracle could admit than ``max_tokens`` mode on this mix.
+
+    An oracle knows each answer's length before it starts, so it reserves prompt +
+    answer where ``max_tokens`` mode reserves prompt + max_tokens: no output-aware
+    policy (``learned`` included) can book less without risking preemption. The ratio
+    of the two is the most it could fit at once on a node bound by KV. By count it
+    compares reservations; weighted by how long each is held (Little's law: KV held =
+    arrival rate x reservation x duration, a decode-bound request lasting about as many
+    steps as its answer's tokens) it is what raises goodput. ``by_kv_in_use`` compares
+    with the KV a request actually holds over its life (its prompt, and its answer as it
+    grows: half of it on average), which bounds even a policy that tracks every
+    sequence's growth live and is never wrong. The answer lengths are
+    drawn as the nodes draw them (lognormal, mean ``OUTPUT_MEAN``, capped by
+    max_tokens). Slots bound it too: a 24 GB demo node fits ``max_num_seqs`` (16)
+    short requests even at their max_tokens reservations (~30k KV tokens)."""
+    rnd = random.Random(seed)
+    mu = math.log(OUTPUT_MEAN) - OUTPUT_SIGMA**2 / 2
+    sums: dict[str, list[float]] = {}
+    for _ in range(samples):
+        prompt, cap = shape(rnd)
+        answer = max(1, min(cap, round(rnd.lognormvariate(mu, OUTPUT_SIGMA))))
+        kind = "short" if prompt < SHORT_MAX else "long"
+        for key in ("all", kind):
+            acc = sums.setdefault(key, [0.0] * 6)
+            acc[0] += 1
+            acc[1] += prompt + cap
+            acc[2] += prompt + answer
+            acc[3] += (prompt + cap) * answer
+            acc[4] += (prompt + answer) * answer
+            acc[5] += (prompt + answer / 2) * answer
+    return {
+        key: {
+            "requests": int(n),
+            "max_tokens_reservation_mean": booked / n,
+            "oracle_reservation_mean": used / n,
+            "by_count": booked / used,
+            "by_time_held": booked_t / used_t,
+            "by_kv_in_use": booked_t / live_t,
+        }
+        for key, (n, booked, used, booked_t, used_t, live_t) in sums.items()
+    }
+
+
 def schedule(rate: float, window: float, seed: int) -> list[Request]:
     """Poisson arrivals at ``rate``/s (wall) for ``window`` seconds, seeded."""
     rnd = random.Random(seed)
@@ -605,6 +649,8 @@ def print_report(out: dict[str, Any]) -> None:
             f"kv_aware+learned at {k}: goodput {ratio} the best baseline (need 1.3x), "
             f"{v['preemptions_per_1000']:.2f} preemptions per 1,000 requests (need <= 1)"
         )
+    if ceiling := out.get("learned_ceiling"):
+        print(ceiling_line(ceiling))
     if "kv_aware_zero_backend_400" not in t or "goodput_vs_best_baseline" not in t:
         return
     print(
@@ -620,6 +666,18 @@ def print_report(out: dict[str, Any]) -> None:
             for k, v in t["short_ttft_p99_vs_best_baseline"].items()
         )
         + f" (need <= 0.5x): {verdict(t['kv_aware_short_ttft_target'])}"
+    )
+
+
+def ceiling_line(ceiling: dict[str, Any]) -> str:
+    a, sh = ceiling["all"], ceiling["short"]
+    return (
+        "ceiling for any output-aware policy on this mix (an oracle reserving each "
+        f"answer's true length, {a['requests']:,} drawn requests): max_tokens books "
+        f"{a['by_count']:.2f}x what it needs by count, {a['by_time_held']:.2f}x by time "
+        f"held ({sh['by_count']:.2f}x / {sh['by_time_held']:.2f}x for short requests), "
+        f"{a['by_kv_in_use']:.2f}x ({sh['by_kv_in_use']:.2f}x short) against the KV "
+        "sequences hold as they grow: goodput on KV-bound nodes can rise at most that much"
     )
 
 
@@ -652,7 +710,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--policies", default=",".join(POLICIES))
     p.add_argument("--loads", default=",".join(str(x) for x in LOADS))
     p.add_argument("--name", default="fleet", help="results file: bench/results/NAME.json")
+    p.add_argument(
+        "--ceiling",
+        action="store_true",
+        help="only print the most an output-aware policy could gain on this mix (no fleet)",
+    )
     args = p.parse_args(argv)
+    if args.ceiling:
+        ceiling = learned_ceiling(args.seed)
+        print(ceiling_line(ceiling))
+        return {"learned_ceiling": ceiling}
     args.window = args.window or (4.0 if args.quick else 15.0)
     args.timeout = args.timeout or (60.0 if args.quick else 120.0)
     args.drain = args.drain or args.timeout / args.time_scale
@@ -699,6 +766,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "seconds": time.monotonic() - t0,
     }
     out["targets"] = targets(rows, args.loads) if "kv_aware" in args.policies else {}
+    if "kv_aware+learned" in args.policies:
+        out["learned_ceiling"] = learned_ceiling(args.seed)
     print_report(out)
     save(args.name, out)
     if args.name == "fleet":
