@@ -14,7 +14,7 @@ def test_an_oracle_books_what_the_answers_use() -> None:
     assert a["requests"] == 40_000 == short["requests"] + long["requests"]
     # max_tokens books at least what an oracle books, and an oracle at least the KV in use.
     for row in (a, short, long):
-        assert 1.0 <= row["by_count"]
+        assert row["by_count"] >= 1.0
         assert 1.0 <= row["by_time_held"] <= row["by_kv_in_use"]
     # Short chats carry the slack (256-1,024 max_tokens on 200-2,000 prompts); long ones
     # are mostly prompt.
