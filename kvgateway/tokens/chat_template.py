@@ -115,8 +115,29 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+# What ``message.role`` may find on a dict before its keys: dict's own attributes.
+_DICT_ATTRIBUTES = frozenset(dir(dict))
+
+
+class _Sandbox(ImmutableSandboxedEnvironment):
+    """jinja2's immutable sandbox, with ``obj.key`` on a plain dict read at once.
+
+    The sandbox's ``getattr`` first looks for an attribute (none of a dict's is a key
+    that is not one of dict's own names), then falls back to ``obj[key]``: the same
+    value, found without the failed lookup and its exception. Templates read every
+    message's fields this way (``message.role``, ``message.content``)."""
+
+    def getattr(self, obj: Any, attribute: str) -> Any:
+        if type(obj) is dict and attribute not in _DICT_ATTRIBUTES:
+            try:
+                return obj[attribute]
+            except (KeyError, TypeError):
+                pass
+        return super().getattr(obj, attribute)
+
+
 def new_environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(
+    env = _Sandbox(
         trim_blocks=True,
         lstrip_blocks=True,
         extensions=[_GenerationTag, jinja2.ext.loopcontrols],
@@ -172,10 +193,10 @@ class Conversation:
 
 
 def _parse_content(content: Any, fmt: ContentFormat, media_parts: list[Any]) -> tuple[Any, int]:
+    if isinstance(content, str):  # the common case, as the general path below has it
+        return ([{"type": "text", "text": content}] if fmt == "openai" else content), 0
     if content is None:
         parts: list[Any] = []
-    elif isinstance(content, str):
-        parts = [{"type": "text", "text": content}]
     elif isinstance(content, list):
         parts = content
     else:

@@ -6,12 +6,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from datetime import datetime
 
+import jinja2.sandbox
 import pytest
 
 from kvgateway.tokens.chat_template import (
     ChatTemplate,
     TemplateError,
     conversation,
+    new_environment,
     tool_schemas,
 )
 from kvgateway.tokens.exact import ExactCounter, template_arguments
@@ -54,6 +56,34 @@ def test_globals_and_extensions() -> None:
 def test_sandbox_refuses_mutation() -> None:
     with pytest.raises(TemplateError):
         render("{% set x = [] %}{{ x.append(1) }}")
+
+
+def test_attribute_reads_on_dicts_are_jinjas_sandbox_reads() -> None:
+    """``m.key`` on a message is read at once (chat_template._Sandbox); what jinja's own
+    sandbox gives for every other read stays: dict's methods before keys, an undefined
+    for a missing key, nothing unsafe."""
+    msg = {"role": "user", "content": "c", "items": "as a key", "__class__": "k", "n": None}
+    plain = jinja2.sandbox.ImmutableSandboxedEnvironment()
+    ours = new_environment()
+    for expr in (
+        "m.role",
+        "m.content",
+        "m.n is none",
+        "m.items is callable",
+        "m['items']",
+        "m.missing is defined",
+        "m.__class__ is defined",
+        "m.get('role')",
+        "m.keys() | list | length",
+        "m.role.upper()",
+    ):
+        source = "{{ " + expr + " }}"
+        expect = plain.from_string(source).render(m=msg)
+        assert ours.from_string(source).render(m=msg) == expect, expr
+    with pytest.raises(jinja2.sandbox.SecurityError):
+        ours.from_string("{{ m.__class__.__subclasses__() }}").render(m=msg)
+    with pytest.raises(jinja2.sandbox.SecurityError):
+        ours.from_string("{{ m.update({'a': 1}) }}").render(m=msg)
 
 
 def test_generation_prompt_kwargs_and_special_tokens() -> None:
