@@ -212,15 +212,38 @@ class AdmissionCore:
         if self._gate(demand, ticket) is not None:
             return Wait()
         decision = self.decide(demand)
+        routing = demand
         if isinstance(decision, Routed) and self._claim_counts[decision.backend.name] > 0:
             claimed = self._claimed_ahead(ticket)
             if decision.backend.name in claimed:
-                decision = self.decide(_with_busy(demand, claimed))
+                routing = _with_busy(demand, claimed)
+                decision = self.decide(routing)
                 if not isinstance(decision, Routed):
                     return Wait()
+        while isinstance(decision, Routed) and not self._margin_fits(decision.backend, demand):
+            # Learned output: this node's margin would grow past its room; another may
+            # take it, else it waits for a release.
+            routing = _with_busy(routing, frozenset({decision.backend.name}))
+            decision = self.decide(routing)
+            if not isinstance(decision, Routed):
+                return Wait()
         if isinstance(decision, Routed):
             return self._grant(decision.backend, demand, decision.reason, ticket)
         return decision
+
+    def _margin_fits(self, b: Backend, demand: Demand) -> bool:
+        """Whether ``b``'s book stays within its budget once ``demand`` (learned output)
+        takes its base and the margin it adds to ``b``'s. The routing check counted its
+        slack; joining may add more (the node's margin is rounded up to a block and
+        capped by its members' ceilings)."""
+        o = demand.outlook
+        if o is None:
+            return True
+        risk = self._risks.get(b)
+        if risk is None:
+            risk = NodeRisk(b.limits.block_size)
+        added = risk.added_by(contribution(o, demand.sequences, -1, risk.block))
+        return added <= o.slack or b.free_tokens >= tokens_on(b, demand) - o.slack + added
 
     # ---- tenancy: order, gates, displacement ------------------------------------
 
@@ -500,7 +523,7 @@ class AdmissionCore:
             routed = route_to(
                 self._index_for(w.demand.model), b, w.demand, now, offload_overflow=overflow
             )
-            if routed is None:
+            if routed is None or not self._margin_fits(b, w.demand):
                 break
             self._waiters.remove(w)
             self._hand_over(w, routed, now)

@@ -31,7 +31,7 @@ AdmissionCore` applies the margins to the nodes' books.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from statistics import NormalDist
 
 from kvgateway.core.demand import demand_tokens
@@ -92,6 +92,13 @@ def plan_output(
     outlook = OutputOutlook(
         shape, max_tokens, risk, z, covered, checked, slack=tokens - base, ceiling=full - base
     )
+    # Alone on a node its margin is its own gap rounded up to a block, which rounding
+    # the sequences one by one may not leave in the slack: the check covers it, so a
+    # node that passes the check when idle can take the request.
+    alone = NodeRisk(block).added_by(contribution(outlook, n, -1, block))
+    if alone > outlook.slack:
+        outlook = replace(outlook, slack=alone)
+        tokens = base + alone
     return tokens, outlook
 
 
@@ -177,9 +184,36 @@ class NodeRisk:
         cautious risk any of them was planned with)."""
         if not self.members:
             return 0
-        z = max(self.zs, default=0.0)
-        spread = max(0.0, self.gap)
-        if self.seqs >= POOLED_MIN_SEQUENCES:
-            spread = min(spread, z * math.sqrt(max(0.0, self.variance)))
-        tokens = min(max(0.0, self.ceiling), max(0.0, self.excess) + spread)
+        return self._margin(
+            self.excess,
+            self.variance,
+            self.gap,
+            self.ceiling,
+            self.seqs,
+            max(self.zs, default=0.0),
+        )
+
+    def added_by(self, c: Contribution) -> int:
+        """How much the margin would grow if a new request of contribution ``c`` joined
+        (nothing changes). Its share of the sum is at most its own spread, but the sum
+        is rounded up to a block and capped at the members' ceilings, so a request can
+        add more than its slack: admission checks this against the node's room."""
+        z = max(max(self.zs, default=0.0), c.z) if self.members else c.z
+        need = self._margin(
+            self.excess + c.excess,
+            self.variance + c.variance,
+            self.gap + c.gap,
+            self.ceiling + c.ceiling,
+            self.seqs + c.seqs,
+            z,
+        )
+        return need - self.held
+
+    def _margin(
+        self, excess: float, variance: float, gap: float, ceiling: float, seqs: int, z: float
+    ) -> int:
+        spread = max(0.0, gap)
+        if seqs >= POOLED_MIN_SEQUENCES:
+            spread = min(spread, z * math.sqrt(max(0.0, variance)))
+        tokens = min(max(0.0, ceiling), max(0.0, excess) + spread)
         return -(-math.ceil(tokens - 1e-6) // self.block) * self.block
