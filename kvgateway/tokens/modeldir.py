@@ -7,7 +7,12 @@ A directory is a Hugging Face model directory or just its tokenizer files:
   tiktoken-format BPE file (``*.tiktoken``) with its split pattern given by the caller;
 - ``tokenizer_config.json``: ``chat_template`` (one string, or named templates),
   ``bos_token``/``eos_token`` and the other special tokens a template may print,
-  ``add_bos_token``/``add_eos_token``, ``added_tokens_decoder``;
+  ``add_bos_token``/``add_eos_token``, ``added_tokens_decoder``, ``tokenizer_class``
+  (else ``config.json``'s ``model_type``): as transformers 4.x, the class gives
+  special-token defaults, and only Llama-, Gemma- and Cohere-style classes add BOS/EOS
+  by those two keys (others keep tokenizer.json's post-processor);
+- ``special_tokens_map.json``, read as transformers reads it: only beside a config saved
+  without ``added_tokens_decoder``;
 - ``chat_template.jinja`` (wins over the config's template, as in transformers) and a
   processor's ``chat_template.json`` (vLLM prefers it when the request has no tools).
 
@@ -42,6 +47,54 @@ _SPECIAL_NAMES = (
     "cls_token",
     "mask_token",
 )
+
+
+# transformers 4.x tokenizer classes (as AutoTokenizer loads them: the fast ones) whose
+# constructors give special tokens defaults and rebuild the post-processor from
+# add_bos_token / add_eos_token (defaults True / False): LlamaTokenizerFast,
+# CodeLlamaTokenizerFast, GemmaTokenizerFast, CohereTokenizerFast. Every other class
+# keeps tokenizer.json's post-processor and ignores those two keys.
+_REBUILDS_POST_PROCESSOR = frozenset(
+    {"LlamaTokenizer", "CodeLlamaTokenizer", "GemmaTokenizer", "CohereTokenizer"}
+)
+_CLASS_DEFAULTS: Mapping[str, Mapping[str, str]] = {
+    "LlamaTokenizer": {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"},
+    "CodeLlamaTokenizer": {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"},
+    "GemmaTokenizer": {
+        "bos_token": "<bos>",
+        "eos_token": "<eos>",
+        "unk_token": "<unk>",
+        "pad_token": "<pad>",
+    },
+    "CohereTokenizer": {
+        "bos_token": "<BOS_TOKEN>",
+        "eos_token": "<|END_OF_TURN_TOKEN|>",
+        "unk_token": "<UNK>",
+        "pad_token": "<PAD>",
+    },
+    "Qwen2Tokenizer": {
+        "eos_token": "<|endoftext|>",
+        "unk_token": "<|endoftext|>",
+        "pad_token": "<|endoftext|>",
+    },
+}
+# AutoTokenizer's class for a config.json model_type, where tokenizer_config.json names
+# none (the families above; any other falls to the generic class, as with no config).
+_CLASS_OF_MODEL_TYPE = {
+    "llama": "LlamaTokenizer",
+    "mistral": "LlamaTokenizer",
+    "mixtral": "LlamaTokenizer",
+    "gemma": "GemmaTokenizer",
+    "gemma2": "GemmaTokenizer",
+    "gemma3": "GemmaTokenizer",
+    "gemma3_text": "GemmaTokenizer",
+    "cohere": "CohereTokenizer",
+    "cohere2": "CohereTokenizer",
+    "qwen2": "Qwen2Tokenizer",
+    "qwen2_moe": "Qwen2Tokenizer",
+    "qwen3": "Qwen2Tokenizer",
+    "qwen3_moe": "Qwen2Tokenizer",
+}
 
 
 class TokenizerDirError(ValueError):
@@ -176,13 +229,44 @@ def _post_processor_ids(proc: Any, added: Mapping[str, int]) -> tuple[list[int],
     return [], []
 
 
-def _special_tokens(cfg: Mapping[str, Any]) -> dict[str, Any]:
+def tokenizer_class(directory: str, cfg: Mapping[str, Any]) -> str:
+    """The transformers tokenizer class AutoTokenizer loads for ``directory`` (without
+    "Fast"): tokenizer_config.json's ``tokenizer_class``, else config.json's
+    ``model_type`` where known, else "" (the generic PreTrainedTokenizerFast)."""
+    named = cfg.get("tokenizer_class")
+    if isinstance(named, str) and named:
+        return named.removesuffix("Fast")
+    model_cfg = os.path.join(directory, "config.json")
+    if os.path.isfile(model_cfg):
+        try:
+            model_type = _read_json(model_cfg).get("model_type")
+        except TokenizerDirError:
+            return ""
+        if isinstance(model_type, str):
+            return _CLASS_OF_MODEL_TYPE.get(model_type, "")
+    return ""
+
+
+def _special_tokens(directory: str, cfg: Mapping[str, Any], cls: str) -> dict[str, Any]:
+    """The special tokens a template sees, as transformers 4.x sets them: the class's
+    defaults, then tokenizer_config.json's values (null removes one), then, for a
+    config without ``added_tokens_decoder`` (saved before transformers 4.34),
+    special_tokens_map.json's."""
+    values: dict[str, Any] = dict(_CLASS_DEFAULTS.get(cls, {}))
+    sources: list[Mapping[str, Any]] = [cfg]
+    legacy = os.path.join(directory, "special_tokens_map.json")
+    if "added_tokens_decoder" not in cfg and os.path.isfile(legacy):
+        sources.append(_read_json(legacy))
+    for source in sources:
+        for name in (*_SPECIAL_NAMES, "additional_special_tokens"):
+            if name in source:
+                values[name] = source[name]
     out: dict[str, Any] = {}
     for name in _SPECIAL_NAMES:
-        text = _token_text(cfg.get(name))
+        text = _token_text(values.get(name))
         if text is not None:
             out[name] = text
-    extra = cfg.get("additional_special_tokens")
+    extra = values.get("additional_special_tokens")
     if isinstance(extra, list):
         out["additional_special_tokens"] = [t for t in map(_token_text, extra) if t is not None]
     return out
@@ -190,29 +274,30 @@ def _special_tokens(cfg: Mapping[str, Any]) -> dict[str, Any]:
 
 def _bos_eos(
     cfg: Mapping[str, Any],
+    cls: str,
     special: Mapping[str, Any],
     added: Mapping[str, int],
     from_processor: tuple[list[int], list[int]],
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    # transformers' Llama/Gemma-style tokenizers rebuild the post-processor from
-    # add_bos_token / add_eos_token when the config sets them; otherwise the
-    # tokenizer.json post-processor decides.
-    prefix, suffix = from_processor
-    for key, token_key, side in (
-        ("add_bos_token", "bos_token", "prefix"),
-        ("add_eos_token", "eos_token", "suffix"),
+    """Ids added around a prompt with add_special_tokens: the post-processor the class
+    rebuilds from add_bos_token / add_eos_token (Llama-, Gemma-, Cohere-style: BOS by
+    default, no EOS), or else tokenizer.json's own, whatever the config's keys say
+    (transformers 4.x ignores them there)."""
+    if cls not in _REBUILDS_POST_PROCESSOR:
+        prefix, suffix = from_processor
+        return tuple(prefix), tuple(suffix)
+    sides: list[list[int]] = []
+    for key, token_key, default in (
+        ("add_bos_token", "bos_token", True),
+        ("add_eos_token", "eos_token", False),
     ):
-        if key not in cfg:
-            continue
+        on = bool(cfg.get(key, default))
         token = special.get(token_key)
-        ids = [added[token]] if cfg[key] and isinstance(token, str) and token in added else []
-        if cfg[key] and not ids:
+        ids = [added[token]] if on and isinstance(token, str) and token in added else []
+        if on and not ids:
             raise TokenizerDirError(f"{key} is true but {token_key} {token!r} is no added token")
-        if side == "prefix":
-            prefix = ids
-        else:
-            suffix = ids
-    return tuple(prefix), tuple(suffix)
+        sides.append(ids)
+    return tuple(sides[0]), tuple(sides[1])
 
 
 def load_model_tokenizer(
@@ -231,7 +316,8 @@ def load_model_tokenizer(
     cfg = _read_json(cfg_path) if os.path.isfile(cfg_path) else {}
     spec_path = os.path.join(directory, "tokenizer.json")
     bpe_files = sorted(glob.glob(os.path.join(directory, "*.tiktoken")))
-    special = _special_tokens(cfg)
+    cls = tokenizer_class(directory, cfg)
+    special = _special_tokens(directory, cfg, cls)
     note = ""
     if os.path.isfile(spec_path):
         with open(spec_path, encoding="utf-8") as fh:
@@ -277,11 +363,11 @@ def load_model_tokenizer(
         raise TokenizerDirError(f"{directory} has neither tokenizer.json nor a *.tiktoken BPE file")
     for name in ("bos_token", "eos_token"):
         token = special.get(name)
-        if isinstance(token, str) and token not in added:
+        if isinstance(token, str) and token not in added and name in cfg:
             raise TokenizerDirError(
                 f"tokenizer_config.json {name} {token!r} is not a token of this vocabulary"
             )
-    prefix, suffix = _bos_eos(cfg, special, added, processor)
+    prefix, suffix = _bos_eos(cfg, cls, special, added, processor)
     templates = _templates(directory, cfg)
     for name, source in templates.items():
         try:

@@ -117,14 +117,27 @@ def test_config_path_loads_the_tokenizer(vocab_dirs: Dirs) -> None:
     assert tok.model is not None and tok.model.prefix == (1,)
 
 
-def test_add_bos_token_in_the_config_overrides_the_post_processor(
+def test_add_bos_token_overrides_the_post_processor_of_llama_style_classes_only(
     tmp_path: Path, vocab_dirs: Dirs
 ) -> None:
+    """As transformers 4.x: LlamaTokenizerFast (and Gemma's, Cohere's) rebuild the
+    post-processor from add_bos_token / add_eos_token; the generic class keeps
+    tokenizer.json's (BOS <s> = 1 here) whatever the config says."""
     directory = _copy(vocab_dirs("tekken"), tmp_path / "nobos")
     _edit_config(directory, add_bos_token=False, add_eos_token=True)
     tok = load_model_tokenizer(str(directory))
+    assert tok.prefix == (1,) and tok.suffix == ()
+    _edit_config(directory, tokenizer_class="LlamaTokenizerFast")
+    tok = load_model_tokenizer(str(directory))
     assert tok.prefix == () and tok.suffix == (2,)
     assert tok.encode_prompt("hi")[-1] == 2
+    # Silent config, Llama class: BOS and no EOS by the class's defaults.
+    _edit_config(directory, add_bos_token=None, add_eos_token=None)
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    config = {k: v for k, v in config.items() if v is not None}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = load_model_tokenizer(str(directory))
+    assert tok.prefix == (1,) and tok.suffix == ()
 
 
 def test_template_files_and_named_templates(tmp_path: Path, vocab_dirs: Dirs) -> None:

@@ -692,3 +692,94 @@ def test_empty_text_parts_add_nothing(kind: str, pairs: Callable[[str], Pair]) -
         system = {"role": "system", "content": content[::-1]}
         pair.check({"messages": [system, {"role": "user", "content": content}]})
         pair.check({"messages": [{"role": "user", "content": ["x", "", *parts]}]})
+
+
+# -- special tokens and BOS/EOS as the tokenizer class sets them --------------------
+
+# name: (kind, config changes (None removes a key), tokenizer.json post-processor
+# removed, special_tokens_map.json written from the removed tokens)
+DIR_VARIANTS: dict[str, tuple[str, dict[str, Any], bool, bool]] = {
+    # A Llama 3 fine-tune saying add_bos_token false: the generic class ignores it.
+    "generic-add-bos-false": ("llama3", {"add_bos_token": False}, False, False),
+    # The generic class ignores add_eos_token too.
+    "generic-add-eos-true": ("tekken", {"add_eos_token": True}, False, False),
+    # A Llama-class directory whose config is silent: BOS by the class's default, even
+    # with no post-processor in tokenizer.json.
+    "llama-class-defaults": (
+        "sentencepiece",
+        {"add_bos_token": None, "add_eos_token": None},
+        True,
+        False,
+    ),
+    # add_eos_token on a Llama-class directory: it adds EOS.
+    "llama-class-add-eos": ("sentencepiece", {"add_eos_token": True}, False, False),
+    # Special tokens only in special_tokens_map.json (a config saved before 4.34).
+    "special-tokens-map": (
+        "llama3",
+        {"bos_token": None, "eos_token": None, "add_bos_token": None},
+        False,
+        True,
+    ),
+    "special-tokens-map-llama-class": (
+        "sentencepiece",
+        {"bos_token": None, "eos_token": None, "unk_token": None, "add_bos_token": None},
+        False,
+        True,
+    ),
+    # No special tokens anywhere: the Llama class's defaults (<s>, </s>) fill in.
+    "llama-class-token-defaults": (
+        "sentencepiece",
+        {"bos_token": None, "eos_token": None, "unk_token": None, "add_bos_token": None},
+        False,
+        False,
+    ),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(DIR_VARIANTS))
+def test_special_tokens_and_bos_eos_as_the_tokenizer_class_sets_them(
+    variant: str, vocab_dirs: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """Found by a review against transformers 4.57: the gateway applied add_bos_token /
+    add_eos_token to every class (a Llama 3 directory saying add_bos_token false was
+    counted one under), never read special_tokens_map.json (a template's bos_token
+    rendered as "", one under) and knew no class defaults (a Mistral template's
+    eos_token was undefined)."""
+    from kvgateway.tokens.modeldir import load_model_tokenizer
+
+    kind, changes, drop_post, stmap = DIR_VARIANTS[variant]
+    source = vocab_dirs(kind)
+    spec = json.loads((source / "tokenizer.json").read_text())
+    if drop_post:
+        spec["post_processor"] = None
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec, ensure_ascii=False))
+    config = json.loads((source / "tokenizer_config.json").read_text())
+    config.setdefault("tokenizer_class", REAL_TOKENIZER_CLASS.get(kind, "PreTrainedTokenizerFast"))
+    moved = {}
+    for key, value in changes.items():
+        if value is None:
+            if key in config:
+                moved[key] = config.pop(key)
+        else:
+            config[key] = value
+    if stmap:
+        moved = {k: v for k, v in moved.items() if k.endswith("_token")}
+        (tmp_path / "special_tokens_map.json").write_text(json.dumps(moved))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    gateway = ExactCounter(load_model_tokenizer(str(tmp_path)))
+    for prompt in ("Hello world", "12345 <s> x"):
+        assert gateway.completion_ids({"prompt": prompt}) == hf(prompt)["input_ids"], prompt
+    pair = Pair(tmp_path, gateway.tokenizer, hf)
+    chat = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello"},
+        {"role": "user", "content": "Bye"},
+    ]
+    pair.check({"messages": chat})
+    # A chat with add_special_tokens: vLLM encodes the rendered text with the class's
+    # BOS/EOS around it (a template's own BOS then comes twice).
+    body = {"messages": chat, "add_special_tokens": True}
+    text = gateway.render_chat(body).text
+    assert gateway.prompt_ids(body) == hf(text, add_special_tokens=True)["input_ids"]
+    assert gateway.count_chat_sync(body) == len(hf(text, add_special_tokens=True)["input_ids"])
