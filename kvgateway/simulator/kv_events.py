@@ -5,7 +5,7 @@ After ``vllm/distributed/kv_events.py`` (``ZmqEventPublisher``; read, not copied
 - One batch per engine step that changed the prefix cache, sent as the multipart message
   ``[topic, seq as 8-byte big-endian, payload]``; ``seq`` counts batches from 0 per
   publisher, so a subscriber sees a gap when it lost some.
-- The payload is msgspec's msgpack encoding of ``KVEventBatch(ts, events,
+- The payload is msgspec's msgpack encoding of ``EventBatch(ts, events,
   data_parallel_rank)`` with tagged event structs (tag field ``type`` = class name) and
   ``omit_defaults``: fields left at their default (``extra_keys``, a full-attention
   group's ``kv_cache_spec_sliding_window``) are not sent. Every event names its
@@ -15,8 +15,12 @@ After ``vllm/distributed/kv_events.py`` (``ZmqEventPublisher``; read, not copied
   ``array_like`` (``[ts, events, rank]``, events ``["BlockStored", hashes, parent,
   tokens, block_size, lora_id, medium, lora_name, ...]`` with every field, defaults
   included: msgspec omits nothing from arrays), selected by ``kv_events_array_like``.
+  The batch is an array in every release (``EventBatch`` is ``array_like``); since 0.27
+  a text block's ``extra_keys`` is one ``None`` per block.
 - A ROUTER replay socket answers ``[identity, b"", start_seq]`` with every buffered
-  batch from ``start_seq`` on as ``[identity, b"", seq, payload]``, then ``seq = -1``.
+  batch from ``start_seq`` on as ``[identity, b"", topic, seq, payload]``, then
+  ``[identity, b"", b"", -1, b""]`` (vLLM >= 0.27; the array-like releases sent no
+  topic frame).
 - The PUB socket binds when the endpoint has ``*``, ``::``, ``ipc://`` or ``inproc://``
   and connects otherwise, as vLLM; unlike vLLM the simulator also binds loopback
   addresses (``127.0.0.1``, ``localhost``) so that tests stay on the loopback interface.
@@ -107,14 +111,16 @@ def encode_batch(
         if array_like:
             encoded.append([tag, *(v for _, v in fields)])
         else:
+            if isinstance(event, BlockStored):
+                # vLLM >= 0.27 sends one entry per block (None: no LoRA, media or salt).
+                fields = [
+                    (k, [None] * len(event.block_hashes) if k == "extra_keys" else v)
+                    for k, v in fields
+                ]
             kept = {k: v for k, v in fields if not (k in _DEFAULTED and v is None)}
             encoded.append({"type": tag, **kept})
-    batch: Any
-    if array_like:
-        batch = [ts, encoded, data_parallel_rank]
-    else:
-        batch = {"ts": ts, "events": encoded, "data_parallel_rank": data_parallel_rank}
-    return msgspec.msgpack.encode(batch)
+    # The batch itself is array-like in every release: [ts, events, data_parallel_rank].
+    return msgspec.msgpack.encode([ts, encoded, data_parallel_rank])
 
 
 def _binds(endpoint: str) -> bool:
@@ -211,10 +217,16 @@ class KVEventPublisher:
                 continue
             client, _, start = frames
             start_seq = int.from_bytes(start, "big")
+            # vLLM >= 0.27 puts the topic before seq (an empty one on the end marker);
+            # the releases with array-like events did not.
+            topic: tuple[bytes, ...] = () if self._array_like else (self._topic,)
+            end: tuple[bytes, ...] = () if self._array_like else (b"",)
             for seq, payload in list(self._buffer):
                 if seq >= start_seq:
-                    await sock.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
-            await sock.send_multipart((client, b"", END_SEQ, b""))
+                    await sock.send_multipart(
+                        (client, b"", *topic, seq.to_bytes(8, "big"), payload)
+                    )
+            await sock.send_multipart((client, b"", *end, END_SEQ, b""))
 
 
 def _last_endpoint(sock: zmq.asyncio.Socket) -> str:

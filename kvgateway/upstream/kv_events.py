@@ -260,6 +260,10 @@ class KVEventSubscriber:
             async with asyncio.timeout(self._replay_timeout):
                 while True:
                     frames = await sock.recv_multipart()
+                    # vLLM >= 0.27 replies [b"", topic, seq, payload] (the end marker
+                    # with an empty topic); earlier releases [b"", seq, payload].
+                    if len(frames) == 4:
+                        frames = frames[:1] + frames[2:]
                     if len(frames) != 3:
                         return False
                     seq = int.from_bytes(frames[1], "big", signed=True)

@@ -35,13 +35,8 @@ from kvgateway.upstream.kv_events import (
 from tests.support.sim import SimClient, SimFactory, chat
 
 # vLLM's event structs as its source declares them (vllm/distributed/kv_events.py), in
-# both layouts it has shipped: used only to check our bytes against msgspec's.
-
-
-class MapBatch(msgspec.Struct, omit_defaults=True, gc=False):
-    ts: float
-    events: list[Any]
-    data_parallel_rank: int | None = None
+# both layouts its events have shipped (array-like before 0.27, tagged maps since; the
+# batch is array-like in both): used only to check our bytes against msgspec's.
 
 
 class MapEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
@@ -110,33 +105,43 @@ EVENTS = (
 
 
 def _vllm_bytes(array_like: bool) -> bytes:
-    stored, removed, cleared, batch = (
-        (ArrayStored, ArrayRemoved, ArrayCleared, ArrayBatch)
+    stored, removed, cleared = (
+        (ArrayStored, ArrayRemoved, ArrayCleared)
         if array_like
-        else (MapStored, MapRemoved, MapCleared, MapBatch)
+        else (MapStored, MapRemoved, MapCleared)
     )
-    full = (None, 0, "full_attention", None)  # extra_keys, group_idx, kind, window
+
+    def extra(n: int) -> list[None] | None:  # since 0.27: one entry per block
+        return None if array_like else [None] * n
+
+    full = (0, "full_attention", None)  # group_idx, kind, window
     events = [
-        stored([11, 12], None, [1] * 8, 4, None, "GPU", None, *full),
-        stored([13], 12, [2] * 4, 4, None, "GPU", None, *full),
-        stored([11], None, [1] * 4, 4, None, "GPU", None, None, 1, "sliding_window", 128),
+        stored([11, 12], None, [1] * 8, 4, None, "GPU", None, extra(2), *full),
+        stored([13], 12, [2] * 4, 4, None, "GPU", None, extra(1), *full),
+        stored([11], None, [1] * 4, 4, None, "GPU", None, extra(1), 1, "sliding_window", 128),
         removed([11], "GPU", 0),
         removed([11], "GPU", 1),
         cleared(),
     ]
-    return msgspec.msgpack.encode(batch(1.5, events, 0))
+    return msgspec.msgpack.encode(ArrayBatch(1.5, events, 0))
 
 
 @pytest.mark.parametrize("array_like", [False, True])
 def test_simulator_payload_is_byte_identical_to_vllm_structs(array_like: bool) -> None:
     ours = encode_batch(EVENTS, 1.5, array_like=array_like)
     assert ours == _vllm_bytes(array_like)
+    # The batch is an array in every release (vLLM's EventBatch is array_like).
+    assert ours[0] == 0x93
     decoded = decode_batch(ours)
     assert decoded.ts == 1.5 and decoded.data_parallel_rank == 0
+
+    def extra(n: int) -> tuple[None, ...] | None:
+        return None if array_like else (None,) * n
+
     assert decoded.events == (
-        BlocksStored((11, 12), None, (1,) * 8, 4, "GPU", None, 0, "full_attention"),
-        BlocksStored((13,), 12, (2,) * 4, 4, "GPU", None, 0, "full_attention"),
-        BlocksStored((11,), None, (1,) * 4, 4, "GPU", None, 1, "sliding_window", 128),
+        BlocksStored((11, 12), None, (1,) * 8, 4, "GPU", extra(2), 0, "full_attention"),
+        BlocksStored((13,), 12, (2,) * 4, 4, "GPU", extra(1), 0, "full_attention"),
+        BlocksStored((11,), None, (1,) * 4, 4, "GPU", extra(1), 1, "sliding_window", 128),
         BlocksRemoved((11,), "GPU", 0),
         BlocksRemoved((11,), "GPU", 1),
         AllCleared(),
@@ -145,7 +150,7 @@ def test_simulator_payload_is_byte_identical_to_vllm_structs(array_like: bool) -
 
 def test_decoder_reads_optional_vllm_fields_and_old_five_field_events() -> None:
     payload = msgspec.msgpack.encode(
-        MapBatch(
+        ArrayBatch(
             2.0,
             [MapStored([5], None, [3] * 4, 4, None, "GPU", "lora", [["lora", "salt"]], 0)],
         )
