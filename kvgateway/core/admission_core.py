@@ -87,8 +87,8 @@ class AdmissionCore:
         # Per tenant: its waiters that its limits let through, waiting for room (count,
         # tokens): they count against those limits as if running.
         self._through: dict[str, list[int]] = {}
-        # Learned requests in flight per node, and the pooled margin in its book.
-        self._risks: dict[Backend, NodeRisk] = {}
+        # Learned requests in flight on a node, and the pooled margin in its book, are
+        # the node's own (``Backend.risk``): routing reads what a newcomer would add.
         # Per backend: what the book holds beyond the reservations' granted ``tokens``
         # (growth, learned margins), which a shared ledger never records.
         self._unrecorded: Counter[Backend] = Counter()
@@ -152,11 +152,11 @@ class AdmissionCore:
         if o is not None:
             # Pooled learned output: the base now, and whatever the node's margin needs
             # more with this request in it (the routing check bounded that by the slack).
-            risk = self._risks.get(backend)
+            risk = backend.risk
             if risk is None:
-                risk = self._risks[backend] = NodeRisk(backend.limits.block_size)
+                risk = backend.risk = NodeRisk(backend.limits.block_size)
             r.outlook, r.base = o, max(0, tokens - o.slack)
-            risk.put(r.id, contribution(o, demand.sequences, -1, risk.block))
+            risk.put(r.id, o.joining or contribution(o, demand.sequences, -1, risk.block))
             added = self._remargin(risk)
             booked = r.base + added
             r.tokens = r.base + max(0, added)
@@ -192,7 +192,7 @@ class AdmissionCore:
         grew by."""
         o = reservation.outlook
         b = reservation.backend
-        risk = self._risks.get(b)
+        risk = b.risk
         if reservation.released or o is None or risk is None or reservation.id not in risk.members:
             return 0
         risk.put(reservation.id, contribution(o, reservation.seqs, generated, risk.block))
@@ -212,38 +212,15 @@ class AdmissionCore:
         if self._gate(demand, ticket) is not None:
             return Wait()
         decision = self.decide(demand)
-        routing = demand
         if isinstance(decision, Routed) and self._claim_counts[decision.backend.name] > 0:
             claimed = self._claimed_ahead(ticket)
             if decision.backend.name in claimed:
-                routing = _with_busy(demand, claimed)
-                decision = self.decide(routing)
+                decision = self.decide(_with_busy(demand, claimed))
                 if not isinstance(decision, Routed):
                     return Wait()
-        while isinstance(decision, Routed) and not self._margin_fits(decision.backend, demand):
-            # Learned output: this node's margin would grow past its room; another may
-            # take it, else it waits for a release.
-            routing = _with_busy(routing, frozenset({decision.backend.name}))
-            decision = self.decide(routing)
-            if not isinstance(decision, Routed):
-                return Wait()
         if isinstance(decision, Routed):
             return self._grant(decision.backend, demand, decision.reason, ticket)
         return decision
-
-    def _margin_fits(self, b: Backend, demand: Demand) -> bool:
-        """Whether ``b``'s book stays within its budget once ``demand`` (learned output)
-        takes its base and the margin it adds to ``b``'s. The routing check counted its
-        slack; joining may add more (the node's margin is rounded up to a block and
-        capped by its members' ceilings)."""
-        o = demand.outlook
-        if o is None:
-            return True
-        risk = self._risks.get(b)
-        if risk is None:
-            risk = NodeRisk(b.limits.block_size)
-        added = risk.added_by(contribution(o, demand.sequences, -1, risk.block))
-        return added <= o.slack or b.free_tokens >= tokens_on(b, demand) - o.slack + added
 
     # ---- tenancy: order, gates, displacement ------------------------------------
 
@@ -377,14 +354,14 @@ class AdmissionCore:
         b = reservation.backend
         tokens = reservation.tokens + reservation.grown
         o = reservation.outlook
-        risk = self._risks.get(b) if o is not None else None
+        risk = b.risk if o is not None else None
         if o is not None and risk is not None and reservation.id in risk.members:
             # Its base leaves the book; the node's margin is what the others need now.
             risk.remove(reservation.id)
             change = self._remargin(risk)
             tokens = reservation.base + reservation.grown - change
             if not risk.members:
-                del self._risks[b]
+                b.risk = None
         self._adjust(b, -(tokens + shared), -reservation.seqs, -1)
         left = self._unrecorded[b] - (tokens - reservation.tokens)
         if left:
@@ -523,7 +500,7 @@ class AdmissionCore:
             routed = route_to(
                 self._index_for(w.demand.model), b, w.demand, now, offload_overflow=overflow
             )
-            if routed is None or not self._margin_fits(b, w.demand):
+            if routed is None:
                 break
             self._waiters.remove(w)
             self._hand_over(w, routed, now)

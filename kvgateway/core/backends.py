@@ -11,9 +11,13 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import TYPE_CHECKING
 
 from kvgateway.config.model import BackendConfig
 from kvgateway.core.limits import Limits
+
+if TYPE_CHECKING:
+    from kvgateway.core.output_risk import NodeRisk
 
 
 class PauseReason(StrEnum):
@@ -65,6 +69,9 @@ class Backend:
     last_error: str = ""
     # Times (monotonic) the node refused or failed a request: 4xx/5xx answers, resets.
     rejection_times: deque[float] = field(default_factory=lambda: deque(maxlen=1024))
+    # Learned output: this node's in-flight learned requests and the margin they hold
+    # (kept by admission; routing reads it to see what a newcomer would add).
+    risk: NodeRisk | None = None
 
     @property
     def name(self) -> str:

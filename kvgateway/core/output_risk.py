@@ -66,6 +66,8 @@ class OutputOutlook:
     slack: int
     # What max_tokens would reserve beyond the base (all sequences): the margin's cap.
     ceiling: int
+    # Its part of a node's margin when it joins (all sequences, nothing generated yet).
+    joining: Contribution | None = None
 
 
 def plan_output(
@@ -92,14 +94,30 @@ def plan_output(
     outlook = OutputOutlook(
         shape, max_tokens, risk, z, covered, checked, slack=tokens - base, ceiling=full - base
     )
+    joining = contribution(outlook, n, -1, block)
+    outlook = replace(outlook, joining=joining)
     # Alone on a node its margin is its own gap rounded up to a block, which rounding
     # the sequences one by one may not leave in the slack: the check covers it, so a
     # node that passes the check when idle can take the request.
-    alone = NodeRisk(block).added_by(contribution(outlook, n, -1, block))
+    alone = NodeRisk(block).added_by(joining)
     if alone > outlook.slack:
         outlook = replace(outlook, slack=alone)
         tokens = base + alone
     return tokens, outlook
+
+
+def margin_beyond_slack(risk: NodeRisk | None, block: int, o: OutputOutlook) -> int:
+    """What a node's margin would grow by, past the request's slack, if ``o``'s request
+    joined it (``risk``: the node's learned requests; None, none). The routing check
+    counts the slack; the sum is rounded up to a block and capped by its members'
+    ceilings, so joining may add more, and a node takes the request only if its room
+    holds that too."""
+    c = o.joining
+    if c is None:
+        return 0
+    if risk is None:
+        risk = NodeRisk(block)
+    return max(0, risk.added_by(c) - o.slack)
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,6 +30,7 @@ from enum import StrEnum
 from kvgateway.config.model import Policy
 from kvgateway.core.backends import Backend
 from kvgateway.core.demand import Demand, can_ever_hold, tokens_on
+from kvgateway.core.output_risk import margin_beyond_slack
 from kvgateway.core.routing_index import ModelIndex
 
 
@@ -74,7 +75,12 @@ class RouterState:
 
 
 def _has_room(b: Backend, d: Demand) -> bool:
-    return b.free_tokens >= tokens_on(b, d) and b.free_seqs >= d.sequences
+    if b.free_seqs < d.sequences:
+        return False
+    need = tokens_on(b, d)
+    if d.outlook is not None:  # learned output: what joining b's margin adds past the slack
+        need += margin_beyond_slack(b.risk, b.limits.block_size, d.outlook)
+    return b.free_tokens >= need
 
 
 def eligible(b: Backend, d: Demand, now: float) -> bool:

@@ -61,15 +61,16 @@ def admission_over(
     *,
     clock: Callable[[], float] = lambda: 0.0,
     queue_size: int = 10_000,
+    policy: str = "kv_aware",
     **kw: Any,
 ) -> Admission:
-    """kv_aware admission over ``backends`` (one model's index); ``kw``: Admission's
-    optional parts (ledger, prefix, tenancy...)."""
+    """``policy`` (kv_aware) admission over ``backends`` (one model's index); ``kw``:
+    Admission's optional parts (ledger, prefix, tenancy...)."""
     idx = ModelIndex(backends)
     return Admission(
         index_for=lambda m: idx,
         adjust=idx.adjust,
-        policy=lambda: "kv_aware",
+        policy=lambda: policy,
         offload_overflow=lambda: False,
         queue_size=lambda: queue_size,
         clock=clock,

@@ -4,6 +4,8 @@ engine, that the book covers what the node holds and preemptions stay rare."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import math
 import random
 from dataclasses import replace
@@ -261,3 +263,94 @@ def test_max_tokens_never_preempts_and_pooled_runs_more_at_once_rarely_preemptin
     # 720 requests: the pooled margin keeps preemptions to a handful per thousand.
     assert sum(p for p, _ in pooled) <= 4
     assert sum(k for _, k in pooled) > 1.1 * sum(k for _, k in plain)
+
+
+# ---- a newcomer whose margin does not fit, on every path --------------------------
+
+
+def _members_and_last() -> tuple[list[Demand], Demand]:
+    """Four learned requests and a fifth that adds two blocks to their node's margin
+    against a slack of one (found by a fuzz of NodeRisk.added_by)."""
+    rnd = random.Random(149)
+    cap = rnd.choice([33, 64, 128, 200])
+    shape = OutputShape(_lengths(random.Random(150), cap, cap / 2, 256))
+    risk = rnd.choice([0.01, 0.2])
+    members = [
+        _learned(shape, rnd.randrange(16, 200), cap, risk) for _ in range(rnd.randrange(0, 12))
+    ]
+    return members, _learned(shape, rnd.randrange(16, 200), cap, risk)
+
+
+def _tight_node(members: list[Demand], last: Demand) -> Backend:
+    """A node whose room holds ``last``'s checked tokens but not what it adds."""
+    probe = backend("a", kv=10**6, seqs=64)
+    adm = _admission(probe)
+    for d in members:
+        assert isinstance(adm.try_admit(d), Reservation)
+    return backend("a", kv=probe.reserved_tokens + last.tokens, seqs=64)
+
+
+@pytest.mark.parametrize("policy", ["kv_aware", "least_loaded", "round_robin", "length_aware"])
+def test_a_margin_that_does_not_fit_waits_under_kv_aware_and_never_spins(policy):
+    """A second look found the first fix (re-deciding with the node marked busy) spun
+    forever under the simple policies, which ignore busy nodes; and rebalance() granted
+    past the budget. Routing now counts the margin a newcomer adds in its room check."""
+    members, last = _members_and_last()
+    b = _tight_node(members, last)
+    adm = admission_over([b], policy=policy)
+    for d in members:
+        assert isinstance(adm.try_admit(d), Reservation)
+    assert last.outlook is not None
+    assert b.free_tokens >= last.tokens  # the old check passed
+    out = adm.try_admit(last)
+    if policy == "kv_aware":
+        assert not isinstance(out, Reservation)
+        assert b.reserved_tokens <= b.budget_tokens
+    else:  # the baselines do not look at room at all
+        assert isinstance(out, Reservation)
+
+
+async def test_rebalance_keeps_a_waiter_whose_margin_does_not_fit():
+    members, last = _members_and_last()
+    b = _tight_node(members, last)
+    adm = _admission(b)
+    for d in members:
+        assert isinstance(adm.try_admit(d), Reservation)
+    task = asyncio.create_task(adm.admit(last, 5.0))
+    await asyncio.sleep(0)
+    assert adm.queue_depth == 1
+    adm.rebalance()  # a health probe, load feedback or reload
+    await asyncio.sleep(0)
+    assert adm.queue_depth == 1 and not task.done()
+    assert b.reserved_tokens <= b.budget_tokens
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+async def test_a_newcomer_whose_margin_does_not_fit_leaves_a_waiters_claim_alone():
+    members, newcomer = _members_and_last()
+    probe = backend("s", kv=10**6, seqs=64)
+    adm = _admission(probe)
+    for d in members:
+        adm.try_admit(d)
+    small = backend(
+        "s", tier_index=0, max_model_len=1024, kv=probe.reserved_tokens + newcomer.tokens, seqs=64
+    )
+    large = backend("l", tier="large", tier_index=1, max_model_len=8192, kv=4000, seqs=64)
+    adm = admission_over([small, large])
+    for d in members:
+        r = adm.try_admit(d)
+        assert isinstance(r, Reservation) and r.backend is small
+    long = adm.try_admit(demand(2000, 100))
+    assert isinstance(long, Reservation) and long.backend is large
+    waiter = asyncio.create_task(adm.admit(demand(3000, 100), 30.0))  # only "l" holds it
+    await asyncio.sleep(0)
+    assert adm.waiting_for("l")
+    free = large.free_tokens
+    r = adm.try_admit(newcomer)
+    assert not (isinstance(r, Reservation) and r.backend is large)
+    assert large.free_tokens == free
+    waiter.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await waiter
