@@ -218,6 +218,7 @@ def _admission(s: Section) -> AdmissionConfig:
         max_messages=s.integer("max_messages", d.max_messages),
         max_content_parts=s.integer("max_content_parts", d.max_content_parts),
         inject_default_output=s.flag("inject_default_output", d.inject_default_output),
+        context_overflow=s.choice("context_overflow", ("clamp", "reject"), d.context_overflow),
         node_stream_usage=s.flag("node_stream_usage", d.node_stream_usage),
         prefix_credit=s.flag("prefix_credit", d.prefix_credit),
         output_reservation=s.choice(

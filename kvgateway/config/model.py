@@ -51,6 +51,10 @@ class AdmissionConfig:
     # A chat request without max_tokens may generate up to the rest of the context on
     # vLLM; the gateway caps it at the reserved default so the reservation holds.
     inject_default_output: bool = True
+    # A client's max_tokens that does not fit beside its prompt in the largest context:
+    # "clamp" (vLLM >= 0.32) serves it with max_tokens cut to what the context leaves
+    # (and sends the node the cut); "reject" (vLLM <= 0.31) answers the 400.
+    context_overflow: str = "clamp"
     # Send every chat and completions stream to the node with include_usage and
     # continuous_usage_stats (and take out of the relayed chunks what the client did not
     # ask for): the node's own output count on every chunk, not one token per chunk.

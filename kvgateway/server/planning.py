@@ -129,9 +129,14 @@ async def plan_request(
     per_prompt = len(prompt.each) == prompt.prompts
     keep = truncation(body, prompt.longest) if per_prompt else 0
     if keep == 0 and per_prompt and largest and truncates_to_fit(parsed):
-        # The output the node gets: asked for, or the default as for a short prompt (the
-        # prompt is cut to make room for it, not the output to the prompt's leftover).
-        fit = largest - output_budget(parsed, config, 0, largest)[0]
+        if config.admission.context_overflow == "clamp":
+            # vLLM >= 0.32 keeps all but one token of the context, then cuts max_tokens
+            # to the one left (renderers/params.py max_truncation_tokens).
+            fit = largest - 1
+        else:
+            # The output the node gets: asked for, or the default as for a short prompt
+            # (the prompt is cut to make room for it, not the output to the leftover).
+            fit = largest - output_budget(parsed, config, 0, largest)[0]
         keep = fit if 0 < fit < prompt.longest else 0
     if 0 < keep < prompt.longest:
         prompt = truncated(prompt, keep)
@@ -366,9 +371,13 @@ def output_budget(
     parsed: ParsedRequest, config: GatewayConfig, prompt_bound: int, largest_context: int
 ) -> tuple[int, int | None]:
     """Output tokens to reserve per sequence, and the ``max_tokens`` to send when the
-    client left it open (None: the body goes unchanged).
+    client left it open or asked for more than the largest context leaves (None: the
+    body goes unchanged).
 
-    A client-given budget is kept. Left open (absent or ``null``), vLLM would allow "the
+    A client-given budget is kept, unless it does not fit beside the prompt in the
+    largest context but does fit the context itself: with ``admission.context_overflow:
+    clamp`` (vLLM >= 0.32) it is cut to what the context leaves, as the node would cut
+    it. Left open (absent or ``null``), vLLM would allow "the
     rest of the context" (chat, and completions with an explicit null) or 16
     (completions, absent): the gateway sends the node what it reserves, the default capped
     at what the largest context leaves after the prompt, so the cap never turns a request
@@ -377,8 +386,19 @@ def output_budget(
     """
     if parsed.echo_only:
         return 1, None  # vLLM schedules one token for an echo of the prompt
-    if parsed.requested_output is not None:
-        return parsed.requested_output, None
+    requested = parsed.requested_output
+    if requested is not None:
+        left = largest_context - prompt_bound
+        if (
+            config.admission.context_overflow == "clamp"
+            and largest_context
+            and 0 < left < requested <= largest_context
+        ):
+            # vLLM >= 0.32 serves it with max_tokens cut to what the context leaves
+            # (get_max_tokens); the node is sent the cut, so the reservation holds
+            # whatever its count of the prompt.
+            return left, left
+        return requested, None
     room = max(1, largest_context - prompt_bound) if largest_context else None
     explicit_null = parsed.output_field in parsed.body and parsed.body[parsed.output_field] is None
     if parsed.kind != "completion":

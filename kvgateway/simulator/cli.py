@@ -43,6 +43,7 @@ _NODE_FLAGS = {
     "tokenizer": "tokenizer",
     "default_chat_template_kwargs": "default_chat_template_kwargs",
     "stream_interval": "stream_interval",
+    "context_overflow": "context_overflow",
 }
 
 
@@ -92,6 +93,13 @@ def register(subparsers: Any) -> None:
         "--stream-interval",
         type=int,
         help="ad-hoc node: stream tokens this many at a time (vLLM's flag; default 1)",
+    )
+    parser.add_argument(
+        "--context-overflow",
+        choices=("clamp", "reject"),
+        help="ad-hoc node: a max_tokens that does not fit beside the prompt is cut to "
+        "what the context leaves (clamp, vLLM >= 0.32; default) or refused with a 400 "
+        "(reject, vLLM <= 0.31)",
     )
     sized = parser.add_argument_group("--preset node (vLLM's flags; default: vLLM's defaults)")
     sized.add_argument("--gpu-memory-gib", type=float, help="per GPU, as torch sees it")

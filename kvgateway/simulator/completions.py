@@ -127,15 +127,24 @@ async def handle_completion(request: web.Request) -> web.StreamResponse:
 
 
 def _truncated(
-    ids: list[int], keep: int | None, max_model_len: int, max_tokens: int | None
+    ids: list[int],
+    keep: int | None,
+    max_model_len: int,
+    max_tokens: int | None,
+    overflow: str = "clamp",
 ) -> list[int]:
     """``truncate_prompt_tokens``: the prompt's last ``keep`` tokens (-1: as many as fit
-    beside ``max_tokens``, vllm/renderers/params.py ``_token_truncation``); more than
-    max_model_len is refused (``_validate_truncation_size``); vLLM truncates on the left."""
+    beside ``max_tokens`` in vLLM <= 0.31; the context less one in vLLM >= 0.32, which
+    then cuts max_tokens to fit; vllm/renderers/params.py ``_token_truncation``); more
+    than max_model_len is refused (``_validate_truncation_size``); vLLM truncates on the
+    left."""
     if keep is None or keep == 0:
         return ids
     if keep == -1:
-        keep = max(1, max_model_len - (max_tokens or 0))
+        if overflow == "clamp":
+            keep = max(1, max_model_len - 1)
+        else:
+            keep = max(1, max_model_len - (max_tokens or 0))
     if keep > max_model_len:
         raise p.bad_request(
             f"truncate_prompt_tokens value ({keep}) is greater than max_model_len "
@@ -156,10 +165,20 @@ async def _generate(
 ) -> web.StreamResponse:
     settings = node.settings
     prompt_ids = _truncated(
-        prompt_ids, req.truncate_prompt_tokens, settings.max_model_len, req.max_tokens
+        prompt_ids,
+        req.truncate_prompt_tokens,
+        settings.max_model_len,
+        req.max_tokens,
+        settings.context_overflow,
     )
     prompt_tokens = len(prompt_ids)
-    budget = p.output_budget(settings.max_model_len, prompt_tokens, req.max_tokens, text=text)
+    budget = p.output_budget(
+        settings.max_model_len,
+        prompt_tokens,
+        req.max_tokens,
+        text=text,
+        overflow=settings.context_overflow,
+    )
     fault = node.faults.consume()
     if fault is not None and fault.hang_s:
         await _sleep_unless_gone(request, fault.hang_s)

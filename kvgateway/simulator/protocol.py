@@ -76,7 +76,8 @@ def injected_error(status: int) -> ApiError:
 def context_length_error(
     max_model_len: int, prompt_tokens: int, requested: int | None, *, text: bool = True
 ) -> ApiError:
-    """vLLM's 400 for prompt + requested output > max_model_len (``renderers/params.py``).
+    """vLLM <= 0.31's 400 for prompt + requested output > max_model_len
+    (``renderers/params.py``).
 
     vLLM encodes text at most ``max_input + 1`` tokens long (max_input = max_model_len -
     requested output), so an over-long text prompt is reported as "at least max_input +
@@ -86,11 +87,7 @@ def context_length_error(
     """
     out = requested or 0
     if out > max_model_len:
-        return bad_request(
-            f"max_tokens={out} cannot be greater than max_model_len=max_total_tokens="
-            f"{max_model_len}. Please request fewer output tokens.",
-            "max_tokens",
-        )
+        return _too_many_output_tokens(out, max_model_len)
     max_input = max_model_len - out
     count = min(prompt_tokens, max_input + 1) if text else prompt_tokens
     at_least = "at least " if count > max_input and count == max_input + 1 else ""
@@ -104,15 +101,62 @@ def context_length_error(
     return bad_request(message, "input_tokens")
 
 
+def _too_many_output_tokens(out: int, max_model_len: int) -> ApiError:
+    return bad_request(
+        f"max_tokens={out} cannot be greater than max_model_len=max_total_tokens="
+        f"{max_model_len}. Please request fewer output tokens.",
+        "max_tokens",
+    )
+
+
+def prompt_too_long_error(max_model_len: int, prompt_tokens: int, *, text: bool = True) -> ApiError:
+    """vLLM >= 0.32's 400 for a prompt that does not fit the context even without output
+    (``renderers/params.py`` ``_token_len_check``; text is encoded at most
+    ``max_model_len + 1`` tokens long), and for one exactly at the limit (the engine's
+    ``_validate_prompt_len``: no room for one output token)."""
+    if prompt_tokens == max_model_len:
+        return bad_request(
+            f"The decoder prompt (length {prompt_tokens}) plus the number of requested "
+            f"output tokens (at least 1) is longer than the maximum model length of "
+            f"{max_model_len}. Make sure that `max_model_len` is no smaller than the number "
+            "of text tokens (prompt + requested output tokens).",
+            None,
+        )
+    count = min(prompt_tokens, max_model_len + 1) if text else prompt_tokens
+    at_least = "at least " if text and count == max_model_len + 1 else ""
+    return bad_request(
+        f"This model's maximum context length is {max_model_len} tokens. However, your "
+        f"prompt contains {at_least}{count} input tokens, which exceeds this limit even "
+        "without any output tokens. Please reduce the length of the input prompt. "
+        f"(parameter=input_tokens, value={count})",
+        "input_tokens",
+    )
+
+
 def output_budget(
-    max_model_len: int, prompt_tokens: int, requested: int | None, *, text: bool = True
+    max_model_len: int,
+    prompt_tokens: int,
+    requested: int | None,
+    *,
+    text: bool = True,
+    overflow: str = "clamp",
 ) -> int:
     """Tokens the request may generate, or :class:`ApiError` if it cannot fit.
 
     ``requested`` None means the client set no limit: vLLM then allows
     ``max_model_len - prompt_tokens``, which needs at least one token of room.
-    ``text``: the prompt came as text (its over-long count is cut at max_input + 1).
+    ``text``: the prompt came as text (its over-long count is cut).
+    ``overflow``: "clamp" (vLLM >= 0.32: a prompt that fits is served, ``max_tokens``
+    cut to what the context leaves, ``get_max_tokens``) or "reject" (vLLM <= 0.31:
+    prompt + max_tokens past the context is a 400).
     """
+    if overflow == "clamp":
+        if requested is not None and requested > max_model_len:
+            raise _too_many_output_tokens(requested, max_model_len)
+        if prompt_tokens >= max_model_len:
+            raise prompt_too_long_error(max_model_len, prompt_tokens, text=text)
+        room = max_model_len - prompt_tokens
+        return room if requested is None else min(requested, room)
     if requested is None:
         if prompt_tokens >= max_model_len:
             raise context_length_error(max_model_len, prompt_tokens, None, text=text)
@@ -193,7 +237,9 @@ def _common(body: dict[str, Any], max_tokens: int | None) -> dict[str, Any]:
         "model": model,
         "stream": stream,
         "include_usage": bool(options.get("include_usage")),
-        "continuous_usage": bool(options.get("continuous_usage_stats")),
+        # vLLM's should_include_usage: continuous usage only together with include_usage.
+        "continuous_usage": bool(options.get("include_usage"))
+        and bool(options.get("continuous_usage_stats")),
         "n": _opt_int(body, "n", 1) or 1,
         "max_tokens": max_tokens,
         "ignore_eos": _bool(body, "ignore_eos"),

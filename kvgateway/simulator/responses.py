@@ -192,7 +192,12 @@ async def handle_responses(request: web.Request) -> web.StreamResponse:
         prompt_ids = await node.tokenizer.encode_chat_request_async(req.chat, req.messages)
     except TemplateError as exc:
         raise p.bad_request(str(exc)) from exc
-    budget = p.output_budget(node.settings.max_model_len, len(prompt_ids), req.max_output_tokens)
+    budget = p.output_budget(
+        node.settings.max_model_len,
+        len(prompt_ids),
+        req.max_output_tokens,
+        overflow=node.settings.context_overflow,
+    )
     shapes = _Shapes(req, node.settings.model)
     handle = node.driver.submit(prompt_ids, budget, n=1, ignore_eos=False, min_tokens=0)
     poll = node.disconnect_poll_s

@@ -20,6 +20,7 @@ from kvgateway.simulator.cost import CostModel
 from kvgateway.simulator.engine import EngineConfig
 
 OUTPUT_DISTRIBUTIONS = ("lognormal", "uniform", "fixed")
+CONTEXT_OVERFLOW = ("clamp", "reject")
 
 
 class SettingsError(ValueError):
@@ -92,6 +93,9 @@ class NodeSettings:
     # vLLM's --stream-interval: a stream sends the first token at once, then tokens only
     # once this many have piled up (and at the finish).
     stream_interval: int = 1
+    # A max_tokens that does not fit beside the prompt: "clamp" as vLLM >= 0.32 (served,
+    # max_tokens cut to what the context leaves), "reject" as vLLM <= 0.31 (a 400).
+    context_overflow: str = "clamp"
 
     # Prefix caching, on by default as in vLLM V1 (--no-enable-prefix-caching turns it off).
     enable_prefix_caching: bool = True
@@ -249,6 +253,11 @@ def validate(s: NodeSettings, path: str = "settings") -> None:
             raise SettingsError(f"{path}.{name}: must not be negative, got {getattr(s, name)}")
     if s.step_overhead_s + s.weight_read_s + s.offload_s <= 0:
         raise SettingsError(f"{path}.step_overhead_s: a step must take some time")
+    if s.context_overflow not in CONTEXT_OVERFLOW:
+        raise SettingsError(
+            f"{path}.context_overflow: unknown {s.context_overflow!r}; "
+            f"known: {', '.join(CONTEXT_OVERFLOW)}"
+        )
     if s.output_dist not in OUTPUT_DISTRIBUTIONS:
         raise SettingsError(
             f"{path}.output_dist: unknown distribution {s.output_dist!r}; "

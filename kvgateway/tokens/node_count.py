@@ -17,8 +17,15 @@ count of the prompt (exactly, or as a lower bound when vLLM stopped tokenizing e
   requested T tokens (N in your prompt; M for the completion)." (exact; completions)
 - "This model's maximum context length is L tokens. However, you requested N tokens in
   the messages, Please reduce the length of the messages." (exact, prompt alone)
+- vLLM >= 0.32 (which cuts max_tokens to what the context leaves instead of refusing):
+  "This model's maximum context length is L tokens. However, your prompt contains [at
+  least] N input tokens, which exceeds this limit even without any output tokens." and,
+  before tokenizing, "... your prompt contains C characters (more than ...)" (the
+  prompt is longer than L tokens);
 - engine-level: "The decoder prompt (length N) is longer than the maximum model length
-  of L." and "Input prompt (N tokens) is too long and exceeds limit of L".
+  of L.", "The decoder prompt (length N) plus the number of requested output tokens (at
+  least 1) is longer than the maximum model length of L." and "Input prompt (N tokens)
+  is too long and exceeds limit of L".
 """
 
 from __future__ import annotations
@@ -68,8 +75,20 @@ _OLD_SPLIT = re.compile(
 _OLD_MESSAGES = re.compile(r"requested (\d+) tokens in the messages", re.IGNORECASE)
 _ENGINE = (
     re.compile(r"decoder prompt \(length (\d+)\) is longer than the maximum model length of (\d+)"),
+    re.compile(
+        r"decoder prompt \(length (\d+)\) plus the number of requested output tokens "
+        r"\(at least 1\) is longer than the maximum model length of (\d+)"
+    ),
     re.compile(r"Input prompt \((\d+) tokens\) is too long and exceeds limit of (\d+)"),
 )
+# vLLM >= 0.32: the prompt alone is past the context (text is counted to L + 1 at most).
+_NO_OUTPUT = re.compile(
+    r"your prompt contains (at least )?(\d+) input tokens, which exceeds this limit",
+    re.IGNORECASE,
+)
+# vLLM >= 0.32's character pre-check: more characters than L input tokens can hold, so
+# the prompt is longer than L tokens.
+_CHARACTERS = re.compile(r"your prompt contains \d+ characters \(more than", re.IGNORECASE)
 
 
 def parse_context_length_error(message: str) -> NodeCount | None:
@@ -80,6 +99,11 @@ def parse_context_length_error(message: str) -> NodeCount | None:
         m = pattern.search(message)
         if m:
             return NodeCount(int(m.group(2)), at_least, max_len, int(m.group(1)))
+    m = _NO_OUTPUT.search(message)
+    if m:
+        return NodeCount(int(m.group(2)), m.group(1) is not None, max_len, 0)
+    if max_len is not None and _CHARACTERS.search(message):
+        return NodeCount(max_len + 1, True, max_len, 0)
     m = _OLD_SPLIT.search(message)
     if m:
         return NodeCount(int(m.group(1)), False, max_len, int(m.group(2)))

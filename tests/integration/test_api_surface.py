@@ -119,6 +119,39 @@ async def test_context_error_uses_the_wording_clients_recognise(start_fleet: Sta
     assert err.value.code == "context_length_exceeded"
 
 
+@pytest.mark.parametrize("overflow", ["clamp", "reject"])
+async def test_max_tokens_past_the_largest_context(
+    start_fleet: StartFleet, client, overflow: str
+) -> None:
+    """A prompt that fits the largest context (8192) with a max_tokens that does not fit
+    beside it: vLLM >= 0.32 serves it with max_tokens cut to what the context leaves, and
+    so does the gateway by default (it sends the node the cut); with
+    ``admission.context_overflow: reject`` it answers the 400 as vLLM <= 0.31."""
+    fleet = await start_fleet(
+        [("small-1", "small", "gpu24-8b", {"context_overflow": overflow})],
+        time_scale=200,
+        gateway={"admission": {"context_overflow": overflow}},
+    )
+    oai = client(fleet.url)
+    messages = [{"role": "user", "content": "hello " * 5000}]
+    if overflow == "reject":
+        with pytest.raises(openai.BadRequestError) as err:
+            await oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=4000)
+        assert err.value.code == "context_length_exceeded"
+        return
+    raw = await oai.chat.completions.with_raw_response.create(
+        model=MODEL, messages=messages, max_tokens=4000
+    )
+    reply = raw.parse()
+    prompt = int(raw.headers["x-gateway-prompt-tokens"])
+    assert int(raw.headers["x-gateway-max-tokens"]) == 8192 - prompt
+    assert reply.usage.prompt_tokens <= prompt
+    assert reply.usage.prompt_tokens + reply.usage.completion_tokens <= 8192
+    # max_tokens past the context itself stays a 400, as on the node.
+    with pytest.raises(openai.BadRequestError):
+        await oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=9000)
+
+
 async def test_opentelemetry_spans_for_admission_and_the_upstream_call(start_fleet: StartFleet):
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor

@@ -120,30 +120,32 @@ async def test_exact_mode_counts_what_the_node_counts(start_fleet: StartFleet, v
                 assert r.status == 200, data
                 assert int(r.headers["x-gateway-prompt-tokens"]) == 1000
                 assert data["usage"]["prompt_tokens"] == 1000
-            # -1: as many as fit beside max_tokens (32,768 - 2 on this node).
+            # -1: all but one token of the context (32,768 - 1 on this node), and
+            # max_tokens cut to the one left, as vLLM >= 0.32 does.
             body["truncate_prompt_tokens"] = -1
             async with s.post(fleet.url + path, json=body) as r:
                 data = await r.json()
                 assert r.status == 200, data
-                assert int(r.headers["x-gateway-prompt-tokens"]) == 32_766
-                assert data["usage"]["prompt_tokens"] == 32_766
-        # -1 without max_tokens: the prompt is cut for the default output, not the output
-        # to what the uncut prompt leaves (it sent max_tokens 1).
+                assert int(r.headers["x-gateway-prompt-tokens"]) == 32_767
+                assert data["usage"]["prompt_tokens"] == 32_767
+                assert int(r.headers["x-gateway-max-tokens"]) == 1
+                assert data["usage"]["completion_tokens"] <= 1
+        # -1 without max_tokens: the same cut; the output the context leaves is one.
         chat = {"model": MODEL, "messages": [{"role": "user", "content": digits}]}
         async with s.post(
             fleet.url + "/v1/chat/completions", json={**chat, "truncate_prompt_tokens": -1}
         ) as r:
             data = await r.json()
             assert r.status == 200, data
-            budget = int(r.headers["x-gateway-max-tokens"])
-            assert budget > 1 and data["usage"]["prompt_tokens"] == 32_768 - budget
-        # A batch is cut prompt by prompt: eight sequences of 32,766 (the simulated node
+            assert int(r.headers["x-gateway-max-tokens"]) == 1
+            assert data["usage"]["prompt_tokens"] == 32_767
+        # A batch is cut prompt by prompt: eight sequences of 32,767 (the simulated node
         # serves one prompt per request and refuses it; the gateway's count is the point).
         batch = {"model": MODEL, "prompt": [digits] * 8, "max_tokens": 2}
         async with s.post(
             fleet.url + "/v1/completions", json={**batch, "truncate_prompt_tokens": -1}
         ) as r:
-            assert int(r.headers["x-gateway-prompt-tokens"]) == 8 * 32_766
+            assert int(r.headers["x-gateway-prompt-tokens"]) == 8 * 32_767
         # Any role goes to the node, whose template decides (this one knows no "ipython").
         body = {"model": MODEL, "messages": [{"role": "ipython", "content": "42"}]}
         async with s.post(fleet.url + "/v1/chat/completions", json=body) as r:

@@ -172,8 +172,8 @@ async def test_both_finish_reasons_occur_and_seed_repeats(sim: SimFactory) -> No
     assert first == await reasons(3)
 
 
-async def test_too_long_prompt_gets_vllms_400(sim: SimFactory) -> None:
-    node = await sim()  # max_model_len 512
+async def test_too_long_prompt_gets_vllms_400_before_0_32(sim: SimFactory) -> None:
+    node = await sim(context_overflow="reject")  # max_model_len 512
     status, body = await node.post("/v1/chat/completions", chat("hello " * 600, max_tokens=100))
     assert status == 400
     assert body == {
@@ -222,6 +222,42 @@ async def test_too_long_prompt_gets_vllms_400(sim: SimFactory) -> None:
         "/v1/completions", {"prompt": "hello " * 500, "max_tokens": room + 1}
     )
     assert status == 400
+
+
+async def test_max_tokens_past_the_context_is_cut_as_vllm_0_32_does(sim: SimFactory) -> None:
+    """vLLM >= 0.32 (renderers/params.py max_input_tokens is the whole context;
+    get_max_tokens cuts max_tokens to what the prompt leaves) serves a prompt that fits
+    whatever max_tokens asks, up to max_model_len itself."""
+    node = await sim(output_dist="fixed", output_mean=4096.0)  # max_model_len 512
+    _, counted = await node.post("/tokenize", {"prompt": "hello " * 500})
+    room = 512 - counted["count"]
+    status, body = await node.post("/v1/completions", {"prompt": "hello " * 500, "max_tokens": 100})
+    assert status == 200, body
+    assert body["usage"]["completion_tokens"] == room
+    assert body["usage"]["total_tokens"] == 512
+    assert body["choices"][0]["finish_reason"] == "length"
+    # max_tokens past the context alone: still vLLM's 400.
+    status, body = await node.post("/v1/completions", {"prompt": "hi", "max_tokens": 600})
+    assert status == 400 and "cannot be greater than max_model_len" in body["error"]["message"]
+    # A prompt past the context even without output, in the new wording: text is counted
+    # to max_model_len + 1 ("at least"), token ids at their length.
+    status, body = await node.post("/v1/chat/completions", chat("hello " * 600, max_tokens=10))
+    assert status == 400 and body["error"]["message"] == (
+        "This model's maximum context length is 512 tokens. However, your prompt contains "
+        "at least 513 input tokens, which exceeds this limit even without any output "
+        "tokens. Please reduce the length of the input prompt. (parameter=input_tokens, "
+        "value=513)"
+    )
+    status, body = await node.post("/v1/completions", {"prompt": [7] * 600, "max_tokens": 10})
+    assert status == 400 and "contains 600 input tokens, which exceeds" in body["error"]["message"]
+    # Exactly at the limit: no room for one output token (the engine's own check).
+    status, body = await node.post("/v1/completions", {"prompt": [7] * 512, "max_tokens": 10})
+    assert status == 400 and body["error"]["message"].startswith(
+        "The decoder prompt (length 512) plus the number of requested output tokens (at "
+        "least 1) is longer than the maximum model length of 512."
+    )
+    status, body = await node.post("/v1/completions", {"prompt": [7] * 511, "max_tokens": 10})
+    assert status == 200 and body["usage"]["completion_tokens"] == 1
 
 
 async def test_unknown_model_and_malformed_bodies(sim: SimFactory) -> None:
@@ -327,3 +363,20 @@ async def test_chat_chunks_are_exactly_vllms_shape(sim: SimFactory) -> None:
             ],
         }
     assert all(e["id"] == head["id"] for e in events)
+
+
+async def test_continuous_usage_only_with_include_usage(sim: SimFactory) -> None:
+    """vLLM's should_include_usage: per-chunk usage needs include_usage as well."""
+    node = await sim(output_dist="fixed", output_mean=5.0)
+    for options, per_chunk, final in (
+        ({"continuous_usage_stats": True}, False, False),
+        ({"include_usage": True}, False, True),
+        ({"include_usage": True, "continuous_usage_stats": True}, True, True),
+    ):
+        body = chat("hi", max_tokens=5, stream=True, stream_options=options)
+        async with node.session.post(node.url + "/v1/chat/completions", json=body) as r:
+            text = await r.text()
+        events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+        with_choices = [e for e in events if e["choices"]]
+        assert all(("usage" in e and e["usage"] is not None) == per_chunk for e in with_choices)
+        assert any(not e["choices"] and e.get("usage") for e in events) == final, options

@@ -132,6 +132,34 @@ VLLM_NEW = (
             "Make sure that `max_model_len` is no smaller than the number of text tokens.",
             NodeCount(9000, False, 8192, None),
         ),
+        # vLLM >= 0.32 (max_tokens is cut instead; only a prompt past the context is
+        # refused), as its renderers/params.py and input_processor.py word it.
+        (
+            "This model's maximum context length is 256 tokens. However, your prompt "
+            "contains at least 257 input tokens, which exceeds this limit even without any "
+            "output tokens. Please reduce the length of the input prompt. "
+            "(parameter=input_tokens, value=257)",
+            NodeCount(257, True, 256, 0),
+        ),
+        (
+            "This model's maximum context length is 256 tokens. However, your prompt "
+            "contains 300 input tokens, which exceeds this limit even without any output "
+            "tokens. Please reduce the length of the input prompt.",
+            NodeCount(300, False, 256, 0),
+        ),
+        (
+            "The decoder prompt (length 256) plus the number of requested output tokens (at "
+            "least 1) is longer than the maximum model length of 256. Make sure that "
+            "`max_model_len` is no smaller than the number of text tokens (prompt + "
+            "requested output tokens).",
+            NodeCount(256, False, 256, None),
+        ),
+        (
+            "This model's maximum context length is 4096 tokens. However, your prompt "
+            "contains 90000 characters (more than 61440 characters, which is the upper "
+            "bound for 4096 input tokens). Please reduce the length of the input prompt.",
+            NodeCount(4097, True, 4096, 0),
+        ),
         ("max_tokens must be at least 1, got 0.", None),
     ],
 )
