@@ -109,9 +109,12 @@ def _main(args: argparse.Namespace) -> int:
     if args.workers < 1:
         sys.stderr.write("gateway: --workers must be at least 1\n")
         return 2
-    if args.workers > 1 and not config.ledger.shared:
+    # A worker (re)started by the supervisor checks too: the file may have changed since
+    # (a restarted worker without the ledger would reserve every node's whole budget).
+    count = max(args.workers, args.worker_count or 1)
+    if count > 1 and not config.ledger.shared:
         sys.stderr.write(
-            f"gateway: --workers {args.workers} needs the shared ledger: each worker "
+            f"gateway: --workers {count} needs the shared ledger: each worker "
             "would otherwise reserve every node's whole KV budget. Set ledger.url "
             "(redis://HOST:PORT/DB) in the config or pass --ledger-url, or run one worker.\n"
         )
@@ -263,7 +266,7 @@ async def serve(
                     await task
         if reloader is not None:
             await reloader.close()
-        await _shutdown(app, runner, site, config)
+        await _shutdown(app, runner, site, app[STATE].config)  # as last reloaded
 
 
 def _already_stopping(sig: signal.Signals) -> None:

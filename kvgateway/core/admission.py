@@ -69,7 +69,9 @@ class Admission(AdmissionCore):
         ticket = self._tenancy.ticket(demand.tenant, demand.tokens) if self._tenancy else None
         try:
             while True:
-                r = await self._admit_ticketed(demand, deadline - loop.time(), ticket, since)
+                r = await self._admit_ticketed(
+                    demand, deadline - loop.time(), ticket, since, stated=timeout
+                )
                 ok = False
                 try:
                     ok = await self._ledger.confirm(r)
@@ -94,8 +96,17 @@ class Admission(AdmissionCore):
             raise
 
     async def _admit_ticketed(
-        self, demand: Demand, timeout: float, ticket: Ticket | None, since: float
+        self,
+        demand: Demand,
+        timeout: float,
+        ticket: Ticket | None,
+        since: float,
+        *,
+        stated: float | None = None,
     ) -> Reservation:
+        """One pass: reserve now, or wait up to ``timeout`` (what is left of the
+        request's queue timeout, ``stated``, which the 429 states)."""
+        stated = timeout if stated is None else stated
         outcome = self.try_admit(demand, ticket)
         if self._on_decision is not None and not isinstance(outcome, Reservation):
             self._on_decision(outcome, demand)
@@ -137,12 +148,12 @@ class Admission(AdmissionCore):
         except BaseException as exc:
             self._abandon(waiter)
             if isinstance(exc, TimeoutError) and waiter.gated is not None:
-                raise gated_error(demand.tenant, waiter.gated, timeout) from None
+                raise gated_error(demand.tenant, waiter.gated, stated) from None
             if isinstance(exc, TimeoutError):
                 raise Saturated(
                     f"No backend had room for this request ({demand.tokens} KV tokens) "
-                    f"within {timeout:g}s. Retry later.",
-                    retry_after=max(1.0, timeout / 2),
+                    f"within {stated:g}s. Retry later.",
+                    retry_after=max(1.0, stated / 2),
                 ) from None
             raise
 

@@ -16,8 +16,11 @@ lapsed, and writes its holdings again. ``{ns}:epoch`` says when the ledger's dat
 a replica that finds another epoch than the one it knew (Redis restarted without
 persistence, and every holding is gone) stalls every grant for a while (member
 ``!stall`` of the live set, scored with the stall's end), until each live replica has
-found the same and written its holdings again. Time is the Redis server's (``TIME``), so
-replicas' clocks do not matter.
+found the same and written its holdings again; so does the first replica back after an
+outage longer than every lease (Redis frozen or unreachable for all, its data kept),
+which would otherwise find the others' leases lapsed and take their room. Time is the
+Redis server's (``TIME``), so replicas' clocks do not matter. Under ``maxmemory`` every
+script is refused at its first write, before it changed anything.
 
 Fairness across replicas (approximately one FIFO queue): while another live replica has
 requests queued for a backend, a *new* request elsewhere is refused there (it queues in its
@@ -39,23 +42,34 @@ end
 -- has left, and the ledger's epoch: when its data began (a Redis that lost its data,
 -- restarted without persistence, begins another). A replica that knew an earlier epoch
 -- finds holdings missing, maybe everyone's: no grant until every live replica has had
--- time to find the same and write its holdings again (stall ms). A lease lost while the
--- data stayed (a freeze, a cut, a clean stop under the same identity) stalls nothing.
+-- time to find the same and write its holdings again (stall ms). So does the first
+-- replica back from an outage that outlasted every lease (Redis frozen or cut off from
+-- all, its data kept): its own lease and others' lapsed together, and the others'
+-- holdings go as it reads them. A lease lost alone (one replica frozen or cut off, a
+-- clean stop under the same identity) stalls nothing.
 -- The stall is the member '!stall' of the live set, its score the stall's end.
+-- The first write is the ZADD of my lease: Redis checks maxmemory at a script's first
+-- write that may use memory, so under OOM the whole call is refused before anything
+-- changed (a delete first let every later write through, and only releases failed).
 local function live(key, epochkey, me, now, lease, known, stall)
-  redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
-  local lapsed = redis.call('ZSCORE', key, me) == false
+  local prev = redis.call('ZSCORE', key, me)
+  local lapsed = (not prev) or tonumber(prev) <= now
+  local old_stall = redis.call('ZSCORE', key, '!stall')
+  redis.call('ZADD', key, now + lease, me)
+  local gone = redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
+  if old_stall and tonumber(old_stall) <= now then gone = gone - 1 end
   local epoch = redis.call('GET', epochkey)
   if not epoch then
     epoch = string.format('%d', now)
     redis.call('SET', epochkey, epoch)
   end
   local ends = tonumber(redis.call('ZSCORE', key, '!stall') or '0')
-  if known ~= '0' and known ~= epoch and now + stall > ends then
+  local lost_data = known ~= '0' and known ~= epoch
+  local all_lapsed = known ~= '0' and lapsed and gone > 0
+  if (lost_data or all_lapsed) and now + stall > ends then
     ends = now + stall
     redis.call('ZADD', key, ends, '!stall')
   end
-  redis.call('ZADD', key, now + lease, me)
   local left = math.max(0, ends - now)
   local n = redis.call('ZCARD', key) - (left > 0 and 1 or 0)
   return n, lapsed and 1 or 0, left, epoch

@@ -250,3 +250,70 @@ async def redis_server_stall(url: str) -> float | None:
         return await client.zscore("{kvgw}:live", "!stall")
     finally:
         await client.aclose()
+
+
+async def test_an_outage_longer_than_every_lease_does_not_lend_room_in_use(
+    redis_server: RedisServer,
+) -> None:
+    """Redis frozen past every replica's lease, its data kept (a Sentinel failover, a
+    long GC of the Redis host): the first replica back found the others' leases lapsed,
+    deleted their holdings as it read them, and took their room (a review saw 42,528 of a
+    29,168 budget recorded and 6 requests on a node that holds 4). It now stalls grants
+    as after a restart without persistence, until the others have written theirs again.
+    Here the leases are made to lapse in Redis (as the freeze would) just after A's
+    heartbeat, and B asks for room at once: B's call comes first."""
+    url = redis_server.url
+    async with (
+        replica(url, "a", lease_s=1.0, credit_hold_s=0.0) as a,
+        replica(url, "b", lease_s=1.0, credit_hold_s=0.0) as b,
+    ):
+        held = [await a.admission.admit(demand(1000), 1.0) for _ in range(8)]
+        assert await _until(url, "a", 8000) == 8000
+        client = Redis.from_url(url)
+        try:
+            renewed = await client.zscore("{kvgw}:live", "a")
+            async with asyncio.timeout(2.0):
+                while await client.zscore("{kvgw}:live", "a") == renewed:
+                    await asyncio.sleep(0.005)
+            await client.zadd("{kvgw}:live", {"a": 1, "b": 1})  # both leases long gone
+        finally:
+            await client.aclose()
+        got: list[Reservation] = []
+        deadline = asyncio.get_running_loop().time() + 6.0
+        while asyncio.get_running_loop().time() < deadline and len(got) < 4:
+            with contextlib.suppress(Saturated):
+                got.append(await b.admission.admit(demand(1000), 1.0))
+        assert len(got) <= 2, len(got)  # the room A's running requests leave, no more
+        assert await _until(url, "a", 8000, within=6.0) == 8000
+        for r in (*held, *got):
+            r.release()
+
+
+async def test_a_redis_out_of_memory_refuses_grants_too_not_only_releases(
+    redis_server: RedisServer,
+) -> None:
+    """With Redis at maxmemory (noeviction) the grant script wrote on (its first write,
+    a delete, passed Redis' memory check) while releases were refused: holdings could
+    only grow, and the replica flapped between fallback and shared every second. Every
+    script is now refused at its first write."""
+    url = redis_server.url
+    async with replica(url, "a", lease_s=2.0, credit_hold_s=0.0) as a:
+        r = await a.admission.admit(demand(1000), 1.0)
+        r.release()
+        assert await _until(url, "a", 0) == 0
+        redis_server.command("CONFIG", "SET", "maxmemory-policy", "noeviction")
+        redis_server.command("CONFIG", "SET", "maxmemory", "1")
+        try:
+            for _ in range(5):
+                with contextlib.suppress(Saturated):
+                    got = await a.admission.admit(demand(1000), 0.5)
+                    got.release()
+                await asyncio.sleep(0.3)
+            assert not a.ledger.status().shared  # in the fallback, and staying there
+            client = Redis.from_url(url)
+            try:
+                assert int(await client.hget("{kvgw}:tok:n1", "a") or 0) == 0
+            finally:
+                await client.aclose()
+        finally:
+            redis_server.command("CONFIG", "SET", "maxmemory", "0")
