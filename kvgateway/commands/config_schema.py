@@ -27,8 +27,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 def _main(args: argparse.Namespace) -> int:
     text = json.dumps(config_schema(), indent=2) + "\n"
     if args.output:
-        with open(args.output, "w", encoding="utf-8") as fh:
-            fh.write(text)
+        try:
+            with open(args.output, "w", encoding="utf-8") as fh:
+                fh.write(text)
+        except OSError as exc:
+            sys.stderr.write(
+                f"gateway config-schema: cannot write {args.output!r}: {exc.strerror}\n"
+            )
+            return 1
     else:
         sys.stdout.write(text)
     return 0

@@ -15,6 +15,7 @@ from dataclasses import replace
 from importlib import resources
 
 from kvgateway.commands.serve import run, serve
+from kvgateway.config.argtypes import port_number
 from kvgateway.config.load import load_config
 from kvgateway.config.model import POLICIES, GatewayConfig, Policy
 from kvgateway.config.yamlread import ConfigError
@@ -37,7 +38,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         ),
     )
     p.add_argument(
-        "--port", type=int, default=None, help="gateway port (default 8080 + --port-offset)"
+        "--port",
+        type=port_number,
+        default=None,
+        help="gateway port (default 8080 + --port-offset)",
     )
     p.add_argument(
         "--port-offset",

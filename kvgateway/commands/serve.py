@@ -23,6 +23,7 @@ from kvgateway.commands.workers import (
     bind_to_supervisor,
     supervise,
 )
+from kvgateway.config.argtypes import log_level, port_number, seconds
 from kvgateway.config.load import load_config
 from kvgateway.config.model import GatewayConfig
 from kvgateway.config.yamlread import ConfigError
@@ -49,15 +50,19 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     p.add_argument("--config", required=True, help="gateway YAML (see config/gateway.example.yaml)")
     p.add_argument("--host", help="listen address (default: server.host from the config)")
-    p.add_argument("--port", type=int, help="listen port (default: server.port from the config)")
+    p.add_argument(
+        "--port", type=port_number, help="listen port (default: server.port from the config)"
+    )
     p.add_argument("--watch", action="store_true", help="reload when the config file changes")
     p.add_argument(
         "--drain-delay-s",
-        type=float,
+        type=seconds,
         help="seconds /ready fails on SIGTERM before the listener closes "
         "(default: server.drain_delay_s from the config)",
     )
-    p.add_argument("--log-level", default="INFO", help="root log level (default INFO)")
+    p.add_argument(
+        "--log-level", type=log_level, default="INFO", help="root log level (default INFO)"
+    )
     p.add_argument(
         "--ledger-url",
         help="redis:// or rediss:// URL of the shared reservation ledger "

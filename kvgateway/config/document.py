@@ -62,6 +62,8 @@ def read_document(text: str, source: str, reading: Reading) -> Any:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         raise ConfigError("", f"{source}: invalid YAML{where}: {exc}") from exc
+    except ValueError as exc:  # e.g. an integer past Python's 4,300-digit limit
+        raise ConfigError("", f"{source}: invalid YAML: {exc}") from exc
     finally:
         loader.dispose()
     return expand_env(data, "", reading, os.environ)

@@ -42,6 +42,10 @@ def load_config(path: str, *, encodings: EncodingCache | None = None) -> Gateway
             text = fh.read()
     except OSError as exc:
         raise ConfigError("", f"cannot read config file {path!r}: {exc.strerror}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            "", f"config file {path!r} is not UTF-8 text (byte {exc.start}: {exc.reason})"
+        ) from exc
     return parse_config_text(text, source=path, encodings=encodings)
 
 
@@ -128,7 +132,7 @@ def _server(s: Section) -> ServerConfig:
     d = ServerConfig()
     cfg = ServerConfig(
         host=s.text("host", d.host),
-        port=s.integer("port", d.port, minimum=0),
+        port=s.integer("port", d.port, minimum=0, maximum=65535),
         api_keys=keys,
         admin_api_keys=admin_keys,
         access_log=s.flag("access_log", d.access_log),

@@ -54,6 +54,11 @@ def _backend(
     models: Mapping[str, ModelConfig],
     timeouts: TimeoutConfig,
 ) -> BackendConfig:
+    name = s.raw("name")
+    if isinstance(name, str) and "@" in name:
+        # DNS groups name their members group@ip:port: a static name of that form could
+        # be one of them (two backends under one name).
+        s.fail("name", f'"@" is kept for DNS group members (group@ip:port), got "{name}"')
     url = s.text("url").rstrip("/")
     parts = urlsplit(url)
     if not url:

@@ -13,6 +13,7 @@ JSON Schema from the loader without a second description of the format.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -68,10 +69,15 @@ class Reading:
 
 def _show(value: Any) -> str:
     if isinstance(value, str):
-        return f'"{value}"'
-    if value is None:
+        shown = f'"{value}"'
+    elif value is None:
         return "null"
-    return repr(value)
+    else:
+        try:
+            shown = repr(value)
+        except ValueError:  # an integer too long to print
+            return "an integer of more than 4,300 digits"
+    return shown if len(shown) <= 80 else shown[:77] + "..."
 
 
 def join(path: str, key: str | int) -> str:
@@ -243,14 +249,26 @@ class Section:
             return default
         return value
 
-    def integer(self, key: str, default: int | None = None, *, minimum: int = 1) -> int:
-        self._note_typed(key, {"type": "integer", "minimum": minimum}, default)
+    def integer(
+        self, key: str, default: int | None = None, *, minimum: int = 1, maximum: int | None = None
+    ) -> int:
+        note: dict[str, Any] = {"type": "integer", "minimum": minimum}
+        if maximum is not None:
+            note["maximum"] = maximum
+        self._note_typed(key, note, default)
         value = self._typed(key, default, int)
         if value is None:
             self.fail(key, "is required")
             return minimum
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int)
+            or value < minimum
+            or (maximum is not None and value > maximum)
+        ):
             what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+            if maximum is not None:
+                what = f"an integer from {minimum} to {maximum}"
             self.fail(key, f"expected {what}, got {_show(value)}")
             return default if default is not None else minimum
         return value
@@ -284,6 +302,12 @@ class Section:
             return fallback
         if isinstance(value, bool) or not isinstance(value, int | float):
             self.fail(key, f"expected a number, got {_show(value)}")
+            return fallback
+        if isinstance(value, int) and abs(value) > 2**53:
+            self.fail(key, f"expected a number below 2**53, got {_show(value)}")
+            return fallback
+        if not math.isfinite(value):
+            self.fail(key, f"expected a finite number, got {_show(value)}")
             return fallback
         low_ok = value > minimum if exclusive_min else value >= minimum
         if not low_ok or (maximum is not None and value > maximum):

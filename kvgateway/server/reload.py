@@ -60,6 +60,8 @@ def reload_config(
         )
     if new.ledger.shared and new.ledger != old.ledger:
         log.warning("ledger settings take effect on restart; the running ledger is unchanged")
+    for changed in restart_only(old, new):
+        log.warning("%s takes effect on restart; keeping the running value", changed)
     summary = apply_config(app, new, derived)
     if new.routing.policy != old.routing.policy:
         build = state.metrics.build_info
@@ -78,6 +80,19 @@ def reload_config(
         list(summary.changed),
     )
     return True
+
+
+def restart_only(old: GatewayConfig, new: GatewayConfig) -> list[str]:
+    """Settings a reload changed that only a restart applies (the listener's keep-alive,
+    the log format, the DNS resolver); host, port and the ledger are said apart."""
+    out = [
+        f"server.{key}"
+        for key in ("keepalive_timeout_s", "log_format")
+        if getattr(new.server, key) != getattr(old.server, key)
+    ]
+    if new.discovery != old.discovery:
+        out.append("discovery")
+    return out
 
 
 def apply_config(

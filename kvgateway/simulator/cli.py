@@ -19,6 +19,7 @@ import sys
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
+from kvgateway.config.argtypes import port_number
 from kvgateway.simulator.fleet import spec_from_json, start_fleet, start_node
 from kvgateway.simulator.fleetconfig import NodeSpec, load_fleet_config, node_spec
 from kvgateway.simulator.profiles import PROFILES
@@ -71,7 +72,9 @@ def register(subparsers: Any) -> None:
         "vLLM-style start-up lines, and refuses to start as vLLM would)",
     )
     parser.add_argument("--host", default="127.0.0.1", help="ad-hoc node: bind address")
-    parser.add_argument("--port", type=int, default=9101, help="ad-hoc node: port (0 = any)")
+    parser.add_argument(
+        "--port", type=port_number, default=9101, help="ad-hoc node: port (0 = any)"
+    )
     parser.add_argument("--name", default="sim", help="ad-hoc node: name")
     parser.add_argument("--model", help="ad-hoc node: served model name")
     parser.add_argument("--max-model-len", type=int)

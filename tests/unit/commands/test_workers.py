@@ -60,3 +60,29 @@ def test_workers_must_be_positive(tmp_path: Path, capsys, n):
         "tiers: [{name: t, backends: [{name: a, url: 'http://127.0.0.1:9', model: m}]}]\n"
     )
     assert main(["serve", "--config", str(cfg), "--workers", n]) == 2
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "says"),
+    [
+        ("--port", "89536", "expected a port from 0 to 65535"),
+        ("--port", "-5", "expected a port from 0 to 65535"),
+        ("--log-level", "bogus", "expected one of DEBUG"),
+        ("--drain-delay-s", "nan", "expected a finite number >= 0"),
+        ("--drain-delay-s", "-3", "expected a finite number >= 0"),
+    ],
+)
+def test_command_line_values_are_checked_where_typed(tmp_path: Path, capsys, flag, value, says):
+    """A review saw --port 89536 bind port 24000 (mod 65536) while the log said 89536,
+    and --log-level bogus end in a traceback."""
+    cfg = tmp_path / "g.yaml"
+    cfg.write_text("models: [{name: m}]\n")
+    with pytest.raises(SystemExit) as err:
+        main(["serve", "--config", str(cfg), flag, value])
+    assert err.value.code == 2
+    assert says in capsys.readouterr().err
+
+
+def test_config_schema_to_a_path_it_cannot_write(tmp_path: Path, capsys):
+    assert main(["config-schema", "-o", str(tmp_path / "no" / "such" / "x.json")]) == 1
+    assert "cannot write" in capsys.readouterr().err

@@ -179,3 +179,51 @@ def test_an_unknown_keys_error_lists_the_optional_keys_left_unset():
         parse(BASE.replace("max_num_seqs: 8", "served_modle: x"))
     known = str(err.value).split("known keys here: ")[1]
     assert "served_model" in known and "kv_events" in known, str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        # A review's findings: each passed `check` and then crashed or misbehaved `serve`.
+        ("ledger: {lease_s: .inf}\n", "ledger.lease_s: expected a finite number"),
+        ("admission: {queue_timeout_s: " + "1" * 400 + "}\n", "below 2**53"),
+        ("server: {port: 89537}\n", "server.port: expected an integer from 0 to 65535"),
+    ],
+)
+def test_numbers_past_what_the_gateway_can_use_name_the_yaml_path(extra, message):
+    with pytest.raises(ConfigError) as err:
+        parse(BASE + extra)
+    assert message in str(err.value)
+    assert len(str(err.value)) < 400  # the 400-digit value is not echoed whole
+
+
+def test_a_static_backend_cannot_take_a_dns_members_name():
+    text = BASE.replace("name: a,", 'name: "pool@127.0.0.1:24201",')
+    with pytest.raises(ConfigError, match=r'tiers\[0\].backends\[0\].name: "@" is kept for DNS'):
+        parse(text)
+
+
+def test_a_config_file_that_is_not_utf8_is_a_config_error(tmp_path: Path):
+    path = tmp_path / "g.yaml"
+    path.write_bytes(BASE.encode() + b"# \xff\xfe\n")
+    with pytest.raises(ConfigError, match="is not UTF-8 text"):
+        load_config(str(path))
+    path.write_text("admission: {queue_timeout_s: " + "9" * 5000 + "}\n")
+    with pytest.raises(ConfigError, match="invalid YAML"):
+        load_config(str(path))
+
+
+def test_a_reload_names_the_settings_only_a_restart_applies():
+    from kvgateway.server.reload import restart_only
+
+    old = parse(BASE)
+    new = parse(
+        BASE + "server: {keepalive_timeout_s: 1, log_format: json}\n"
+        "discovery: {nameservers: ['127.0.0.1:5353']}\n"
+    )
+    assert restart_only(old, new) == [
+        "server.keepalive_timeout_s",
+        "server.log_format",
+        "discovery",
+    ]
+    assert restart_only(old, parse(BASE)) == []
