@@ -31,7 +31,13 @@ from kvgateway.config.tenants import read_auth, read_keys
 from kvgateway.config.tiers import read_tier, read_timeouts
 from kvgateway.config.yamlread import ConfigError, Reading, Section
 from kvgateway.tokens.chat_template import TemplateError
-from kvgateway.tokens.encoding import PATTERNS, EncodingCache, EncodingSpec
+from kvgateway.tokens.encoding import (
+    PATTERNS,
+    EncodingCache,
+    EncodingError,
+    EncodingSpec,
+    spec_problem,
+)
 from kvgateway.tokens.modeldir import TokenizerDirError
 from kvgateway.tokens.spec import TokenizerConfig
 
@@ -156,6 +162,13 @@ def _model(s: Section, encodings: EncodingCache) -> ModelConfig:
     )
     if enc.file is not None and enc.pattern not in PATTERNS and len(enc.pattern) < 8:
         tok.fail("pattern", f"expected one of {', '.join(PATTERNS)} or a regex")
+    elif (problem := spec_problem(enc)) is not None:
+        tok.fail("file" if enc.file is not None else "encoding", problem)
+    elif enc.file is not None:
+        try:  # a file's contents and its pattern are only known by loading it
+            encodings.get(enc)
+        except EncodingError as exc:
+            tok.fail("pattern" if tok.has("pattern") else "file", str(exc))
     d = TokenizerConfig()
     tokenizer = TokenizerConfig(
         encoding=enc,

@@ -90,6 +90,22 @@ class EncodingSpec:
         return self.name in _CHUNK_SAFE_NAMES
 
 
+def spec_problem(spec: EncodingSpec) -> str | None:
+    """What makes ``spec`` unloadable, found without loading it (a name tiktoken does
+    not know, a file that is not there); None if it may load."""
+    if spec.file is not None:
+        if not os.path.isfile(os.path.expanduser(spec.file)):
+            return f"tokenizer file {spec.file!r} does not exist"
+        return None
+    known = set(tiktoken.list_encoding_names()) | set(_OFFLINE_ALIASES)
+    if spec.name not in known:
+        return (
+            f"unknown tiktoken encoding {spec.name!r}; encodings here: "
+            f"{', '.join(sorted(known))}; or give `file:` with a .tiktoken BPE file"
+        )
+    return None
+
+
 def load_encoding(spec: EncodingSpec) -> Encoder:
     """Build the encoding described by ``spec``; raises :class:`EncodingError`."""
     if spec.file is not None:

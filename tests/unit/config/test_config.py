@@ -227,3 +227,27 @@ def test_a_reload_names_the_settings_only_a_restart_applies():
         "discovery",
     ]
     assert restart_only(old, parse(BASE)) == []
+
+
+@pytest.mark.parametrize(
+    ("tokenizer", "message"),
+    [
+        ("{encoding: cl999k}", "models[0].tokenizer.encoding: unknown tiktoken encoding"),
+        ("{file: /no/such.tiktoken}", "models[0].tokenizer.file: tokenizer file"),
+    ],
+)
+def test_an_encoding_that_cannot_load_fails_the_config_not_the_start(tokenizer, message):
+    """It passed `gateway check` and crashed `serve` with a traceback naming no path."""
+    with pytest.raises(ConfigError) as err:
+        parse(BASE.replace("aliases: [alias]", f"aliases: [alias]\n    tokenizer: {tokenizer}"))
+    assert str(err.value).startswith(message), str(err.value)
+
+
+def test_a_bad_pattern_for_a_bpe_file_fails_the_config(tmp_path: Path):
+    bpe = tmp_path / "v.tiktoken"
+    bpe.write_text("YQ== 0\nYg== 1\n")
+    text = BASE.replace(
+        "aliases: [alias]", f"aliases: [alias]\n    tokenizer: {{file: {bpe}, pattern: '[a-z(unclosed'}}"
+    )
+    with pytest.raises(ConfigError, match=r"models\[0\].tokenizer.pattern: cannot read"):
+        parse(text)
