@@ -14,7 +14,7 @@ JSON Schema from the loader without a second description of the format.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,6 +65,25 @@ class Reading:
     def raise_if_any(self) -> None:
         if self.errors:
             raise ConfigError.of(self.errors)
+
+
+def retype_expanded(value: Any, path: str, expanded: Collection[str]) -> Any:
+    """``value`` (at ``path``) with every string that came from an environment reference
+    (its path in ``expanded``) read as YAML when it is a number, boolean or null: what a
+    typed getter does, for values typed later (``simulate`` blocks,
+    ``chat_template_kwargs``)."""
+    if isinstance(value, Mapping):
+        return {k: retype_expanded(v, join(path, str(k)), expanded) for k, v in value.items()}
+    if isinstance(value, list):
+        return [retype_expanded(v, join(path, i), expanded) for i, v in enumerate(value)]
+    if isinstance(value, str) and path in expanded:
+        try:
+            parsed = yaml.safe_load(value)
+        except yaml.YAMLError:
+            return value
+        if parsed is None or isinstance(parsed, bool | int | float):
+            return parsed
+    return value
 
 
 def _show(value: Any) -> str:
@@ -334,7 +353,8 @@ class Section:
         if not isinstance(value, Mapping):
             self.fail(key, f"expected a mapping, got {_show(value)}")
             return None
-        return value
+        retyped: Mapping[str, Any] = retype_expanded(value, self.where(key), self.reading.expanded)
+        return retyped
 
     def reject_unknown(self, *, ignore: tuple[str, ...] = ()) -> None:
         """Fail on keys nobody read: a typo must not silently fall back to a default."""

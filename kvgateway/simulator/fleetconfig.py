@@ -30,7 +30,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from kvgateway.config.document import read_document
-from kvgateway.config.yamlread import ConfigError, Reading
+from kvgateway.config.yamlread import ConfigError, Reading, retype_expanded
 from kvgateway.simulator.kv_events import kv_events_overrides
 from kvgateway.simulator.profiles import get_profile
 from kvgateway.simulator.settings import NodeSettings, SettingsError, apply_overrides
@@ -91,6 +91,8 @@ def load_fleet_config(
         raise SimulatorConfigError(str(exc)) from exc
     if reading.errors:
         raise SimulatorConfigError(f"{path}: {ConfigError.of(reading.errors)}")
+    # A number or boolean from a reference is one (simulation: {time_scale: ${TS:-1}}).
+    data = retype_expanded(data, "", reading.expanded)
     return parse_fleet_config(data, port_offset=port_offset, overrides=overrides)
 
 

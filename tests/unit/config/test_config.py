@@ -247,7 +247,37 @@ def test_a_bad_pattern_for_a_bpe_file_fails_the_config(tmp_path: Path):
     bpe = tmp_path / "v.tiktoken"
     bpe.write_text("YQ== 0\nYg== 1\n")
     text = BASE.replace(
-        "aliases: [alias]", f"aliases: [alias]\n    tokenizer: {{file: {bpe}, pattern: '[a-z(unclosed'}}"
+        "aliases: [alias]",
+        f"aliases: [alias]\n    tokenizer: {{file: {bpe}, pattern: '[a-z(unclosed'}}",
     )
     with pytest.raises(ConfigError, match=r"models\[0\].tokenizer.pattern: cannot read"):
         parse(text)
+
+
+def test_references_inside_mappings_are_typed_like_plain_values(monkeypatch, tmp_path: Path):
+    """``${VAR}`` in a mapping stayed a string: gpu_memory_gib "79.25" was refused, and
+    enable_thinking "false" reached the template as a (true) string."""
+    monkeypatch.setenv("THINK", "false")
+    text = BASE.replace(
+        "aliases: [alias]",
+        "aliases: [alias]\n    tokenizer: {chat_template_kwargs: {enable_thinking: '${THINK}', "
+        "effort: '${EFFORT:-high}'}}",
+    ).replace(
+        "max_num_seqs: 8}",
+        "max_num_seqs: 8, capacity: {gpu_memory_gib: '${GIB:-79.25}', preset: llama-3.1-8b}}",
+    )
+    cfg = parse(text)
+    assert (
+        cfg.models[0].tokenizer.chat_template_kwargs == '{"effort":"high","enable_thinking":false}'
+    )
+    from kvgateway.simulator.fleetconfig import load_fleet_config
+
+    path = tmp_path / "f.yaml"
+    path.write_text(
+        "simulation: {time_scale: '${TS:-4}'}\n"
+        "models: [{name: m}]\n"
+        "tiers: [{name: t, backends: [{name: a, url: 'http://127.0.0.1:9', model: m, "
+        "simulate: {profile: tiny, max_num_seqs: '${SEQS:-3}'}}]}]\n"
+    )
+    (spec,) = load_fleet_config(path)
+    assert spec.settings.time_scale == 4.0 and spec.settings.max_num_seqs == 3
