@@ -25,7 +25,7 @@ from __future__ import annotations
 import glob
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,52 +49,79 @@ _SPECIAL_NAMES = (
 )
 
 
-# transformers 4.x tokenizer classes (as AutoTokenizer loads them: the fast ones) whose
-# constructors give special tokens defaults and rebuild the post-processor from
-# add_bos_token / add_eos_token (defaults True / False): LlamaTokenizerFast,
-# CodeLlamaTokenizerFast, GemmaTokenizerFast, CohereTokenizerFast. Every other class
-# keeps tokenizer.json's post-processor and ignores those two keys.
-_REBUILDS_POST_PROCESSOR = frozenset(
-    {"LlamaTokenizer", "CodeLlamaTokenizer", "GemmaTokenizer", "CohereTokenizer"}
-)
-_CLASS_DEFAULTS: Mapping[str, Mapping[str, str]] = {
-    "LlamaTokenizer": {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"},
-    "CodeLlamaTokenizer": {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"},
-    "GemmaTokenizer": {
-        "bos_token": "<bos>",
-        "eos_token": "<eos>",
-        "unk_token": "<unk>",
-        "pad_token": "<pad>",
-    },
-    "CohereTokenizer": {
-        "bos_token": "<BOS_TOKEN>",
-        "eos_token": "<|END_OF_TURN_TOKEN|>",
-        "unk_token": "<UNK>",
-        "pad_token": "<PAD>",
-    },
-    "Qwen2Tokenizer": {
-        "eos_token": "<|endoftext|>",
-        "unk_token": "<|endoftext|>",
-        "pad_token": "<|endoftext|>",
-    },
+# transformers 4.x tokenizer classes (as AutoTokenizer loads them: the fast ones) that
+# give special tokens defaults, and whether they rebuild the post-processor from
+# add_bos_token / add_eos_token (with these defaults); every other class keeps
+# tokenizer.json's post-processor and ignores those two keys.
+
+
+@dataclass(frozen=True, slots=True)
+class _ClassRules:
+    defaults: Mapping[str, str]
+    rebuilds_post_processor: bool = False
+    add_bos: bool = False
+    add_eos: bool = False
+
+
+_ENDOFTEXT = "<|endoftext|>"
+_LLAMA = _ClassRules({"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}, True, True)
+_CLASS_RULES: Mapping[str, _ClassRules] = {
+    "LlamaTokenizer": _LLAMA,
+    "CodeLlamaTokenizer": _LLAMA,
+    "GemmaTokenizer": _ClassRules(
+        {"bos_token": "<bos>", "eos_token": "<eos>", "unk_token": "<unk>", "pad_token": "<pad>"},
+        True,
+        True,
+    ),
+    "CohereTokenizer": _ClassRules(
+        {"bos_token": "<BOS_TOKEN>", "eos_token": "<|END_OF_TURN_TOKEN|>", "unk_token": "<UNK>"},
+        True,
+        True,
+    ),
+    "GPTNeoXTokenizer": _ClassRules(
+        {"bos_token": _ENDOFTEXT, "eos_token": _ENDOFTEXT, "unk_token": _ENDOFTEXT}, True
+    ),
+    "Qwen2Tokenizer": _ClassRules(
+        {"eos_token": _ENDOFTEXT, "unk_token": _ENDOFTEXT, "pad_token": _ENDOFTEXT}
+    ),
+    "GPT2Tokenizer": _ClassRules(
+        {"bos_token": _ENDOFTEXT, "eos_token": _ENDOFTEXT, "unk_token": _ENDOFTEXT}
+    ),
 }
-# AutoTokenizer's class for a config.json model_type, where tokenizer_config.json names
-# none (the families above; any other falls to the generic class, as with no config).
-_CLASS_OF_MODEL_TYPE = {
-    "llama": "LlamaTokenizer",
-    "mistral": "LlamaTokenizer",
-    "mixtral": "LlamaTokenizer",
-    "gemma": "GemmaTokenizer",
-    "gemma2": "GemmaTokenizer",
-    "gemma3": "GemmaTokenizer",
-    "gemma3_text": "GemmaTokenizer",
-    "cohere": "CohereTokenizer",
-    "cohere2": "CohereTokenizer",
-    "qwen2": "Qwen2Tokenizer",
-    "qwen2_moe": "Qwen2Tokenizer",
-    "qwen3": "Qwen2Tokenizer",
-    "qwen3_moe": "Qwen2Tokenizer",
-}
+# AutoTokenizer's class for a config.json model_type where neither tokenizer_config.json
+# nor config.json names one: the model types transformers 4.57 maps to the classes above
+# (tests/unit/tokens/test_vs_transformers.py checks this table against its mapping); any
+# other falls to the generic class, as with no config.
+_MODEL_TYPES_OF_CLASS: Mapping[str, tuple[str, ...]] = {
+    "LlamaTokenizer": (
+        "arcee", "aria", "chameleon", "colpali", "deepseek_v2", "deepseek_v3", "deepseek_vl",
+        "deepseek_vl_hybrid", "diffllama", "ernie4_5", "ernie4_5_moe", "idefics", "idefics2",
+        "idefics3", "jamba", "janus", "jetmoe", "llama", "llama4", "llama4_text", "llava",
+        "llava_next", "llava_next_video", "llava_onevision", "mllama", "paligemma",
+        "persimmon", "phi3", "phimoe", "video_llava", "vipllava", "zamba", "zamba2",
+    ),
+    "CodeLlamaTokenizer": ("code_llama",),
+    "GemmaTokenizer": (
+        "gemma", "gemma2", "gemma3", "gemma3_text", "gemma3n", "gemma3n_text",
+        "recurrent_gemma", "shieldgemma2", "siglip2", "t5gemma",
+    ),
+    "CohereTokenizer": ("aya_vision", "cohere", "cohere2"),
+    "GPTNeoXTokenizer": (
+        "falcon_mamba", "gpt_neox", "mamba", "mamba2", "mpt", "olmo", "olmo2", "olmoe", "rwkv",
+        "stablelm", "xlstm",
+    ),
+    "Qwen2Tokenizer": (
+        "colqwen2", "internvl", "qwen2", "qwen2_5_omni", "qwen2_5_vl", "qwen2_audio",
+        "qwen2_moe", "qwen2_vl", "qwen3", "qwen3_moe", "qwen3_next", "qwen3_omni_moe",
+        "qwen3_vl", "qwen3_vl_moe",
+    ),
+    "GPT2Tokenizer": (
+        "blip-2", "dbrx", "emu3", "exaone4", "flex_olmo", "gpt2", "gpt_bigcode", "gpt_neo",
+        "gptj", "granite", "granitemoe", "granitemoehybrid", "granitemoeshared",
+        "instructblip", "instructblipvideo", "minimax", "olmo3", "opt", "starcoder2",
+    ),
+}  # fmt: skip
+_CLASS_OF_MODEL_TYPE = {t: cls for cls, types in _MODEL_TYPES_OF_CLASS.items() for t in types}
 
 
 class TokenizerDirError(ValueError):
@@ -232,16 +259,21 @@ def _post_processor_ids(proc: Any, added: Mapping[str, int]) -> tuple[list[int],
 def tokenizer_class(directory: str, cfg: Mapping[str, Any]) -> str:
     """The transformers tokenizer class AutoTokenizer loads for ``directory`` (without
     "Fast"): tokenizer_config.json's ``tokenizer_class``, else config.json's
-    ``model_type`` where known, else "" (the generic PreTrainedTokenizerFast)."""
+    ``tokenizer_class``, else its ``model_type`` where known, else "" (the generic
+    PreTrainedTokenizerFast)."""
     named = cfg.get("tokenizer_class")
     if isinstance(named, str) and named:
         return named.removesuffix("Fast")
     model_cfg = os.path.join(directory, "config.json")
     if os.path.isfile(model_cfg):
         try:
-            model_type = _read_json(model_cfg).get("model_type")
+            model = _read_json(model_cfg)
         except TokenizerDirError:
             return ""
+        named = model.get("tokenizer_class")
+        if isinstance(named, str) and named:
+            return named.removesuffix("Fast")
+        model_type = model.get("model_type")
         if isinstance(model_type, str):
             return _CLASS_OF_MODEL_TYPE.get(model_type, "")
     return ""
@@ -252,7 +284,8 @@ def _special_tokens(directory: str, cfg: Mapping[str, Any], cls: str) -> dict[st
     defaults, then tokenizer_config.json's values (null removes one), then, for a
     config without ``added_tokens_decoder`` (saved before transformers 4.34),
     special_tokens_map.json's."""
-    values: dict[str, Any] = dict(_CLASS_DEFAULTS.get(cls, {}))
+    rules = _CLASS_RULES.get(cls)
+    values: dict[str, Any] = dict(rules.defaults) if rules is not None else {}
     sources: list[Mapping[str, Any]] = [cfg]
     legacy = os.path.join(directory, "special_tokens_map.json")
     if "added_tokens_decoder" not in cfg and os.path.isfile(legacy):
@@ -272,6 +305,49 @@ def _special_tokens(directory: str, cfg: Mapping[str, Any], cls: str) -> dict[st
     return out
 
 
+def _vocab(spec: Mapping[str, Any]) -> tuple[Callable[[str], int | None], int]:
+    """A token's id in tokenizer.json's model vocabulary (BPE/WordPiece map, Unigram
+    list) or None; and the size of that vocabulary (its largest id + 1)."""
+    vocab = (spec.get("model") or {}).get("vocab")
+    if isinstance(vocab, dict):
+        size = max((int(v) for v in vocab.values()), default=-1) + 1
+        return (lambda token: int(vocab[token]) if token in vocab else None), size
+    if isinstance(vocab, list):
+
+        def in_list(token: str) -> int | None:
+            for i, entry in enumerate(vocab):
+                if isinstance(entry, list) and entry and entry[0] == token:
+                    return i
+            return None
+
+        return in_list, len(vocab)
+    return (lambda token: None), 0
+
+
+def _with_special_tokens(
+    added: Mapping[str, int],
+    special: Mapping[str, Any],
+    vocab: tuple[Callable[[str], int | None], int],
+) -> dict[str, int]:
+    """``added`` with every special token the tokenizer does not already split out, as
+    transformers adds them when it builds the tokenizer: the token's vocabulary id if it
+    has one, else the next free id (so a "<pad>" that is no token of the vocabulary is
+    one token, not five)."""
+    vocab_id, size = vocab
+    out = dict(added)
+    tokens = [special.get(n) for n in _SPECIAL_NAMES]
+    tokens += list(special.get("additional_special_tokens") or ())
+    next_id = max(size, max(out.values(), default=-1) + 1)
+    for token in tokens:
+        if not isinstance(token, str) or not token or token in out:
+            continue
+        found = vocab_id(token)
+        if found is None:
+            found, next_id = next_id, next_id + 1
+        out[token] = found
+    return out
+
+
 def _bos_eos(
     cfg: Mapping[str, Any],
     cls: str,
@@ -281,15 +357,16 @@ def _bos_eos(
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Ids added around a prompt with add_special_tokens: the post-processor the class
     rebuilds from add_bos_token / add_eos_token (Llama-, Gemma-, Cohere-style: BOS by
-    default, no EOS), or else tokenizer.json's own, whatever the config's keys say
-    (transformers 4.x ignores them there)."""
-    if cls not in _REBUILDS_POST_PROCESSOR:
+    default, no EOS; GPT-NeoX-style: neither by default), or else tokenizer.json's own,
+    whatever the config's keys say (transformers 4.x ignores them there)."""
+    rules = _CLASS_RULES.get(cls)
+    if rules is None or not rules.rebuilds_post_processor:
         prefix, suffix = from_processor
         return tuple(prefix), tuple(suffix)
     sides: list[list[int]] = []
     for key, token_key, default in (
-        ("add_bos_token", "bos_token", True),
-        ("add_eos_token", "eos_token", False),
+        ("add_bos_token", "bos_token", rules.add_bos),
+        ("add_eos_token", "eos_token", rules.add_eos),
     ):
         on = bool(cfg.get(key, default))
         token = special.get(token_key)
@@ -326,7 +403,7 @@ def load_model_tokenizer(
             spec = json.loads(spec_text)
         except ValueError as exc:
             raise TokenizerDirError(f"cannot read {spec_path}: {exc}") from exc
-        added = _added_tokens(spec, cfg)
+        added = _with_special_tokens(_added_tokens(spec, cfg), special, _vocab(spec))
         processor = _post_processor_ids(spec.get("post_processor"), added)
         label = os.path.basename(os.path.normpath(directory))
         text_engine: TextEngine
@@ -351,6 +428,8 @@ def load_model_tokenizer(
             ranks = load_tiktoken_bpe(bpe_files[0])
         except Exception as exc:
             raise TokenizerDirError(f"cannot read {bpe_files[0]}: {exc}") from exc
+        # No tokenizer.json: transformers cannot build this one; its added tokens are
+        # what the config lists, as before.
         added = _added_tokens({}, cfg)
         clash = [t for t, i in added.items() if i < len(ranks)]
         if clash:
@@ -361,12 +440,6 @@ def load_model_tokenizer(
         note = "tiktoken BPE file"
     else:
         raise TokenizerDirError(f"{directory} has neither tokenizer.json nor a *.tiktoken BPE file")
-    for name in ("bos_token", "eos_token"):
-        token = special.get(name)
-        if isinstance(token, str) and token not in added and name in cfg:
-            raise TokenizerDirError(
-                f"tokenizer_config.json {name} {token!r} is not a token of this vocabulary"
-            )
     prefix, suffix = _bos_eos(cfg, cls, special, added, processor)
     templates = _templates(directory, cfg)
     for name, source in templates.items():

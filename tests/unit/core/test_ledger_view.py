@@ -161,7 +161,7 @@ async def test_a_request_the_ledger_refused_keeps_its_place_in_the_queue():
 async def test_a_refused_request_that_times_out_states_its_whole_queue_timeout():
     """Refused by the ledger, a request waits again for what is left of its timeout; the
     429 then said that remainder ("within 3.71204s" of a 10 s queue timeout)."""
-    b, view, ledger, adm = make(kv=1000, others=0)
+    _, _, ledger, adm = make(kv=1000, others=0)
     ledger.others = 900  # the view does not know yet: the first grant is refused
     with pytest.raises(Saturated) as err:
         await adm.admit(demand(200, 0), 0.3)

@@ -733,7 +733,34 @@ DIR_VARIANTS: dict[str, tuple[str, dict[str, Any], bool, bool]] = {
         False,
         False,
     ),
+    # From a second look: GPT-NeoX's class rebuilds the post-processor with no BOS by
+    # default, and its <|endoftext|> defaults are no tokens of Llama 3's vocabulary:
+    # transformers adds them, one new id each.
+    "gpt-neox-class": (
+        "llama3",
+        {"tokenizer_class": "GPTNeoXTokenizer", "bos_token": None, "eos_token": None},
+        False,
+        False,
+    ),
+    "gpt2-class-defaults": (
+        "qwen",
+        {"tokenizer_class": "GPT2Tokenizer", "bos_token": None, "eos_token": None},
+        False,
+        False,
+    ),
+    "gemma-class-pad-added": ("sentencepiece", {"tokenizer_class": "GemmaTokenizer"}, False, False),
+    "cohere-class-no-pad": ("sentencepiece", {"tokenizer_class": "CohereTokenizer"}, False, False),
+    # The class from config.json: its model_type (phi3: Llama's class), or its own
+    # tokenizer_class.
+    "model-type-phi3": (
+        "sentencepiece",
+        {"tokenizer_class": None, "add_bos_token": None, "add_eos_token": None},
+        True,
+        False,
+    ),
 }
+# Variants with a config.json beside the tokenizer files.
+MODEL_CONFIGS: dict[str, dict[str, Any]] = {"model-type-phi3": {"model_type": "phi3"}}
 
 
 @pytest.mark.parametrize("variant", sorted(DIR_VARIANTS))
@@ -766,9 +793,11 @@ def test_special_tokens_and_bos_eos_as_the_tokenizer_class_sets_them(
         moved = {k: v for k, v in moved.items() if k.endswith("_token")}
         (tmp_path / "special_tokens_map.json").write_text(json.dumps(moved))
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    if variant in MODEL_CONFIGS:
+        (tmp_path / "config.json").write_text(json.dumps(MODEL_CONFIGS[variant]))
     hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
     gateway = ExactCounter(load_model_tokenizer(str(tmp_path)))
-    for prompt in ("Hello world", "12345 <s> x"):
+    for prompt in ("Hello world", "12345 <s> x", "a <|endoftext|> b <pad> c"):
         assert gateway.completion_ids({"prompt": prompt}) == hf(prompt)["input_ids"], prompt
     pair = Pair(tmp_path, gateway.tokenizer, hf)
     chat = [
@@ -783,3 +812,22 @@ def test_special_tokens_and_bos_eos_as_the_tokenizer_class_sets_them(
     text = gateway.render_chat(body).text
     assert gateway.prompt_ids(body) == hf(text, add_special_tokens=True)["input_ids"]
     assert gateway.count_chat_sync(body) == len(hf(text, add_special_tokens=True)["input_ids"])
+
+
+def test_model_types_map_to_the_classes_transformers_maps_them_to() -> None:
+    """The gateway's table of model types (for directories that name no class) against
+    transformers' own, for the classes whose defaults the gateway knows."""
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES
+
+    from kvgateway.tokens.modeldir import _CLASS_OF_MODEL_TYPE, _CLASS_RULES
+
+    theirs = {}
+    for model_type, classes in TOKENIZER_MAPPING_NAMES.items():
+        fast = classes[1] if isinstance(classes, tuple) else classes
+        name = (fast or (classes[0] if isinstance(classes, tuple) else None) or "").removesuffix(
+            "Fast"
+        )
+        if name in _CLASS_RULES:
+            theirs[model_type] = name
+    ours = {t: c for t, c in _CLASS_OF_MODEL_TYPE.items() if t in TOKENIZER_MAPPING_NAMES}
+    assert ours == theirs
