@@ -22,6 +22,7 @@ After ``vllm/v1/core/block_pool.py`` and ``kv_cache_utils.py`` (read, not copied
 from __future__ import annotations
 
 import hashlib
+import os
 import pickle
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
@@ -32,9 +33,17 @@ BlockHash = bytes
 MEDIUM_GPU = "GPU"
 
 
+# vLLM >= 0.30's seed of NONE_HASH with a cryptographic hash (sha256, its default) when
+# PYTHONHASHSEED is not set (v1/core/kv_cache_utils.py resolve_none_hash_seed).
+DEFAULT_NONE_HASH_SEED = "vllm-none-hash"
+
+
 def none_hash(seed: str | None) -> BlockHash:
-    """The parent of a chain's first block: the hash function applied to a seed."""
-    return hashlib.sha256(pickle.dumps(seed or "", protocol=pickle.HIGHEST_PROTOCOL)).digest()
+    """The parent of a chain's first block: the hash function applied to a seed (None:
+    vLLM's default, PYTHONHASHSEED if set, else ``DEFAULT_NONE_HASH_SEED``)."""
+    if seed is None:
+        seed = os.environ.get("PYTHONHASHSEED", DEFAULT_NONE_HASH_SEED)
+    return hashlib.sha256(pickle.dumps(seed, protocol=pickle.HIGHEST_PROTOCOL)).digest()
 
 
 def hash_block_tokens(

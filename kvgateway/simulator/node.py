@@ -53,7 +53,7 @@ class SimNode:
     def check_model(self, model: str | None) -> None:
         """vLLM serves requests without a model with its only model; others get 404."""
         if model is not None and model != self.settings.model:
-            raise model_not_found(model)
+            raise model_not_found(model, self.settings.model)
 
 
 def _output_ids(tokenizer: NodeTokenizer) -> tuple[int, ...]:

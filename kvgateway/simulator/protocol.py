@@ -41,8 +41,10 @@ def bad_request(message: str, param: str | None = None) -> ApiError:
     return ApiError(400, message, "BadRequestError", param)
 
 
-def model_not_found(model: str) -> ApiError:
-    return ApiError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+def model_not_found(model: str, served: str | None = None) -> ApiError:
+    """vLLM's 404; its generation endpoints name the served models (``_check_model``)."""
+    aliases = f" Valid aliases: {served}." if served is not None else ""
+    return ApiError(404, f"The model `{model}` does not exist.{aliases}", "NotFoundError", "model")
 
 
 def queue_full(in_flight: int, limit: int) -> ApiError:

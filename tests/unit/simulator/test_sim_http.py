@@ -266,7 +266,8 @@ async def test_unknown_model_and_malformed_bodies(sim: SimFactory) -> None:
     assert status == 404
     assert body == {
         "error": {
-            "message": "The model `gpt-x` does not exist.",
+            # vLLM >= 0.33's _check_model names the served models.
+            "message": f"The model `gpt-x` does not exist. Valid aliases: {node.node.settings.model}.",
             "type": "NotFoundError",
             "param": "model",
             "code": 404,

@@ -231,3 +231,16 @@ def test_a_waiting_head_looked_up_every_step_is_counted_once() -> None:
     drain(c)
     s = c.kv.stats
     assert (s.requests, s.queries, s.hits) == (2, 41 + 80, 40)
+
+
+def test_the_first_blocks_parent_is_vllms_none_hash(monkeypatch) -> None:
+    """vLLM >= 0.30 seeds NONE_HASH with PYTHONHASHSEED, else "vllm-none-hash" (sha256,
+    its default hash); the simulator seeded "", so no event hash matched a real node's."""
+    import hashlib
+    import pickle
+
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    want = hashlib.sha256(pickle.dumps("vllm-none-hash", protocol=pickle.HIGHEST_PROTOCOL))
+    assert none_hash(None) == want.digest()
+    monkeypatch.setenv("PYTHONHASHSEED", "0")
+    assert none_hash(None) == hashlib.sha256(pickle.dumps("0", protocol=5)).digest()
