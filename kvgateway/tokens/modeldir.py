@@ -7,12 +7,10 @@ A directory is a Hugging Face model directory or just its tokenizer files:
   tiktoken-format BPE file (``*.tiktoken``) with its split pattern given by the caller;
 - ``tokenizer_config.json``: ``chat_template`` (one string, or named templates),
   ``bos_token``/``eos_token`` and the other special tokens a template may print,
-  ``add_bos_token``/``add_eos_token``, ``added_tokens_decoder``, ``tokenizer_class``
-  (else ``config.json``'s ``model_type``): as transformers 4.x, the class gives
-  special-token defaults, and only Llama-, Gemma- and Cohere-style classes add BOS/EOS
-  by those two keys (others keep tokenizer.json's post-processor);
-- ``special_tokens_map.json``, read as transformers reads it: only beside a config saved
-  without ``added_tokens_decoder``;
+  ``add_bos_token``/``add_eos_token``, ``added_tokens_decoder``, ``tokenizer_class``;
+- ``config.json`` (its ``tokenizer_class`` or ``model_type``) and
+  ``special_tokens_map.json``: special tokens and BOS/EOS by tokenizer class, as
+  transformers 4.x sets them (:mod:`.special_tokens`);
 - ``chat_template.jinja`` (wins over the config's template, as in transformers) and a
   processor's ``chat_template.json`` (vLLM prefers it when the request has no tools).
 
@@ -25,7 +23,7 @@ from __future__ import annotations
 import glob
 import json
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,92 +34,15 @@ from kvgateway.tokens.chat_template import ChatTemplate, TemplateError
 from kvgateway.tokens.encoding import PATTERNS
 from kvgateway.tokens.engines import HfEngine, TextEngine, TiktokenEngine
 from kvgateway.tokens.images import ImageGrid, load_grid
-
-# Special-token attributes transformers passes to every chat template.
-_SPECIAL_NAMES = (
-    "bos_token",
-    "eos_token",
-    "unk_token",
-    "sep_token",
-    "pad_token",
-    "cls_token",
-    "mask_token",
+from kvgateway.tokens.special_tokens import (
+    SpecialTokenError,
+    bos_eos,
+    special_tokens,
+    token_text,
+    tokenizer_class,
+    vocabulary,
+    with_special_tokens,
 )
-
-
-# transformers 4.x tokenizer classes (as AutoTokenizer loads them: the fast ones) that
-# give special tokens defaults, and whether they rebuild the post-processor from
-# add_bos_token / add_eos_token (with these defaults); every other class keeps
-# tokenizer.json's post-processor and ignores those two keys.
-
-
-@dataclass(frozen=True, slots=True)
-class _ClassRules:
-    defaults: Mapping[str, str]
-    rebuilds_post_processor: bool = False
-    add_bos: bool = False
-    add_eos: bool = False
-
-
-_ENDOFTEXT = "<|endoftext|>"
-_LLAMA = _ClassRules({"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}, True, True)
-_CLASS_RULES: Mapping[str, _ClassRules] = {
-    "LlamaTokenizer": _LLAMA,
-    "CodeLlamaTokenizer": _LLAMA,
-    "GemmaTokenizer": _ClassRules(
-        {"bos_token": "<bos>", "eos_token": "<eos>", "unk_token": "<unk>", "pad_token": "<pad>"},
-        True,
-        True,
-    ),
-    "CohereTokenizer": _ClassRules(
-        {"bos_token": "<BOS_TOKEN>", "eos_token": "<|END_OF_TURN_TOKEN|>", "unk_token": "<UNK>"},
-        True,
-        True,
-    ),
-    "GPTNeoXTokenizer": _ClassRules(
-        {"bos_token": _ENDOFTEXT, "eos_token": _ENDOFTEXT, "unk_token": _ENDOFTEXT}, True
-    ),
-    "Qwen2Tokenizer": _ClassRules(
-        {"eos_token": _ENDOFTEXT, "unk_token": _ENDOFTEXT, "pad_token": _ENDOFTEXT}
-    ),
-    "GPT2Tokenizer": _ClassRules(
-        {"bos_token": _ENDOFTEXT, "eos_token": _ENDOFTEXT, "unk_token": _ENDOFTEXT}
-    ),
-}
-# AutoTokenizer's class for a config.json model_type where neither tokenizer_config.json
-# nor config.json names one: the model types transformers 4.57 maps to the classes above
-# (tests/unit/tokens/test_vs_transformers.py checks this table against its mapping); any
-# other falls to the generic class, as with no config.
-_MODEL_TYPES_OF_CLASS: Mapping[str, tuple[str, ...]] = {
-    "LlamaTokenizer": (
-        "arcee", "aria", "chameleon", "colpali", "deepseek_v2", "deepseek_v3", "deepseek_vl",
-        "deepseek_vl_hybrid", "diffllama", "ernie4_5", "ernie4_5_moe", "idefics", "idefics2",
-        "idefics3", "jamba", "janus", "jetmoe", "llama", "llama4", "llama4_text", "llava",
-        "llava_next", "llava_next_video", "llava_onevision", "mllama", "paligemma",
-        "persimmon", "phi3", "phimoe", "video_llava", "vipllava", "zamba", "zamba2",
-    ),
-    "CodeLlamaTokenizer": ("code_llama",),
-    "GemmaTokenizer": (
-        "gemma", "gemma2", "gemma3", "gemma3_text", "gemma3n", "gemma3n_text",
-        "recurrent_gemma", "shieldgemma2", "siglip2", "t5gemma",
-    ),
-    "CohereTokenizer": ("aya_vision", "cohere", "cohere2"),
-    "GPTNeoXTokenizer": (
-        "falcon_mamba", "gpt_neox", "mamba", "mamba2", "mpt", "olmo", "olmo2", "olmoe", "rwkv",
-        "stablelm", "xlstm",
-    ),
-    "Qwen2Tokenizer": (
-        "colqwen2", "internvl", "qwen2", "qwen2_5_omni", "qwen2_5_vl", "qwen2_audio",
-        "qwen2_moe", "qwen2_vl", "qwen3", "qwen3_moe", "qwen3_next", "qwen3_omni_moe",
-        "qwen3_vl", "qwen3_vl_moe",
-    ),
-    "GPT2Tokenizer": (
-        "blip-2", "dbrx", "emu3", "exaone4", "flex_olmo", "gpt2", "gpt_bigcode", "gpt_neo",
-        "gptj", "granite", "granitemoe", "granitemoehybrid", "granitemoeshared",
-        "instructblip", "instructblipvideo", "minimax", "olmo3", "opt", "starcoder2",
-    ),
-}  # fmt: skip
-_CLASS_OF_MODEL_TYPE = {t: cls for cls, types in _MODEL_TYPES_OF_CLASS.items() for t in types}
 
 
 class TokenizerDirError(ValueError):
@@ -177,13 +98,15 @@ def _read_json(path: str) -> dict[str, Any]:
     return data
 
 
-def _token_text(value: Any) -> str | None:
-    if isinstance(value, str):
-        return value
-    if isinstance(value, dict) and isinstance(value.get("content"), str):
-        content: str = value["content"]
-        return content
-    return None
+def _optional_json(path: str) -> dict[str, Any]:
+    """A JSON file the directory may have ({} without it, or if it is unreadable: as
+    transformers, which then goes on without it)."""
+    if not os.path.isfile(path):
+        return {}
+    try:
+        return _read_json(path)
+    except TokenizerDirError:
+        return {}
 
 
 def _templates(directory: str, cfg: Mapping[str, Any]) -> dict[str, str]:
@@ -218,7 +141,7 @@ def _added_tokens(spec: Mapping[str, Any], cfg: Mapping[str, Any]) -> dict[str, 
     decoder = cfg.get("added_tokens_decoder") or {}
     if isinstance(decoder, dict):
         for key, tok in decoder.items():
-            text = _token_text(tok)
+            text = token_text(tok)
             if text is not None and text not in added:
                 added[text] = int(key)
     return added
@@ -256,127 +179,6 @@ def _post_processor_ids(proc: Any, added: Mapping[str, int]) -> tuple[list[int],
     return [], []
 
 
-def tokenizer_class(directory: str, cfg: Mapping[str, Any]) -> str:
-    """The transformers tokenizer class AutoTokenizer loads for ``directory`` (without
-    "Fast"): tokenizer_config.json's ``tokenizer_class``, else config.json's
-    ``tokenizer_class``, else its ``model_type`` where known, else "" (the generic
-    PreTrainedTokenizerFast)."""
-    named = cfg.get("tokenizer_class")
-    if isinstance(named, str) and named:
-        return named.removesuffix("Fast")
-    model_cfg = os.path.join(directory, "config.json")
-    if os.path.isfile(model_cfg):
-        try:
-            model = _read_json(model_cfg)
-        except TokenizerDirError:
-            return ""
-        named = model.get("tokenizer_class")
-        if isinstance(named, str) and named:
-            return named.removesuffix("Fast")
-        model_type = model.get("model_type")
-        if isinstance(model_type, str):
-            return _CLASS_OF_MODEL_TYPE.get(model_type, "")
-    return ""
-
-
-def _special_tokens(directory: str, cfg: Mapping[str, Any], cls: str) -> dict[str, Any]:
-    """The special tokens a template sees, as transformers 4.x sets them: the class's
-    defaults, then tokenizer_config.json's values (null removes one), then, for a
-    config without ``added_tokens_decoder`` (saved before transformers 4.34),
-    special_tokens_map.json's."""
-    rules = _CLASS_RULES.get(cls)
-    values: dict[str, Any] = dict(rules.defaults) if rules is not None else {}
-    sources: list[Mapping[str, Any]] = [cfg]
-    legacy = os.path.join(directory, "special_tokens_map.json")
-    if "added_tokens_decoder" not in cfg and os.path.isfile(legacy):
-        sources.append(_read_json(legacy))
-    for source in sources:
-        for name in (*_SPECIAL_NAMES, "additional_special_tokens"):
-            if name in source:
-                values[name] = source[name]
-    out: dict[str, Any] = {}
-    for name in _SPECIAL_NAMES:
-        text = _token_text(values.get(name))
-        if text is not None:
-            out[name] = text
-    extra = values.get("additional_special_tokens")
-    if isinstance(extra, list):
-        out["additional_special_tokens"] = [t for t in map(_token_text, extra) if t is not None]
-    return out
-
-
-def _vocab(spec: Mapping[str, Any]) -> tuple[Callable[[str], int | None], int]:
-    """A token's id in tokenizer.json's model vocabulary (BPE/WordPiece map, Unigram
-    list) or None; and the size of that vocabulary (its largest id + 1)."""
-    vocab = (spec.get("model") or {}).get("vocab")
-    if isinstance(vocab, dict):
-        size = max((int(v) for v in vocab.values()), default=-1) + 1
-        return (lambda token: int(vocab[token]) if token in vocab else None), size
-    if isinstance(vocab, list):
-
-        def in_list(token: str) -> int | None:
-            for i, entry in enumerate(vocab):
-                if isinstance(entry, list) and entry and entry[0] == token:
-                    return i
-            return None
-
-        return in_list, len(vocab)
-    return (lambda token: None), 0
-
-
-def _with_special_tokens(
-    added: Mapping[str, int],
-    special: Mapping[str, Any],
-    vocab: tuple[Callable[[str], int | None], int],
-) -> dict[str, int]:
-    """``added`` with every special token the tokenizer does not already split out, as
-    transformers adds them when it builds the tokenizer: the token's vocabulary id if it
-    has one, else the next free id (so a "<pad>" that is no token of the vocabulary is
-    one token, not five)."""
-    vocab_id, size = vocab
-    out = dict(added)
-    tokens = [special.get(n) for n in _SPECIAL_NAMES]
-    tokens += list(special.get("additional_special_tokens") or ())
-    next_id = max(size, max(out.values(), default=-1) + 1)
-    for token in tokens:
-        if not isinstance(token, str) or not token or token in out:
-            continue
-        found = vocab_id(token)
-        if found is None:
-            found, next_id = next_id, next_id + 1
-        out[token] = found
-    return out
-
-
-def _bos_eos(
-    cfg: Mapping[str, Any],
-    cls: str,
-    special: Mapping[str, Any],
-    added: Mapping[str, int],
-    from_processor: tuple[list[int], list[int]],
-) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Ids added around a prompt with add_special_tokens: the post-processor the class
-    rebuilds from add_bos_token / add_eos_token (Llama-, Gemma-, Cohere-style: BOS by
-    default, no EOS; GPT-NeoX-style: neither by default), or else tokenizer.json's own,
-    whatever the config's keys say (transformers 4.x ignores them there)."""
-    rules = _CLASS_RULES.get(cls)
-    if rules is None or not rules.rebuilds_post_processor:
-        prefix, suffix = from_processor
-        return tuple(prefix), tuple(suffix)
-    sides: list[list[int]] = []
-    for key, token_key, default in (
-        ("add_bos_token", "bos_token", rules.add_bos),
-        ("add_eos_token", "eos_token", rules.add_eos),
-    ):
-        on = bool(cfg.get(key, default))
-        token = special.get(token_key)
-        ids = [added[token]] if on and isinstance(token, str) and token in added else []
-        if on and not ids:
-            raise TokenizerDirError(f"{key} is true but {token_key} {token!r} is no added token")
-        sides.append(ids)
-    return tuple(sides[0]), tuple(sides[1])
-
-
 def load_model_tokenizer(
     directory: str, *, pattern: str | None = None, engine: str = "auto"
 ) -> ModelTokenizer:
@@ -393,8 +195,10 @@ def load_model_tokenizer(
     cfg = _read_json(cfg_path) if os.path.isfile(cfg_path) else {}
     spec_path = os.path.join(directory, "tokenizer.json")
     bpe_files = sorted(glob.glob(os.path.join(directory, "*.tiktoken")))
-    cls = tokenizer_class(directory, cfg)
-    special = _special_tokens(directory, cfg, cls)
+    cls = tokenizer_class(cfg, _optional_json(os.path.join(directory, "config.json")))
+    special = special_tokens(
+        cfg, _optional_json(os.path.join(directory, "special_tokens_map.json")), cls
+    )
     note = ""
     if os.path.isfile(spec_path):
         with open(spec_path, encoding="utf-8") as fh:
@@ -403,7 +207,7 @@ def load_model_tokenizer(
             spec = json.loads(spec_text)
         except ValueError as exc:
             raise TokenizerDirError(f"cannot read {spec_path}: {exc}") from exc
-        added = _with_special_tokens(_added_tokens(spec, cfg), special, _vocab(spec))
+        added = with_special_tokens(_added_tokens(spec, cfg), special, vocabulary(spec))
         processor = _post_processor_ids(spec.get("post_processor"), added)
         label = os.path.basename(os.path.normpath(directory))
         text_engine: TextEngine
@@ -440,7 +244,10 @@ def load_model_tokenizer(
         note = "tiktoken BPE file"
     else:
         raise TokenizerDirError(f"{directory} has neither tokenizer.json nor a *.tiktoken BPE file")
-    prefix, suffix = _bos_eos(cfg, cls, special, added, processor)
+    try:
+        prefix, suffix = bos_eos(cfg, cls, special, added, processor)
+    except SpecialTokenError as exc:
+        raise TokenizerDirError(str(exc)) from exc
     templates = _templates(directory, cfg)
     for name, source in templates.items():
         try:

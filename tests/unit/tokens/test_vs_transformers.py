@@ -819,7 +819,7 @@ def test_model_types_map_to_the_classes_transformers_maps_them_to() -> None:
     transformers' own, for the classes whose defaults the gateway knows."""
     from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES
 
-    from kvgateway.tokens.modeldir import _CLASS_OF_MODEL_TYPE, _CLASS_RULES
+    from kvgateway.tokens.special_tokens import _CLASS_OF_MODEL_TYPE, _CLASS_RULES
 
     theirs = {}
     for model_type, classes in TOKENIZER_MAPPING_NAMES.items():
