@@ -112,3 +112,26 @@ def _drain(tmp_path) -> None:
             rest += chunk
         assert b"data: [DONE]" in rest and b"shutting_down" not in rest
         assert proc.wait(timeout=20) == 0
+
+
+def test_sigterm_after_a_reload_drains_with_the_reloaded_settings(tmp_path) -> None:
+    """A reload changed shutdown_grace_s and drain_delay_s, but the drain used the ones
+    of the start (a review saw "waiting up to 30s" after a reload to 1 s)."""
+    with running_gateway(tmp_path) as (_, proc):  # shutdown_grace_s: 2
+        config = tmp_path / "gateway.yaml"
+        config.write_text(
+            config.read_text().replace(
+                "shutdown_grace_s: 2", "shutdown_grace_s: 0.5\n  drain_delay_s: 0.2"
+            )
+        )
+        log = tmp_path / "gateway.log"
+        proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 10
+        while "reloaded" not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "reloaded" in log.read_text(), log.read_text()[-2000:]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+        text = log.read_text()
+        assert "/ready fails for 0.2s first" in text
+        assert "waiting up to 0.5s" in text and "waiting up to 2s" not in text
