@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 from typing import Any
 
+from kvgateway.capacity.errors import CapacityConfigError
+from kvgateway.capacity.estimate import estimate
+from kvgateway.capacity.spec import CapacitySpec
 from kvgateway.config.document import expand_env, read_document
 from kvgateway.config.model import (
     POLICIES,
@@ -24,6 +28,7 @@ from kvgateway.config.model import (
     Policy,
     RoutingConfig,
     ServerConfig,
+    TierConfig,
     TimeoutConfig,
     TracingConfig,
 )
@@ -107,6 +112,7 @@ def _parse(root: Section, source: str, encodings: EncodingCache | None) -> Gatew
     _check_unique(root, members, "tiers[].backends")
     root.reject_unknown(ignore=("simulation",))
     if not root.reading.schema_mode:
+        _check_capacity(root, tiers, source)
         root.reading.raise_if_any()
     return GatewayConfig(
         server=server,
@@ -122,6 +128,23 @@ def _parse(root: Section, source: str, encodings: EncodingCache | None) -> Gatew
         tracing=tracing,
         source=source,
     )
+
+
+def _check_capacity(root: Section, tiers: tuple[TierConfig, ...], source: str) -> None:
+    """Every backend's ``capacity:`` block is sized now, so its problems are reported
+    with the file's others (the fleet derives the limits again from the same maths)."""
+    base = Path(source).parent if source and not source.startswith("<") else None
+    for tier in tiers:
+        for b in (*tier.backends, *(g.template for g in tier.dns_groups)):
+            if b.capacity is None:
+                continue
+            where = f"{b.path}.capacity"
+            try:
+                estimate(CapacitySpec.from_mapping(b.capacity, where, base_dir=base))
+            except CapacityConfigError as exc:
+                root.reading.errors.append(ConfigError("", str(exc)))
+            except ValueError as exc:
+                root.reading.errors.append(ConfigError(where, str(exc)))
 
 
 def _check_unique(root: Section, names: list[str], where: str) -> None:

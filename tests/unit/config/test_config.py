@@ -281,3 +281,19 @@ def test_references_inside_mappings_are_typed_like_plain_values(monkeypatch, tmp
     )
     (spec,) = load_fleet_config(path)
     assert spec.settings.time_scale == 4.0 and spec.settings.max_num_seqs == 3
+
+
+def test_capacity_problems_are_reported_with_the_files_others():
+    """A capacity block's problem came only once every other one was fixed, and then
+    only the first backend's (it was found when the fleet was built)."""
+    text = BASE.replace(
+        "max_num_seqs: 8}",
+        "max_num_seqs: 8, capacity: {gpu_memry_gib: 24.0, preset: llama-3.1-8b}}\n"
+        '      - {name: b, url: "http://127.0.0.1:9001", model: m, '
+        "capacity: {gpu_memory_gib: 2.0, preset: no-such-model}}",
+    )
+    with pytest.raises(ConfigError) as err:
+        parse(text + "routing: {policy: random}\n")
+    paths = {e.path or str(e).split(":")[0] for e in err.value.errors}
+    assert "routing.policy" in paths
+    assert sum("capacity" in p for p in paths) == 2, str(err.value)
