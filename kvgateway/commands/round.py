@@ -17,6 +17,7 @@ from typing import Any
 from kvgateway.commands.nodeclient import RoundError
 from kvgateway.commands.roundload import measure_round
 from kvgateway.commands.roundstats import Round, rounds_from_json, rounds_to_json
+from kvgateway.config.argtypes import positive_int, positive_number
 
 API_KEY_ENV = "VLLM_API_KEY"
 
@@ -52,26 +53,6 @@ def _ladder(text: str) -> tuple[int, ...]:
     return values
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
-def _positive(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-    return value
-
-
 def register(subparsers: Any) -> None:
     parser: argparse.ArgumentParser = subparsers.add_parser(
         "round",
@@ -98,23 +79,26 @@ def register(subparsers: Any) -> None:
         "first at or above twice the requests the KV cache holds at once, at most 256)",
     )
     parser.add_argument(
-        "--prompt-tokens", type=_positive_int, help="per request (default: max_model_len/8, <=2048)"
+        "--prompt-tokens", type=positive_int, help="per request (default: max_model_len/8, <=2048)"
     )
     parser.add_argument(
-        "--output-tokens", type=_positive_int, help="per request (default: 512 or what fits)"
+        "--output-tokens", type=positive_int, help="per request (default: 512 or what fits)"
     )
     parser.add_argument(
-        "--duration", type=_positive, default=30.0, help="seconds of load per step (default 30)"
+        "--duration",
+        type=positive_number,
+        default=30.0,
+        help="seconds of load per step (default 30)",
     )
     parser.add_argument(
         "--timeout",
-        type=_positive,
+        type=positive_number,
         default=60.0,
         help="seconds without a token before a request counts as timed out (default 60)",
     )
     parser.add_argument(
         "--time-scale",
-        type=_positive,
+        type=positive_number,
         default=1.0,
         help="for a simulated node run with --time-scale N: the same N, so durations and "
         "times are in the modelled hardware's seconds (default 1: a real node)",

@@ -20,6 +20,28 @@ def port_number(text: str) -> int:
     return value
 
 
+def positive_int(text: str) -> int:
+    """An integer of 1 or more."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def positive_number(text: str) -> float:
+    """A finite number above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
 def seconds(text: str) -> float:
     """A duration in seconds: a finite number, 0 or more."""
     try:
