@@ -44,9 +44,10 @@ end
 -- finds holdings missing, maybe everyone's: no grant until every live replica has had
 -- time to find the same and write its holdings again (stall ms). So does the first
 -- replica back from an outage that outlasted every lease (Redis frozen or cut off from
--- all, its data kept): its own lease and others' lapsed together, and the others'
--- holdings go as it reads them. A lease lost alone (one replica frozen or cut off, a
--- clean stop under the same identity) stalls nothing.
+-- all, its data kept), or a replica that starts in it: its own lease lapsed (or it has
+-- none yet), every other one has too, and the others' holdings go as it reads them. A
+-- lease lost while another replica's is live (one replica frozen or cut off, a clean
+-- stop under the same identity) stalls nothing; nor does a first start.
 -- The stall is the member '!stall' of the live set, its score the stall's end.
 -- The first write is the ZADD of my lease: Redis checks maxmemory at a script's first
 -- write that may use memory, so under OOM the whole call is refused before anything
@@ -65,7 +66,9 @@ local function live(key, epochkey, me, now, lease, known, stall)
   end
   local ends = tonumber(redis.call('ZSCORE', key, '!stall') or '0')
   local lost_data = known ~= '0' and known ~= epoch
-  local all_lapsed = known ~= '0' and lapsed and gone > 0
+  -- Everyone's lease lapsed: mine (or I am new) and every other one, some just now.
+  local others_live = redis.call('ZCARD', key) - 1 - (ends > now and 1 or 0)
+  local all_lapsed = lapsed and gone > 0 and others_live == 0
   if (lost_data or all_lapsed) and now + stall > ends then
     ends = now + stall
     redis.call('ZADD', key, ends, '!stall')

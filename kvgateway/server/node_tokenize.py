@@ -47,14 +47,19 @@ class NodeTokenizer:
         self._without: set[str] = set()  # backends that lack /tokenize
 
     @staticmethod
-    def worth_asking(bound: int, floor: int, output: int, largest_context: int) -> bool:
+    def worth_asking(
+        bound: int, floor: int, output: int, largest_context: int, *, fit_output: int | None = None
+    ) -> bool:
         """The bound comes near the largest context while the lowest count the node may
         have (``floor``: the stand-in's count less what it may overcount, e.g. CJK or
-        Arabic text) does not pass it (past it, the node would refuse the prompt anyway)."""
+        Arabic text) does not pass it (past it, the node would refuse the prompt anyway).
+        ``fit_output``: the output the node needs beside the prompt when it is less than
+        ``output`` (1 where the node cuts max_tokens to what the context leaves)."""
+        needed = output if fit_output is None else fit_output
         return (
             largest_context > 0
             and bound + output > NEAR * largest_context
-            and floor + output <= largest_context
+            and floor + needed <= largest_context
         )
 
     async def count(self, model: ModelConfig, body: dict[str, Any], *, chat: bool) -> int | None:

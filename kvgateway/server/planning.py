@@ -114,7 +114,13 @@ async def plan_request(
         and not prompt.exact
         and prompt.prompts == 1
         and node_tokenizer.worth_asking(
-            prompt.longest, prompt.floor, parsed.requested_output or 1, largest
+            prompt.longest,
+            prompt.floor,
+            parsed.requested_output or 1,
+            largest,
+            # A node that cuts max_tokens serves any prompt with one token of room: its
+            # count decides the cut (and whether the prompt fits at all).
+            fit_output=1 if config.admission.context_overflow == "clamp" else None,
         )
     ):
         # The bound comes near (or past) the largest context while the node's count may

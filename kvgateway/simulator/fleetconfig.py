@@ -91,9 +91,53 @@ def load_fleet_config(
         raise SimulatorConfigError(str(exc)) from exc
     if reading.errors:
         raise SimulatorConfigError(f"{path}: {ConfigError.of(reading.errors)}")
-    # A number or boolean from a reference is one (simulation: {time_scale: ${TS:-1}}).
-    data = retype_expanded(data, "", reading.expanded)
+    # A number or boolean from a reference in a simulate or simulation block is one
+    # (simulation: {time_scale: ${TS:-1}}), as the gateway types its own values; the
+    # rest of the file (names, URLs, topics) is read as the gateway reads it.
+    data = _retype_simulation(data, reading.expanded)
     return parse_fleet_config(data, port_offset=port_offset, overrides=overrides)
+
+
+# Settings that are strings whatever a reference holds ("0" stays "0"), and the
+# kv_events block (endpoints and a topic).
+_STRING_SETTINGS = frozenset(
+    {f.name for f in dataclasses.fields(NodeSettings) if str(f.type).startswith("str")}
+    | {"kv_events"}
+)
+
+
+def _retyped_block(block: Any, path: str, expanded: set[str]) -> Any:
+    if not isinstance(block, Mapping):
+        return block
+    return {
+        k: v if k in _STRING_SETTINGS else retype_expanded(v, f"{path}.{k}", expanded)
+        for k, v in block.items()
+    }
+
+
+def _retype_simulation(data: Any, expanded: set[str]) -> Any:
+    if not isinstance(data, Mapping):
+        return data
+    out = dict(data)
+    if "simulation" in out:
+        out["simulation"] = _retyped_block(out["simulation"], "simulation", expanded)
+    tiers = out.get("tiers")
+    if isinstance(tiers, list):
+        out["tiers"] = [_retype_tier(t, f"tiers[{i}]", expanded) for i, t in enumerate(tiers)]
+    return out
+
+
+def _retype_tier(tier: Any, path: str, expanded: set[str]) -> Any:
+    if not isinstance(tier, Mapping) or not isinstance(tier.get("backends"), list):
+        return tier
+    backends = []
+    for j, b in enumerate(tier["backends"]):
+        if isinstance(b, Mapping) and "simulate" in b:
+            where = f"{path}.backends[{j}].simulate"
+            backends.append({**b, "simulate": _retyped_block(b["simulate"], where, expanded)})
+        else:
+            backends.append(b)
+    return {**tier, "backends": backends}
 
 
 def parse_fleet_config(

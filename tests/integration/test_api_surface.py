@@ -152,6 +152,28 @@ async def test_max_tokens_past_the_largest_context(
         await oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=9000)
 
 
+async def test_a_clamped_request_is_cut_by_the_nodes_count_not_the_stand_ins(
+    start_fleet: StartFleet,
+) -> None:
+    """A second look: with the stand-in count (no tokenizer), a CJK prompt the node counts
+    as fitting was refused when max_tokens was large: the gateway asked the node for its
+    count only when prompt + max_tokens could fit, and under the clamp any prompt with a
+    token of room fits."""
+    fleet = await start_fleet([("only", "small", "tiny", {})], time_scale=200)  # 512 context
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "你好世界" * 100}],
+        "max_tokens": 500,
+    }
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(fleet.url + "/v1/chat/completions", json=body) as r,
+    ):
+        data = await r.json()
+        assert r.status == 200, data
+        assert int(r.headers["x-gateway-max-tokens"]) == 512 - data["usage"]["prompt_tokens"]
+
+
 async def test_opentelemetry_spans_for_admission_and_the_upstream_call(start_fleet: StartFleet):
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from dataclasses import replace
 
 import pytest
@@ -317,3 +318,68 @@ async def test_a_redis_out_of_memory_refuses_grants_too_not_only_releases(
                 await client.aclose()
         finally:
             redis_server.command("CONFIG", "SET", "maxmemory", "0")
+
+
+class _Beats:
+    """The ledger's HEARTBEAT script called as replicas would (leases in ms)."""
+
+    def __init__(self, url: str, lease_ms: int = 500, stall_ms: int = 650) -> None:
+        import redis
+
+        from kvgateway.ledger.scripts import HEARTBEAT, Keys
+
+        self.client = redis.Redis.from_url(url)
+        self.keys = Keys("kvgw")
+        self.script = self.client.register_script(HEARTBEAT)
+        self.lease, self.stall = lease_ms, stall_ms
+        self.epochs: dict[str, str] = {}
+
+    def beat(self, me: str, held: int | None = None) -> dict[str, int]:
+        k = self.keys
+        out = self.script(
+            keys=[k.live, k.epoch, k.tokens("n1"), k.seqs("n1"), k.waiting("n1")],
+            args=[
+                *(me, self.lease, int(held is not None), self.epochs.get(me, "0"), self.stall),
+                *(held or 0, 1 if held else 0, 0),
+            ],
+        )
+        epoch = out[3]
+        self.epochs[me] = epoch.decode() if isinstance(epoch, bytes) else str(epoch)
+        return {"lapsed": int(out[1]), "stall_ms": int(out[2])}
+
+
+def test_a_replica_starting_during_an_outage_stalls_as_the_first_back(
+    redis_server: RedisServer,
+) -> None:
+    """A second look: a replica that started during the outage (no epoch known yet) was
+    first back, swept the others' lapsed leases and their holdings, and stalled nothing;
+    the old replicas then found nothing lapsed but their own."""
+    b = _Beats(redis_server.url)
+    b.beat("A", 20000)
+    b.beat("B", 9000)
+    time.sleep(0.7)  # every lease lapses, Redis keeps its data
+    assert b.beat("D")["stall_ms"] > 0
+    assert b.beat("A", 20000)["stall_ms"] > 0  # the stall holds while the others write back
+
+
+def test_one_replica_back_while_another_is_live_stalls_nobody(redis_server: RedisServer) -> None:
+    """A second look: A back from a freeze while B is live, C's lease having lapsed just
+    before (killed -9): that is no outage, and no stall."""
+    b = _Beats(redis_server.url, lease_ms=1000)
+    for me in ("A", "B", "C"):
+        b.beat(me)
+    start = time.monotonic()
+    b.beat("A")  # A's last beat before its freeze
+    b.beat("B")
+
+    def at(t: float) -> None:
+        time.sleep(max(0.0, start + t - time.monotonic()))
+
+    at(0.1)
+    b.beat("C")  # C's last beat, then it dies: its lease lapses at 1.1 s
+    for t in (0.25, 0.5, 0.75, 1.0):  # B beats every lease / 4; A is frozen
+        at(t)
+        b.beat("B")
+    at(1.15)  # A's lease lapsed at 1.0 (B swept it), C's at 1.1; B sweeps next at 1.25
+    assert b.beat("A") == {"lapsed": 1, "stall_ms": 0}
+    assert b.client.zscore("{kvgw}:live", "!stall") is None

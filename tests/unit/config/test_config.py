@@ -281,6 +281,16 @@ def test_references_inside_mappings_are_typed_like_plain_values(monkeypatch, tmp
     )
     (spec,) = load_fleet_config(path)
     assert spec.settings.time_scale == 4.0 and spec.settings.max_num_seqs == 3
+    # Only the simulation blocks: a name or a label from a reference stays a string
+    # (a second look saw NODE_NAME=7 refused by `gateway simulate`).
+    monkeypatch.setenv("NODE_NAME", "7")
+    path.write_text(
+        "models: [{name: m}]\n"
+        "tiers: [{name: t, backends: [{name: '${NODE_NAME}', url: 'http://127.0.0.1:9', "
+        "model: m, simulate: {profile: tiny, engine_label: '${LABEL:-0}'}}]}]\n"
+    )
+    (spec,) = load_fleet_config(path)
+    assert spec.settings.name == "7" and spec.settings.engine_label == "0"
 
 
 def test_capacity_problems_are_reported_with_the_files_others():
