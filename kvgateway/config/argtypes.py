@@ -6,7 +6,8 @@ from __future__ import annotations
 import argparse
 import math
 
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+# logging's level names, its aliases WARN and FATAL included.
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "WARN", "ERROR", "CRITICAL", "FATAL")
 
 
 def port_number(text: str) -> int:

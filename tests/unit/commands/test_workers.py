@@ -1,6 +1,7 @@
 """`serve --workers N`: what each worker is started with, and the refusal without a
 shared ledger (the multi-process behaviour is in tests/integration/test_shared_ledger.py)."""
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -81,6 +82,13 @@ def test_command_line_values_are_checked_where_typed(tmp_path: Path, capsys, fla
         main(["serve", "--config", str(cfg), flag, value])
     assert err.value.code == 2
     assert says in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("level", ["debug", "WARN", "fatal", "Critical"])
+def test_every_level_name_logging_knows_is_taken(level):
+    from kvgateway.config.argtypes import log_level
+
+    assert logging.getLevelName(log_level(level)) != f"Level {log_level(level)}"
 
 
 def test_config_schema_to_a_path_it_cannot_write(tmp_path: Path, capsys):
