@@ -5,53 +5,44 @@ from __future__ import annotations
 
 import argparse
 import math
+from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
 
 # logging's level names, its aliases WARN and FATAL included.
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "WARN", "ERROR", "CRITICAL", "FATAL")
 
 
+def _checked(text: str, parse: Callable[[str], T], ok: Callable[[T], bool], expected: str) -> T:
+    """``text`` parsed, if the value is one ``ok`` takes; else argparse's usage error."""
+    try:
+        value = parse(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+    if not ok(value):
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+    return value
+
+
 def port_number(text: str) -> int:
     """A TCP port, 0 to 65535 (0: any free port where a command allows it)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"expected a port from 0 to 65535, got {value}")
-    return value
+    return _checked(text, int, lambda v: 0 <= v <= 65535, "a port from 0 to 65535")
 
 
 def positive_int(text: str) -> int:
     """An integer of 1 or more."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
+    return _checked(text, int, lambda v: v >= 1, "a positive integer")
 
 
 def positive_number(text: str) -> float:
     """A finite number above 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not 0 < value < math.inf:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-    return value
+    return _checked(text, float, lambda v: 0 < v < math.inf, "a positive number")
 
 
 def seconds(text: str) -> float:
     """A duration in seconds: a finite number, 0 or more."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text}")
-    return value
+    return _checked(text, float, lambda v: 0 <= v < math.inf, "a finite number >= 0")
 
 
 def log_level(text: str) -> str:
