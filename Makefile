@@ -21,16 +21,19 @@ demo: $(STAMP)
 simulate: $(STAMP)
 	$(BIN)/gateway simulate --config config/demo.yaml
 
-# Programs some tests drive: promtool/prometheus (metrics, rules) and dnsmasq (DNS discovery).
+# Programs some tests drive: promtool/prometheus (metrics, rules), dnsmasq (DNS discovery),
+# redis-server (shared ledger) and vLLM's CPU build in its own virtualenv (the real-vLLM tier).
 # Where they cannot be installed those tests skip with the reason; with CI=true they must install.
 test-tools:
 	./scripts/install-test-tools.sh
+	./scripts/install-vllm.sh
 
 test: $(STAMP) test-tools
 	$(BIN)/ruff check kvgateway tests bench
 	$(BIN)/lint-imports
 	$(BIN)/mypy
-	$(BIN)/pytest -n 2 -q
+	$(BIN)/pytest -n 2 -q -m "not real_vllm"
+	$(BIN)/pytest -q -m real_vllm
 
 lint: $(STAMP)
 	$(BIN)/ruff check kvgateway tests bench

@@ -14,6 +14,7 @@ import aiohttp
 from kvgateway.config.load import load_config
 from kvgateway.config.model import BackendConfig, GatewayConfig, ModelConfig
 from kvgateway.config.yamlread import ConfigError
+from kvgateway.core.backends import DEFAULT_MAX_NUM_SEQS
 from kvgateway.core.derived_limits import derive_backend
 from kvgateway.core.limits import Limits, Observed, resolve_limits
 from kvgateway.upstream.dns import DnsLookupError, resolve_group
@@ -149,6 +150,11 @@ def _row(
         value = getattr(limits, name)
         return {"value": value.value, "source": value.source}
 
+    seqs = lim("max_num_seqs")
+    if seqs["value"] is None:
+        # What admission then uses (Backend.max_num_seqs): said the same in text and JSON.
+        seqs = {"value": DEFAULT_MAX_NUM_SEQS, "source": "assumed"}
+
     kv = limits.kv_cache_tokens.value
     mml = limits.max_model_len.value
     return {
@@ -161,7 +167,7 @@ def _row(
         "discover": b.discover,
         "max_model_len": lim("max_model_len"),
         "kv_cache_tokens": lim("kv_cache_tokens"),
-        "max_num_seqs": lim("max_num_seqs"),
+        "max_num_seqs": seqs,
         "budget_tokens": int(kv * fraction) if kv else None,
         "context_limit": min(mml, int(kv * fraction)) if kv and mml else None,
         "node": disc if isinstance(disc, str) else ("reachable" if disc else "not asked"),
@@ -215,11 +221,7 @@ def _text(config: GatewayConfig, rows: list[dict[str, Any]], models: list[dict[s
         )
         out.append(f"    max_model_len    {show('max_model_len')}")
         out.append(f"    kv_cache_tokens  {show('kv_cache_tokens')}")
-        seqs = r["max_num_seqs"]
-        if seqs["value"] is None:
-            out.append("    max_num_seqs     256 [vLLM default, assumed]")
-        else:
-            out.append(f"    max_num_seqs     {show('max_num_seqs')}")
+        out.append(f"    max_num_seqs     {show('max_num_seqs')}")
         if r["budget_tokens"] is not None:
             out.append(
                 f"    budget           {r['budget_tokens']:,} tokens; longest request "
