@@ -11,13 +11,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
-from typing import Any
 
 from aiohttp import web
 
 from kvgateway.simulator import protocol as p
+from kvgateway.simulator import wire
+from kvgateway.simulator.context_rule import (
+    check_request_limits,
+    check_sampling,
+    output_budget,
+    truncated,
+)
 from kvgateway.simulator.driver import RequestHandle
+from kvgateway.simulator.errors import ApiError, bad_request, error_body, injected_error, queue_full
 from kvgateway.simulator.generation import filler_text, token_json, token_text
 from kvgateway.simulator.node import NODE_KEY, SimNode
 from kvgateway.simulator.tokenizer import TemplateError
@@ -32,80 +38,19 @@ class ClientGone(Exception):
     """The client closed the connection; the request is aborted."""
 
 
-class _Format:
-    """Builds one response's chunks; the per-token event is a string template because a
-    busy node writes tens of thousands of them per second."""
-
-    __slots__ = ("_head", "chat", "created", "id", "model")
-
-    def __init__(self, *, chat: bool, id: str, created: int, model: str) -> None:
-        self.chat = chat
-        self.id = id
-        self.created = created
-        self.model = model
-        head = json.dumps(self.chunk([]), separators=(",", ":"))
-        self._head = "data: " + head.removesuffix("]}")  # ends with `"choices":[`
-
-    def token_event(self, index: int, token_index: int) -> str:
-        """``sse(chunk([delta(index, token_text(token_index), None)]))``, pre-serialized."""
-        text = token_json(token_index)
-        if self.chat:
-            body = f'{{"index":{index},"delta":{{"content":{text}}},"logprobs":null,"finish_reason":null}}'
-        else:
-            body = (
-                f'{{"index":{index},"text":{text},"logprobs":null,'
-                f'"finish_reason":null,"stop_reason":null}}'
-            )
-        return f"{self._head}{body}]}}\n\n"
-
-    @property
-    def object(self) -> str:
-        return "chat.completion.chunk" if self.chat else "text_completion"
-
-    def chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "object": self.object,
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-        }
-
-    def delta(self, index: int, text: str, finish: str | None) -> dict[str, Any]:
-        if self.chat:
-            return {
-                "index": index,
-                "delta": {"content": text},
-                "logprobs": None,
-                "finish_reason": finish,
-                **({"stop_reason": None} if finish else {}),
-            }
-        return {
-            "index": index,
-            "text": text,
-            "logprobs": None,
-            "finish_reason": finish,
-            "stop_reason": None,
-        }
-
-    def role(self, index: int) -> dict[str, Any]:
-        return {
-            "index": index,
-            "delta": {"role": "assistant", "content": ""},
-            "logprobs": None,
-            "finish_reason": None,
-        }
-
-
 async def handle_chat(request: web.Request) -> web.StreamResponse:
     node: SimNode = request.app[NODE_KEY]
     body = p.parse_json(await request.read())
     req = p.parse_chat(body)
     node.check_model(req.model)
+    if not req.messages:
+        raise bad_request(
+            "Cannot apply chat template to an empty conversation. Provide at least one message."
+        )
     try:
         prompt_ids = await node.tokenizer.encode_chat_request_async(body, req.messages)
     except TemplateError as exc:
-        raise p.bad_request(str(exc)) from exc
+        raise bad_request(str(exc)) from exc
     return await _generate(request, node, req, prompt_ids, chat=True)
 
 
@@ -126,34 +71,6 @@ async def handle_completion(request: web.Request) -> web.StreamResponse:
     )
 
 
-def _truncated(
-    ids: list[int],
-    keep: int | None,
-    max_model_len: int,
-    max_tokens: int | None,
-    overflow: str = "clamp",
-) -> list[int]:
-    """``truncate_prompt_tokens``: the prompt's last ``keep`` tokens (-1: as many as fit
-    beside ``max_tokens`` in vLLM <= 0.31; the context less one in vLLM >= 0.32, which
-    then cuts max_tokens to fit; vllm/renderers/params.py ``_token_truncation``); more
-    than max_model_len is refused (``_validate_truncation_size``); vLLM truncates on the
-    left."""
-    if keep is None or keep == 0:
-        return ids
-    if keep == -1:
-        if overflow == "clamp":
-            keep = max(1, max_model_len - 1)
-        else:
-            keep = max(1, max_model_len - (max_tokens or 0))
-    if keep > max_model_len:
-        raise p.bad_request(
-            f"truncate_prompt_tokens value ({keep}) is greater than max_model_len "
-            f"({max_model_len}). Please, select a smaller truncation size.",
-            "truncate_prompt_tokens",
-        )
-    return ids[-keep:] if len(ids) > keep else ids
-
-
 async def _generate(
     request: web.Request,
     node: SimNode,
@@ -164,39 +81,45 @@ async def _generate(
     text: bool = True,
 ) -> web.StreamResponse:
     settings = node.settings
-    prompt_ids = _truncated(
-        prompt_ids,
-        req.truncate_prompt_tokens,
+    overflow = settings.context_overflow
+    check_request_limits(
         settings.max_model_len,
         req.max_tokens,
-        settings.context_overflow,
+        req.truncate_prompt_tokens,
+        overflow=overflow,
+        field=req.max_tokens_field,
     )
-    prompt_tokens = len(prompt_ids)
-    budget = p.output_budget(
+    prompt_ids = truncated(
+        prompt_ids, req.truncate_prompt_tokens, settings.max_model_len, req.max_tokens, overflow
+    )
+    budget = output_budget(
         settings.max_model_len,
-        prompt_tokens,
+        len(prompt_ids),
         req.max_tokens,
         text=text,
-        overflow=settings.context_overflow,
+        overflow=overflow,
+        field=req.max_tokens_field,
     )
+    check_sampling(req.n, budget, req.min_tokens)
     fault = node.faults.consume()
     if fault is not None and fault.hang_s:
         await _sleep_unless_gone(request, fault.hang_s)
     if fault is not None and fault.status is not None:
-        raise p.injected_error(fault.status)
+        raise injected_error(fault.status)
     drop_after = fault.drop_after_chunks if fault is not None else None
     if drop_after is not None and not req.stream:
         _drop(request)
         return web.Response(status=499)
     limit = settings.max_num_queued_reqs
     if limit is not None and node.driver.in_flight + req.n > limit:
-        raise p.queue_full(node.driver.in_flight, limit)
+        raise queue_full(node.driver.in_flight, limit)
 
-    fmt = _Format(
+    fmt = wire.ChunkFormat(
         chat=chat,
-        id=p.new_id("chatcmpl" if chat else "cmpl"),
-        created=p.now_ts(),
+        id=wire.new_id("chatcmpl" if chat else "cmpl"),
+        created=wire.now_ts(),
         model=settings.model,
+        fingerprint=node.fingerprint,
     )
     poll = node.disconnect_poll_s
     handle = node.driver.submit(
@@ -261,7 +184,7 @@ def _drop(request: web.Request) -> None:
 
 
 async def _collect(
-    request: web.Request, handle: RequestHandle, fmt: _Format, *, poll: float | None
+    request: web.Request, handle: RequestHandle, fmt: wire.ChunkFormat, *, poll: float | None
 ) -> web.Response:
     finish: list[str | None] = [None] * len(handle.seqs)
     while True:
@@ -269,33 +192,21 @@ async def _collect(
             if reason is not None:
                 finish[index] = reason
         if handle.error is not None:
-            raise p.ApiError(500, handle.error, "InternalServerError")
+            raise ApiError(500, handle.error, "InternalServerError")
         if handle.done:
             break
         await wait_news(request, handle, poll)
-    make = p.chat_message_choice if fmt.chat else p.completion_choice
+    make = wire.chat_message_choice if fmt.chat else wire.completion_choice
     choices = [
         make(i, filler_text(0, handle.emitted[i]), finish[i]) for i in range(len(handle.seqs))
     ]
-    body: dict[str, Any] = {
-        "id": fmt.id,
-        "object": "chat.completion" if fmt.chat else "text_completion",
-        "created": fmt.created,
-        "model": fmt.model,
-        "choices": choices,
-        "usage": {**p.usage(handle.prompt_tokens, handle.completion_tokens)},
-        "prompt_logprobs": None,
-        "kv_transfer_params": None,
-    }
-    if fmt.chat:
-        body["usage"]["prompt_tokens_details"] = None
-    return p.json_response(body)
+    return wire.json_response(fmt.body(choices, handle.prompt_tokens, handle.completion_tokens))
 
 
 async def _stream(
     request: web.Request,
     handle: RequestHandle,
-    fmt: _Format,
+    fmt: wire.ChunkFormat,
     *,
     req: p.GenerationRequest,
     drop_after: int | None,
@@ -304,7 +215,7 @@ async def _stream(
 ) -> web.StreamResponse:
     resp = web.StreamResponse(
         status=200,
-        headers={"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"},
+        headers={"Content-Type": "text/event-stream; charset=utf-8"},
     )
     with contextlib.suppress(ClientGone):
         try:
@@ -321,7 +232,7 @@ async def _stream_events(
     request: web.Request,
     resp: web.StreamResponse,
     handle: RequestHandle,
-    fmt: _Format,
+    fmt: wire.ChunkFormat,
     *,
     req: p.GenerationRequest,
     drop_after: int | None,
@@ -337,10 +248,8 @@ async def _stream_events(
         for index, start, count, reason in handle.take():
             if fmt.chat and not started[index]:
                 # vLLM sends the role with the first output of each choice.
-                role = fmt.chunk([fmt.role(index)])
-                if req.continuous_usage:
-                    role["usage"] = p.usage(handle.prompt_tokens, 0)
-                events.append(p.sse(role))
+                usage_from = handle.prompt_tokens if req.continuous_usage else None
+                events.append(wire.sse(fmt.role(index, usage_from)))
             first_output = not started[index]
             started[index] = True
             unsent[index] += count
@@ -353,17 +262,19 @@ async def _stream_events(
             tokens, unsent[index] = unsent[index], 0
             first = start + count - tokens
             if tokens == 1 and reason is None and not req.continuous_usage:
-                events.append(fmt.token_event(index, first))
+                events.append(fmt.token_event(index, token_json(first)))
                 continue
             text = "".join(token_text(first + k) for k in range(tokens))
             chunk = fmt.chunk([fmt.delta(index, text, reason)])
             if req.continuous_usage:
                 # This choice's output so far, as vLLM reports it per chunk.
-                chunk["usage"] = p.usage(handle.prompt_tokens, first + tokens)
-            events.append(p.sse(chunk))
+                chunk["usage"] = fmt.running_usage(handle.prompt_tokens, first + tokens)
+            if reason is not None and not req.include_usage:
+                # The last chunk carries the fingerprint (the usage chunk when one follows).
+                chunk["system_fingerprint"] = fmt.fingerprint
+            events.append(wire.sse(chunk))
         if handle.error is not None:
-            error = p.error_body(handle.error, "InternalServerError", 500)
-            events.append(p.sse(error))
+            events.append(wire.sse(error_body(handle.error, "InternalServerError", 500)))
         if drop_after is not None and sent + len(events) >= drop_after:
             await _write(resp, "".join(events[: drop_after - sent]))
             _drop(request)
@@ -375,10 +286,9 @@ async def _stream_events(
             break
         await wait_news(request, handle, poll)
     if req.include_usage and handle.error is None:
-        final = fmt.chunk([])
-        final["usage"] = p.usage(handle.prompt_tokens, handle.completion_tokens)
-        await _write(resp, p.sse(final))  # vLLM yields the usage chunk and [DONE] apart
-    await _write(resp, p.SSE_DONE)
+        final = fmt.final_usage(handle.prompt_tokens, handle.completion_tokens)
+        await _write(resp, wire.sse(final))  # vLLM yields the usage chunk and [DONE] apart
+    await _write(resp, wire.SSE_DONE)
     try:
         await resp.write_eof()
     except ConnectionError as exc:

@@ -1,6 +1,5 @@
 """vLLM's other OpenAI-compatible endpoints, as the simulated node serves them.
 
-- ``GET /v1/models/{id}``: one model card (404 ``NotFoundError`` for another id);
 - ``POST /v1/embeddings``: ``{"object": "list", "data": [{"index", "object": "embedding",
   "embedding"}], "usage"}``, floats or base64 float32 (the ``openai`` SDK asks for base64);
 - ``POST /v1/rerank`` (and ``/rerank``): ``results`` sorted by ``relevance_score``;
@@ -27,6 +26,8 @@ from typing import Any
 from aiohttp import web
 
 from kvgateway.simulator import protocol as p
+from kvgateway.simulator import wire
+from kvgateway.simulator.errors import bad_request
 from kvgateway.simulator.node import NODE_KEY, SimNode
 from kvgateway.simulator.responses import handle_responses
 
@@ -34,7 +35,6 @@ EMBEDDING_DIMENSIONS = 384
 
 
 def register_extra_endpoints(app: web.Application) -> None:
-    app.router.add_get(r"/v1/models/{model_id:.+}", _model)
     app.router.add_post("/v1/embeddings", _embeddings)
     for path in ("/v1/rerank", "/rerank"):
         app.router.add_post(path, _rerank)
@@ -42,16 +42,6 @@ def register_extra_endpoints(app: web.Application) -> None:
         app.router.add_post(path, _score)
     app.router.add_post("/detokenize", _detokenize)
     app.router.add_post("/v1/responses", handle_responses)
-
-
-async def _model(request: web.Request) -> web.Response:
-    node = request.app[NODE_KEY]
-    s = node.settings
-    model_id = request.match_info["model_id"]
-    if model_id != s.model:
-        raise p.model_not_found(model_id)
-    card = p.models_body(s.model, s.served_root, s.max_model_len, node.created)["data"][0]
-    return p.json_response(card)
 
 
 async def _detokenize(request: web.Request) -> web.Response:
@@ -63,12 +53,12 @@ async def _detokenize(request: web.Request) -> web.Response:
     if not isinstance(tokens, list) or not all(
         isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens
     ):
-        raise p.bad_request("tokens must be a list of token ids.", "tokens")
+        raise bad_request("tokens must be a list of token ids.", "tokens")
     try:
         text = node.tokenizer.decode(tokens)
     except ValueError as exc:
-        raise p.bad_request(str(exc), "tokens") from exc
-    return p.json_response({"prompt": text})
+        raise bad_request(str(exc), "tokens") from exc
+    return wire.json_response({"prompt": text})
 
 
 def vector(text: str, dimensions: int) -> list[float]:
@@ -92,7 +82,7 @@ def _texts(body: dict[str, Any], key: str) -> list[str]:
         return list(value)
     if isinstance(value, list) and value and all(isinstance(v, int) for v in value):
         return [" ".join(map(str, value))]  # token ids: one prompt
-    raise p.bad_request(f"{key} must be a string or a non-empty list of strings.", key)
+    raise bad_request(f"{key} must be a string or a non-empty list of strings.", key)
 
 
 async def _counted(node: SimNode, texts: list[str], what: str) -> int:
@@ -102,7 +92,7 @@ async def _counted(node: SimNode, texts: list[str], what: str) -> int:
     for text in texts:
         n = max(1, await node.tokenizer.count_prompt_async(text))
         if n > limit:
-            raise p.bad_request(
+            raise bad_request(
                 f"This model's maximum context length is {limit} tokens. However, you "
                 f"requested {n} tokens in the input for {what}. Please reduce the length "
                 "of the input.",
@@ -113,7 +103,7 @@ async def _counted(node: SimNode, texts: list[str], what: str) -> int:
 
 
 def _usage(prompt_tokens: int) -> dict[str, Any]:
-    return {**p.usage(prompt_tokens, 0), "prompt_tokens_details": None}
+    return {**wire.usage(prompt_tokens, 0), "prompt_tokens_details": None}
 
 
 async def _embeddings(request: web.Request) -> web.Response:
@@ -124,10 +114,10 @@ async def _embeddings(request: web.Request) -> web.Response:
     texts = _texts(body, "input")
     dims = body.get("dimensions")
     if dims is not None and (isinstance(dims, bool) or not isinstance(dims, int) or dims < 1):
-        raise p.bad_request("dimensions must be a positive integer.", "dimensions")
+        raise bad_request("dimensions must be a positive integer.", "dimensions")
     fmt = body.get("encoding_format") or "float"
     if fmt not in ("float", "base64"):
-        raise p.bad_request("encoding_format must be float or base64.", "encoding_format")
+        raise bad_request("encoding_format must be float or base64.", "encoding_format")
     tokens = await _counted(node, texts, "embedding generation")
     data = []
     for i, text in enumerate(texts):
@@ -136,11 +126,11 @@ async def _embeddings(request: web.Request) -> web.Response:
         if fmt == "base64":
             embedding = base64.b64encode(struct.pack(f"<{len(vec)}f", *vec)).decode()
         data.append({"index": i, "object": "embedding", "embedding": embedding})
-    return p.json_response(
+    return wire.json_response(
         {
-            "id": p.new_id("embd"),
+            "id": wire.new_id("embd"),
             "object": "list",
-            "created": p.now_ts(),
+            "created": wire.now_ts(),
             "model": node.settings.model,
             "data": data,
             "usage": _usage(tokens),
@@ -162,11 +152,11 @@ async def _rerank(request: web.Request) -> web.Response:
     node.check_model(model if isinstance(model, str) else None)
     query = body.get("query")
     if not isinstance(query, str):
-        raise p.bad_request("query must be a string.", "query")
+        raise bad_request("query must be a string.", "query")
     documents = _texts(body, "documents")
     top_n = body.get("top_n") or len(documents)
     if isinstance(top_n, bool) or not isinstance(top_n, int) or top_n < 1:
-        raise p.bad_request("top_n must be a positive integer.", "top_n")
+        raise bad_request("top_n must be a positive integer.", "top_n")
     tokens = await _counted(node, [query + d for d in documents], "reranking")
     scores = [relevance(query, d) for d in documents]
     order = sorted(range(len(documents)), key=lambda i: -scores[i])
@@ -174,9 +164,9 @@ async def _rerank(request: web.Request) -> web.Response:
         {"index": i, "document": {"text": documents[i]}, "relevance_score": scores[i]}
         for i in order
     ]
-    return p.json_response(
+    return wire.json_response(
         {
-            "id": p.new_id("rerank"),
+            "id": wire.new_id("rerank"),
             "model": node.settings.model,
             "usage": {"total_tokens": tokens},
             "results": ranked[:top_n],
@@ -193,17 +183,17 @@ async def _score(request: web.Request) -> web.Response:
     if len(firsts) == 1:
         firsts = firsts * len(seconds)
     if len(firsts) != len(seconds):
-        raise p.bad_request("text_1 and text_2 must have the same length.", "text_2")
+        raise bad_request("text_1 and text_2 must have the same length.", "text_2")
     tokens = await _counted(node, [a + b for a, b in zip(firsts, seconds, strict=True)], "score")
     data = [
         {"index": i, "object": "score", "score": relevance(a, b)}
         for i, (a, b) in enumerate(zip(firsts, seconds, strict=True))
     ]
-    return p.json_response(
+    return wire.json_response(
         {
-            "id": p.new_id("score"),
+            "id": wire.new_id("score"),
             "object": "list",
-            "created": p.now_ts(),
+            "created": wire.now_ts(),
             "model": node.settings.model,
             "data": data,
             "usage": _usage(tokens),

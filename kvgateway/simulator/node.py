@@ -8,13 +8,14 @@ from collections.abc import Callable
 from aiohttp import web
 
 from kvgateway.simulator.driver import EngineDriver
+from kvgateway.simulator.errors import model_not_found
 from kvgateway.simulator.faults import FaultState
 from kvgateway.simulator.generation import filler_words
 from kvgateway.simulator.kv_events import KVEventPublisher
 from kvgateway.simulator.metrics import NodeMetrics
-from kvgateway.simulator.protocol import model_not_found
 from kvgateway.simulator.settings import NodeSettings
 from kvgateway.simulator.tokenizer import NodeTokenizer
+from kvgateway.simulator.wire import fingerprint
 from kvgateway.tokens.encoding import EncodingCache
 
 
@@ -49,6 +50,14 @@ class SimNode:
         # integration would continue that trace): lets tests see propagation.
         self.last_traceparent: str | None = None
         self.created = int(time.time())
+        # vLLM's system_fingerprint: one per server, from what defines the node.
+        self.fingerprint = fingerprint(
+            settings.served_root,
+            settings.max_model_len,
+            settings.num_gpu_blocks,
+            settings.block_size,
+            settings.max_num_seqs,
+        )
 
     def check_model(self, model: str | None) -> None:
         """vLLM serves requests without a model with its only model; others get 404."""

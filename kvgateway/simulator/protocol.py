@@ -1,174 +1,39 @@
-"""vLLM's OpenAI-compatible wire format: request parsing, error bodies, response shapes.
+"""vLLM's OpenAI-compatible requests, read as vLLM reads them.
 
-Pure functions; the handlers in ``server.py`` and ``completions.py`` do the I/O. Shapes
-follow ``vllm/entrypoints/openai/protocol.py`` and ``serving_chat.py`` /
-``serving_completion.py``; error texts follow VLLM.md (the project's reference page).
+Pure functions; the handlers do the I/O. A body is read in vLLM's order: JSON and the
+fields' types first (FastAPI and pydantic in lax mode: ``"16"`` and ``16.0`` are 16,
+``"yes"`` is true; every refused field reported at once, see
+:func:`~kvgateway.simulator.errors.invalid_fields`), then the request models' own
+validators (``stream_options`` without ``stream``, a missing prompt). The model, the
+context and the sampling parameters are checked later by the handlers, in that order.
+Fields follow ``ChatCompletionRequest`` / ``CompletionRequest`` of vLLM 0.32.
 """
 
 from __future__ import annotations
 
 import json
-import time
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from aiohttp import web
-
+from kvgateway.simulator.errors import (
+    FieldError,
+    bad_request,
+    below,
+    body_missing,
+    body_not_object,
+    bool_problem,
+    int_problem,
+    invalid_fields,
+    json_invalid,
+    missing,
+    not_object,
+    not_string,
+    vllm_check,
+)
 from kvgateway.simulator.tokenizer import ChatMessage
 from kvgateway.tokens.lax import lax_bool, lax_int
 
-
-class ApiError(Exception):
-    """An error answered as ``{"error": {message, type, param, code}}``."""
-
-    def __init__(self, status: int, message: str, err_type: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.err_type = err_type
-        self.param = param
-
-    def body(self) -> dict[str, Any]:
-        return error_body(self.message, self.err_type, self.status, self.param)
-
-
-def error_body(message: str, err_type: str, code: int, param: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
-
-
-def bad_request(message: str, param: str | None = None) -> ApiError:
-    return ApiError(400, message, "BadRequestError", param)
-
-
-def model_not_found(model: str, served: str | None = None) -> ApiError:
-    """vLLM's 404; its generation endpoints name the served models (``_check_model``)."""
-    aliases = f" Valid aliases: {served}." if served is not None else ""
-    return ApiError(404, f"The model `{model}` does not exist.{aliases}", "NotFoundError", "model")
-
-
-def queue_full(in_flight: int, limit: int) -> ApiError:
-    return ApiError(
-        503,
-        f"The server is at capacity: {in_flight} requests in flight "
-        f"(--max-num-queued-reqs={limit}). Please retry later.",
-        "ServiceUnavailableError",
-    )
-
-
-_STATUS_TYPES = {
-    400: "BadRequestError",
-    404: "NotFoundError",
-    429: "TooManyRequestsError",
-    500: "InternalServerError",
-    502: "BadGatewayError",
-    503: "ServiceUnavailableError",
-    504: "GatewayTimeoutError",
-}
-
-
-def injected_error(status: int) -> ApiError:
-    return ApiError(
-        status,
-        f"Simulated failure (HTTP {status}) injected by /sim/fault.",
-        _STATUS_TYPES.get(status, "InternalServerError"),
-    )
-
-
-def context_length_error(
-    max_model_len: int, prompt_tokens: int, requested: int | None, *, text: bool = True
-) -> ApiError:
-    """vLLM <= 0.31's 400 for prompt + requested output > max_model_len
-    (``renderers/params.py``).
-
-    vLLM encodes text at most ``max_input + 1`` tokens long (max_input = max_model_len -
-    requested output), so an over-long text prompt is reported as "at least max_input +
-    1" tokens; token ids are reported at their length ("at least" only when that length
-    is max_input + 1). A prompt alone at the limit with no output requested is reported
-    exactly.
-    """
-    out = requested or 0
-    if out > max_model_len:
-        return _too_many_output_tokens(out, max_model_len)
-    max_input = max_model_len - out
-    count = min(prompt_tokens, max_input + 1) if text else prompt_tokens
-    at_least = "at least " if count > max_input and count == max_input + 1 else ""
-    message = (
-        f"This model's maximum context length is {max_model_len} tokens. However, you "
-        f"requested {out} output tokens and your prompt contains {at_least}{count} input "
-        f"tokens, for a total of {at_least}{count + out} tokens. Please reduce the length "
-        f"of the input prompt or the number of requested output tokens. "
-        f"(parameter=input_tokens, value={count})"
-    )
-    return bad_request(message, "input_tokens")
-
-
-def _too_many_output_tokens(out: int, max_model_len: int) -> ApiError:
-    return bad_request(
-        f"max_tokens={out} cannot be greater than max_model_len=max_total_tokens="
-        f"{max_model_len}. Please request fewer output tokens.",
-        "max_tokens",
-    )
-
-
-def prompt_too_long_error(max_model_len: int, prompt_tokens: int, *, text: bool = True) -> ApiError:
-    """vLLM >= 0.32's 400 for a prompt that does not fit the context even without output
-    (``renderers/params.py`` ``_token_len_check``; text is encoded at most
-    ``max_model_len + 1`` tokens long), and for one exactly at the limit (the engine's
-    ``_validate_prompt_len``: no room for one output token)."""
-    if prompt_tokens == max_model_len:
-        return bad_request(
-            f"The decoder prompt (length {prompt_tokens}) plus the number of requested "
-            f"output tokens (at least 1) is longer than the maximum model length of "
-            f"{max_model_len}. Make sure that `max_model_len` is no smaller than the number "
-            "of text tokens (prompt + requested output tokens).",
-            None,
-        )
-    count = min(prompt_tokens, max_model_len + 1) if text else prompt_tokens
-    at_least = "at least " if text and count == max_model_len + 1 else ""
-    return bad_request(
-        f"This model's maximum context length is {max_model_len} tokens. However, your "
-        f"prompt contains {at_least}{count} input tokens, which exceeds this limit even "
-        "without any output tokens. Please reduce the length of the input prompt. "
-        f"(parameter=input_tokens, value={count})",
-        "input_tokens",
-    )
-
-
-def output_budget(
-    max_model_len: int,
-    prompt_tokens: int,
-    requested: int | None,
-    *,
-    text: bool = True,
-    overflow: str = "clamp",
-) -> int:
-    """Tokens the request may generate, or :class:`ApiError` if it cannot fit.
-
-    ``requested`` None means the client set no limit: vLLM then allows
-    ``max_model_len - prompt_tokens``, which needs at least one token of room.
-    ``text``: the prompt came as text (its over-long count is cut).
-    ``overflow``: "clamp" (vLLM >= 0.32: a prompt that fits is served, ``max_tokens``
-    cut to what the context leaves, ``get_max_tokens``) or "reject" (vLLM <= 0.31:
-    prompt + max_tokens past the context is a 400).
-    """
-    if overflow == "clamp":
-        if requested is not None and requested > max_model_len:
-            raise _too_many_output_tokens(requested, max_model_len)
-        if prompt_tokens >= max_model_len:
-            raise prompt_too_long_error(max_model_len, prompt_tokens, text=text)
-        room = max_model_len - prompt_tokens
-        return room if requested is None else min(requested, room)
-    if requested is None:
-        if prompt_tokens >= max_model_len:
-            raise context_length_error(max_model_len, prompt_tokens, None, text=text)
-        return max_model_len - prompt_tokens
-    if prompt_tokens + requested > max_model_len:
-        raise context_length_error(max_model_len, prompt_tokens, requested, text=text)
-    return requested
-
-
-# -- request parsing -------------------------------------------------------------------
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,6 +48,8 @@ class GenerationRequest:
     max_tokens: int | None
     ignore_eos: bool
     min_tokens: int
+    # The field that set max_tokens, as vLLM names it in its refusals.
+    max_tokens_field: str = "max_tokens"
     messages: tuple[ChatMessage, ...] = ()
     # Keep only the prompt's last this many tokens (-1: max_model_len), as vLLM does.
     truncate_prompt_tokens: int | None = None
@@ -192,227 +59,188 @@ class GenerationRequest:
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
+    """The request body as FastAPI reads it: no body or ``null`` is a missing body."""
+    if not raw.strip():
+        raise body_missing()
     try:
         body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise bad_request(f"Invalid JSON body: {exc}") from exc
+    except json.JSONDecodeError as exc:
+        raise json_invalid(exc.pos, exc.msg) from exc
+    except UnicodeDecodeError as exc:
+        raise json_invalid(exc.start, exc.reason) from exc
+    if body is None:
+        raise body_missing()
     if not isinstance(body, dict):
-        raise bad_request("The request body must be a JSON object.")
+        raise body_not_object(body)
     return body
 
 
-def _opt_int(body: dict[str, Any], key: str, minimum: int) -> int | None:
-    raw = body.get(key)
-    if raw is None:
-        return None
-    value = lax_int(raw)  # vLLM's pydantic models are lax: 1000.0 and "1000" are 1000
-    if value is None:
-        raise bad_request(f"{key} must be an integer, got {raw!r}.", key)
-    if value < minimum:
-        raise bad_request(f"{key} must be at least {minimum}, got {value}.", key)
-    return value
+class _Fields:
+    """Reads typed fields of one body, collecting pydantic's errors in field order."""
+
+    def __init__(self, body: dict[str, Any]) -> None:
+        self.body = body
+        self.errors: list[FieldError] = []
+
+    def integer(self, key: str, default: int | None, *, nullable: bool = True) -> int | None:
+        if key not in self.body:
+            return default
+        raw = self.body[key]
+        if raw is None and nullable:
+            return None
+        value = None if raw is None else lax_int(raw)
+        if value is None:
+            self.errors.append(int_problem(key, raw))
+        return value
+
+    def flag(self, key: str, *, nullable: bool = True) -> bool:
+        raw = self.body.get(key, False)
+        if raw is None and nullable:
+            return False
+        value = None if raw is None else lax_bool(raw)
+        if value is None:
+            self.errors.append(bool_problem(key, raw))
+            return False
+        return value
+
+    def model(self) -> str | None:
+        model = self.body.get("model")
+        if model is not None and not isinstance(model, str):
+            self.errors.append(not_string("model", model))
+            return None
+        return model
+
+    def done(self) -> None:
+        if self.errors:
+            raise invalid_fields(self.errors)
 
 
-def _bool(body: dict[str, Any], key: str) -> bool:
-    raw = body.get(key, False)
-    if raw is None:
-        return False
-    value = lax_bool(raw)  # lax, as vLLM's pydantic: "true", 1, "yes"...
-    if value is None:
-        raise bad_request(f"{key} must be a boolean, got {raw!r}.", key)
-    return value
-
-
-def _common(body: dict[str, Any], max_tokens: int | None) -> dict[str, Any]:
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise bad_request("model must be a string.", "model")
-    stream = _bool(body, "stream")
-    options = body.get("stream_options") or {}
-    if not isinstance(options, dict):
-        raise bad_request("stream_options must be an object.", "stream_options")
-    if options and not stream:
-        raise bad_request(
-            "Stream options can only be defined when `stream=True`.", "stream_options"
-        )
+def _sampling(f: _Fields, *, chat: bool) -> dict[str, Any]:
+    """The fields both endpoints share, from ``n`` on (their order in vLLM's models)."""
+    n = f.integer("n", 1, nullable=chat)
+    stream = f.flag("stream")
+    options = f.body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        f.errors.append(not_object("stream_options", options))
+        options = None
+    ignore_eos = f.flag("ignore_eos", nullable=False)
+    min_tokens = f.integer("min_tokens", 0, nullable=False)
+    truncate = f.integer("truncate_prompt_tokens", None)
+    if truncate is not None and truncate < -1:
+        f.errors.append(below("truncate_prompt_tokens", f.body["truncate_prompt_tokens"], -1))
+    f.done()
+    # The request models' own validator, run once every field is read.
+    if options is not None and not stream:
+        raise vllm_check("Stream options can only be defined when `stream=True`.", "stream_options")
+    include_usage = bool(lax_bool((options or {}).get("include_usage")))
     return {
-        "model": model,
         "stream": stream,
-        "include_usage": bool(options.get("include_usage")),
+        "include_usage": include_usage,
         # vLLM's should_include_usage: continuous usage only together with include_usage.
-        "continuous_usage": bool(options.get("include_usage"))
-        and bool(options.get("continuous_usage_stats")),
-        "n": _opt_int(body, "n", 1) or 1,
-        "max_tokens": max_tokens,
-        "ignore_eos": _bool(body, "ignore_eos"),
-        "min_tokens": _opt_int(body, "min_tokens", 0) or 0,
-        "truncate_prompt_tokens": _opt_int(body, "truncate_prompt_tokens", -1),
+        "continuous_usage": include_usage
+        and bool(lax_bool((options or {}).get("continuous_usage_stats"))),
+        "n": 1 if n is None else n,
+        "ignore_eos": ignore_eos,
+        "min_tokens": min_tokens or 0,
+        "truncate_prompt_tokens": truncate,
     }
 
 
-def _message_text(content: Any, index: int) -> str:
+def _message_text(content: Any) -> str:
     if content is None:
         return ""
     if isinstance(content, str):
         return content
-    if isinstance(content, list):
-        parts: list[str] = []
-        for part in content:
-            if isinstance(part, dict) and isinstance(part.get("text"), str):
-                parts.append(part["text"])
-            elif isinstance(part, str):
-                parts.append(part)
-        return "\n".join(parts)
-    raise bad_request(f"messages[{index}].content must be a string or a list of parts.", "messages")
+    parts: list[str] = []
+    for part in content:
+        if isinstance(part, dict) and isinstance(part.get("text"), str):
+            parts.append(part["text"])
+        elif isinstance(part, str):
+            parts.append(part)
+    return "\n".join(parts)
+
+
+def _message_problem(value: Any) -> FieldError | None:
+    """What pydantic refuses in ``messages`` (its own message lists one error per branch
+    of the message union; the first one stands for them here)."""
+    if not isinstance(value, list):
+        return FieldError("list_type", "body.messages", "Input should be a valid list", value)
+    for i, m in enumerate(value):
+        if not isinstance(m, dict):
+            return not_object(f"messages.{i}", m)
+        if not isinstance(m.get("role"), str):
+            return missing(f"messages.{i}.role", m)
+        content = m.get("content")
+        if content is not None and not isinstance(content, str | list):
+            return not_string(f"messages.{i}.content", content)
+    return None
 
 
 def parse_messages(value: Any) -> tuple[ChatMessage, ...]:
-    if not isinstance(value, list) or not value:
-        raise bad_request("messages must be a non-empty list.", "messages")
-    messages: list[ChatMessage] = []
-    for i, m in enumerate(value):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise bad_request(f"messages[{i}] must be an object with a role.", "messages")
-        messages.append(ChatMessage(m["role"], _message_text(m.get("content"), i)))
-    return tuple(messages)
+    problem = _message_problem(value)
+    if problem is not None:
+        raise invalid_fields([problem])
+    return tuple(ChatMessage(m["role"], _message_text(m.get("content"))) for m in value)
 
 
 def parse_chat(body: dict[str, Any]) -> GenerationRequest:
+    f = _Fields(body)
+    if "messages" not in body:
+        f.errors.append(missing("messages", body))
+    else:
+        problem = _message_problem(body["messages"])
+        if problem is not None:
+            f.errors.append(problem)
+    model = f.model()
+    max_tokens = f.integer("max_tokens", None)
+    completion_tokens = f.integer("max_completion_tokens", None)
+    sampling = _sampling(f, chat=True)
     # vLLM: max_completion_tokens wins over the deprecated max_tokens.
-    max_tokens = _opt_int(body, "max_completion_tokens", 1)
-    if max_tokens is None:
-        max_tokens = _opt_int(body, "max_tokens", 1)
+    field = "max_completion_tokens" if completion_tokens is not None else "max_tokens"
     return GenerationRequest(
-        **_common(body, max_tokens), messages=parse_messages(body.get("messages"))
+        model=model,
+        max_tokens=completion_tokens if completion_tokens is not None else max_tokens,
+        max_tokens_field=field,
+        messages=parse_messages(body["messages"]),
+        **sampling,
     )
 
 
-COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+# pydantic's errors for a prompt that is none of vLLM's prompt types, in its union order.
+_PROMPT_UNION = (
+    ("list_type", "Input should be a valid list"),
+    ("list_type", "Input should be a valid list"),
+    ("string_type", "Input should be a valid string"),
+    ("list_type", "Input should be a valid list"),
+)
 
 
 def parse_completion(body: dict[str, Any]) -> GenerationRequest:
-    echo = _bool(body, "echo")
-    # vLLM: max_tokens 0 is allowed with echo (the prompt back); it schedules one token.
-    max_tokens = _opt_int(body, "max_tokens", 0 if echo else 1)
-    if "max_tokens" not in body:
-        max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
-    elif max_tokens == 0:
-        max_tokens = 1
+    f = _Fields(body)
+    model = f.model()
     prompt = body.get("prompt")
+    if prompt is not None and not isinstance(prompt, str | list):
+        f.errors.extend(FieldError(k, "body.prompt", m, prompt) for k, m in _PROMPT_UNION)
+    echo = f.flag("echo")
+    max_tokens = f.integer("max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS)
+    sampling = _sampling(f, chat=False)
+    if prompt is None or prompt == "":
+        raise vllm_check("Either prompt or prompt_embeds must be provided and non-empty.", "prompt")
+    if prompt == []:
+        raise bad_request("You must pass at least one prompt")
+    if echo and max_tokens == 0:
+        max_tokens = 1  # vLLM: the prompt back, one token scheduled
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of one
+    common = {"model": model, "max_tokens": max_tokens, **sampling}
     if isinstance(prompt, str):
-        return GenerationRequest(**_common(body, max_tokens), prompt=prompt)
-    if (
-        isinstance(prompt, list)
-        and prompt
-        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
-    ):
+        return GenerationRequest(**common, prompt=prompt)
+    if prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         return GenerationRequest(
-            **_common(body, max_tokens),
-            prompt_token_count=len(prompt),
-            prompt_token_ids=tuple(prompt),
+            **common, prompt_token_count=len(prompt), prompt_token_ids=tuple(prompt)
         )
     raise bad_request(
         "prompt must be a string, a list of token ids, or a list of one of those "
         "(the simulator serves one prompt per request).",
         "prompt",
     )
-
-
-# -- responses -------------------------------------------------------------------------
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def now_ts() -> int:
-    return int(time.time())
-
-
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-        "completion_tokens": completion_tokens,
-    }
-
-
-def sse(obj: dict[str, Any]) -> str:
-    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
-
-
-SSE_DONE = "data: [DONE]\n\n"
-
-
-def models_body(model: str, root: str, max_model_len: int, created: int) -> dict[str, Any]:
-    return {
-        "object": "list",
-        "data": [
-            {
-                "id": model,
-                "object": "model",
-                "created": created,
-                "owned_by": "vllm",
-                "root": root,
-                "parent": None,
-                "max_model_len": max_model_len,
-                "permission": [
-                    {
-                        "id": new_id("modelperm"),
-                        "object": "model_permission",
-                        "created": created,
-                        "allow_create_engine": False,
-                        "allow_sampling": True,
-                        "allow_logprobs": True,
-                        "allow_search_indices": False,
-                        "allow_view": True,
-                        "allow_fine_tuning": False,
-                        "organization": "*",
-                        "group": None,
-                        "is_blocking": False,
-                    }
-                ],
-            }
-        ],
-    }
-
-
-def chat_message_choice(index: int, text: str, finish: str | None) -> dict[str, Any]:
-    return {
-        "index": index,
-        "message": {
-            "role": "assistant",
-            "content": text,
-            "refusal": None,
-            "annotations": None,
-            "audio": None,
-            "function_call": None,
-            "tool_calls": [],
-            "reasoning_content": None,
-        },
-        "logprobs": None,
-        "finish_reason": finish,
-        "stop_reason": None,
-    }
-
-
-def completion_choice(index: int, text: str, finish: str | None) -> dict[str, Any]:
-    return {
-        "index": index,
-        "text": text,
-        "logprobs": None,
-        "finish_reason": finish,
-        "stop_reason": None,
-        "prompt_logprobs": None,
-    }
-
-
-def _compact(obj: Any) -> str:
-    return json.dumps(obj, separators=(",", ":"))
-
-
-def json_response(body: Any, *, status: int = 200) -> web.Response:
-    """A JSON response serialized compactly, as vLLM (FastAPI/pydantic) does."""
-    return web.json_response(body, status=status, dumps=_compact)

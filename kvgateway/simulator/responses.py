@@ -21,8 +21,11 @@ from typing import Any
 from aiohttp import web
 
 from kvgateway.simulator import protocol as p
+from kvgateway.simulator import wire
 from kvgateway.simulator.completions import ClientGone, wait_news
+from kvgateway.simulator.context_rule import check_sampling, output_budget
 from kvgateway.simulator.driver import RequestHandle
+from kvgateway.simulator.errors import ApiError, bad_request
 from kvgateway.simulator.generation import filler_text, token_text
 from kvgateway.simulator.node import NODE_KEY
 from kvgateway.simulator.tokenizer import ChatMessage, TemplateError
@@ -67,22 +70,22 @@ def _message_text(message: dict[str, Any]) -> str:
 def parse_responses(body: dict[str, Any]) -> ResponsesRequest:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
-        raise p.bad_request("model must be a string.", "model")
+        raise bad_request("model must be a string.", "model")
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
-        raise p.bad_request("instructions must be a string.", "instructions")
+        raise bad_request("instructions must be a string.", "instructions")
     raw = body.get("input")
     if isinstance(raw, list) and raw:
         for i, item in enumerate(raw):
             if not isinstance(item, dict):
-                raise p.bad_request(f"input[{i}] must be an object.", "input")
+                raise bad_request(f"input[{i}] must be an object.", "input")
             content = item.get("content")
             if content is not None and not isinstance(content, str | list):
-                raise p.bad_request(
+                raise bad_request(
                     f"input[{i}].content must be a string or a list of parts.", "input"
                 )
     elif not isinstance(raw, str):
-        raise p.bad_request("input must be a string or a non-empty list of items.", "input")
+        raise bad_request("input must be a string or a non-empty list of items.", "input")
     # The chat request vLLM renders (function calls, their outputs and reasoning as vLLM
     # converts them): the model's template renders it when the node has one.
     chat = chat_body(body)
@@ -95,10 +98,10 @@ def parse_responses(body: dict[str, Any]) -> ResponsesRequest:
     if max_out is not None and (
         isinstance(max_out, bool) or not isinstance(max_out, int) or max_out < 1
     ):
-        raise p.bad_request("max_output_tokens must be a positive integer.", "max_output_tokens")
+        raise bad_request("max_output_tokens must be a positive integer.", "max_output_tokens")
     stream = body.get("stream") or False
     if not isinstance(stream, bool):
-        raise p.bad_request("stream must be a boolean.", "stream")
+        raise bad_request("stream must be a boolean.", "stream")
     temperature, top_p = body.get("temperature"), body.get("top_p")
     return ResponsesRequest(
         model=model,
@@ -118,9 +121,9 @@ class _Shapes:
     def __init__(self, req: ResponsesRequest, model: str) -> None:
         self.req = req
         self.model = model
-        self.id = f"resp_{p.new_id('x')[2:]}"
-        self.item_id = f"msg_{p.new_id('x')[2:]}"
-        self.created_at = p.now_ts()
+        self.id = f"resp_{wire.new_id('x')[2:]}"
+        self.item_id = f"msg_{wire.new_id('x')[2:]}"
+        self.created_at = wire.now_ts()
 
     def text_part(self, text: str) -> dict[str, Any]:
         return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
@@ -191,13 +194,14 @@ async def handle_responses(request: web.Request) -> web.StreamResponse:
     try:
         prompt_ids = await node.tokenizer.encode_chat_request_async(req.chat, req.messages)
     except TemplateError as exc:
-        raise p.bad_request(str(exc)) from exc
-    budget = p.output_budget(
+        raise bad_request(str(exc)) from exc
+    budget = output_budget(
         node.settings.max_model_len,
         len(prompt_ids),
         req.max_output_tokens,
         overflow=node.settings.context_overflow,
     )
+    check_sampling(1, budget, 0)
     shapes = _Shapes(req, node.settings.model)
     handle = node.driver.submit(prompt_ids, budget, n=1, ignore_eos=False, min_tokens=0)
     poll = node.disconnect_poll_s
@@ -209,13 +213,13 @@ async def handle_responses(request: web.Request) -> web.StreamResponse:
             for _index, _start, _count, reason in handle.take():
                 finish = reason or finish
             if handle.error is not None:
-                raise p.ApiError(500, handle.error, "InternalServerError")
+                raise ApiError(500, handle.error, "InternalServerError")
             if handle.done:
                 break
             await wait_news(request, handle, poll)
         text = filler_text(0, handle.emitted[0])
         status = "incomplete" if finish == "length" else "completed"
-        return p.json_response(shapes.response(status, [shapes.item(text, status)], handle))
+        return wire.json_response(shapes.response(status, [shapes.item(text, status)], handle))
     except ClientGone:
         return web.Response(status=499)
     finally:

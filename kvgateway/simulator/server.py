@@ -1,8 +1,9 @@
 """The HTTP surface of one simulated vLLM node.
 
-vLLM's endpoints (``/health``, ``/v1/models``, ``/tokenize``, ``/metrics``,
-``/v1/chat/completions``, ``/v1/completions``; models/{id}, embeddings, rerank, score,
-detokenize and responses in ``endpoints_extra.py``) plus the simulator's own:
+vLLM's endpoints (``/health``, ``/version``, ``/v1/models``, ``/tokenize``, ``/metrics``,
+``/v1/chat/completions``, ``/v1/completions``; embeddings, rerank, score, detokenize and
+responses in ``endpoints_extra.py``; any other path is FastAPI's JSON 404) plus the
+simulator's own:
 
 - ``GET /sim/state``: engine state as JSON (running, waiting, used/free blocks,
   kv_usage, preemptions, finished counts, simulated time, lag);
@@ -21,8 +22,10 @@ from typing import Any
 from aiohttp import web
 
 from kvgateway.simulator import protocol as p
+from kvgateway.simulator import wire
 from kvgateway.simulator.completions import ClientGone, handle_chat, handle_completion
 from kvgateway.simulator.endpoints_extra import register_extra_endpoints
+from kvgateway.simulator.errors import ApiError, bad_request, invalid_fields, missing
 from kvgateway.simulator.faults import FaultError, parse_fault
 from kvgateway.simulator.node import NODE_KEY, SimNode
 from kvgateway.simulator.settings import NodeSettings
@@ -59,6 +62,7 @@ def create_node_app(
     app.cleanup_ctx.append(_engine_ctx)
     app.on_shutdown.append(_stop_engine)
     app.router.add_get("/health", _health)
+    app.router.add_get("/version", _version)
     app.router.add_get("/v1/models", _models)
     app.router.add_post("/tokenize", _tokenize)
     app.router.add_get("/metrics", _metrics)
@@ -96,8 +100,13 @@ async def _error_middleware(request: web.Request, handler: Handler) -> web.Strea
         request.app[NODE_KEY].last_traceparent = traceparent
     try:
         return await handler(request)
-    except p.ApiError as exc:
-        return p.json_response(exc.body(), status=exc.status)
+    except ApiError as exc:
+        return wire.json_response(exc.body(), status=exc.status)
+    except web.HTTPException as exc:
+        if exc.status not in (404, 405):
+            raise
+        # FastAPI's answer for a path or method it does not route.
+        return wire.json_response({"detail": exc.reason}, status=exc.status)
     except ClientGone:
         # Nobody is listening; aiohttp discards whatever is returned on a closed socket.
         return web.Response(status=499)
@@ -111,10 +120,16 @@ async def _health(request: web.Request) -> web.Response:
     return web.Response(status=status)
 
 
+async def _version(request: web.Request) -> web.Response:
+    return wire.json_response({"version": wire.VLLM_VERSION})
+
+
 async def _models(request: web.Request) -> web.Response:
     node = request.app[NODE_KEY]
     s = node.settings
-    return p.json_response(p.models_body(s.model, s.served_root, s.max_model_len, node.created))
+    return wire.json_response(
+        wire.models_body(s.model, s.served_root, s.max_model_len, node.created)
+    )
 
 
 _NOT_TOKENIZE_FIELDS = frozenset({"documents", "reasoning_effort"})
@@ -126,6 +141,8 @@ async def _tokenize(request: web.Request) -> web.Response:
     /v1/chat/completions; ``add_special_tokens`` default false)."""
     node = request.app[NODE_KEY]
     body = p.parse_json(await request.read())
+    if "messages" not in body and "prompt" not in body:
+        raise invalid_fields([missing("prompt", body), missing("messages", body)])
     model = body.get("model")
     node.check_model(model if isinstance(model, str) else None)
     try:
@@ -138,13 +155,13 @@ async def _tokenize(request: web.Request) -> web.Response:
         elif isinstance(body.get("prompt"), str):
             tokens = await _off_loop(node.tokenizer.encode_completion_request, body, body["prompt"])
         else:
-            raise p.bad_request("Either prompt (a string) or messages is required.", "prompt")
+            raise bad_request("Either prompt (a string) or messages is required.", "prompt")
     except TemplateError as exc:
-        raise p.bad_request(str(exc)) from exc
+        raise bad_request(str(exc)) from exc
     strs = None
     if body.get("return_token_strs") is True:
         strs = [_decode_one(node, t) for t in tokens]
-    return p.json_response(
+    return wire.json_response(
         {
             "count": len(tokens),
             "max_model_len": node.settings.max_model_len,
@@ -181,12 +198,12 @@ async def _state(request: web.Request) -> web.Response:
     fault = node.faults.current
     state["fault"] = None if fault is None else fault.as_json()
     state["last_traceparent"] = node.last_traceparent
-    return p.json_response(state)
+    return wire.json_response(state)
 
 
 async def _get_fault(request: web.Request) -> web.Response:
     fault = request.app[NODE_KEY].faults.current
-    return p.json_response({"fault": None if fault is None else fault.as_json()})
+    return wire.json_response({"fault": None if fault is None else fault.as_json()})
 
 
 async def _set_fault(request: web.Request) -> web.Response:
@@ -195,13 +212,13 @@ async def _set_fault(request: web.Request) -> web.Response:
     try:
         fault = parse_fault(body)
     except FaultError as exc:
-        raise p.bad_request(str(exc)) from exc
+        raise bad_request(str(exc)) from exc
     node.faults.set(fault)
     log.info("node %s: fault set to %s", node.settings.name, fault)
     current = node.faults.current
-    return p.json_response({"fault": None if current is None else current.as_json()})
+    return wire.json_response({"fault": None if current is None else current.as_json()})
 
 
 async def _clear_fault(request: web.Request) -> web.Response:
     request.app[NODE_KEY].faults.clear()
-    return p.json_response({"fault": None})
+    return wire.json_response({"fault": None})

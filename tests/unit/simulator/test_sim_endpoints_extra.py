@@ -1,5 +1,5 @@
-"""The simulator's models/{id}, embeddings, rerank, score and responses endpoints, driven
-with the official openai SDK where it has a call for them."""
+"""The simulator's embeddings, rerank, score and responses endpoints, driven with the
+official openai SDK where it has a call for them."""
 
 from __future__ import annotations
 
@@ -25,12 +25,15 @@ async def oai(node: SimClient) -> AsyncIterator[openai.AsyncOpenAI]:
     await client.close()
 
 
-async def test_models_retrieve(oai: openai.AsyncOpenAI) -> None:
-    model = await oai.models.retrieve(TINY.model)
-    assert model.id == TINY.model and model.owned_by == "vllm"
-    assert model.model_extra and model.model_extra["max_model_len"] == TINY.max_model_len
-    with pytest.raises(openai.NotFoundError, match="does not exist"):
-        await oai.models.retrieve("other/model")
+async def test_no_model_card_route_as_vllm(oai: openai.AsyncOpenAI, node: SimClient) -> None:
+    """vLLM serves the model list only (no /v1/models/{id}); an unrouted path is
+    FastAPI's JSON 404, a wrong method its 405."""
+    with pytest.raises(openai.NotFoundError):
+        await oai.models.retrieve(TINY.model)
+    async with node.session.get(node.url + f"/v1/models/{TINY.model}") as r:
+        assert r.status == 404 and await r.json() == {"detail": "Not Found"}
+    async with node.session.get(node.url + "/v1/completions") as r:
+        assert r.status == 405 and await r.json() == {"detail": "Method Not Allowed"}
 
 
 async def test_embeddings_base64_and_float(oai: openai.AsyncOpenAI, node: SimClient) -> None:

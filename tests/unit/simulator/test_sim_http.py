@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import openai
 import pytest
@@ -250,12 +251,14 @@ async def test_max_tokens_past_the_context_is_cut_as_vllm_0_32_does(sim: SimFact
     )
     status, body = await node.post("/v1/completions", {"prompt": [7] * 600, "max_tokens": 10})
     assert status == 400 and "contains 600 input tokens, which exceeds" in body["error"]["message"]
-    # Exactly at the limit: no room for one output token (the engine's own check).
+    # Exactly at the limit: max_tokens is cut to 0, which SamplingParams refuses.
     status, body = await node.post("/v1/completions", {"prompt": [7] * 512, "max_tokens": 10})
-    assert status == 400 and body["error"]["message"].startswith(
-        "The decoder prompt (length 512) plus the number of requested output tokens (at "
-        "least 1) is longer than the maximum model length of 512."
-    )
+    assert status == 400 and body["error"] == {
+        "message": "max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)",
+        "type": "BadRequestError",
+        "param": "max_tokens",
+        "code": 400,
+    }
     status, body = await node.post("/v1/completions", {"prompt": [7] * 511, "max_tokens": 10})
     assert status == 200 and body["usage"]["completion_tokens"] == 1
 
@@ -266,7 +269,7 @@ async def test_unknown_model_and_malformed_bodies(sim: SimFactory) -> None:
     assert status == 404
     assert body == {
         "error": {
-            # vLLM >= 0.33's _check_model names the served models.
+            # vLLM >= 0.32's _check_model names the served models.
             "message": f"The model `gpt-x` does not exist. Valid aliases: {node.node.settings.model}.",
             "type": "NotFoundError",
             "param": "model",
@@ -280,17 +283,30 @@ async def test_unknown_model_and_malformed_bodies(sim: SimFactory) -> None:
     ) as r:
         assert r.status == 400
         error = (await r.json())["error"]
-    assert error["type"] == "BadRequestError" and error["code"] == 400
-    assert set(error) == {"message", "type", "param", "code"}
-    for bad in (
-        {"messages": "hi"},
-        chat(max_tokens=0),
-        chat(n="two"),
-        chat(stream_options={"include_usage": True}),
+    # FastAPI's validation error, as vLLM renders it.
+    assert error == {
+        "message": "1 validation error:\n  {'type': 'json_invalid', 'loc': 'body.1', 'msg': "
+        "'JSON decode error', 'input': '<dict of 0 items>', 'ctx': {'error': 'Expecting "
+        "property name enclosed in double quotes'}}",
+        "type": "Bad Request",
+        "param": "body.1",
+        "code": 400,
+    }
+    for bad, kind, param in (
+        ({"messages": "hi"}, "Bad Request", "body.messages"),
+        (chat(n="two"), "Bad Request", "body.n"),
+        (chat(max_tokens=0), "BadRequestError", "max_tokens"),
+        (chat(n=0), "BadRequestError", None),
+        (chat(stream_options={"include_usage": True}), "BadRequestError", "stream_options"),
     ):
         status, body = await node.post("/v1/chat/completions", bad)
         assert status == 400, bad
-        assert body["error"]["type"] == "BadRequestError"
+        assert (body["error"]["type"], body["error"]["param"]) == (kind, param), bad
+    # The model is checked before the sampling parameters, after the fields' types.
+    status, _ = await node.post("/v1/chat/completions", chat(model="gpt-x", n=0))
+    assert status == 404
+    status, _ = await node.post("/v1/chat/completions", chat(model="gpt-x", n="x"))
+    assert status == 400
     status, _ = await node.post("/v1/completions", {"prompt": ["a", "b"]})
     assert status == 400
 
@@ -333,12 +349,15 @@ async def test_chat_chunks_are_exactly_vllms_shape(sim: SimFactory) -> None:
                 "finish_reason": None,
             }
         ],
+        "prompt_token_ids": None,
+        "prompt_text": None,
     }
     # " the", " quick": a chunk each, or one chunk if they piled up (vLLM merges them).
     content = events[1:]
     assert 1 <= len(content) <= 2
     texts = [e["choices"][0]["delta"]["content"] for e in content]
     assert "".join(texts) == " the quick"
+    # The last chunk carries the fingerprint (no usage chunk follows).
     assert content[-1] == {
         **common,
         "choices": [
@@ -348,8 +367,10 @@ async def test_chat_chunks_are_exactly_vllms_shape(sim: SimFactory) -> None:
                 "logprobs": None,
                 "finish_reason": "stop",
                 "stop_reason": None,
+                "token_ids": None,
             }
         ],
+        "system_fingerprint": node.node.fingerprint,
     }
     for e in content[:-1]:
         assert e == {
@@ -360,10 +381,13 @@ async def test_chat_chunks_are_exactly_vllms_shape(sim: SimFactory) -> None:
                     "delta": {"content": texts[0]},
                     "logprobs": None,
                     "finish_reason": None,
+                    "token_ids": None,
                 }
             ],
         }
     assert all(e["id"] == head["id"] for e in events)
+    assert re.fullmatch(r"chatcmpl-[0-9a-f]{16}", head["id"])
+    assert re.fullmatch(r"vllm-0\.32\.0-[0-9a-f]{8}", node.node.fingerprint)
 
 
 async def test_continuous_usage_only_with_include_usage(sim: SimFactory) -> None:
