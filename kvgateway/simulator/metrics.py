@@ -12,6 +12,7 @@ from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from kvgateway.capacity.layout import KVGroup, KVLayout, blocks_per_request
 from kvgateway.simulator.engine import EngineCore, Sequence
 from kvgateway.simulator.settings import NodeSettings
 
@@ -32,18 +33,33 @@ REQUEST_LATENCY_BUCKETS = (
 
 
 def cache_config_labels(s: NodeSettings) -> dict[str, str]:
-    """vLLM's CacheConfig as label strings (the set varies by version; these are stable)."""
+    """vLLM 0.32's CacheConfig as label strings (``CacheConfig.metrics_info``), as a GPU
+    node started without ``--num-gpu-blocks-override`` and ``--kv-cache-memory`` shows
+    them. ``kv_cache_size_tokens`` is the context tokens the pool holds at full-length
+    concurrency, ``kv_cache_max_concurrency`` that concurrency (``get_kv_cache_capacity``:
+    every block, the null block included, over the blocks one max_model_len request
+    takes in all its KV-cache groups)."""
+    layout = KVLayout(0, 1, tuple(KVGroup(1, w) for w in s.kv_windows))
+    per_request = blocks_per_request(
+        layout, s.max_model_len, s.block_size, s.max_num_batched_tokens
+    )
+    concurrency = s.num_gpu_blocks / per_request
     return {
         "_block_size_resolved": "True",
         "block_size": str(s.block_size),
         "cache_dtype": s.cache_dtype,
-        "calculate_kv_scales": "False",
+        "cache_hit_alignment_tokens": "None",
+        "effective_attention_block_size": str(s.block_size),
+        "enable_mamba_shared_prefix_checkpoint": "False",
         "enable_prefix_caching": str(s.enable_prefix_caching),
         "gpu_memory_utilization": str(s.gpu_memory_utilization),
         "hash_block_size": "None",
         "is_attention_free": "False",
         "kv_cache_dtype_skip_layers": "[]",
+        "kv_cache_layout": "None",
+        "kv_cache_max_concurrency": str(concurrency),
         "kv_cache_memory_bytes": "None",
+        "kv_cache_size_tokens": str(int(concurrency * s.max_model_len)),
         "kv_offloading_backend": "native",
         "kv_offloading_size": "None",
         "kv_sharing_fast_prefill": "False",
@@ -55,10 +71,16 @@ def cache_config_labels(s: NodeSettings) -> dict[str, str]:
         "num_cpu_blocks": "None",
         "num_gpu_blocks": str(s.num_gpu_blocks),
         "num_gpu_blocks_override": "None",
+        "prefix_cache_retention_interval": "0",
         "prefix_caching_hash_algo": "sha256",
+        "prefix_match_unit": "None",
+        "replayssm_buffer_len": "16",
+        "skip_page_size_padded": "None",
         "sliding_window": str(s.sliding_window) if s.num_sliding_window_groups else "None",
+        "swa_bounded_replay": "True",
+        "use_kda_recoverssm": "False",
+        "use_replayssm": "False",
         "user_specified_block_size": "False",
-        "user_specified_mamba_block_size": "False",
     }
 
 

@@ -26,8 +26,10 @@ FAMILIES = (
     "vllm:e2e_request_latency_seconds",
     "vllm:request_queue_time_seconds",
     "vllm:inter_token_latency_seconds",
-    "vllm:cache_config_info",
 )
+# The labels the gateway reads; the sample predates vLLM 0.32, whose whole label set
+# tests/real_vllm/test_simulator_parity.py holds against a real node.
+CACHE_LABELS = {"num_gpu_blocks", "block_size", "engine"}
 
 
 def shape(text: str) -> dict[str, tuple[str, str, frozenset[str], tuple[float, ...]]]:
@@ -51,6 +53,9 @@ async def test_metric_families_match_vllms_page(sim: SimFactory) -> None:
         assert name in theirs, name  # the sample really has it
         assert name in ours, name
         assert ours[name] == theirs[name], name
+    info = "vllm:cache_config_info"
+    assert ours[info][:2] == theirs[info][:2]
+    assert ours[info][2] & theirs[info][2] >= CACHE_LABELS
     assert "vllm:gpu_cache_usage_perc" not in ours
 
 
@@ -67,6 +72,21 @@ async def test_labels_and_cache_config(sim: SimFactory) -> None:
     assert info.labels["cache_dtype"] == "auto"
     assert info.labels["kv_cache_memory_bytes"] == "None"
     assert {"gpu_memory_utilization", "enable_prefix_caching"} <= set(info.labels)
+    # vLLM 0.32's capacity labels: all 65 blocks over the 32 one 512-token request takes.
+    assert info.labels["kv_cache_max_concurrency"] == str(65 / 32)
+    assert info.labels["kv_cache_size_tokens"] == str(int(65 / 32 * 512))
+
+
+async def test_hybrid_capacity_labels(sim: SimFactory) -> None:
+    """A sliding-window group holds at most window + a batch per request (vLLM's
+    get_max_concurrency_for_kv_cache_config), so the pool holds more full contexts."""
+    node = await sim(sliding_window=128, num_sliding_window_groups=1)
+    families = {f.name: f for f in text_string_to_metric_families(await node.metrics_text())}
+    (info,) = families["vllm:cache_config_info"].samples
+    s = node.node.settings
+    per_request = 512 // 16 + -(-min(128 - 1 + s.max_num_batched_tokens, 512) // 16) + 1
+    assert info.labels["kv_cache_max_concurrency"] == str(65 / per_request)
+    assert info.labels["sliding_window"] == "128"
 
 
 async def test_legacy_kv_usage_name(sim: SimFactory) -> None:
