@@ -19,6 +19,7 @@ from kvgateway.capacity.advice import make_plan
 from kvgateway.capacity.arch import DTYPE_BYTES, KV_CACHE_DTYPES, KV_DTYPE_ALIASES
 from kvgateway.capacity.errors import CapacityConfigError
 from kvgateway.capacity.explain import explain_log
+from kvgateway.capacity.loggedpool import logged_block_size, missing_lines
 from kvgateway.capacity.logparse import parse_vllm_log
 from kvgateway.capacity.memory import DEFAULT_GPU_MEMORY_UTILIZATION, GIB
 from kvgateway.capacity.presets import find_preset
@@ -225,7 +226,9 @@ def run(args: argparse.Namespace) -> int:
             return _fail(f"--from-log: cannot read {args.from_log!r}: {exc.strerror or exc}")
         facts = parse_vllm_log(text)
         if facts.is_empty:
-            return _fail(f"--from-log: no vLLM KV-cache lines found in {args.from_log!r}")
+            expected = "; ".join(missing_lines(facts))
+            return _fail(f"--from-log: no vLLM KV-cache lines found in {args.from_log!r} "
+                         f"(looked for: {expected})")  # fmt: skip
         spec = None
         known = _logged_preset(facts.model) if not has_model and "num_layers" not in data else None
         if known is not None:
@@ -240,6 +243,8 @@ def run(args: argparse.Namespace) -> int:
         if has_model:
             if "gpu_memory_gib" not in data and "kv_cache_memory_gib" not in data:
                 data["kv_cache_memory_gib"] = facts.available_kv_gib or 1.0
+            # The node's block size (passed, or its device's default: 128 on CPU).
+            data.setdefault("block_size", logged_block_size(facts))
             try:
                 spec = _spec(data)
             except CapacityConfigError as exc:

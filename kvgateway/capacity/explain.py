@@ -1,29 +1,36 @@
 """Explain a vLLM start-up log, and check it against the model's architecture.
 
-With only a log, the numbers come from the log itself (tokens, blocks, the KV memory)
-and the bytes per token it implies. With a model as well (preset or config.json), the
-architecture predicts the token count from the logged ``Available KV cache memory``;
-for ordinary attention that prediction matches vLLM's own count to well within 1%
-(the only slack is the log rounding GiB to two decimals), so a larger gap means the
-log and the model do not describe the same deployment.
+With only a log, the numbers come from the log itself: tokens, blocks (the
+``num_gpu_blocks_override`` line, ``# GPU blocks``, or tokens over the block size), the
+block size (passed, else vLLM's default: 128 on the CPU backend, 16 elsewhere), the
+KV-cache groups (``kv cache group sizes``), the KV memory and the bytes per token it
+implies. With a model as well (preset or config.json), the architecture predicts the
+token count from the logged KV memory; for ordinary attention that prediction matches
+vLLM's own count to well within 1% (the only slack is the log rounding GiB to two
+decimals), so a larger gap means the log and the model do not describe the same
+deployment. Under ``--num-gpu-blocks-override`` the pool is the override and the memory
+is checked against the block count vLLM says it would have held.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 
 from kvgateway.capacity import layout as lay
-from kvgateway.capacity.advice import (
-    Plan,
-    Recommendation,
-    Settings,
-    make_plan,
-    round_down,
-    suggested_max_num_seqs,
-)
+from kvgateway.capacity.advice import Plan, Recommendation, Settings, make_plan
 from kvgateway.capacity.arch import DTYPE_BYTES, KV_CACHE_DTYPES
 from kvgateway.capacity.estimate import CapacityEstimate, estimate
+from kvgateway.capacity.loggedpool import (
+    LoggedPool,
+    hybrid_sign,
+    log_recommendations,
+    logged_block_size,
+    logged_pool,
+    logged_tokens,
+    missing_lines,
+    requests_fit,
+    vllm_version,
+)
 from kvgateway.capacity.logparse import LogFacts
 from kvgateway.capacity.memory import GIB
 from kvgateway.capacity.spec import CapacitySpec
@@ -52,73 +59,148 @@ class LogReport:
     plan: Plan | None = None  # with a model: the full plan on the logged pool
     recommendations: tuple[Recommendation, ...] = ()  # log only
     settings: Settings | None = None  # log only
+    missing: tuple[str, ...] = ()  # expected lines the log does not have
+    pool: LoggedPool | None = None
 
 
-def logged_tokens(facts: LogFacts, block_size: int) -> int | None:
-    if facts.kv_cache_tokens is not None:
-        return facts.kv_cache_tokens
-    if facts.num_gpu_blocks is not None:
-        return facts.num_gpu_blocks * block_size
-    return facts.v0_kv_token_capacity
-
-
-def _findings(facts: LogFacts, bs: int, *, with_model: bool) -> list[str]:
-    out: list[str] = []
-    tokens = logged_tokens(facts, bs)
-    if facts.needed_kv_gib is not None and facts.available_kv_gib is not None:
+def _failure_findings(facts: LogFacts, pool: LoggedPool) -> list[str]:
+    bs, length = pool.block_size, facts.max_model_len
+    need, have = facts.needed_kv_gib or 0.0, facts.available_kv_gib or 0.0
+    if need >= 0.01:
+        gib = f"needs {need:.2f} GiB of KV cache, but only {have:.2f} GiB was left"
+        out = [f"vLLM refused to start: one request of max_model_len {length} {gib}."]
+    else:
+        out = [
+            f"vLLM refused to start: one request of max_model_len {length} needs more KV "
+            "cache than the pool has (vLLM prints both as 0.0 GiB: under its 0.01 GiB rounding)."
+        ]
+    if facts.num_blocks_override and length and pool.groups == 1:
+        per_request = lay.cdiv(length, bs)
         out.append(
-            f"vLLM refused to start: one request of max_model_len {facts.max_model_len} needs "
-            f"{facts.needed_kv_gib:.2f} GiB of KV cache, but only "
-            f"{facts.available_kv_gib:.2f} GiB was left after weights and activations."
+            f"--num-gpu-blocks-override {facts.num_blocks_override} gives the pool "
+            f"{facts.num_blocks_override} blocks of {bs}; block 0 is vLLM's null block, so "
+            f"{(facts.num_blocks_override - 1) * bs:,} tokens fit, and {length:,} tokens need "
+            f"{per_request} blocks: an override of {per_request + 1} or more would start."
         )
-        if facts.estimated_max_model_len is not None:
-            m = facts.estimated_max_model_len
-            out.append(
-                f"vLLM's estimate of the longest context is {m}. That figure may count the "
-                f"reserved null block (releases before the 2026-08 fix), and a request of "
-                f"exactly {m} tokens then waits forever: the schedulable maximum is {m - bs}."
-            )
+    m = facts.estimated_max_model_len
+    if m is not None and pool.null_block_excluded:
+        out.append(
+            f"vLLM's estimate of the longest context is {m}; vLLM {facts.vllm_version} leaves "
+            "the null block out of it, so a request of that length can be scheduled."
+        )
+    elif m is not None:
+        out.append(
+            f"vLLM's estimate of the longest context is {m}. That figure may count the "
+            f"reserved null block (releases before the 2026-08 fix), and a request of "
+            f"exactly {m} tokens then waits forever: the schedulable maximum is {m - bs}."
+        )
+    return out
+
+
+def _pool_findings(facts: LogFacts, pool: LoggedPool) -> list[str]:
+    bs, tokens, usable = pool.block_size, logged_tokens(facts, pool.block_size), pool.usable
+    if tokens is None:
+        return []
+    if pool.groups > 1 and usable is not None:
+        sizes = ", ".join(map(str, facts.kv_group_block_sizes or ()))
+        return [
+            f"This model has {pool.groups} KV-cache groups (kv cache group sizes {sizes}): "
+            f"every request takes a block in each group, from one pool of {pool.blocks} "
+            f"blocks of which block 0 is the null block. Requests shorter than the sliding "
+            f"window hold {usable:,} tokens ({pool.blocks} - 1) // {pool.groups} x {bs}; the "
+            f"logged {tokens:,} is vLLM's concurrency x max_model_len at full length, where "
+            f"a windowed group holds fewer blocks. Use kv_cache_tokens: {usable} for this "
+            "node in the gateway (exact for short requests, safe for long ones)."
+        ]
+    sign = hybrid_sign(facts, bs)
+    if sign is not None or usable is None:
+        return [
+            f"This model has several KV-cache groups ({sign or 'kv cache group sizes'}): the "
+            f"logged {tokens:,} tokens are not the pool's size for short requests, and the "
+            "log alone cannot say what is. Give --preset or --model-config for the node's "
+            "kv_cache_tokens."
+        ]
+    where = f"{pool.blocks:,} blocks of {bs}, " if pool.blocks else ""
+    caveat = (
+        "" if pool.null_block_excluded else " (for a model of one kind of attention; one "
+        "that mixes in sliding-window or Mamba layers is logged at full-length concurrency "
+        "by the newest vLLM: give --preset or --model-config)"
+    )  # fmt: skip
+    return [
+        f"The KV pool holds {tokens:,} tokens as logged ({where}counting the null block vLLM "
+        f"reserves): {usable:,} usable. Use kv_cache_tokens: {usable} for this node in the "
+        f"gateway{caveat}."
+    ]
+
+
+def _memory_findings(facts: LogFacts, pool: LoggedPool) -> list[str]:
+    out, bs, gib = [], pool.block_size, facts.available_kv_gib
+    if facts.kv_device == "CPU" or facts.block_size:
+        why = f"--block-size {bs}" if facts.block_size else "vLLM's CPU default; 16 on GPUs"
+        dev = f"{facts.kv_device} " if facts.kv_device else ""
+        out.append(f"The {dev}node's KV blocks hold {bs} tokens ({why}).")
+    if facts.node_memory_gib is not None and gib is not None:
+        how = (
+            "set explicitly (--kv-cache-memory-bytes, or VLLM_CPU_KVCACHE_SPACE in GiB)"
+            if facts.kv_memory_source == "explicit"
+            else "from --gpu-memory-utilization, which on the CPU backend is the share of "
+            "the node's memory vLLM takes, weights and activations included"
+        )
+        out.append(
+            f"KV memory: {gib:.2f} GiB of the NUMA node's {facts.node_memory_gib:.2f} GiB, {how}."
+        )
+    profiled, override = facts.profiled_num_blocks, facts.num_blocks_override
+    if override is not None and profiled and not facts.startup_failed:
+        held = f"; the {gib:.2f} GiB of KV memory would hold {profiled:,}" if gib else ""
+        per_block = f" ({gib * GIB / profiled:,.0f} B a block)" if gib else ""
+        out.append(
+            f"--num-gpu-blocks-override {override} sets the pool at {override} blocks{held}"
+            f"{per_block}: the memory figure does not size this pool."
+        )
+    tokens = logged_tokens(facts, bs)
+    if tokens and gib and override is None and pool.groups == 1 and not facts.startup_failed:
+        where = "per GPU" if facts.kv_device in (None, "GPU") else f"on this {facts.kv_device}"
+        out.append(
+            f"{gib:.2f} GiB for {tokens:,} tokens: about {gib * GIB / tokens:,.0f} bytes of KV "
+            f"per token {where}."
+        )
+    return out
+
+
+def _concurrency_findings(facts: LogFacts, pool: LoggedPool) -> list[str]:
+    c, length, tokens = facts.max_concurrency, facts.concurrency_len, pool.usable
+    if c is None or not length or tokens is None:
+        return []
+    if pool.blocks:
+        usable = c * (pool.blocks - 1) / pool.blocks
+    else:
+        usable = tokens / length
+    return [
+        f"'Maximum concurrency {c:.2f}x' for {length:,}-token requests includes the null "
+        f"block; really {usable:.2f}x: at full length, {requests_fit(usable)}."
+    ]
+
+
+def _findings(facts: LogFacts, pool: LoggedPool, *, with_model: bool) -> list[str]:
+    out: list[str] = []
+    if facts.startup_failed and facts.v0_kv_token_capacity is None:
+        out += _failure_findings(facts, pool)
     elif facts.v0_kv_token_capacity is not None:
         out.append(
             f"The V0 engine refused to start: max_model_len {facts.max_model_len} is more "
             f"than the {facts.v0_kv_token_capacity:,} tokens its KV cache holds"
-            + (f" ({facts.num_gpu_blocks} blocks x {bs})." if facts.num_gpu_blocks else ".")
-        )
-    elif tokens is not None and not with_model:  # with a model, explain_log reads it
-        sign = _hybrid_sign(facts, tokens, bs)
-        if sign is not None:
-            out.append(
-                f"This model has several KV-cache groups ({sign}): the logged {tokens:,} "
-                "tokens are not the pool's size for short requests, and the log alone cannot "
-                "say what is. Give --preset or --model-config for the node's kv_cache_tokens."
+            + (
+                f" ({facts.num_gpu_blocks} blocks x {pool.block_size})."
+                if facts.num_gpu_blocks
+                else "."
             )
-        else:
-            out.append(
-                f"The KV pool holds {tokens:,} tokens as logged ({tokens // bs:,} blocks of "
-                f"{bs}, counting the null block vLLM reserves): {tokens - bs:,} usable. Use "
-                f"kv_cache_tokens: {tokens - bs} for this node in the gateway (for a model of "
-                "one kind of attention; one that mixes in sliding-window or Mamba layers is "
-                "logged at full-length concurrency by the newest vLLM: give --preset or "
-                "--model-config)."
-            )
-    if tokens and not with_model and facts.available_kv_gib and facts.available_kv_gib > 0:
-        implied = facts.available_kv_gib * GIB / tokens
-        out.append(
-            f"{facts.available_kv_gib:.2f} GiB for {tokens:,} tokens: about {implied:,.0f} "
-            "bytes of KV per token per GPU."
         )
-    if (
-        facts.max_concurrency is not None
-        and facts.concurrency_len
-        and tokens
-        and _hybrid_sign(facts, tokens, bs) is None
-    ):
-        usable = (tokens - bs) / facts.concurrency_len
-        out.append(
-            f"'Maximum concurrency {facts.max_concurrency:.2f}x' for "
-            f"{facts.concurrency_len:,}-token requests includes the null block; really "
-            f"{usable:.2f}x: at full length, {_requests(usable)}."
-        )
+    elif not with_model:  # with a model, explain_log reads the pool
+        out += _pool_findings(facts, pool)
+    if not with_model:
+        out += _memory_findings(facts, pool)
+        if not facts.startup_failed:
+            out += _concurrency_findings(facts, pool)
     if facts.total_gpu_gib and facts.gpu_memory_utilization:
         parts = [f"{facts.total_gpu_gib:.2f} GiB x {facts.gpu_memory_utilization:.2f}"]
         for label, value in (
@@ -194,16 +276,30 @@ def _cross_check(facts: LogFacts, spec: CapacitySpec) -> tuple[CrossCheck | None
             gpu_memory_utilization=facts.gpu_memory_utilization or spec.gpu_memory_utilization,
         )
     est = estimate(logged_spec)
-    tokens = logged_tokens(facts, spec.block_size)
+    override, profiled, bs = facts.num_blocks_override, facts.profiled_num_blocks, spec.block_size
+    held = None
+    if override and profiled:
+        # The memory is checked against the blocks vLLM says it holds; the plan runs on the
+        # override's blocks (half a block more memory: est floors it to exactly those).
+        dev = (est.num_gpu_blocks - profiled) / profiled
+        held = CrossCheck(est.num_gpu_blocks * bs, profiled * bs, dev, (
+            f"architecture: {est.bytes_per_token:,} B/token x {facts.available_kv_gib:.2f} GiB "
+            f"-> {est.num_gpu_blocks:,} blocks of {bs}; vLLM: {profiled:,} before "
+            f"--num-gpu-blocks-override {override} ({dev:+.2%})"))  # fmt: skip
+        gib = facts.available_kv_gib * (override + 0.5) / profiled
+        logged_spec = replace(logged_spec, kv_cache_memory_gib=gib)
+        est = estimate(logged_spec)
+    tokens = logged_tokens(facts, bs)
     if facts.needed_kv_gib is not None and facts.max_model_len:
         page = lay.page_bytes(est.layout, spec.block_size) * est.kv_layers_per_gpu
         blocks = lay.blocks_per_request(
             est.layout, facts.max_model_len, spec.block_size, est.max_num_batched_tokens
         )
+        # vLLM >= 0.32 estimates on the blocks beside the null block; older ones on all.
+        usable_blocks = est.num_gpu_blocks - (1 if vllm_version(facts) >= (0, 32) else 0)
         vllm_max = lay.max_context_fitting(
-            est.layout, est.num_gpu_blocks, spec.block_size, est.max_num_batched_tokens,
-            facts.max_model_len,
-        )  # fmt: skip
+            est.layout, usable_blocks, bs, est.max_num_batched_tokens, facts.max_model_len
+        )
         predicted, logged = vllm_max, facts.estimated_max_model_len or vllm_max
         detail = (
             f"architecture: {est.bytes_per_token:,} B/token per GPU; a {facts.max_model_len}"
@@ -213,8 +309,8 @@ def _cross_check(facts: LogFacts, spec: CapacitySpec) -> tuple[CrossCheck | None
         return CrossCheck(predicted, logged, (predicted - logged) / max(1, logged), detail), (
             logged_spec
         )
-    if tokens is None:
-        return None, logged_spec
+    if tokens is None or held is not None:
+        return held, logged_spec
     predicted, _ = _closest_logged(est, tokens)
     deviation = (predicted - tokens) / tokens
     detail = (
@@ -268,102 +364,19 @@ def _budget_from_logged(est: CapacityEstimate, tokens: int) -> int:
     return lay.kv_tokens_from_blocks(blocks, bs, layout.num_groups)
 
 
-def _hybrid_sign(facts: LogFacts, tokens: int | None, bs: int) -> str | None:
-    """Why a log alone cannot give the pool: it shows a model of several KV-cache groups
-    (padding layers, or a token count that is not concurrency x length)."""
-    if facts.padding_layers:
-        return f"vLLM added {facts.padding_layers} padding layers"
-    c, length = facts.max_concurrency, facts.concurrency_len
-    if not tokens or c is None or not length:
-        return None
-    # One group: the newest wording logs c x length, the older blocks x block_size, which
-    # is c x length in whole blocks (c printed to two decimals either way).
-    padded = -(-length // bs) * bs
-    if all(abs(tokens - c * n) > 0.006 * n + bs for n in (length, padded)):
-        return (
-            f"{tokens:,} tokens is not {c:.2f}x {length:,} (it would be for one group of "
-            "full attention)"
-        )
-    return None
-
-
-def _requests(concurrency: float) -> str:
-    n = math.floor(concurrency)
-    return f"{n} concurrent request fits" if n == 1 else f"{n} concurrent requests fit"
-
-
-def _log_only(facts: LogFacts, bs: int) -> tuple[tuple[Recommendation, ...], Settings | None]:
-    tokens = logged_tokens(facts, bs)
-    if _hybrid_sign(facts, tokens, bs) is not None:
-        return (), None  # the pool is unknown: advice on it would be wrong
-    if facts.estimated_max_model_len is not None:
-        tokens = facts.estimated_max_model_len
-    if not tokens or tokens <= bs:
-        return (), None
-    usable = tokens - bs
-    target = facts.max_model_len or usable
-    if target <= 0.8 * usable:
-        length = target
-    else:
-        length = max(bs, round_down(0.7 * usable, 1024 if usable >= 4096 else bs))
-    seqs = suggested_max_num_seqs(usable, length)
-    per_token = facts.available_kv_gib * GIB / tokens if facts.available_kv_gib else None
-    recs = [
-        Recommendation(
-            1,
-            "Lower --max-model-len",
-            f"the pool holds {usable:,} usable tokens; start at 60-80% of that "
-            f"({round_down(0.6 * usable, bs)}-{round_down(0.8 * usable, bs)}): at "
-            f"--max-model-len {length}, {_requests(usable / length)} ({usable / length:.2f}x)",
-        ),
-        Recommendation(
-            2,
-            "Cap --max-num-seqs and --max-num-batched-tokens",
-            f"--max-num-seqs {seqs} (requests averaging {length // 4} tokens fill the pool); "
-            "keep --max-num-batched-tokens small (2048): its activation peak comes out of KV",
-        ),
-    ]
-    util_title = "Raise --gpu-memory-utilization in small steps (dedicated GPU only)"
-    if per_token and facts.total_gpu_gib:
-        extra = facts.total_gpu_gib * 0.02 * GIB / per_token
-        util_detail = (
-            f"+0.02 adds {facts.total_gpu_gib * 0.02:.2f} GiB, about {extra:,.0f} tokens; "
-            "only if nothing else uses the GPU; stay at or below 0.95"
-        )
-    else:
-        util_detail = (
-            "each +0.01 adds 1% of the GPU's memory to the pool (the log does not say how "
-            "much memory the GPU has); only if nothing else uses it; stay at or below 0.95"
-        )
-    recs.append(Recommendation(3, util_title, util_detail))
-    if facts.kv_cache_dtype in (None, "auto", "bfloat16", "float16"):
-        fp8 = (
-            f"about {2 * usable:,} tokens (twice as many); some accuracy loss, needs fp8 "
-            "attention support (native on Hopper/Ada/Blackwell) and calibrated k/v scales"
-        )
-    else:
-        fp8 = f"already {facts.kv_cache_dtype}"
-    recs.append(Recommendation(4, "fp8 KV cache (--kv-cache-dtype fp8)", fp8))
-    gained = f"about {GIB / per_token:,.0f} tokens" if per_token else "tokens"
-    recs.append(
-        Recommendation(
-            5,
-            "Larger-memory node, or a CPU-offload node",
-            f"each GiB freed (a bigger GPU, or --cpu-offload-gb moving weights to host RAM at "
-            f"~20-40 ms more per decode step per GiB) adds {gained}",
-        )
-    )
-    settings = Settings(length, min(seqs, 256), usable, usable / length)
-    return tuple(recs), settings
-
-
 def explain_log(facts: LogFacts, spec: CapacitySpec | None = None) -> LogReport:
-    bs = spec.block_size if spec is not None else 16
+    bs = spec.block_size if spec is not None else logged_block_size(facts)
+    pool = logged_pool(facts, bs)
     with_model = spec is not None and bool(facts.available_kv_gib)
-    findings = _findings(facts, bs, with_model=with_model)
+    findings = _findings(facts, pool, with_model=with_model)
+    missing = missing_lines(facts)
     if spec is not None and facts.available_kv_gib is not None and facts.available_kv_gib > 0:
         check, logged_spec = _cross_check(facts, spec)
         plan = make_plan(logged_spec)
+        if facts.kv_device not in (None, "GPU") or facts.num_blocks_override is not None:
+            # The model's steps 1-2 stand; memory steps 3-5 are the device's and override's.
+            own = log_recommendations(facts, logged_pool(facts, bs))[0][2:]
+            plan = replace(plan, recommendations=(*plan.recommendations[:2], *own))
         tokens = logged_tokens(facts, bs)
         if plan.settings is not None and tokens and not facts.startup_failed:
             # The node's own count beats our prediction from a GiB figure rounded to 0.01.
@@ -373,8 +386,9 @@ def explain_log(facts: LogFacts, spec: CapacitySpec | None = None) -> LogReport:
                 f"The backend entry uses kv_cache_tokens {budget}: the node's own count "
                 "less the null block; the plan's other figures are computed from the logged GiB."
             )
-        return LogReport(facts, tuple(findings), check, plan=plan)
+        return LogReport(facts, tuple(findings), check, plan=plan, missing=missing, pool=pool)
     if spec is not None:
-        findings.append("the log has no 'Available KV cache memory': nothing to cross-check")
-    recs, settings = _log_only(facts, bs)
-    return LogReport(facts, tuple(findings), None, recommendations=recs, settings=settings)
+        findings.append("the log has no KV memory line: nothing to cross-check")
+    recs, settings = log_recommendations(facts, pool)
+    return LogReport(facts, tuple(findings), None, recommendations=recs, settings=settings,
+                     missing=missing, pool=pool)  # fmt: skip

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import textwrap
+from dataclasses import asdict
 from typing import Any
 
 from kvgateway.capacity import layout as lay
@@ -12,6 +13,7 @@ from kvgateway.capacity.alternatives import needed_len
 from kvgateway.capacity.arch import kv_bytes_per_token
 from kvgateway.capacity.estimate import CapacityEstimate
 from kvgateway.capacity.explain import LogReport
+from kvgateway.capacity.loggedpool import per_token_bytes
 from kvgateway.capacity.memory import GIB
 from kvgateway.capacity.presets import preset_arch, presets
 from kvgateway.capacity.spec import CapacitySpec
@@ -275,11 +277,18 @@ def render_log(report: LogReport) -> str:
     lines = ["gateway plan --from-log: what the vLLM start-up log says", ""]
     seen = [f"model {facts.model}" if facts.model else None,
             f"vLLM {facts.vllm_version}" if facts.vllm_version else None,
-            f"max_model_len {facts.max_model_len}" if facts.max_model_len else None]  # fmt: skip
+            f"max_model_len {facts.max_model_len}" if facts.max_model_len else None,
+            f"{facts.kv_device} KV cache" if facts.kv_device else None]  # fmt: skip
     if any(seen):
         lines += ["Log: " + ", ".join(s for s in seen if s), ""]
     for finding in report.findings:
         lines += textwrap.wrap(finding, _WIDTH, initial_indent="- ", subsequent_indent="  ")
+    if not report.findings:
+        lines.append("Nothing about the KV cache could be read from this log.")
+    if report.missing:
+        lines += ["", "Not in the log (so not explained above):"]
+        for line in report.missing:
+            lines += textwrap.wrap(line, _WIDTH, initial_indent="  - ", subsequent_indent="    ")
     if report.cross_check is not None:
         check = report.cross_check
         verdict = "matches" if check.ok else "DOES NOT MATCH"
@@ -321,6 +330,8 @@ def log_json(report: LogReport) -> dict[str, Any]:
         "recommendations": [
             {"step": r.step, "title": r.title, "detail": r.detail} for r in report.recommendations
         ],
+        "missing_lines": list(report.missing),
+        "pool": None if report.pool is None else asdict(report.pool),
     }
     # The headline figures at the top level, whichever way they were obtained.
     facts = report.facts
@@ -334,8 +345,7 @@ def log_json(report: LogReport) -> dict[str, Any]:
             out["kv_cache_tokens"] = report.plan.settings.kv_cache_tokens
     elif report.settings is not None:
         usable = report.settings.kv_cache_tokens
-        tokens = usable + 16
-        implied = facts.available_kv_gib * GIB / tokens if facts.available_kv_gib else None
+        implied = per_token_bytes(facts, report.pool) if report.pool else None
         out["bytes_per_token"] = round(implied) if implied else None  # from the log: approximate
         out["kv_cache_tokens"] = usable
         out["max_model_len_fit"] = usable  # one group of full attention assumed
