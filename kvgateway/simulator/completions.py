@@ -17,8 +17,10 @@ from aiohttp import web
 from kvgateway.simulator import protocol as p
 from kvgateway.simulator import wire
 from kvgateway.simulator.context_rule import (
+    check_characters,
     check_request_limits,
     check_sampling,
+    check_token_ids,
     output_budget,
     truncated,
 )
@@ -47,7 +49,15 @@ async def handle_chat(request: web.Request) -> web.StreamResponse:
         raise bad_request(
             "Cannot apply chat template to an empty conversation. Provide at least one message."
         )
+    _check_before_tokenizing(node, req)
+    vocabulary = node.tokenizer.vocabulary
     try:
+        if vocabulary is not None and req.truncate_prompt_tokens is None:
+            # The rendered text is at least the messages' (rendered again only then).
+            limit = node.settings.max_model_len * vocabulary.max_chars_per_token
+            if sum(len(m.text) for m in req.messages) > limit // 2:
+                chars = node.tokenizer.rendered_chars(body)
+                check_characters(chars, node.settings.max_model_len, vocabulary.max_chars_per_token)
         prompt_ids = await node.tokenizer.encode_chat_request_async(body, req.messages)
     except TemplateError as exc:
         raise bad_request(str(exc)) from exc
@@ -59,15 +69,32 @@ async def handle_completion(request: web.Request) -> web.StreamResponse:
     body = p.parse_json(await request.read())
     req = p.parse_completion(body)
     node.check_model(req.model)
+    _check_before_tokenizing(node, req)
+    vocabulary = node.tokenizer.vocabulary
     if req.prompt_token_ids is not None:
         prompt_ids = list(req.prompt_token_ids)
+        if vocabulary is not None:
+            check_token_ids(prompt_ids, vocabulary.max_token_id)
     else:
-        prompt_ids = await node.tokenizer.encode_completion_request_async(body, req.prompt or "")
+        text = req.prompt or ""
+        if vocabulary is not None and req.truncate_prompt_tokens is None:
+            check_characters(len(text), node.settings.max_model_len, vocabulary.max_chars_per_token)
+        prompt_ids = await node.tokenizer.encode_completion_request_async(body, text)
     if not prompt_ids:
         prompt_ids = [_BOS_ID]  # vLLM adds BOS; an empty prompt is one token
     # Token ids are checked at their full length; text is encoded at most max_input + 1.
     return await _generate(
         request, node, req, prompt_ids, chat=False, text=req.prompt_token_ids is None
+    )
+
+
+def _check_before_tokenizing(node: SimNode, req: p.GenerationRequest) -> None:
+    check_request_limits(
+        node.settings.max_model_len,
+        req.max_tokens,
+        req.truncate_prompt_tokens,
+        overflow=node.settings.context_overflow,
+        field=req.max_tokens_field,
     )
 
 
@@ -82,13 +109,6 @@ async def _generate(
 ) -> web.StreamResponse:
     settings = node.settings
     overflow = settings.context_overflow
-    check_request_limits(
-        settings.max_model_len,
-        req.max_tokens,
-        req.truncate_prompt_tokens,
-        overflow=overflow,
-        field=req.max_tokens_field,
-    )
     prompt_ids = truncated(
         prompt_ids, req.truncate_prompt_tokens, settings.max_model_len, req.max_tokens, overflow
     )

@@ -139,6 +139,28 @@ def check_request_limits(
         raise truncation_too_large(truncate, max_model_len, overflow)
 
 
+def check_characters(chars: int, max_model_len: int, max_chars_per_token: int) -> None:
+    """vLLM >= 0.32's check before it tokenizes a text prompt (``_text_len_check``): more
+    characters than ``max_model_len`` tokens of the longest spelling can hold."""
+    limit = max_model_len * max_chars_per_token
+    if chars > limit:
+        raise vllm_check(
+            f"This model's maximum context length is {max_model_len} tokens. However, your "
+            f"prompt contains {chars} characters (more than {limit} characters, which is "
+            f"the upper bound for {max_model_len} input tokens). Please reduce the length "
+            "of the input prompt.",
+            "input_text",
+            chars,
+        )
+
+
+def check_token_ids(ids: list[int], max_token_id: int) -> None:
+    """Prompt token ids outside the vocabulary (``validate_token_ids``)."""
+    for bad in (min(ids), max(ids)):
+        if bad < 0 or bad > max_token_id:
+            raise bad_request(f"Token id {bad} is out of vocabulary")
+
+
 def truncated(
     ids: list[int],
     keep: int | None,

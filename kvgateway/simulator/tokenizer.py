@@ -12,8 +12,10 @@ overhead per message and per request.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +39,36 @@ class ChatMessage:
     text: str
 
 
+@dataclass(frozen=True, slots=True)
+class Vocabulary:
+    """What vLLM's tokenizer wrapper derives from the vocabulary (``tokenizers/hf.py``):
+    the largest id a prompt may hold (the model's vocab_size counts too) and the longest
+    token's spelling, which bounds the characters ``max_model_len`` tokens can hold."""
+
+    max_token_id: int
+    max_chars_per_token: int
+
+
+def load_vocabulary(directory: str) -> Vocabulary | None:
+    """The vocabulary of ``directory``'s tokenizer.json (None without one)."""
+    path = os.path.join(os.path.expanduser(directory), "tokenizer.json")
+    if not os.path.isfile(path):
+        return None
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(path)
+    vocab = tok.get_vocab(with_added_tokens=True)
+    largest = max(vocab.values())
+    max_id = max(largest, tok.get_vocab_size(with_added_tokens=False) - 1)
+    config = os.path.join(os.path.dirname(path), "config.json")
+    if os.path.isfile(config):
+        with open(config, encoding="utf-8") as f:
+            model_vocab = json.load(f).get("vocab_size")
+        if isinstance(model_vocab, int):
+            max_id = max(max_id, model_vocab - 1)
+    return Vocabulary(max_id, max(len(t) for t in vocab))
+
+
 class NodeTokenizer:
     def __init__(self, settings: NodeSettings, encodings: EncodingCache) -> None:
         self._bytes_per_token = settings.tokenizer_bytes_per_token
@@ -44,6 +76,7 @@ class NodeTokenizer:
         self._per_message = settings.chat_overhead_per_message
         self._fixed = settings.chat_overhead_fixed
         self._encoder: Encoder | None = None
+        self._directory = settings.tokenizer
         self.exact: ExactCounter | None = None
         if settings.tokenizer is not None:
             model = encodings.model(settings.tokenizer, engine="tokenizers")
@@ -53,6 +86,17 @@ class NodeTokenizer:
             )
         elif self._bytes_per_token is None:
             self._encoder = encodings.get(EncodingSpec(name=settings.tokenizer_encoding))
+
+    @functools.cached_property
+    def vocabulary(self) -> Vocabulary | None:
+        """The model tokenizer's vocabulary; None when the node counts without one (its
+        ids are then synthetic and nothing is checked against a vocabulary)."""
+        return None if self._directory is None else load_vocabulary(self._directory)
+
+    def rendered_chars(self, body: dict[str, Any]) -> int:
+        """Characters of the chat prompt the template renders (TemplateError if it
+        refuses); 0 without a model tokenizer."""
+        return 0 if self.exact is None else len(self.exact.render_chat(body).text)
 
     def describe(self) -> str:
         if self.exact is not None:

@@ -115,6 +115,29 @@ async def test_context_length_400_reports_the_nodes_count(
     assert reply["usage"]["completion_tokens"] <= 1024 - exact
 
 
+async def test_checks_against_the_vocabulary(sim: SimFactory, vocab_dirs: Dirs) -> None:
+    """vLLM >= 0.32 refuses text past what max_model_len tokens of the longest spelling
+    hold before it tokenizes (chat: the rendered text), and ids outside the vocabulary."""
+    directory = str(vocab_dirs("qwen"))
+    node = await sim(tokenizer=directory, max_model_len=64, num_gpu_blocks=64)
+    vocabulary = node.node.tokenizer.vocabulary
+    assert vocabulary is not None
+    limit = 64 * vocabulary.max_chars_per_token
+    status, err = await node.post("/v1/completions", {"prompt": "a" * (limit + 1)})
+    assert status == 400 and err["error"]["param"] == "input_text"
+    count = parse_context_length_error(err["error"]["message"])
+    assert count is not None and count.at_least and count.prompt_tokens == 65
+    body = {"messages": [{"role": "user", "content": "a" * (limit - 5)}]}
+    status, err = await node.post("/v1/chat/completions", body)
+    assert status == 400 and f"contains {limit - 5 + 1}" not in err["error"]["message"]
+    assert err["error"]["param"] == "input_text"  # the template's characters count too
+    too_big = vocabulary.max_token_id + 1
+    status, err = await node.post("/v1/completions", {"prompt": [5, too_big]})
+    assert (status, err["error"]["message"]) == (400, f"Token id {too_big} is out of vocabulary")
+    status, _ = await node.post("/v1/completions", {"prompt": [vocabulary.max_token_id]})
+    assert status == 200
+
+
 def test_settings_and_cli(tmp_path: Path, vocab_dirs: Dirs) -> None:
     directory = str(vocab_dirs("sentencepiece"))
     settings = apply_overrides(TINY, {"tokenizer": directory}, "tiers[0].backends[0].simulate")
