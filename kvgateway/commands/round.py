@@ -63,8 +63,10 @@ def register(subparsers: Any) -> None:
             "run a short closed-loop streaming load at each concurrency of the ladder and "
             "record TTFT p50/p99, generated tokens/s, preemptions (the node's counter), "
             "peak KV usage and 400s/errors/timeouts. Stops at the first step that preempts, "
-            "times out or has no request succeed. With --log, the node's start-up log adds KV cache memory, peak "
-            "memory and vLLM's estimated maximum length. Progress goes to stderr; the round "
+            "times out or has no request succeed. With --log, the node's start-up log adds the "
+            "flags it was started with (its non-default args), KV cache memory, peak memory, "
+            "the device (a CPU node is advised in its own flags), a --num-gpu-blocks-override "
+            "and vLLM's estimated maximum length. Progress goes to stderr; the round "
             "is appended to --out (a round of the same name is replaced). Compare rounds "
             "with `gateway rounds`."
         ),

@@ -275,8 +275,13 @@ async def measure_round(
     progress: Callable[[str], None] = lambda line: None,
     heartbeat_s: float = 10.0,
     api_key: str | None = None,
+    clock: Callable[[], dt.datetime] = lambda: dt.datetime.now(dt.UTC),
 ) -> Round:
-    """Read the node's limits, then climb the ladder until it preempts or times out."""
+    """Read the node's limits, then climb the ladder until it preempts or times out.
+
+    ``started_at`` is the clock's time before the first request to the node.
+    """
+    started_at = clock().isoformat(timespec="seconds")
     timeout = aiohttp.ClientTimeout(sock_connect=PROBE_TIMEOUT_S)
     connector = aiohttp.TCPConnector(limit=0)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
@@ -314,7 +319,7 @@ async def measure_round(
     return Round(
         name=name,
         url=node.url,
-        started_at=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        started_at=started_at,
         limits=limits,
         flags=effective_flags(limits, passed),
         passed_flags=passed,

@@ -11,21 +11,23 @@ than the hardware it models, wall-clock figures are multiplied by it.
 
 from __future__ import annotations
 
-import ast
 import math
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, cast
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvgateway.capacity.logparse import LogFacts
+from kvgateway.capacity.logparse import LogFacts, non_default_args
 
 GENERATION_TOKENS = "vllm:generation_tokens"
 CACHE_INFO = "vllm:cache_config_info"
-_NON_DEFAULT = re.compile(r"non-default args: (\{.*\})")
 MAX_LADDER = 256
+NOT_TUNING = frozenset(
+    {"host", "port", "uds", "api_key", "served_model_name", "disable_uvicorn_access_log",
+     "disable_log_stats", "enable_log_requests", "uvicorn_log_level", "ssl_keyfile",
+     "ssl_certfile", "ssl_ca_certs", "allowed_origins", "root_path", "kv_events_config"}
+)  # fmt: skip
 
 
 class RoundsFileError(ValueError):
@@ -51,6 +53,11 @@ class LogSummary:
     peak_memory_gib: float | None = None  # weights + activation peak + non-torch (+ graphs)
     estimated_max_model_len: int | None = None
     startup_failed: bool = False
+    device: str | None = None  # "GPU", "CPU", ...: the KV cache size line's
+    kv_memory_source: str | None = None  # "profiled" (GPU), "explicit" or "auto" (CPU)
+    node_memory_gib: float | None = None  # CPU: the NUMA node's memory
+    num_blocks_override: int | None = None  # the pool's blocks under --num-gpu-blocks-override
+    profiled_num_blocks: int | None = None  # the blocks the KV memory holds
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,16 +165,12 @@ def cache_labels(metrics_text: str) -> dict[str, str]:
 
 
 def flags_from_log(text: str) -> dict[str, Any]:
-    """vLLM's ``non-default args: {...}`` start-up line (the last one), without the model."""
-    found: dict[str, Any] = {}
-    for match in _NON_DEFAULT.finditer(text):
-        try:
-            value = ast.literal_eval(match.group(1))
-        except (ValueError, SyntaxError):
-            continue
-        if isinstance(value, dict):
-            found = {str(k): v for k, v in value.items() if k not in ("model", "model_tag")}
-    return found
+    """vLLM's ``non-default args: {...}`` start-up line (the last one), without the model.
+
+    A value that is no literal (a ``KVEventsConfig(...)``, an enum) is kept as its text.
+    """
+    args = non_default_args(text)
+    return {k: v for k, v in args.items() if k not in ("model", "model_tag")}
 
 
 def log_summary(facts: LogFacts) -> LogSummary:
@@ -184,6 +187,11 @@ def log_summary(facts: LogFacts) -> LogSummary:
         peak_memory_gib=None if peak is None else round(peak, 2),
         estimated_max_model_len=facts.estimated_max_model_len,
         startup_failed=facts.startup_failed,
+        device=facts.kv_device,
+        kv_memory_source=facts.kv_memory_source,
+        node_memory_gib=facts.node_memory_gib,
+        num_blocks_override=facts.num_blocks_override,
+        profiled_num_blocks=facts.profiled_num_blocks,
     )
 
 
@@ -199,6 +207,21 @@ def describe_step(step: StepResult) -> str:
         f"{step.tokens_per_s:,.0f} tok/s, {step.preemptions} preemptions, KV peak {usage}"
         + (f", {failed} failed" if failed else "")
     )
+
+
+def flag_name(key: str) -> str:
+    return "--" + key.replace("_", "-")
+
+
+def tuning_flags(r: Round) -> dict[str, Any]:
+    """The round's flags but those that say where a node listens or what it logs: two
+    nodes of one fleet differ in them (kv_events_config holds each node's event ports)."""
+    return {k: v for k, v in r.flags.items() if k not in NOT_TUNING}
+
+
+def changed_keys(before: Round, after: Round) -> list[str]:
+    a, b = tuning_flags(before), tuning_flags(after)
+    return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
 
 
 def effective_flags(limits: NodeLimits, logged: dict[str, Any]) -> dict[str, Any]:
@@ -274,6 +297,11 @@ def _round(value: Any, path: str) -> Round:
             peak_memory_gib=_get(lg, "peak_memory_gib", gp, "number", optional=True),
             estimated_max_model_len=_get(lg, "estimated_max_model_len", gp, "int", optional=True),
             startup_failed=bool(lg.get("startup_failed", False)),
+            device=_get(lg, "device", gp, "str", optional=True),
+            kv_memory_source=_get(lg, "kv_memory_source", gp, "str", optional=True),
+            node_memory_gib=_get(lg, "node_memory_gib", gp, "number", optional=True),
+            num_blocks_override=_get(lg, "num_blocks_override", gp, "int", optional=True),
+            profiled_num_blocks=_get(lg, "profiled_num_blocks", gp, "int", optional=True),
         )
     steps = data.get("steps")
     if not isinstance(steps, list):

@@ -190,3 +190,41 @@ async def test_the_api_key_is_sent_to_a_node_that_needs_one(
         await measure_round(url, "no-key", **kw)
     r = await measure_round(url, "key", api_key="k", **kw)
     assert r.steps[0].completed > 0 and r.steps[0].errors == 0
+
+
+async def test_started_at_is_when_the_round_started(
+    aiohttp_server: Server, encodings: EncodingCache
+) -> None:
+    import datetime as dt
+
+    url = await _serve(aiohttp_server, dataclasses.replace(TINY, time_scale=50.0), encodings)
+    start = dt.datetime(2026, 12, 2, 16, 14, 9, tzinfo=dt.UTC)
+    calls: list[dt.datetime] = []
+
+    def clock() -> dt.datetime:  # each reading a minute after the last
+        calls.append(start + dt.timedelta(minutes=len(calls)))
+        return calls[-1]
+
+    r = await measure_round(
+        url, "t", ladder=(1, 2), prompt_tokens=16, output_tokens=4, duration_s=1.0,
+        timeout_s=30.0, time_scale=50.0, clock=clock,
+    )  # fmt: skip
+    assert r.started_at == "2026-12-02T16:14:09+00:00" and len(calls) == 1
+
+
+async def test_a_real_start_up_log_with_a_config_object_keeps_its_flags(
+    aiohttp_server: Server, encodings: EncodingCache
+) -> None:
+    from tests.support.capacity_data import read_data
+
+    url = await _serve(aiohttp_server, dataclasses.replace(TINY, time_scale=50.0), encodings)
+    r = await measure_round(
+        url, "cpu", ladder=(1,), prompt_tokens=16, output_tokens=4, duration_s=1.0,
+        timeout_s=30.0, time_scale=50.0, log_text=read_data("v1_032_cpu_gemma3_hybrid.log"),
+    )  # fmt: skip
+    assert r.passed_flags["num_gpu_blocks_override"] == 64
+    assert r.passed_flags["max_num_seqs"] == 16
+    assert str(r.passed_flags["kv_events_config"]).startswith("KVEventsConfig(")
+    assert r.flags["max_num_seqs"] == 16
+    assert r.log is not None and r.log.device == "CPU" and r.log.num_blocks_override == 64
+    assert r.log.kv_cache_memory_gib == 1.0 and r.log.node_memory_gib == 9.46

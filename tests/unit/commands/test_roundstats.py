@@ -59,6 +59,37 @@ def test_flags_from_the_non_default_args_line() -> None:
     assert flags_from_log("non-default args: {broken") == {}
 
 
+def test_flags_beside_config_objects_and_enums_are_kept() -> None:
+    # vLLM prints the dict with str(): config objects by their repr, enums as <...>.
+    log = (
+        "(APIServer pid=7076) INFO 12-02 16:14:09 [api_utils.py:286] non-default args: "
+        "{'host': '127.0.0.1', 'model': '/m', 'max_model_len': 4096, 'enforce_eager': True, "
+        "'num_gpu_blocks_override': 48, 'kv_events_config': KVEventsConfig("
+        "enable_kv_cache_events=True, publisher='zmq', endpoint='tcp://*:42979', "
+        "replay_endpoint=None, topic='a,}'), 'compilation_config': {'mode': "
+        "<CompilationMode.NONE: 0>, 'backend': 'inductor'}, 'max_num_seqs': 16}"
+    )
+    flags = flags_from_log(log)
+    assert flags["max_model_len"] == 4096 and flags["max_num_seqs"] == 16
+    assert flags["num_gpu_blocks_override"] == 48 and flags["enforce_eager"] is True
+    assert flags["kv_events_config"] == (
+        "KVEventsConfig(enable_kv_cache_events=True, publisher='zmq', "
+        "endpoint='tcp://*:42979', replay_endpoint=None, topic='a,}')"
+    )
+    assert flags["compilation_config"] == {
+        "mode": "<CompilationMode.NONE: 0>",
+        "backend": "inductor",
+    }
+    # A line cut short keeps its whole items.
+    assert flags_from_log(log[: log.index("'compilation_config'") + 5]) == {
+        "host": "127.0.0.1",
+        "max_model_len": 4096,
+        "enforce_eager": True,
+        "num_gpu_blocks_override": 48,
+        "kv_events_config": flags["kv_events_config"],
+    }
+
+
 def test_metrics_counters_and_cache_labels_from_vllms_page() -> None:
     text = SAMPLE.read_text()
     assert counter_total(text, "vllm:generation_tokens") is not None
