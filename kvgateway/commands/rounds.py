@@ -20,12 +20,21 @@ def register(subparsers: Any) -> None:
         description=(
             "Show the rounds `gateway round` recorded side by side (KV tokens, flags, "
             "memory from the log, and per concurrency: tokens/s, TTFT p50/p99, preemptions, "
-            "peak KV usage), a verdict per change (did it raise the best tokens/s without "
-            "preemption, or only move the preemptions to a higher concurrency) and the next "
-            "step in `gateway plan`'s order with the flag to change."
+            "peak KV usage), a verdict per change (did it raise the best tokens/s beyond the "
+            "run-to-run noise, measured by repeated rounds or given with --noise, or only "
+            "move the preemptions to a higher concurrency; inconclusive without a noise "
+            "estimate) and the next step in `gateway plan`'s order with the node's flag "
+            "to change."
         ),
     )
     parser.add_argument("file", help="rounds file written by `gateway round`")
+    parser.add_argument(
+        "--noise",
+        type=_fraction,
+        metavar="FRACTION",
+        help="run-to-run noise of best tokens/s on this node, e.g. 0.08, when the file has "
+        "no repeats to measure it (a verdict without either is inconclusive)",
+    )
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     parser.add_argument(
         "--plot",
@@ -34,6 +43,16 @@ def register(subparsers: Any) -> None:
         "(needs matplotlib)",
     )
     parser.set_defaults(func=run)
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction in [0, 1), got {text!r}")
+    return value
 
 
 def _fail(message: str, code: int = 2) -> int:
@@ -53,7 +72,12 @@ def run(args: argparse.Namespace) -> int:
     if not rounds:
         return _fail(f"{args.file} holds no rounds")
     sys.stdout.write(
-        (json.dumps(report_json(rounds), indent=2) if args.json else render(rounds)) + "\n"
+        (
+            json.dumps(report_json(rounds, args.noise), indent=2)
+            if args.json
+            else render(rounds, args.noise)
+        )
+        + "\n"
     )
     if args.plot:
         try:

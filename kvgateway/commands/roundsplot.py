@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from kvgateway.commands.roundsreport import repeat_key
 from kvgateway.commands.roundstats import Round
 
 
@@ -17,7 +18,9 @@ class PlotUnavailable(RuntimeError):
 
 
 def plot_rounds(rounds: Sequence[Round], path: Path) -> None:
-    """One line per round in each panel; a step that preempted is marked with an x."""
+    """One line per round in each panel; a step that preempted is marked with an x.
+    Repeats of one configuration share a colour, later runs dashed, so their spread (the
+    run-to-run noise the verdicts weigh changes against) shows."""
     try:
         import matplotlib
 
@@ -29,13 +32,19 @@ def plot_rounds(rounds: Sequence[Round], path: Path) -> None:
         ) from exc
     fig, (tok_ax, ttft_ax) = plt.subplots(1, 2, figsize=(11, 4.2))
     levels = sorted({s.concurrency for r in rounds for s in r.steps})
+    colours: dict[str, str] = {}
     try:
         for r in rounds:
             xs = [s.concurrency for s in r.steps]
             tok = [s.tokens_per_s for s in r.steps]
             ttft = [s.ttft_p99_s if s.ttft_p99_s is not None else float("nan") for s in r.steps]
-            (line,) = tok_ax.plot(xs, tok, marker="o", label=r.name)
-            ttft_ax.plot(xs, ttft, marker="o", color=line.get_color(), label=r.name)
+            key = repeat_key(r)
+            style = {"linestyle": "--", "color": colours[key]} if key in colours else {}
+            (line,) = tok_ax.plot(xs, tok, marker="o", label=r.name, **style)
+            colours.setdefault(key, line.get_color())
+            ttft_ax.plot(
+                xs, ttft, marker="o", label=r.name, **(style or {"color": line.get_color()})
+            )
             hot = [i for i, s in enumerate(r.steps) if s.preemptions > 0]
             for ax, ys in ((tok_ax, tok), (ttft_ax, ttft)):
                 ax.scatter(

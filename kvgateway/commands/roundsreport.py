@@ -1,27 +1,47 @@
-"""Rounds side by side: a table, a verdict per change and the next step of the plan.
+"""Rounds compared: a verdict per change, the run-to-run noise, the next step of the plan.
 
-Pure (``gateway rounds`` prints). A change is judged by two numbers: the best generated
-tokens/s a round reached at any step (steps with timeouts excluded), and the concurrency
-at which preemptions start. More of the first is a real improvement; a later start with the same best
-throughput only moved the out-of-KV point to a higher concurrency. The next step follows
-``gateway plan``'s order (:data:`~kvgateway.capacity.advice.PLAN_ORDER`): the first step
-whose flags no round has touched yet.
+Pure (``gateway rounds`` renders and prints). A change is judged by two numbers: the best
+generated tokens/s a round reached at any step (steps with timeouts excluded), and the
+concurrency at which preemptions start. More of the first is a real improvement only
+beyond the run-to-run noise: the spread of best tokens/s among repeats (rounds of the same
+settings, KV pool and load; a repeated configuration counts by its median) or the noise
+the caller gives. Without either a verdict is inconclusive: one run of each cannot tell a
+change from a disturbed run. A later start of preemptions with the same best throughput
+only moved the out-of-KV point. The next step follows ``gateway plan``'s order
+(:data:`~kvgateway.capacity.advice.PLAN_ORDER`): the first step whose flags no round has
+touched and that still applies, in the node's own flags (a CPU node's KV memory is
+``--kv-cache-memory-bytes``; under ``--num-gpu-blocks-override`` the override sets it).
 """
 
 from __future__ import annotations
 
 import itertools
+import json
+import statistics
 import textwrap
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
 from typing import Any
 
-from kvgateway.capacity.advice import MAX_SAFE_UTILIZATION, PLAN_ORDER, PlanStep, round_down
-from kvgateway.commands.roundstats import Round, StepResult, rounds_to_json
+from kvgateway.commands.roundsnext import next_step
+from kvgateway.commands.roundstats import (
+    Round,
+    StepResult,
+    changed_keys,
+    flag_name,
+    rounds_to_json,
+    tuning_flags,
+)
 
-# Relative change in best tokens/s below which a change is called flat (run-to-run noise).
+# Relative change in best tokens/s below which a change is never called one.
 FLAT = 0.05
 _WIDTH = 100
+
+
+@dataclass(frozen=True, slots=True)
+class Noise:
+    fraction: float  # relative spread of best tokens/s between runs of one configuration
+    source: str  # "repeats of r1, r1b" or "--noise"
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,43 +49,66 @@ class Verdict:
     before: str
     after: str
     changed: tuple[str, ...]  # "--max-num-seqs 256 -> 12"
-    kind: str  # "better", "worse", "moved", "flat"
+    kind: str  # "better", "worse", "moved", "flat", "inconclusive", "repeat"
     sentence: str
+    noise: Noise | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class NextStep:
-    step: PlanStep
-    flag: str
-    advice: str
-
-
-def _flag(key: str) -> str:
-    return "--" + key.replace("_", "-")
-
-
-def _show(value: Any) -> str:
+def show(value: Any) -> str:
     return "default" if value is None else str(value)
 
 
 def changed_flags(before: Round, after: Round) -> tuple[str, ...]:
-    keys = sorted(set(before.flags) | set(after.flags))
+    a, b = tuning_flags(before), tuning_flags(after)
     return tuple(
-        f"{_flag(k)} {_show(before.flags.get(k))} -> {_show(after.flags.get(k))}"
-        for k in keys
-        if before.flags.get(k) != after.flags.get(k)
+        f"{flag_name(k)} {show(a.get(k))} -> {show(b.get(k))}" for k in changed_keys(before, after)
     )
-
-
-def clean(step: StepResult) -> bool:
-    """A step the node handled: no preemption, no timeout."""
-    return step.preemptions == 0 and step.timeouts == 0
 
 
 def best_step(r: Round) -> StepResult | None:
     """The step with the most generated tokens/s; steps with timeouts do not count."""
     steps = [s for s in r.steps if s.timeouts == 0]
     return max(steps, key=lambda s: s.tokens_per_s, default=None)
+
+
+def repeat_key(r: Round) -> str:
+    """Rounds of one key ran the same settings on the same pool under the same load."""
+    load = [r.limits.model, r.limits.kv_tokens, r.prompt_tokens, r.output_tokens]
+    return json.dumps([tuning_flags(r), load], sort_keys=True, default=str)
+
+
+def repeats_of(r: Round, rounds: Sequence[Round]) -> list[Round]:
+    key = repeat_key(r)
+    return [x for x in rounds if repeat_key(x) == key] or [r]
+
+
+def _bests(group: Sequence[Round]) -> list[float]:
+    return [s.tokens_per_s for r in group if (s := best_step(r)) is not None]
+
+
+def spread(group: Sequence[Round]) -> float | None:
+    """(max - min) / mean of the best tokens/s of repeats; None below two runs."""
+    values = _bests(group)
+    mean = statistics.fmean(values) if len(values) >= 2 else 0.0
+    return (max(values) - min(values)) / mean if mean > 0 else None
+
+
+def noise_for(
+    before: Round, after: Round, rounds: Sequence[Round], given: float | None
+) -> Noise | None:
+    """The pair's own repeats first, else any repeated configuration's in the file (the
+    same node and machine), and never less than the noise the caller gives."""
+    groups = [repeats_of(before, rounds), repeats_of(after, rounds)]
+    measured = [(s, g) for g in groups if (s := spread(g)) is not None]
+    if not measured:
+        seen = {repeat_key(r): repeats_of(r, rounds) for r in rounds}
+        measured = [(s, g) for g in seen.values() if (s := spread(g)) is not None]
+    if measured:
+        fraction, group = max(measured, key=lambda m: m[0])
+        found = Noise(fraction, "repeats of " + ", ".join(r.name for r in group))
+        if given is None or given <= fraction:
+            return found
+    return None if given is None else Noise(given, "--noise")
 
 
 def _pct(new: float, old: float) -> str:
@@ -91,7 +134,12 @@ def _onset_sentence(before: Round, after: Round) -> str:
     return f"no preemptions in either round (up to {tops} concurrent)"
 
 
-def verdict(before: Round, after: Round) -> Verdict:
+def verdict(
+    before: Round, after: Round, rounds: Sequence[Round] = (), noise: float | None = None
+) -> Verdict:
+    """``after`` against ``before``; ``rounds`` (the whole file) holds their repeats and
+    ``noise`` is the run-to-run noise the caller knows (a fraction)."""
+    rounds = rounds or (before, after)
     changed = changed_flags(before, after)
     parts = []
     ka, kb = before.limits.kv_tokens, after.limits.kv_tokens
@@ -108,8 +156,11 @@ def verdict(before: Round, after: Round) -> Verdict:
         if sa.ttft_p99_s is not None and sb.ttft_p99_s is not None:
             parts.append(f"TTFT p99 {sa.ttft_p99_s:.2f}s -> {sb.ttft_p99_s:.2f}s")
     parts.append(_onset_sentence(before, after))
-    ba, bb = best_step(before), best_step(after)
-    kind, summary = _judge(before, after, ba, bb)
+    found = noise_for(before, after, rounds, noise)
+    if repeat_key(before) == repeat_key(after):
+        kind, summary = _repeat(before, after)
+    else:
+        kind, summary = _judge(before, after, rounds, found)
     load_a = f"{before.prompt_tokens}+{before.output_tokens}"
     load_b = f"{after.prompt_tokens}+{after.output_tokens}"
     if load_a != load_b:
@@ -119,12 +170,26 @@ def verdict(before: Round, after: Round) -> Verdict:
         )
     what = "; ".join(changed) if changed else "no flag change recorded"
     sentence = f"{after.name} vs {before.name} ({what}): " + ", ".join(parts) + f". {summary}"
-    return Verdict(before.name, after.name, changed, kind, sentence)
+    return Verdict(before.name, after.name, changed, kind, sentence, found)
+
+
+def _repeat(before: Round, after: Round) -> tuple[str, str]:
+    values = _bests((before, after))
+    if len(values) < 2:
+        return "repeat", "A repeat (no recorded setting differs) with no throughput to compare."
+    gap = spread((before, after)) or 0.0
+    return "repeat", (
+        f"A repeat (no recorded setting, pool or load differs): best tokens/s "
+        f"{values[0]:,.0f} and {values[1]:,.0f}, {gap:.0%} apart, is run-to-run noise, the "
+        "yardstick for the changes (if something unrecorded changed, an environment "
+        "variable or the release, it is that change's result instead)."
+    )
 
 
 def _judge(
-    before: Round, after: Round, ba: StepResult | None, bb: StepResult | None
+    before: Round, after: Round, rounds: Sequence[Round], noise: Noise | None
 ) -> tuple[str, str]:
+    ba, bb = best_step(before), best_step(after)
     if bb is None and ba is None:
         return "flat", "Both rounds timed out at every step: no throughput to compare."
     if bb is None:
@@ -134,142 +199,42 @@ def _judge(
             f"Better: {bb.tokens_per_s:,.0f} tokens/s at {bb.concurrency} concurrent, where "
             "the previous round timed out at every step."
         )
+    runs_a, runs_b = _bests(repeats_of(before, rounds)), _bests(repeats_of(after, rounds))
+    va, vb = statistics.median(runs_a), statistics.median(runs_b)
     best = (
         f"best tokens/s {ba.tokens_per_s:,.0f} ({ba.concurrency} concurrent) -> "
         f"{bb.tokens_per_s:,.0f} ({bb.concurrency} concurrent)"
     )
-    gain = (bb.tokens_per_s - ba.tokens_per_s) / ba.tokens_per_s if ba.tokens_per_s else 0.0
-    if gain >= FLAT:
-        return "better", f"Better: {best}."
-    if gain <= -FLAT:
-        return "worse", f"Worse: {best}."
+    if len(runs_a) > 1 or len(runs_b) > 1:
+        best += f"; medians of {len(runs_a)} and {len(runs_b)} runs {va:,.0f} -> {vb:,.0f}"
+    gain = (vb - va) / va if va else 0.0
+    if noise is None:
+        return "inconclusive", (
+            f"Inconclusive: {gain:+.0%} ({best}) from one run of each, and no run-to-run "
+            "noise to weigh it against: a disturbed run (other load on the machine, a cold "
+            f"start) looks the same. Repeat {before.name} and {after.name} with the same "
+            f"flags and load (gateway round --name {before.name}-2 ...), or give --noise "
+            "from earlier repeats."
+        )
+    bar = max(FLAT, noise.fraction)
+    within = f"within the {bar:.0%} run-to-run noise ({noise.source})"
+    if gain >= bar:
+        return "better", f"Better: {best}, {gain:+.0%}, beyond the {bar:.0%} noise."
+    if gain <= -bar:
+        return "worse", f"Worse: {best}, {gain:+.0%}, beyond the {bar:.0%} noise."
     pa, pb = before.first_preempting, after.first_preempting
-    later = pa is not None and (pb is None or pb > pa)
-    if later:
-        return "moved", (
-            f"Only moved the preemptions to a higher concurrency: {best}, within {FLAT:.0%}."
-        )
-    return "flat", f"No clear change: {best}, within {FLAT:.0%}."
-
-
-def tried_steps(rounds: Sequence[Round]) -> set[int]:
-    """Plan steps whose flags a round passed (its log) or changed from the one before."""
-    touched: set[str] = set()
-    for r in rounds:
-        touched.update(_flag(k) for k in r.passed_flags)
-    for a, b in itertools.pairwise(rounds):
-        touched.update(
-            _flag(k) for k in set(a.flags) | set(b.flags) if a.flags.get(k) != b.flags.get(k)
-        )
-    return {p.step for p in PLAN_ORDER if touched & set(p.flags)}
-
-
-def next_step(rounds: Sequence[Round]) -> NextStep | None:
-    if not rounds:
-        return None
-    raise_cap = _cap_binds(rounds[-1])
-    if raise_cap is not None:
-        return NextStep(PLAN_ORDER[1], "--max-num-seqs", raise_cap)
-    tried = tried_steps(rounds)
-    plan = next((p for p in PLAN_ORDER if p.step not in tried), PLAN_ORDER[-1])
-    advice: Callable[[Sequence[Round]], tuple[str, str]] = _ADVICE[plan.step]
-    flag, text = advice(rounds)
-    return NextStep(plan, flag, text)
-
-
-def _cap_binds(last: Round) -> str | None:
-    """Advice to raise --max-num-seqs when the cap, not the KV cache, limited the round:
-    no preemption although the ladder went past the cap, and room for more requests."""
-    cap = last.flags.get("max_num_seqs")
-    if not isinstance(cap, int) or last.first_preempting is not None or not last.steps:
-        return None
-    top = last.steps[-1].concurrency
-    fits = last.limits.kv_tokens // max(1, last.prompt_tokens + last.output_tokens)
-    if top <= cap or fits <= cap:
-        return None
-    peak = max((s.peak_kv_usage or 0.0 for s in last.steps), default=0.0)
-    return (
-        f"--max-num-seqs {fits}: the cap of {cap} limited this round, not the KV cache "
-        f"(no preemption up to {top} concurrent, peak KV usage {peak:.0%}); "
-        f"{last.limits.kv_tokens:,} KV tokens hold {fits} requests of "
-        f"{last.prompt_tokens}+{last.output_tokens} tokens at once"
-    )
-
-
-def _advise_len(rounds: Sequence[Round]) -> tuple[str, str]:
-    last = rounds[-1]
-    est = next(
-        (
-            r.log.estimated_max_model_len
-            for r in reversed(rounds)
-            if r.log and r.log.estimated_max_model_len
-        ),
-        None,
-    )
-    longest = est or last.limits.kv_tokens
-    value = min(last.limits.max_model_len, round_down(0.7 * longest, 1024) or longest)
-    return "--max-model-len", (
-        f"--max-model-len {value}: 70% of the {longest:,}-token longest context the KV "
-        f"cache holds (now {last.limits.max_model_len})"
-    )
-
-
-def _advise_caps(rounds: Sequence[Round]) -> tuple[str, str]:
-    last = rounds[-1]
-    held = [s.concurrency for s in last.steps if clean(s)]
-    onset = last.first_preempting
-    if onset is None:
-        top = last.steps[-1].concurrency if last.steps else 0
-        return "--max-num-seqs", (
-            f"no step preempted up to {top} concurrent: cap --max-num-seqs only once a "
-            "longer ladder finds where preemptions start"
-        )
-    cap = max(held, default=1)
-    return "--max-num-seqs", (
-        f"--max-num-seqs {cap}: the node ran {cap} requests of {last.prompt_tokens}+"
-        f"{last.output_tokens} tokens without preempting and preempted at {onset}; "
-        "with the cap, more requests wait in the queue instead of being recomputed"
-    )
-
-
-def _advise_util(rounds: Sequence[Round]) -> tuple[str, str]:
-    util = rounds[-1].limits.gpu_memory_utilization or 0.92
-    new = min(round(util + 0.02, 2), MAX_SAFE_UTILIZATION)
-    if new <= util:
-        return "--gpu-memory-utilization", (
-            f"already at {util:.2f}: go no higher; move on to --kv-cache-dtype fp8"
-        )
-    return "--gpu-memory-utilization", (
-        f"--gpu-memory-utilization {new:.2f} (now {util:.2f}), only on a GPU nothing else "
-        f"uses; stay at or below {MAX_SAFE_UTILIZATION}"
-    )
-
-
-def _advise_fp8(rounds: Sequence[Round]) -> tuple[str, str]:
-    kv = rounds[-1].limits.kv_tokens
-    return "--kv-cache-dtype", (
-        f"--kv-cache-dtype fp8: half the bytes per token, so about {2 * kv:,} KV tokens "
-        f"instead of {kv:,}; run your accuracy evals (long-context recall degrades first)"
-    )
-
-
-def _advise_bigger(rounds: Sequence[Round]) -> tuple[str, str]:
-    return "--cpu-offload-gb", (
-        "the flags of steps 1-4 are spent: a larger-memory GPU, or --cpu-offload-gb N for "
-        "a slow long-context tier (each offloaded GiB adds ~20-40 ms per decode step)"
-    )
-
-
-_ADVICE: dict[int, Callable[[Sequence[Round]], tuple[str, str]]] = {
-    1: _advise_len,
-    2: _advise_caps,
-    3: _advise_util,
-    4: _advise_fp8,
-    5: _advise_bigger,
-}
+    if pa is not None and (pb is None or pb > pa):
+        return "moved", f"Only moved the preemptions to a higher concurrency: {best}, {within}."
+    return "flat", f"No clear change: {best}, {within}."
 
 
 # -- rendering --------------------------------------------------------------------------
+
+
+def _cell_text(value: Any, width: int) -> str:
+    """A flag's value in a column: a config object's text is cut to the column."""
+    text = show(value)
+    return text if len(text) < width else text[: width - 2] + "…"
 
 
 def _cell(step: StepResult | None, metric: str) -> str:
@@ -286,7 +251,9 @@ def _cell(step: StepResult | None, metric: str) -> str:
     return "-" if step.peak_kv_usage is None else f"{step.peak_kv_usage:.0%}"
 
 
-def render(rounds: Sequence[Round]) -> str:
+def render(rounds: Sequence[Round], noise: float | None = None) -> str:
+    """The table, the verdicts (``noise``: the run-to-run noise the caller knows) and the
+    next step."""
     names = [r.name for r in rounds]
     width = max(12, *(len(n) + 2 for n in names))
     label = 24
@@ -300,8 +267,10 @@ def render(rounds: Sequence[Round]) -> str:
     lines = [row("round", names)]
     lines.append(row("KV tokens", [f"{r.limits.kv_tokens:,}" for r in rounds]))
     lines.append(row("max_model_len", [str(r.limits.max_model_len) for r in rounds]))
-    keys = sorted({k for r in rounds for k in r.flags} - {"max_model_len"})
-    lines.extend(row(_flag(k), [_show(r.flags.get(k)) for r in rounds]) for k in keys)
+    keys = sorted({k for r in rounds for k in tuning_flags(r)} - {"max_model_len"})
+    lines.extend(
+        row(flag_name(k), [_cell_text(r.flags.get(k), width) for r in rounds]) for k in keys
+    )
     lines.append(
         row(
             "KV cache memory (log)",
@@ -327,7 +296,7 @@ def render(rounds: Sequence[Round]) -> str:
     stops = [f"{r.name}: ladder stopped: {r.stopped}" for r in rounds if r.stopped]
     if stops:
         lines += ["", *stops]
-    verdicts = [verdict(a, b) for a, b in itertools.pairwise(rounds)]
+    verdicts = [verdict(a, b, rounds, noise) for a, b in itertools.pairwise(rounds)]
     if verdicts:
         lines += ["", "Verdicts:"]
         for v in verdicts:
@@ -336,22 +305,22 @@ def render(rounds: Sequence[Round]) -> str:
             )
     nxt = next_step(rounds)
     if nxt is not None:
-        lines += ["", f"Next (plan step {nxt.step.step}, {nxt.step.title}):"]
+        lines += ["", f"Next (plan step {nxt.step.step}, {nxt.title}):"]
         lines += textwrap.wrap(nxt.advice, _WIDTH, initial_indent="  ", subsequent_indent="  ")
     return "\n".join(lines)
 
 
-def report_json(rounds: Sequence[Round]) -> dict[str, Any]:
+def report_json(rounds: Sequence[Round], noise: float | None = None) -> dict[str, Any]:
     nxt = next_step(rounds)
     return {
         **rounds_to_json(rounds),
         "verdicts": [
             {"before": v.before, "after": v.after, "changed": list(v.changed), "kind": v.kind,
-             "sentence": v.sentence}
-            for v in (verdict(a, b) for a, b in itertools.pairwise(rounds))
+             "sentence": v.sentence, "noise": None if v.noise is None else asdict(v.noise)}
+            for v in (verdict(a, b, rounds, noise) for a, b in itertools.pairwise(rounds))
         ],
         "next": None if nxt is None else {
-            "step": nxt.step.step, "title": nxt.step.title, "flag": nxt.flag,
+            "step": nxt.step.step, "title": nxt.title, "flag": nxt.flag,
             "advice": nxt.advice,
         },
     }  # fmt: skip

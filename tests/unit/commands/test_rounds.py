@@ -67,12 +67,12 @@ def test_verdict_names_the_change_the_gain_and_where_preemptions_start() -> None
     r1, r2 = load(R1, R2)
     # r1 preempts at 16 (not at 8): make it preempt at 8 for the sentence.
     r1_8 = load(rnd("r1", 38224, [*R1["steps"][:3], step(8, 1000, 3.4, 2)], BASE))[0]
-    v = verdict(r1_8, r2)
+    v = verdict(r1_8, r2, noise=0.03)
     assert v.changed == ("--kv-cache-dtype auto -> fp8",)
     assert "+38% tokens/s at 8 concurrent (1,000 -> 1,380)" in v.sentence
     assert "preemptions start at 32 instead of 8" in v.sentence
     assert "KV 38,224 -> 76,464 tokens (+100%)" in v.sentence
-    assert v.kind == "better"
+    assert v.kind == "better" and "beyond the 5% noise" in v.sentence
     # Compared at the highest concurrency both rounds ran.
     assert "at 16 concurrent (400 -> 1,500)" in verdict(r1, r2).sentence
 
@@ -83,26 +83,32 @@ def test_verdict_only_moved_the_preemptions() -> None:
         rnd("b", 41712, [step(4, 171, 2), step(8, 255, 3), step(16, 258, 6, 5)],
             {**BASE, "gpu_memory_utilization": 0.94})
     )[0]  # fmt: skip
-    v = verdict(before, after)
+    v = verdict(before, after, noise=0.02)
     assert v.kind == "moved"
     assert "Only moved the preemptions to a higher concurrency" in v.sentence
+    assert "within the 5% run-to-run noise (--noise)" in v.sentence
     assert "preemptions start at 16 instead of 8" in v.sentence
     assert v.changed == ("--gpu-memory-utilization 0.92 -> 0.94",)
 
 
 def test_verdict_worse_and_flat() -> None:
+    seqs = {**BASE, "max_num_seqs": 8}
     a = load(rnd("a", 38224, [step(4, 200, 2), step(8, 300, 3)], BASE))[0]
-    worse = load(rnd("b", 38224, [step(4, 150, 2), step(8, 200, 3)], BASE))[0]
-    flat = load(rnd("c", 38224, [step(4, 201, 2), step(8, 302, 3)], BASE))[0]
-    assert verdict(a, worse).kind == "worse"
-    assert verdict(a, flat).kind == "flat"
-    assert "no flag change recorded" in verdict(a, flat).sentence
-    assert "no preemptions in either round" in verdict(a, flat).sentence
+    worse = load(rnd("b", 38224, [step(4, 150, 2), step(8, 200, 3)], seqs))[0]
+    flat = load(rnd("c", 38224, [step(4, 201, 2), step(8, 302, 3)], seqs))[0]
+    assert verdict(a, worse, noise=0.05).kind == "worse"
+    assert verdict(a, flat, noise=0.05).kind == "flat"
+    assert "no preemptions in either round" in verdict(a, flat, noise=0.05).sentence
     other = load(rnd("d", 38224, [step(4, 201, 2)], BASE, prompt_tokens=1024))[0]
     assert (
         "Caution: the requests differ (2048+512 vs 1024+512 tokens)" in verdict(a, other).sentence
     )
     assert "Caution" not in verdict(a, flat).sentence
+    # Nothing recorded differs: a repeat, whose gap is the noise, not a verdict.
+    same = load(rnd("e", 38224, [step(4, 150, 2), step(8, 200, 3)], BASE))[0]
+    v = verdict(a, same)
+    assert v.kind == "repeat" and "no flag change recorded" in v.sentence
+    assert "best tokens/s 300 and 200, 40% apart, is run-to-run noise" in v.sentence
 
 
 def test_next_step_follows_the_plans_order() -> None:
@@ -174,7 +180,15 @@ def test_cli_json_and_errors(tmp_path, capsys) -> None:
     assert main(["rounds", str(path), "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert [r["name"] for r in out["rounds"]] == ["r1", "r2"]
-    assert out["verdicts"][0]["kind"] == "better" and out["next"]["step"] == 2
+    assert out["verdicts"][0]["kind"] == "inconclusive" and out["next"]["step"] == 2
+    assert main(["rounds", str(path), "--json", "--noise", "0.1"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["verdicts"][0]["kind"] == "better"
+    assert out["verdicts"][0]["noise"] == {"fraction": 0.1, "source": "--noise"}
+    with pytest.raises(SystemExit) as exited:
+        main(["rounds", str(path), "--noise", "2"])
+    assert exited.value.code == 2
+    assert "expected a fraction in [0, 1), got '2'" in capsys.readouterr().err
     path.write_text("{}")
     assert main(["rounds", str(path)]) == 2
     assert 'rounds: expected {"rounds": [...]}' in capsys.readouterr().err
