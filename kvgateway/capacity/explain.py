@@ -106,8 +106,8 @@ def _pool_findings(facts: LogFacts, pool: LoggedPool) -> list[str]:
         return [
             f"This model has {pool.groups} KV-cache groups (kv cache group sizes {sizes}): "
             f"every request takes a block in each group, from one pool of {pool.blocks} "
-            f"blocks of which block 0 is the null block. Requests shorter than the sliding "
-            f"window hold {usable:,} tokens ({pool.blocks} - 1) // {pool.groups} x {bs}; the "
+            f"blocks of which block 0 is the null block. Requests within every sliding "
+            f"window hold {usable:,} tokens (({pool.blocks} - 1) // {pool.groups} x {bs}); the "
             f"logged {tokens:,} is vLLM's concurrency x max_model_len at full length, where "
             f"a windowed group holds fewer blocks. Use kv_cache_tokens: {usable} for this "
             "node in the gateway (exact for short requests, safe for long ones)."

@@ -310,7 +310,7 @@ _RULES: tuple[tuple[re.Pattern[str], _Handler], ...] = (
 
 
 _CLOSERS = {"(": ")", "[": "]", "{": "}", "<": ">"}
-_KEY = re.compile(r"\s*(?:'([^']*)'|\"([^\"]*)\")\s*:\s*(.*)", re.S)
+_KEY = re.compile(r"""\s*('(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*")\s*:\s*(.*)""", re.S)
 
 
 def _dict_items(text: str) -> tuple[dict[str, object], bool]:
@@ -341,8 +341,7 @@ def _dict_items(text: str) -> tuple[dict[str, object], bool]:
         elif ch in ",}":
             hit = _KEY.fullmatch(text[start:i])
             if hit:
-                key = hit.group(1) if hit.group(1) is not None else hit.group(2)
-                items[key] = _arg_value(hit.group(3).strip())
+                items[ast.literal_eval(hit.group(1))] = _arg_value(hit.group(2).strip())
             if ch == "}":
                 return items, True
             start = i + 1

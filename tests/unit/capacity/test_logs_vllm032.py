@@ -15,11 +15,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvgateway.capacity import parse_vllm_log
 from kvgateway.capacity.cli import register
 from kvgateway.capacity.explain import explain_log
 from kvgateway.capacity.loggedpool import missing_lines
+from kvgateway.capacity.logparse import non_default_args
 from kvgateway.capacity.report import log_json, render_log
 from tests.support.capacity_data import DATA, read_data
 
@@ -204,3 +207,33 @@ def test_the_module_runs_on_a_real_log() -> None:
         capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
     assert done.returncode == 0 and "Use kv_cache_tokens: 3968" in flat(done.stdout)
+
+
+class _Config:
+    """A config object as vLLM prints one: a repr that is no literal, with commas,
+    brackets and quotes inside."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __repr__(self) -> str:
+        return f"KVEventsConfig(topic={self.text!r}, sizes=[1, 2], mode=<Mode.A: 'a'>)"
+
+
+_PLAIN = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=8)
+    | st.floats(allow_nan=False, allow_infinity=False),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+    max_leaves=8,
+)  # fmt: skip
+
+
+@given(st.dictionaries(st.text(max_size=10), _PLAIN | st.text(max_size=6).map(_Config), max_size=6))
+def test_the_args_line_reads_back_what_vllm_printed(args: dict[str, object]) -> None:
+    """Any dict vLLM prints with str() reads back item by item: literals as themselves,
+    config objects as their text; cut anywhere, the items before the cut survive."""
+    line = f"INFO 12-02 16:01:07 [api_utils.py:286] non-default args: {args}"
+    expected = {k: repr(v) if isinstance(v, _Config) else v for k, v in args.items()}
+    assert non_default_args(line) == expected
+    cut = non_default_args(line[: len(line) * 2 // 3])
+    assert all(expected[k] == v for k, v in cut.items())
