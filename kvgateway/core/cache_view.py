@@ -7,6 +7,11 @@ only ids. A block whose parent is unknown (stored before a lost event) cannot be
 and is counted as an orphan. The same hash may be stored twice (vLLM does not
 de-duplicate), so blocks are counted. Events for other media than the GPU are ignored.
 
+Every view shares one :class:`EventHolders`: which backends' events report each block
+key, so routing can find a prompt's holders from the events alone, whatever put the
+prefix there (the gateway, direct traffic, another gateway replica, this gateway before
+a restart).
+
 Hybrid models (vLLM names each event's KV-cache group and its kind): the view follows
 the first full-attention group and every other group, and a hit is the full-attention
 run cut back until each other group holds what vLLM's hybrid ``find_longest_cache_hit``
@@ -59,19 +64,57 @@ class AllCleared:
 CacheEvent = BlocksStored | BlocksRemoved | AllCleared
 
 
-class _Blocks:
-    """One KV-cache group's cached blocks as the node reported them."""
+class EventHolders:
+    """Block key -> the backends whose events report holding it (full-attention group).
 
-    __slots__ = ("by_hash", "held")
+    Most keys are held by one node or a few, so each maps to a small tuple."""
+
+    __slots__ = ("_by_key",)
 
     def __init__(self) -> None:
+        self._by_key: dict[BlockKey, tuple[str, ...]] = {}
+
+    def add(self, key: BlockKey, backend: str) -> None:
+        held = self._by_key.get(key, ())
+        if backend not in held:
+            self._by_key[key] = (*held, backend)
+
+    def discard(self, key: BlockKey, backend: str) -> None:
+        held = self._by_key.get(key, ())
+        if backend not in held:
+            return
+        rest = tuple(n for n in held if n != backend)
+        if rest:
+            self._by_key[key] = rest
+        else:
+            del self._by_key[key]
+
+    def of(self, key: BlockKey) -> tuple[str, ...]:
+        return self._by_key.get(key, ())
+
+    def __len__(self) -> int:
+        return len(self._by_key)
+
+
+class _Blocks:
+    """One KV-cache group's cached blocks as the node reported them; ``holders``, when
+    given, hears of every key this group starts or stops holding (under ``owner``)."""
+
+    __slots__ = ("by_hash", "held", "holders", "owner")
+
+    def __init__(self, owner: str = "", holders: EventHolders | None = None) -> None:
         self.by_hash: dict[EngineHash, tuple[BlockKey, int]] = {}
         self.held: dict[BlockKey, int] = {}
+        self.owner = owner
+        self.holders = holders
 
     def add(self, engine_hash: EngineHash, key: BlockKey) -> None:
         old = self.by_hash.get(engine_hash)
         self.by_hash[engine_hash] = (key, old[1] + 1 if old is not None else 1)
-        self.held[key] = self.held.get(key, 0) + 1
+        count = self.held.get(key, 0)
+        self.held[key] = count + 1
+        if not count and self.holders is not None:
+            self.holders.add(key, self.owner)
 
     def drop(self, engine_hash: EngineHash) -> bool:
         entry = self.by_hash.get(engine_hash)
@@ -87,7 +130,15 @@ class _Blocks:
             self.held[key] = left
         else:
             self.held.pop(key, None)
+            if self.holders is not None:
+                self.holders.discard(key, self.owner)
         return True
+
+    def forget(self) -> None:
+        """Tell ``holders`` this group holds nothing any more."""
+        if self.holders is not None:
+            for key in self.held:
+                self.holders.discard(key, self.owner)
 
 
 class CacheView:
@@ -99,7 +150,9 @@ class CacheView:
         "block_size",
         "full",
         "full_group",
+        "holders",
         "orphans",
+        "owner",
         "removed",
         "resync_at",
         "resyncs",
@@ -107,8 +160,10 @@ class CacheView:
         "stored",
     )
 
-    def __init__(self) -> None:
-        self.full = _Blocks()
+    def __init__(self, owner: str = "", holders: EventHolders | None = None) -> None:
+        self.owner = owner
+        self.holders = holders
+        self.full = _Blocks(owner, holders)
         # group_idx -> (window, blocks), for groups events name as sliding-window ones.
         self.sliding: dict[int, tuple[int, _Blocks]] = {}
         self.stored = self.removed = self.orphans = self.resyncs = 0
@@ -126,7 +181,8 @@ class CacheView:
         return self.full.by_hash
 
     def reset(self) -> None:
-        self.full = _Blocks()
+        self.full.forget()
+        self.full = _Blocks(self.owner, self.holders)
         self.sliding.clear()
         self.full_group = None  # learnt again (a restarted node may serve another model)
 

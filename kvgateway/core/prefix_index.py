@@ -9,7 +9,13 @@ Two sources per backend, both keyed by :mod:`kvgateway.core.prefix_keys`:
   :meth:`PrefixIndex.expected_blocks` weighs each block by ``0.5 ** (age / half_life_s)``.
 - **Precise** (backends with KV events): what the node reported, block by block, and
   hits computed as vLLM computes them, hybrid models included
-  (:class:`~kvgateway.core.cache_view.CacheView`).
+  (:class:`~kvgateway.core.cache_view.CacheView`). :meth:`PrefixIndex.event_holders`
+  names the backends whose events report a block, so a prefix the gateway never routed
+  anywhere still finds its node.
+
+A backend with events that is sent a prompt its view does not hold must report storing
+it; :meth:`PrefixIndex.events_awaited_since` says since when such a report is due and
+none came (a publisher nobody hears: its subscriber warns).
 
 After a resync (:meth:`PrefixIndex.clear`: lost events, a reconnect, a publisher
 restart) the precise view is empty and rebuilds from new events; for ``resync_grace_s``
@@ -30,6 +36,7 @@ from kvgateway.core.cache_view import (
     CacheEvent,
     CacheView,
     EngineHash,
+    EventHolders,
 )
 from kvgateway.core.prefix_keys import BlockKey
 
@@ -73,6 +80,10 @@ class PrefixIndex:
         self._approx: dict[str, _Approximate] = {}
         self._max: dict[str, int] = {}
         self._precise: dict[str, CacheView] = {}
+        self._holders = EventHolders()
+        # Backend -> when the first prompt was routed there that its events must report
+        # (not held by its view), counted from its last batch.
+        self._awaiting: dict[str, float] = {}
 
     # -- membership ----------------------------------------------------------------
 
@@ -82,15 +93,18 @@ class PrefixIndex:
 
     def attach_events(self, backend: str) -> None:
         """The backend reports KV events: answer from the precise view from now on."""
-        self._precise.setdefault(backend, CacheView())
+        self._view(backend)
 
     def detach_events(self, backend: str) -> None:
-        self._precise.pop(backend, None)
+        state = self._precise.pop(backend, None)
+        if state is not None:
+            state.reset()  # its blocks leave the holders map with it
+        self._awaiting.pop(backend, None)
 
     def remove_backend(self, backend: str) -> None:
         self._approx.pop(backend, None)
         self._max.pop(backend, None)
-        self._precise.pop(backend, None)
+        self.detach_events(backend)
 
     def keep_backends(self, present: set[str]) -> None:
         """Forget every backend not in ``present`` (gone from the fleet: its view would
@@ -108,10 +122,15 @@ class PrefixIndex:
             seen[key] = now
             seen.move_to_end(key)
         self._prune(backend, view, now)
+        state = self._precise.get(backend)
+        # The deepest key stands for the run: a node holding it holds the rest.
+        if state is not None and keys and keys[-1] not in state.held:
+            self._awaiting.setdefault(backend, now)
 
     def apply_events(self, backend: str, events: Iterable[CacheEvent], now: float) -> None:
         """Apply one batch of the backend's events in order (attaches it if needed)."""
-        state = self._precise.setdefault(backend, CacheView())
+        self._awaiting.pop(backend, None)
+        state = self._view(backend)
         for event in events:
             if isinstance(event, BlocksStored):
                 blocks = state.group_of(event)
@@ -126,7 +145,7 @@ class PrefixIndex:
 
     def clear(self, backend: str, now: float) -> None:
         """Resync: forget the precise view (events were lost or the stream restarted)."""
-        state = self._precise.setdefault(backend, CacheView())
+        state = self._view(backend)
         state.reset()
         state.resyncs += 1
         state.resync_at = now
@@ -185,6 +204,15 @@ class PrefixIndex:
         """:meth:`matched_blocks` for each backend."""
         return {b: self.matched_blocks(b, keys, now) for b in backends}
 
+    def event_holders(self, key: BlockKey) -> tuple[str, ...]:
+        """The backends whose events report holding the block ``key``."""
+        return self._holders.of(key)
+
+    def events_awaited_since(self, backend: str) -> float | None:
+        """When the first prompt was routed to ``backend`` that its events should have
+        reported storing and none has come since (no batch at all); None when none is due."""
+        return self._awaiting.get(backend)
+
     def event_block_size(self, backend: str) -> int | None:
         """The block size the backend's events use: prompts must be keyed with it."""
         state = self._precise.get(backend)
@@ -221,6 +249,12 @@ class PrefixIndex:
         return frozenset(state.by_hash) if state is not None else frozenset()
 
     # -- internals -----------------------------------------------------------------
+
+    def _view(self, backend: str) -> CacheView:
+        state = self._precise.get(backend)
+        if state is None:
+            state = self._precise[backend] = CacheView(backend, self._holders)
+        return state
 
     def _in_grace(self, state: CacheView, now: float) -> bool:
         return state.resync_at is not None and now - state.resync_at < self._grace

@@ -6,8 +6,12 @@ backend can take the request at all (context, budget, slots, health). Only then 
 
 - kv_aware's own choice (the most free budget), and with ``candidates`` above 1 the next
   freest backends that can take it now;
-- the backends the prompt's blocks were recently routed to (a small map from a few block
-  keys of each routed prompt, at positions 1, 2, 4, 8, ... and the last, to backends);
+- the backends holding the prompt's deepest blocks: those it was recently routed to (a
+  small map from a few block keys of each routed prompt, at positions 1, 2, 4, 8, ...
+  and the last, to backends) and those whose KV events report the blocks
+  (:meth:`PrefixIndex.event_holders`), looked up at the same positions of the prompt, so
+  a prefix that reached a node some other way (direct traffic, another gateway
+  replica, before a restart) still finds it;
 - the backend of the request's session (``x-session-id`` or ``user``), as a hint.
 
 Each is scored by the share of the prompt it would not recompute (``hit``:
@@ -180,14 +184,19 @@ class PrefixRouter:
         return (lo + 1) * belief(name, keys[lo : lo + 1], now)
 
     def _holders_of(self, keys: tuple[BlockKey, ...]) -> list[str]:
-        """Backends recently sent prompts sharing ``keys``' deepest remembered prefix."""
+        """Backends holding ``keys``' deepest prefix found: those reporting its block in
+        their KV events (exact, so listed first), then those recently sent prompts sharing
+        it (a chain key names its whole prefix, so the deepest probe held is the longest
+        run)."""
+        limit = self.scoring.holders_per_key
         out: list[str] = []
         for i in reversed(_probe_positions(len(keys))):
-            names = self._holders.get(keys[i])
-            if names:
-                out.extend(n for n in names if n not in out)
-                if len(out) >= self.scoring.holders_per_key:
-                    break
+            key = keys[i]
+            for name in (*self.index.event_holders(key), *self._holders.get(key, ())):
+                if name not in out:
+                    out.append(name)
+                    if len(out) >= limit:  # a key every node holds must not list them all
+                        return out
         return out
 
     # -- granting --------------------------------------------------------------------

@@ -122,6 +122,40 @@ async def test_precise_mode_follows_the_nodes_kv_events(start_fleet: StartFleet)
     assert fleet.leaks() == {}
 
 
+async def test_a_prefix_the_gateway_never_routed_draws_its_follow_ups(start_fleet: StartFleet):
+    """Each document is sent straight to a different node (a client that bypasses the
+    gateway, another replica): only the nodes' KV events say where they are, and the
+    questions about each go there (kv_aware alone sends all three to one node)."""
+    nodes = [
+        (name, tier, profile, {"kv_events_endpoint": "tcp://127.0.0.1:*"})
+        for name, tier, profile, _ in NODES
+    ]
+    fleet = await start_fleet(nodes, gateway={"routing": {"prefix_aware": True}})
+    index = fleet.state.prefix.index
+    encoder = ENCODINGS.get(fleet.state.config.models[0].tokenizer.encoding)
+    homes = list(fleet.nodes)
+    docs = [f"Manifest {i}: " + f"crate {i} was sealed at the quay. " * 120 for i in homes]
+    async with aiohttp.ClientSession() as s:
+
+        async def complete(url: str, prompt: str) -> str:
+            body = {"model": SERVED if url != fleet.url else MODEL, "prompt": prompt}
+            async with s.post(url + "/v1/completions", json={**body, "max_tokens": 8}) as r:
+                assert r.status == 200, await r.text()
+                return r.headers.get("x-gateway-backend", "")
+
+        for doc, home in zip(docs, homes, strict=True):
+            await complete(fleet.nodes[home].url, doc)
+            keys = block_keys(encoder.encode_ordinary(doc), 16)
+            for _ in range(100):
+                if index.matched_blocks(home, keys, fleet.state.clock()) >= len(keys) - 1:
+                    break
+                await asyncio.sleep(0.02)
+            assert index.event_holders(keys[-2]) == (home,)
+        asked = [await complete(fleet.url, d + " Question: which quay?") for d in docs]
+    assert asked == homes
+    assert fleet.leaks() == {}
+
+
 async def test_chat_follow_ups_stay_home_with_kv_events_whose_ids_cannot_match(
     start_fleet: StartFleet,
 ):

@@ -189,3 +189,80 @@ def test_mamba_and_other_groups_cut_a_hybrid_hit_back(kind: str, hit: int) -> No
     )
     index.apply_events("n", [BlocksRemoved(tuple(hashes[4:]), group_idx=1)], now=0.0)
     assert index.matched_blocks("n", keys[:8], now=0.0) == hit
+
+
+def test_event_holders_name_the_backends_whose_events_hold_a_block() -> None:
+    """Routing nominates a prompt's holders from this map: a block some node reported,
+    whatever put it there, names that node until the node reports it gone."""
+    index = PrefixIndex(resync_grace_s=0.0)
+    a, b = [1, 2, 3, 4], [5, 6, 7, 8]
+    ka, kb = block_keys(a + b, 4)
+    index.apply_events("n1", [stored([1, 2], None, a + b)], now=0.0)
+    index.apply_events("n2", [stored([7], None, a)], now=0.0)
+    assert index.event_holders(ka) == ("n1", "n2") and index.event_holders(kb) == ("n1",)
+    # Two copies on n1: the key stays held until both are gone.
+    index.apply_events("n1", [stored([3], None, a), BlocksRemoved((1,))], now=0.0)
+    assert index.event_holders(ka) == ("n1", "n2")
+    index.apply_events("n1", [BlocksRemoved((3,))], now=0.0)
+    assert index.event_holders(ka) == ("n2",)
+    # A sliding-window group's blocks nominate nobody (the full-attention run decides).
+    index.apply_events("n3", [stored([9], None, b, group_idx=1, kind="sliding_window")], now=0.0)
+    assert index.event_holders(block_keys(b, 4)[0]) == ()
+    # Cleared by the node, resynced, detached or removed: gone from the map.
+    index.apply_events("n1", [AllCleared()], now=0.0)
+    assert index.event_holders(kb) == ()
+    index.apply_events("n1", [stored([1], None, a)], now=0.0)
+    index.clear("n1", now=1.0)
+    index.apply_events("n4", [stored([1], None, a)], now=0.0)
+    index.detach_events("n2")
+    index.remove_backend("n4")
+    assert index.event_holders(ka) == ()
+    index.apply_events("n1", [stored([1], None, a)], now=2.0)
+    assert index.event_holders(ka) == ("n1",)
+
+
+@given(
+    ops=st.lists(
+        st.tuples(st.sampled_from(["store", "remove", "clear", "detach"]), st.integers(0, 2)),
+        max_size=40,
+    )
+)
+def test_event_holders_always_equal_a_scan_of_every_view(ops: list[tuple[str, int]]) -> None:
+    index = PrefixIndex()
+    prompts = [[p] * 8 for p in range(3)]
+    keys = {k for p in prompts for k in block_keys(p, 4)}
+    for n, (op, p) in enumerate(ops):
+        backend = f"n{n % 3}"
+        if op == "store":
+            index.apply_events(backend, [stored([p * 2, p * 2 + 1], None, prompts[p])], now=0.0)
+        elif op == "remove":
+            index.apply_events(backend, [BlocksRemoved((p * 2 + 1,))], now=0.0)
+        elif op == "clear":
+            index.clear(backend, now=0.0)
+        else:
+            index.detach_events(backend)
+        for key in keys:
+            scan = {b for b in ("n0", "n1", "n2") if key in index.precise_keys(b)}
+            assert set(index.event_holders(key)) == scan
+
+
+def test_a_backend_sent_a_prompt_its_events_do_not_show_awaits_a_batch() -> None:
+    """The subscriber warns when such a wait lasts: a publisher nobody hears."""
+    index = PrefixIndex()
+    keys = block_keys(list(range(12)), 4)
+    index.record_routed("plain", keys, now=1.0)  # no events: nothing is awaited
+    assert index.events_awaited_since("plain") is None
+    index.attach_events("n")
+    index.record_routed("n", [], now=1.0)  # no full block: the node stores nothing
+    assert index.events_awaited_since("n") is None
+    index.record_routed("n", keys, now=2.0)
+    index.record_routed("n", keys, now=3.0)
+    assert index.events_awaited_since("n") == 2.0  # since the first unanswered prompt
+    index.apply_events("n", [stored([1, 2, 3], None, list(range(12)))], now=4.0)
+    assert index.events_awaited_since("n") is None
+    index.record_routed("n", keys, now=5.0)  # held already: no new block to report
+    assert index.events_awaited_since("n") is None
+    index.record_routed("n", block_keys(list(range(100, 108)), 4), now=6.0)
+    assert index.events_awaited_since("n") == 6.0
+    index.detach_events("n")
+    assert index.events_awaited_since("n") is None

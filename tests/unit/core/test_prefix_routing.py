@@ -9,6 +9,7 @@ from dataclasses import replace
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvgateway.core.cache_view import BlocksStored
 from kvgateway.core.demand import Demand, PrefixHint
 from kvgateway.core.prefix_index import PrefixIndex
 from kvgateway.core.prefix_keys import block_keys
@@ -122,3 +123,68 @@ def test_refine_finds_the_best_score_of_the_tier(seed):
     for r in held:
         adm.release(r)
     assert all(b.reserved_tokens == 0 and b.in_flight == 0 for b in bs)
+
+
+def stored_on(router: PrefixRouter, name: str, ids: list[int], first_hash: int) -> None:
+    """``name``'s KV events report caching ``ids``' full blocks (16 tokens each)."""
+    n = len(ids) // 16
+    hashes = tuple(range(first_hash, first_hash + n))
+    router.index.apply_events(name, [BlocksStored(hashes, None, tuple(ids[: n * 16]), 16)], 0.0)
+
+
+def test_a_follow_up_goes_to_the_node_whose_events_alone_hold_its_history():
+    """The history reached b2 without this gateway (a client talking to the node, another
+    replica, this gateway before a restart): b2's events are all that says so."""
+    bs = [backend(f"b{i}", kv=40_000) for i in range(4)]
+    adm, router, clock = make(bs)
+    for b in bs:
+        router.index.attach_events(b.name)
+    turn1 = history(1000)
+    stored_on(router, "b2", turn1, 1)
+    plain = adm.decide(demand(1300))
+    assert isinstance(plain, Routed) and plain.backend.name != "b2"
+    clock[0] = 10.0
+    for k in range(3):
+        r = adm.try_admit(hinted(turn1 + history(300, seed=k)))
+        assert r.backend.name == "b2"
+        adm.release(r)
+    # A node whose events hold only a shorter prefix loses to the one holding more.
+    stored_on(router, "b3", turn1[:320], 1_000)
+    r = adm.try_admit(hinted(turn1 + history(300, seed=9)))
+    assert r.backend.name == "b2"
+    adm.release(r)
+
+
+def test_a_block_every_node_reports_nominates_a_bounded_few():
+    bs = [backend(f"b{i}", kv=40_000) for i in range(20)]
+    router = PrefixRouter(PrefixIndex(), PrefixScoring(holders_per_key=3))
+    system = history(64, seed=3)
+    for i, b in enumerate(bs):
+        stored_on(router, b.name, system, 100 * i)
+    assert len(router._holders_of(tuple(block_keys(system + history(40), 16)))) == 3
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 10_000))
+def test_refine_with_events_finds_the_best_score_of_the_tier(seed):
+    """The slow twin again, the prompts' holders known from KV events only (nothing was
+    granted, so the routed view is empty)."""
+    rnd = random.Random(seed)
+    bs = [backend(f"b{i}", kv=rnd.choice([8192, 16384, 32768])) for i in range(12)]
+    router = PrefixRouter(PrefixIndex(), PrefixScoring(candidates=2, holders_per_key=12))
+    adm, router, clock = make(bs, router)
+    prefixes = [history(rnd.randrange(16, 600), seed=seed + k) for k in range(3)]
+    for b in bs:
+        router.index.attach_events(b.name)
+        if rnd.random() < 0.5:
+            p = rnd.choice(prefixes)
+            stored_on(router, b.name, p[: rnd.randrange(0, len(p) + 1)], rnd.randrange(10**9))
+        # Some nodes are busier than others: the score trades hit against load.
+        adm._index_for("m").adjust(b, rnd.randrange(0, b.budget_tokens // 2), 1, 1)
+    for step in range(20):
+        ids = rnd.choice(prefixes) + history(rnd.randrange(0, 200), seed=seed * 100 + step)
+        d = hinted(ids, output=rnd.randrange(1, 300))
+        decision = adm.decide(d)
+        if isinstance(decision, Routed):
+            best = _scan_best(router, adm._index_for("m"), d, decision.backend, clock[0])
+            assert router._score(decision.backend, d, clock[0], None) == best
