@@ -150,6 +150,9 @@ class BackendConfig:
     # fetched again instead of forgetting the node's whole cache view; and the topic.
     kv_events_replay: str | None = None
     kv_events_topic: str = ""
+    # The gateway binds `kv_events` and the node's publisher connects to it: for a node
+    # whose --kv-events-config endpoint names a host (vLLM then connects, not binds).
+    kv_events_bind: bool = False
 
 
 @dataclass(frozen=True, slots=True)

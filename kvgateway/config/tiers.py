@@ -90,6 +90,9 @@ def _dns_group(
     scheme = s.choice("scheme", ("http", "https"), "http")
     interval = s.number("resolve_interval_s", 10.0)
     template = _backend_settings(s, f"{scheme}://{dns}:{port}", tier, offload, models, timeouts)
+    if template.kv_events_bind:
+        # A node connects its publisher to one address: one gateway for one node.
+        s.fail("kv_events_bind", "a dns group's members publish on their own addresses")
     for key in ("kv_events", "kv_events_replay"):
         endpoint = getattr(template, key)
         if endpoint is not None and urlsplit(endpoint).hostname != dns.lower():
@@ -119,6 +122,7 @@ def _backend_settings(
     timeouts: TimeoutConfig,
 ) -> BackendConfig:
     """What a static backend and a DNS group's members share."""
+    bind = s.flag("kv_events_bind", False)
     model_name = s.text("model")
     model = models.get(model_name)
     if model is None and model_name and not s.reading.schema_mode:
@@ -140,22 +144,32 @@ def _backend_settings(
         num_speculative_tokens=s.integer("num_speculative_tokens", 0, minimum=0),
         release_delay_s=s.number("release_delay_s", 0.0, exclusive_min=False),
         path=s.path,
-        kv_events=_kv_events(s, "kv_events"),
+        kv_events=_kv_events(s, "kv_events", bind=bind),
         kv_events_replay=_kv_events(s, "kv_events_replay"),
         kv_events_topic=s.opt_str("kv_events_topic") or "",
+        kv_events_bind=bind,
     )
 
 
-def _kv_events(s: Section, key: str) -> str | None:
+def _kv_events(s: Section, key: str, *, bind: bool = False) -> str | None:
+    """An endpoint to connect to, or with ``bind`` one to bind (``*`` for every
+    interface: the node connects to this gateway's address)."""
     endpoint = s.opt_str(key)
     if endpoint is None:
+        if bind:
+            s.fail("kv_events_bind", "needs kv_events: the address to bind")
         return None
     parts = urlsplit(endpoint)
     try:
         port = parts.port
     except ValueError:
         port = None
-    if parts.scheme != "tcp" or not parts.hostname or port is None or "*" in endpoint:
+    if (
+        parts.scheme != "tcp"
+        or not parts.hostname
+        or port is None
+        or ("*" in endpoint and not bind)
+    ):
         what = "publisher" if key == "kv_events" else "replay socket"
         s.fail(key, f'expected tcp://HOST:PORT (the node\'s {what}), got "{endpoint}"')
         return None

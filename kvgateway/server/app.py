@@ -70,11 +70,13 @@ def create_app(
     quota_ledger: QuotaLedger | None = None,
     worker: int | None = None,
     metrics_dir: str | None = None,
+    kv_events_silence_s: float = 30.0,
 ) -> web.Application:
     """The gateway. ``quota_ledger`` holds the tenants' per-minute quotas; by default each
     process keeps its own. ``worker`` / ``metrics_dir``: this app is worker ``worker`` of
     ``serve --workers``, its metrics written to (and /metrics read from) the shared
-    ``metrics_dir``."""
+    ``metrics_dir``. ``kv_events_silence_s``: how long a backend sent prompts it does not
+    hold may publish no KV event before that is logged as a warning."""
     registry = registry if registry is not None else CollectorRegistry()
     tracing = from_environment(config.tracing.enabled, tracer_provider)
     metrics = GatewayMetrics(registry, multiprocess=metrics_dir is not None)
@@ -125,7 +127,9 @@ def create_app(
         )
         nodes = NodePool()
         prefix_index = PrefixIndex()
-        hub = KVEventHub(prefix_index, clock=clock)
+        hub = KVEventHub(
+            prefix_index, clock=clock, tally=metrics.count_kv_event, silence_s=kv_events_silence_s
+        )
         try:
             prefix = PrefixRouter(
                 prefix_index,

@@ -22,6 +22,7 @@ from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 
 from kvgateway.core.backends import Backend
+from kvgateway.upstream.kv_event_decode import EventCount
 
 TOKEN_BUCKETS = (
     64,
@@ -207,6 +208,11 @@ class GatewayMetrics:
             ["model"],
             registry=registry,
         )
+        # Each backend's KV event stream (`kv_events`), counted by its subscriber.
+        self.kv_events = {
+            what: Counter(f"gateway_kv_event_{what}", what.doc, ["backend"], registry=registry)
+            for what in EventCount
+        }
         # The metrics labelled by backend, and where that label is (forget_backends).
         self._by_backend: dict[int, tuple[MetricWrapperBase, int]] = {
             id(m): (m, at)
@@ -215,6 +221,7 @@ class GatewayMetrics:
                 (self.upstream_retries, 0),
                 (self.upstream_failures, 0),
                 (self.watcher_restarts, 0),
+                *((m, 0) for m in self.kv_events.values()),
             )
         }
         self.build_info = Gauge(
@@ -232,6 +239,10 @@ class GatewayMetrics:
         if child is None:
             child = self._children[key] = metric.labels(*values)
         return child
+
+    def count_kv_event(self, backend: str, what: EventCount) -> None:
+        """One of ``backend``'s KV event counters, by one (a subscriber's tally)."""
+        self.of(self.kv_events[what], backend).inc()
 
     def forget_backends(self, present: set[str]) -> None:
         """Drop the series of backends gone from the fleet (a reload removed them, or DNS

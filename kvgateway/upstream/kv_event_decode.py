@@ -1,4 +1,6 @@
-"""vLLM's KV event batches decoded into the prefix index's events (pure: no I/O).
+"""vLLM's KV event stream without I/O: where each backend publishes (from the config),
+batches decoded into the prefix index's events, sequence numbers classified, replay
+replies read, and what a subscriber counts.
 
 A ``KVEventBatch`` payload is msgpack in either layout vLLM has used: msgspec structs as
 maps (``{"type": "BlockStored", ...}``, current) and ``array_like`` arrays
@@ -10,11 +12,14 @@ batch is then untrusted, as a lost one would be, and the subscriber resyncs.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from enum import Enum, StrEnum
 from typing import Any
 
 import msgspec
 
+from kvgateway.config.model import GatewayConfig
 from kvgateway.core.cache_view import (
     AllCleared,
     BlocksRemoved,
@@ -165,3 +170,110 @@ def decode_batch(payload: bytes) -> DecodedBatch:
         raise EventDecodeError("KVEventBatch needs ts and a list of events")
     decoded = tuple(e for e in (_event(r) for r in events) if e is not None)
     return DecodedBatch(float(ts), decoded, rank if isinstance(rank, int) else None)
+
+
+class EventCount(StrEnum):
+    """What a subscriber counts, per backend (``gateway_kv_event_<value>``)."""
+
+    BATCHES = "batches"
+    GAPS = "gaps"
+    REPLAYS_ASKED = "replays_asked"
+    REPLAYS_ANSWERED = "replays_answered"
+    DECODE_ERRORS = "decode_errors"
+
+    @property
+    def doc(self) -> str:
+        return {
+            EventCount.BATCHES: "KV event batches from the node's publisher (not replayed).",
+            EventCount.GAPS: "Gaps in the node's KV event sequence (batches lost in transit).",
+            EventCount.REPLAYS_ASKED: "KV event replays asked (at start, and for each gap).",
+            EventCount.REPLAYS_ANSWERED: "KV event replays the node answered in time.",
+            EventCount.DECODE_ERRORS: "KV event batches that did not decode (view rebuilt).",
+        }[self]
+
+
+Tally = Callable[[str, EventCount], None]
+
+
+def no_tally(backend: str, what: EventCount) -> None:
+    """A :data:`Tally` that counts nothing."""
+
+
+class SeqAction(Enum):
+    APPLY = "apply"
+    GAP = "gap"
+    RESTART = "restart"
+    DUPLICATE = "duplicate"
+
+
+def classify_seq(last: int | None, seq: int) -> SeqAction:
+    """What a batch numbered ``seq`` means after ``last`` (None: nothing seen yet)."""
+    if last is None:
+        return SeqAction.APPLY if seq == 0 else SeqAction.GAP
+    if seq == last + 1:
+        return SeqAction.APPLY
+    if seq > last + 1:
+        return SeqAction.GAP
+    if seq == 0:
+        return SeqAction.RESTART
+    return SeqAction.DUPLICATE
+
+
+@dataclass(frozen=True, slots=True)
+class SubscriberStats:
+    batches: int
+    gaps: int
+    replayed: int
+    resyncs: int
+    decode_errors: int
+    last_seq: int | None
+    apply_errors: int = 0
+
+
+@dataclass(slots=True)
+class LogLimit:
+    """At most one log line per ``interval_s``; the lines held back are counted."""
+
+    interval_s: float
+    next_at: float | None = None
+    held_back: int = 0
+
+    def allow(self, now: float) -> int | None:
+        """The number held back since the last line if one may be logged now, else None."""
+        if self.next_at is not None and now < self.next_at:
+            self.held_back += 1
+            return None
+        held, self.held_back, self.next_at = self.held_back, 0, now + self.interval_s
+        return held
+
+
+def replay_reply(frames: Sequence[bytes]) -> tuple[int, bytes] | None:
+    """One message from vLLM's replay socket as (seq, payload), seq -1 for the end marker;
+    None for anything else. vLLM >= 0.27 replies ``[b"", topic, seq, payload]`` (the end
+    marker with an empty topic), earlier releases ``[b"", seq, payload]``."""
+    if len(frames) == 4:
+        frames = [frames[0], *frames[2:]]
+    if len(frames) != 3 or len(frames[1]) != 8:
+        return None
+    return int.from_bytes(frames[1], "big", signed=True), frames[2]
+
+
+@dataclass(frozen=True, slots=True)
+class KVEventSource:
+    """Where one backend publishes: ``endpoint`` as in the backend's ``kv_events``;
+    ``bind``: the subscriber binds it (the node's publisher connects to it)."""
+
+    backend: str
+    endpoint: str
+    topic: str = ""
+    replay_endpoint: str | None = None
+    bind: bool = False
+
+
+def kv_event_sources(config: GatewayConfig) -> list[KVEventSource]:
+    """The backends publishing KV events (``kv_events:``), for the :class:`KVEventHub`."""
+    return [
+        KVEventSource(b.name, b.kv_events, b.kv_events_topic, b.kv_events_replay, b.kv_events_bind)
+        for b in config.backends
+        if b.kv_events
+    ]

@@ -1,13 +1,19 @@
 """KV events from vLLM nodes into the :class:`~kvgateway.core.prefix_index.PrefixIndex`.
 
 One :class:`KVEventSubscriber` per backend with ``kv_events: tcp://HOST:PORT``: a pyzmq
-asyncio SUB socket (topic prefix filter) reading vLLM's multipart messages
-``[topic, seq (8-byte big-endian), msgpack KVEventBatch]`` (``vllm/distributed/
-kv_events.py``). Payloads are decoded by :func:`decode_batch`, which reads both layouts
-vLLM has used (:mod:`.kv_event_decode`).
+asyncio SUB socket (topic prefix filter) reading vLLM's ``[topic, seq (8-byte big-endian),
+msgpack KVEventBatch]`` (``vllm/distributed/kv_events.py``), decoded by
+:func:`decode_batch` in either layout vLLM has used.
 
-Losing events makes the index wrong, so the sequence numbers are checked
-(:func:`classify_seq`):
+vLLM's publisher binds an endpoint with a wildcard host (``tcp://*:5557``) and
+*connects* to one naming a host. The subscriber connects, or with the backend's
+``kv_events_bind`` binds the address a node connects to. Two sides that both connect
+hear nothing and say nothing, so a backend sent prompts its view does not hold while no
+batch comes for ``silence_s`` is warned about. On every link to the node the subscriber
+asks its replay socket (if configured) for what it missed, the whole buffer at first: a
+gateway that starts beside a node that already serves learns what it holds.
+
+Losing events makes the index wrong, so sequence numbers are checked (:func:`classify_seq`):
 
 - the next number: apply;
 - a gap: ask the node's replay socket (if configured) for the missing batches; if it
@@ -17,96 +23,51 @@ Losing events makes the index wrong, so the sequence numbers are checked
 - an older number: a duplicate after a replay, ignored.
 
 A TCP disconnect seen by the socket monitor also resyncs (whatever happened meanwhile is
-unknown) and the next batch is taken as a fresh start.
-
-A batch that cannot be trusted resyncs too, and the stream carries on: one that does not
-decode, one holding an event the index cannot hold (checked by :func:`decode_batch`:
-``block_size < 1``, a token id outside int64, a list that is not a list), or one whose
-application fails for a reason nobody foresaw. One bad event from one node must neither
-kill the reader (leaving a stale view trusted as precise) nor the gateway's shutdown;
-such errors are counted and logged at a bounded rate. Every wait is bounded; each
-subscriber owns its named tasks and :meth:`close` ends them (and never raises theirs).
+unknown) and the next batch is taken as a fresh start. So does a batch that cannot be
+trusted (one that does not decode, holds an event the index cannot hold, or fails to
+apply), and the stream carries on: one bad event must neither kill the reader (leaving
+a stale view trusted as precise) nor the gateway's shutdown. Such errors are logged at a
+bounded rate; everything is counted per backend through ``tally`` (:class:`EventCount`,
+the ``gateway_kv_event_*`` metrics). Every wait is bounded; each subscriber owns its
+named tasks and :meth:`close` ends them (and never raises theirs).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from enum import Enum
 
 import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from kvgateway.config.model import GatewayConfig
 from kvgateway.core.prefix_index import PrefixIndex
-from kvgateway.upstream.kv_event_decode import EventDecodeError, decode_batch
+from kvgateway.upstream.kv_event_decode import (
+    EventCount,
+    EventDecodeError,
+    KVEventSource,
+    LogLimit,
+    SeqAction,
+    SubscriberStats,
+    Tally,
+    classify_seq,
+    decode_batch,
+    kv_event_sources,
+    no_tally,
+    replay_reply,
+)
+
+__all__ = ["KVEventHub", "KVEventSource", "KVEventSubscriber", "kv_event_sources"]
 
 log = logging.getLogger("kvgateway.upstream.kv_events")
 
-_END_SEQ = -1
-
-
-@dataclass(frozen=True, slots=True)
-class KVEventSource:
-    """Where one backend publishes: ``endpoint`` as in the backend's ``kv_events``."""
-
-    backend: str
-    endpoint: str
-    topic: str = ""
-    replay_endpoint: str | None = None
-
-
-class SeqAction(Enum):
-    APPLY = "apply"
-    GAP = "gap"
-    RESTART = "restart"
-    DUPLICATE = "duplicate"
-
-
-def classify_seq(last: int | None, seq: int) -> SeqAction:
-    """What a batch numbered ``seq`` means after ``last`` (None: nothing seen yet)."""
-    if last is None:
-        return SeqAction.APPLY if seq == 0 else SeqAction.GAP
-    if seq == last + 1:
-        return SeqAction.APPLY
-    if seq > last + 1:
-        return SeqAction.GAP
-    if seq == 0:
-        return SeqAction.RESTART
-    return SeqAction.DUPLICATE
-
-
-@dataclass(frozen=True, slots=True)
-class SubscriberStats:
-    batches: int
-    gaps: int
-    replayed: int
-    resyncs: int
-    decode_errors: int
-    last_seq: int | None
-    apply_errors: int = 0
-
-
-@dataclass(slots=True)
-class _LogLimit:
-    """At most one log line per ``interval_s``; the lines held back are counted."""
-
-    interval_s: float
-    next_at: float | None = None
-    held_back: int = 0
-
-    def allow(self, now: float) -> int | None:
-        """The number held back since the last line if one may be logged now, else None."""
-        if self.next_at is not None and now < self.next_at:
-            self.held_back += 1
-            return None
-        held, self.held_back, self.next_at = self.held_back, 0, now + self.interval_s
-        return held
+_CATCH_UP_TIMEOUT_S = 10.0  # a node's whole buffer: vLLM keeps 10,000 batches
+_POLL_MS = 250  # how often the reader looks up from the socket (silence, catch-up)
+_SETTLE_S = 0.2  # from a link to the node to the catch-up (its subscription took effect)
 
 
 class KVEventSubscriber:
@@ -121,18 +82,24 @@ class KVEventSubscriber:
         clock: Callable[[], float] = time.monotonic,
         replay_timeout_s: float = 1.0,
         error_log_interval_s: float = 30.0,
+        tally: Tally = no_tally,
+        silence_s: float = 30.0,
     ) -> None:
         self.source = source
         self._index = index
         self._ctx = ctx
         self._clock = clock
         self._replay_timeout = replay_timeout_s
+        self._tally = tally
+        self._silence = silence_s
+        self._silence_log = LogLimit(max(300.0, silence_s))
         self._last: int | None = None
+        self._linked_at: float | None = None  # a link to the node not yet caught up on
         self._tasks: list[asyncio.Task[None]] = []
         self._sub: zmq.asyncio.Socket | None = None
         self._batches = self._gaps = self._replayed = self._resyncs = self._errors = 0
         self._apply_errors = 0
-        self._error_log = _LogLimit(error_log_interval_s)
+        self._error_log = LogLimit(error_log_interval_s)
         self.connected = asyncio.Event()
 
     def statistics(self) -> SubscriberStats:
@@ -151,10 +118,14 @@ class KVEventSubscriber:
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.IPV6, 1)  # libzmq does not connect to tcp://[v6]:port without
         sub.setsockopt(zmq.SUBSCRIBE, self.source.topic.encode())
-        monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
-        sub.connect(self.source.endpoint)
-        self._index.attach_events(self.source.backend)
+        links = zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
+        monitor = sub.get_monitor_socket(links)
         name = self.source.backend
+        try:
+            (sub.bind if self.source.bind else sub.connect)(self.source.endpoint)
+        except zmq.ZMQError as exc:  # the reader lives on; the silence warning follows
+            log.error("kv events of %s: %s: %s", name, self.source.endpoint, exc)
+        self._index.attach_events(name)
         self._tasks = [
             asyncio.create_task(self._read(sub), name=f"kv-events:{name}"),
             asyncio.create_task(self._watch(monitor), name=f"kv-events-monitor:{name}"),
@@ -192,13 +163,59 @@ class KVEventSubscriber:
 
     async def _read(self, sub: zmq.asyncio.Socket) -> None:
         while True:
-            frames = await sub.recv_multipart()
-            await self.handle(frames)
+            if await sub.poll(_POLL_MS):
+                await self.handle(await sub.recv_multipart())
+            linked = self._linked_at
+            if linked is not None and asyncio.get_running_loop().time() - linked >= _SETTLE_S:
+                self._linked_at = None
+                await self.catch_up()
+            self.check_silence()
+
+    def check_silence(self) -> bool:
+        """Warn (at a bounded rate) when the backend was sent prompts its view does not
+        hold and no batch has come for ``silence_s``; True when that is the case."""
+        backend = self.source.backend
+        since = self._index.events_awaited_since(backend)
+        now = self._clock()
+        if since is None or now - since < self._silence:
+            return False
+        if self._silence_log.allow(now) is not None:
+            log.warning(
+                "kv events of %s: no batch in %.0f s though it was sent prompts not in its "
+                "view (%s %s, %s). A node whose --kv-events-config endpoint names a host "
+                "connects to it: give it tcp://*:PORT, or set kv_events_bind on the backend",
+                backend,
+                now - since,
+                "bound to" if self.source.bind else "connected to",
+                self.source.endpoint,
+                "a peer is connected" if self.connected.is_set() else "no peer connected",
+            )
+        return True
+
+    async def catch_up(self) -> None:
+        """Apply what the node's replay socket holds past the last batch seen (all of it
+        when none was), on every link to the node: batches published before the link
+        reached no subscriber, and a gateway that starts beside a node that already
+        serves learns what it holds (a subset when the buffer no longer reaches back to
+        batch 0: orphans are left out)."""
+        if self.source.replay_endpoint is None:
+            return
+        start = 0 if self._last is None else self._last + 1
+        for seq, payload in await self._fetch(start, _CATCH_UP_TIMEOUT_S) or ():
+            action = classify_seq(self._last, seq)
+            if action is SeqAction.DUPLICATE:
+                continue
+            if action is not SeqAction.APPLY and self._last is not None:
+                self._resync(f"batches before {seq} are no longer in the node's buffer")
+            self._apply(seq, payload)
+            self._replayed += 1
 
     async def handle(self, frames: Sequence[bytes]) -> None:
         """One multipart message from the PUB socket."""
+        self._tally(self.source.backend, EventCount.BATCHES)
         if len(frames) != 3 or len(frames[1]) != 8:
             self._errors += 1
+            self._tally(self.source.backend, EventCount.DECODE_ERRORS)
             return
         seq = int.from_bytes(frames[1], "big")
         action = classify_seq(self._last, seq)
@@ -208,6 +225,7 @@ class KVEventSubscriber:
             self._resync("the publisher restarted")
         elif action is SeqAction.GAP:
             self._gaps += 1
+            self._tally(self.source.backend, EventCount.GAPS)
             start = 0 if self._last is None else self._last + 1
             if not await self._replay(start, seq):
                 self._resync(f"events {start}..{seq - 1} were lost")
@@ -219,6 +237,7 @@ class KVEventSubscriber:
             batch = decode_batch(payload)
         except EventDecodeError as exc:
             self._errors += 1
+            self._tally(self.source.backend, EventCount.DECODE_ERRORS)
             self._reject(f"undecodable batch {seq}: {exc}")
             return
         self._batches += 1
@@ -247,35 +266,10 @@ class KVEventSubscriber:
 
     async def _replay(self, start: int, upto: int) -> bool:
         """Fetch batches ``start`` .. ``upto - 1`` from the replay socket; True if applied."""
-        endpoint = self.source.replay_endpoint
-        if endpoint is None:
+        got = await self._fetch(start, self._replay_timeout)
+        if got is None:
             return False
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.IPV6, 1)
-        got: list[tuple[int, bytes]] = []
-        try:
-            sock.connect(endpoint)
-            await sock.send_multipart((b"", start.to_bytes(8, "big")))
-            async with asyncio.timeout(self._replay_timeout):
-                while True:
-                    frames = await sock.recv_multipart()
-                    # vLLM >= 0.27 replies [b"", topic, seq, payload] (the end marker
-                    # with an empty topic); earlier releases [b"", seq, payload].
-                    if len(frames) == 4:
-                        frames = frames[:1] + frames[2:]
-                    if len(frames) != 3:
-                        return False
-                    seq = int.from_bytes(frames[1], "big", signed=True)
-                    if seq == _END_SEQ:
-                        break
-                    if seq < upto:
-                        got.append((seq, frames[2]))
-        except (TimeoutError, zmq.ZMQError) as exc:
-            log.info("kv events of %s: replay failed: %s", self.source.backend, exc)
-            return False
-        finally:
-            sock.close(linger=0)
+        got = [(seq, payload) for seq, payload in got if seq < upto]
         if [s for s, _ in got] != list(range(start, upto)):
             return False  # the node's buffer no longer holds them all
         for seq, payload in got:
@@ -283,12 +277,43 @@ class KVEventSubscriber:
         self._replayed += len(got)
         return True
 
+    async def _fetch(self, start: int, timeout_s: float) -> list[tuple[int, bytes]] | None:
+        """The batches the replay socket holds from ``start`` on; None if it did not
+        answer in time (or not as vLLM does)."""
+        endpoint = self.source.replay_endpoint
+        if endpoint is None:
+            return None
+        self._tally(self.source.backend, EventCount.REPLAYS_ASKED)
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IPV6, 1)
+        got: list[tuple[int, bytes]] = []
+        try:
+            sock.connect(endpoint)
+            await sock.send_multipart((b"", start.to_bytes(8, "big")))
+            async with asyncio.timeout(timeout_s):
+                while True:
+                    reply = replay_reply(await sock.recv_multipart())
+                    if reply is None:
+                        return None
+                    if reply[0] < 0:  # the end marker
+                        break
+                    got.append(reply)
+        except (TimeoutError, zmq.ZMQError) as exc:
+            log.info("kv events of %s: replay failed: %s", self.source.backend, exc)
+            return None
+        finally:
+            sock.close(linger=0)
+        self._tally(self.source.backend, EventCount.REPLAYS_ANSWERED)
+        return got
+
     async def _watch(self, monitor: zmq.asyncio.Socket) -> None:
         try:
             while True:
                 msg = parse_monitor_message(await monitor.recv_multipart())
-                if msg["event"] == zmq.EVENT_CONNECTED:
+                if msg["event"] in (zmq.EVENT_CONNECTED, zmq.EVENT_ACCEPTED):
                     self.connected.set()
+                    self._linked_at = asyncio.get_running_loop().time()
                 elif msg["event"] == zmq.EVENT_DISCONNECTED:
                     self.connected.clear()
                     self._last = None
@@ -297,22 +322,27 @@ class KVEventSubscriber:
             monitor.close(linger=0)
 
 
-def kv_event_sources(config: GatewayConfig) -> list[KVEventSource]:
-    """The backends publishing KV events (``kv_events:``), for the :class:`KVEventHub`."""
-    return [
-        KVEventSource(b.name, b.kv_events, b.kv_events_topic, b.kv_events_replay)
-        for b in config.backends
-        if b.kv_events
-    ]
-
-
 class KVEventHub:
     """The subscribers of every backend with KV events; one zmq context for all."""
 
-    def __init__(self, index: PrefixIndex, *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        index: PrefixIndex,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        tally: Tally = no_tally,
+        silence_s: float = 30.0,
+    ) -> None:
         self._index = index
-        self._clock = clock
         self._ctx = zmq.asyncio.Context()
+        self._subscriber = functools.partial(
+            KVEventSubscriber,
+            index=index,
+            ctx=self._ctx,
+            clock=clock,
+            tally=tally,
+            silence_s=silence_s,
+        )
         self._subs: dict[str, KVEventSubscriber] = {}
         self._closing: set[asyncio.Task[None]] = set()
 
@@ -334,7 +364,7 @@ class KVEventHub:
                 closing.add_done_callback(self._closed)
         for name, source in wanted.items():
             if name not in self._subs:
-                sub = KVEventSubscriber(source, self._index, self._ctx, clock=self._clock)
+                sub = self._subscriber(source)
                 sub.start()
                 self._subs[name] = sub
 

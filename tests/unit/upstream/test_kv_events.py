@@ -1,8 +1,12 @@
-"""KV events: vLLM's wire format, a real ZMQ subscriber fed by a simulated node, resyncs."""
+"""KV events: vLLM's wire format, a real ZMQ subscriber fed by a simulated node, resyncs,
+catching up from the replay socket, a publisher that connects, and what is counted."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import textwrap
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -11,10 +15,14 @@ import pytest
 import zmq.asyncio
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry
 
+from kvgateway.config.load import parse_config_text
+from kvgateway.config.yamlread import ConfigError
 from kvgateway.core.cache_view import AllCleared, BlocksRemoved, BlocksStored
 from kvgateway.core.prefix_index import PrefixIndex
 from kvgateway.core.prefix_keys import block_keys
+from kvgateway.server.metrics import GatewayMetrics
 from kvgateway.simulator.block_pool import (
     AllBlocksCleared,
     BlockRemoved,
@@ -24,14 +32,21 @@ from kvgateway.simulator.block_pool import (
 from kvgateway.simulator.engine import EngineConfig, EngineCore
 from kvgateway.simulator.kv_events import encode_batch
 from kvgateway.simulator.tokenizer import ChatMessage
-from kvgateway.upstream.kv_event_decode import EventDecodeError, decode_batch
+from kvgateway.upstream.kv_event_decode import (
+    EventCount,
+    EventDecodeError,
+    SeqAction,
+    classify_seq,
+    decode_batch,
+    replay_reply,
+)
 from kvgateway.upstream.kv_events import (
     KVEventHub,
     KVEventSource,
     KVEventSubscriber,
-    SeqAction,
-    classify_seq,
+    kv_event_sources,
 )
+from tests.support.live import free_ports
 from tests.support.sim import SimClient, SimFactory, chat
 
 # vLLM's event structs as its source declares them (vllm/distributed/kv_events.py), in
@@ -193,7 +208,10 @@ async def test_a_lost_batch_without_replay_resyncs_the_backend(
     zctx: zmq.asyncio.Context,
 ) -> None:
     index = PrefixIndex(resync_grace_s=0.0)
-    sub = KVEventSubscriber(KVEventSource("n", "tcp://127.0.0.1:1"), index, zctx)
+    counts: Counter[tuple[str, EventCount]] = Counter()
+    sub = KVEventSubscriber(
+        KVEventSource("n", "tcp://127.0.0.1:1"), index, zctx, tally=lambda *k: counts.update([k])
+    )
     a, b, c = ([i] * 4 for i in (1, 2, 3))
     await sub.handle(frames(0, BlockStored((1,), None, tuple(a), 4)))
     await sub.handle(frames(1, BlockStored((2,), None, tuple(b), 4)))
@@ -208,6 +226,12 @@ async def test_a_lost_batch_without_replay_resyncs_the_backend(
     assert index.precise_keys("n") == set(block_keys(a, 4)) and sub.statistics().resyncs == 2
     await sub.handle([b"kv", b"short", b""])
     assert sub.statistics().decode_errors == 1
+    # Every live message counted, the gap, the broken frame; no replay without a socket.
+    assert counts == {
+        ("n", EventCount.BATCHES): 6,
+        ("n", EventCount.GAPS): 1,
+        ("n", EventCount.DECODE_ERRORS): 1,
+    }
 
 
 def node_cached_prefix(core: EngineCore, ids: list[int]) -> int:
@@ -296,12 +320,19 @@ async def test_a_gap_is_filled_from_the_nodes_replay_socket(
     assert publisher.next_seq >= 3
     index = PrefixIndex()
     source = KVEventSource("sim", "tcp://127.0.0.1:1", "kv", publisher.replay_endpoint)
-    sub = KVEventSubscriber(source, index, zctx)
+    counts: Counter[EventCount] = Counter()
+    sub = KVEventSubscriber(source, index, zctx, tally=lambda _, what: counts.update([what]))
     # Nothing seen yet and batch N arrives: 0..N-1 come from the replay socket.
     last = publisher.next_seq - 1
     await sub.handle(frames(last + 1, AllBlocksCleared()))
     stats = sub.statistics()
     assert (stats.gaps, stats.replayed, stats.resyncs) == (1, last + 1, 0)
+    assert counts == {
+        EventCount.BATCHES: 1,  # the live one; replayed batches are not counted as received
+        EventCount.GAPS: 1,
+        EventCount.REPLAYS_ASKED: 1,
+        EventCount.REPLAYS_ANSWERED: 1,
+    }
     # Replay from a start the buffer still holds works too; a cleared cache is empty.
     assert index.precise_keys("sim") == frozenset()
 
@@ -654,3 +685,160 @@ async def test_a_publisher_on_an_ipv6_address_is_subscribed_to(zctx: zmq.asyncio
     finally:
         await sub.close()
         pub.sock.close(linger=0)
+
+
+# -- replay at every link, a publisher that connects, silence, counters, config ---------
+
+
+def test_replay_replies_in_both_layouts() -> None:
+    seq = (7).to_bytes(8, "big")
+    end = (-1).to_bytes(8, "big", signed=True)
+    assert replay_reply([b"", b"kv", seq, b"p"]) == (7, b"p")  # vLLM >= 0.27
+    assert replay_reply([b"", seq, b"p"]) == (7, b"p")
+    assert replay_reply([b"", b"", end, b""]) == (-1, b"")
+    assert replay_reply([b"", b"short", b"p"]) is None
+    assert replay_reply([b"", seq]) is None
+
+
+async def test_a_subscriber_starting_beside_a_serving_node_learns_its_cache_by_replay(
+    sim: SimFactory, zctx: zmq.asyncio.Context
+) -> None:
+    """A gateway that (re)starts, or a replica that joins, while the node already holds
+    prompts: no new batch will tell it, the replay socket does (it knew nothing, so the
+    node's prefixes drew none of their follow-ups)."""
+    node = await _events_node(sim)
+    publisher = node.node.publisher
+    assert publisher is not None and publisher.endpoint and publisher.replay_endpoint
+    for i in range(4):
+        status, _ = await node.post("/v1/chat/completions", chat(f"held before {i} " * 30))
+        assert status == 200
+    await node.wait_idle()
+    core = node.node.driver.core
+    assert core.kv.pool.cached_external_hashes()
+    index = PrefixIndex()
+    source = KVEventSource("sim", publisher.endpoint, "kv", publisher.replay_endpoint)
+    sub = KVEventSubscriber(source, index, zctx)
+    sub.start()
+    try:
+        await _until(
+            lambda: index.precise_engine_hashes("sim") == core.kv.pool.cached_external_hashes()
+        )
+        stats = sub.statistics()  # what it knows came by replay, from batch 0 on
+        assert stats.replayed == publisher.next_seq and stats.resyncs == 0
+        # The live stream carries on from there.
+        status, _ = await node.post("/v1/chat/completions", chat("held after " * 30))
+        assert status == 200
+        await node.wait_idle()
+        await _until(
+            lambda: index.precise_engine_hashes("sim") == core.kv.pool.cached_external_hashes()
+        )
+        assert sub.statistics().gaps == 0
+    finally:
+        await sub.close()
+
+
+async def test_a_bound_subscriber_hears_a_publisher_that_connects(
+    zctx: zmq.asyncio.Context,
+) -> None:
+    """vLLM connects its publisher when its endpoint names a host (tcp://10.0.0.5:5557);
+    a gateway that connects too hears nothing. kv_events_bind: the gateway binds."""
+    (port,) = free_ports(1)
+    endpoint = f"tcp://127.0.0.1:{port}"
+    index = PrefixIndex()
+    sub = KVEventSubscriber(KVEventSource("n", endpoint, "kv", bind=True), index, zctx)
+    sub.start()
+    pub = zctx.socket(zmq.XPUB)
+    try:
+        pub.setsockopt(zmq.LINGER, 0)
+        pub.connect(endpoint)  # as vLLM's ZmqEventPublisher does with a concrete host
+        assert await asyncio.wait_for(pub.recv(), 5.0) == b"\x01kv"  # subscribed
+        await asyncio.wait_for(sub.connected.wait(), 5.0)
+        a = [3] * 4
+        await pub.send_multipart([b"kv", (0).to_bytes(8, "big"), _payload(_stored(1, None, a))])
+        await _until(lambda: index.precise_keys("n") == set(block_keys(a, 4)))
+    finally:
+        pub.close(linger=0)
+        await sub.close()
+
+
+async def test_a_node_sent_prompts_without_a_batch_back_is_warned_about(
+    zctx: zmq.asyncio.Context, caplog: pytest.LogCaptureFixture
+) -> None:
+    now = [0.0]
+    index = PrefixIndex()
+    source = KVEventSource("n", "tcp://10.0.0.5:5557")
+    sub = KVEventSubscriber(source, index, zctx, clock=lambda: now[0], silence_s=30.0)
+    index.attach_events("n")
+    caplog.set_level(logging.WARNING)
+    assert not sub.check_silence()  # nothing sent there: nothing awaited
+    index.record_routed("n", block_keys(list(range(16)), 4), now=10.0)
+    now[0] = 39.0
+    assert not sub.check_silence()
+    now[0] = 40.0
+    assert sub.check_silence() and sub.check_silence()
+    lines = [r.getMessage() for r in caplog.records if "no batch in" in r.getMessage()]
+    assert len(lines) == 1  # at a bounded rate
+    assert "connected to tcp://10.0.0.5:5557, no peer connected" in lines[0]
+    assert "kv_events_bind" in lines[0]
+    await sub.handle(frames(0, AllBlocksCleared()))  # a batch: the stream is heard
+    assert not sub.check_silence()
+
+
+def test_counters_are_the_gateways_metrics_per_backend() -> None:
+    registry = CollectorRegistry()
+    metrics = GatewayMetrics(registry)
+    for what in (EventCount.BATCHES, EventCount.BATCHES, EventCount.REPLAYS_ASKED):
+        metrics.count_kv_event("n", what)
+    value = registry.get_sample_value
+    assert value("gateway_kv_event_batches_total", {"backend": "n"}) == 2
+    assert value("gateway_kv_event_replays_asked_total", {"backend": "n"}) == 1
+    assert value("gateway_kv_event_gaps_total", {"backend": "n"}) is None
+    metrics.forget_backends(set())
+    metrics.forget_backends(set())  # gone twice: dropped
+    assert value("gateway_kv_event_batches_total", {"backend": "n"}) is None
+
+
+CONFIG = """
+models:
+  - {name: m, served_name: org/M}
+tiers:
+  - name: small
+    backends:
+      - {name: a, url: "http://127.0.0.1:9000", model: m, BACKEND}
+"""
+
+
+def _config(backend: str, rest: str = ""):
+    return parse_config_text(CONFIG.replace("BACKEND", backend) + textwrap.dedent(rest))
+
+
+def test_kv_events_bind_reaches_the_subscriber_and_may_name_every_interface() -> None:
+    cfg = _config('kv_events: "tcp://*:5557", kv_events_bind: true')
+    assert kv_event_sources(cfg) == [KVEventSource("a", "tcp://*:5557", bind=True)]
+    cfg = _config('kv_events: "tcp://10.0.0.1:5557"')
+    assert kv_event_sources(cfg) == [KVEventSource("a", "tcp://10.0.0.1:5557")]
+
+
+@pytest.mark.parametrize(
+    ("backend", "message"),
+    [
+        ("kv_events_bind: true", "tiers[0].backends[0].kv_events_bind: needs kv_events"),
+        ('kv_events: "tcp://*:5557"', "tiers[0].backends[0].kv_events: expected tcp://"),
+        ('kv_events: "tcp://h:1", kv_events_bind: maybe', "backends[0].kv_events_bind: "),
+    ],
+)
+def test_kv_events_bind_errors_name_the_path(backend: str, message: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        _config(backend)
+    assert message in str(err.value)
+
+
+def test_a_dns_group_cannot_bind_one_address_for_all_its_members() -> None:
+    text = CONFIG.replace(
+        '{name: a, url: "http://127.0.0.1:9000", model: m, BACKEND}',
+        '{name: g, dns: vllm.svc, model: m, kv_events: "tcp://vllm.svc:5557", '
+        "kv_events_bind: true}",
+    )
+    with pytest.raises(ConfigError) as err:
+        parse_config_text(text)
+    assert "tiers[0].backends[0].kv_events_bind: a dns group's members" in str(err.value)
