@@ -266,7 +266,8 @@ class KVEventSubscriber:
 
     async def _replay(self, start: int, upto: int) -> bool:
         """Fetch batches ``start`` .. ``upto - 1`` from the replay socket; True if applied."""
-        got = await self._fetch(start, self._replay_timeout)
+        # From batch 0 it is the whole buffer, as a catch-up: it takes as long.
+        got = await self._fetch(start, _CATCH_UP_TIMEOUT_S if start == 0 else self._replay_timeout)
         if got is None:
             return False
         got = [(seq, payload) for seq, payload in got if seq < upto]
