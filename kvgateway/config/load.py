@@ -266,6 +266,7 @@ def _admission(s: Section) -> AdmissionConfig:
         ),
         preemption_risk=s.number(
             "preemption_risk", d.preemption_risk, exclusive_min=False, maximum=0.5
+        kv_projection=s.flag("kv_projection", d.kv_projection),
         ),
     )
     s.reject_unknown()

@@ -265,11 +265,12 @@ async def _stream_events(
     sent = 0
     while True:
         events: list[str] = []
-        for index, start, count, reason in handle.take():
-            if fmt.chat and not started[index]:
-                # vLLM sends the role with the first output of each choice.
-                usage_from = handle.prompt_tokens if req.continuous_usage else None
-                events.append(wire.sse(fmt.role(index, usage_from)))
+        news = handle.take()
+        if fmt.chat and news and not any(started):
+            # vLLM sends every choice's role with the request's first output.
+            usage_from = handle.prompt_tokens if req.continuous_usage else None
+            events.extend(wire.sse(fmt.role(i, usage_from)) for i in range(choices))
+        for index, start, count, reason in news:
             first_output = not started[index]
             started[index] = True
             unsent[index] += count
