@@ -113,6 +113,9 @@ class NodeSettings:
     kv_events_topic: str = ""
     kv_events_replay_endpoint: str | None = None
     kv_events_array_like: bool = False
+    # vLLM's PYTHONHASHSEED: the seed of NONE_HASH, the parent of every chain's first
+    # block. None: this process's PYTHONHASHSEED, else vLLM's fixed "vllm-none-hash".
+    hash_seed: str | None = None
 
     @property
     def served_root(self) -> str:
@@ -146,6 +149,7 @@ class NodeSettings:
             enable_prefix_caching=self.enable_prefix_caching,
             kv_windows=self.kv_windows,
             enable_kv_events=self.kv_events_endpoint is not None,
+            hash_seed=self.hash_seed,
         )
 
     def describe(self) -> str:

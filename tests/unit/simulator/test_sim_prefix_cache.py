@@ -244,3 +244,30 @@ def test_the_first_blocks_parent_is_vllms_none_hash(monkeypatch) -> None:
     assert none_hash(None) == want.digest()
     monkeypatch.setenv("PYTHONHASHSEED", "0")
     assert none_hash(None) == hashlib.sha256(pickle.dumps("0", protocol=5)).digest()
+
+
+def test_hash_seed_setting_is_the_nodes_pythonhashseed(monkeypatch) -> None:
+    """``hash_seed`` seeds NONE_HASH as the node's PYTHONHASHSEED would, whatever this
+    process's own: a simulated twin of a node started with PYTHONHASHSEED=0 stores the
+    same block hashes for the same tokens."""
+    import dataclasses
+
+    from kvgateway.simulator.engine import EngineCore
+    from kvgateway.simulator.profiles import TINY
+
+    def first_hashes(engine: EngineCore) -> list[bytes]:
+        seq = engine.add(
+            target_tokens=1,
+            target_reason="length",
+            arrival=0.0,
+            prompt_token_ids=list(range(100, 140)),
+        )
+        engine.step(0.0)
+        return seq.block_hashes[:2]
+
+    monkeypatch.setenv("PYTHONHASHSEED", "7")
+    twin = first_hashes(EngineCore(dataclasses.replace(TINY, hash_seed="0").engine_config()))
+    other = first_hashes(EngineCore(TINY.engine_config()))
+    monkeypatch.setenv("PYTHONHASHSEED", "0")
+    assert twin == first_hashes(EngineCore(TINY.engine_config())) != other
+    assert len(twin) == 2
