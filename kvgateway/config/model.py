@@ -39,7 +39,7 @@ class ModelConfig:
 class AdmissionConfig:
     default_output_tokens: int = 1024
     budget_fraction: float = 0.95
-    queue_timeout_s: float = 10.0
+    queue_timeout_s: float = 300.0
     queue_size: int = 1024
     max_body_bytes: int = 32 * 1024 * 1024
     # A client that disconnects frees its node's blocks when the node's abort lands:
@@ -62,16 +62,19 @@ class AdmissionConfig:
     # With routing.prefix_aware: prompt blocks that a running request on the same node
     # already holds are reserved once, not once per request.
     prefix_credit: bool = True
-    # "max_tokens": reserve every request's whole output budget (no preemption caused by
-    # the gateway). "learned": reserve each request's expected output (learned from the
-    # lengths seen for such requests: model, client key, max_tokens bucket) and keep on
-    # each node one margin for the sum of its requests' outputs, recomputed as streams
-    # are counted (core/output_risk.py).
+    # Admit by the projected KV peak (core/projection.py): each admitted sequence grows
+    # a token per engine step from the length its node last reported and frees its
+    # blocks when it ends, so a newcomer fits when the projected curve with it stays
+    # within the budget. False: every request holds prompt + output for its whole life.
+    # (With a shared ledger requests always hold their whole bound.)
+    kv_projection: bool = True
+    # What bounds each sequence's output in the projection. "max_tokens": its
+    # max_tokens (no preemption caused by the gateway). "learned": the lengths seen for
+    # such requests (model, client key, max_tokens bucket) say when a running stream
+    # is likely to end, within its max_tokens.
     output_reservation: str = "max_tokens"
-    # learned only: the accepted chance that the requests in flight on a node outgrow
-    # what the node keeps for them (z(risk) standard deviations of their summed output;
-    # each request's (1 - risk) quantile while fewer than 8 sequences are in flight).
-    # 0: reserve max_tokens.
+    # learned only: the accepted chance, per node, that its running sequences outgrow
+    # its budget (the projected curve is checked at mean + z(risk) standard deviations).
     preemption_risk: float = 0.01
 
 
@@ -271,6 +274,8 @@ class ClassConfig:
     name: str
     # Fraction of the fleet's KV budget no other class may take from this one.
     floor_share: float = 0.0
+    # How long this class's requests may wait for room (None: admission.queue_timeout_s).
+    queue_timeout_s: float | None = None
 
 
 DEFAULT_TENANT = "default"
@@ -304,6 +309,12 @@ class AuthConfig:
 
     def class_of(self, tenant: TenantConfig) -> str:
         return self.classes[self.rank(tenant)].name
+
+    def queue_timeout(self, tenant_name: str, default: float) -> float:
+        """How long ``tenant_name``'s requests may wait for room."""
+        tenant = next((t for t in self.tenants if t.name == tenant_name), self.default_tenant)
+        own = self.classes[self.rank(tenant)].queue_timeout_s
+        return default if own is None else own
 
 
 @dataclass(frozen=True, slots=True)

@@ -75,6 +75,9 @@ def _class(s: Section) -> ClassConfig:
         floor_share=s.number(
             "floor_share", ClassConfig("").floor_share, maximum=1.0, exclusive_min=False
         ),
+        queue_timeout_s=s.number("queue_timeout_s", 1.0, exclusive_min=False)
+        if s.has("queue_timeout_s") or s.reading.schema_mode
+        else None,
     )
     s.reject_unknown()
     return cfg

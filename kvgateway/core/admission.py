@@ -138,6 +138,15 @@ class Admission(AdmissionCore):
                     "and the admission queue is full. Retry later.",
                     retry_after=1.0,  # refused at once: room may free any moment
                 )
+            wait = self.projected_wait(demand)
+            if wait is not None and wait > timeout:
+                # Even the soonest room the projection sees comes after the deadline.
+                raise Saturated(
+                    f"No backend is projected to have room for this request "
+                    f"({demand.tokens} KV tokens) within {stated:g}s (the soonest in "
+                    f"{wait:.0f}s). Retry later.",
+                    retry_after=max(1.0, wait),
+                )
         loop = asyncio.get_running_loop()
         waiter = _Waiter(demand, loop.create_future(), since, self._claims(demand), ticket)
         waiter.gated = gated
@@ -150,10 +159,11 @@ class Admission(AdmissionCore):
             if isinstance(exc, TimeoutError) and waiter.gated is not None:
                 raise gated_error(demand.tenant, waiter.gated, stated) from None
             if isinstance(exc, TimeoutError):
+                wait = self.projected_wait(demand)
                 raise Saturated(
                     f"No backend had room for this request ({demand.tokens} KV tokens) "
                     f"within {stated:g}s. Retry later.",
-                    retry_after=max(1.0, stated / 2),
+                    retry_after=max(1.0, wait if wait is not None else stated / 2),
                 ) from None
             raise
 

@@ -9,15 +9,21 @@ import asyncio
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
-from typing import Self
+from typing import Literal, Self
 
 from kvgateway.config.model import GatewayConfig, Policy
 from kvgateway.core.backends import Backend, PauseReason
-from kvgateway.core.demand import Demand, can_ever_hold, tokens_on
+from kvgateway.core.demand import (
+    Demand,
+    can_ever_hold,
+    flight_for,
+    projected_budget,
+    tokens_on,
+)
 from kvgateway.core.fleet import Fleet
 from kvgateway.core.ledger import Ledger, LocalLedger
-from kvgateway.core.output_risk import NodeRisk, contribution
 from kvgateway.core.prefix_routing import PrefixRouter
+from kvgateway.core.projection import Flight, delayed
 from kvgateway.core.reservation import Reservation
 from kvgateway.core.routing import (
     Decision,
@@ -31,6 +37,10 @@ from kvgateway.core.routing import (
 from kvgateway.core.routing_index import ModelIndex
 from kvgateway.core.tenancy import CLASS_FLOOR, Tenancy, Ticket, displaced_error
 from kvgateway.core.wait_queue import WaitQueue
+
+
+# Weight of each new observation of a node's seconds per engine step.
+STEP_EWMA = 0.05
 
 
 @dataclass(eq=False, slots=True)
@@ -87,11 +97,6 @@ class AdmissionCore:
         # Per tenant: its waiters that its limits let through, waiting for room (count,
         # tokens): they count against those limits as if running.
         self._through: dict[str, list[int]] = {}
-        # Learned requests in flight on a node, and the pooled margin in its book, are
-        # the node's own (``Backend.risk``): routing reads what a newcomer would add.
-        # Per backend: what the book holds beyond the reservations' granted ``tokens``
-        # (growth, learned margins), which a shared ledger never records.
-        self._unrecorded: Counter[Backend] = Counter()
 
     @classmethod
     def for_fleet(
@@ -141,66 +146,72 @@ class AdmissionCore:
     def _grant(
         self, backend: Backend, demand: Demand, reason: RouteReason, ticket: Ticket | None = None
     ) -> Reservation:
+        if demand.projected:
+            return self._grant_projected(backend, demand, reason, ticket)
         # Prefix-aware: blocks a ready in-flight request on the node holds are credited.
         holding = self._prefix.granted(backend, demand, self._clock()) if self._prefix else None
         tokens = tokens_on(backend, demand) - (holding.credited_tokens if holding else 0)
         r = Reservation(
             backend, tokens, demand.sequences, reason, self, ticket=ticket, holding=holding
         )
-        booked = tokens
-        o = demand.outlook
-        if o is not None:
-            # Pooled learned output: the base now, and whatever the node's margin needs
-            # more with this request in it (the routing check bounded that by the slack).
-            risk = backend.risk
-            if risk is None:
-                risk = backend.risk = NodeRisk(backend.limits.block_size)
-            r.outlook, r.base = o, max(0, tokens - o.slack)
-            risk.put(r.id, o.joining or contribution(o, demand.sequences, -1, risk.block))
-            added = self._remargin(risk)
-            booked = r.base + added
-            r.tokens = r.base + max(0, added)
-            self._unrecorded[backend] += booked - r.tokens
-        self._adjust(backend, booked, demand.sequences, 1)
+        self._adjust(backend, tokens, demand.sequences, 1)
+        if ticket is not None and self._tenancy is not None:
+            self._tenancy.granted(ticket, r.tokens)
+        self._ledger.granted(r)
+        return r
+
+    def _grant_projected(
+        self, backend: Backend, demand: Demand, reason: RouteReason, ticket: Ticket | None
+    ) -> Reservation:
+        """A flight on the node's projection; its book entry is what it holds now. The
+        prefix router only learns where the prompt went (credit is the projection's)."""
+        if self._prefix is not None and demand.prefix is not None:
+            hint = replace(demand.prefix, credit=False)
+            self._prefix.granted(backend, replace(demand, prefix=hint), self._clock())
+        r = Reservation(
+            backend, tokens_on(backend, demand), demand.sequences, reason, self, ticket=ticket
+        )
+        r.flight = flight_for(backend, demand, r.id)
+        backend.projection.add(r.flight)
+        self._adjust(backend, self._resync(backend), demand.sequences, 1)
         if ticket is not None and self._tenancy is not None:
             self._tenancy.granted(ticket, r.tokens)
         self._ledger.granted(r)
         return r
 
     @staticmethod
-    def _remargin(risk: NodeRisk) -> int:
-        """Set the node's margin to what its learned requests need; the change."""
-        need = risk.need()
-        change, risk.held = need - risk.held, need
+    def _resync(b: Backend) -> int:
+        """Make ``b.projected_tokens`` what its flights hold now; the change."""
+        block = b.limits.block_size
+        now = b.projection.current_blocks(block) * block
+        change, b.projected_tokens = now - b.projected_tokens, now
         return change
 
-    def grow(self, reservation: Reservation, tokens: int) -> None:
-        """A running request outgrew its reservation (learned output): charge it now,
-        even past the budget; the node takes no new work until enough ends. The growth
-        is this process's own: a shared ledger gets back what it recorded."""
-        if reservation.released or tokens <= 0:
-            return
-        self._adjust(reservation.backend, tokens, 0, 0)
-        self._unrecorded[reservation.backend] += tokens
-        reservation.grown += tokens
-
-    def progress(self, reservation: Reservation, generated: int) -> int:
-        """A pooled learned stream has generated ``generated`` tokens per sequence: its
-        node's margin follows (even past the budget, which then takes no new work until
-        requests end). Room a smaller margin frees is offered to the waiters at the
-        node's next release, not on every read of a stream. Returns the tokens the book
-        grew by."""
-        o = reservation.outlook
+    def progress(
+        self, reservation: Reservation, generated: int, prompt: int | None = None
+    ) -> None:
+        """The node reports ``generated`` output tokens per sequence for a projected
+        request, and its own count of a single prompt (``prompt``). Its first report
+        puts its end in the projection: room may appear."""
+        f = reservation.flight
         b = reservation.backend
-        risk = b.risk
-        if reservation.released or o is None or risk is None or reservation.id not in risk.members:
-            return 0
-        risk.put(reservation.id, contribution(o, reservation.seqs, generated, risk.block))
-        change = self._remargin(risk)
-        if change:
-            self._adjust(b, change, 0, 0)
-            self._unrecorded[b] += change
-        return max(0, change)
+        if f is None or reservation.released or f.id not in b.projection:
+            return
+        block = b.limits.block_size
+        before = -(-f.tokens_at(0) // block)
+        now = self._clock()
+        if f.started and generated > f.generated:
+            per_step = (now - reservation.reported_at) / (generated - f.generated)
+            b.step_s = per_step if not b.step_s else b.step_s + STEP_EWMA * (per_step - b.step_s)
+        reservation.reported_at = now
+        single = prompt if reservation.seqs == f.n else None
+        first = b.projection.progress(f.id, generated, single)
+        grown = (-(-f.tokens_at(0) // block) - before) * f.n * block
+        if grown:
+            b.projected_tokens += grown
+            self._adjust(b, grown, 0, 0)
+        if first:
+            self._offer(b)
 
     def prefill_done(self, reservation: Reservation) -> None:
         h = reservation.holding
@@ -215,12 +226,47 @@ class AdmissionCore:
         if isinstance(decision, Routed) and self._claim_counts[decision.backend.name] > 0:
             claimed = self._claimed_ahead(ticket)
             if decision.backend.name in claimed:
+                first = decision
                 decision = self.decide(_with_busy(demand, claimed))
                 if not isinstance(decision, Routed):
-                    return Wait()
+                    filled = self._backfill(demand, first, claimed)
+                    if filled is None:
+                        return Wait()
+                    decision = filled
         if isinstance(decision, Routed):
             return self._grant(decision.backend, demand, decision.reason, ticket)
         return decision
+
+    # ---- backfill: what fits now without delaying the head's projected start ------
+
+    def _head_plan(self, b: Backend) -> _Plan | Literal[False] | None:
+        """The first waiter claiming ``b``, planned where it first fits there. None:
+        nobody waits for ``b``; False: its start cannot be projected (no backfill)."""
+        for w in self._ordered():
+            if w.future.done() or w.gated is not None or b.name not in w.claims:
+                continue
+            plan = _plan_of(b, w.demand)
+            return False if plan is None else plan
+        return None
+
+    def _backfill(self, demand: Demand, first: Routed, claimed: frozenset[str]) -> Routed | None:
+        """A backend that waiters ahead claim, taken by ``demand`` as a backfill."""
+        if not demand.projected:
+            return None
+        index = self._index_for(demand.model)
+        now = self._clock()
+        overflow = self._offload_overflow()
+        order = [first.backend, *(b for b in index.backends if b is not first.backend)]
+        for b in order:
+            if b.name not in claimed:
+                continue
+            routed = route_to(index, b, demand, now, offload_overflow=overflow)
+            if routed is None:
+                continue
+            head = self._head_plan(b)
+            if head is None or (head is not False and _backfills(b, demand, head)):
+                return routed
+        return None
 
     # ---- tenancy: order, gates, displacement ------------------------------------
 
@@ -340,6 +386,7 @@ class AdmissionCore:
         if reservation.released:
             return False
         reservation.released = True
+        b = reservation.backend
         shared = 0
         if reservation.holding is not None and self._prefix is not None:
             shared = self._prefix.released(reservation.holding)  # shared blocks settled
@@ -350,27 +397,15 @@ class AdmissionCore:
         elif shared:
             # Refused by the ledger: the last holder of copies its payer recorded (> 0),
             # or the payer of a copy that stays charged to others, never recorded (< 0).
-            self._ledger.release_shared(reservation.backend, shared)
-        b = reservation.backend
-        tokens = reservation.tokens + reservation.grown
-        o = reservation.outlook
-        risk = b.risk if o is not None else None
-        if o is not None and risk is not None and reservation.id in risk.members:
-            # Its base leaves the book; the node's margin is what the others need now.
-            risk.remove(reservation.id)
-            change = self._remargin(risk)
-            tokens = reservation.base + reservation.grown - change
-            if not risk.members:
-                b.risk = None
-        self._adjust(b, -(tokens + shared), -reservation.seqs, -1)
-        left = self._unrecorded[b] - (tokens - reservation.tokens)
-        if left:
-            self._unrecorded[b] = left
+            self._ledger.release_shared(b, shared)
+        if reservation.flight is not None:
+            b.projection.remove(reservation.flight.id)
+            self._adjust(b, self._resync(b), -reservation.seqs, -1)
         else:
-            del self._unrecorded[b]
+            self._adjust(b, -(reservation.tokens + shared), -reservation.seqs, -1)
         if reservation.ticket is not None and self._tenancy is not None:
             self._tenancy.released(reservation.ticket, reservation.tokens)
-        self._offer(reservation.backend)
+        self._offer(b)
         if self._tenancy is not None and reservation.ticket is not None:
             self._ungate(reservation.ticket.tenant)
         return True
@@ -444,15 +479,28 @@ class AdmissionCore:
         for w in gone:
             self._waiters.discard(w)
 
+    def projected_wait(self, demand: Demand) -> float | None:
+        """Seconds until ``demand`` first fits a backend it could use, as the projection
+        sees it now (the queue ahead aside: a lower bound); None when no backend's
+        projection can say (an end unknown, no step time seen yet)."""
+        if not demand.projected:
+            return None
+        best: float | None = None
+        for b in self._index_for(demand.model).backends:
+            if not b.usable or not b.step_s or not can_ever_hold(b, demand):
+                continue
+            start = b.projection.earliest_start(
+                b.limits.block_size, flight_for(b, demand), projected_budget(b), demand.z
+            )
+            if start is None:
+                continue
+            wait = start * b.step_s
+            best = wait if best is None else min(best, wait)
+        return best
+
     def waiting_backends(self) -> set[str]:
         """The backends queued requests claim (as :meth:`waiting_for`)."""
         return {n for n, c in self._claim_counts.items() if c > 0}
-
-    def unrecorded(self, b: Backend) -> int:
-        """Tokens ``b``'s book holds for this process beyond its reservations' granted
-        ``tokens`` (growth, learned margins): never recorded by a shared ledger, so never
-        part of what a sync writes there."""
-        return self._unrecorded[b]
 
     def waiting_for(self, name: str) -> bool:
         """Does a queued request claim backend ``name``? (A shared ledger tells the other
@@ -487,6 +535,7 @@ class AdmissionCore:
             return pruned
         now = self._clock()
         overflow = self._offload_overflow()
+        head: _Plan | None = None
         for w in self._ordered():
             if w.future.done():
                 if self._waiters.discard(w):  # not taken out since the snapshot
@@ -500,8 +549,17 @@ class AdmissionCore:
             routed = route_to(
                 self._index_for(w.demand.model), b, w.demand, now, offload_overflow=overflow
             )
+            if routed is not None and head is not None and not _backfills(b, w.demand, head):
+                continue  # fits now, but would delay the head: the next may not
             if routed is None:
-                break
+                if head is not None:
+                    continue
+                # The head: later waiters may take what it cannot use before its start.
+                plan = _plan_of(b, w.demand)
+                if plan is None:
+                    break
+                head = plan
+                continue
             self._waiters.remove(w)
             self._hand_over(w, routed, now)
         return pruned
@@ -515,6 +573,33 @@ class AdmissionCore:
     @property
     def queue_depth(self) -> int:
         return len(self._waiters)
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """A queue head's planned start on one backend: later waiters may take only what
+    leaves it in place."""
+
+    flight: Flight
+    z: float
+
+
+def _plan_of(b: Backend, d: Demand) -> _Plan | None:
+    """``d`` as a flight starting where ``b``'s projection first fits it; None when that
+    cannot be projected (it holds its whole bound, or an end there is unknown)."""
+    if not d.projected:
+        return None
+    head = flight_for(b, d)
+    start = b.projection.earliest_start(b.limits.block_size, head, projected_budget(b), d.z)
+    return None if start is None else _Plan(delayed(head, start), d.z)
+
+
+def _backfills(b: Backend, d: Demand, head: _Plan) -> bool:
+    """``d`` fits ``b`` now and leaves the head's planned start as it is."""
+    if not d.projected or b.free_seqs < d.sequences + head.flight.n:
+        return False
+    extra = (flight_for(b, d), head.flight)
+    return b.projection.fits(b.limits.block_size, projected_budget(b), max(d.z, head.z), extra)
 
 
 def _tenant_key(demand: Demand, ticket: Ticket | None) -> str:

@@ -11,13 +11,10 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import TYPE_CHECKING
 
 from kvgateway.config.model import BackendConfig
 from kvgateway.core.limits import Limits
-
-if TYPE_CHECKING:
-    from kvgateway.core.output_risk import NodeRisk
+from kvgateway.core.projection import NodeProjection
 
 
 class PauseReason(StrEnum):
@@ -69,9 +66,13 @@ class Backend:
     last_error: str = ""
     # Times (monotonic) the node refused or failed a request: 4xx/5xx answers, resets.
     rejection_times: deque[float] = field(default_factory=lambda: deque(maxlen=1024))
-    # Learned output: this node's in-flight learned requests and the margin they hold
-    # (kept by admission; routing reads it to see what a newcomer would add).
-    risk: NodeRisk | None = None
+    # Requests admitted by the projected peak, and the part of ``reserved_tokens`` that
+    # is what they hold now (the rest: requests holding their whole bound).
+    projection: NodeProjection = field(default_factory=NodeProjection)
+    projected_tokens: int = 0
+    # Seconds per engine step, as its streams' reported counts advance (0: not seen yet):
+    # turns the projection's steps into a wait a client can be told.
+    step_s: float = 0.0
 
     @property
     def name(self) -> str:

@@ -9,13 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from kvgateway.core.backends import Backend
+from kvgateway.core.output_model import OutputShape
+from kvgateway.core.projection import AHEAD, Flight
 from kvgateway.errors import ContextLengthExceeded
-
-if TYPE_CHECKING:
-    from kvgateway.core.output_risk import OutputOutlook
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,14 +49,22 @@ class Demand:
     tenant: str = ""
     # Set when routing.prefix_aware is on (kv_aware): where the prompt's blocks may be cached.
     prefix: PrefixHint | None = None
-    # Learned output (admission.output_reservation: learned): ``tokens`` is the routing
-    # check's bound; the grant reserves the expected output and the node's pooled
-    # margin (core/output_risk.py). None: ``tokens`` is reserved as it is.
-    outlook: OutputOutlook | None = None
+    # Admitted by the projected KV peak (core/projection.py), not by ``tokens`` (which
+    # stays the whole bound: tenants' shares, context checks, whole-life admission).
+    projected: bool = False
+    # Learned output lengths of such requests (output_reservation: learned), and the
+    # z-score of the accepted preemption risk the projection is checked at.
+    shape: OutputShape | None = None
+    z: float = 0.0
 
     @property
     def longest_sequence(self) -> int:
         return self.longest_prompt + self.output_tokens
+
+    @property
+    def room_floor(self) -> int:
+        """Free tokens a backend must have now for this request to fit there at all."""
+        return self.sequences if self.projected else self.tokens
 
 
 def demand_tokens(prompt_lengths: Sequence[int], output_tokens: int, n: int, block: int) -> int:
@@ -101,6 +107,40 @@ def can_ever_hold(b: Backend, d: Demand) -> bool:
         and fits_limits(b.context_limit, b.budget_tokens, b.max_num_seqs, d)
         and b.budget_tokens >= tokens_on(b, d)
     )
+
+
+def flight_for(b: Backend, d: Demand, fid: int = 0) -> Flight:
+    """``d`` as a flight on ``b``'s projection: its prompt blocks (the one holding the
+    last prompt token is never shared: the node recomputes it), the leading ones a
+    started flight there holds credited, and a draft model's lookahead held ahead."""
+    block = b.limits.block_size
+    keys: tuple[int, ...] = ()
+    credited = 0
+    hint = d.prefix
+    if hint is not None and hint.credit and hint.block_size == block and d.sequences == 1:
+        keys = hint.keys[: max(0, (d.longest_prompt - 1) // block)]
+        credited = b.projection.creditable(keys)
+    return Flight(
+        fid,
+        d.longest_prompt,
+        d.sequences,
+        d.output_tokens,
+        keys=keys,
+        credited=credited,
+        shape=d.shape,
+        ahead=AHEAD + b.config.num_speculative_tokens,
+    )
+
+
+def projected_budget(b: Backend) -> int:
+    """Blocks ``b``'s projection may use: its budget less what holds its whole bound."""
+    whole_life = b.reserved_tokens - b.projected_tokens
+    return (b.budget_tokens - whole_life) // b.limits.block_size
+
+
+def projected_room(b: Backend, d: Demand) -> bool:
+    """``d`` fits ``b``'s projected curve, beside whatever holds its whole bound there."""
+    return b.projection.fits(b.limits.block_size, projected_budget(b), d.z, (flight_for(b, d),))
 
 
 def context_error(demand: Demand, largest: int) -> ContextLengthExceeded:

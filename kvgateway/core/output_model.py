@@ -70,6 +70,15 @@ class OutputShape:
     def size(self) -> int:
         return self._n
 
+    def surviving(self, generated: int, later: int) -> float:
+        """Chance that a sequence still running after ``generated`` tokens runs past
+        ``later`` (1 past every observation: nothing seen says where it stops)."""
+        vals = self._values
+        count = self._n - bisect_right(vals, generated)
+        if count == 0:
+            return 1.0
+        return (self._n - bisect_right(vals, later)) / count
+
     def outlook(self, generated: int, max_tokens: int, q: float) -> Outlook:
         """Total output of a sequence capped at ``max_tokens`` that has generated
         ``generated`` tokens and is still running: the observations above

@@ -116,7 +116,7 @@ class PrefixRouter:
             return decision  # nobody holds any of it: kv_aware's freest backend stands
         pool: dict[str, Backend] = {chosen.name: chosen}
         if self.scoring.candidates > 1:  # kv_aware's own pick is the freest already
-            for b in tier.top(accept, d.tokens, self.scoring.candidates):
+            for b in tier.top(accept, d.room_floor, self.scoring.candidates):
                 pool.setdefault(b.name, b)
         for name in named:
             other = mindex.get(name) if name not in pool else None

@@ -12,7 +12,7 @@ from typing import Protocol
 
 from kvgateway.core.backends import Backend
 from kvgateway.core.demand import Demand
-from kvgateway.core.output_risk import OutputOutlook
+from kvgateway.core.projection import Flight
 from kvgateway.core.routing import RouteReason
 from kvgateway.core.shared_blocks import Holding
 from kvgateway.core.tenancy import Ticket
@@ -27,9 +27,9 @@ class Owner(Protocol):
 
     def prefill_done(self, reservation: Reservation) -> None: ...
 
-    def grow(self, reservation: Reservation, tokens: int) -> None: ...
-
-    def progress(self, reservation: Reservation, generated: int) -> int: ...
+    def progress(
+        self, reservation: Reservation, generated: int, prompt: int | None = None
+    ) -> None: ...
 
 
 class Admitter(Protocol):
@@ -57,14 +57,12 @@ class Reservation:
     id: int = field(default_factory=lambda: next(_ids))
     # Prefix-aware placement: this request's share of its node's prompt blocks.
     holding: Holding | None = None
-    # ``tokens`` is what was granted (what a shared ledger and the tenant's share
-    # recorded, and get back). The node's book may hold more: ``grown`` tokens taken
-    # while a learned stream outgrew its reservation, kept in this process only.
-    grown: int = 0
-    # Pooled learned output: the request's output plan and its base (its prompt and
-    # expected output, in blocks); its share of the node's margin is the node's.
-    outlook: OutputOutlook | None = None
-    base: int = 0
+    # Admitted by the projected peak: its place in the node's projection. ``tokens``
+    # stays its whole bound (what its tenant's share holds); the node's book holds what
+    # it holds now.
+    flight: Flight | None = None
+    # When the node last reported its progress (the admission clock).
+    reported_at: float = 0.0
 
     def release(self) -> bool:
         """Give the tokens and slot back; only the first call has an effect."""
@@ -73,6 +71,11 @@ class Reservation:
     def prefill_done(self) -> None:
         """The node has streamed the first token: the prompt's blocks are cached."""
         self.owner.prefill_done(self)
+
+    def progress(self, generated: int, prompt: int | None = None) -> None:
+        """The node reports ``generated`` output tokens per sequence so far (and, with its
+        first usage, its count of the prompt)."""
+        self.owner.progress(self, generated, prompt)
 
     async def __aenter__(self) -> Reservation:
         return self

@@ -29,8 +29,7 @@ from enum import StrEnum
 
 from kvgateway.config.model import Policy
 from kvgateway.core.backends import Backend
-from kvgateway.core.demand import Demand, can_ever_hold, tokens_on
-from kvgateway.core.output_risk import margin_beyond_slack
+from kvgateway.core.demand import Demand, can_ever_hold, projected_room, tokens_on
 from kvgateway.core.routing_index import ModelIndex
 
 
@@ -77,10 +76,9 @@ class RouterState:
 def _has_room(b: Backend, d: Demand) -> bool:
     if b.free_seqs < d.sequences:
         return False
-    need = tokens_on(b, d)
-    if d.outlook is not None:  # learned output: what joining b's margin adds past the slack
-        need += margin_beyond_slack(b.risk, b.limits.block_size, d.outlook)
-    return b.free_tokens >= need
+    if d.projected:
+        return projected_room(b, d)
+    return b.free_tokens >= tokens_on(b, d)
 
 
 def eligible(b: Backend, d: Demand, now: float) -> bool:
@@ -139,13 +137,13 @@ def route_kv_aware(
             or not tier.could_hold(d)
         ):
             continue
-        b = tier.best(accept, d.tokens)
+        b = tier.best(accept, d.room_floor)
         if b is not None:
             return Routed(b, RouteReason.FIT if tier.tier_index == first_fit else RouteReason.SPILL)
     if first_fit is None or offload_overflow:
         for tier in index.tiers:
             if tier.offload and tier.could_hold(d):
-                b = tier.best(accept, d.tokens)
+                b = tier.best(accept, d.room_floor)
                 if b is not None:
                     return Routed(
                         b, RouteReason.OFFLOAD if first_fit is None else RouteReason.OVERFLOW

@@ -490,14 +490,7 @@ class RedisLedger:
     def _own_settled(self, name: str) -> Holding:
         """This replica's holdings under ``name`` for an absolute sync, as releases will
         give them back (:func:`kvgateway.ledger.snapshot.settled_holding`)."""
-        adm = self._admission
-        return settled_holding(
-            name,
-            self._fleet.backends,
-            self._view.own,
-            adm.unrecorded if adm is not None else lambda b: 0,
-            self._unsent,
-        )
+        return settled_holding(name, self._fleet.backends, self._view.own, self._unsent)
 
     async def _flush_loop(self) -> None:
         while not self._closing:

@@ -8,8 +8,7 @@ as later releases will give them back.
   its confirm has let it go).
 - :func:`settled_holding`: one name's holding, summed over every backend object of that
   name (a draining one, removed or replaced by a reload, included: its releases are
-  subtracted there later), less those unsent grants and less what the book holds that
-  releases never give back (growth, learned margins).
+  subtracted there later), less those unsent grants.
 
 No I/O here.
 """
@@ -52,7 +51,6 @@ def settled_holding(
     name: str,
     backends: Iterable[Backend],
     own: Callable[[Backend], Holding],
-    unrecorded: Callable[[Backend], int],
     unsent: UnsentGrants,
 ) -> Holding:
     """This replica's holding under ``name`` for an absolute sync (see the module)."""
@@ -60,7 +58,7 @@ def settled_holding(
     for b in backends:
         if b.name == name:
             mine = own(b)
-            tokens += mine.tokens - unrecorded(b)
+            tokens += mine.tokens
             seqs += mine.seqs
     out = unsent.on(name)
     return Holding(max(0, tokens - out.tokens), max(0, seqs - out.seqs))

@@ -70,6 +70,18 @@ async def ready(request: web.Request) -> web.Response:
     )
 
 
+def _projected_view(b: Backend) -> dict[str, Any]:
+    block = b.limits.block_size
+    peak = b.projection.peak(block, 0.0)
+    return {
+        "requests": len(b.projection),
+        "started": sum(1 for f in b.projection.flights if f.started),
+        "tokens_now": b.projected_tokens,
+        "peak_tokens": round(peak.blocks) * block,
+        "peak_in_steps": peak.step,
+    }
+
+
 def _backend_view(b: Backend, now: float) -> dict[str, Any]:
     lim = b.limits
     return {
@@ -90,6 +102,9 @@ def _backend_view(b: Backend, now: float) -> dict[str, Any]:
         "reserved_tokens": b.reserved_tokens,
         "reserved_seqs": b.reserved_seqs,
         "in_flight": b.in_flight,
+        # Requests admitted by the projected peak: what they hold now, and the most
+        # they are projected to hold together from now on (z = 0).
+        "projected": _projected_view(b),
         "limits": {
             name: {"value": limit.value, "source": limit.source}
             for name, limit in (
@@ -116,12 +131,9 @@ def _backend_view(b: Backend, now: float) -> dict[str, Any]:
 async def admin_backends(request: web.Request) -> web.Response:
     state = request.app[STATE]
     now = state.clock()
-    live = state.outputs.statistics()
     views = []
     for b in state.fleet.backends:
         view = _backend_view(b, now)
-        # KV tokens in-flight streams occupy now (prompt + output so far).
-        view["live_stream_tokens"] = live.get(b.name, 0)
         if state.prefix is not None:
             stats = state.prefix.index.statistics(b.name, now)
             view["prefix_index"] = {

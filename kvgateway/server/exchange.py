@@ -39,6 +39,7 @@ class Outcome(StrEnum):
     MID_STREAM_TIMEOUT = "mid_stream_timeout"
     MID_STREAM_RESET = "mid_stream_reset"
     MID_STREAM_TRUNCATED = "mid_stream_truncated"
+    MID_STREAM_NODE_ERROR = "mid_stream_node_error"
     MID_STREAM_TOTAL_TIMEOUT = "mid_stream_total_timeout"
     # An SSE event past the gateway's cap (upstream.client.MAX_EVENT_BYTES).
     MID_STREAM_TOO_LARGE = "mid_stream_too_large"
@@ -89,9 +90,8 @@ class Exchange:
     limit_hit: str | None = None
     # Who sent it (a hash of the API key; "*" without one): output lengths learned per client.
     client: str = "*"
-    # KV tokens credited for shared prompt blocks, and grown past a learned reservation.
+    # KV tokens credited for shared prompt blocks.
     credited_tokens: int = 0
-    grown_tokens: int = 0
 
     @property
     def request_id(self) -> str:
@@ -105,6 +105,8 @@ class Exchange:
         rec.reserved_tokens = r.tokens
         if r.holding is not None:
             self.credited_tokens += r.holding.credited_tokens
+        if r.flight is not None:
+            self.credited_tokens += r.flight.credited * r.backend.limits.block_size
         rec.queued_ms += r.queued_s * 1000
         self.admissions.append((r.backend.tier, r.reason, r.queued_s))
 
@@ -145,8 +147,6 @@ def finish(ex: Exchange, m: GatewayMetrics, now: float, access_log: bool) -> Non
         m.of(m.output_budget, model).observe(ex.counted.output_tokens * ex.counted.demand.sequences)
     if ex.counted is not None and ex.credited_tokens:
         m.of(m.prefix_credited, ex.counted.model.name).inc(ex.credited_tokens)
-    if ex.counted is not None and ex.grown_tokens:
-        m.of(m.reservation_grown, ex.counted.model.name).inc(ex.grown_tokens)
     for tier, reason, queued_s in ex.admissions:
         m.of(m.decisions, tier, reason).inc()
         if queued_s > 0:

@@ -202,12 +202,6 @@ class GatewayMetrics:
             ["model"],
             registry=registry,
         )
-        self.reservation_grown = Counter(
-            "gateway_reservation_grown_tokens",
-            "KV tokens added to streams that outgrew a learned output reservation.",
-            ["model"],
-            registry=registry,
-        )
         # Each backend's KV event stream (`kv_events`), counted by its subscriber.
         self.kv_events = {
             what: Counter(f"gateway_kv_event_{what}", what.doc, ["backend"], registry=registry)

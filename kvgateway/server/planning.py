@@ -15,8 +15,8 @@ from typing import Any, Protocol
 from kvgateway.config.model import GatewayConfig, ModelConfig, Policy
 from kvgateway.core.demand import Demand, PrefixHint, demand_tokens
 from kvgateway.core.output_model import ANY_KEY, OutputModel
-from kvgateway.core.output_risk import OutputOutlook, plan_output
 from kvgateway.core.prefix_keys import block_keys
+from kvgateway.core.projection import z_of
 from kvgateway.errors import BadRequest, ModelNotFound
 from kvgateway.server.node_tokenize import NodeTokenizer
 from kvgateway.server.openai_request import (
@@ -165,13 +165,14 @@ async def plan_request(
     reserved = output
     # Every prompt's sequences rounded to whole blocks on their own, as vLLM does.
     tokens = demand_tokens(kv_prompts, output, n, block)
-    outlook: OutputOutlook | None = None
-    shape = outputs.shape(model.name, client, output) if learned and outputs is not None else None
-    if shape is not None and adm.preemption_risk > 0:
-        # Context fit still uses the whole output budget (the node checks it); the KV
-        # reservation uses what such requests really generate, pooled per node.
-        tokens, outlook = plan_output(shape, output, adm.preemption_risk, kv_prompts, n, block)
-        reserved = outlook.covered
+    # Admission by the projected peak needs every replica's sequences: with a shared
+    # ledger each request holds its whole bound.
+    projected = adm.kv_projection and not config.ledger.url
+    shape = None
+    if projected and learned and outputs is not None and adm.preemption_risk > 0:
+        # The bound stays max_tokens (the node enforces it); learned lengths say when a
+        # running stream is likely to end before it.
+        shape = outputs.shape(model.name, client, output)
     prefix = None
     if config.routing.prefix_aware and config.routing.policy == Policy.KV_AWARE:
         prefix = await _prefix_hint(
@@ -185,7 +186,9 @@ async def plan_request(
         sequences=len(each) * n,
         tokens=tokens,
         prefix=prefix,
-        outlook=outlook,
+        projected=projected,
+        shape=shape,
+        z=z_of(adm.preemption_risk) if shape is not None else 0.0,
     )
     ask = usage_ask(parsed.kind, parsed.stream, body) if adm.node_stream_usage else None
     return Counted(model, parsed, prompt, output, demand, injected, reserved, sum(kv_prompts), ask)
@@ -305,7 +308,6 @@ def with_node_count(counted: Counted, count: int, block_size: int) -> Counted:
         tokens=demand_tokens(
             [count], counted.output_tokens, counted.parsed.sequences_per_prompt, block_size
         ),
-        outlook=None,  # the whole output budget, as the node's count asks for
     )
     return replace(
         counted,

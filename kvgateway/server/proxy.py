@@ -51,6 +51,7 @@ from kvgateway.tokens.node_count import (
     readmission_prompt_tokens,
 )
 from kvgateway.upstream.client import open_request
+from kvgateway.upstream.feedback import request_failed, request_served
 
 log = logging.getLogger("kvgateway.server.proxy")
 
@@ -193,7 +194,8 @@ async def _count_and_forward(state: GatewayState, ex: Exchange, kind: Kind) -> w
 
 async def _forward(state: GatewayState, ex: Exchange, raw: bytes) -> web.StreamResponse:
     """Admit, send, relay; on a failure before the first byte, try another backend."""
-    deadline = ex.started + state.config.admission.queue_timeout_s
+    cfg = state.config
+    deadline = ex.started + cfg.auth.queue_timeout(ex.record.tenant, cfg.admission.queue_timeout_s)
     excluded: set[str] = set()
     last_error: UpstreamError | None = None
     body, body_of = raw, None
@@ -262,7 +264,7 @@ async def _attempt(
             raise
         return err
     async with resp:
-        backend.consecutive_failures = 0
+        request_served(backend)
         if counted.parsed.stream and resp.status == 200 and is_event_stream(resp):
             return await relay_stream(state, ex, resp, r)
         data = await read_body(state, ex, resp, r)
@@ -344,21 +346,14 @@ def _note_failure(
     b = state.fleet.get(backend_name)
     if b is None:
         return
-    b.note_rejection(state.clock())
-    b.last_error = err.detail or err.message
-    b.consecutive_failures += 1
-    if (
-        b.healthy
-        and err.retryable
-        and b.consecutive_failures >= state.config.health.eject_after_failures
-    ):
+    error = err.detail or err.message
+    if request_failed(b, error, state.clock(), state.config.health, may_eject=err.retryable):
         # Passive ejection: the health checker's next successful probe brings it back.
-        b.healthy = False
         log.warning(
             "backend %s ejected after %d failed requests in a row: %s",
             b.name,
             b.consecutive_failures,
-            err.detail or err.message,
+            error,
         )
 
 

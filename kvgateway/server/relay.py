@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import re
 
 from aiohttp import web
 
@@ -20,6 +22,9 @@ from kvgateway.server.state import GatewayState
 from kvgateway.server.stream_usage import UsageTap
 from kvgateway.upstream.client import USAGE_MARKS, MidStreamError, UpstreamResponse, find_usage
 from kvgateway.upstream.error_body import is_error_object, is_json_object, openai_error_body
+from kvgateway.upstream.feedback import request_failed
+
+log = logging.getLogger("kvgateway.server.relay")
 
 MAX_RESPONSE_BYTES = 256 * 1024 * 1024
 
@@ -153,20 +158,13 @@ async def relay_stream(
     assert counted is not None
     live = state.outputs.start(
         r,
-        counted.reserved_prompt or counted.demand.prompt_tokens,
         counted.demand.sequences,
-        counted.reserved_output or counted.output_tokens,
-        state.fleet.block_size(counted.model.name),
         max_output=counted.output_tokens,
         tokens_per_event=1 + r.backend.config.num_speculative_tokens,
     )
     ask = counted.usage_ask
     tap = UsageTap(ask, counted.demand.sequences) if ask is not None else None
-    try:
-        await _relay_events(state, ex, resp, r, out, live, tap)
-    finally:
-        state.outputs.end(live)
-        ex.grown_tokens += live.grown
+    await _relay_events(state, ex, resp, r, out, live, tap)
     if ex.record.outcome == Outcome.OK:
         resp.ended()  # its body's own end may still be on its way: the pool waits for it
     await out.write_eof()
@@ -184,6 +182,8 @@ async def _relay_events(
 ) -> None:
     timeouts = r.backend.config.timeouts
     rec = ex.record
+    counted = ex.counted
+    assert counted is not None
     done = False
     # The events holding the usage chunk: vLLM yields it and [DONE] apart, so it is often
     # not in the last read.
@@ -200,7 +200,8 @@ async def _relay_events(
                 events = got
                 if tap is not None:
                     events = tap.feed(got)
-                    state.outputs.on_events(live, events, tap.completion_tokens)
+                    prompt = tap.prompt_tokens if counted.prompt.prompts == 1 else None
+                    state.outputs.on_events(live, events, tap.completion_tokens, prompt)
                     usage = tap.final
                 else:
                     state.outputs.on_events(live, events)
@@ -214,12 +215,17 @@ async def _relay_events(
                 if events:
                     await out.write(events)
                 ex.streamed_tokens = live.generated  # relayed (a failed write was not)
+                failed = inband_error(events)
+                if failed is not None and rec.outcome == Outcome.PENDING:
+                    # The node ended the stream with an error event (its engine failed):
+                    # relayed as it came, and the node's failure.
+                    rec.outcome = Outcome.MID_STREAM_NODE_ERROR
+                    _stream_failed(state, ex, r, f"error event: {failed}")
                 if _ends_stream(events):
                     done = True
                     break
     except MidStreamError as err:
-        ex.failures.append(Failure(r.backend.name, "mid_stream", retried=False))
-        r.backend.note_rejection(state.clock())
+        _stream_failed(state, ex, r, str(err))
         rec.outcome = f"mid_stream_{err.cause}"
         await out.write(
             error_event(
@@ -244,6 +250,27 @@ async def _relay_events(
         # The live count is the output only if the node reported it or sent one token per
         # choice: a speculative node's chunk count is a bound, and teaches nothing.
         _reconcile(state, ex, r, usage, live.generated if live.exact else None)
+
+
+def _stream_failed(state: GatewayState, ex: Exchange, r: Reservation, error: str) -> None:
+    ex.failures.append(Failure(r.backend.name, "mid_stream", retried=False))
+    if request_failed(r.backend, error, state.clock(), state.config.health):
+        log.warning("backend %s ejected after failed streams: %s", r.backend.name, error)
+
+
+_ERROR_EVENT = re.compile(rb'(?:^|\n)data: *\{"error" *: *\{.*?"message" *: *"((?:[^"\\]|\\.)*)"')
+
+
+def inband_error(events: bytes) -> str | None:
+    """The message of an error event in ``events`` (vLLM's in-band error: an exception
+    in its stream generator, e.g. its engine died, sent as ``data: {"error": ...}``
+    before ``data: [DONE]``), or None."""
+    if b'{"error"' not in events:
+        return None
+    m = _ERROR_EVENT.search(events)
+    if m is None:
+        return None
+    return m.group(1).decode("utf-8", "replace")[:200]
 
 
 # Chat and completions streams end with [DONE]; Responses streams with a final event,

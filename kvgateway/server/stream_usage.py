@@ -25,6 +25,7 @@ from typing import Any
 from kvgateway.tokens.lax import lax_bool
 
 _COMPLETION = re.compile(rb'"completion_tokens"\s*:\s*(\d{1,15})(?!\d)')
+_PROMPT = re.compile(rb'"prompt_tokens"\s*:\s*(\d{1,15})(?!\d)')
 # A usage object inside a chunk (one level of nesting: the *_tokens_details objects).
 # Inside a JSON string a quote is escaped, so this never matches generated text.
 _USAGE_FIELD = re.compile(rb',\s*"usage"\s*:\s*(?:null|\{[^{}]*(?:\{[^{}]*\}[^{}]*)*\})')
@@ -88,6 +89,8 @@ class UsageTap:
         self._one_choice = choices == 1
         self._per_choice: dict[int, int] = {}
         self.final = b""  # the usage-only chunk, once it came
+        # The node's count of the prompt, from the first usage it reported.
+        self.prompt_tokens: int | None = None
 
     @property
     def completion_tokens(self) -> int | None:
@@ -100,6 +103,10 @@ class UsageTap:
     def feed(self, events: bytes) -> bytes:
         """Read a run of complete SSE events; the same events without what the client
         did not ask for."""
+        if self.prompt_tokens is None and b'"prompt_tokens"' in events:
+            m = _PROMPT.search(events)
+            if m is not None:
+                self.prompt_tokens = int(m.group(1))
         if self._ask.continuous or b'"usage"' not in events:
             if self._ask.continuous and b'"usage"' in events:
                 self._read(events)

@@ -1,7 +1,12 @@
-"""Pure decisions from health probes and node metrics; :mod:`kvgateway.upstream.monitor` does the I/O.
+"""Backend health and load, decided in one place: pure functions of what was seen.
+
+:mod:`kvgateway.upstream.monitor` does the probes' and scrapes' I/O; the request path
+reports what its requests met (:func:`request_failed`, :func:`request_served`).
 
 Health: ``unhealthy_threshold`` failed probes in a row take a backend out,
-``healthy_threshold`` good ones bring it back.
+``healthy_threshold`` good ones bring it back; ``eject_after_failures`` failed requests
+in a row (connect errors, 5xx, a stream cut or ended by an in-band error) take it out
+until a probe succeeds.
 
 Load feedback: the node's own gauges override the gateway's accounting when they say
 the node is in trouble, since other clients may share it:
@@ -46,6 +51,26 @@ def apply_probe(b: Backend, ok: bool, error: str, cfg: HealthConfig) -> HealthCh
         b.healthy = False
         return HealthChange(became_unhealthy=True)
     return HealthChange()
+
+
+def request_failed(
+    b: Backend, error: str, now: float, cfg: HealthConfig, *, may_eject: bool = True
+) -> bool:
+    """A request failed on ``b`` (the node's doing: connect, 5xx, a broken stream);
+    ``may_eject`` False for a failure that says little of the node's health (a
+    timeout of a request that may simply be long). True when this ejected ``b``."""
+    b.note_rejection(now)
+    b.last_error = error
+    b.consecutive_failures += 1
+    if may_eject and b.healthy and b.consecutive_failures >= cfg.eject_after_failures:
+        b.healthy = False
+        return True
+    return False
+
+
+def request_served(b: Backend) -> None:
+    """A request got an answer from ``b``: its run of failures ends."""
+    b.consecutive_failures = 0
 
 
 def apply_metrics(b: Backend, m: ScrapedMetrics, now: float, cfg: LoadFeedbackConfig) -> bool:

@@ -1,5 +1,6 @@
-"""admission.output_reservation: learned, against a simulated node: reservations shrink to
-what such requests generate, and a stream that runs long is covered as it streams."""
+"""admission.output_reservation: learned, against simulated nodes: learned lengths say when
+running streams are likely to end, so more of them run at once than their max_tokens
+would allow, and a stream that runs long stays in its node's projection as it grows."""
 
 from __future__ import annotations
 
@@ -9,104 +10,86 @@ import aiohttp
 
 from tests.support.fleet import MODEL, StartFleet
 
-NODE = [("small-1", "small", "gpu24-8b", {"output_mean": 40.0, "output_sigma": 0.3})]
+# Answers of ~40 tokens whatever max_tokens says.
+SHORT = {"output_mean": 40.0, "output_sigma": 0.3}
+NODE = [("small-1", "small", "gpu24-8b", SHORT)]
+# The large node answers at length whatever is asked (what learning never saw).
+NODES = [*NODE, ("large-1", "large", "gpu80-8b", {"output_mean": 4000.0, "output_sigma": 0.0})]
 
 
-async def _post(s: aiohttp.ClientSession, url: str, body: dict) -> None:
+def _body(prompt_words: int, max_tokens: int, **extra: object) -> dict[str, object]:
+    text = "pallets leave the harbor at dawn " * (prompt_words // 6)
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": max_tokens,
+        **extra,
+    }
+
+
+async def _post(s: aiohttp.ClientSession, url: str, body: dict[str, object]) -> None:
     async with s.post(url + "/v1/chat/completions", json=body) as r:
         assert r.status == 200, await r.text()
         await r.read()
 
 
-# The large node answers at length whatever is asked (what learning never saw).
-NODES = [
-    *NODE,
-    ("large-1", "large", "gpu80-8b", {"output_mean": 4000.0, "output_sigma": 0.0}),
-]
+async def _most_at_once(mode: str, start_fleet: StartFleet) -> tuple[int, float]:
+    """The most streams the small node runs at once in a burst, after 60 answers taught
+    the gateway their lengths; and the node's preemptions."""
+    fleet = await start_fleet(
+        NODE,
+        gateway={"admission": {"output_reservation": mode, "queue_timeout_s": 120}},
+    )
+    b = fleet.backend("small-1")
+    body = _body(1500, 4000, stream=True)
+    most = 0
+    async with aiohttp.ClientSession() as s:
+        for _ in range(6):
+            await asyncio.gather(*(_post(s, fleet.url, body) for _ in range(10)))
+        burst = [asyncio.create_task(_post(s, fleet.url, body)) for _ in range(40)]
+        while not all(t.done() for t in burst):
+            most = max(most, b.in_flight)
+            await asyncio.sleep(0.002)
+        await asyncio.gather(*burst)
+    preempted = await fleet.nodes["small-1"].state()
+    assert fleet.leaks() == {}
+    return most, float(preempted.get("preemptions", 0))
 
 
-async def test_learned_reservations_shrink_and_long_streams_stay_covered(start_fleet: StartFleet):
+async def test_learned_lengths_run_more_streams_at_once_and_preempt_nothing(
+    start_fleet: StartFleet,
+) -> None:
+    by_bound, pre_bound = await _most_at_once("max_tokens", start_fleet)
+    learned, pre_learned = await _most_at_once("learned", start_fleet)
+    assert learned >= 2 * by_bound, (learned, by_bound)
+    assert pre_bound == 0 and pre_learned == 0
+
+
+async def test_a_stream_running_past_its_learned_length_stays_in_the_projection(
+    start_fleet: StartFleet,
+) -> None:
     fleet = await start_fleet(
         NODES,
         gateway={"admission": {"output_reservation": "learned", "preemption_risk": 0.05}},
     )
-    b = fleet.backend("small-1")
     large = fleet.backend("large-1")
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 400}
     async with aiohttp.ClientSession() as s:
-        # Before anything is learned: the whole max_tokens is reserved.
-        first = asyncio.create_task(_post(s, fleet.url, {**body, "stream": True}))
-        while b.in_flight == 0:
-            await asyncio.sleep(0.001)
-        assert b.reserved_tokens >= 400
-        await first
-        for _ in range(3):
-            await asyncio.gather(*(_post(s, fleet.url, body) for _ in range(20)))
-        model = fleet.state.outputs.model
-        learned = model.reservation(MODEL, "*", 400, 0.05)
-        assert learned < 200  # outputs are ~40 tokens
-        # n > 1: the mean of its sequences is not one sequence's length; not learned.
-        seen = model.statistics().observations
-        await _post(s, fleet.url, {**body, "n": 2})
-        assert model.statistics().observations == seen
-        # A request that fixes its own length (ignore_eos, min_tokens) learns nothing:
-        # it reserves its max_tokens.
-        for fixed in ({"ignore_eos": True}, {"min_tokens": 300}):
-            task = asyncio.create_task(_post(s, fleet.url, {**body, **fixed, "stream": True}))
-            while b.in_flight == 0:
-                await asyncio.sleep(0.001)
-            assert b.reserved_tokens >= 400, fixed
-            await task
-        # A prompt only the large node holds, whose answer runs to all 400 tokens: its
-        # reservation grows ahead of the node's footprint as it streams.
-        long = {**body, "messages": [{"role": "user", "content": "hello " * 9000}], "stream": True}
-        seen = []
+        for _ in range(6):
+            await asyncio.gather(*(_post(s, fleet.url, _body(60, 400)) for _ in range(10)))
+        # A prompt only the large node holds, whose answer runs to all 400 tokens.
+        long = _body(9000, 400, stream=True)
+        seen = 0
         async with s.post(fleet.url + "/v1/chat/completions", json=long) as r:
             assert r.status == 200
             assert r.headers["x-gateway-backend"] == "large-1"
-            async for _ in r.content.iter_any():
-                footprint = sum(fleet.state.outputs.statistics().values())
-                seen.append(footprint)
-                assert large.reserved_tokens >= footprint
-    # It did stream well past its learned reservation (the footprint is sampled between
-    # runs of events, so its last tokens may not be seen).
-    assert max(seen) > 300
-    metrics = fleet.state.metrics.registry.get_sample_value(
-        "gateway_reservation_grown_tokens_total", {"model": MODEL}
-    )
-    assert metrics is not None and metrics > 0
-    assert fleet.leaks() == {}
-
-
-async def test_learned_mode_reserves_prompts_as_the_nodes_count_them(start_fleet: StartFleet):
-    # Without the model's tokenizer a prompt is reserved at the stand-in's worst-case
-    # bound; once the node's usage reports taught the gateway how it counts, learned
-    # mode reserves that instead (the context check keeps the bound).
-    fleet = await start_fleet(NODE, gateway={"admission": {"output_reservation": "learned"}})
-    b = fleet.backend("small-1")
-    text = "the quick brown fox jumps over the lazy dog " * 150  # ~1,350 tokens
-    body = {
-        "model": MODEL,
-        "messages": [{"role": "user", "content": text}],
-        "max_tokens": 16,
-        "stream": True,
-        "stream_options": {"include_usage": True},  # the node's count comes back
-    }
-
-    async def reserved_while_streaming(s: aiohttp.ClientSession) -> int:
-        async with s.post(fleet.url + "/v1/chat/completions", json=body) as r:
-            assert r.status == 200
-            tokens = b.reserved_tokens
             prompt = int(r.headers["x-gateway-prompt-tokens"])
-            await r.read()
-        assert prompt > 1.2 * 1_350  # the header tells the bound
-        return tokens
-
-    async with aiohttp.ClientSession() as s:
-        before = await reserved_while_streaming(s)
-        for _ in range(5):
-            await asyncio.gather(*(_post(s, fleet.url, body) for _ in range(10)))
-        after = await reserved_while_streaming(s)
-    assert before > 1.2 * 1_350
-    assert after < 1_350 * 1.05 + 32
+            async for _ in r.content.iter_any():
+                flights = list(large.projection.flights)
+                if not flights:
+                    continue
+                f = flights[0]
+                seen = max(seen, f.generated)
+                # What the node holds for it now is in the node's book.
+                assert large.reserved_tokens >= min(prompt, f.prompt) + f.generated
+    assert seen > 300
     assert fleet.leaks() == {}

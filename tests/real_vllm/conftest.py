@@ -4,9 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.real_fleet import hybrid_node, qwen_fleet, real_gateway, vocab_nodes
+from tests.support.real_fleet import (
+    hybrid_node,
+    qwen_fleet,
+    real_gateway,
+    victim_node,
+    vocab_nodes,
+)
 
-__all__ = ["hybrid_node", "qwen_fleet", "real_gateway", "vocab_nodes"]
+__all__ = ["hybrid_node", "qwen_fleet", "real_gateway", "victim_node", "vocab_nodes"]
 
 # A module's first test also starts its nodes (one to two minutes on 2 cores).
 NODE_START_TIMEOUT_S = 600

@@ -29,7 +29,11 @@ L = NodeSpec("L", "qwen2", max_model_len=16384, num_blocks=192, kv_events=True)
 HYBRID = NodeSpec("H", "gemma3", served_name="gemma", max_model_len=4096, num_blocks=64)
 LLAMA = NodeSpec("llama", "llama3", served_name="llama", max_model_len=4096, num_blocks=40)
 MISTRAL = NodeSpec("mistral", "mistral", served_name="mistral", max_model_len=4096, num_blocks=40)
-ALL_SPECS = (S, L, HYBRID, LLAMA, MISTRAL)
+# The benchmark's single node: 64 blocks (8,064 usable KV tokens), 16 sequences.
+BENCH = NodeSpec("B", "qwen2", max_model_len=4096, num_blocks=64)
+# A node whose engine a test kills.
+VICTIM = NodeSpec("V", "qwen2", max_model_len=2048, num_blocks=24)
+ALL_SPECS = (S, L, HYBRID, LLAMA, MISTRAL, BENCH, VICTIM)
 # Tokenizer directories load once per run (a Qwen vocabulary takes ~3 s).
 ENCODINGS = EncodingCache()
 
@@ -73,6 +77,12 @@ def qwen_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, R
 def hybrid_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealNode]:
     for nodes in _nodes(tmp_path_factory, HYBRID):
         yield nodes["H"]
+
+
+@pytest.fixture(scope="module")
+def victim_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealNode]:
+    for nodes in _nodes(tmp_path_factory, VICTIM):
+        yield nodes["V"]
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,441 @@
+"""A node's KV use projected forward in engine steps: admission by the projected peak.
+
+vLLM decodes every running sequence one token per engine step and frees a sequence's
+blocks when it ends, at the latest at its output bound. So the KV a node's sequences will
+hold is predictable: each :class:`Flight` grows a token a step from its current length
+and vanishes at its end. A newcomer fits if the projected curve, with it added, stays
+within the budget at every future step; since the curve only falls when a sequence ends,
+its maximum is found just before each end (and, for sequences whose end is not known,
+at the end of the horizon).
+
+What the projection assumes, and why each assumption is safe:
+
+- A flight's end is projected only once the node reports its progress (a stream's
+  per-chunk usage). Before that (prefill, a queue inside the node, a non-streamed
+  answer) it is taken to grow to its whole bound and stay there.
+- A reported count may lag the node by a step or two: a flight is taken to hold
+  :data:`AHEAD` tokens more than reported, and still to end no earlier than its bound
+  says.
+- Blocks are counted as vLLM allocates them: ``ceil(tokens / block)`` per sequence.
+- Prompt blocks shared with another flight on the node (vLLM's prefix cache) are
+  counted once per block while any flight holding them lives
+  (:class:`SharedKeys`), and once per copy a flight paid for while that one lives.
+- With learned output lengths (:class:`~kvgateway.core.output_model.OutputShape`) a
+  started flight ends early with the learned probability: the check is then
+  ``mean + z * stddev`` of the blocks in use at each step, ``z`` set by the accepted
+  preemption risk. Without one, the bound is the flight's ``max_tokens``: exact.
+
+Nothing here does I/O or reads a clock.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from statistics import NormalDist
+
+from kvgateway.core.output_model import OutputShape
+from kvgateway.core.prefix_keys import BlockKey
+
+# Tokens a flight may hold beyond its reported count: the token being computed and one
+# step the scheduler may have allocated ahead.
+AHEAD = 2
+# Where lengths are learned the curve is read every half block of steps, and at most
+# this many times over its horizon.
+SAMPLES_PER_BLOCK = 2
+MAX_SAMPLES = 32
+
+
+def z_of(risk: float) -> float:
+    """The standard normal quantile that ``risk`` leaves above it (0 at risk 0.5)."""
+    if not 0.0 < risk < 1.0:
+        raise ValueError(f"risk must be in (0, 1), got {risk}")
+    return max(0.0, NormalDist().inv_cdf(1.0 - risk))
+
+
+@dataclass(eq=False, slots=True)
+class Flight:
+    """One admitted request on a node, as the projection sees it."""
+
+    id: int
+    prompt: int  # tokens of its longest prompt
+    n: int  # sequences
+    bound: int  # output tokens per sequence, at most
+    generated: int = 0  # per sequence, as the node last reported
+    # The node reports its progress: its end is projected. Else it holds its bound.
+    started: bool = False
+    # Its prompt's full blocks (prefix-aware routing) and how many leading ones it was
+    # credited (held ready by another flight when it was admitted).
+    keys: tuple[BlockKey, ...] = ()
+    credited: int = 0
+    # Learned output lengths of requests like it (None: ``bound`` is the length).
+    shape: OutputShape | None = None
+    # Steps before it starts (a queued request's place in a plan; 0 for admitted ones).
+    delay: int = 0
+    # Tokens held beyond the reported count: AHEAD, plus a draft model's lookahead.
+    ahead: int = AHEAD
+
+    def tokens_at(self, t: int) -> int:
+        """Tokens per sequence at step ``t`` from now, if it is still running."""
+        if not self.started:
+            return self.prompt + min(self.bound, self.generated + t) + self.ahead
+        return self.prompt + min(self.bound, self.generated + max(0, t - self.delay)) + self.ahead
+
+    @property
+    def end(self) -> int | None:
+        """Steps until it has ended at the latest; None while its end is unknown."""
+        if not self.started:
+            return None
+        return self.delay + max(0, self.bound - self.generated)
+
+    def survival(self, t: int) -> float:
+        """Chance it is still running at step ``t`` (1 until its end without a shape)."""
+        end = self.end
+        if end is None:
+            return 1.0
+        if t >= end:
+            return 0.0
+        if self.shape is None:
+            return 1.0
+        return self.shape.surviving(self.generated, self.generated + max(0, t - self.delay))
+
+    def blocks_at(self, t: int, block: int) -> tuple[float, float, float]:
+        """(chance it is running, mean blocks, variance of blocks) at step ``t``.
+
+        An unstarted flight with learned lengths never ends in the projection (its
+        start is unknown) but holds at most ``prompt + min(L, t)`` tokens by step ``t``,
+        ``L`` its learned length: mean and variance come from the shape, a block added
+        for rounding."""
+        if not self.started and self.shape is not None:
+            cap = min(self.bound, self.generated + t)
+            o = self.shape.outlook(self.generated - 1, cap, 0.5)
+            tokens = self.prompt + o.expected + self.ahead
+            return 1.0, self.n * (tokens / block + 1.0), self.n * o.variance / (block * block)
+        a = self.survival(t)
+        if a <= 0.0:
+            return 0.0, 0.0, 0.0
+        one = _blocks(self.tokens_at(t), block)
+        return a, a * one * self.n, self.n * a * (1.0 - a) * one * one
+
+
+@dataclass(slots=True)
+class _KeyUse:
+    payers: set[int] = field(default_factory=set)
+    holders: set[int] = field(default_factory=set)
+
+
+class SharedKeys:
+    """Which flights hold and which paid for each prompt block shared on a node.
+
+    A key is tracked here once a flight was credited it; until then each flight's
+    keys are part of its own blocks. A tracked key holds, at a step, one copy per paying
+    flight still running, and at least one while any holder runs.
+    """
+
+    __slots__ = ("_keys", "_of")
+
+    def __init__(self) -> None:
+        self._keys: dict[BlockKey, _KeyUse] = {}
+        self._of: dict[int, tuple[BlockKey, ...]] = {}
+
+    def add(self, f: Flight, flights: dict[int, Flight]) -> None:
+        if not f.credited:
+            return
+        shared = f.keys[: f.credited]
+        for key in shared:
+            use = self._keys.get(key)
+            if use is None:
+                use = self._keys[key] = _KeyUse()
+                # Every flight already holding it paid for its copy.
+                for other in flights.values():
+                    if other.id != f.id and key in other.keys[other.credited :]:
+                        use.payers.add(other.id)
+                        use.holders.add(other.id)
+                        self._of[other.id] = (*self._of.get(other.id, ()), key)
+            use.holders.add(f.id)
+        self._of[f.id] = (*self._of.get(f.id, ()), *shared)
+
+    def join(self, f: Flight) -> None:
+        """``f`` (not credited) holds keys already tracked: it paid for its copies."""
+        mine = [k for k in f.keys if k in self._keys]
+        for key in mine:
+            use = self._keys[key]
+            use.payers.add(f.id)
+            use.holders.add(f.id)
+        if mine:
+            self._of[f.id] = (*self._of.get(f.id, ()), *mine)
+
+    def remove(self, fid: int) -> None:
+        for key in self._of.pop(fid, ()):
+            use = self._keys.get(key)
+            if use is None:
+                continue
+            use.payers.discard(fid)
+            use.holders.discard(fid)
+            if not use.holders:
+                del self._keys[key]
+
+    def tracked(self, fid: int) -> int:
+        """How many of ``fid``'s blocks are counted here rather than as its own."""
+        return len(self._of.get(fid, ()))
+
+    def uses(self) -> Iterator[_KeyUse]:
+        return iter(self._keys.values())
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+
+def _blocks(tokens: int, block: int) -> int:
+    return -(-tokens // block)
+
+
+@dataclass(frozen=True, slots=True)
+class Peak:
+    """The projected maximum of blocks in use (``mean + z * stddev``) and its step."""
+
+    blocks: float
+    step: int
+
+
+class NodeProjection:
+    """One node's flights and the curve they make, in blocks of ``block`` tokens (the
+    node's block size, passed to every reading: it is known once the node is probed).
+
+    The curve of the flights admitted is kept per step read, until they change: an
+    admission round asks it about many candidates, each adding only its own part."""
+
+    __slots__ = ("_base", "_flights", "_ready", "_shared", "_steps")
+
+    def __init__(self) -> None:
+        self._flights: dict[int, Flight] = {}
+        self._shared = SharedKeys()
+        # Prompt blocks of started flights: in the node's cache, shareable by newcomers.
+        self._ready: dict[BlockKey, int] = {}
+        self._base: dict[tuple[int, int], tuple[float, float]] = {}
+        self._steps: dict[int, tuple[int, ...]] = {}
+
+    def __len__(self) -> int:
+        return len(self._flights)
+
+    def __contains__(self, fid: int) -> bool:
+        return fid in self._flights
+
+    @property
+    def flights(self) -> Iterable[Flight]:
+        return self._flights.values()
+
+    def get(self, fid: int) -> Flight | None:
+        return self._flights.get(fid)
+
+    def _changed(self) -> None:
+        self._base.clear()
+        self._steps.clear()
+
+    def add(self, f: Flight) -> None:
+        self._flights[f.id] = f
+        if f.credited:
+            self._shared.add(f, self._flights)
+        elif f.keys and len(self._shared):
+            self._shared.join(f)
+        self._changed()
+
+    def remove(self, fid: int) -> Flight | None:
+        f = self._flights.pop(fid, None)
+        if f is not None:
+            self._shared.remove(fid)
+            if f.started:
+                self._unready(f.keys)
+            self._changed()
+        return f
+
+    def progress(self, fid: int, generated: int, prompt: int | None = None) -> bool:
+        """The node reports ``generated`` tokens per sequence for ``fid`` (and its own
+        count of the prompt). True when this is its first report (its end is now
+        projected: room may have appeared)."""
+        f = self._flights.get(fid)
+        if f is None or generated < f.generated:
+            return False
+        f.generated = min(generated, f.bound)
+        if prompt is not None and prompt > 0:
+            f.prompt = prompt
+        first = not f.started
+        if first:
+            f.started = True
+            for key in f.keys:
+                self._ready[key] = self._ready.get(key, 0) + 1
+        self._changed()
+        return first
+
+    def _unready(self, keys: tuple[BlockKey, ...]) -> None:
+        ready = self._ready
+        for key in keys:
+            left = ready.get(key, 0) - 1
+            if left > 0:
+                ready[key] = left
+            else:
+                ready.pop(key, None)
+
+    def creditable(self, keys: tuple[BlockKey, ...]) -> int:
+        """Leading ``keys`` a started flight holds (in the node's cache now)."""
+        n = 0
+        for key in keys:
+            if key not in self._ready:
+                break
+            n += 1
+        return n
+
+    def current_blocks(self, block: int) -> int:
+        """Blocks the flights hold now (as projected at step 0)."""
+        return math.ceil(self._base_at(block, 0)[0] - 1e-9)
+
+    def peak(self, block: int, z: float, extra: Iterable[Flight] = ()) -> Peak:
+        """The curve's maximum from now on, with ``extra`` flights (not added) in it."""
+        added = tuple(extra)
+        steps = self._base_steps(block)
+        if added:
+            steps = tuple(sorted({*steps, *_steps(added, block)}))
+        credit = [(f, self._credit_until(f)) for f in added]
+        best = Peak(0.0, 0)
+        for t in steps:
+            mean, var = self._base_at(block, t)
+            for f, until in credit:
+                a, blocks, spread = f.blocks_at(t, block)
+                if a <= 0.0:
+                    continue
+                mean += blocks
+                var += spread
+                if until is None or t < until:
+                    mean -= a * f.credited
+            value = mean + z * math.sqrt(var)
+            if value > best.blocks:
+                best = Peak(value, t)
+        return best
+
+    def fits(self, block: int, budget_blocks: int, z: float, extra: Iterable[Flight]) -> bool:
+        return self.peak(block, z, extra).blocks <= budget_blocks + 1e-9
+
+    def peak_at(self, block: int, t: int, z: float = 0.0) -> Peak:
+        """Blocks the admitted flights use at step ``t`` (``mean + z * stddev``)."""
+        mean, var = self._base_at(block, t)
+        return Peak(mean + z * math.sqrt(var), t)
+
+    def _credit_until(self, f: Flight) -> int | None:
+        """Until which step ``f``'s credited blocks stay held by a started flight (None:
+        for as long as projected)."""
+        if not f.credited:
+            return 0
+        key = f.keys[f.credited - 1]
+        until = 0
+        for other in self._flights.values():
+            if other.started and key in other.keys:
+                end = other.end
+                if end is None:
+                    return None
+                until = max(until, end)
+        return until
+
+    def _base_steps(self, block: int) -> tuple[int, ...]:
+        steps = self._steps.get(block)
+        if steps is None:
+            steps = self._steps[block] = tuple(_steps(tuple(self._flights.values()), block))
+        return steps
+
+    def _base_at(self, block: int, t: int) -> tuple[float, float]:
+        cached = self._base.get((block, t))
+        if cached is not None:
+            return cached
+        mean = 0.0
+        var = 0.0
+        alive: dict[int, float] = {}
+        shared = self._shared
+        for f in self._flights.values():
+            a, blocks, spread = f.blocks_at(t, block)
+            if a <= 0.0:
+                continue
+            alive[f.id] = a
+            mean += blocks - a * shared.tracked(f.id)
+            var += spread
+        for use in shared.uses():
+            copies = sum(alive.get(fid, 0.0) for fid in use.payers)
+            anyone = max((alive.get(fid, 0.0) for fid in use.holders), default=0.0)
+            mean += max(copies, anyone)
+        self._base[(block, t)] = (mean, var)
+        return mean, var
+
+    def earliest_start(
+        self,
+        block: int,
+        newcomer: Flight,
+        budget_blocks: int,
+        z: float,
+        ahead: Iterable[Flight] = (),
+    ) -> int | None:
+        """The first step at which ``newcomer`` fits (with ``ahead`` in the curve), or
+        None if that depends on a flight whose end is unknown."""
+        others = tuple(ahead)
+        if any(f.end is None for f in self._flights.values()):
+            starts = [0]
+        else:
+            starts = sorted({0, *(f.end for f in (*self._flights.values(), *others) if f.end)})
+        for start in starts:
+            if self.fits(block, budget_blocks, z, (*others, delayed(newcomer, start))):
+                return start
+        return None
+
+
+def _steps(flights: tuple[Flight, ...], block: int) -> list[int]:
+    """Steps where the curve can peak: just before each end, where an unended flight
+    reaches its bound, on a grid where lengths are learned, and now."""
+    steps = {0}
+    horizon = 0
+    learned = False
+    for f in flights:
+        learned = learned or f.shape is not None
+        end = f.end
+        if end is not None:
+            if end > 0:
+                steps.add(end - 1)
+            horizon = max(horizon, end)
+        else:
+            reach = max(0, f.bound - f.generated)
+            steps.add(reach)
+            horizon = max(horizon, reach)
+    if learned:
+        stride = max(1, block // SAMPLES_PER_BLOCK, horizon // MAX_SAMPLES)
+        steps.update(range(0, horizon, stride))
+    return sorted(steps)
+
+
+def delayed(f: Flight, steps: int) -> Flight:
+    """``f`` starting ``steps`` from now: nothing held until then, then as if started."""
+    return _Later(
+        f.id,
+        f.prompt,
+        f.n,
+        f.bound,
+        f.generated,
+        True,
+        f.keys,
+        f.credited,
+        f.shape,
+        steps,
+        f.ahead,
+    )
+
+
+class _Later(Flight):
+    """A flight that starts later: it holds nothing before its start."""
+
+    __slots__ = ()
+
+    def tokens_at(self, t: int) -> int:
+        if t < self.delay:
+            return 0
+        return Flight.tokens_at(self, t)
+
+    def survival(self, t: int) -> float:
+        if t < self.delay:
+            return 0.0
+        return Flight.survival(self, t)

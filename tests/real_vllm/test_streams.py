@@ -1,0 +1,180 @@
+"""Streams through the gateway against a real vLLM node: the node's own count reaches the
+client as it asked for it, a client that leaves frees the node's sequence, and a drain
+lets a running stream finish."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import aiohttp
+import pytest
+import yaml
+from openai import AsyncOpenAI
+
+from tests.support.eventually import eventually
+from tests.support.live import free_ports
+from tests.support.real_fleet import StartGateway, gateway_config, state_of
+from tests.support.vllm_nodes import RealNode
+
+pytestmark = pytest.mark.real_vllm
+
+
+def _ask(content: str, max_tokens: int, **extra: object) -> dict[str, object]:
+    return {
+        "model": "qwen",
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "stream": True,
+        "ignore_eos": True,
+        **extra,
+    }
+
+
+async def _chunks(url: str, body: dict[str, object]) -> list[dict[str, object]]:
+    out = []
+    async with aiohttp.ClientSession() as s, s.post(url + "/v1/chat/completions", json=body) as r:
+        assert r.status == 200, await r.text()
+        async for line in r.content:
+            if line.startswith(b"data: {"):
+                out.append(json.loads(line[6:]))
+    return out
+
+
+async def test_usage_reaches_the_client_as_it_asked_for_it(
+    qwen_fleet: dict[str, RealNode], real_gateway: StartGateway
+) -> None:
+    """The gateway always asks the node for per-chunk usage; the client sees it only
+    where it asked: none, the final usage chunk, or usage on every chunk."""
+    node = qwen_fleet["S"]
+    gw = await real_gateway(gateway_config([node]))
+    url = str(gw.make_url("")).rstrip("/")
+    plain = await _chunks(url, _ask("usage plain", 12))
+    assert all("usage" not in c or c["usage"] is None for c in plain)
+    final = await _chunks(url, _ask("usage final", 12, stream_options={"include_usage": True}))
+    usages = [c["usage"] for c in final if c.get("usage")]
+    assert len(usages) == 1 and usages[0]["completion_tokens"] == 12
+    assert final[-1]["choices"] == []
+    every = await _chunks(
+        url,
+        _ask(
+            "usage every chunk",
+            12,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
+        ),
+    )
+    counts = [c["usage"]["completion_tokens"] for c in every if c.get("usage")]
+    assert counts == sorted(counts) and counts[-1] == 12 and len(counts) >= 12
+    # The node's counts moved the request's place in the projection as they came.
+    b = state_of(gw).fleet.get("S")
+    assert b is not None and b.step_s > 0
+
+
+async def test_a_client_leaving_mid_stream_frees_the_nodes_sequence(
+    qwen_fleet: dict[str, RealNode], real_gateway: StartGateway
+) -> None:
+    node = qwen_fleet["S"]
+    gw = await real_gateway(gateway_config([node]))
+    url = str(gw.make_url("")).rstrip("/")
+    b = state_of(gw).fleet.get("S")
+    assert b is not None
+    await eventually(lambda: node.metric("vllm:num_requests_running") == 0, timeout=60)
+    oai = AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    stream = await oai.chat.completions.create(
+        model="qwen",
+        messages=[{"role": "user", "content": "a long answer please"}],
+        max_tokens=3000,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    got = 0
+    async for _ in stream:
+        got += 1
+        if got == 5:
+            break
+    assert node.metric("vllm:num_requests_running") >= 1
+    await stream.close()
+    await eventually(lambda: node.metric("vllm:num_requests_running") == 0, timeout=15)
+    await eventually(lambda: b.in_flight == 0 and b.reserved_tokens == 0, timeout=5)
+    await oai.close()
+
+
+def test_a_drain_lets_a_running_stream_finish(
+    qwen_fleet: dict[str, RealNode], tmp_path: Path
+) -> None:
+    """SIGTERM while a stream runs: /ready fails at once, the stream ends whole (its
+    last usage and [DONE]) within the grace period, and the process exits 0."""
+    node = qwen_fleet["S"]
+    (port,) = free_ports(1)
+    config = gateway_config(
+        [node], server={"host": "127.0.0.1", "port": port, "shutdown_grace_s": 60}
+    )
+    path = tmp_path / "gateway.yaml"
+    path.write_text(yaml.safe_dump(config))
+    log = (tmp_path / "gateway.log").open("wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvgateway", "serve", "--config", str(path)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(url + "/ready", timeout=1) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, (tmp_path / "gateway.log").read_text()[-2000:]
+            time.sleep(0.2)
+        body = json.dumps(
+            _ask("drain me", 200, stream_options={"include_usage": True})
+        ).encode()
+        req = urllib.request.Request(
+            url + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            first = resp.readline()
+            assert first.startswith(b"data: ")
+            proc.send_signal(signal.SIGTERM)
+            rest = resp.read()
+        assert rest.rstrip().endswith(b"data: [DONE]")
+        assert b'"completion_tokens":200' in rest.replace(b" ", b"")
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        log.close()
+
+
+async def test_streams_close_cleanly_when_many_leave_at_once(
+    qwen_fleet: dict[str, RealNode], real_gateway: StartGateway
+) -> None:
+    """Eight clients leave mid-stream together: the node runs nothing afterwards and the
+    gateway holds nothing (each reservation released once)."""
+    node = qwen_fleet["S"]
+    gw = await real_gateway(gateway_config([node]))
+    url = str(gw.make_url("")).rstrip("/")
+    b = state_of(gw).fleet.get("S")
+    assert b is not None
+
+    async def leave_early(i: int) -> None:
+        async with aiohttp.ClientSession() as s, s.post(
+            url + "/v1/chat/completions", json=_ask(f"leave {i}", 2000)
+        ) as r:
+            assert r.status == 200
+            async for _ in r.content.iter_any():
+                break
+
+    await asyncio.gather(*(leave_early(i) for i in range(8)))
+    await eventually(lambda: node.metric("vllm:num_requests_running") == 0, timeout=20)
+    await eventually(lambda: (b.in_flight, b.reserved_tokens, len(b.projection)) == (0, 0, 0))

@@ -1,0 +1,174 @@
+"""Admission by the projected KV peak: with output bounds that hold, the node never needs
+more blocks than its budget, whatever the arrival order, prefill delays and report lag."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvgateway.core.output_model import OutputShape
+from kvgateway.core.projection import AHEAD, Flight, NodeProjection
+
+BLOCK = 16
+
+
+def _blocks(tokens: int) -> int:
+    return -(-tokens // BLOCK)
+
+
+@dataclass
+class _Seq:
+    """A sequence as the engine runs it (the truth the projection must bound)."""
+
+    flight: Flight
+    length: int  # output tokens it will generate (<= its bound)
+    prefill_left: int  # steps until its first token
+    generated: int = 0
+
+    @property
+    def tokens(self) -> int:
+        # vLLM holds the prompt and every generated token but the last one's KV; the
+        # one being computed is allocated: prompt + generated.
+        return self.flight.prompt + self.generated
+
+
+def _engine_step(running: list[_Seq]) -> list[_Seq]:
+    """One engine step: prefills advance, decodes grow a token; finished ones leave."""
+    left = []
+    for s in running:
+        if s.prefill_left > 0:
+            s.prefill_left -= 1
+            if s.prefill_left == 0:
+                s.generated = 1
+        else:
+            s.generated += 1
+        if s.generated < s.length or s.prefill_left > 0:
+            left.append(s)
+    return left
+
+
+request = st.tuples(
+    st.integers(1, 200),  # prompt tokens
+    st.integers(1, 120),  # bound (max_tokens)
+    st.floats(0.0, 1.0),  # where in [1, bound] its length falls
+    st.integers(0, 4),  # prefill steps
+    st.integers(0, 6),  # arrival step gap
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    requests=st.lists(request, min_size=1, max_size=40),
+    budget=st.integers(20, 60),
+    lag=st.integers(0, 1),
+)
+def test_no_step_needs_more_than_the_budget(
+    requests: list[tuple[int, int, float, int, int]], budget: int, lag: int
+) -> None:
+    """Requests arrive in any order; each is admitted only when the projection with it
+    fits; the node reports progress ``lag`` steps late. The engine never holds more
+    blocks than the budget."""
+    proj = NodeProjection()
+    ids = itertools.count(1)
+    queue: list[tuple[Flight, int, int]] = []
+    arrivals: list[tuple[int, Flight, int, int]] = []
+    t = 0
+    for prompt, bound, frac, prefill, gap in requests:
+        t += gap
+        if _blocks(prompt + bound + AHEAD) > budget:
+            continue  # could never fit: refused, not queued
+        length = max(1, round(frac * bound))
+        f = Flight(next(ids), prompt, 1, bound)
+        arrivals.append((t, f, length, prefill + 1))
+    running: list[_Seq] = []
+    reports: list[tuple[int, int, int]] = []  # (step due, flight id, generated)
+    step = 0
+    while arrivals or queue or running:
+        while arrivals and arrivals[0][0] <= step:
+            _, f, length, prefill = arrivals.pop(0)
+            queue.append((f, length, prefill))
+        # The gateway: admit in order while the projection fits.
+        while queue and proj.fits(BLOCK, budget, 0.0, (queue[0][0],)):
+            f, length, prefill = queue.pop(0)
+            proj.add(f)
+            running.append(_Seq(f, length, prefill))
+        used = sum(_blocks(s.tokens) for s in running)
+        assert used <= budget, (step, used, budget)
+        running_before = {s.flight.id for s in running}
+        running = _engine_step(running)
+        for s in running:
+            if s.prefill_left == 0:
+                reports.append((step + lag, s.flight.id, s.generated))
+        for fid in running_before - {s.flight.id for s in running}:
+            proj.remove(fid)
+        due = [r for r in reports if r[0] <= step]
+        reports = [r for r in reports if r[0] > step]
+        for _, fid, generated in due:
+            proj.progress(fid, generated)
+        step += 1
+        assert step < 100_000
+
+
+def test_staggered_sequences_share_a_budget_their_maxima_would_not() -> None:
+    """Two sequences at different stages need less than the sum of their final sizes:
+    one ending soon makes room for the other's growth."""
+    proj = NodeProjection()
+    old = Flight(1, prompt=16, n=1, bound=160, generated=150, started=True)
+    proj.add(old)
+    newcomer = Flight(2, prompt=16, n=1, bound=160)
+    finals = _blocks(16 + 160) * 2
+    assert proj.peak(BLOCK, 0.0, (newcomer,)).blocks < finals
+    assert proj.fits(BLOCK, finals - 2, 0.0, (newcomer,))
+
+
+def test_an_unstarted_flight_holds_its_whole_bound_forever() -> None:
+    """Until the node reports progress a flight's end is unknown: it counts at its
+    final size from the moment it could reach it."""
+    proj = NodeProjection()
+    proj.add(Flight(1, prompt=32, n=1, bound=64))
+    assert proj.peak(BLOCK, 0.0).blocks == _blocks(32 + 64 + AHEAD)
+    assert proj.earliest_start(BLOCK, Flight(2, 32, 1, 64), _blocks(96) + 2, 0.0) is None
+
+
+def test_earliest_start_is_the_first_end_that_makes_room() -> None:
+    proj = NodeProjection()
+    proj.add(Flight(1, prompt=64, n=1, bound=100, generated=90, started=True))
+    proj.add(Flight(2, prompt=64, n=1, bound=100, generated=10, started=True))
+    head = Flight(3, prompt=160, n=1, bound=40)
+    budget = _blocks(64 + 100) + _blocks(160 + 40 + AHEAD)
+    start = proj.earliest_start(BLOCK, head, budget, 0.0)
+    assert start == 10  # when the first ends
+    assert not proj.fits(BLOCK, budget, 0.0, (head,))
+
+
+def test_prefix_blocks_shared_are_counted_once_while_a_holder_lives() -> None:
+    proj = NodeProjection()
+    keys = tuple(range(100, 110))  # a 160-token shared system prompt
+    holder = Flight(1, prompt=170, n=1, bound=20, keys=keys, generated=5, started=True)
+    proj.add(holder)
+    alone = proj.peak(BLOCK, 0.0).blocks
+    sharer = Flight(2, prompt=170, n=1, bound=20, keys=keys, credited=len(keys))
+    with_sharer = proj.peak(BLOCK, 0.0, (sharer,)).blocks
+    assert with_sharer == alone + _blocks(170 + 20) - len(keys) or with_sharer > alone
+    proj.add(sharer)
+    # The holder ends first: the sharer keeps the shared blocks (counted as its own).
+    late = proj.peak_at(BLOCK, holder.end or 0).blocks
+    assert late >= _blocks(170 + 20)
+    proj.remove(1)
+    assert proj.peak(BLOCK, 0.0).blocks == _blocks(170 + 20)
+
+
+def test_learned_lengths_project_early_ends() -> None:
+    """With learned lengths (most answers short) many long-bounded sequences fit where
+    their bounds alone would not, and more certainty asked (z) admits fewer."""
+    shape = OutputShape([8] * 90 + [200] * 10)
+    proj = NodeProjection()
+    for i in range(6):
+        proj.add(Flight(i, prompt=16, n=1, bound=256, generated=2, started=True, shape=shape))
+    by_bound = _blocks(16 + 256) * 6
+    lenient = proj.peak(BLOCK, 0.0).blocks
+    strict = proj.peak(BLOCK, 3.0).blocks
+    assert lenient < strict <= by_bound
