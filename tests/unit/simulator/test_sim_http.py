@@ -390,19 +390,6 @@ async def test_chat_chunks_are_exactly_vllms_shape(sim: SimFactory) -> None:
     assert re.fullmatch(r"vllm-0\.32\.0-[0-9a-f]{8}", node.node.fingerprint)
 
 
-async def test_every_choices_role_comes_first(sim: SimFactory) -> None:
-    """vLLM sends each choice's role chunk with the request's first output, before any
-    choice's text (serving_chat's first_iteration)."""
-    node = await sim(output_dist="fixed", output_mean=3.0)
-    body = chat("hi", max_tokens=3, stream=True, n=3)
-    async with node.session.post(node.url + "/v1/chat/completions", json=body) as r:
-        text = await r.text()
-    events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
-    roles = [e["choices"][0]["index"] for e in events if "role" in e["choices"][0]["delta"]]
-    assert roles == [0, 1, 2]
-    assert all("role" in e["choices"][0]["delta"] for e in events[:3])
-
-
 async def test_continuous_usage_only_with_include_usage(sim: SimFactory) -> None:
     """vLLM's should_include_usage: per-chunk usage needs include_usage as well."""
     node = await sim(output_dist="fixed", output_mean=5.0)
