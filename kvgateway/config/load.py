@@ -193,6 +193,7 @@ def _model(s: Section, encodings: EncodingCache) -> ModelConfig:
         except EncodingError as exc:
             tok.fail("pattern" if tok.has("pattern") else "file", str(exc))
     d = TokenizerConfig()
+    transformers = tok.integer("transformers", d.transformers, minimum=4, maximum=5)
     tokenizer = TokenizerConfig(
         encoding=enc,
         per_message_tokens=tok.integer("per_message_tokens", d.per_message_tokens, minimum=0),
@@ -204,7 +205,8 @@ def _model(s: Section, encodings: EncodingCache) -> ModelConfig:
         ),
         upper_bound=tok.flag("upper_bound", d.upper_bound),
         chat_template_kwargs=_template_defaults(tok),
-        **_tokenizer_dir(tok, enc, encodings),
+        transformers=transformers,
+        **_tokenizer_dir(tok, enc, encodings, transformers),
     )
     tok.reject_unknown()
     cfg = ModelConfig(
@@ -230,14 +232,17 @@ def _template_defaults(tok: Section) -> str:
         return ""
 
 
-def _tokenizer_dir(tok: Section, enc: EncodingSpec, encodings: EncodingCache) -> dict[str, Any]:
-    """``path``: the model's tokenizer directory, loaded now so a bad one fails start-up."""
+def _tokenizer_dir(
+    tok: Section, enc: EncodingSpec, encodings: EncodingCache, transformers: int
+) -> dict[str, Any]:
+    """``path``: the model's tokenizer directory, loaded now so a bad one fails start-up,
+    as the nodes' transformers (``transformers``: its major version) loads it."""
     path = tok.opt_str("path")
     if path is None:
         return {}
     pattern = enc.pattern if tok.has("pattern") else None
     try:
-        model = encodings.model(path, pattern=pattern)
+        model = encodings.model(path, pattern=pattern, transformers=transformers)
     except (TokenizerDirError, TemplateError) as exc:
         tok.fail("path", str(exc))
         return {}

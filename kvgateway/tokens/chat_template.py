@@ -14,12 +14,12 @@ override them, see :func:`kvgateway.tokens.exact.template_arguments`).
 ``continue_final_message`` appends a tag to the final text and cuts the rendering where
 the tag lands.
 
-The reference is what a vLLM node runs: vLLM pins ``transformers >= 4.56, < 5``
-(``requirements/common.txt``), and this module follows transformers 4.57's
-``apply_chat_template`` (``tokenization_utils_base.py``) and ``render_jinja_template``
-(``utils/chat_template_utils.py``). Messages reach the template as vLLM builds them
-(:func:`conversation`): transformers 4.x neither drops None-valued keys nor adds the
-``thinking`` / ``reasoning_content`` aliases that transformers 5 adds.
+The reference is what a vLLM node runs: transformers 4.57's ``apply_chat_template``
+(``tokenization_utils_base.py``) and ``render_jinja_template``, which transformers 5.19
+(vLLM 0.32's) renders alike (its templates see the named special tokens only, see
+:mod:`.transformers5`). Messages reach the template as vLLM builds them
+(:func:`conversation`), None-valued keys kept, no ``thinking`` alias added (both
+versions); vLLM >= 0.19 then rewrites developer messages (:mod:`.roles`).
 
 Images and other media are not rendered here: the counter adds a configured cost per
 item (see :func:`conversation`).

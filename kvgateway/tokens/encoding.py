@@ -159,17 +159,24 @@ class EncodingCache:
         self._models: dict[tuple[str, str | None, str, tuple[object, ...]], ModelTokenizer] = {}
 
     def model(
-        self, directory: str, *, pattern: str | None = None, engine: str = "auto"
+        self,
+        directory: str,
+        *,
+        pattern: str | None = None,
+        engine: str = "auto",
+        transformers: int = 5,
     ) -> ModelTokenizer:
         """The tokenizer in ``directory`` (see :func:`~.modeldir.load_model_tokenizer`)."""
         from kvgateway.tokens.modeldir import load_model_tokenizer
 
         full = os.path.abspath(os.path.expanduser(directory))
-        key = (full, pattern, engine, _dir_stamp(full))
+        key = (full, pattern, f"{engine}/{transformers}", _dir_stamp(full))
         with self._lock:
             tok = self._models.get(key)
             if tok is None:
-                tok = load_model_tokenizer(directory, pattern=pattern, engine=engine)
+                tok = load_model_tokenizer(
+                    directory, pattern=pattern, engine=engine, transformers=transformers
+                )
                 self._models[key] = tok
             return tok
 

@@ -33,6 +33,7 @@ from kvgateway.tokens.counting import PromptTokens, TextCountCache
 from kvgateway.tokens.images import ImagePricing
 from kvgateway.tokens.lax import flag
 from kvgateway.tokens.modeldir import ModelTokenizer
+from kvgateway.tokens.roles import as_system
 from kvgateway.tokens.spec import TokenizerConfig
 
 # Per-request templates compiled and kept (only when the config trusts them).
@@ -135,14 +136,19 @@ class ExactCounter:
         if template is None:
             template = self._template(body, tools is not None)
         conv = conversation(body.get("messages") or [], template.content_format)
+        messages = conv.messages
+        if self.tokenizer.transformers >= 5:
+            # vLLM >= 0.19's renderer: developer messages as system ones where the
+            # template does not know the role.
+            messages = as_system(messages, template.source)
         args = template_arguments(body, self._defaults)
         text = template.render(
-            conv.messages,
+            messages,
             tools=tools,
             documents=args.pop("documents", None),
             add_generation_prompt=bool(args.pop("add_generation_prompt", False)),
             continue_final_message=bool(args.pop("continue_final_message", False)),
-            special_tokens=self.tokenizer.special_tokens,
+            special_tokens=self.tokenizer.template_tokens,
             kwargs=args,
         )
         pricing = self._pricing.for_request(body)

@@ -9,8 +9,9 @@ A directory is a Hugging Face model directory or just its tokenizer files:
   ``bos_token``/``eos_token`` and the other special tokens a template may print,
   ``add_bos_token``/``add_eos_token``, ``added_tokens_decoder``, ``tokenizer_class``;
 - ``config.json`` (its ``tokenizer_class`` or ``model_type``) and
-  ``special_tokens_map.json``: special tokens and BOS/EOS by tokenizer class, as
-  transformers 4.x sets them (:mod:`.special_tokens`);
+  ``special_tokens_map.json``: the tokenizer class, its special tokens, BOS/EOS and (in
+  transformers 5) its own normalizer and pre-tokenizer, as the nodes' transformers sets
+  them: 5.x (vLLM >= 0.19, :mod:`.transformers5`) or 4.x (:mod:`.special_tokens`);
 - ``chat_template.jinja`` (wins over the config's template, as in transformers) and a
   processor's ``chat_template.json`` (vLLM prefers it when the request has no tools).
 
@@ -29,6 +30,7 @@ from typing import Any
 
 from tiktoken.load import load_tiktoken_bpe
 
+from kvgateway.tokens import transformers5
 from kvgateway.tokens.bytelevel import NotExact, to_tiktoken_ranks
 from kvgateway.tokens.chat_template import ChatTemplate, TemplateError
 from kvgateway.tokens.encoding import PATTERNS
@@ -43,6 +45,10 @@ from kvgateway.tokens.special_tokens import (
     vocabulary,
     with_special_tokens,
 )
+
+# The transformers major versions whose tokenizer loading is modelled: 5 is what vLLM
+# >= 0.19 runs, 4 what earlier releases ran.
+TRANSFORMERS_VERSIONS = (4, 5)
 
 
 class TokenizerDirError(ValueError):
@@ -67,10 +73,19 @@ class ModelTokenizer:
     # The image processor's grid (preprocessor_config.json) when it sizes images by the
     # picture (Qwen2-VL's): images then cost what the node's processor makes of them.
     image_grid: ImageGrid | None = None
+    # The transformers major version the nodes run (what the rules above followed).
+    transformers: int = 5
 
     @property
     def name(self) -> str:
         return self.engine.name
+
+    @property
+    def template_tokens(self) -> Mapping[str, Any]:
+        """The special tokens a chat template sees (transformers 5: the named ones only)."""
+        if self.transformers >= 5:
+            return transformers5.template_tokens(self.special_tokens)
+        return self.special_tokens
 
     def template_for(self, *, tools: bool) -> str | None:
         """The template vLLM resolves when a request gives none of its own."""
@@ -180,14 +195,20 @@ def _post_processor_ids(proc: Any, added: Mapping[str, int]) -> tuple[list[int],
 
 
 def load_model_tokenizer(
-    directory: str, *, pattern: str | None = None, engine: str = "auto"
+    directory: str, *, pattern: str | None = None, engine: str = "auto", transformers: int = 5
 ) -> ModelTokenizer:
     """The tokenizer in ``directory``; ``pattern`` is the split regex (or a family name
     from :data:`~kvgateway.tokens.encoding.PATTERNS`) of a ``*.tiktoken`` file.
 
     ``engine``: "auto" (tiktoken when proven exact), or "tokenizers" to force the
-    ``tokenizers`` library (what the simulator's reference node does).
+    ``tokenizers`` library (what the simulator's reference node does). ``transformers``:
+    the major version whose loading rules apply (see :data:`TRANSFORMERS_VERSIONS`).
     """
+    if transformers not in TRANSFORMERS_VERSIONS:
+        raise TokenizerDirError(
+            f"transformers {transformers} is not one of {TRANSFORMERS_VERSIONS}"
+        )
+    v5 = transformers >= 5
     directory = os.path.expanduser(directory)
     if not os.path.isdir(directory):
         raise TokenizerDirError(f"tokenizer directory {directory!r} does not exist")
@@ -195,10 +216,14 @@ def load_model_tokenizer(
     cfg = _read_json(cfg_path) if os.path.isfile(cfg_path) else {}
     spec_path = os.path.join(directory, "tokenizer.json")
     bpe_files = sorted(glob.glob(os.path.join(directory, "*.tiktoken")))
-    cls = tokenizer_class(cfg, _optional_json(os.path.join(directory, "config.json")))
-    special = special_tokens(
-        cfg, _optional_json(os.path.join(directory, "special_tokens_map.json")), cls
-    )
+    model_cfg = _optional_json(os.path.join(directory, "config.json"))
+    legacy = _optional_json(os.path.join(directory, "special_tokens_map.json"))
+    if v5:
+        cls = transformers5.tokenizer_class(cfg, model_cfg)
+        special = transformers5.special_tokens(cfg, legacy, cls)
+    else:
+        cls = tokenizer_class(cfg, model_cfg)
+        special = special_tokens(cfg, legacy, cls)
     note = ""
     if os.path.isfile(spec_path):
         with open(spec_path, encoding="utf-8") as fh:
@@ -207,6 +232,10 @@ def load_model_tokenizer(
             spec = json.loads(spec_text)
         except ValueError as exc:
             raise TokenizerDirError(f"cannot read {spec_path}: {exc}") from exc
+        if v5 and cls:
+            # The class's own normalizer, pre-tokenizer and BPE options replace the file's.
+            spec = transformers5.pipeline(spec, cls, cfg)
+            spec_text = json.dumps(spec, ensure_ascii=False)
         added = with_special_tokens(_added_tokens(spec, cfg), special, vocabulary(spec))
         processor = _post_processor_ids(spec.get("post_processor"), added)
         label = os.path.basename(os.path.normpath(directory))
@@ -245,7 +274,13 @@ def load_model_tokenizer(
     else:
         raise TokenizerDirError(f"{directory} has neither tokenizer.json nor a *.tiktoken BPE file")
     try:
-        prefix, suffix = bos_eos(cfg, cls, special, added, processor)
+        # transformers 5 drops add_bos_token/add_eos_token beside a tokenizer.json: the
+        # post-processor (the file's, or the class's own) decides.
+        prefix, suffix = (
+            (tuple(processor[0]), tuple(processor[1]))
+            if v5 and os.path.isfile(spec_path)
+            else bos_eos(cfg, cls, special, added, processor)
+        )
     except SpecialTokenError as exc:
         raise TokenizerDirError(str(exc)) from exc
     templates = _templates(directory, cfg)
@@ -263,4 +298,5 @@ def load_model_tokenizer(
         templates=templates,
         engine_note=note,
         image_grid=load_grid(directory),
+        transformers=transformers,
     )

@@ -34,6 +34,11 @@ class TokenizerConfig:
     # (tokens.exact); the encoding and allowances above are then only a fallback.
     path: str | None = None
     model: ModelTokenizer | None = field(default=None, compare=False, repr=False)
+    # The transformers major version the nodes run (models[].tokenizer.transformers): 5 for
+    # vLLM >= 0.19, 4 before. It decides how the directory at ``path`` is loaded (the
+    # tokenizer class's own pipeline, BOS/EOS, special tokens) and, with 5, that developer
+    # messages reach a template that does not know the role as system ones.
+    transformers: int = 5
     # The node's --default-chat-template-kwargs (models[].tokenizer.chat_template_kwargs),
     # as canonical JSON (so the config stays hashable): below every request's own.
     chat_template_kwargs: str = ""

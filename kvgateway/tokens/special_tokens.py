@@ -1,5 +1,6 @@
-"""Special tokens and BOS/EOS as transformers 4.x sets them (what vLLM runs), by tokenizer
-class: pure rules over a directory's configs, which :mod:`.modeldir` reads.
+"""Special tokens and BOS/EOS as transformers 4.x sets them (what vLLM <= 0.18 runs;
+:mod:`.transformers5` has 5.x's), by tokenizer class: pure rules over a directory's
+configs, which :mod:`.modeldir` reads.
 
 - The class AutoTokenizer loads: ``tokenizer_config.json``'s ``tokenizer_class``, else
   ``config.json``'s, else its ``model_type`` (for the classes below; any other is the
@@ -190,7 +191,7 @@ def with_special_tokens(
     one token, not five)."""
     vocab_id, size = vocab
     out = dict(added)
-    tokens = [special.get(n) for n in SPECIAL_NAMES]
+    tokens = [v for k, v in special.items() if k != "additional_special_tokens"]
     tokens += list(special.get("additional_special_tokens") or ())
     next_id = max(size, max(out.values(), default=-1) + 1)
     for token in tokens:

@@ -123,15 +123,15 @@ def test_config_path_loads_the_tokenizer(vocab_dirs: Dirs) -> None:
 def test_add_bos_token_overrides_the_post_processor_of_llama_style_classes_only(
     tmp_path: Path, vocab_dirs: Dirs
 ) -> None:
-    """As transformers 4.x: LlamaTokenizerFast (and Gemma's, Cohere's) rebuild the
+    """transformers 4.x: LlamaTokenizerFast (and Gemma's, Cohere's) rebuild the
     post-processor from add_bos_token / add_eos_token; the generic class keeps
     tokenizer.json's (BOS <s> = 1 here) whatever the config says."""
     directory = _copy(vocab_dirs("tekken"), tmp_path / "nobos")
     _edit_config(directory, add_bos_token=False, add_eos_token=True)
-    tok = load_model_tokenizer(str(directory))
+    tok = load_model_tokenizer(str(directory), transformers=4)
     assert tok.prefix == (1,) and tok.suffix == ()
     _edit_config(directory, tokenizer_class="LlamaTokenizerFast")
-    tok = load_model_tokenizer(str(directory))
+    tok = load_model_tokenizer(str(directory), transformers=4)
     assert tok.prefix == () and tok.suffix == (2,)
     assert tok.encode_prompt("hi")[-1] == 2
     # Silent config, Llama class: BOS and no EOS by the class's defaults.
@@ -139,8 +139,27 @@ def test_add_bos_token_overrides_the_post_processor_of_llama_style_classes_only(
     config = json.loads((directory / "tokenizer_config.json").read_text())
     config = {k: v for k, v in config.items() if v is not None}
     (directory / "tokenizer_config.json").write_text(json.dumps(config))
-    tok = load_model_tokenizer(str(directory))
+    tok = load_model_tokenizer(str(directory), transformers=4)
     assert tok.prefix == (1,) and tok.suffix == ()
+
+
+def test_transformers_5_keeps_the_post_processor_of_every_class(
+    tmp_path: Path, vocab_dirs: Dirs
+) -> None:
+    """transformers 5 drops add_bos_token / add_eos_token beside a tokenizer.json: the
+    file's post-processor decides for every class (BOS <s> = 1 here), except GPT-NeoX's,
+    which builds one that adds neither."""
+    directory = _copy(vocab_dirs("sentencepiece"), tmp_path / "sp5")
+    _edit_config(directory, add_bos_token=False, add_eos_token=True)
+    for cls in ("LlamaTokenizerFast", "GemmaTokenizer", "PreTrainedTokenizerFast"):
+        _edit_config(directory, tokenizer_class=cls)
+        tok = load_model_tokenizer(str(directory))
+        assert (tok.prefix, tok.suffix) == ((1,), ()), cls
+    _edit_config(directory, tokenizer_class="LlamaTokenizerFast")
+    assert load_model_tokenizer(str(directory), transformers=4).prefix == ()
+    _edit_config(directory, tokenizer_class="GPTNeoXTokenizer", add_bos_token=True)
+    tok = load_model_tokenizer(str(directory))
+    assert (tok.prefix, tok.suffix) == ((), ())
 
 
 def test_template_files_and_named_templates(tmp_path: Path, vocab_dirs: Dirs) -> None:
@@ -204,7 +223,8 @@ def test_which_tokenizers_can_count_pieces_apart() -> None:
 def test_reloads_reuse_an_unchanged_directory(tmp_path: Path, vocab_dirs: Dirs) -> None:
     directory = _copy(vocab_dirs("sentencepiece"), tmp_path / "sp")
     data = {
-        "models": [{"name": "m", "tokenizer": {"path": str(directory)}}],
+        # transformers 4.x, whose Llama class reads add_bos_token (5 ignores it).
+        "models": [{"name": "m", "tokenizer": {"path": str(directory), "transformers": 4}}],
         "tiers": [{"name": "t", "backends": [{"name": "b", "url": "http://h:1", "model": "m"}]}],
     }
     encodings = EncodingCache()

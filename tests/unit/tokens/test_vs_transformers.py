@@ -1,15 +1,16 @@
-"""The gateway's prompt ids equal what a vLLM node computes, with transformers as the oracle.
+"""The gateway's prompt ids equal what a vLLM <= 0.18 node computes (transformers 4.x),
+with transformers as the oracle: the gateway's ``tokenizer.transformers: 4`` mode.
+(vLLM >= 0.19 runs transformers 5: test_vs_transformers5.py checks the default mode.)
 
 The gateway renders chat templates with its own sandboxed jinja2 (``chat_template.py``),
 and so does the simulator, so their agreement says nothing about the rendering. Here
 the reference is what vLLM runs: Hugging Face ``AutoTokenizer.from_pretrained(dir)``,
 ``apply_chat_template(..., tokenize=False)`` and then the tokenizer itself with
-``add_special_tokens=False``, with the transformers vLLM installs: its
+``add_special_tokens=False``, with the transformers vLLM <= 0.18 installs: its
 ``requirements/common.txt`` pins ``transformers >= 4.56.0, < 5`` (vllm-project/vllm
-b61ce3b08a2e), so the oracle must be a 4.x release (the dev extra pins it; checked with
-4.57.5). transformers 5 renders differently: it drops None-valued message keys and
-copies reasoning into ``thinking`` / ``reasoning_content`` (``test_transformers_4_message_keys``
-pins the 4.x behaviour).
+b61ce3b08a2e), so the oracle is a 4.x release (the dev extra pins it; checked with
+4.57.5). Messages keep None-valued keys and reasoning only under vLLM's names
+(``test_transformers_4_message_keys``; transformers 5.19 renders them alike).
 
 vLLM prepares the request before transformers sees it; that step is written out below
 from vLLM's source, independently of the gateway's ``conversation()``. The search index
@@ -63,7 +64,7 @@ import transformers
 
 from kvgateway.tokens.chat_template import ChatTemplate, TemplateError
 from kvgateway.tokens.counting import PromptCounter, TextCountCache
-from kvgateway.tokens.encoding import EncodingSpec, load_encoding
+from kvgateway.tokens.encoding import EncodingCache, EncodingSpec, load_encoding
 from kvgateway.tokens.exact import ExactCounter
 from kvgateway.tokens.modeldir import ModelTokenizer, _templates
 from kvgateway.tokens.plans import plan_chat
@@ -353,6 +354,15 @@ class Pair:
 
 
 @pytest.fixture(scope="module")
+def gateway_tokenizer(
+    vocab_dirs: Callable[[str], Path], encodings: EncodingCache
+) -> Callable[[str], ModelTokenizer]:
+    """The gateway as it counts for nodes on transformers 4.x (``tokenizer.transformers:
+    4``, vLLM <= 0.18): what this oracle checks (test_vs_transformers5.py checks 5)."""
+    return lambda kind: encodings.model(str(vocab_dirs(kind)), transformers=4)
+
+
+@pytest.fixture(scope="module")
 def pairs(
     vocab_dirs: Callable[[str], Path],
     gateway_tokenizer: Callable[[str], ModelTokenizer],
@@ -558,8 +568,8 @@ def test_thinking_template_kwargs_documents_and_reasoning(
 
 
 def test_transformers_4_message_keys(custom: Callable[[str, str], Pair]) -> None:
-    """Where transformers 5 would render otherwise: 4.x keeps None-valued keys (a tool
-    message's null tool_call_id is defined, and renders as "None"), and the template sees
+    """transformers keeps None-valued keys (a tool message's null tool_call_id is
+    defined, and renders as "None"), and the template sees
     reasoning only under vLLM's names (``reasoning``, ``reasoning_content``), never as
     ``thinking``."""
     pair = custom("thinking", THINKING)
@@ -796,7 +806,7 @@ def test_special_tokens_and_bos_eos_as_the_tokenizer_class_sets_them(
     if variant in MODEL_CONFIGS:
         (tmp_path / "config.json").write_text(json.dumps(MODEL_CONFIGS[variant]))
     hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
-    gateway = ExactCounter(load_model_tokenizer(str(tmp_path)))
+    gateway = ExactCounter(load_model_tokenizer(str(tmp_path), transformers=4))
     for prompt in ("Hello world", "12345 <s> x", "a <|endoftext|> b <pad> c"):
         assert gateway.completion_ids({"prompt": prompt}) == hf(prompt)["input_ids"], prompt
     pair = Pair(tmp_path, gateway.tokenizer, hf)
