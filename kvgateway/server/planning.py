@@ -114,7 +114,10 @@ async def plan_request(
         and not prompt.exact
         and prompt.prompts == 1
         and node_tokenizer.worth_asking(
-            prompt.longest,
+            # What would be reserved: the bound, or the stand-in's count as the nodes'
+            # reports scale it, whichever is more (either may pass a context the node's
+            # own count fits).
+            reserved_prompts(prompt, model, calibration)[0],
             prompt.floor,
             parsed.requested_output or 1,
             largest,

@@ -10,8 +10,13 @@ reservation and refuse prompts the node serves):
 
 - ``fixed`` from small prompts (below :data:`SMALL` counted tokens), where the overhead
   dominates: an EWMA of ``reported - ratio * counted``;
-- ``ratio`` from larger prompts only, on the tokens above the fixed overhead, weighted by
-  size over a decaying window.
+- ``ratio`` from larger prompts only, on the tokens above the fixed overhead: the median
+  of the last :data:`WINDOW` prompts' ratios, once :data:`MIN_RATIO_SAMPLES` were seen
+  (1.0 before). The ratio differs by content, not only by node (digit runs cost a
+  Qwen node 2.5x what cl100k counts, English prose 1.05x): a median is what most prompts
+  see, and one digit-heavy chat does not scale every English prompt after it past the
+  context. What a prompt unlike most costs is not predicted: near a limit the node is
+  asked (planning and :mod:`kvgateway.server.node_tokenize`).
 
 Each observation is clamped before it is used, so one odd answer moves either only so
 far. Reads never go below the gateway's own count.
@@ -20,26 +25,30 @@ far. Reads never go below the gateway's own count.
 from __future__ import annotations
 
 import math
+import statistics
+from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 MAX_RATIO = 4.0
 MAX_FIXED = 4096.0
 SMALL = 256  # counted tokens below which a prompt teaches the fixed overhead
-DECAY = 0.97  # per large observation
+WINDOW = 31  # large prompts whose ratios the median is taken over
+MIN_RATIO_SAMPLES = 3  # large prompts seen before their median is used
 FIXED_ALPHA = 0.2
 
 
 @dataclass(slots=True)
 class _Fit:
     fixed: float = 0.0
-    weight: float = 0.0  # decayed sum of sizes of the large prompts seen
-    weighted_ratio: float = 0.0
+    ratios: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))
     samples: int = 0  # reports seen
 
     @property
     def ratio(self) -> float:
-        return self.weighted_ratio / self.weight if self.weight > 0 else 1.0
+        if len(self.ratios) < MIN_RATIO_SAMPLES:
+            return 1.0
+        return statistics.median(self.ratios)
 
     def add(self, counted: int, reported: int) -> None:
         self.samples += 1
@@ -48,9 +57,7 @@ class _Fit:
             self.fixed += FIXED_ALPHA * (sample - self.fixed)
             return
         r = (reported - self.fixed) / counted
-        r = min(max(r, 1.0 / MAX_RATIO), MAX_RATIO)
-        self.weight = self.weight * DECAY + counted
-        self.weighted_ratio = self.weighted_ratio * DECAY + counted * r
+        self.ratios.append(min(max(r, 1.0 / MAX_RATIO), MAX_RATIO))
 
     def predict(self, counted: float) -> float:
         return self.fixed + max(1.0, self.ratio) * counted

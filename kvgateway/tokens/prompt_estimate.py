@@ -121,11 +121,13 @@ class PromptEstimator:
                 log.info("chat template refused a request (the node will too): %s", exc)
             else:
                 return _exact(counted)
-        factor = overcount(body) if self._config.upper_bound else 1.0
+        # How far the stand-in may overcount this content: where counting may stop, and
+        # the least the node may count (below the stand-in's count for CJK text...).
+        factor = overcount(body)
         stop = None if limit is None else math.ceil(limit * factor)
         standin = await self._standin.count(plan_chat(body, self._config), (), stop)
         if not self._config.upper_bound or _past(standin, stop):
-            return _as_counted(standin)
+            return _as_counted(standin, floor=math.floor(standin.longest / factor))
         bound = await self._bound(standin.total, body)
         return PromptEstimate(
             total=bound,
@@ -154,7 +156,7 @@ class PromptEstimator:
             return _exact(await self._exact.count_completion(body))
         plan, known = plan_completion(body["prompt"])
         prompts = _prompts(body["prompt"])
-        factor = completion_overcount(prompts) if self._config.upper_bound else 1.0
+        factor = completion_overcount(prompts)
         stop = None if limit is None else math.ceil(limit * factor)
         # Counting stops on the batch's total: past n prompts' worth, one of them is past
         # the limit (a total past one prompt's worth refused batches whose every prompt
@@ -162,7 +164,7 @@ class PromptEstimator:
         batch_stop = None if stop is None else stop * max(1, len(prompts))
         standin = await self._standin.count(plan, known, batch_stop)
         if not self._config.upper_bound or _past(standin, stop):
-            return _as_counted(standin)
+            return _as_counted(standin, floor=math.floor(standin.longest / factor))
         counts = standin.each or (standin.total,)
         if standin.total > self._inline_tokens and self._executor is not None:
             loop = asyncio.get_running_loop()
@@ -204,9 +206,12 @@ def _past(standin: PromptTokens, limit: int | None) -> bool:
     return limit is not None and standin.longest > limit
 
 
-def _as_counted(counted: PromptTokens, *, exact: bool = False) -> PromptEstimate:
+def _as_counted(
+    counted: PromptTokens, *, exact: bool = False, floor: int | None = None
+) -> PromptEstimate:
     """A count taken as it is: the model's own (``exact``), or the stand-in's
-    (``tokenizer.upper_bound: false``, or past the limit anyway)."""
+    (``tokenizer.upper_bound: false``, or past the limit anyway; ``floor``: the least
+    the node may count, the stand-in's count less what it may overcount)."""
     return PromptEstimate(
         total=counted.total,
         longest=counted.longest,
@@ -215,7 +220,7 @@ def _as_counted(counted: PromptTokens, *, exact: bool = False) -> PromptEstimate
         standin=counted.total,
         encoded_chars=counted.encoded_chars,
         each=counted.each or (counted.total,),
-        floor=counted.longest,
+        floor=counted.longest if floor is None else floor,
     )
 
 

@@ -14,7 +14,7 @@ def test_tiny_chats_with_a_fixed_template_do_not_poison_long_prompts():
     assert 26_030 <= bound <= 26_400
 
 
-def test_a_tokenizer_ratio_is_learned_from_large_prompts_weighted_by_size():
+def test_a_tokenizer_ratio_is_learned_from_large_prompts():
     cal = PromptCalibration()
     for _ in range(30):
         cal.observe("a", "m", 1_300, 1_625)  # the node's tokenizer counts 25% more
@@ -54,3 +54,19 @@ def test_learned_predictions_wait_for_enough_reports():
     got = cal.learned("m", 2_000, 0.0, min_samples=3)
     assert got is not None and 2_000 <= got <= 2_030
     assert cal.learned("other", 2_000, 0.0, min_samples=1) is None
+
+
+def test_one_digit_heavy_chat_does_not_scale_every_prompt_after_it():
+    """Seen with upper_bound false against a Qwen node: one chat of numbers (stand-in
+    2,807, node 7,028) taught a 2.5x ratio, and English prompts of 3,529 and 5,029
+    tokens were predicted at 8.8k and 12.6k: refused on an 8k node that serves them."""
+    cal = PromptCalibration()
+    cal.observe("n", "m", 2_807, 7_028)
+    assert cal.scaled("m", 3_529, 0.0) == 3_529
+    assert cal.scaled("m", 5_029, 0.0) == 5_029
+    for i in range(12):
+        cal.observe("n", "m", 3_000, 3_150)  # English: 5% more on the node
+        if i % 4 == 3:
+            cal.observe("n", "m", 2_807, 7_028)  # and a chat of numbers now and then
+    assert cal.ratio("m") == 1.05
+    assert cal.scaled("m", 5_029, 0.0) <= 5_290

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from dataclasses import replace
 
 from kvgateway.tokens.counting import PromptCounter, TextCountCache
 from kvgateway.tokens.encoding import EncodingSpec, load_encoding
@@ -101,7 +102,8 @@ async def test_a_prompt_the_standin_overcounts_is_not_cut_off_at_the_context() -
     english = await estimator.chat(
         {"messages": [{"role": "user", "content": "word " * 3000}]}, 2000
     )
-    assert english.total == english.standin == english.floor > 2000  # certainly past
+    assert english.total == english.standin  # certainly past: the bound is not computed
+    assert english.floor == int(english.standin / ASCII_OVERCOUNT) > 2000
     assert english.standin <= 2000 * ASCII_OVERCOUNT + 1000  # stopped early
     cjk_body = {"messages": [{"role": "user", "content": "我们今天讨论缓存容量模型" * 300}]}
     cjk = await estimator.chat(cjk_body, 2000)
@@ -154,3 +156,20 @@ async def test_a_batch_whose_prompts_each_fit_is_counted_prompt_by_prompt() -> N
     # Past eight prompts' worth, one of them is past the limit: still stopped early.
     huge = await estimator.completion({"prompt": [text * 20] * 8}, limit=1000)
     assert huge.longest > 1000
+
+
+async def test_without_the_bound_the_floor_allows_for_the_overcount() -> None:
+    """upper_bound false reserves the stand-in's count as the nodes' reports scale it;
+    the least the node may count is still that count less what cl100k may overcount
+    (Chinese ~2x Qwen's count): a CJK prompt counted past the context may fit the node,
+    which is asked. It was the count itself, so such a prompt was refused unasked."""
+    from kvgateway.server.node_tokenize import NodeTokenizer
+    from kvgateway.tokens.standin import MAX_OVERCOUNT
+
+    estimator = PromptEstimator(replace(CONFIG, upper_bound=False), _standin())
+    cjk = await estimator.chat(
+        {"messages": [{"role": "user", "content": "我们今天讨论缓存容量模型" * 300}]}, 2000
+    )
+    assert cjk.total == cjk.standin > 2000 and not cjk.exact
+    assert cjk.floor == int(cjk.standin / MAX_OVERCOUNT)
+    assert NodeTokenizer.worth_asking(cjk.total, cjk.floor, 16, 2000)
