@@ -294,6 +294,15 @@ def _shares_as_keyed(body: dict[str, Any]) -> bool:
     return True
 
 
+def tokenize_request(counted: Counted) -> tuple[dict[str, Any], bool]:
+    """The body the prompt was counted from (a Responses request as the chat vLLM renders
+    for it), and whether it is a chat: what a node's /tokenize is asked."""
+    body = counted.parsed.body
+    if counted.parsed.kind == "completion":
+        return body, False
+    return (body if counted.parsed.kind == "chat" else responses_chat_body(body)), True
+
+
 def node_counted(prompt: PromptEstimate, count: int) -> PromptEstimate:
     """``prompt`` as the node counts it (one prompt)."""
     return replace(prompt, total=count, longest=count, each=(count,), exact=True, floor=count)

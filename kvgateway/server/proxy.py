@@ -16,6 +16,7 @@ from dataclasses import replace
 
 from aiohttp import web
 
+from kvgateway.core.backends import Backend
 from kvgateway.core.demand import Demand
 from kvgateway.core.reservation import Reservation
 from kvgateway.errors import (
@@ -33,7 +34,12 @@ from kvgateway.server.body import read_limited
 from kvgateway.server.exchange import CLIENT_GONE, Exchange, Failure, Outcome, finish
 from kvgateway.server.openai_request import Kind
 from kvgateway.server.output_accounting import client_key
-from kvgateway.server.planning import plan_request, upstream_body, with_node_count
+from kvgateway.server.planning import (
+    plan_request,
+    tokenize_request,
+    upstream_body,
+    with_node_count,
+)
 from kvgateway.server.relay import (
     answer_body,
     error_event,
@@ -230,10 +236,10 @@ async def _forward(state: GatewayState, ex: Exchange, raw: bytes) -> web.StreamR
                 excluded.add(r.backend.name)
                 last_error = outcome
                 continue
-            if isinstance(outcome, NodeCount):  # the node counted more: admit again, once
-                _recount(state, ex, r, outcome)
-                continue
-            return outcome
+            if not isinstance(outcome, NodeCount):
+                return outcome
+        # The node counted more: admit again, once, with its room given back first.
+        await _recount(state, ex, r.backend, outcome)
 
 
 async def _attempt(
@@ -287,24 +293,37 @@ async def _send_now(state: GatewayState, ex: Exchange, out: web.Response) -> Non
     await out.write_eof()
 
 
-def _recount(state: GatewayState, ex: Exchange, r: Reservation, node: NodeCount) -> None:
-    """Re-plan with the count the node gave when it refused the prompt, and learn it."""
+async def _recount(state: GatewayState, ex: Exchange, backend: Backend, node: NodeCount) -> None:
+    """Re-plan with the count the node gave when it refused the prompt, and learn it. A
+    lower bound ("at least N") is never reserved as the count: a node with a longer
+    context is asked for its own, else the most such a node can hold is reserved."""
     counted = ex.counted
     assert counted is not None
-    tokens = readmission_prompt_tokens(node, r.backend.max_model_len)
-    r.backend.note_rejection(state.clock())
-    if not node.at_least:
-        state.calibration.observe(
-            r.backend.name, counted.model.name, counted.prompt.standin, tokens
-        )
+    model = counted.model
+    asked = None
+    if node.at_least and state.node_tokenizer is not None:
+        body, chat = tokenize_request(counted)
+        asked = await state.node_tokenizer.count(model, body, chat=chat)
+    tokens = readmission_prompt_tokens(
+        node,
+        asked=asked,
+        largest_context=state.fleet.largest_context(model.name),
+        output=counted.output_tokens,
+    )
+    backend.note_rejection(state.clock())
+    if not node.at_least or asked is not None:
+        state.calibration.observe(backend.name, model.name, counted.prompt.standin, tokens)
     ex.recounted = True
-    ex.counted = with_node_count(counted, tokens, state.fleet.block_size(counted.model.name))
+    ex.counted = with_node_count(counted, tokens, state.fleet.block_size(model.name))
+    how = "" if not node.at_least else " (asked)" if asked is not None else " (the most it may be)"
     log.info(
-        "backend %s counted the prompt as %s%d tokens (the gateway %d): admitting again",
-        r.backend.name,
+        "backend %s counted the prompt as %s%d tokens (the gateway %d): admitting again with %d%s",
+        backend.name,
         "at least " if node.at_least else "",
         node.prompt_tokens,
         counted.prompt.longest,
+        tokens,
+        how,
     )
 
 

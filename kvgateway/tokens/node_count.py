@@ -117,18 +117,25 @@ def parse_context_length_error(message: str) -> NodeCount | None:
     return None
 
 
-def readmission_prompt_tokens(count: NodeCount, max_model_len: int) -> int:
-    """Prompt tokens to re-admit a refused request with.
+def readmission_prompt_tokens(
+    count: NodeCount, *, asked: int | None, largest_context: int, output: int
+) -> int:
+    """Prompt tokens to re-admit a refused request with: the node's count, never a lower
+    bound of it.
 
-    An exact count is used as is. A lower bound ("at least N") only says the prompt
-    did not fit under ``max_model_len - M``; the request can then only go to a node
-    with a longer context, and must be counted there as more than N: at least N, and
-    no less than what would have filled the refusing node.
+    An exact count is used as it is. "At least N" only says the prompt did not fit the
+    refusing node (vLLM stopped counting past its context: a 9,028-token prompt was
+    refused as "at least 4097"); the request can only go to a node with a longer
+    context, whose own count is asked first (``asked``: its /tokenize count). Without
+    one, the most a node that may serve it can hold: the largest context less the
+    output reserved beside it (a longer prompt is refused there too, and that refusal
+    is the client's answer), and never less than N.
     """
     if not count.at_least:
         return count.prompt_tokens
-    limit = count.max_model_len if count.max_model_len is not None else max_model_len
-    return max(count.prompt_tokens, limit - (count.requested_output or 0) + 1)
+    if asked is not None:
+        return max(asked, count.prompt_tokens)
+    return max(count.prompt_tokens, largest_context - output)
 
 
 # Fields of vLLM's TokenizeChatRequest / TokenizeCompletionRequest that change the count.

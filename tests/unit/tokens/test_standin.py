@@ -167,12 +167,28 @@ def test_context_length_wordings(message: str, expected: NodeCount | None) -> No
     assert parse_context_length_error(message) == expected
 
 
-def test_readmission_count() -> None:
+def test_readmission_count_is_never_a_lower_bound() -> None:
+    """vLLM >= 0.32 refuses a 9,028-token prompt on a 4k node as "at least 4097" (it
+    stops counting past the context); re-admitted to the 16k node reserving 4,097, the
+    prompt took twice its reservation there. The larger node's own count is used, or
+    else the most that node can hold beside the output."""
     exact = NodeCount(5000, False, 4096, 100)
-    assert readmission_prompt_tokens(exact, 4096) == 5000
+    assert readmission_prompt_tokens(exact, asked=None, largest_context=16_384, output=16) == 5000
+    refused = parse_context_length_error(
+        "This model's maximum context length is 4096 tokens. However, your prompt contains "
+        "at least 4097 input tokens, which exceeds this limit even without any output tokens."
+    )
+    assert refused == NodeCount(4097, True, 4096, 0)
+    asked = readmission_prompt_tokens(refused, asked=9_028, largest_context=16_384, output=16)
+    assert asked == 9_028
+    unknown = readmission_prompt_tokens(refused, asked=None, largest_context=16_384, output=16)
+    assert unknown == 16_368
     lower = parse_context_length_error(VLLM_NEW)
-    assert lower is not None
-    assert readmission_prompt_tokens(lower, 8192) == 7681
+    assert lower is not None and lower.at_least
+    got = readmission_prompt_tokens(lower, asked=None, largest_context=32_768, output=512)
+    assert got == 32_256
+    # Nothing larger is on offer: at least what the node counted.
+    assert readmission_prompt_tokens(lower, asked=None, largest_context=8_192, output=512) == 7_681
 
 
 LAYOUT = {
