@@ -157,13 +157,17 @@ def _chat_tool(tool: dict[str, Any], name: Any) -> dict[str, Any]:
 
 def chat_body(body: dict[str, Any]) -> dict[str, Any]:
     """The chat request vLLM renders for a Responses request: messages, tools and the
-    template arguments vLLM sets (``ResponsesRequest.build_chat_params``)."""
+    template arguments vLLM sets (``ResponsesRequest.build_chat_params``). The rendering
+    is tokenized with special tokens: ``ResponsesRequest.build_tok_params`` (vLLM 0.32)
+    leaves ``TokenizeParams.add_special_tokens`` at its default, true, so a BOS model
+    gets its BOS before the template's own (Llama 3, Tekken: one more than a chat)."""
     cont = continue_final(body.get("input"))
     chat: dict[str, Any] = {
         "messages": chat_messages(body),
         "tools": chat_tools(body.get("tools")),
         "add_generation_prompt": not cont,
         "continue_final_message": cont,
+        "add_special_tokens": True,
     }
     reasoning = body.get("reasoning")
     effort = reasoning.get("effort") if isinstance(reasoning, dict) else None

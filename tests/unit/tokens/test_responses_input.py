@@ -203,3 +203,18 @@ async def test_the_simulated_node_counts_what_vllm_counts(
     expected = counter.count_chat_sync({"messages": TOOL_ROUND_MESSAGES, "tools": chat_tools_})
     assert reply["usage"]["input_tokens"] == expected > 10_000
     await node.wait_idle()
+
+
+def test_a_responses_prompt_gets_the_models_bos_as_vllm_tokenizes_it(
+    vocab_dirs: Callable[[str], Path], encodings: EncodingCache
+) -> None:
+    """vLLM tokenizes a Responses rendering with special tokens: Llama 3's node counted
+    one more (its BOS before the template's) than the gateway did."""
+    counter = ExactCounter(encodings.model(str(vocab_dirs("llama3"))))
+    body = {"instructions": "Be brief.", "input": "Why is the sky blue?"}
+    chat = chat_body(body)
+    assert chat["add_special_tokens"] is True
+    as_chat = {k: v for k, v in chat.items() if k != "add_special_tokens"}
+    assert counter.count_chat_sync(chat) == counter.count_chat_sync(as_chat) + 1
+    ids = counter.prompt_ids(chat)
+    assert ids[:2] == [128000, 128000]  # the tokenizer's BOS, then the template's
