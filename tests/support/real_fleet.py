@@ -58,8 +58,13 @@ def _nodes(factory: pytest.TempPathFactory, *specs: NodeSpec) -> Iterator[dict[s
     require_vllm()
     kept = os.environ.get("KVGATEWAY_REAL_NODES")
     if kept:
-        # Nodes left running by `python -m tests.support.vllm_nodes` (while developing).
-        found = {s.name: kept_node(Path(kept), s) for s in specs}
+        # Nodes left running by `python -m tests.support.vllm_nodes` (while developing),
+        # described in one directory or several (separated by ":").
+        dirs = [Path(d) for d in kept.split(os.pathsep) if d]
+        found = {
+            s.name: next((n for d in dirs if (n := kept_node(d, s)) is not None), None)
+            for s in specs
+        }
         if all(found.values()):
             yield {name: node for name, node in found.items() if node is not None}
             return
