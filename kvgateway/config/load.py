@@ -266,12 +266,12 @@ def _admission(s: Section) -> AdmissionConfig:
         context_overflow=s.choice("context_overflow", ("clamp", "reject"), d.context_overflow),
         node_stream_usage=s.flag("node_stream_usage", d.node_stream_usage),
         prefix_credit=s.flag("prefix_credit", d.prefix_credit),
+        kv_projection=s.flag("kv_projection", d.kv_projection),
         output_reservation=s.choice(
             "output_reservation", ("max_tokens", "learned"), d.output_reservation
         ),
         preemption_risk=s.number(
             "preemption_risk", d.preemption_risk, exclusive_min=False, maximum=0.5
-        kv_projection=s.flag("kv_projection", d.kv_projection),
         ),
     )
     s.reject_unknown()
