@@ -102,9 +102,7 @@ def workload(name: str, seed: int = 7) -> list[Request]:
             for i in range(48)
         ]
     if name == "unknown":
-        return [
-            Request(_prompt(rng, rng.randint(100, 600), i), 2048, False) for i in range(64)
-        ]
+        return [Request(_prompt(rng, rng.randint(100, 600), i), 2048, False) for i in range(64)]
     raise SystemExit(f"unknown workload {name!r}")
 
 
@@ -138,7 +136,9 @@ async def _one(client: AsyncOpenAI, model: str, req: Request) -> tuple[int, floa
     return 200, ttft, out
 
 
-async def _run(url: str, model: str, requests: list[Request]) -> list[tuple[int, float | None, int]]:
+async def _run(
+    url: str, model: str, requests: list[Request]
+) -> list[tuple[int, float | None, int]]:
     client = AsyncOpenAI(base_url=url + "/v1", api_key="bench", timeout=1800, max_retries=0)
     try:
         return await asyncio.gather(*(_one(client, model, r) for r in requests))
@@ -160,7 +160,14 @@ def _gateway(node: RealNode, projected: bool) -> Iterator[str]:
     config: dict[str, Any] = {
         "server": {"host": "127.0.0.1", "port": port},
         "models": [{"name": node.spec.served_name, "tokenizer": {"path": str(node.model_dir)}}],
-        "tiers": [{"name": "cpu", "backends": [{"name": node.spec.name, "url": node.url, "model": node.spec.served_name}]}],
+        "tiers": [
+            {
+                "name": "cpu",
+                "backends": [
+                    {"name": node.spec.name, "url": node.url, "model": node.spec.served_name}
+                ],
+            }
+        ],
     }
     if not projected:
         config["admission"] = {"kv_projection": False}
@@ -183,7 +190,9 @@ def _gateway(node: RealNode, projected: bool) -> Iterator[str]:
             except OSError:
                 pass
             if time.monotonic() > deadline or proc.poll() is not None:
-                raise RuntimeError(f"gateway did not start: {(work / 'gateway.log').read_text()[-2000:]}")
+                raise RuntimeError(
+                    f"gateway did not start: {(work / 'gateway.log').read_text()[-2000:]}"
+                )
             time.sleep(0.2)
         yield url
     finally:
@@ -236,7 +245,9 @@ def _print(results: list[Result]) -> None:
     node = {(r.workload): r.wall_s for r in results if r.mode == "node"}
     for r in results:
         if r.mode != "node" and r.workload in node and node[r.workload]:
-            print(f"{r.workload} {r.mode}: {r.wall_s / node[r.workload]:.2f}x the node alone's time")
+            print(
+                f"{r.workload} {r.mode}: {r.wall_s / node[r.workload]:.2f}x the node alone's time"
+            )
 
 
 def calibrate(node: RealNode, n: int = 32) -> None:
@@ -244,13 +255,19 @@ def calibrate(node: RealNode, n: int = 32) -> None:
     reqs = [Request(_prompt(random.Random(i), 50, i), 2048, False) for i in range(n)]
     got = asyncio.run(_run(node.url, node.spec.served_name, reqs))
     lengths = sorted(g[2] for g in got if g[0] == 200)
-    print(f"bias {STOP_BIAS} on token {STOP_TOKEN}: mean {statistics.mean(lengths):.0f}, "
-          f"median {statistics.median(lengths)}, max {lengths[-1]} over {len(lengths)} answers")
+    print(
+        f"bias {STOP_BIAS} on token {STOP_TOKEN}: mean {statistics.mean(lengths):.0f}, "
+        f"median {statistics.median(lengths)}, max {lengths[-1]} over {len(lengths)} answers"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--real", action="store_true", required=True, help="run against a real vLLM node")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--real", action="store_true", required=True, help="run against a real vLLM node"
+    )
     p.add_argument("--workload", choices=("burst", "unknown", "all"), default="all")
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--repeat", type=int, default=1)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Literal, Self
 
 from kvgateway.config.model import GatewayConfig, Policy
@@ -38,7 +38,6 @@ from kvgateway.core.routing_index import ModelIndex
 from kvgateway.core.tenancy import CLASS_FLOOR, Tenancy, Ticket, displaced_error
 from kvgateway.core.wait_queue import WaitQueue
 
-
 # Weight of each new observation of a node's seconds per engine step.
 STEP_EWMA = 0.05
 
@@ -52,6 +51,9 @@ class _Waiter:
     ticket: Ticket | None = None
     # The tenant limit this waiter last waited for (it claims nothing meanwhile).
     gated: str | None = None
+    # Where it heads a backend's queue: its planned start there, on that node's
+    # projection clock (kept, so backfills are held to one plan, not to each new one).
+    plans: dict[str, int] = field(default_factory=dict)
 
 
 class AdmissionCore:
@@ -94,6 +96,8 @@ class AdmissionCore:
         self._waiters: WaitQueue[_Waiter] = WaitQueue()
         # How many waiters claim each backend: "is it claimed?" without walking the queue.
         self._claim_counts: Counter[str] = Counter()
+        # Per backend: the flights that reported since its waiters were last offered room.
+        self._reported: dict[str, set[int]] = {}
         # Per tenant: its waiters that its limits let through, waiting for room (count,
         # tokens): they count against those limits as if running.
         self._through: dict[str, list[int]] = {}
@@ -187,9 +191,7 @@ class AdmissionCore:
         change, b.projected_tokens = now - b.projected_tokens, now
         return change
 
-    def progress(
-        self, reservation: Reservation, generated: int, prompt: int | None = None
-    ) -> None:
+    def progress(self, reservation: Reservation, generated: int, prompt: int | None = None) -> None:
         """The node reports ``generated`` output tokens per sequence for a projected
         request, and its own count of a single prompt (``prompt``). Its first report
         puts its end in the projection: room may appear."""
@@ -212,6 +214,15 @@ class AdmissionCore:
             self._adjust(b, grown, 0, 0)
         if first:
             self._offer(b)
+        elif self._claim_counts[b.name] > 0:
+            # Room also comes as running flights near their ends: a queue waiting for
+            # this node is offered it again once every started flight has reported since
+            # the last offer (about once an engine step, with every count fresh).
+            seen = self._reported.setdefault(b.name, set())
+            seen.add(f.id)
+            if len(seen) >= b.projection.started:
+                seen.clear()
+                self._offer(b)
 
     def prefill_done(self, reservation: Reservation) -> None:
         h = reservation.holding
@@ -245,7 +256,7 @@ class AdmissionCore:
         for w in self._ordered():
             if w.future.done() or w.gated is not None or b.name not in w.claims:
                 continue
-            plan = _plan_of(b, w.demand)
+            plan = _plan_of(b, w)
             return False if plan is None else plan
         return None
 
@@ -400,6 +411,7 @@ class AdmissionCore:
             self._ledger.release_shared(b, shared)
         if reservation.flight is not None:
             b.projection.remove(reservation.flight.id)
+            self._reported.get(b.name, set()).discard(reservation.flight.id)
             self._adjust(b, self._resync(b), -reservation.seqs, -1)
         else:
             self._adjust(b, -(reservation.tokens + shared), -reservation.seqs, -1)
@@ -555,7 +567,7 @@ class AdmissionCore:
                 if head is not None:
                     continue
                 # The head: later waiters may take what it cannot use before its start.
-                plan = _plan_of(b, w.demand)
+                plan = _plan_of(b, w)
                 if plan is None:
                     break
                 head = plan
@@ -584,14 +596,28 @@ class _Plan:
     z: float
 
 
-def _plan_of(b: Backend, d: Demand) -> _Plan | None:
-    """``d`` as a flight starting where ``b``'s projection first fits it; None when that
-    cannot be projected (it holds its whole bound, or an end there is unknown)."""
+def _plan_of(b: Backend, w: _Waiter) -> _Plan | None:
+    """``w`` as a flight starting where ``b``'s projection first fits it (where it was
+    planned before, while that still fits); None when that cannot be projected (it
+    holds its whole bound, or an end there is unknown)."""
+    d = w.demand
     if not d.projected:
         return None
+    proj = b.projection
+    block = b.limits.block_size
+    budget = projected_budget(b)
     head = flight_for(b, d)
-    start = b.projection.earliest_start(b.limits.block_size, head, projected_budget(b), d.z)
-    return None if start is None else _Plan(delayed(head, start), d.z)
+    start = proj.earliest_start(block, head, budget, d.z)
+    kept = w.plans.get(b.name)
+    if kept is not None and (start is None or kept - proj.clock < start):
+        # A plan only moves earlier: a report not in yet makes the node look further
+        # from its ends than it is, and a later plan would let backfills take the room
+        # the head was promised.
+        start = max(0, kept - proj.clock)
+    if start is None:
+        return None
+    w.plans[b.name] = proj.clock + start
+    return _Plan(delayed(head, start), d.z)
 
 
 def _backfills(b: Backend, d: Demand, head: _Plan) -> bool:

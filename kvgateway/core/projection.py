@@ -75,11 +75,11 @@ class Flight:
     delay: int = 0
     # Tokens held beyond the reported count: AHEAD, plus a draft model's lookahead.
     ahead: int = AHEAD
+    # The node's step count (its projection's clock) when this flight had generated 0.
+    origin: int = 0
 
     def tokens_at(self, t: int) -> int:
         """Tokens per sequence at step ``t`` from now, if it is still running."""
-        if not self.started:
-            return self.prompt + min(self.bound, self.generated + t) + self.ahead
         return self.prompt + min(self.bound, self.generated + max(0, t - self.delay)) + self.ahead
 
     @property
@@ -108,7 +108,7 @@ class Flight:
         ``L`` its learned length: mean and variance come from the shape, a block added
         for rounding."""
         if not self.started and self.shape is not None:
-            cap = min(self.bound, self.generated + t)
+            cap = min(self.bound, self.generated + max(0, t - self.delay))
             o = self.shape.outlook(self.generated - 1, cap, 0.5)
             tokens = self.prompt + o.expected + self.ahead
             return 1.0, self.n * (tokens / block + 1.0), self.n * o.variance / (block * block)
@@ -206,7 +206,7 @@ class NodeProjection:
     The curve of the flights admitted is kept per step read, until they change: an
     admission round asks it about many candidates, each adding only its own part."""
 
-    __slots__ = ("_base", "_flights", "_ready", "_shared", "_steps")
+    __slots__ = ("_base", "_clock", "_flights", "_ready", "_shared", "_started", "_steps")
 
     def __init__(self) -> None:
         self._flights: dict[int, Flight] = {}
@@ -215,12 +215,25 @@ class NodeProjection:
         self._ready: dict[BlockKey, int] = {}
         self._base: dict[tuple[int, int], tuple[float, float]] = {}
         self._steps: dict[int, tuple[int, ...]] = {}
+        self._started = 0
+        self._clock = 0
 
     def __len__(self) -> int:
         return len(self._flights)
 
     def __contains__(self, fid: int) -> bool:
         return fid in self._flights
+
+    @property
+    def started(self) -> int:
+        """How many flights the node reports progress for."""
+        return self._started
+
+    @property
+    def clock(self) -> int:
+        """Engine steps this node is known to have taken (the furthest any report puts
+        it): plans made at one moment are kept in these steps."""
+        return self._clock
 
     @property
     def flights(self) -> Iterable[Flight]:
@@ -246,6 +259,7 @@ class NodeProjection:
         if f is not None:
             self._shared.remove(fid)
             if f.started:
+                self._started -= 1
                 self._unready(f.keys)
             self._changed()
         return f
@@ -263,8 +277,11 @@ class NodeProjection:
         first = not f.started
         if first:
             f.started = True
+            f.origin = self._clock - f.generated
+            self._started += 1
             for key in f.keys:
                 self._ready[key] = self._ready.get(key, 0) + 1
+        self._clock = max(self._clock, f.origin + f.generated)
         self._changed()
         return first
 
@@ -399,9 +416,11 @@ def _steps(flights: tuple[Flight, ...], block: int) -> list[int]:
                 steps.add(end - 1)
             horizon = max(horizon, end)
         else:
-            reach = max(0, f.bound - f.generated)
+            reach = f.delay + max(0, f.bound - f.generated)
             steps.add(reach)
             horizon = max(horizon, reach)
+        if f.delay:
+            steps.add(f.delay)
     if learned:
         stride = max(1, block // SAMPLES_PER_BLOCK, horizon // MAX_SAMPLES)
         steps.update(range(0, horizon, stride))
@@ -409,14 +428,15 @@ def _steps(flights: tuple[Flight, ...], block: int) -> list[int]:
 
 
 def delayed(f: Flight, steps: int) -> Flight:
-    """``f`` starting ``steps`` from now: nothing held until then, then as if started."""
+    """``f`` admitted ``steps`` from now: nothing held until then, then as a newcomer
+    is (its end unknown until the node reports it)."""
     return _Later(
         f.id,
         f.prompt,
         f.n,
         f.bound,
         f.generated,
-        True,
+        False,
         f.keys,
         f.credited,
         f.shape,
@@ -426,7 +446,7 @@ def delayed(f: Flight, steps: int) -> Flight:
 
 
 class _Later(Flight):
-    """A flight that starts later: it holds nothing before its start."""
+    """A flight admitted later: it holds nothing before its start."""
 
     __slots__ = ()
 
@@ -435,7 +455,7 @@ class _Later(Flight):
             return 0
         return Flight.tokens_at(self, t)
 
-    def survival(self, t: int) -> float:
+    def blocks_at(self, t: int, block: int) -> tuple[float, float, float]:
         if t < self.delay:
-            return 0.0
-        return Flight.survival(self, t)
+            return 0.0, 0.0, 0.0
+        return Flight.blocks_at(self, t, block)

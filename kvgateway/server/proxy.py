@@ -275,7 +275,7 @@ async def _attempt(
             return await relay_stream(state, ex, resp, r)
         data = await read_body(state, ex, resp, r)
         if resp.status == 400 and not counted.prompt.exact and not ex.recounted:
-            node = parse_context_length_error(error_message(data))
+            node = parse_context_length_error(error_message(data), backend.max_model_len)
             if node is not None and counted.prompt.prompts == 1:
                 return node
         out = answer_body(state, ex, resp, r, data)

@@ -22,6 +22,8 @@ count of the prompt (exactly, or as a lower bound when vLLM stopped tokenizing e
   least] N input tokens, which exceeds this limit even without any output tokens." and,
   before tokenizing, "... your prompt contains C characters (more than ...)" (the
   prompt is longer than L tokens);
+- vLLM >= 0.32, a prompt of exactly the context (max_tokens cut to 0): "max_tokens
+  must be at least 1, got 0." (the count is the refusing node's context);
 - engine-level: "The decoder prompt (length N) is longer than the maximum model length
   of L.", "The decoder prompt (length N) plus the number of requested output tokens (at
   least 1) is longer than the maximum model length of L." and "Input prompt (N tokens)
@@ -89,10 +91,19 @@ _NO_OUTPUT = re.compile(
 # vLLM >= 0.32's character pre-check: more characters than L input tokens can hold, so
 # the prompt is longer than L tokens.
 _CHARACTERS = re.compile(r"your prompt contains \d+ characters \(more than", re.IGNORECASE)
+# vLLM >= 0.32, a prompt of exactly the context: max_tokens cut to 0.
+_NOTHING_LEFT = re.compile(r"max_tokens must be at least 1, got 0(?![.\d]*[1-9])")
 
 
-def parse_context_length_error(message: str) -> NodeCount | None:
-    """The node's count from a context-length refusal, or None for any other message."""
+def parse_context_length_error(message: str, context: int | None = None) -> NodeCount | None:
+    """The node's count from a context-length refusal, or None for any other message.
+
+    ``context``: the refusing node's max_model_len. vLLM >= 0.32 cuts max_tokens to what
+    the context leaves; a prompt of exactly the context leaves 0, refused as "max_tokens
+    must be at least 1, got 0" (the gateway never sends 0 itself): the prompt is the
+    context, which only the node's own limit says."""
+    if context is not None and _NOTHING_LEFT.search(message):
+        return NodeCount(context, False, context, 0)
     max_len_match = _MAX_LEN.search(message)
     max_len = int(max_len_match.group(1)) if max_len_match else None
     for pattern, at_least in _PATTERNS:

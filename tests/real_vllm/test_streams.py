@@ -135,9 +135,7 @@ def test_a_drain_lets_a_running_stream_finish(
                 pass
             assert time.monotonic() < deadline, (tmp_path / "gateway.log").read_text()[-2000:]
             time.sleep(0.2)
-        body = json.dumps(
-            _ask("drain me", 200, stream_options={"include_usage": True})
-        ).encode()
+        body = json.dumps(_ask("drain me", 200, stream_options={"include_usage": True})).encode()
         req = urllib.request.Request(
             url + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"}
         )
@@ -168,9 +166,10 @@ async def test_streams_close_cleanly_when_many_leave_at_once(
     assert b is not None
 
     async def leave_early(i: int) -> None:
-        async with aiohttp.ClientSession() as s, s.post(
-            url + "/v1/chat/completions", json=_ask(f"leave {i}", 2000)
-        ) as r:
+        async with (
+            aiohttp.ClientSession() as s,
+            s.post(url + "/v1/chat/completions", json=_ask(f"leave {i}", 2000)) as r,
+        ):
             assert r.status == 200
             async for _ in r.content.iter_any():
                 break

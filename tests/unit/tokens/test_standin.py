@@ -167,6 +167,15 @@ def test_context_length_wordings(message: str, expected: NodeCount | None) -> No
     assert parse_context_length_error(message) == expected
 
 
+def test_a_prompt_of_exactly_the_context_is_read_with_the_nodes_context() -> None:
+    """vLLM >= 0.32 cuts max_tokens to what the context leaves; a prompt filling the
+    context leaves 0 and is refused without a count: the count is the node's context."""
+    message = "max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)"
+    assert parse_context_length_error(message) is None
+    assert parse_context_length_error(message, 4096) == NodeCount(4096, False, 4096, 0)
+    assert parse_context_length_error("max_tokens must be at least 1, got 0.5", 4096) is None
+
+
 def test_readmission_count_is_never_a_lower_bound() -> None:
     """vLLM >= 0.32 refuses a 9,028-token prompt on a 4k node as "at least 4097" (it
     stops counting past the context); re-admitted to the 16k node reserving 4,097, the
