@@ -103,9 +103,12 @@ async def test_best_of_reserves_every_sequence_the_node_runs(start_fleet: StartF
     async with aiohttp.ClientSession() as s, s.post(fleet.url + "/v1/completions", json=body) as r:
         assert r.status == 200
         await r.content.readany()
-        # Three sequences of (100 + 200) tokens, each rounded to 16-token blocks.
+        # Three sequences of 100 + 200 tokens each: the flight of one request with 3
+        # sequences, projected at most at 3 x (100 + 200 + 2) tokens in 16-token blocks.
         assert node.reserved_seqs == 3
-        assert node.reserved_tokens == 3 * 304
+        (flight,) = node.projection.flights
+        assert (flight.n, flight.prompt, flight.bound) == (3, 100, 200)
+        assert node.projection.peak(16, 0.0).blocks == 3 * 19
         async for _ in r.content:
             pass
     assert fleet.leaks() == {}

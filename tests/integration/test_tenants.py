@@ -30,7 +30,12 @@ async def _flood_scenario(
     async def watch() -> None:
         while not stop.is_set():
             peaks["queue"] = max(peaks["queue"], fleet.state.admission.queue_depth)
-            peaks["reserved"] = max(peaks["reserved"], b.reserved_tokens)
+            # What the node is projected to hold at most from now on (its book holds
+            # what the requests hold now).
+            block = b.limits.block_size
+            peak = b.projection.peak(block, 0.0).blocks * block
+            held = b.reserved_tokens - b.projected_tokens + peak
+            peaks["reserved"] = max(peaks["reserved"], int(held))
             await asyncio.sleep(0.005)
 
     watcher = asyncio.create_task(watch())
