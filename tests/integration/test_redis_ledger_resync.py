@@ -28,7 +28,6 @@ from tests.support.ledger_replicas import (
     demand,
     ledger_sum,
     replica,
-    settles_at,
 )
 from tests.support.redis_server import RedisServer
 
