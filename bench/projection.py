@@ -30,6 +30,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import random
 import statistics
 import subprocess
@@ -57,12 +58,54 @@ MODES = ("node", "whole_life", "projected")
 # an answer after ~STOP_MEAN tokens on average (measured: see --calibrate).
 STOP_TOKEN = 1000
 STOP_BIAS = 6.5
-WORDS = (
-    "alpha river stone cloud garden silver window morning forest candle harbor meadow "
-    "lantern orbit pepper quiet rocket saddle timber velvet walnut yellow zephyr anchor "
-    "bishop castle dragon ember falcon glacier hollow island jasmine kettle lemon marble "
-    "needle ocean pillow quartz raven summit tunnel umbrella valley willow"
-).split()
+WORDS = [
+    "alpha",
+    "river",
+    "stone",
+    "cloud",
+    "garden",
+    "silver",
+    "window",
+    "morning",
+    "forest",
+    "candle",
+    "harbor",
+    "meadow",
+    "lantern",
+    "orbit",
+    "pepper",
+    "quiet",
+    "rocket",
+    "saddle",
+    "timber",
+    "velvet",
+    "walnut",
+    "yellow",
+    "zephyr",
+    "anchor",
+    "bishop",
+    "castle",
+    "dragon",
+    "ember",
+    "falcon",
+    "glacier",
+    "hollow",
+    "island",
+    "jasmine",
+    "kettle",
+    "lemon",
+    "marble",
+    "needle",
+    "ocean",
+    "pillow",
+    "quartz",
+    "raven",
+    "summit",
+    "tunnel",
+    "umbrella",
+    "valley",
+    "willow",
+]
 
 
 @dataclass(frozen=True)
@@ -87,6 +130,7 @@ class Result:
     ttft_p50_s: float
     ttft_p99_s: float
     mean_kv_use: float
+    gateway_cpu_s: float = 0.0
 
 
 def _prompt(rng: random.Random, words: int, i: int) -> str:
@@ -153,8 +197,15 @@ def _quantile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def _cpu_seconds(pid: int) -> float:
+    """utime + stime of a process (its threads included)."""
+    with open(f"/proc/{pid}/stat") as fh:
+        fields = fh.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 @contextmanager
-def _gateway(node: RealNode, projected: bool) -> Iterator[str]:
+def _gateway(node: RealNode, projected: bool) -> Iterator[tuple[str, int]]:
     """`gateway serve` in front of ``node``: defaults, the tokenizer directory only."""
     port = free_port()
     config: dict[str, Any] = {
@@ -194,7 +245,7 @@ def _gateway(node: RealNode, projected: bool) -> Iterator[str]:
                     f"gateway did not start: {(work / 'gateway.log').read_text()[-2000:]}"
                 )
             time.sleep(0.2)
-        yield url
+        yield url, proc.pid
     finally:
         proc.terminate()
         proc.wait(30)
@@ -205,14 +256,18 @@ def measure(node: RealNode, mode: str, name: str, requests: list[Request]) -> Re
     wait_idle(node)
     pre = node.metric("vllm:num_preemptions_total")
     model = node.spec.served_name
+    cpu = 0.0
     with contextlib.ExitStack() as stack:
-        url = node.url
+        url, pid = node.url, 0
         if mode != "node":
-            url = stack.enter_context(_gateway(node, projected=mode == "projected"))
+            url, pid = stack.enter_context(_gateway(node, projected=mode == "projected"))
+            cpu = _cpu_seconds(pid)
         with KvSampler(node) as kv:
             t0 = time.monotonic()
             got = asyncio.run(_run(url, model, requests))
             wall = time.monotonic() - t0
+        if pid:
+            cpu = _cpu_seconds(pid) - cpu
     ok = [g for g in got if g[0] == 200]
     out = sum(g[2] for g in ok)
     ttfts = [g[1] for g in ok if g[1] is not None]
@@ -230,17 +285,18 @@ def measure(node: RealNode, mode: str, name: str, requests: list[Request]) -> Re
         ttft_p50_s=round(statistics.median(ttfts), 3) if ttfts else 0.0,
         ttft_p99_s=round(_quantile(ttfts, 0.99), 3),
         mean_kv_use=round(kv.mean, 3),
+        gateway_cpu_s=round(cpu, 2),
     )
 
 
 def _print(results: list[Result]) -> None:
-    head = f"{'workload':9} {'mode':11} {'ok':>6} {'429':>4} {'err':>4} {'wall s':>7} {'tok/s':>6} {'preempt':>7} {'ttft p50':>8} {'ttft p99':>8} {'kv use':>6}"
+    head = f"{'workload':9} {'mode':11} {'ok':>6} {'429':>4} {'err':>4} {'wall s':>7} {'tok/s':>6} {'preempt':>7} {'ttft p50':>8} {'ttft p99':>8} {'kv use':>6} {'gw cpu s':>8}"
     print(head)
     for r in results:
         print(
             f"{r.workload:9} {r.mode:11} {r.ok:>3}/{r.requests:<2} {r.refused_429:>4} {r.errors:>4} "
             f"{r.wall_s:>7.1f} {r.output_tps:>6.0f} {r.preemptions:>7} {r.ttft_p50_s:>8.2f} "
-            f"{r.ttft_p99_s:>8.2f} {r.mean_kv_use:>6.2f}"
+            f"{r.ttft_p99_s:>8.2f} {r.mean_kv_use:>6.2f} {r.gateway_cpu_s:>8.1f}"
         )
     node = {(r.workload): r.wall_s for r in results if r.mode == "node"}
     for r in results:

@@ -15,7 +15,7 @@ from kvgateway.config.load import load_config
 from kvgateway.config.model import BackendConfig, GatewayConfig, ModelConfig
 from kvgateway.config.yamlread import ConfigError
 from kvgateway.core.backends import DEFAULT_MAX_NUM_SEQS
-from kvgateway.core.derived_limits import derive_backend
+from kvgateway.core.derived_limits import derive_backend, model_dir_groups
 from kvgateway.core.limits import Limits, Observed, resolve_limits
 from kvgateway.upstream.dns import DnsLookupError, resolve_group
 from kvgateway.upstream.probe import ProbeError, probe
@@ -45,6 +45,7 @@ def _main(args: argparse.Namespace) -> int:
         config = load_config(args.config)
         base = Path(args.config).parent
         derived = {b.name: derive_backend(b, base) for b in config.backends}
+        groups = model_dir_groups(config)
     except ConfigError as exc:
         sys.stderr.write(f"invalid config: {exc}\n")
         return 2
@@ -58,8 +59,9 @@ def _main(args: argparse.Namespace) -> int:
     for b in backends:
         d = derived[b.name]
         disc = discovered.get(b.name)
+        from_dir = Observed(kv_groups=groups[b.model]) if b.model in groups else None
         limits = resolve_limits(
-            b, disc if isinstance(disc, Observed) else None, d[0] if d else None
+            b, disc if isinstance(disc, Observed) else None, d[0] if d else from_dir
         )
         rows.append(_row(b, limits, disc, config.admission.budget_fraction))
     unroutable = _unroutable_models(config, rows, asked=not args.no_discover)
@@ -168,6 +170,8 @@ def _row(
         "max_model_len": lim("max_model_len"),
         "kv_cache_tokens": lim("kv_cache_tokens"),
         "max_num_seqs": seqs,
+        "kv_groups": limits.kv_groups,
+        "node_kv_tokens": limits.node_kv_tokens,
         "budget_tokens": int(kv * fraction) if kv else None,
         "context_limit": min(mml, int(kv * fraction)) if kv and mml else None,
         "node": disc if isinstance(disc, str) else ("reachable" if disc else "not asked"),
@@ -221,6 +225,12 @@ def _text(config: GatewayConfig, rows: list[dict[str, Any]], models: list[dict[s
         )
         out.append(f"    max_model_len    {show('max_model_len')}")
         out.append(f"    kv_cache_tokens  {show('kv_cache_tokens')}")
+        if r["kv_groups"] > 1 or r["node_kv_tokens"] is not None:
+            said = r["node_kv_tokens"]
+            out.append(
+                f"    kv_groups        {r['kv_groups']}"
+                + (f"; the node states {said:,} tokens of max-length requests" if said else "")
+            )
         out.append(f"    max_num_seqs     {show('max_num_seqs')}")
         if r["budget_tokens"] is not None:
             out.append(

@@ -6,10 +6,14 @@ Runs once per (re)load; errors name the YAML path of the capacity block.
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 
 from kvgateway.capacity.errors import CapacityConfigError
 from kvgateway.capacity.estimate import CapacityEstimate, estimate
+from kvgateway.capacity.hf_config import arch_from_hf_config
+from kvgateway.capacity.layout import kv_group_count
 from kvgateway.capacity.spec import CapacitySpec
 from kvgateway.config.model import BackendConfig, GatewayConfig
 from kvgateway.config.yamlread import ConfigError
@@ -46,11 +50,31 @@ def derive_backend(
     return observed, est
 
 
+def model_dir_groups(config: GatewayConfig) -> dict[str, int]:
+    """KV-cache groups of each model whose tokenizer directory is its model directory
+    (a ``config.json`` beside the tokenizer): what vLLM forms for its layers."""
+    out: dict[str, int] = {}
+    for m in config.models:
+        path = m.tokenizer.path
+        if not path:
+            continue
+        try:
+            with open(os.path.join(os.path.expanduser(path), "config.json"), "rb") as fh:
+                doc = json.load(fh)
+            out[m.name] = kv_group_count(arch_from_hf_config(doc, name=m.name))
+        except (OSError, ValueError, CapacityConfigError):
+            continue  # not a model directory the capacity maths reads: the node says
+    return out
+
+
 def derive_all(config: GatewayConfig) -> dict[str, Observed]:
     base = Path(config.source).parent if config.source and config.source != "<memory>" else None
+    groups = model_dir_groups(config)
     out: dict[str, Observed] = {}
     for b in config.backends:
         derived = derive_backend(b, base)
         if derived is not None:
             out[b.name] = derived[0]
+        elif b.model in groups:
+            out[b.name] = Observed(kv_groups=groups[b.model])
     return out

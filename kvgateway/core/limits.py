@@ -9,6 +9,7 @@ reported as warnings (``gateway check`` prints them, the server logs them).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from enum import StrEnum
 
@@ -36,6 +37,10 @@ class Limits:
     max_num_seqs: Limit
     block_size: int = 16
     warnings: tuple[str, ...] = ()
+    # KV-cache groups sharing the pool (hybrid attention: 2+), and the node's own
+    # statement of its capacity in tokens of max_model_len requests (vLLM >= 0.32).
+    kv_groups: int = 1
+    node_kv_tokens: int | None = None
 
     @property
     def known(self) -> bool:
@@ -52,8 +57,12 @@ class Observed:
     block_size: int | None = None
     # Discovered: the pool's size as the node reports it (vllm:cache_config_info).
     num_gpu_blocks: int | None = None
-    # Derived: how many KV-cache groups share the pool (2+ for hybrid attention models).
+    # How many KV-cache groups share the pool (2+ for hybrid attention models): derived
+    # from the model's architecture, or discovered as a lower bound from the node's own
+    # capacity (:func:`kv_groups_from_capacity`).
     kv_groups: int | None = None
+    # Discovered: vLLM >= 0.32's own capacity in tokens of max_model_len requests.
+    node_kv_tokens: int | None = None
 
     def keeping_pool_of(self, earlier: Observed | None) -> Observed:
         """This report, with ``earlier``'s pool if this one has none."""
@@ -105,11 +114,29 @@ def _pick(
     return Limit(None, LimitSource.UNKNOWN)
 
 
+def kv_groups_from_capacity(
+    num_gpu_blocks: int, block_size: int, max_model_len: int | None, node_tokens: int | None
+) -> int | None:
+    """KV-cache groups a node has at least, from vLLM >= 0.32's own capacity
+    (``kv_cache_size_tokens``: ``num_gpu_blocks / blocks per max_model_len request x
+    max_model_len``): a request of max_model_len takes a full-attention group's
+    ``ceil(len / block)`` blocks in each of its groups, a sliding-window group's fewer,
+    so the blocks it takes over its full run are a lower bound of the groups. None
+    when the node does not say (before 0.32)."""
+    if not node_tokens or not max_model_len:
+        return None
+    per_request = num_gpu_blocks * max_model_len / node_tokens
+    full = -(-max_model_len // block_size)
+    return max(1, math.ceil(per_request / full - 0.01))
+
+
 def _in_groups(disc: Observed, derived: Observed | None) -> Observed:
     """A node reports its whole block pool; for a hybrid model (several KV-cache groups,
-    known from the capacity block's architecture) each request's tokens take a block in
-    every group, so the pool holds ``(blocks - 1) // groups * block_size`` tokens."""
+    from the architecture, else at least what the node's own capacity says) each
+    request's tokens take a block in every group, so the pool holds
+    ``(blocks - 1) // groups * block_size`` tokens."""
     groups = derived.kv_groups if derived is not None else None
+    groups = groups or disc.kv_groups
     if not groups or groups <= 1 or disc.num_gpu_blocks is None or not disc.block_size:
         return disc
     tokens = kv_tokens_from_blocks(disc.num_gpu_blocks, disc.block_size, groups)
@@ -134,4 +161,6 @@ def resolve_limits(
         max_num_seqs=seqs,
         block_size=block,
         warnings=tuple(warnings),
+        kv_groups=der.kv_groups or disc.kv_groups or 1,
+        node_kv_tokens=disc.node_kv_tokens,
     )

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import aiohttp
 
 from kvgateway.config.model import BackendConfig
-from kvgateway.core.limits import Observed, usable_tokens
+from kvgateway.core.limits import Observed, kv_groups_from_capacity, usable_tokens
 from kvgateway.upstream.client import read_capped
 from kvgateway.upstream.vllm_metrics import ScrapedMetrics, parse_node_metrics
 
@@ -63,14 +63,19 @@ async def probe(session: aiohttp.ClientSession, cfg: BackendConfig, timeout: flo
     except ProbeError as exc:
         log.info("backend %s: no usable /metrics (%s)", cfg.name, exc)
         metrics = None
-    kv = None
+    kv = groups = None
     if metrics is not None and metrics.num_gpu_blocks is not None and metrics.block_size:
         kv = usable_tokens(metrics.num_gpu_blocks, metrics.block_size)
+        groups = kv_groups_from_capacity(
+            metrics.num_gpu_blocks, metrics.block_size, mml, metrics.kv_cache_size_tokens
+        )
     observed = Observed(
         max_model_len=mml,
         kv_cache_tokens=kv,
         block_size=metrics.block_size if metrics else None,
         num_gpu_blocks=metrics.num_gpu_blocks if metrics else None,
+        kv_groups=groups,
+        node_kv_tokens=metrics.kv_cache_size_tokens if metrics else None,
     )
     return Probe(observed, metrics)
 

@@ -35,6 +35,9 @@ class ScrapedMetrics:
     preemptions: float | None = None
     num_gpu_blocks: int | None = None
     block_size: int | None = None
+    # vLLM >= 0.32's own capacity: tokens of max_model_len requests the pool holds at
+    # once (group-aware; its pool counted whole, the null block included).
+    kv_cache_size_tokens: int | None = None
 
 
 def _keep(line: str) -> bool:
@@ -52,6 +55,7 @@ def parse_node_metrics(text: str) -> ScrapedMetrics:
     old_usage: float | None = None
     blocks: int | None = None
     block_size: int | None = None
+    capacity: int | None = None
     for family in text_string_to_metric_families(kept):
         for s in family.samples:
             if s.name != CACHE_INFO and not 0.0 <= s.value < math.inf:
@@ -67,6 +71,10 @@ def parse_node_metrics(text: str) -> ScrapedMetrics:
                 if nb is not None:
                     blocks = nb if blocks is None else min(blocks, nb)
                 block_size = _int_label(s.labels.get("block_size"), MAX_BLOCK_SIZE) or block_size
+                capacity = (
+                    _int_label(s.labels.get("kv_cache_size_tokens"), MAX_GPU_BLOCKS * 1024)
+                    or capacity
+                )
     kv = usage if usage is not None else old_usage
     return ScrapedMetrics(
         kv_usage=None if kv is None else min(kv, 1.0),
@@ -75,6 +83,7 @@ def parse_node_metrics(text: str) -> ScrapedMetrics:
         preemptions=sums.get(PREEMPTIONS + "_total"),
         num_gpu_blocks=blocks,
         block_size=block_size,
+        kv_cache_size_tokens=capacity,
     )
 
 

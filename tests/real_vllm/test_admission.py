@@ -16,7 +16,18 @@ from tests.support.vllm_nodes import RealNode, http_json, post_status
 
 pytestmark = pytest.mark.real_vllm
 
-WORDS = "harbor lantern meadow quartz summit willow anchor ember falcon glacier".split()
+WORDS = [
+    "harbor",
+    "lantern",
+    "meadow",
+    "quartz",
+    "summit",
+    "willow",
+    "anchor",
+    "ember",
+    "falcon",
+    "glacier",
+]
 
 
 def text(tokens: int, seed: int = 0) -> str:

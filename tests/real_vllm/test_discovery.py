@@ -10,7 +10,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.real_vllm.logs import logged_blocks, logged_kv_tokens, logged_max_model_len
+from tests.real_vllm.logs import (
+    logged_blocks,
+    logged_group_block_sizes,
+    logged_kv_tokens,
+    logged_max_model_len,
+)
 from tests.support.eventually import eventually
 from tests.support.real_fleet import StartGateway, gateway_config, state_of
 from tests.support.vllm_nodes import CPU_BLOCK, RealNode
@@ -63,3 +68,26 @@ def test_gateway_check_shows_the_same_limits_as_text_and_json(
         seqs = row["max_num_seqs"]
         line = f"max_num_seqs     {seqs['value']:,} [{seqs['source']}]"
         assert line in text, (name, seqs, text)
+
+
+@pytest.mark.parametrize("tokenizer", ["model directory", "stand-in"])
+async def test_a_hybrid_nodes_groups_and_tokens_are_what_vllm_computed(
+    hybrid_node: RealNode, real_gateway: StartGateway, tokenizer: str
+) -> None:
+    """Gemma 3's sliding-window and full-attention layers share one pool in two KV-cache
+    groups (vLLM logs their block sizes); a short request takes a block in each, so the
+    pool holds (blocks - 1) // 2 blocks of its tokens. The groups come from the model
+    directory, or without it from the node's own group-aware capacity (vLLM 0.32's
+    kv_cache_size_tokens, equal to the KV cache size it logged)."""
+    node = hybrid_node
+    log = node.log_text()
+    groups = logged_group_block_sizes(log)
+    assert groups == (CPU_BLOCK, CPU_BLOCK)
+    tok = {"path": str(node.model_dir)} if tokenizer == "model directory" else {}
+    gw = await real_gateway(gateway_config([node], tokenizer=tok or {"encoding": "cl100k_base"}))
+    b = state_of(gw).fleet.get("H")
+    assert b is not None
+    await eventually(lambda: b.limits.known, timeout=15)
+    assert b.limits.kv_groups == len(groups)
+    assert b.kv_cache_tokens == (logged_blocks(log) - 1) // len(groups) * CPU_BLOCK
+    assert b.limits.node_kv_tokens == logged_kv_tokens(log)

@@ -60,7 +60,7 @@ def test_a_streams_count_moves_its_flight_and_the_nodes_book() -> None:
 
 
 def test_the_nodes_own_count_is_taken_as_it_is_and_never_goes_back() -> None:
-    b, adm = _projected_node()
+    _, adm = _projected_node()
     r = _admit(adm)
     acct = OutputAccounting()
     live = acct.start(r, 1, max_output=400)
