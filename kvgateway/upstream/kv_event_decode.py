@@ -186,7 +186,7 @@ class EventCount(StrEnum):
         return {
             EventCount.BATCHES: "KV event batches from the node's publisher (not replayed).",
             EventCount.GAPS: "Gaps in the node's KV event sequence (batches lost in transit).",
-            EventCount.REPLAYS_ASKED: "KV event replays asked (at start, and for each gap).",
+            EventCount.REPLAYS_ASKED: "KV event replays asked (on each link to the node, per gap).",
             EventCount.REPLAYS_ANSWERED: "KV event replays the node answered in time.",
             EventCount.DECODE_ERRORS: "KV event batches that did not decode (view rebuilt).",
         }[self]

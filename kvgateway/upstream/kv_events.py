@@ -97,6 +97,7 @@ class KVEventSubscriber:
         self._linked_at: float | None = None  # a link to the node not yet caught up on
         self._tasks: list[asyncio.Task[None]] = []
         self._sub: zmq.asyncio.Socket | None = None
+        self._monitor: zmq.asyncio.Socket | None = None  # the reader of the SUB's monitor
         self._batches = self._gaps = self._replayed = self._resyncs = self._errors = 0
         self._apply_errors = 0
         self._error_log = LogLimit(error_log_interval_s)
@@ -119,7 +120,7 @@ class KVEventSubscriber:
         sub.setsockopt(zmq.IPV6, 1)  # libzmq does not connect to tcp://[v6]:port without
         sub.setsockopt(zmq.SUBSCRIBE, self.source.topic.encode())
         links = zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
-        monitor = sub.get_monitor_socket(links)
+        monitor = self._monitor = sub.get_monitor_socket(links)
         name = self.source.backend
         try:
             (sub.bind if self.source.bind else sub.connect)(self.source.endpoint)
@@ -137,10 +138,15 @@ class KVEventSubscriber:
             t.cancel()
 
     async def close(self) -> None:
-        """End the tasks and the socket. A task that had failed is logged, not raised:
-        a reader that died must not also fail the gateway's shutdown."""
+        """End the tasks and the sockets. A task that had failed is logged, not raised:
+        a reader that died must not also fail the gateway's shutdown. The monitor stops
+        while its reader is open: libzmq's I/O thread sends it events holding a lock that
+        stopping it takes, and would block for good on a reader that is gone."""
         tasks, self._tasks = self._tasks, []
         try:
+            if self._sub is not None:
+                with contextlib.suppress(zmq.ZMQError):
+                    self._sub.disable_monitor()
             for t in tasks:
                 t.cancel()
             results = await asyncio.gather(*tasks, return_exceptions=True)
@@ -153,11 +159,10 @@ class KVEventSubscriber:
                         exc_info=result,
                     )
         finally:
-            if self._sub is not None:
-                with contextlib.suppress(zmq.ZMQError):
-                    self._sub.disable_monitor()
-                self._sub.close(linger=0)
-                self._sub = None
+            for sock in (self._monitor, self._sub):
+                if sock is not None:
+                    sock.close(linger=0)
+            self._monitor = self._sub = None
 
     # -- the stream ----------------------------------------------------------------
 
@@ -309,18 +314,15 @@ class KVEventSubscriber:
         return got
 
     async def _watch(self, monitor: zmq.asyncio.Socket) -> None:
-        try:
-            while True:
-                msg = parse_monitor_message(await monitor.recv_multipart())
-                if msg["event"] in (zmq.EVENT_CONNECTED, zmq.EVENT_ACCEPTED):
-                    self.connected.set()
-                    self._linked_at = asyncio.get_running_loop().time()
-                elif msg["event"] == zmq.EVENT_DISCONNECTED:
-                    self.connected.clear()
-                    self._last = None
-                    self._resync("disconnected")
-        finally:
-            monitor.close(linger=0)
+        while True:  # the monitor socket is closed by close(), after the monitor stops
+            msg = parse_monitor_message(await monitor.recv_multipart())
+            if msg["event"] in (zmq.EVENT_CONNECTED, zmq.EVENT_ACCEPTED):
+                self.connected.set()
+                self._linked_at = asyncio.get_running_loop().time()
+            elif msg["event"] == zmq.EVENT_DISCONNECTED:
+                self.connected.clear()
+                self._last = None
+                self._resync("disconnected")
 
 
 class KVEventHub:

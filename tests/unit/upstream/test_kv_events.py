@@ -704,8 +704,8 @@ async def test_a_subscriber_starting_beside_a_serving_node_learns_its_cache_by_r
     sim: SimFactory, zctx: zmq.asyncio.Context
 ) -> None:
     """A gateway that (re)starts, or a replica that joins, while the node already holds
-    prompts: no new batch will tell it, the replay socket does (it knew nothing, so the
-    node's prefixes drew none of their follow-ups)."""
+    prompts: no new batch tells it what the node holds, the replay socket does, and the
+    node's prefixes draw their follow-ups from the start."""
     node = await _events_node(sim)
     publisher = node.node.publisher
     assert publisher is not None and publisher.endpoint and publisher.replay_endpoint
