@@ -1,27 +1,35 @@
-"""Admission by the projected KV peak against the node alone, on a real vLLM node.
+"""Admission by the projected KV peak against the node(s) alone and the baselines, on
+real vLLM nodes (vLLM 0.32's CPU build, tiny random-weight Qwen2 models).
 
-The same requests, in the same order, three ways: straight to the node (``node``), and
-through the gateway with its default settings and only the model's tokenizer directory
-configured, once holding every request's prompt + max_tokens for its whole life
-(``whole_life``: ``admission.kv_projection: false``) and once admitting by the
-projected peak (``projected``, the default). Every request is a streaming chat (the
-official ``openai`` client), all sent at once (a burst).
+The same requests, in the same order, several ways. Every request is a streaming chat
+sent with the official ``openai`` client; the gateway runs with its defaults and only
+the model's tokenizer directory configured.
 
-Workloads:
-  burst     48 chats, prompts of 100-600 tokens, outputs of 128-512 tokens fixed with
-            ``ignore_eos`` (max_tokens = the output), as a client that knows its lengths.
-  unknown   64 chats, prompts of 100-600 tokens, ``max_tokens`` 2048; the node draws
-            each answer's length: a ``logit_bias``ed token listed in ``stop_token_ids``
-            ends it (mean ~200 tokens here), which the gateway cannot know.
+Workloads and what they compare:
+  burst     48 chats at once on node B (64 blocks: 8,064 usable KV tokens, 16 sequences,
+            4k context): prompts of 100-600 tokens, outputs of 128-512 tokens fixed with
+            ``ignore_eos``. Modes: ``node`` (straight to the node), ``whole_life``
+            (every request holds prompt + max_tokens for its life:
+            ``admission.kv_projection: false``) and ``projected`` (the default).
+  unknown   64 chats at once on B, ``max_tokens`` 2048; the node draws each answer's
+            length (a ``logit_bias``ed token listed in ``stop_token_ids`` ends it, mean
+            ~200 tokens), which the gateway cannot know. Same modes.
+  fleet     60 chats, 30 at a time, on S (4k context, 6,016 KV tokens) and L (16k,
+            24,448): 42 short (300-2,500 prompt tokens) and 18 too long for S (4,500-
+            12,000); outputs of 128-512 fixed. Modes: ``projected`` (kv_aware),
+            ``whole_life``, ``length_aware`` and ``round_robin``.
+  multiturn 16 conversations of 5 turns on two equal nodes (S and S2), each turn the
+            whole history plus a question, sharing two 1,500-token system prompts;
+            8 conversations at a time. Modes: ``projected`` and ``round_robin``.
 
-Printed per mode: wall time, output tokens/s, the node's preemptions, 429s and other
-errors, TTFT p50/p99 and the node's mean KV use (``vllm:kv_cache_usage_perc``).
+Printed per mode: wall time, output tokens/s, the nodes' preemptions, 429s, node 400s
+and other errors, TTFT p50/p99, the nodes' mean KV use and the gateway's CPU seconds.
 
-    python -m bench.projection --real [--workload burst|unknown|all] [--repeat N]
+    python -m bench.projection --real [--workload burst|unknown|fleet|multiturn|all]
+        [--repeat N]
 
-The node is ``B`` of tests/support/real_fleet.py: 64 blocks of 128 tokens (8,064 usable
-KV tokens), 16 sequences, 4k context (started here, or reused from
-``python -m tests.support.vllm_nodes B`` with ``KVGATEWAY_REAL_NODES``).
+Nodes are started here, or reused from ``python -m tests.support.vllm_nodes B S L S2``
+with ``KVGATEWAY_REAL_NODES``.
 """
 
 from __future__ import annotations
@@ -39,8 +47,7 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -50,12 +57,11 @@ from openai import APIStatusError, AsyncOpenAI
 from bench.procs import free_port
 from bench.real_nodes import KvSampler, real_nodes, wait_idle
 from bench.report import machine, save
-from tests.support.real_fleet import BENCH
-from tests.support.vllm_nodes import RealNode
+from tests.support.real_fleet import BENCH, S2, L, S
+from tests.support.vllm_nodes import NodeSpec, RealNode
 
-MODES = ("node", "whole_life", "projected")
 # A token the random-weight model emits about as often as any other: biased up, it ends
-# an answer after ~STOP_MEAN tokens on average (measured: see --calibrate).
+# an answer after ~200 tokens on average (`--calibrate` prints what it draws).
 STOP_TOKEN = 1000
 STOP_BIAS = 6.5
 WORDS = [
@@ -110,9 +116,20 @@ WORDS = [
 
 @dataclass(frozen=True)
 class Request:
-    prompt: str
+    messages: tuple[tuple[str, str], ...]
     max_tokens: int
     fixed: bool  # ignore_eos: the output is exactly max_tokens
+    # Multi-turn: (conversation, turn); a conversation's turns go one after another.
+    turn: tuple[int, int] | None = None
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    nodes: tuple[NodeSpec, ...]
+    modes: tuple[str, ...]
+    requests: tuple[Request, ...]
+    concurrency: int  # requests in flight at once (0: all at once)
 
 
 @dataclass
@@ -122,6 +139,7 @@ class Result:
     requests: int
     ok: int
     refused_429: int
+    node_400: int
     errors: int
     wall_s: float
     output_tokens: int
@@ -131,22 +149,48 @@ class Result:
     ttft_p99_s: float
     mean_kv_use: float
     gateway_cpu_s: float = 0.0
+    backends: dict[str, int] = field(default_factory=dict)
 
 
-def _prompt(rng: random.Random, words: int, i: int) -> str:
-    body = " ".join(rng.choice(WORDS) for _ in range(words))
-    return f"Request {i}: {body}"
+def _text(rng: random.Random, words: int, i: int) -> str:
+    return f"Request {i}: " + " ".join(rng.choice(WORDS) for _ in range(words))
 
 
-def workload(name: str, seed: int = 7) -> list[Request]:
+def _one_turn(text: str) -> tuple[tuple[str, str], ...]:
+    return (("user", text),)
+
+
+def workload(name: str, seed: int = 7) -> Workload:
     rng = random.Random(seed)
     if name == "burst":
-        return [
-            Request(_prompt(rng, rng.randint(100, 600), i), rng.randint(128, 512), True)
+        reqs = [
+            Request(_one_turn(_text(rng, rng.randint(100, 600), i)), rng.randint(128, 512), True)
             for i in range(48)
         ]
+        return Workload(name, (BENCH,), ("node", "whole_life", "projected"), tuple(reqs), 0)
     if name == "unknown":
-        return [Request(_prompt(rng, rng.randint(100, 600), i), 2048, False) for i in range(64)]
+        reqs = [
+            Request(_one_turn(_text(rng, rng.randint(100, 600), i)), 2048, False) for i in range(64)
+        ]
+        return Workload(name, (BENCH,), ("node", "whole_life", "projected"), tuple(reqs), 0)
+    if name == "fleet":
+        short = [(rng.randint(300, 2500), rng.randint(128, 512)) for _ in range(42)]
+        long = [(rng.randint(4500, 12000), rng.randint(128, 512)) for _ in range(18)]
+        mix = short + long
+        rng.shuffle(mix)
+        reqs = [Request(_one_turn(_text(rng, p, i)), o, True) for i, (p, o) in enumerate(mix)]
+        modes = ("projected", "whole_life", "length_aware", "round_robin")
+        return Workload(name, (S, L), modes, tuple(reqs), 30)
+    if name == "multiturn":
+        systems = [_text(random.Random(100 + k), 1500, 10_000 + k) for k in range(2)]
+        reqs = []
+        for c in range(16):
+            history: list[tuple[str, str]] = [("system", systems[c % 2])]
+            for t in range(5):
+                history.append(("user", _text(rng, rng.randint(40, 120), c * 10 + t)))
+                reqs.append(Request(tuple(history), 64, True, (c, t)))
+                history.append(("assistant", _text(rng, 48, c * 10 + t + 5)))
+        return Workload(name, (S, S2), ("projected", "round_robin"), tuple(reqs), 8)
     raise SystemExit(f"unknown workload {name!r}")
 
 
@@ -156,36 +200,58 @@ def _extra(req: Request) -> dict[str, Any]:
     return {"logit_bias": {str(STOP_TOKEN): STOP_BIAS}, "stop_token_ids": [STOP_TOKEN]}
 
 
-async def _one(client: AsyncOpenAI, model: str, req: Request) -> tuple[int, float | None, int]:
-    """(status, TTFT, output tokens) of one streamed chat."""
-    start = time.monotonic()
+@dataclass
+class _Got:
+    status: int
     ttft: float | None = None
-    out = 0
+    output: int = 0
+    backend: str = "-"
+    node_400: bool = False
+
+
+async def _one(client: AsyncOpenAI, model: str, req: Request) -> _Got:
+    start = time.monotonic()
+    got = _Got(200)
     try:
-        stream = await client.chat.completions.create(
+        raw = await client.chat.completions.with_raw_response.create(
             model=model,
-            messages=[{"role": "user", "content": req.prompt}],
+            messages=[{"role": r, "content": c} for r, c in req.messages],  # type: ignore[misc]
             max_tokens=req.max_tokens,
             stream=True,
             stream_options={"include_usage": True},
             extra_body=_extra(req),
         )
-        async for chunk in stream:
-            if ttft is None and chunk.choices:
-                ttft = time.monotonic() - start
+        got.backend = raw.headers.get("x-gateway-backend", "-")
+        async for chunk in raw.parse():
+            if got.ttft is None and chunk.choices:
+                got.ttft = time.monotonic() - start
             if chunk.usage is not None:
-                out = chunk.usage.completion_tokens
+                got.output = chunk.usage.completion_tokens
     except APIStatusError as exc:
-        return exc.status_code, None, 0
-    return 200, ttft, out
+        # A 400 the node itself answered (relayed by the gateway, or straight).
+        body = exc.response.headers.get("x-gateway-backend")
+        return _Got(exc.status_code, node_400=exc.status_code == 400 and body is not None)
+    return got
 
 
-async def _run(
-    url: str, model: str, requests: list[Request]
-) -> list[tuple[int, float | None, int]]:
+async def _run(url: str, model: str, w: Workload) -> list[_Got]:
     client = AsyncOpenAI(base_url=url + "/v1", api_key="bench", timeout=1800, max_retries=0)
+    limit = asyncio.Semaphore(w.concurrency or len(w.requests))
+    done: dict[tuple[int, int], asyncio.Event] = {
+        r.turn: asyncio.Event() for r in w.requests if r.turn is not None
+    }
+
+    async def one(req: Request) -> _Got:
+        if req.turn is not None and req.turn[1] > 0:
+            await done[(req.turn[0], req.turn[1] - 1)].wait()
+        async with limit:
+            got = await _one(client, model, req)
+        if req.turn is not None:
+            done[req.turn].set()
+        return got
+
     try:
-        return await asyncio.gather(*(_one(client, model, r) for r in requests))
+        return await asyncio.gather(*(one(r) for r in w.requests))
     finally:
         await client.close()
 
@@ -204,26 +270,33 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-@contextmanager
-def _gateway(node: RealNode, projected: bool) -> Iterator[tuple[str, int]]:
-    """`gateway serve` in front of ``node``: defaults, the tokenizer directory only."""
-    port = free_port()
+def _gateway_config(nodes: list[RealNode], mode: str, port: int) -> dict[str, Any]:
+    """The gateway's defaults in front of ``nodes`` (one tier, in the order given; a
+    larger context later), only the model's tokenizer directory and the mode set."""
+    served = nodes[0].spec.served_name
     config: dict[str, Any] = {
         "server": {"host": "127.0.0.1", "port": port},
-        "models": [{"name": node.spec.served_name, "tokenizer": {"path": str(node.model_dir)}}],
+        "models": [{"name": served, "tokenizer": {"path": str(nodes[0].model_dir)}}],
         "tiers": [
             {
                 "name": "cpu",
-                "backends": [
-                    {"name": node.spec.name, "url": node.url, "model": node.spec.served_name}
-                ],
+                "backends": [{"name": n.spec.name, "url": n.url, "model": served} for n in nodes],
             }
         ],
     }
-    if not projected:
+    if mode == "whole_life":
         config["admission"] = {"kv_projection": False}
+    elif mode in ("length_aware", "round_robin"):
+        config["routing"] = {"policy": mode}
+    return config
+
+
+@contextlib.contextmanager
+def _gateway(nodes: list[RealNode], mode: str) -> Iterator[tuple[str, int]]:
+    """`gateway serve` as its own process; yields its URL and pid."""
+    port = free_port()
     work = Path(tempfile.mkdtemp(prefix="bench-gw-"))
-    (work / "gateway.yaml").write_text(yaml.safe_dump(config))
+    (work / "gateway.yaml").write_text(yaml.safe_dump(_gateway_config(nodes, mode, port)))
     log = (work / "gateway.log").open("wb")
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvgateway", "serve", "--config", str(work / "gateway.yaml")],
@@ -234,16 +307,10 @@ def _gateway(node: RealNode, projected: bool) -> Iterator[tuple[str, int]]:
     try:
         deadline = time.monotonic() + 60
         while True:
-            try:
-                with urllib.request.urlopen(url + "/ready", timeout=1) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
+            with contextlib.suppress(OSError), urllib.request.urlopen(url + "/ready", timeout=1):
+                break
             if time.monotonic() > deadline or proc.poll() is not None:
-                raise RuntimeError(
-                    f"gateway did not start: {(work / 'gateway.log').read_text()[-2000:]}"
-                )
+                raise RuntimeError(f"gateway did not start: {(work / 'gateway.log').read_text()}")
             time.sleep(0.2)
         yield url, proc.pid
     finally:
@@ -252,65 +319,77 @@ def _gateway(node: RealNode, projected: bool) -> Iterator[tuple[str, int]]:
         log.close()
 
 
-def measure(node: RealNode, mode: str, name: str, requests: list[Request]) -> Result:
-    wait_idle(node)
-    pre = node.metric("vllm:num_preemptions_total")
-    model = node.spec.served_name
+def measure(nodes: list[RealNode], mode: str, w: Workload) -> Result:
+    for n in nodes:
+        wait_idle(n)
+    pre = sum(n.metric("vllm:num_preemptions_total") for n in nodes)
+    model = nodes[0].spec.served_name
     cpu = 0.0
     with contextlib.ExitStack() as stack:
-        url, pid = node.url, 0
+        url, pid = nodes[0].url, 0
         if mode != "node":
-            url, pid = stack.enter_context(_gateway(node, projected=mode == "projected"))
+            url, pid = stack.enter_context(_gateway(nodes, mode))
             cpu = _cpu_seconds(pid)
-        with KvSampler(node) as kv:
-            t0 = time.monotonic()
-            got = asyncio.run(_run(url, model, requests))
-            wall = time.monotonic() - t0
+        samplers = [stack.enter_context(KvSampler(n)) for n in nodes]
+        t0 = time.monotonic()
+        got = asyncio.run(_run(url, model, w))
+        wall = time.monotonic() - t0
         if pid:
             cpu = _cpu_seconds(pid) - cpu
-    ok = [g for g in got if g[0] == 200]
-    out = sum(g[2] for g in ok)
-    ttfts = [g[1] for g in ok if g[1] is not None]
+    ok = [g for g in got if g.status == 200]
+    out = sum(g.output for g in ok)
+    ttfts = [g.ttft for g in ok if g.ttft is not None]
+    backends: dict[str, int] = {}
+    for g in ok:
+        backends[g.backend] = backends.get(g.backend, 0) + 1
     return Result(
         mode=mode,
-        workload=name,
-        requests=len(requests),
+        workload=w.name,
+        requests=len(got),
         ok=len(ok),
-        refused_429=sum(1 for g in got if g[0] == 429),
-        errors=sum(1 for g in got if g[0] not in (200, 429)),
+        refused_429=sum(1 for g in got if g.status == 429),
+        node_400=sum(1 for g in got if g.node_400 or (mode == "node" and g.status == 400)),
+        errors=sum(1 for g in got if g.status not in (200, 429) and not g.node_400),
         wall_s=round(wall, 2),
         output_tokens=out,
         output_tps=round(out / wall, 1) if wall else 0.0,
-        preemptions=int(node.metric("vllm:num_preemptions_total") - pre),
+        preemptions=int(sum(n.metric("vllm:num_preemptions_total") for n in nodes) - pre),
         ttft_p50_s=round(statistics.median(ttfts), 3) if ttfts else 0.0,
         ttft_p99_s=round(_quantile(ttfts, 0.99), 3),
-        mean_kv_use=round(kv.mean, 3),
+        mean_kv_use=round(statistics.mean(s.mean for s in samplers), 3),
         gateway_cpu_s=round(cpu, 2),
+        backends=backends,
     )
 
 
 def _print(results: list[Result]) -> None:
-    head = f"{'workload':9} {'mode':11} {'ok':>6} {'429':>4} {'err':>4} {'wall s':>7} {'tok/s':>6} {'preempt':>7} {'ttft p50':>8} {'ttft p99':>8} {'kv use':>6} {'gw cpu s':>8}"
-    print(head)
+    print(
+        f"{'workload':9} {'mode':12} {'ok':>6} {'429':>4} {'n400':>4} {'err':>4} {'wall s':>7} "
+        f"{'tok/s':>6} {'preempt':>7} {'ttft p50':>8} {'ttft p99':>8} {'kv use':>6} {'gw cpu':>6}"
+    )
     for r in results:
         print(
-            f"{r.workload:9} {r.mode:11} {r.ok:>3}/{r.requests:<2} {r.refused_429:>4} {r.errors:>4} "
-            f"{r.wall_s:>7.1f} {r.output_tps:>6.0f} {r.preemptions:>7} {r.ttft_p50_s:>8.2f} "
-            f"{r.ttft_p99_s:>8.2f} {r.mean_kv_use:>6.2f} {r.gateway_cpu_s:>8.1f}"
+            f"{r.workload:9} {r.mode:12} {r.ok:>3}/{r.requests:<2} {r.refused_429:>4} "
+            f"{r.node_400:>4} {r.errors:>4} {r.wall_s:>7.1f} {r.output_tps:>6.0f} "
+            f"{r.preemptions:>7} {r.ttft_p50_s:>8.2f} {r.ttft_p99_s:>8.2f} "
+            f"{r.mean_kv_use:>6.2f} {r.gateway_cpu_s:>6.1f}"
         )
-    node = {(r.workload): r.wall_s for r in results if r.mode == "node"}
-    for r in results:
-        if r.mode != "node" and r.workload in node and node[r.workload]:
-            print(
-                f"{r.workload} {r.mode}: {r.wall_s / node[r.workload]:.2f}x the node alone's time"
-            )
+    for name in dict.fromkeys(r.workload for r in results):
+        mine = [r for r in results if r.workload == name]
+        base = [r for r in mine if r.mode == "node"]
+        if base:
+            ref = statistics.mean(r.wall_s for r in base)
+            for mode in dict.fromkeys(r.mode for r in mine if r.mode != "node"):
+                walls = [r.wall_s for r in mine if r.mode == mode]
+                print(f"{name} {mode}: {statistics.mean(walls) / ref:.2f}x the node alone's time")
 
 
 def calibrate(node: RealNode, n: int = 32) -> None:
-    """The answer lengths the stop-token bias draws on this node (for ``unknown``)."""
-    reqs = [Request(_prompt(random.Random(i), 50, i), 2048, False) for i in range(n)]
-    got = asyncio.run(_run(node.url, node.spec.served_name, reqs))
-    lengths = sorted(g[2] for g in got if g[0] == 200)
+    """The answer lengths the stop-token bias draws on this node (``unknown``)."""
+    rng = random.Random(1)
+    reqs = tuple(Request(_one_turn(_text(rng, 50, i)), 2048, False) for i in range(n))
+    got = asyncio.run(_run(node.url, node.spec.served_name, Workload("c", (), (), reqs, 0)))
+    lengths = sorted(g.output for g in got if g.status == 200)
     print(
         f"bias {STOP_BIAS} on token {STOP_TOKEN}: mean {statistics.mean(lengths):.0f}, "
         f"median {statistics.median(lengths)}, max {lengths[-1]} over {len(lengths)} answers"
@@ -321,28 +400,30 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    p.add_argument("--real", action="store_true", required=True, help="real vLLM nodes")
     p.add_argument(
-        "--real", action="store_true", required=True, help="run against a real vLLM node"
+        "--workload", choices=("burst", "unknown", "fleet", "multiturn", "all"), default="all"
     )
-    p.add_argument("--workload", choices=("burst", "unknown", "all"), default="all")
-    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--modes", default="", help="comma-separated; default: the workload's")
     p.add_argument("--repeat", type=int, default=1)
-    p.add_argument("--calibrate", action="store_true", help="print the stop-token lengths and exit")
+    p.add_argument("--calibrate", action="store_true", help="print the stop-token lengths")
     p.add_argument("--out", default="projection_real", help="results name under bench/results")
     args = p.parse_args(argv)
-    names = ("burst", "unknown") if args.workload == "all" else (args.workload,)
-    modes = args.modes.split(",")
+    names = (
+        ("burst", "unknown", "fleet", "multiturn") if args.workload == "all" else (args.workload,)
+    )
     results: list[Result] = []
-    with real_nodes([BENCH]) as nodes:
-        node = nodes[BENCH.name]
-        if args.calibrate:
-            calibrate(node)
-            return 0
-        for _ in range(args.repeat):
-            for name in names:
-                reqs = workload(name)
+    for name in names:
+        w = workload(name)
+        modes = args.modes.split(",") if args.modes else w.modes
+        with real_nodes(list(w.nodes)) as found:
+            nodes = [found[s.name] for s in w.nodes]
+            if args.calibrate:
+                calibrate(nodes[0])
+                return 0
+            for _ in range(args.repeat):
                 for mode in modes:
-                    r = measure(node, mode, name, reqs)
+                    r = measure(nodes, mode, w)
                     results.append(r)
                     print(json.dumps(asdict(r)), flush=True)
     _print(results)

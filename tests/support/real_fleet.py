@@ -31,9 +31,11 @@ LLAMA = NodeSpec("llama", "llama3", served_name="llama", max_model_len=4096, num
 MISTRAL = NodeSpec("mistral", "mistral", served_name="mistral", max_model_len=4096, num_blocks=40)
 # The benchmark's single node: 64 blocks (8,064 usable KV tokens), 16 sequences.
 BENCH = NodeSpec("B", "qwen2", max_model_len=4096, num_blocks=64)
+# S's twin, for two equal nodes (the multi-turn benchmark).
+S2 = NodeSpec("S2", "qwen2", max_model_len=4096, num_blocks=48, kv_events=True)
 # A node whose engine a test kills.
 VICTIM = NodeSpec("V", "qwen2", max_model_len=2048, num_blocks=24)
-ALL_SPECS = (S, L, HYBRID, LLAMA, MISTRAL, BENCH, VICTIM)
+ALL_SPECS = (S, L, S2, HYBRID, LLAMA, MISTRAL, BENCH, VICTIM)
 # Tokenizer directories load once per run (a Qwen vocabulary takes ~3 s).
 ENCODINGS = EncodingCache()
 
