@@ -53,6 +53,7 @@ import math
 import random
 import re
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from statistics import NormalDist
 from typing import Any
@@ -70,14 +71,16 @@ OUTPUT_MEAN = 512.0  # the nodes' mean answer length (lognormal), capped by max_
 OUTPUT_SIGMA = 1.0  # the simulator's default output_sigma
 
 
-def expected_output(max_tokens: int) -> float:
+def expected_output(
+    max_tokens: int, mean: float = OUTPUT_MEAN, sigma: float = OUTPUT_SIGMA
+) -> float:
     """E[min(X, max_tokens)] for the nodes' lognormal answer length X: what a request
     generates on average. Summed over the offered requests it bounds any goodput."""
-    s = OUTPUT_SIGMA
-    mu = math.log(OUTPUT_MEAN) - s * s / 2
+    s = sigma
+    mu = math.log(mean) - s * s / 2
     z = NormalDist()
     cut = math.log(max_tokens)
-    return OUTPUT_MEAN * z.cdf((cut - mu - s * s) / s) + max_tokens * (1 - z.cdf((cut - mu) / s))
+    return mean * z.cdf((cut - mu - s * s) / s) + max_tokens * (1 - z.cdf((cut - mu) / s))
 
 
 @dataclass(frozen=True)
@@ -94,6 +97,27 @@ def shape(rnd: random.Random) -> tuple[int, int]:
     if x < 0.98:
         return rnd.randint(4_000, 16_000), rnd.randint(256, 1_024)
     return rnd.randint(24_000, 100_000), rnd.randint(128, 256)
+
+
+def reasoning_shape(rnd: random.Random) -> tuple[int, int]:
+    """A reasoning model's traffic: short prompts, max_tokens of 8k-32k."""
+    return rnd.randint(200, 3_000), rnd.choice((8_192, 16_384, 24_576, 32_000))
+
+
+@dataclass(frozen=True)
+class Mix:
+    """A request mix and how the nodes draw its answers (lognormal, capped)."""
+
+    shape: Callable[[random.Random], tuple[int, int]]
+    output_mean: float
+    output_sigma: float
+
+
+MIXES = {
+    "today": Mix(shape, OUTPUT_MEAN, OUTPUT_SIGMA),
+    # Answers of 0.5k-4k tokens (mean 1,500) against max_tokens of 8k-32k.
+    "reasoning": Mix(reasoning_shape, 1_500.0, 0.6),
+}
 
 
 def learned_ceiling(seed: int, samples: int = 200_000) -> dict[str, Any]:
@@ -140,41 +164,48 @@ def learned_ceiling(seed: int, samples: int = 200_000) -> dict[str, Any]:
     }
 
 
-def schedule(rate: float, window: float, seed: int) -> list[Request]:
+def schedule(rate: float, window: float, seed: int, mix: Mix = MIXES["today"]) -> list[Request]:
     """Poisson arrivals at ``rate``/s (wall) for ``window`` seconds, seeded."""
     rnd = random.Random(seed)
     out, t = [], rnd.expovariate(rate)
     while t < window:
-        p, o = shape(rnd)
+        p, o = mix.shape(rnd)
         out.append(Request(t, p, o))
         t += rnd.expovariate(rate)
     return out
 
 
-def overrides(ts: float) -> tuple[dict[str, Any], dict[str, Any]]:
+def overrides(
+    ts: float, mix: Mix = MIXES["today"], timeout: float = 120.0
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """Gateway and simulator settings for a run at time scale ``ts``.
 
     The gateway's own clocks are wall time while the nodes run ``ts`` times faster, so
     the demo config's waits are divided by ``ts`` to keep their meaning in simulated
-    time (a 10 s queue timeout stays 10 simulated seconds)."""
+    time. A request waits in the gateway's queue at most as long as its client does
+    (``timeout`` simulated seconds)."""
     gateway = {
-        "admission": {"queue_timeout_s": 10.0 / ts},
+        "admission": {"queue_timeout_s": timeout / ts},
         "load_feedback": {
             "interval_s": 2.0 / ts,
             "preemption_cooldown_s": 5.0 / ts,
             "stale_after_s": 15.0 / ts,
         },
     }
-    sim = {"output_mean": OUTPUT_MEAN}
+    sim = {"output_mean": mix.output_mean, "output_sigma": mix.output_sigma}
     return gateway, sim
 
 
 def fleet(policy: str, args: argparse.Namespace) -> Any:
-    """``kv_aware+learned`` is kv_aware with ``admission.output_reservation: learned``."""
-    gw, sim = overrides(args.time_scale)
+    """``kv_aware+learned`` is kv_aware with ``admission.output_reservation: learned``;
+    ``kv_aware+whole_life`` holds every request's prompt + max_tokens for its life
+    (``admission.kv_projection: false``)."""
+    gw, sim = overrides(args.time_scale, MIXES[args.mix], args.timeout)
     base, _, variant = policy.partition("+")
     if variant == "learned":
         gw["admission"].update(output_reservation="learned", preemption_risk=0.01)
+    elif variant == "whole_life":
+        gw["admission"].update(kv_projection=False)
     return fleet_and_gateway(
         base, time_scale=args.time_scale, seed=args.seed, gateway_overrides=gw, sim_overrides=sim
     )
@@ -230,7 +261,7 @@ async def calibrate(args: argparse.Namespace) -> dict[str, Any]:
 
             async def client() -> None:
                 while True:
-                    p, o = shape(rnd)
+                    p, o = MIXES[args.mix].shape(rnd)
                     r = await stream_chat(s, run.url, p, o, rnd, timeout=timeout)
                     results.append((time.monotonic(), r.outcome))
 
@@ -414,7 +445,11 @@ def summarize_run(
         "preemptions": int(preempt),
         "goodput_tok_s": sum(r.tokens_in_window for r in ok) / (args.window * ts),
         # Every offered request served, its expected output counted whole: a ceiling.
-        "offered_tok_s": sum(expected_output(q.max_tokens) for q in reqs) / (args.window * ts),
+        "offered_tok_s": sum(
+            expected_output(q.max_tokens, MIXES[args.mix].output_mean, MIXES[args.mix].output_sigma)
+            for q in reqs
+        )
+        / (args.window * ts),
         "output_tokens_ok": sum(r.outcome.completion_tokens for r in ok),
         "ttft_short_p50_s": _pct(short, 0.5),
         "ttft_short_p99_s": _pct(short, 0.99),
@@ -436,7 +471,7 @@ async def run_policy(
     async with fleet(policy, args) as run:
         for i, load in enumerate(args.loads):
             rate = capacity * load
-            reqs = schedule(rate, args.window, args.seed * 100 + i)
+            reqs = schedule(rate, args.window, args.seed * 100 + i, MIXES[args.mix])
             before, lag0 = await _preemptions(run), await _lag_trimmed(run)
             usage: dict[str, list[float]] = {}
             sampler = asyncio.create_task(_sample_usage(run, usage, args.window), name="kv-usage")
@@ -496,8 +531,8 @@ def targets(rows: list[dict[str, Any]], loads: list[float]) -> dict[str, Any]:
     base = [r for r in rows if not r["policy"].startswith("kv_aware")]
     learned = {r["load"]: r for r in rows if r["policy"] == "kv_aware+learned"}
     if learned and base:
-        # Issue #14: learned output at 120% >= 1.3x the best baseline's goodput with at
-        # most 1 preemption per 1,000 requests.
+        # Learned output lengths at 120% load: goodput against the best baseline, and
+        # preemptions per 1,000 requests.
         ldetails = {}
         for load, r in learned.items():
             best = max((b["goodput_tok_s"] for b in base if b["load"] == load), default=0.0)
@@ -507,15 +542,28 @@ def targets(rows: list[dict[str, Any]], loads: list[float]) -> dict[str, Any]:
                 "preemptions_per_1000": 1000 * r["preemptions"] / max(1, r["requests"]),
             }
         out["learned_vs_best_baseline"] = ldetails
-    if not base:
-        return {
-            "kv_aware_zero_backend_400": all(r["backend_400"] == 0 for r in kv.values()),
-            "kv_aware_zero_preemptions": all(r["preemptions"] == 0 for r in kv.values()),
-            "goodput_vs_best_baseline": {},
-            "kv_aware_goodput_target": None,
-            "short_ttft_p99_vs_best_baseline": {},
-            "kv_aware_short_ttft_target": None,
+    whole = {r["load"]: r for r in rows if r["policy"] == "kv_aware+whole_life"}
+    if whole:
+        # Against admission as it was (whole-life reservations): no worse at any load.
+        out["vs_whole_life"] = {
+            f"{r['policy']} {r['load']:.0%}": r["goodput_tok_s"] / whole[r["load"]]["goodput_tok_s"]
+            for r in rows
+            if r["policy"] in ("kv_aware", "kv_aware+learned")
+            and r["load"] in whole
+            and whole[r["load"]]["goodput_tok_s"]
         }
+    if not base or not kv:
+        out.update(
+            {
+                "kv_aware_zero_backend_400": all(r["backend_400"] == 0 for r in kv.values()),
+                "kv_aware_zero_preemptions": all(r["preemptions"] == 0 for r in kv.values()),
+                "goodput_vs_best_baseline": {},
+                "kv_aware_goodput_target": None,
+                "short_ttft_p99_vs_best_baseline": {},
+                "kv_aware_short_ttft_target": None,
+            }
+        )
+        return out
     out["kv_aware_zero_backend_400"] = all(r["backend_400"] == 0 for r in kv.values())
     out["kv_aware_zero_preemptions"] = all(r["preemptions"] == 0 for r in kv.values())
     goodput_ok, details = True, {}
@@ -649,6 +697,8 @@ def print_report(out: dict[str, Any]) -> None:
             f"kv_aware+learned at {k}: goodput {ratio} the best baseline (need 1.3x), "
             f"{v['preemptions_per_1000']:.2f} preemptions per 1,000 requests (need <= 1)"
         )
+    for k, v in t.get("vs_whole_life", {}).items():
+        print(f"{k}: goodput {v:.2f}x kv_aware with whole-life reservations")
     if ceiling := out.get("learned_ceiling"):
         print(ceiling_line(ceiling))
     if "kv_aware_zero_backend_400" not in t or "goodput_vs_best_baseline" not in t:
@@ -711,6 +761,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--loads", default=",".join(str(x) for x in LOADS))
     p.add_argument("--name", default="fleet", help="results file: bench/results/NAME.json")
     p.add_argument(
+        "--mix",
+        choices=sorted(MIXES),
+        default="today",
+        help="today's mix, or a reasoning model's (max_tokens 8k-32k, answers 0.5k-4k)",
+    )
+    p.add_argument(
         "--ceiling",
         action="store_true",
         help="only print the most an output-aware policy could gain on this mix (no fleet)",
@@ -759,7 +815,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "timeout_sim_s": args.timeout,
             "seed": args.seed,
             "short_below_tokens": SHORT_MAX,
-            "mix": "80% 200-2k prompt / 256-1024 out; 18% 4k-16k / 256-1024; 2% 24k-100k / 128-256",
+            "mix": args.mix,
         },
         "calibration": cal,
         "rows": rows,

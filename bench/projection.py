@@ -172,7 +172,9 @@ def workload(name: str, seed: int = 7) -> Workload:
         reqs = [
             Request(_one_turn(_text(rng, rng.randint(100, 600), i)), 2048, False) for i in range(64)
         ]
-        return Workload(name, (BENCH,), ("node", "whole_life", "projected"), tuple(reqs), 0)
+        return Workload(
+            name, (BENCH,), ("node", "whole_life", "projected", "learned"), tuple(reqs), 0
+        )
     if name == "fleet":
         short = [(rng.randint(300, 2500), rng.randint(128, 512)) for _ in range(42)]
         long = [(rng.randint(4500, 12000), rng.randint(128, 512)) for _ in range(18)]
@@ -286,6 +288,8 @@ def _gateway_config(nodes: list[RealNode], mode: str, port: int) -> dict[str, An
     }
     if mode == "whole_life":
         config["admission"] = {"kv_projection": False}
+    elif mode == "learned":
+        config["admission"] = {"output_reservation": "learned"}
     elif mode in ("length_aware", "round_robin"):
         config["routing"] = {"policy": mode}
     return config

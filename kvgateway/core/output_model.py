@@ -1,20 +1,13 @@
 """Learned output lengths: how much of its ``max_tokens`` a request really generates.
 
-Reserving the full ``max_tokens`` is what makes "no preemption caused by the gateway" a
-guarantee, and it costs capacity: nodes generate about half of it on average. With
-``admission.output_reservation: learned`` a request reserves instead a high quantile
-(``1 - admission.preemption_risk``) of the output lengths seen for requests like it:
-the same model and client key, in the same ``max_tokens`` bucket (powers of two), never
-more than its ``max_tokens``. A sequence that ran to its own cap is read as running to
-the cap of the request asking (it was cut, not finished). Until a group has ``min_samples`` observations the
-model-wide group of that bucket answers; until that has them, nothing does and the
-request reserves its ``max_tokens``.
-
-That per-request quantile is what :meth:`OutputModel.reservation` gives. Learned
-admission itself reserves less: each request its expected output and each node a
-pooled margin for the sum of its requests' outputs (:mod:`kvgateway.core.output_risk`),
-from the same observations, read as an :class:`OutputShape`: the group's lengths, sorted,
-with what they imply for a request that has already generated some tokens.
+With ``admission.output_reservation: learned`` the projection (:mod:`kvgateway.core.
+projection`) reads when a running stream is likely to end from the lengths seen for
+requests like it: the same model and client key, in the same ``max_tokens`` bucket
+(powers of two). A sequence that ran to its own cap is read as running to the cap of the
+request asking (it was cut, not finished: :data:`CENSORED`). Until a group has
+``min_samples`` observations nothing is known and its requests are bounded by their
+``max_tokens``. Every shape also holds one answer run to the cap, a prior that keeps the
+chance of a long answer above zero however few were seen.
 
 Observations are kept in bounded rings (the last ``window`` per group, so the model
 follows a change of workload); the number of groups is bounded too (least recently
@@ -107,7 +100,7 @@ class OutputModelStats:
 
 
 class OutputModel:
-    def __init__(self, *, window: int = 512, min_samples: int = 50, max_groups: int = 10_000):
+    def __init__(self, *, window: int = 512, min_samples: int = 20, max_groups: int = 10_000):
         if window < 1 or min_samples < 1 or max_groups < 1:
             raise ValueError("window, min_samples and max_groups must be positive")
         self._window = window
@@ -124,9 +117,9 @@ class OutputModel:
         if max_tokens < 1 or output_tokens < 0:
             return
         value = output_tokens if output_tokens < max_tokens else CENSORED
-        # Only the client's own group: another key's answers never set a client's
-        # reservation (one key could teach the gateway that every answer is short, and
-        # every other key's flood would be booked at a few tokens each).
+        # Only the client's own group: another key's answers never say when a client's
+        # answers end (one key could teach the gateway that every answer is short, and
+        # every other key's flood would be admitted as if it were).
         group = (model, key, bucket_of(max_tokens))
         ring = self._groups.get(group)
         if ring is None:
@@ -148,24 +141,8 @@ class OutputModel:
             return None
         shape = self._shapes.get(group)
         if shape is None:
-            shape = self._shapes[group] = OutputShape(list(ring))
+            shape = self._shapes[group] = OutputShape([*ring, CENSORED])
         return shape
-
-    def quantile(self, model: str, key: str, max_tokens: int, q: float) -> int | None:
-        """The ``q`` quantile of learned output lengths for such a request (at most
-        ``max_tokens``), or None while too little is known."""
-        shape = self.shape(model, key, max_tokens)
-        if shape is None:
-            return None
-        return max(1, shape.outlook(-1, max_tokens, q).quantile)
-
-    def reservation(self, model: str, key: str, max_tokens: int, risk: float) -> int:
-        """Output tokens to reserve for one sequence: the ``1 - risk`` quantile, or
-        ``max_tokens`` while nothing is known (or with ``risk`` 0)."""
-        if risk <= 0:
-            return max_tokens
-        learned = self.quantile(model, key, max_tokens, 1.0 - risk)
-        return max_tokens if learned is None else learned
 
     def statistics(self) -> OutputModelStats:
         return OutputModelStats(len(self._groups), self._seen)
