@@ -13,7 +13,8 @@ Workloads and what they compare:
             ``admission.kv_projection: false``) and ``projected`` (the default).
   unknown   64 chats at once on B, ``max_tokens`` 2048; the node draws each answer's
             length (a ``logit_bias``ed token listed in ``stop_token_ids`` ends it, mean
-            ~200 tokens), which the gateway cannot know. Same modes.
+            ~200 tokens), which the gateway cannot know. Same modes, and ``learned``
+            (``admission.output_reservation: learned``).
   fleet     60 chats, 30 at a time, on S (4k context, 6,016 KV tokens) and L (16k,
             24,448): 42 short (300-2,500 prompt tokens) and 18 too long for S (4,500-
             12,000); outputs of 128-512 fixed. Modes: ``projected`` (kv_aware),
