@@ -6,7 +6,7 @@ import hashlib
 from array import array
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvgateway.core.cache_view import AllCleared, BlocksRemoved, BlocksStored
@@ -221,6 +221,7 @@ def test_event_holders_name_the_backends_whose_events_hold_a_block() -> None:
     assert index.event_holders(ka) == ("n1",)
 
 
+@settings(max_examples=50, deadline=None)
 @given(
     ops=st.lists(
         st.tuples(st.sampled_from(["store", "remove", "clear", "detach"]), st.integers(0, 2)),
