@@ -381,7 +381,7 @@ def fleet_data(tokenizer: str | None = None) -> dict[str, Any]:
             tok["path"] = tokenizer
         else:
             # The simulated nodes count with cl100k, the gateway's own encoding: reserve
-            # its count as it is (README, "Counting with the model's own tokenizer"), so
+            # its count as it is (docs/counting.md), so
             # that what is compared is routing, not the stand-in's worst-case bound.
             tok["upper_bound"] = False
     simulate: dict[str, Any] = {"profile": "gpu24-8b"}

@@ -86,7 +86,7 @@ class RoutingConfig:
     offload_overflow: bool = False
     # kv_aware only: prefer, within the tier kv_aware picks, the node holding the prompt's
     # prefix in its cache (approximate from what was routed; precise with `kv_events`).
-    prefix_aware: bool = False
+    prefix_aware: bool = True
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvgateway.core.backends import Backend
-from kvgateway.core.output_model import OutputShape
+from kvgateway.core.output_model import LearnedLengths
 from kvgateway.core.projection import AHEAD, Flight
 from kvgateway.errors import ContextLengthExceeded
 
@@ -52,10 +52,14 @@ class Demand:
     # Admitted by the projected KV peak (core/projection.py), not by ``tokens`` (which
     # stays the whole bound: tenants' shares, context checks, whole-life admission).
     projected: bool = False
-    # Learned output lengths of such requests (output_reservation: learned), and the
-    # z-score of the accepted preemption risk the projection is checked at.
-    shape: OutputShape | None = None
+    # Learned output lengths of such requests (output_reservation: learned), read when
+    # it is admitted; and the z-score of the accepted preemption risk the projection is
+    # checked at.
+    lengths: LearnedLengths | None = None
     z: float = 0.0
+    # admission.prefix_credit: prompt blocks a started request on the node holds are
+    # counted once.
+    prefix_credit: bool = True
 
     @property
     def longest_sequence(self) -> int:
@@ -119,7 +123,7 @@ def flight_for(b: Backend, d: Demand, fid: int = 0) -> Flight:
     hint = d.prefix
     if hint is not None and hint.credit and hint.block_size == block and d.sequences == 1:
         keys = hint.keys[: max(0, (d.longest_prompt - 1) // block)]
-        credited = b.projection.creditable(keys)
+        credited = b.projection.creditable(keys) if d.prefix_credit else 0
     return Flight(
         fid,
         d.longest_prompt,
@@ -127,7 +131,7 @@ def flight_for(b: Backend, d: Demand, fid: int = 0) -> Flight:
         d.output_tokens,
         keys=keys,
         credited=credited,
-        shape=d.shape,
+        shape=d.lengths.shape if d.lengths is not None else None,
         ahead=AHEAD + b.config.num_speculative_tokens,
     )
 

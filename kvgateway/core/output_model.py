@@ -99,17 +99,50 @@ class OutputModelStats:
     observations: int
 
 
+class LearnedLengths:
+    """One group's observed lengths, as they are when read: a request planned before
+    anything was learned reads what is known by the time it is admitted."""
+
+    __slots__ = ("_min", "_ring", "_shape")
+
+    def __init__(self, window: int, min_samples: int) -> None:
+        self._ring: deque[int] = deque(maxlen=window)
+        self._min = min_samples
+        self._shape: OutputShape | None = None
+
+    def add(self, value: int) -> None:
+        self._ring.append(value)
+        self._shape = None
+
+    @property
+    def shape(self) -> OutputShape | None:
+        """The lengths seen and the prior; None while fewer than ``min_samples``."""
+        if len(self._ring) < self._min:
+            return None
+        if self._shape is None:
+            self._shape = OutputShape([*self._ring, CENSORED])
+        return self._shape
+
+
 class OutputModel:
-    def __init__(self, *, window: int = 512, min_samples: int = 20, max_groups: int = 10_000):
+    def __init__(self, *, window: int = 512, min_samples: int = 10, max_groups: int = 10_000):
         if window < 1 or min_samples < 1 or max_groups < 1:
             raise ValueError("window, min_samples and max_groups must be positive")
         self._window = window
         self._min = min(min_samples, window)
         self._max_groups = max_groups
-        self._groups: OrderedDict[tuple[str, str, int], deque[int]] = OrderedDict()
-        # Shapes of groups as last asked for; dropped when the group changes.
-        self._shapes: dict[tuple[str, str, int], OutputShape] = {}
+        self._groups: OrderedDict[tuple[str, str, int], LearnedLengths] = OrderedDict()
         self._seen = 0
+
+    def group(self, model: str, key: str, max_tokens: int) -> LearnedLengths:
+        """The lengths of such requests (the client's own), learned or still to learn."""
+        name = (model, key, bucket_of(max_tokens))
+        group = self._groups.get(name)
+        if group is None:
+            group = self._groups[name] = LearnedLengths(self._window, self._min)
+            while len(self._groups) > self._max_groups:
+                self._groups.popitem(last=False)
+        return group
 
     def observe(self, model: str, key: str, max_tokens: int, output_tokens: int) -> None:
         """One finished sequence generated ``output_tokens`` of its ``max_tokens`` (all of
@@ -120,29 +153,17 @@ class OutputModel:
         # Only the client's own group: another key's answers never say when a client's
         # answers end (one key could teach the gateway that every answer is short, and
         # every other key's flood would be admitted as if it were).
-        group = (model, key, bucket_of(max_tokens))
-        ring = self._groups.get(group)
-        if ring is None:
-            ring = self._groups[group] = deque(maxlen=self._window)
-        ring.append(value)
-        self._groups.move_to_end(group)
-        self._shapes.pop(group, None)
+        self.group(model, key, max_tokens).add(value)
+        self._groups.move_to_end((model, key, bucket_of(max_tokens)))
         self._seen += 1
-        while len(self._groups) > self._max_groups:
-            gone, _ = self._groups.popitem(last=False)
-            self._shapes.pop(gone, None)
 
     def shape(self, model: str, key: str, max_tokens: int) -> OutputShape | None:
         """The learned lengths for such a request (its client's own), or None while too
         little is known."""
-        group = (model, key, bucket_of(max_tokens))
-        ring = self._groups.get(group)
-        if ring is None or len(ring) < self._min:
-            return None
-        shape = self._shapes.get(group)
-        if shape is None:
-            shape = self._shapes[group] = OutputShape([*ring, CENSORED])
-        return shape
+        group = self._groups.get((model, key, bucket_of(max_tokens)))
+        return None if group is None else group.shape
 
     def statistics(self) -> OutputModelStats:
-        return OutputModelStats(len(self._groups), self._seen)
+        return OutputModelStats(
+            sum(1 for g in self._groups.values() if g.shape is not None), self._seen
+        )

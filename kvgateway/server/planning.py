@@ -171,11 +171,11 @@ async def plan_request(
     # Admission by the projected peak needs every replica's sequences: with a shared
     # ledger each request holds its whole bound.
     projected = adm.kv_projection and not config.ledger.url
-    shape = None
+    lengths = None
     if projected and learned and outputs is not None and adm.preemption_risk > 0:
         # The bound stays max_tokens (the node enforces it); learned lengths say when a
         # running stream is likely to end before it.
-        shape = outputs.shape(model.name, client, output)
+        lengths = outputs.group(model.name, client, output)
     prefix = None
     if config.routing.prefix_aware and config.routing.policy == Policy.KV_AWARE:
         prefix = await _prefix_hint(
@@ -190,8 +190,9 @@ async def plan_request(
         tokens=tokens,
         prefix=prefix,
         projected=projected,
-        shape=shape,
-        z=z_of(adm.preemption_risk) if shape is not None else 0.0,
+        lengths=lengths,
+        z=z_of(adm.preemption_risk) if lengths is not None else 0.0,
+        prefix_credit=adm.prefix_credit,
     )
     ask = usage_ask(parsed.kind, parsed.stream, body) if adm.node_stream_usage else None
     return Counted(model, parsed, prompt, output, demand, injected, reserved, sum(kv_prompts), ask)

@@ -95,8 +95,14 @@ class PromptEstimator:
 
     def exact_chat_ids(self, body: dict[str, Any]) -> list[int] | None:
         """The node's own prompt ids of a chat request (its template and tokenizer), for
-        keying its KV blocks; None without the model's tokenizer."""
-        return self._exact.prompt_ids(body) if self._exact is not None else None
+        keying its KV blocks; None without the model's tokenizer, or when the template
+        refuses the chat (counting falls back then; the node answers it)."""
+        if self._exact is None:
+            return None
+        try:
+            return self._exact.prompt_ids(body)
+        except TemplateError:
+            return None
 
     def exact_completion_ids(self, body: dict[str, Any]) -> list[int] | None:
         """The node's own ids of a completions request's single prompt; None without the

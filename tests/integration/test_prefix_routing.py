@@ -9,7 +9,6 @@ import random
 from typing import Any
 
 import aiohttp
-import pytest
 
 from kvgateway.core.prefix_keys import block_keys
 from kvgateway.server.planning import plan_request
@@ -353,11 +352,6 @@ async def test_a_responses_stream_holds_no_credit_before_its_first_token(
     assert fleet.leaks() == {}
 
 
-@pytest.mark.xfail(
-    reason="server/planning.py keys the prompt with the model's template, which raises for a "
-    "role it refuses (TemplateError out of tokens/prompt_estimate.exact_chat_ids): 500",
-    strict=True,
-)
 async def test_a_chat_the_template_refuses_gets_the_nodes_400_with_prefix_awareness(
     start_fleet: StartFleet, vocab_dirs
 ):

@@ -22,9 +22,9 @@ def parse(backend_extra: str = "", rest: str = ""):
     return parse_config_text(text)
 
 
-def test_defaults_keep_todays_behaviour():
+def test_defaults():
     cfg = parse()
-    assert cfg.routing.prefix_aware is False
+    assert cfg.routing.prefix_aware is True
     assert cfg.admission.prefix_credit is True
     assert cfg.admission.output_reservation == "max_tokens"
     assert cfg.admission.preemption_risk == 0.01
