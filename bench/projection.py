@@ -11,7 +11,7 @@ Workloads and what they compare:
             ``ignore_eos``. Modes: ``node`` (straight to the node), ``whole_life``
             (every request holds prompt + max_tokens for its life:
             ``admission.kv_projection: false``) and ``projected`` (the default).
-  unknown   64 chats at once on B, ``max_tokens`` 2048; the node draws each answer's
+  unknown   192 chats, 32 at a time, on B, ``max_tokens`` 2048; the node draws each answer's
             length (a ``logit_bias``ed token listed in ``stop_token_ids`` ends it, mean
             ~200 tokens), which the gateway cannot know. Same modes, and ``learned``
             (``admission.output_reservation: learned``).
@@ -171,11 +171,11 @@ def workload(name: str, seed: int = 7) -> Workload:
         return Workload(name, (BENCH,), ("node", "whole_life", "projected"), tuple(reqs), 0)
     if name == "unknown":
         reqs = [
-            Request(_one_turn(_text(rng, rng.randint(100, 600), i)), 2048, False) for i in range(64)
+            Request(_one_turn(_text(rng, rng.randint(100, 600), i)), 2048, False)
+            for i in range(192)
         ]
-        return Workload(
-            name, (BENCH,), ("node", "whole_life", "projected", "learned"), tuple(reqs), 0
-        )
+        modes = ("node", "whole_life", "projected", "learned")
+        return Workload(name, (BENCH,), modes, tuple(reqs), 32)
     if name == "fleet":
         short = [(rng.randint(300, 2500), rng.randint(128, 512)) for _ in range(42)]
         long = [(rng.randint(4500, 12000), rng.randint(128, 512)) for _ in range(18)]
@@ -287,12 +287,20 @@ def _gateway_config(nodes: list[RealNode], mode: str, port: int) -> dict[str, An
             }
         ],
     }
-    if mode == "whole_life":
-        config["admission"] = {"kv_projection": False}
-    elif mode == "learned":
-        config["admission"] = {"output_reservation": "learned"}
-    elif mode in ("length_aware", "round_robin"):
-        config["routing"] = {"policy": mode}
+    adm: dict[str, Any] = {}
+    for part in mode.split("+"):
+        if part == "whole_life":
+            adm["kv_projection"] = False
+        elif part == "learned":
+            adm["output_reservation"] = "learned"
+        elif part.startswith("fraction="):
+            adm["budget_fraction"] = float(part.partition("=")[2])
+        elif part.startswith("risk="):
+            adm["preemption_risk"] = float(part.partition("=")[2])
+        elif part in ("length_aware", "round_robin"):
+            config["routing"] = {"policy": part}
+    if adm:
+        config["admission"] = adm
     return config
 
 

@@ -206,6 +206,7 @@ class AdmissionCore:
             per_step = (now - reservation.reported_at) / (generated - f.generated)
             b.step_s = per_step if not b.step_s else b.step_s + STEP_EWMA * (per_step - b.step_s)
         reservation.reported_at = now
+        b.served_at = now
         single = prompt if reservation.seqs == f.n else None
         first = b.projection.progress(f.id, generated, single)
         grown = (-(-f.tokens_at(0) // block) - before) * f.n * block

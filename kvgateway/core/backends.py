@@ -73,6 +73,8 @@ class Backend:
     # Seconds per engine step, as its streams' reported counts advance (0: not seen yet):
     # turns the projection's steps into a wait a client can be told.
     step_s: float = 0.0
+    # When the node last answered a request or reported a stream's progress (monotonic).
+    served_at: float = 0.0
 
     @property
     def name(self) -> str:

@@ -6,8 +6,9 @@ requests like it: the same model and client key, in the same ``max_tokens`` buck
 (powers of two). A sequence that ran to its own cap is read as running to the cap of the
 request asking (it was cut, not finished: :data:`CENSORED`). Until a group has
 ``min_samples`` observations nothing is known and its requests are bounded by their
-``max_tokens``. Every shape also holds one answer run to the cap, a prior that keeps the
-chance of a long answer above zero however few were seen.
+``max_tokens``. Past the longest answer seen, the chance of a longer one falls off
+exponentially at the answers' mean excess over their median (a geometric length's own
+tail), so a long answer is never taken as impossible.
 
 Observations are kept in bounded rings (the last ``window`` per group, so the model
 follows a change of workload); the number of groups is bounded too (least recently
@@ -49,7 +50,7 @@ class OutputShape:
     and quantiles conditional on "generated ``g`` tokens and not finished" cost a
     bisection. Immutable: the model makes a new one when the group changes."""
 
-    __slots__ = ("_n", "_sum", "_sum2", "_values")
+    __slots__ = ("_censored", "_n", "_sum", "_sum2", "_tail", "_top", "_values")
 
     def __init__(self, values: list[int]) -> None:
         if not values:
@@ -58,19 +59,35 @@ class OutputShape:
         self._n = len(self._values)
         self._sum = [0, *accumulate(self._values)]
         self._sum2 = [0, *accumulate(v * v for v in self._values)]
+        finite = [v for v in self._values if v < CENSORED]
+        self._censored = self._n - len(finite)
+        self._top = finite[-1] if finite else 0
+        # Past the longest answer seen the lengths go on falling off as they did past the
+        # median: exponentially, at their mean excess over it.
+        median = finite[len(finite) // 2] if finite else 0
+        excess = [v - median for v in finite if v > median]
+        self._tail = max(1.0, sum(excess) / len(excess)) if excess else 1.0
 
     @property
     def size(self) -> int:
         return self._n
 
+    def _beyond(self, x: int) -> float:
+        """Chance of an answer longer than ``x`` (any cap aside): the answers seen, and
+        past the longest one an exponential tail."""
+        if self._censored == self._n:
+            return 1.0
+        if x < self._top:
+            return (self._n - bisect_right(self._values, x)) / self._n
+        return (self._censored + math.exp(-(x - self._top) / self._tail)) / self._n
+
     def surviving(self, generated: int, later: int) -> float:
         """Chance that a sequence still running after ``generated`` tokens runs past
-        ``later`` (1 past every observation: nothing seen says where it stops)."""
-        vals = self._values
-        count = self._n - bisect_right(vals, generated)
-        if count == 0:
+        ``later``."""
+        now = self._beyond(generated)
+        if now <= 0.0:
             return 1.0
-        return (self._n - bisect_right(vals, later)) / count
+        return min(1.0, self._beyond(later) / now)
 
     def outlook(self, generated: int, max_tokens: int, q: float) -> Outlook:
         """Total output of a sequence capped at ``max_tokens`` that has generated
@@ -116,16 +133,16 @@ class LearnedLengths:
 
     @property
     def shape(self) -> OutputShape | None:
-        """The lengths seen and the prior; None while fewer than ``min_samples``."""
+        """The lengths seen; None while fewer than ``min_samples``."""
         if len(self._ring) < self._min:
             return None
         if self._shape is None:
-            self._shape = OutputShape([*self._ring, CENSORED])
+            self._shape = OutputShape(list(self._ring))
         return self._shape
 
 
 class OutputModel:
-    def __init__(self, *, window: int = 512, min_samples: int = 10, max_groups: int = 10_000):
+    def __init__(self, *, window: int = 512, min_samples: int = 8, max_groups: int = 10_000):
         if window < 1 or min_samples < 1 or max_groups < 1:
             raise ValueError("window, min_samples and max_groups must be positive")
         self._window = window

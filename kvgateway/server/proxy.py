@@ -270,7 +270,7 @@ async def _attempt(
             raise
         return err
     async with resp:
-        request_served(backend)
+        request_served(backend, state.clock())
         if counted.parsed.stream and resp.status == 200 and is_event_stream(resp):
             return await relay_stream(state, ex, resp, r)
         data = await read_body(state, ex, resp, r)

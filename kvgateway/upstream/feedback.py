@@ -34,7 +34,15 @@ class HealthChange:
     became_unhealthy: bool = False
 
 
-def apply_probe(b: Backend, ok: bool, error: str, cfg: HealthConfig) -> HealthChange:
+def apply_probe(
+    b: Backend, ok: bool, error: str, cfg: HealthConfig, now: float = 0.0
+) -> HealthChange:
+    """A health probe's answer. A probe that fails while the node's streams report
+    progress says only that its API server was slow to answer (a node busy on 2 cores
+    misses a 2 s probe): it counts as no answer, neither way."""
+    if not ok and b.served_at and now - b.served_at < cfg.interval_s:
+        b.last_error = error
+        return HealthChange()
     if ok:
         b.health_successes += 1
         b.health_failures = 0
@@ -68,9 +76,10 @@ def request_failed(
     return False
 
 
-def request_served(b: Backend) -> None:
+def request_served(b: Backend, now: float) -> None:
     """A request got an answer from ``b``: its run of failures ends."""
     b.consecutive_failures = 0
+    b.served_at = now
 
 
 def apply_metrics(b: Backend, m: ScrapedMetrics, now: float, cfg: LoadFeedbackConfig) -> bool:

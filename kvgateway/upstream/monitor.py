@@ -120,7 +120,7 @@ class Monitor:
         ok, error = await _health(self._session, b, cfg.timeout_s)
         if not ok and not b.ever_healthy:
             log.debug("backend %s not ready yet: %s", b.name, error)
-        change = feedback.apply_probe(b, ok, error, cfg)
+        change = feedback.apply_probe(b, ok, error, cfg, self._clock())
         if change.became_unhealthy:
             log.warning("backend %s is unhealthy: %s", b.name, error)
         if ok and (change.became_healthy or not b.limits.known):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -27,7 +29,7 @@ def test_nothing_is_known_until_enough_is_seen() -> None:
     assert m.shape("llama", "k1", 512) is None
     m.observe("llama", "k1", 512, 109)
     shape = m.shape("llama", "k1", 512)
-    assert shape is not None and shape.size == 11  # ten seen and the prior
+    assert shape is not None and shape.size == 10
 
 
 def test_a_client_is_learned_from_its_own_answers_only() -> None:
@@ -42,16 +44,27 @@ def test_a_client_is_learned_from_its_own_answers_only() -> None:
     assert m.shape("other", "k1", 500) is None
 
 
-def test_the_prior_keeps_a_long_answer_possible() -> None:
-    """However short every answer seen, a running sequence may still reach its cap: the
-    chance never falls to zero before it (the projection's margin needs a spread)."""
-    m = OutputModel(min_samples=20)
-    for _ in range(40):
-        m.observe("m", "k", 512, 10)
+def test_past_the_longest_answer_seen_the_tail_falls_off_exponentially() -> None:
+    """However few answers were seen, a running sequence may outlast them all: past the
+    longest the chance falls off at the answers' mean excess over their median."""
+    m = OutputModel(min_samples=8)
+    for v in (10, 20, 30, 40, 50, 60, 70, 80):
+        m.observe("m", "k", 512, v)
     shape = m.shape("m", "k", 512)
     assert shape is not None
-    assert 0.0 < shape.surviving(0, 500) <= 1 / 41 + 1e-9
-    assert shape.surviving(11, 400) == 1.0  # past everything seen: runs to its cap
+    # The median is 50; 60, 70, 80 exceed it by 20 on average.
+    assert shape.surviving(0, 79) == pytest.approx(1 / 8)
+    assert shape.surviving(0, 100) == pytest.approx(math.exp(-20 / 20) / 8)
+    assert 0.0 < shape.surviving(90, 300) < shape.surviving(90, 120) < 1.0
+
+
+def test_answers_cut_at_their_cap_keep_their_weight_to_the_cap() -> None:
+    m = OutputModel(min_samples=4)
+    for v in (10, 20, 512, 512):
+        m.observe("m", "k", 512, v)
+    shape = m.shape("m", "k", 512)
+    assert shape is not None
+    assert shape.surviving(0, 5000) == pytest.approx(2 / 4, abs=1e-3)
 
 
 def test_the_window_follows_a_change_of_workload() -> None:
@@ -72,9 +85,10 @@ def test_survival_is_what_was_seen_past_a_point(outputs: list[int], at: int) -> 
         m.observe("m", "k", 2048, o)
     shape = m.shape("m", "k", 2048)
     assert shape is not None
-    past = sum(1 for o in outputs if o > at) + 1  # and the prior, run to the cap
-    seen = len(outputs) + 1
-    assert shape.surviving(-1, at) == pytest.approx(past / seen)
+    finite = [o for o in outputs if o < 2048]
+    if finite and at < max(finite):
+        past = sum(1 for o in outputs if o > at)
+        assert shape.surviving(-1, at) == pytest.approx(past / len(outputs))
 
 
 def test_bad_parameters_are_refused():

@@ -1,7 +1,7 @@
 """Pure health and load-feedback decisions."""
 
 from kvgateway.config.model import HealthConfig, LoadFeedbackConfig
-from kvgateway.upstream.feedback import apply_metrics, apply_probe, expire_stale
+from kvgateway.upstream.feedback import apply_metrics, apply_probe, expire_stale, request_served
 from kvgateway.upstream.vllm_metrics import ScrapedMetrics
 from tests.support.backends import backend
 
@@ -63,3 +63,19 @@ def test_disabled_feedback_records_but_never_pauses():
     apply_metrics(b, ScrapedMetrics(kv_usage=1.0, waiting=10), 0.0, cfg)
     apply_metrics(b, ScrapedMetrics(kv_usage=1.0, waiting=10), 1.0, cfg)
     assert not b.paused and b.load is not None
+
+
+def test_a_slow_probe_of_a_node_whose_streams_progress_takes_nothing_out() -> None:
+    """A node busy on its cores can miss a 2 s /health while it serves: its streams'
+    reports say it is alive, so the failed probe counts neither way."""
+    cfg = HealthConfig(interval_s=5.0, unhealthy_threshold=2)
+    b = backend("a")
+    request_served(b, now=100.0)
+    for t in (101.0, 104.0):
+        apply_probe(b, False, "no answer within 2s", cfg, now=t)
+    assert b.healthy and b.health_failures == 0
+    assert b.last_error == "no answer within 2s"
+    # Nothing served for longer than a probe interval: the failures count.
+    for t in (106.0, 111.0):
+        apply_probe(b, False, "no answer within 2s", cfg, now=t)
+    assert not b.healthy
