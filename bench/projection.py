@@ -42,22 +42,19 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
 from openai import APIStatusError, AsyncOpenAI
 
-from bench.procs import free_port
 from bench.real_nodes import KvSampler, real_nodes, wait_idle
 from bench.report import machine, save
+from tests.support.gateway_process import serve_process
 from tests.support.real_fleet import BENCH, S2, L, S
 from tests.support.vllm_nodes import NodeSpec, RealNode
 
@@ -273,12 +270,11 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _gateway_config(nodes: list[RealNode], mode: str, port: int) -> dict[str, Any]:
+def _gateway_config(nodes: list[RealNode], mode: str) -> dict[str, Any]:
     """The gateway's defaults in front of ``nodes`` (one tier, in the order given; a
     larger context later), only the model's tokenizer directory and the mode set."""
     served = nodes[0].spec.served_name
     config: dict[str, Any] = {
-        "server": {"host": "127.0.0.1", "port": port},
         "models": [{"name": served, "tokenizer": {"path": str(nodes[0].model_dir)}}],
         "tiers": [
             {
@@ -307,29 +303,9 @@ def _gateway_config(nodes: list[RealNode], mode: str, port: int) -> dict[str, An
 @contextlib.contextmanager
 def _gateway(nodes: list[RealNode], mode: str) -> Iterator[tuple[str, int]]:
     """`gateway serve` as its own process; yields its URL and pid."""
-    port = free_port()
     work = Path(tempfile.mkdtemp(prefix="bench-gw-"))
-    (work / "gateway.yaml").write_text(yaml.safe_dump(_gateway_config(nodes, mode, port)))
-    log = (work / "gateway.log").open("wb")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvgateway", "serve", "--config", str(work / "gateway.yaml")],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            with contextlib.suppress(OSError), urllib.request.urlopen(url + "/ready", timeout=1):
-                break
-            if time.monotonic() > deadline or proc.poll() is not None:
-                raise RuntimeError(f"gateway did not start: {(work / 'gateway.log').read_text()}")
-            time.sleep(0.2)
+    with serve_process(_gateway_config(nodes, mode), work) as (url, proc):
         yield url, proc.pid
-    finally:
-        proc.terminate()
-        proc.wait(30)
-        log.close()
 
 
 def measure(nodes: list[RealNode], mode: str, w: Workload) -> Result:

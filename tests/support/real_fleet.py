@@ -97,6 +97,15 @@ def vocab_nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, 
     yield from _nodes(tmp_path_factory, LLAMA, MISTRAL)
 
 
+WORDS = ("harbor", "lantern", "meadow", "quartz", "summit", "willow", "anchor", "ember")
+WORDS += ("falcon", "glacier")
+
+
+def words(n: int, seed: int = 0) -> str:
+    """``n`` words that Qwen's vocabulary counts about one token each (with the space)."""
+    return " ".join(WORDS[(i * 7 + seed) % len(WORDS)] for i in range(n))
+
+
 def backend_entry(node: RealNode, **extra: Any) -> dict[str, Any]:
     entry: dict[str, Any] = {
         "name": node.spec.name,
