@@ -24,7 +24,8 @@ Workloads and what they compare:
             8 conversations at a time. Modes: ``projected`` and ``round_robin``.
 
 Printed per mode: wall time, output tokens/s, the nodes' preemptions, 429s, node 400s
-and other errors, TTFT p50/p99, the nodes' mean KV use and the gateway's CPU seconds.
+and other errors, TTFT p50/p99, the nodes' mean KV use and running sequences (batch) and
+the gateway's CPU seconds.
 
     python -m bench.projection --real [--workload burst|unknown|fleet|multiturn|all]
         [--repeat N]
@@ -50,7 +51,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from openai import APIStatusError, AsyncOpenAI
+from openai import APIConnectionError, APIStatusError, AsyncOpenAI
 
 from bench.real_nodes import KvSampler, real_nodes, wait_idle
 from bench.report import machine, save
@@ -146,6 +147,7 @@ class Result:
     ttft_p50_s: float
     ttft_p99_s: float
     mean_kv_use: float
+    mean_running: float = 0.0
     gateway_cpu_s: float = 0.0
     backends: dict[str, int] = field(default_factory=dict)
 
@@ -210,6 +212,18 @@ class _Got:
 
 
 async def _one(client: AsyncOpenAI, model: str, req: Request) -> _Got:
+    """One request; a connection the server closed before answering (a keep-alive race
+    with uvicorn's 5 s idle timeout, in every mode alike) is tried again, twice at most."""
+    for attempt in range(3):
+        try:
+            return await _once(client, model, req)
+        except APIConnectionError:
+            if attempt == 2:
+                return _Got(0)
+    raise AssertionError("unreachable")
+
+
+async def _once(client: AsyncOpenAI, model: str, req: Request) -> _Got:
     start = time.monotonic()
     got = _Got(200)
     try:
@@ -346,6 +360,7 @@ def measure(nodes: list[RealNode], mode: str, w: Workload) -> Result:
         ttft_p50_s=round(statistics.median(ttfts), 3) if ttfts else 0.0,
         ttft_p99_s=round(_quantile(ttfts, 0.99), 3),
         mean_kv_use=round(statistics.mean(s.mean for s in samplers), 3),
+        mean_running=round(statistics.mean(s.mean_running for s in samplers), 2),
         gateway_cpu_s=round(cpu, 2),
         backends=backends,
     )
@@ -354,14 +369,14 @@ def measure(nodes: list[RealNode], mode: str, w: Workload) -> Result:
 def _print(results: list[Result]) -> None:
     print(
         f"{'workload':9} {'mode':12} {'ok':>6} {'429':>4} {'n400':>4} {'err':>4} {'wall s':>7} "
-        f"{'tok/s':>6} {'preempt':>7} {'ttft p50':>8} {'ttft p99':>8} {'kv use':>6} {'gw cpu':>6}"
+        f"{'tok/s':>6} {'preempt':>7} {'ttft p50':>8} {'ttft p99':>8} {'kv use':>6} {'batch':>5} {'gw cpu':>6}"
     )
     for r in results:
         print(
             f"{r.workload:9} {r.mode:12} {r.ok:>3}/{r.requests:<2} {r.refused_429:>4} "
             f"{r.node_400:>4} {r.errors:>4} {r.wall_s:>7.1f} {r.output_tps:>6.0f} "
             f"{r.preemptions:>7} {r.ttft_p50_s:>8.2f} {r.ttft_p99_s:>8.2f} "
-            f"{r.mean_kv_use:>6.2f} {r.gateway_cpu_s:>6.1f}"
+            f"{r.mean_kv_use:>6.2f} {r.mean_running:>5.1f} {r.gateway_cpu_s:>6.1f}"
         )
     for name in dict.fromkeys(r.workload for r in results):
         mine = [r for r in results if r.workload == name]

@@ -45,11 +45,13 @@ def node_metric(node: RealNode, name: str) -> float:
 
 @dataclass
 class KvSampler:
-    """Samples a node's ``vllm:kv_cache_usage_perc`` while a run goes on (mean KV use)."""
+    """Samples a node's ``vllm:kv_cache_usage_perc`` and ``vllm:num_requests_running``
+    while a run goes on (mean KV use, mean batch)."""
 
     node: RealNode
     interval_s: float = 0.25
     samples: list[float] = field(default_factory=list)
+    running: list[float] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
 
@@ -60,6 +62,8 @@ class KvSampler:
                 for line in resp.read().decode().splitlines():
                     if line.startswith("vllm:kv_cache_usage_perc"):
                         self.samples.append(float(line.rsplit(" ", 1)[1]))
+                    elif line.startswith("vllm:num_requests_running"):
+                        self.running.append(float(line.rsplit(" ", 1)[1]))
             self._stop.wait(self.interval_s)
 
     def __enter__(self) -> KvSampler:
@@ -75,6 +79,10 @@ class KvSampler:
     @property
     def mean(self) -> float:
         return sum(self.samples) / len(self.samples) if self.samples else 0.0
+
+    @property
+    def mean_running(self) -> float:
+        return sum(self.running) / len(self.running) if self.running else 0.0
 
 
 def wait_idle(node: RealNode, timeout: float = 120.0) -> None:

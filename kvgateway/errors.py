@@ -167,7 +167,13 @@ class UpstreamError(GatewayError):
     default_code = "upstream_error"
 
     def __init__(
-        self, message: str, *, retryable: bool = True, detail: str = "", **kwargs: Any
+        self,
+        message: str,
+        *,
+        retryable: bool = True,
+        detail: str = "",
+        slow: bool = False,
+        **kwargs: Any,
     ) -> None:
         super().__init__(message, **kwargs)
         # What the node or the connection said: for logs and /admin, never for clients.
@@ -175,6 +181,8 @@ class UpstreamError(GatewayError):
         # Whether another backend may be tried (nothing reached the client yet and the
         # failure says nothing about the request itself).
         self.retryable = retryable
+        # The node took no connection in time: gone, or busy (see ``feedback.serving``).
+        self.slow = slow
 
 
 class UpstreamTimeout(UpstreamError):

@@ -23,7 +23,9 @@ What the projection assumes, and why each assumption is safe:
 - With learned output lengths (:class:`~kvgateway.core.output_model.OutputShape`) a
   started flight ends early with the learned probability: the check is then
   ``mean + z * stddev`` of the blocks in use at each step, ``z`` set by the accepted
-  preemption risk. Without one, the bound is the flight's ``max_tokens``: exact.
+  preemption risk, and never more than every flight that may still run at that step
+  holds (the normal approximation puts mass past that bound; the node cannot). Without
+  a shape, the bound is the flight's ``max_tokens``: exact.
 
 Nothing here does I/O or reads a clock.
 """
@@ -213,7 +215,7 @@ class NodeProjection:
         self._shared = SharedKeys()
         # Prompt blocks of started flights: in the node's cache, shareable by newcomers.
         self._ready: dict[BlockKey, int] = {}
-        self._base: dict[tuple[int, int], tuple[float, float]] = {}
+        self._base: dict[tuple[int, int], tuple[float, float, int]] = {}
         self._steps: dict[int, tuple[int, ...]] = {}
         self._started = 0
         self._clock = 0
@@ -316,16 +318,16 @@ class NodeProjection:
         credit = [(f, self._credit_until(f)) for f in added]
         best = Peak(0.0, 0)
         for t in steps:
-            mean, var = self._base_at(block, t)
+            mean, var, most = self._base_at(block, t)
             for f, until in credit:
                 a, blocks, spread = f.blocks_at(t, block)
                 if a <= 0.0:
                     continue
-                mean += blocks
+                held = a * f.credited if until is None or t < until else 0.0
+                mean += blocks - held
                 var += spread
-                if until is None or t < until:
-                    mean -= a * f.credited
-            value = mean + z * math.sqrt(var)
+                most += f.n * _blocks(f.tokens_at(t), block) - (f.credited if held else 0)
+            value = min(mean + z * math.sqrt(var), float(most)) if var else mean
             if value > best.blocks:
                 best = Peak(value, t)
         return best
@@ -335,8 +337,8 @@ class NodeProjection:
 
     def peak_at(self, block: int, t: int, z: float = 0.0) -> Peak:
         """Blocks the admitted flights use at step ``t`` (``mean + z * stddev``)."""
-        mean, var = self._base_at(block, t)
-        return Peak(mean + z * math.sqrt(var), t)
+        mean, var, most = self._base_at(block, t)
+        return Peak(min(mean + z * math.sqrt(var), float(most)) if var else mean, t)
 
     def _credit_until(self, f: Flight) -> int | None:
         """Until which step ``f``'s credited blocks stay held by a started flight (None:
@@ -359,12 +361,15 @@ class NodeProjection:
             steps = self._steps[block] = tuple(_steps(tuple(self._flights.values()), block))
         return steps
 
-    def _base_at(self, block: int, t: int) -> tuple[float, float]:
+    def _base_at(self, block: int, t: int) -> tuple[float, float, int]:
+        """(mean, variance, most) of the blocks the flights hold at step ``t``: ``most``
+        is what they hold if every one that may still run does."""
         cached = self._base.get((block, t))
         if cached is not None:
             return cached
         mean = 0.0
         var = 0.0
+        most = 0
         alive: dict[int, float] = {}
         shared = self._shared
         for f in self._flights.values():
@@ -372,14 +377,17 @@ class NodeProjection:
             if a <= 0.0:
                 continue
             alive[f.id] = a
-            mean += blocks - a * shared.tracked(f.id)
+            tracked = shared.tracked(f.id)
+            mean += blocks - a * tracked
             var += spread
+            most += f.n * _blocks(f.tokens_at(t), block) - tracked
         for use in shared.uses():
             copies = sum(alive.get(fid, 0.0) for fid in use.payers)
             anyone = max((alive.get(fid, 0.0) for fid in use.holders), default=0.0)
             mean += max(copies, anyone)
-        self._base[(block, t)] = (mean, var)
-        return mean, var
+            most += max(sum(1 for fid in use.payers if fid in alive), int(anyone > 0.0))
+        self._base[(block, t)] = (mean, var, most)
+        return mean, var, most
 
     def earliest_start(
         self,

@@ -57,7 +57,7 @@ from kvgateway.tokens.node_count import (
     readmission_prompt_tokens,
 )
 from kvgateway.upstream.client import open_request
-from kvgateway.upstream.feedback import request_failed, request_served
+from kvgateway.upstream.feedback import request_failed, request_served, serving
 
 log = logging.getLogger("kvgateway.server.proxy")
 
@@ -233,7 +233,8 @@ async def _forward(state: GatewayState, ex: Exchange, raw: bytes) -> web.StreamR
             with state.tracing.span("gateway.upstream", backend=r.backend.name):
                 outcome = await _attempt(state, ex, r, body)
             if isinstance(outcome, UpstreamError):  # failed before any byte: try another
-                excluded.add(r.backend.name)
+                if not (outcome.slow and serving(r.backend, state.clock(), cfg.health)):
+                    excluded.add(r.backend.name)  # (a busy node that serves may be tried again)
                 last_error = outcome
                 continue
             if not isinstance(outcome, NodeCount):
@@ -366,7 +367,9 @@ def _note_failure(
     if b is None:
         return
     error = err.detail or err.message
-    if request_failed(b, error, state.clock(), state.config.health, may_eject=err.retryable):
+    if request_failed(
+        b, error, state.clock(), state.config.health, may_eject=err.retryable, slow=err.slow
+    ):
         # Passive ejection: the health checker's next successful probe brings it back.
         log.warning(
             "backend %s ejected after %d failed requests in a row: %s",

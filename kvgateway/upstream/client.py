@@ -22,7 +22,13 @@ from multidict import CIMultiDict
 from kvgateway.config.model import TimeoutConfig
 from kvgateway.core.backends import Backend
 from kvgateway.errors import UpstreamError, UpstreamTimeout
-from kvgateway.upstream.http1 import ConnectFailed, Connection, Disconnected, HTTPClientError
+from kvgateway.upstream.http1 import (
+    ConnectFailed,
+    Connection,
+    ConnectTimedOut,
+    Disconnected,
+    HTTPClientError,
+)
 from kvgateway.upstream.node_pool import NodePool, Origin
 
 # Hop-by-hop and length headers are recomputed by each side.
@@ -249,6 +255,7 @@ async def open_request(
             code="upstream_connect",
             retryable=True,
             detail=f"{exc.__class__.__name__}: {exc}",
+            slow=isinstance(exc, ConnectTimedOut),
         ) from exc
     except HTTPClientError as exc:
         raise UpstreamError(

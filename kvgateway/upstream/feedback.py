@@ -40,7 +40,7 @@ def apply_probe(
     """A health probe's answer. A probe that fails while the node's streams report
     progress says only that its API server was slow to answer (a node busy on 2 cores
     misses a 2 s probe): it counts as no answer, neither way."""
-    if not ok and b.served_at and now - b.served_at < cfg.interval_s:
+    if not ok and serving(b, now, cfg):
         b.last_error = error
         return HealthChange()
     if ok:
@@ -61,14 +61,30 @@ def apply_probe(
     return HealthChange()
 
 
+def serving(b: Backend, now: float, cfg: HealthConfig) -> bool:
+    """``b``'s streams reported progress within a probe interval: it is alive, whatever
+    a slow probe or a slow connect says."""
+    return bool(b.served_at) and now - b.served_at < cfg.interval_s
+
+
 def request_failed(
-    b: Backend, error: str, now: float, cfg: HealthConfig, *, may_eject: bool = True
+    b: Backend,
+    error: str,
+    now: float,
+    cfg: HealthConfig,
+    *,
+    may_eject: bool = True,
+    slow: bool = False,
 ) -> bool:
     """A request failed on ``b`` (the node's doing: connect, 5xx, a broken stream);
     ``may_eject`` False for a failure that says little of the node's health (a
-    timeout of a request that may simply be long). True when this ejected ``b``."""
+    timeout of a request that may simply be long); ``slow`` for a connect that timed
+    out, which says nothing of a node that is :func:`serving`. True when this ejected
+    ``b``."""
     b.note_rejection(now)
     b.last_error = error
+    if slow and serving(b, now, cfg):
+        return False
     b.consecutive_failures += 1
     if may_eject and b.healthy and b.consecutive_failures >= cfg.eject_after_failures:
         b.healthy = False
@@ -84,7 +100,13 @@ def request_served(b: Backend, now: float) -> None:
 
 def apply_metrics(b: Backend, m: ScrapedMetrics, now: float, cfg: LoadFeedbackConfig) -> bool:
     """Record a scrape and decide whether the node takes new work; returns True when it
-    just became able to take work again (waiters should be offered it)."""
+    just became able to take work again (waiters should be offered it).
+
+    The gateway's own book already keeps what it sends within the node's budget, so the
+    KV watermarks judge only use the book does not explain (other clients of the node):
+    a node full of the gateway's own sequences is not paused. A preemption pauses new
+    work until the node has taken back what it preempted (nothing waiting there) or the
+    cool-down has passed, whichever comes first."""
     prev = b.load
     b.load = LoadSnapshot(now, m.kv_usage, m.running, m.waiting, m.preemptions)
     if not cfg.enabled:
@@ -92,7 +114,7 @@ def apply_metrics(b: Backend, m: ScrapedMetrics, now: float, cfg: LoadFeedbackCo
     was_paused = b.paused
     reason = PauseReason.NONE
     until = 0.0
-    if m.kv_usage is not None:
+    if m.kv_usage is not None and _unexplained(b, m.kv_usage, cfg):
         limit = (
             cfg.kv_low_watermark
             if was_paused and b.pause_reason is PauseReason.KV_FULL
@@ -118,12 +140,22 @@ def apply_metrics(b: Backend, m: ScrapedMetrics, now: float, cfg: LoadFeedbackCo
         and was_paused
         and b.pause_reason is PauseReason.PREEMPTING
         and now < b.paused_until
+        and (m.waiting is None or m.waiting > 0)
     ):
-        return False  # still cooling down
+        return False  # still cooling down: the node has not taken its preempted work back
     b.paused = bool(reason)
     b.pause_reason = reason
     b.paused_until = until
     return was_paused and not b.paused
+
+
+def _unexplained(b: Backend, usage: float, cfg: LoadFeedbackConfig) -> bool:
+    """The node's KV use is more than the gateway's own book there can explain, by more
+    than the watermark's own headroom (a scrape and the book are moments apart)."""
+    total = b.kv_cache_tokens
+    if total <= 0:
+        return True
+    return usage * total - b.reserved_tokens > (1.0 - cfg.kv_high_watermark) * total
 
 
 def expire_stale(b: Backend, now: float, cfg: LoadFeedbackConfig) -> bool:

@@ -17,7 +17,8 @@ wait unread.
 Errors, all :class:`HTTPClientError` (``client.py`` maps them to gateway errors once)::
 
     HTTPClientError
-     +-- ConnectFailed    no connection (refused, unreachable, TLS, connect timeout)
+     +-- ConnectFailed    no connection (refused, unreachable, TLS)
+     |    +-- ConnectTimedOut   none within the connect timeout
      +-- Disconnected     the node closed or reset the connection before the end
      +-- BadResponse      not an HTTP/1.x response this client can read
 """
@@ -43,6 +44,11 @@ class HTTPClientError(Exception):
 
 class ConnectFailed(HTTPClientError):
     pass
+
+
+class ConnectTimedOut(ConnectFailed):
+    """No connection within the connect timeout: the node is unreachable, or its API
+    server too busy to accept (a node on 2 loaded cores can take seconds)."""
 
 
 class Disconnected(HTTPClientError):

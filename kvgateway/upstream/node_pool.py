@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from kvgateway.upstream.http1 import ConnectFailed, Connection, Disconnected
+from kvgateway.upstream.http1 import ConnectFailed, Connection, ConnectTimedOut, Disconnected
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,7 +147,7 @@ class NodePool:
                 )
         except TimeoutError as exc:
             conn.close()
-            raise ConnectFailed(f"no connection within {timeout:g}s") from exc
+            raise ConnectTimedOut(f"no connection within {timeout:g}s") from exc
         except (OSError, ssl.SSLError) as exc:
             conn.close()
             raise ConnectFailed(f"{exc.__class__.__name__}: {exc}") from exc

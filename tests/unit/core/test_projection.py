@@ -172,3 +172,24 @@ def test_learned_lengths_project_early_ends() -> None:
     lenient = proj.peak(BLOCK, 0.0).blocks
     strict = proj.peak(BLOCK, 3.0).blocks
     assert lenient < strict <= by_bound
+
+
+def test_the_learned_check_never_projects_more_than_the_flights_can_hold() -> None:
+    """``mean + z * stddev`` is capped by what every flight that may still run holds:
+    a node cannot hold more than that, so no margin may ask for more room."""
+    shape = OutputShape([20 + (k * 37) % 400 for k in range(64)])
+    proj = NodeProjection()
+    for fid in range(10):
+        f = Flight(fid, 500, 1, 2048, shape=shape)
+        proj.add(f)
+        proj.progress(fid, 100)
+    newcomer = Flight(99, 300, 1, 2048, shape=shape)
+    flights = [*proj.flights, newcomer]
+    horizon = max(f.end or 0 for f in proj.flights)
+    most = max(
+        sum(_blocks(f.tokens_at(t)) for f in flights if f.survival(t) > 0.0)
+        for t in range(horizon + 1)
+    )
+    assert proj.peak(BLOCK, 50.0, (newcomer,)).blocks <= most
+    # Now: every flight holds what it holds, whatever the margin.
+    assert proj.peak_at(BLOCK, 0, 50.0).blocks == sum(_blocks(f.tokens_at(0)) for f in proj.flights)

@@ -1,7 +1,13 @@
 """Pure health and load-feedback decisions."""
 
 from kvgateway.config.model import HealthConfig, LoadFeedbackConfig
-from kvgateway.upstream.feedback import apply_metrics, apply_probe, expire_stale, request_served
+from kvgateway.upstream.feedback import (
+    apply_metrics,
+    apply_probe,
+    expire_stale,
+    request_failed,
+    request_served,
+)
 from kvgateway.upstream.vllm_metrics import ScrapedMetrics
 from tests.support.backends import backend
 
@@ -49,6 +55,30 @@ def test_new_preemptions_pause_for_a_cooldown():
     assert b.accepting(6.5)  # the cool-down ends by itself even without a scrape
 
 
+def test_a_preemption_pause_ends_once_the_node_has_taken_its_preempted_work_back():
+    b = backend("a")
+    apply_metrics(b, ScrapedMetrics(preemptions=4, waiting=0), 0.0, FB)
+    apply_metrics(b, ScrapedMetrics(preemptions=5, waiting=1), 1.0, FB)
+    assert b.paused and b.pause_reason == "preempting"
+    apply_metrics(b, ScrapedMetrics(preemptions=5, waiting=1), 2.0, FB)
+    assert b.paused  # the preempted request still waits on the node
+    assert apply_metrics(b, ScrapedMetrics(preemptions=5, waiting=0), 3.0, FB) is True
+    assert not b.paused
+
+
+def test_kv_use_the_gateways_own_book_explains_pauses_nothing():
+    """The watermarks judge the KV other clients hold: a node the gateway itself filled
+    to its budget is full by design, and its book keeps it there."""
+    b = backend("a", kv=10_000)
+    b.reserved_tokens = 9_300
+    apply_metrics(b, ScrapedMetrics(kv_usage=0.97), 0.0, FB)
+    assert not b.paused
+    # 2,000 tokens the book knows nothing of: someone else fills the node.
+    b.reserved_tokens = 7_700
+    apply_metrics(b, ScrapedMetrics(kv_usage=0.97), 1.0, FB)
+    assert b.paused and b.pause_reason == "kv_full"
+
+
 def test_stale_scrape_never_halts_the_node():
     b = backend("a")
     apply_metrics(b, ScrapedMetrics(kv_usage=0.99), 0.0, FB)
@@ -79,3 +109,21 @@ def test_a_slow_probe_of_a_node_whose_streams_progress_takes_nothing_out() -> No
     for t in (106.0, 111.0):
         apply_probe(b, False, "no answer within 2s", cfg, now=t)
     assert not b.healthy
+
+
+def test_a_connect_timeout_to_a_node_whose_streams_progress_ejects_nothing() -> None:
+    """A node's API server starved of CPU may take seconds to accept while its engine
+    serves: a timed-out connect then says it is busy. A refused connect, or a timed-out
+    one to a node that has served nothing lately, counts toward ejection."""
+    cfg = HealthConfig(interval_s=5.0, eject_after_failures=2)
+    b = backend("a")
+    request_served(b, now=100.0)
+    for t in (101.0, 102.0, 103.0):
+        assert not request_failed(b, "no connection within 3s", t, cfg, slow=True)
+    assert b.healthy and b.consecutive_failures == 0
+    assert not request_failed(b, "ConnectionRefusedError", 104.0, cfg)
+    assert request_failed(b, "ConnectionRefusedError", 104.5, cfg) and not b.healthy
+    quiet = backend("q")
+    request_served(quiet, now=100.0)
+    request_failed(quiet, "no connection within 3s", 110.0, cfg, slow=True)
+    assert request_failed(quiet, "no connection within 3s", 111.0, cfg, slow=True)
