@@ -76,6 +76,7 @@ class AdmissionCore:
         budget: Callable[[], int] = lambda: 0,
         prefix: PrefixRouter | None = None,
         capacity: Callable[[], int] | None = None,
+        slots: Callable[[], int] = lambda: 0,
     ) -> None:
         self._ledger: Ledger = ledger if ledger is not None else LocalLedger()
         self._abort_delay = abort_delay
@@ -84,6 +85,8 @@ class AdmissionCore:
         # The budget with every configured backend usable: what "never" is judged against
         # (a node down for a moment does not make a request impossible).
         self._capacity = capacity or budget
+        # The sequence slots of the usable backends (class floors hold on them too).
+        self._slots = slots
         self._index_for = index_for
         self._prefix = prefix
         self._adjust = adjust
@@ -118,6 +121,7 @@ class AdmissionCore:
             tenancy=tenancy or Tenancy(lambda: config().auth),
             budget=lambda: sum(b.budget_tokens for b in fleet.backends if b.usable),
             capacity=lambda: sum(b.budget_tokens for b in fleet.active),
+            slots=lambda: sum(b.max_num_seqs for b in fleet.backends if b.usable),
             index_for=fleet.index,
             adjust=fleet.adjust,
             policy=lambda: config().routing.policy,
@@ -159,8 +163,9 @@ class AdmissionCore:
             backend, tokens, demand.sequences, reason, self, ticket=ticket, holding=holding
         )
         self._adjust(backend, tokens, demand.sequences, 1)
+        backend.unstarted += 1
         if ticket is not None and self._tenancy is not None:
-            self._tenancy.granted(ticket, r.tokens)
+            self._tenancy.granted(ticket, r.tokens, r.seqs)
         self._ledger.granted(r)
         return r
 
@@ -178,8 +183,9 @@ class AdmissionCore:
         r.flight = flight_for(backend, demand, r.id)
         backend.projection.add(r.flight)
         self._adjust(backend, self._resync(backend), demand.sequences, 1)
+        backend.unstarted += 1
         if ticket is not None and self._tenancy is not None:
-            self._tenancy.granted(ticket, r.tokens)
+            self._tenancy.granted(ticket, r.tokens, r.seqs)
         self._ledger.granted(r)
         return r
 
@@ -192,21 +198,26 @@ class AdmissionCore:
         return change
 
     def progress(self, reservation: Reservation, generated: int, prompt: int | None = None) -> None:
-        """The node reports ``generated`` output tokens per sequence for a projected
-        request, and its own count of a single prompt (``prompt``). Its first report
-        puts its end in the projection: room may appear."""
+        """The node reports ``generated`` output tokens per sequence for a request (it is
+        serving), and its own count of a single prompt (``prompt``). A projected
+        request's first report puts its end in the projection: room may appear."""
         f = reservation.flight
         b = reservation.backend
-        if f is None or reservation.released or f.id not in b.projection:
+        if reservation.released:
+            return
+        now = self._clock()
+        b.served_at = now
+        if not reservation.started:
+            reservation.started = True
+            b.unstarted -= 1
+        if f is None or f.id not in b.projection:
             return
         block = b.limits.block_size
         before = -(-f.tokens_at(0) // block)
-        now = self._clock()
         if f.started and generated > f.generated:
             per_step = (now - reservation.reported_at) / (generated - f.generated)
             b.step_s = per_step if not b.step_s else b.step_s + STEP_EWMA * (per_step - b.step_s)
         reservation.reported_at = now
-        b.served_at = now
         single = prompt if reservation.seqs == f.n else None
         first = b.projection.progress(f.id, generated, single)
         grown = (-(-f.tokens_at(0) // block) - before) * f.n * block
@@ -297,11 +308,23 @@ class AdmissionCore:
             if own is not None and own.gated is None:
                 ahead -= 1
                 ahead_tokens -= own.demand.tokens
-        return self._tenancy.gate(demand.tenant, demand.tokens, self._budget(), ahead, ahead_tokens)
+        return self._tenancy.gate(
+            demand.tenant,
+            demand.tokens,
+            self._budget(),
+            ahead,
+            ahead_tokens,
+            seqs=demand.sequences,
+            slots=self._slots(),
+        )
 
     def _never_passes_floors(self, demand: Demand) -> bool:
         return self._tenancy is not None and self._tenancy.never_passes_floors(
-            demand.tenant, demand.tokens, self._capacity()
+            demand.tenant,
+            demand.tokens,
+            self._capacity(),
+            seqs=demand.sequences,
+            slots=self._slots(),
         )
 
     def _ordered(self) -> Iterator[_Waiter]:
@@ -399,6 +422,8 @@ class AdmissionCore:
             return False
         reservation.released = True
         b = reservation.backend
+        if not reservation.started:
+            b.unstarted -= 1
         shared = 0
         if reservation.holding is not None and self._prefix is not None:
             shared = self._prefix.released(reservation.holding)  # shared blocks settled
@@ -417,7 +442,7 @@ class AdmissionCore:
         else:
             self._adjust(b, -(reservation.tokens + shared), -reservation.seqs, -1)
         if reservation.ticket is not None and self._tenancy is not None:
-            self._tenancy.released(reservation.ticket, reservation.tokens)
+            self._tenancy.released(reservation.ticket, reservation.tokens, reservation.seqs)
         self._offer(b)
         if self._tenancy is not None and reservation.ticket is not None:
             self._ungate(reservation.ticket.tenant)

@@ -75,6 +75,9 @@ class Backend:
     step_s: float = 0.0
     # When the node last answered a request or reported a stream's progress (monotonic).
     served_at: float = 0.0
+    # This gateway's requests on the node that have reported no progress yet (queued or
+    # in prefill there, or answered whole): what its "waiting" gauge may be counting.
+    unstarted: int = 0
 
     @property
     def name(self) -> str:

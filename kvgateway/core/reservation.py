@@ -63,6 +63,8 @@ class Reservation:
     flight: Flight | None = None
     # When the node last reported its progress (the admission clock).
     reported_at: float = 0.0
+    # The node has reported its progress: it runs there (not queued, not in prefill).
+    started: bool = False
 
     def release(self) -> bool:
         """Give the tokens and slot back; only the first call has an effect."""

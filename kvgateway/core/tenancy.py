@@ -10,8 +10,10 @@ three things of it:
   advances by ``tokens / weight``. Two saturating tenants of equal weight are therefore
   served equal KV tokens, whatever their request sizes;
 - a *gate* per tenant: ``max_concurrent``, ``max_kv_share`` of the fleet's KV budget, and
-  the budget other classes reserve as their ``floor_share``. A gated request waits
-  without holding up others;
+  what other classes reserve as their ``floor_share``: that share of the KV budget and
+  of the sequence slots (the nodes' ``max_num_seqs``, which often bind first), each
+  reserved while the class holds less of it. A gated request waits without holding up
+  others;
 - the bookkeeping of grants and releases (tokens and requests in use per tenant/class).
 """
 
@@ -61,6 +63,7 @@ class Tenancy:
         self.tokens: Counter[str] = Counter()  # KV tokens held, per tenant
         self.requests: Counter[str] = Counter()  # admitted requests in flight, per tenant
         self.class_tokens: Counter[str] = Counter()
+        self.class_seqs: Counter[str] = Counter()  # sequence slots held, per class
         self.granted_tokens: Counter[str] = Counter()  # KV tokens ever granted, per tenant
         # The tenants by name, for the config they were read from (a reload makes anew).
         self._names: tuple[AuthConfig, dict[str, TenantConfig]] | None = None
@@ -99,11 +102,20 @@ class Tenancy:
             self._finish[ticket.tenant] = ticket.start
 
     def gate(
-        self, name: str, tokens: int, budget: int, ahead: int = 0, ahead_tokens: int = 0
+        self,
+        name: str,
+        tokens: int,
+        budget: int,
+        ahead: int = 0,
+        ahead_tokens: int = 0,
+        *,
+        seqs: int = 1,
+        slots: int = 0,
     ) -> str | None:
         """The tenant or class limit that keeps this request waiting now, if any.
         ``ahead`` (``ahead_tokens``): the tenant's other requests already let through its
-        limits and waiting for room, which count as if running."""
+        limits and waiting for room, which count as if running. ``seqs``: the sequences
+        it runs, of the fleet's ``slots`` (0: slots are not judged)."""
         auth = self._auth()
         t = self.tenant(name)
         limits = t.limits
@@ -126,29 +138,44 @@ class Tenancy:
         )
         if reserved and sum(self.class_tokens.values()) + tokens + reserved > budget:
             return CLASS_FLOOR
+        if slots > 0:
+            kept = sum(
+                max(0.0, c.floor_share * slots - self.class_seqs[c.name])
+                for c in auth.classes
+                if c.name != own
+            )
+            if kept and sum(self.class_seqs.values()) + seqs + kept > slots:
+                return CLASS_FLOOR
         return None
 
-    def never_passes_floors(self, name: str, tokens: int, budget: int) -> bool:
+    def never_passes_floors(
+        self, name: str, tokens: int, budget: int, *, seqs: int = 1, slots: int = 0
+    ) -> bool:
         """Other classes' floors leave this request no room however the fleet is used:
-        each holds its floor or keeps it free, so ``tokens`` plus those floors must fit."""
+        each holds its floor or keeps it free, so ``tokens`` (and ``seqs`` of the
+        ``slots``) plus those floors must fit."""
         auth = self._auth()
         own = auth.class_of(self.tenant(name))
-        floors = sum(c.floor_share * budget for c in auth.classes if c.name != own)
-        return floors > 0 and tokens + floors > budget
+        share = sum(c.floor_share for c in auth.classes if c.name != own)
+        if share <= 0:
+            return False
+        return tokens + share * budget > budget or (slots > 0 and seqs + share * slots > slots)
 
-    def granted(self, ticket: Ticket, tokens: int) -> None:
+    def granted(self, ticket: Ticket, tokens: int, seqs: int = 1) -> None:
         klass = ticket.klass
         self._virtual[klass] = max(self._virtual.get(klass, 0.0), ticket.start)
         self.tokens[ticket.tenant] += tokens
         self.granted_tokens[ticket.tenant] += tokens
         self.requests[ticket.tenant] += 1
         self.class_tokens[klass] += tokens
+        self.class_seqs[klass] += seqs
 
-    def released(self, ticket: Ticket, tokens: int) -> None:
+    def released(self, ticket: Ticket, tokens: int, seqs: int = 1) -> None:
         klass = ticket.klass
         self.tokens[ticket.tenant] -= tokens
         self.requests[ticket.tenant] -= 1
         self.class_tokens[klass] -= tokens
+        self.class_seqs[klass] -= seqs
 
 
 class Queued(Protocol):

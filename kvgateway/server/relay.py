@@ -23,6 +23,7 @@ from kvgateway.server.stream_usage import UsageTap
 from kvgateway.upstream.client import USAGE_MARKS, MidStreamError, UpstreamResponse, find_usage
 from kvgateway.upstream.error_body import is_error_object, is_json_object, openai_error_body
 from kvgateway.upstream.feedback import request_failed
+from kvgateway.upstream.feedback import serving as node_serving
 
 log = logging.getLogger("kvgateway.server.relay")
 
@@ -195,7 +196,11 @@ async def _relay_events(
             # that wait is bounded by first_byte_s (from when the request went to the node,
             # not from a wait in the queue), not idle_s.
             first_s = max(0.1, ex.sent + timeouts.first_byte_s - state.clock())
-            async for got in resp.events(timeouts.idle_s, first_s=first_s):
+
+            def serving() -> bool:  # the node's other streams progress: it works its queue
+                return node_serving(r.backend, state.clock(), state.config.health)
+
+            async for got in resp.events(timeouts.idle_s, first_s=first_s, serving=serving):
                 ex.first_byte(state.clock())
                 events = got
                 if tap is not None:

@@ -148,7 +148,11 @@ class UpstreamResponse:
         return b"".join(chunks)
 
     async def events(
-        self, idle_s: float, max_event: int | None = None, first_s: float | None = None
+        self,
+        idle_s: float,
+        max_event: int | None = None,
+        first_s: float | None = None,
+        serving: Callable[[], bool] | None = None,
     ) -> AsyncIterator[bytes]:
         """Runs of complete SSE events as they arrive, each ending in a blank line.
 
@@ -158,8 +162,9 @@ class UpstreamResponse:
         are normalised to ``\\n`` (SSE also allows CRLF and CR; what reads the events
         looks for ``\\n\\n``). Raises MidStreamError on reset, an idle gap longer than
         ``idle_s`` (``first_s`` until the first event: a node sends a stream's head
-        before its prefill, which may take longer) or an incomplete event larger than
-        ``max_event`` bytes (default :data:`MAX_EVENT_BYTES`)."""
+        before its prefill, which may take longer, and waits in the node's own queue for
+        as long as ``serving()`` says the node serves others meanwhile) or an incomplete
+        event larger than ``max_event`` bytes (default :data:`MAX_EVENT_BYTES`)."""
         cap = MAX_EVENT_BYTES if max_event is None else max_event
         # The incomplete event, in the pieces it came in (never joined until complete:
         # each read is scanned once, however long the event).
@@ -168,10 +173,13 @@ class UpstreamResponse:
         cr_tail = False  # the last read ended in CR, which was made a LF
         conn = self._conn
         wait = idle_s if first_s is None else first_s
+        first = first_s is not None  # no event yet
         while True:
             try:
                 chunk = await conn.readany(wait)
             except TimeoutError as exc:
+                if first and serving is not None and serving():
+                    continue  # queued inside a node that works through its queue
                 raise MidStreamError("timeout", f"the backend sent nothing for {wait:g}s") from exc
             except HTTPClientError as exc:
                 raise MidStreamError("reset", f"the backend connection broke ({exc})") from exc
@@ -204,6 +212,7 @@ class UpstreamResponse:
                 parts = [rest] if rest else []
                 size = len(rest)
                 wait = idle_s
+                first = False
                 yield ready
             if size > cap:
                 raise MidStreamError(

@@ -104,7 +104,8 @@ def apply_metrics(b: Backend, m: ScrapedMetrics, now: float, cfg: LoadFeedbackCo
 
     The gateway's own book already keeps what it sends within the node's budget, so the
     KV watermarks judge only use the book does not explain (other clients of the node):
-    a node full of the gateway's own sequences is not paused. A preemption pauses new
+    a node full of the gateway's own sequences is not paused; likewise, requests waiting
+    on the node count only beyond the gateway's own that have not started there. A preemption pauses new
     work until the node has taken back what it preempted (nothing waiting there) or the
     cool-down has passed, whichever comes first."""
     prev = b.load
@@ -122,9 +123,11 @@ def apply_metrics(b: Backend, m: ScrapedMetrics, now: float, cfg: LoadFeedbackCo
         )
         if m.kv_usage >= limit:
             reason = PauseReason.KV_FULL
-    if not reason and m.waiting is not None and m.waiting > cfg.max_waiting:
+    # Waiting requests beyond this gateway's own that have not started there (a burst
+    # waits behind a big prefill for a step or two): someone else's queue.
+    if not reason and m.waiting is not None and m.waiting - b.unstarted > cfg.max_waiting:
         prev_waiting = prev.waiting if prev is not None else None
-        if prev_waiting is not None and prev_waiting > cfg.max_waiting:
+        if prev_waiting is not None and prev_waiting - b.unstarted > cfg.max_waiting:
             reason = PauseReason.QUEUEING
     if (
         not reason

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import signal
 import urllib.request
 from pathlib import Path
@@ -16,7 +17,7 @@ from openai import AsyncOpenAI
 
 from tests.support.eventually import eventually
 from tests.support.gateway_process import serve_process
-from tests.support.real_fleet import StartGateway, gateway_config, state_of
+from tests.support.real_fleet import StartGateway, backend_entry, gateway_config, state_of
 from tests.support.vllm_nodes import RealNode
 
 pytestmark = pytest.mark.real_vllm
@@ -146,3 +147,22 @@ async def test_streams_close_cleanly_when_many_leave_at_once(
     await asyncio.gather(*(leave_early(i) for i in range(8)))
     await eventually(lambda: node.metric("vllm:num_requests_running") == 0, timeout=20)
     await eventually(lambda: (b.in_flight, b.reserved_tokens, len(b.projection)) == (0, 0, 0))
+
+
+async def test_streams_queued_inside_a_busy_node_are_not_cut_and_pause_nothing(
+    qwen_fleet: dict[str, RealNode], real_gateway: StartGateway, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The gateway takes S for 40 sequences (it runs 16): of 20 streams sent at once, 4
+    wait inside the node for longer than first_byte_s (2 s) while it serves the others.
+    None is cut, and the node's waiting gauge, which counts only the gateway's own
+    requests that have not started, pauses nothing."""
+    node = qwen_fleet["S"]
+    entry = backend_entry(node, max_num_seqs=40, timeouts={"first_byte_s": 2})
+    gw = await real_gateway(gateway_config([node], tiers=[{"name": "t", "backends": [entry]}]))
+    url = str(gw.make_url("")).rstrip("/")
+    caplog.set_level(logging.WARNING, logger="kvgateway.upstream.monitor")
+    ask = {"stream_options": {"include_usage": True}}
+    runs = await asyncio.gather(*(_chunks(url, _ask(f"queued {i}", 160, **ask)) for i in range(20)))
+    counts = [next(c["usage"]["completion_tokens"] for c in r if c.get("usage")) for r in runs]
+    assert counts == [160] * 20
+    assert not [r.getMessage() for r in caplog.records if "queueing" in r.getMessage()]

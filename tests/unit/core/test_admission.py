@@ -314,3 +314,17 @@ async def test_a_waiter_that_gives_up_offers_the_room_it_held_back_to_those_behi
     for x in (held, r, r2):
         adm.release(x)
     assert b.reserved_tokens == 0 and adm.queue_depth == 0
+
+
+async def test_a_request_counts_as_unstarted_on_its_node_until_its_first_report() -> None:
+    b = backend("a")
+    adm = admission_over([b])
+    r1 = await adm.admit(demand(100), 1.0)
+    r2 = await adm.admit(demand(100), 1.0)
+    assert b.unstarted == 2
+    r1.progress(1)
+    r1.progress(2)
+    assert b.unstarted == 1
+    adm.release(r1)
+    adm.release(r2)  # never reported: released unstarted
+    assert b.unstarted == 0

@@ -503,3 +503,32 @@ async def test_requests_refused_or_cancelled_do_not_push_their_tenant_back():
     adm.release(running)
     # Served: one request of 112 tokens. Its next tag starts there, not at 55,424.
     assert t.ticket("e", 100).start == running.tokens == 112
+
+
+async def test_a_class_floor_keeps_sequence_slots_free_where_slots_bind_first():
+    """Nodes whose max_num_seqs binds before their KV: a flood of batch requests takes
+    every slot but the interactive floor's, so an interactive request is admitted at
+    once instead of queuing behind batch work."""
+    nodes = [backend("a", kv=1_000_000, seqs=4), backend("b", kv=1_000_000, seqs=4)]
+    classes = (ClassConfig("interactive", floor_share=0.25), ClassConfig("batch"))
+    cfg = auth(tenant("i", "interactive"), tenant("b", "batch"), classes=classes)
+    adm = admission_over(
+        nodes,
+        queue_size=100,
+        tenancy=Tenancy(lambda: cfg),
+        budget=lambda: sum(x.budget_tokens for x in nodes),
+        slots=lambda: sum(x.max_num_seqs for x in nodes),
+    )
+    batch = [await adm.admit(of("b", 100), 1.0) for _ in range(6)]
+    flood = asyncio.create_task(adm.admit(of("b", 100), 5.0))
+    await asyncio.sleep(0.01)
+    assert not flood.done()  # 2 of the 8 slots are the interactive floor's
+    interactive = [await asyncio.wait_for(adm.admit(of("i", 100), 1.0), 0.5) for _ in range(2)]
+    adm.release(interactive.pop())
+    await asyncio.sleep(0.01)
+    assert not flood.done()  # interactive holds 1 of its 2: the freed slot stays kept
+    adm.release(batch.pop())
+    adm.release(await asyncio.wait_for(flood, 1.0))
+    for r in batch + interactive:
+        adm.release(r)
+    assert sum(x.reserved_seqs for x in nodes) == 0

@@ -127,3 +127,17 @@ def test_a_connect_timeout_to_a_node_whose_streams_progress_ejects_nothing() -> 
     request_served(quiet, now=100.0)
     request_failed(quiet, "no connection within 3s", 110.0, cfg, slow=True)
     assert request_failed(quiet, "no connection within 3s", 111.0, cfg, slow=True)
+
+
+def test_requests_waiting_behind_the_gateways_own_unstarted_ones_pause_nothing() -> None:
+    """A burst the gateway sent waits on the node behind a big prefill for a step or two:
+    its own requests that have not started explain the node's waiting gauge. Waiting
+    beyond them (someone else's queue), two scrapes in a row, pauses the node."""
+    b = backend("a")
+    b.unstarted = 3
+    apply_metrics(b, ScrapedMetrics(waiting=3), 0.0, FB)
+    apply_metrics(b, ScrapedMetrics(waiting=2), 1.0, FB)
+    assert not b.paused
+    apply_metrics(b, ScrapedMetrics(waiting=5), 2.0, FB)
+    apply_metrics(b, ScrapedMetrics(waiting=4), 3.0, FB)
+    assert b.paused and b.pause_reason == "queueing"

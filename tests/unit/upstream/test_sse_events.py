@@ -272,3 +272,47 @@ def test_any_split_relays_every_event_as_soon_as_it_is_whole(
         received = _lf(b"".join(pieces[: at[n]]))
         assert b"".join(runs[: n + 1]) == received[: received.rfind(b"\n\n") + 2]
         assert run.endswith(b"\n\n")
+
+
+class _Silent:
+    """A connection whose first ``quiet`` reads time out (the node queues the request),
+    then returns ``pieces``."""
+
+    def __init__(self, quiet: int, pieces: list[bytes]) -> None:
+        self.quiet = quiet
+        self.pieces = iter(pieces)
+
+    async def readany(self, timeout: float | None = None) -> bytes:
+        if self.quiet > 0:
+            self.quiet -= 1
+            raise TimeoutError
+        return next(self.pieces, b"")
+
+
+async def test_a_first_event_queued_inside_a_serving_node_is_waited_for() -> None:
+    """A stream queued behind others inside a busy node sends nothing for longer than
+    first_byte_s: while the node's other streams progress it is not cut; a silent node,
+    or a gap after the first event, still is."""
+    a = _event("a")
+
+    def run(quiet: int) -> UpstreamResponse:
+        conn = cast(Connection, _Silent(quiet, [a]))
+        return UpstreamResponse(conn, cast(NodePool, None), cast(Origin, None), "n1")
+
+    got = [r async for r in run(3).events(5.0, first_s=1.0, serving=lambda: True)]
+    assert got == [a]
+    with pytest.raises(MidStreamError):
+        _ = [r async for r in run(1).events(5.0, first_s=1.0, serving=lambda: False)]
+
+    class _GapAfterFirst(_Silent):
+        async def readany(self, timeout: float | None = None) -> bytes:
+            if self.quiet == 0:
+                self.quiet = -1
+                return a
+            raise TimeoutError
+
+    gap = UpstreamResponse(
+        cast(Connection, _GapAfterFirst(0, [])), cast(NodePool, None), cast(Origin, None), "n1"
+    )
+    with pytest.raises(MidStreamError):
+        _ = [r async for r in gap.events(5.0, first_s=1.0, serving=lambda: True)]
