@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PORT ?= 8080
 
-.PHONY: demo test lint typecheck bench install simulate clean test-tools
+.PHONY: demo test check lint typecheck bench install simulate clean test-tools
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,8 +32,15 @@ test: $(STAMP) test-tools
 	$(BIN)/ruff check kvgateway tests bench
 	$(BIN)/lint-imports
 	$(BIN)/mypy
-	$(BIN)/pytest -n 2 -q -m "not real_vllm"
-	$(BIN)/pytest -q -m real_vllm
+	$(BIN)/pytest -n 2 --dist loadgroup -q -m "not real_vllm"
+	$(BIN)/pytest -q -m real_vllm tests/real_vllm
+
+# The loop a developer runs every minute: lint, the import contracts and the fast tier
+# (unit tests not marked slow; tests/integration is the slow tier). `make test` runs all.
+check: $(STAMP)
+	$(BIN)/ruff check kvgateway tests bench
+	$(BIN)/lint-imports
+	$(BIN)/pytest -n 2 --dist loadgroup -q -m "not slow and not real_vllm"
 
 lint: $(STAMP)
 	$(BIN)/ruff check kvgateway tests bench

@@ -1,4 +1,9 @@
-"""Fixtures shared across the suite live in ``tests/support``; pytest finds them here."""
+"""Fixtures shared across the suite live in ``tests/support``; pytest finds them here.
+
+Every test under ``tests/integration`` (a fleet, processes, real Redis or DNS) is in the
+slow tier: ``make check`` runs the rest."""
+
+import pytest
 
 from tests.support.capacity_data import data_dir
 from tests.support.fleet import start_fleet
@@ -16,3 +21,9 @@ __all__ = [
     "start_fleet",
     "vocab_dirs",
 ]
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if "/tests/integration/" in str(item.path):
+            item.add_marker(pytest.mark.slow)

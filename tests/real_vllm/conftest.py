@@ -6,13 +6,14 @@ import pytest
 
 from tests.support.real_fleet import (
     hybrid_node,
+    launcher,
     qwen_fleet,
     real_gateway,
     victim_node,
     vocab_nodes,
 )
 
-__all__ = ["hybrid_node", "qwen_fleet", "real_gateway", "victim_node", "vocab_nodes"]
+__all__ = ["hybrid_node", "launcher", "qwen_fleet", "real_gateway", "victim_node", "vocab_nodes"]
 
 # A module's first test also starts its nodes (one to two minutes on 2 cores).
 NODE_START_TIMEOUT_S = 600

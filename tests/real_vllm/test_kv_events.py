@@ -9,7 +9,6 @@ window in which the node looked up no prompt but ours, else as lower bounds.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import random
 import uuid
@@ -28,17 +27,15 @@ from kvgateway.server.app import KV_EVENTS, create_app
 from kvgateway.upstream.kv_event_decode import EventCount
 from kvgateway.upstream.kv_events import KVEventSource, KVEventSubscriber
 from tests.support.eventually import eventually
-from tests.support.live import free_ports
 from tests.support.real_fleet import (
     ENCODINGS,
+    Launcher,
     StartGateway,
     backend_entry,
     gateway_config,
-    models_root,
-    require_vllm,
     state_of,
 )
-from tests.support.vllm_nodes import CPU_BLOCK, NodeSpec, RealNode, http_json, post_status, running
+from tests.support.vllm_nodes import CPU_BLOCK, RealNode, http_json, post_status
 
 pytestmark = pytest.mark.real_vllm
 
@@ -318,28 +315,14 @@ async def test_the_gateway_counts_each_nodes_events(
 
 
 @pytest.fixture(scope="module")
-def connecting_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealNode]:
+def connecting_node(launcher: Launcher) -> Iterator[RealNode]:
     """A Qwen node told to publish at tcp://127.0.0.1:PORT: vLLM then connects its PUB
     socket to that address instead of binding it (its replay socket binds either way)."""
-    require_vllm()
-    events, replay = free_ports(2)
-    cfg = {
-        "enable_kv_cache_events": True,
-        "publisher": "zmq",
-        "endpoint": f"tcp://127.0.0.1:{events}",
-        "replay_endpoint": f"tcp://127.0.0.1:{replay}",
-    }
-    spec = NodeSpec(
-        "C",
-        "qwen2",
-        max_model_len=4096,
-        num_blocks=48,
-        extra=("--kv-events-config", json.dumps(cfg)),
-    )
-    with running([spec], tmp_path_factory.mktemp("vllm-c"), models_root()) as nodes:
-        node = nodes[0]
-        node.events_port, node.replay_port = events, replay
-        yield node
+    spec, events, replay = launcher.connecting
+    node = launcher.ready(spec)["C"]
+    node.events_port, node.replay_port = events, replay
+    yield node
+    launcher.stop(spec)
 
 
 async def _gateway(aiohttp_server: Any, config: dict[str, Any], silence_s: float) -> TestServer:

@@ -1,15 +1,18 @@
 """The real-vLLM tier's nodes and gateways.
 
-Nodes start once per run (session fixtures; at most three at once on these 2-core
+Nodes start once per run (:class:`Launcher`; at most three at once on these 2-core
 machines): ``qwen_fleet`` is the two-node fleet S (4k context, 6,016 KV tokens) and L
-(16k, 24,448), both publishing KV events; other vocabularies and the hybrid model come
-up one at a time for the modules that need them. A gateway is started in the test's own
+(16k, 24,448), both publishing KV events; the hybrid model, the other vocabularies and
+the node whose engine a test kills start ahead of the modules that need them. A gateway is started in the test's own
 event loop in front of whichever nodes a test names.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import os
+import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -21,8 +24,16 @@ from kvgateway.config.load import parse_config
 from kvgateway.server.app import STATE, create_app
 from kvgateway.server.state import GatewayState
 from kvgateway.tokens.encoding import EncodingCache
+from tests.support.live import free_ports
 from tests.support.tools import in_ci
-from tests.support.vllm_nodes import NodeSpec, RealNode, kept_node, running, vllm_missing
+from tests.support.vllm_nodes import (
+    START_TIMEOUT_S,
+    NodeSpec,
+    RealNode,
+    kept_node,
+    launch_node,
+    vllm_missing,
+)
 
 S = NodeSpec("S", "qwen2", max_model_len=4096, num_blocks=48, kv_events=True)
 L = NodeSpec("L", "qwen2", max_model_len=16384, num_blocks=192, kv_events=True)
@@ -56,45 +67,114 @@ def require_vllm() -> None:
     pytest.skip(reason)
 
 
-def _nodes(factory: pytest.TempPathFactory, *specs: NodeSpec) -> Iterator[dict[str, RealNode]]:
-    require_vllm()
-    kept = os.environ.get("KVGATEWAY_REAL_NODES")
-    if kept:
-        # Nodes left running by `python -m tests.support.vllm_nodes` (while developing),
-        # described in one directory or several (separated by ":").
-        dirs = [Path(d) for d in kept.split(os.pathsep) if d]
-        found = {
-            s.name: next((n for d in dirs if (n := kept_node(d, s)) is not None), None)
-            for s in specs
+class Launcher:
+    """The tier's nodes, each started once per run, and where the selected tests will use
+    it, ahead of the module that needs it: a node's start-up (three processes importing
+    vLLM one after another, mostly on one core) then overlaps the tests before it. At
+    most three start at once; a module's own nodes stop when the module ends. Nodes
+    left running by ``python -m tests.support.vllm_nodes`` (``KVGATEWAY_REAL_NODES``, one
+    directory or several separated by ":") are used instead of starting any."""
+
+    def __init__(self, workdir: Path, wanted: frozenset[str]) -> None:
+        self._work = workdir
+        self._wanted = wanted
+        self._nodes: dict[str, RealNode] = {}
+        kept = os.environ.get("KVGATEWAY_REAL_NODES", "")
+        self._kept = [Path(d) for d in kept.split(os.pathsep) if d]
+
+    def _kept_node(self, spec: NodeSpec) -> RealNode | None:
+        return next((n for d in self._kept if (n := kept_node(d, spec)) is not None), None)
+
+    def launch(self, *specs: NodeSpec) -> None:
+        for spec in specs:
+            if spec.name not in self._nodes:
+                node = self._kept_node(spec)
+                self._nodes[spec.name] = node or launch_node(spec, self._work, models_root())
+
+    def ahead(self, fixture: str, *specs: NodeSpec) -> None:
+        """Launch ``specs`` now if a selected test uses ``fixture``."""
+        if fixture in self._wanted:
+            self.launch(*specs)
+
+    def ready(self, *specs: NodeSpec) -> dict[str, RealNode]:
+        self.launch(*specs)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        for spec in specs:
+            node = self._nodes[spec.name]
+            if node.proc is not None:
+                node.wait_ready(deadline)
+        return {spec.name: self._nodes[spec.name] for spec in specs}
+
+    def stop(self, *specs: NodeSpec) -> None:
+        for spec in specs:
+            node = self._nodes.pop(spec.name, None)
+            if node is not None:
+                node.stop()  # a kept node (no process of ours) is left running
+
+    @functools.cached_property
+    def connecting(self) -> tuple[NodeSpec, int, int]:
+        """A Qwen node told to publish its KV events at tcp://127.0.0.1:PORT (vLLM then
+        connects its PUB socket there instead of binding it; its replay socket binds
+        either way): the spec, the events port and the replay port."""
+        events, replay = free_ports(2)
+        cfg = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://127.0.0.1:{events}",
+            "replay_endpoint": f"tcp://127.0.0.1:{replay}",
         }
-        if all(found.values()):
-            yield {name: node for name, node in found.items() if node is not None}
-            return
-    work = factory.mktemp("vllm")
-    with running(specs, work, models_root()) as nodes:
-        yield {n.spec.name: n for n in nodes}
+        extra = ("--kv-events-config", json.dumps(cfg))
+        return (
+            NodeSpec("C", "qwen2", max_model_len=4096, num_blocks=48, extra=extra),
+            events,
+            replay,
+        )
+
+    def stop_all(self) -> None:
+        for node in self._nodes.values():
+            node.stop()
+        self._nodes.clear()
 
 
 @pytest.fixture(scope="session")
-def qwen_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, RealNode]]:
-    yield from _nodes(tmp_path_factory, S, L)
+def launcher(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Launcher]:
+    require_vllm()
+    wanted = frozenset(name for item in request.session.items for name in item.fixturenames)
+    nodes = Launcher(tmp_path_factory.mktemp("vllm"), wanted)
+    try:
+        yield nodes
+    finally:
+        nodes.stop_all()
+
+
+@pytest.fixture(scope="session")
+def qwen_fleet(launcher: Launcher) -> dict[str, RealNode]:
+    launcher.ahead("hybrid_node", HYBRID)
+    fleet = launcher.ready(S, L)
+    launcher.ahead("vocab_nodes", LLAMA, MISTRAL)
+    return fleet
 
 
 @pytest.fixture(scope="module")
-def hybrid_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealNode]:
-    for nodes in _nodes(tmp_path_factory, HYBRID):
-        yield nodes["H"]
+def hybrid_node(launcher: Launcher) -> Iterator[RealNode]:
+    yield launcher.ready(HYBRID)["H"]
+    launcher.stop(HYBRID)
 
 
 @pytest.fixture(scope="module")
-def victim_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealNode]:
-    for nodes in _nodes(tmp_path_factory, VICTIM):
-        yield nodes["V"]
+def victim_node(launcher: Launcher) -> Iterator[RealNode]:
+    yield launcher.ready(VICTIM)["V"]
+    launcher.stop(VICTIM)
 
 
 @pytest.fixture(scope="module")
-def vocab_nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, RealNode]]:
-    yield from _nodes(tmp_path_factory, LLAMA, MISTRAL)
+def vocab_nodes(launcher: Launcher) -> Iterator[dict[str, RealNode]]:
+    yield launcher.ready(LLAMA, MISTRAL)
+    launcher.stop(LLAMA, MISTRAL)
+    launcher.ahead("victim_node", VICTIM)
+    launcher.ahead("connecting_node", launcher.connecting[0])
 
 
 WORDS = ("harbor", "lantern", "meadow", "quartz", "summit", "willow", "anchor", "ember")

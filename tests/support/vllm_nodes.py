@@ -210,23 +210,28 @@ def vllm_missing() -> str | None:
     return None
 
 
+def launch_node(spec: NodeSpec, workdir: Path, models: Path) -> RealNode:
+    """Start one node's process (not waiting for it to serve)."""
+    model_dir = build_model(spec.model, models)
+    ports = free_ports(3 if spec.kv_events else 1)
+    node = RealNode(
+        spec,
+        ports[0],
+        workdir / f"vllm-{spec.name}.log",
+        model_dir,
+        events_port=ports[1] if spec.kv_events else None,
+        replay_port=ports[2] if spec.kv_events else None,
+    )
+    node.start()
+    return node
+
+
 def start_nodes(specs: Iterable[NodeSpec], workdir: Path, models: Path) -> list[RealNode]:
     """Start every node at once and wait until each serves (bounded)."""
     nodes: list[RealNode] = []
     try:
         for spec in specs:
-            model_dir = build_model(spec.model, models)
-            ports = free_ports(3 if spec.kv_events else 1)
-            node = RealNode(
-                spec,
-                ports[0],
-                workdir / f"vllm-{spec.name}.log",
-                model_dir,
-                events_port=ports[1] if spec.kv_events else None,
-                replay_port=ports[2] if spec.kv_events else None,
-            )
-            node.start()
-            nodes.append(node)
+            nodes.append(launch_node(spec, workdir, models))
         deadline = time.monotonic() + START_TIMEOUT_S
         for node in nodes:
             node.wait_ready(deadline)

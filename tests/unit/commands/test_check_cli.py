@@ -7,9 +7,13 @@ import json
 import subprocess
 import sys
 
+import pytest
 import yaml
 
 from tests.support.fleet import MODEL, SERVED, StartFleet
+
+# Runs `gateway check` as a process against fleets: the slow tier.
+pytestmark = pytest.mark.slow
 
 
 def run_check(path, *extra: str) -> subprocess.CompletedProcess[str]:

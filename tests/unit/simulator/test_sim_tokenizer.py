@@ -26,6 +26,9 @@ from tests.support import corpus, vocab
 from tests.support.sim import SimFactory
 from tests.unit.tokens.test_vs_transformers import THINKING
 
+# Loads real vocabularies: the slow tier.
+pytestmark = pytest.mark.slow
+
 MODEL = TINY.model
 CL100K = load_encoding(EncodingSpec())
 Dirs = Callable[[str], Path]

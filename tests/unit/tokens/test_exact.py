@@ -19,6 +19,9 @@ from kvgateway.tokens.modeldir import ModelTokenizer
 from tests.support import corpus
 from tests.unit.tokens.conftest import KINDS
 
+# Loads real vocabularies (and transformers): the slow tier.
+pytestmark = pytest.mark.slow
+
 Loader = Callable[[str], ModelTokenizer]
 
 

@@ -19,6 +19,9 @@ from kvgateway.tokens.exact import ExactCounter
 from kvgateway.tokens.images import ImageGrid, ImagePricing, image_size, load_grid
 from tests.support import vocab
 
+# Loads real vocabularies (and transformers): the slow tier.
+pytestmark = pytest.mark.slow
+
 
 def _data_url(width: int, height: int, fmt: str) -> str:
     buf = io.BytesIO()

@@ -24,6 +24,9 @@ from kvgateway.tokens.exact import ExactCounter
 from kvgateway.tokens.modeldir import TokenizerDirError, load_model_tokenizer
 from tests.support import vocab
 
+# Loads real vocabularies (and transformers): the slow tier.
+pytestmark = pytest.mark.slow
+
 Dirs = Callable[[str], Path]
 
 

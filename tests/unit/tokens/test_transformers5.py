@@ -21,6 +21,9 @@ from kvgateway.tokens.modeldir import load_model_tokenizer
 from kvgateway.tokens.responses_input import chat_body
 from kvgateway.tokens.transformers5 import tokenizer_class
 
+# Loads real vocabularies (and transformers): the slow tier.
+pytestmark = pytest.mark.slow
+
 Dirs = Callable[[str], Path]
 NFD = unicodedata.normalize("NFD", "Café résumé naïve, Ångström, 한국어 텍스트, tiếng Việt. " * 8)
 

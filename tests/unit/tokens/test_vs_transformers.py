@@ -72,6 +72,9 @@ from kvgateway.tokens.spec import TokenizerConfig
 from kvgateway.tokens.standin import upper_bound
 from tests.support import corpus, templates
 
+# Loads real vocabularies (and transformers): the slow tier.
+pytestmark = pytest.mark.slow
+
 # -- vLLM's request preparation, re-stated -----------------------------------------
 
 _TEXT_FIELDS = {

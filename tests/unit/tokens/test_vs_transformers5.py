@@ -27,7 +27,8 @@ from kvgateway.tokens.roles import as_system
 from tests.support.real_fleet import require_vllm
 from tests.support.real_models import VLLM_VENV
 
-pytestmark = pytest.mark.slow
+# One oracle run for the module: its tests stay on one xdist worker (--dist loadgroup).
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("transformers5_oracle")]
 
 ORACLE = Path(__file__).with_name("transformers5_oracle.py")
 TEXTS = [
