@@ -22,11 +22,13 @@ simulate: $(STAMP)
 	$(BIN)/gateway simulate --config config/demo.yaml
 
 # Programs some tests drive: promtool/prometheus (metrics, rules), dnsmasq (DNS discovery),
-# redis-server (shared ledger) and vLLM's CPU build in its own virtualenv (the real-vLLM tier).
+# redis-server (shared ledger), vLLM's CPU build in its own virtualenv and the tiny models it
+# serves (the real-vLLM tier).
 # Where they cannot be installed those tests skip with the reason; with CI=true they must install.
-test-tools:
+test-tools: $(STAMP)
 	./scripts/install-test-tools.sh
 	./scripts/install-vllm.sh
+	$(BIN)/python -m tests.support.real_models
 
 test: $(STAMP) test-tools
 	$(BIN)/ruff check kvgateway tests bench

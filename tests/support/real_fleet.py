@@ -2,8 +2,9 @@
 
 Nodes start once per run (:class:`Launcher`; at most three at once on these 2-core
 machines): ``qwen_fleet`` is the two-node fleet S (4k context, 6,016 KV tokens) and L
-(16k, 24,448), both publishing KV events; the hybrid model, the other vocabularies and
-the node whose engine a test kills start ahead of the modules that need them. A gateway is started in the test's own
+(16k, 24,448), both publishing KV events; the other vocabularies and the hybrid model
+start once S and L serve, the node whose engine a test kills (and one publishing its KV
+events at a concrete host) once the vocabularies stop: each ahead of its module. A gateway is started in the test's own
 event loop in front of whichever nodes a test names.
 """
 
@@ -53,9 +54,9 @@ ENCODINGS = EncodingCache()
 
 def models_root() -> Path:
     """Model directories are kept between runs beside vLLM itself (rebuilt with it)."""
-    from tests.support.real_models import VLLM_VENV
+    from tests.support.real_models import MODELS_ROOT
 
-    return Path(os.environ.get("KVGATEWAY_REAL_MODELS", VLLM_VENV / "tiny-models"))
+    return MODELS_ROOT
 
 
 def require_vllm() -> None:
@@ -151,9 +152,9 @@ def launcher(
 
 @pytest.fixture(scope="session")
 def qwen_fleet(launcher: Launcher) -> dict[str, RealNode]:
-    launcher.ahead("hybrid_node", HYBRID)
     fleet = launcher.ready(S, L)
     launcher.ahead("vocab_nodes", LLAMA, MISTRAL)
+    launcher.ahead("hybrid_node", HYBRID)
     return fleet
 
 

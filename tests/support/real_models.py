@@ -23,6 +23,8 @@ from tests.support import vocab
 
 # Where scripts/install-vllm.sh puts vLLM's CPU build.
 VLLM_VENV = Path(os.environ.get("VLLM_VENV", Path(__file__).parents[2] / ".venv-vllm"))
+# Model directories are kept beside vLLM itself (rebuilt with it).
+MODELS_ROOT = Path(os.environ.get("KVGATEWAY_REAL_MODELS", VLLM_VENV / "tiny-models"))
 VLLM_VERSION = "0.32.0"
 
 _SMALL: dict[str, Any] = {
@@ -137,3 +139,18 @@ def build_model(name: str, root: Path) -> Path:
         )
         partial.rename(directory)
     return directory
+
+
+def main() -> int:
+    """Build every tiny model (``make test-tools``, after vLLM's install): the real tier
+    then finds them ready. Nothing to do where vLLM is not installed."""
+    if not (VLLM_VENV / "bin" / "python").exists():
+        print(f"real-models: no vLLM at {VLLM_VENV}; nothing built")
+        return 0
+    for name in MODELS:
+        print(f"real-models: {build_model(name, MODELS_ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
