@@ -11,10 +11,11 @@ until a probe succeeds.
 Load feedback: the node's own gauges override the gateway's accounting when they say
 the node is in trouble, since other clients may share it:
 
-* KV usage at or above the high watermark pauses new work until it falls below the
-  low watermark (hysteresis);
-* requests waiting on the node in two scrapes in a row (the queue is not draining);
-* new preemptions pause it for a cool-down.
+* KV usage the gateway's own book does not explain, at or above the high watermark,
+  pauses new work until it falls below the low watermark (hysteresis);
+* requests waiting on the node beyond the gateway's own unstarted ones, in two scrapes
+  in a row (someone else's queue is not draining);
+* new preemptions pause it until the node has nothing waiting, or for a cool-down.
 
 A stale or failed scrape never pauses anything: the gateway's own accounting holds.
 """
