@@ -34,8 +34,7 @@ test: $(STAMP) test-tools
 	$(BIN)/ruff check kvgateway tests bench
 	$(BIN)/lint-imports
 	$(BIN)/mypy
-	$(BIN)/pytest -n 2 --dist loadgroup -q -m "not real_vllm"
-	$(BIN)/pytest -q -m real_vllm tests/real_vllm
+	BIN=$(BIN) ./scripts/test-all.sh
 
 # The loop a developer runs every minute: lint, the import contracts and the fast tier
 # (unit tests not marked slow; tests/integration is the slow tier). `make test` runs all.

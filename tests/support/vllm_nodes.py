@@ -283,25 +283,65 @@ def kept_node(directory: Path, spec: NodeSpec) -> RealNode | None:
 
 
 def keep(specs: list[NodeSpec], directory: Path, models: Path) -> None:
-    """Start ``specs`` and leave them running, described in ``directory``."""
+    """Start ``specs`` and leave them running, described in ``directory``. Each node is
+    described as soon as its process starts (``stop_kept`` can then end it whatever
+    happens to this process); a description is used once the node serves."""
     directory.mkdir(parents=True, exist_ok=True)
     todo = [s for s in specs if kept_node(directory, s) is None]
-    nodes = start_nodes(todo, directory, models)
-    for node in nodes:
-        _kept_path(directory, node.spec).write_text(
-            json.dumps(
-                {
-                    "spec": repr(node.spec),
-                    "port": node.port,
-                    "log": str(node.log_path),
-                    "model_dir": str(node.model_dir),
-                    "events_port": node.events_port,
-                    "replay_port": node.replay_port,
-                    "pid": node.proc.pid if node.proc else None,
-                }
+    nodes: list[RealNode] = []
+    try:
+        for spec in todo:
+            node = launch_node(spec, directory, models)
+            nodes.append(node)
+            _kept_path(directory, spec).write_text(
+                json.dumps(
+                    {
+                        "spec": repr(spec),
+                        "port": node.port,
+                        "log": str(node.log_path),
+                        "model_dir": str(node.model_dir),
+                        "events_port": node.events_port,
+                        "replay_port": node.replay_port,
+                        "pid": node.proc.pid if node.proc else None,
+                    }
+                )
             )
-        )
-        print(f"{node.spec.name}: {node.url} (log {node.log_path})")
+        deadline = time.monotonic() + START_TIMEOUT_S
+        for node in nodes:
+            node.wait_ready(deadline)
+            print(f"{node.spec.name}: {node.url} (log {node.log_path})")
+    except BaseException:
+        for node in nodes:
+            node.stop()
+            _kept_path(directory, node.spec).unlink(missing_ok=True)
+        raise
+
+
+def stop_kept(directory: Path, timeout: float = 30) -> None:
+    """End every node described in ``directory`` (its whole process group), bounded."""
+    for path in sorted(directory.glob("*.json")):
+        pid = json.loads(path.read_text()).get("pid")
+        path.unlink()
+        if not pid:
+            continue
+        for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 10.0)):
+            try:
+                os.killpg(pid, sig)
+            except ProcessLookupError:
+                break
+            deadline = time.monotonic() + wait
+            while time.monotonic() < deadline and _alive(pid):
+                time.sleep(0.2)
+            if not _alive(pid):
+                break
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.killpg(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 if __name__ == "__main__":
@@ -314,9 +354,15 @@ if __name__ == "__main__":
         description="Start real vLLM nodes and keep them running; the real-vLLM tier reuses "
         "them when KVGATEWAY_REAL_NODES names the same directory."
     )
-    parser.add_argument("names", nargs="+", help="node names from tests/support/real_fleet.py")
+    parser.add_argument("names", nargs="*", help="node names from tests/support/real_fleet.py")
     parser.add_argument("--dir", default="/tmp/kvgateway-real-nodes")
+    parser.add_argument("--stop", action="store_true", help="stop the nodes kept in --dir")
     args = parser.parse_args()
+    if args.stop:
+        stop_kept(Path(args.dir))
+        sys.exit(0)
+    if not args.names:
+        parser.error("name the nodes to start (or --stop)")
     known = {s.name: s for s in real_fleet.ALL_SPECS}
     missing = [n for n in args.names if n not in known]
     if missing:

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The whole suite after lint: the main tier (-n 2), then the real-vLLM tier. The real
+# tier's first two nodes (S and L, which every real module uses) start in the background
+# as the main tier begins: a node's start-up is mostly imports on one core, which the
+# main tier leaves idle a third of the time. They stop when this script ends, however
+# it ends. Where vLLM is not installed nothing starts early and the real tier says why
+# it skips (under CI=true it fails).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+BIN=${BIN:-.venv/bin}
+nodes=$(mktemp -d /tmp/kvgateway-test-nodes.XXXXXX)
+keeper=
+cleanup() {
+    if [ -n "$keeper" ]; then kill "$keeper" 2>/dev/null || true; fi
+    "$BIN/python" -m tests.support.vllm_nodes --stop --dir "$nodes" || true
+    rm -rf "$nodes"
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+if "$BIN/python" -c 'import sys; from tests.support.vllm_nodes import vllm_missing; sys.exit(vllm_missing() is not None)'; then
+    "$BIN/python" -m tests.support.vllm_nodes S L --dir "$nodes" >"$nodes/keep.log" 2>&1 &
+    keeper=$!
+fi
+
+"$BIN/pytest" -n 2 --dist loadgroup -q -m "not real_vllm"
+
+if [ -n "$keeper" ]; then
+    # Bounded: the keeper gives up after the nodes' start-up timeout.
+    if ! wait "$keeper"; then
+        echo "early start of S and L failed; the real tier starts its own:" >&2
+        tail -n 40 "$nodes/keep.log" >&2 || true
+    fi
+    keeper=
+fi
+KVGATEWAY_REAL_NODES="$nodes${KVGATEWAY_REAL_NODES:+:$KVGATEWAY_REAL_NODES}" \
+    "$BIN/pytest" -q -m real_vllm tests/real_vllm
