@@ -41,7 +41,7 @@ test: $(STAMP) test-tools
 check: $(STAMP)
 	$(BIN)/ruff check kvgateway tests bench
 	$(BIN)/lint-imports
-	$(BIN)/pytest -n 2 --dist loadgroup -q -m "not slow and not real_vllm"
+	$(BIN)/pytest -n 2 -q -m "not slow and not real_vllm"
 
 lint: $(STAMP)
 	$(BIN)/ruff check kvgateway tests bench

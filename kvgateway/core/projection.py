@@ -33,12 +33,13 @@ Nothing here does I/O or reads a clock.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import dataclass, fields
 from statistics import NormalDist
 
 from kvgateway.core.output_model import OutputShape
 from kvgateway.core.prefix_keys import BlockKey
+from kvgateway.core.shared_keys import SharedKeys
 
 # Tokens a flight may hold beyond its reported count: the token being computed and one
 # step the scheduler may have allocated ahead.
@@ -119,74 +120,6 @@ class Flight:
             return 0.0, 0.0, 0.0
         one = _blocks(self.tokens_at(t), block)
         return a, a * one * self.n, self.n * a * (1.0 - a) * one * one
-
-
-@dataclass(slots=True)
-class _KeyUse:
-    payers: set[int] = field(default_factory=set)
-    holders: set[int] = field(default_factory=set)
-
-
-class SharedKeys:
-    """Which flights hold and which paid for each prompt block shared on a node.
-
-    A key is tracked here once a flight was credited it; until then each flight's
-    keys are part of its own blocks. A tracked key holds, at a step, one copy per paying
-    flight still running, and at least one while any holder runs.
-    """
-
-    __slots__ = ("_keys", "_of")
-
-    def __init__(self) -> None:
-        self._keys: dict[BlockKey, _KeyUse] = {}
-        self._of: dict[int, tuple[BlockKey, ...]] = {}
-
-    def add(self, f: Flight, flights: dict[int, Flight]) -> None:
-        if not f.credited:
-            return
-        shared = f.keys[: f.credited]
-        for key in shared:
-            use = self._keys.get(key)
-            if use is None:
-                use = self._keys[key] = _KeyUse()
-                # Every flight already holding it paid for its copy.
-                for other in flights.values():
-                    if other.id != f.id and key in other.keys[other.credited :]:
-                        use.payers.add(other.id)
-                        use.holders.add(other.id)
-                        self._of[other.id] = (*self._of.get(other.id, ()), key)
-            use.holders.add(f.id)
-        self._of[f.id] = (*self._of.get(f.id, ()), *shared)
-
-    def join(self, f: Flight) -> None:
-        """``f`` (not credited) holds keys already tracked: it paid for its copies."""
-        mine = [k for k in f.keys if k in self._keys]
-        for key in mine:
-            use = self._keys[key]
-            use.payers.add(f.id)
-            use.holders.add(f.id)
-        if mine:
-            self._of[f.id] = (*self._of.get(f.id, ()), *mine)
-
-    def remove(self, fid: int) -> None:
-        for key in self._of.pop(fid, ()):
-            use = self._keys.get(key)
-            if use is None:
-                continue
-            use.payers.discard(fid)
-            use.holders.discard(fid)
-            if not use.holders:
-                del self._keys[key]
-
-    def tracked(self, fid: int) -> int:
-        """How many of ``fid``'s blocks are counted here rather than as its own."""
-        return len(self._of.get(fid, ()))
-
-    def uses(self) -> Iterator[_KeyUse]:
-        return iter(self._keys.values())
-
-    def __len__(self) -> int:
-        return len(self._keys)
 
 
 def _blocks(tokens: int, block: int) -> int:
@@ -438,19 +371,8 @@ def _steps(flights: tuple[Flight, ...], block: int) -> list[int]:
 def delayed(f: Flight, steps: int) -> Flight:
     """``f`` admitted ``steps`` from now: nothing held until then, then as a newcomer
     is (its end unknown until the node reports it)."""
-    return _Later(
-        f.id,
-        f.prompt,
-        f.n,
-        f.bound,
-        f.generated,
-        False,
-        f.keys,
-        f.credited,
-        f.shape,
-        steps,
-        f.ahead,
-    )
+    values = {x.name: getattr(f, x.name) for x in fields(Flight)}
+    return _Later(**{**values, "started": False, "delay": steps, "origin": 0})
 
 
 class _Later(Flight):

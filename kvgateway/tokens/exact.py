@@ -22,13 +22,8 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
 
-from kvgateway.tokens.chat_template import (
-    ChatTemplate,
-    TemplateError,
-    conversation,
-    new_environment,
-    tool_schemas,
-)
+from kvgateway.tokens.chat_template import ChatTemplate, TemplateError, new_environment
+from kvgateway.tokens.conversation import conversation, tool_schemas
 from kvgateway.tokens.counting import PromptTokens, TextCountCache
 from kvgateway.tokens.images import ImagePricing
 from kvgateway.tokens.lax import flag

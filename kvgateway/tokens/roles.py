@@ -21,7 +21,7 @@ def knows_developer(template_source: str) -> bool:
 
 
 def as_system(messages: Sequence[dict[str, Any]], template_source: str) -> list[dict[str, Any]]:
-    """``messages`` (a conversation as :func:`~.chat_template.conversation` builds it) as
+    """``messages`` (a conversation as :func:`~.conversation.conversation` builds it) as
     the template receives them."""
     if knows_developer(template_source) or not any(m["role"] == "developer" for m in messages):
         return list(messages)

@@ -9,13 +9,8 @@ from datetime import datetime
 import jinja2.sandbox
 import pytest
 
-from kvgateway.tokens.chat_template import (
-    ChatTemplate,
-    TemplateError,
-    conversation,
-    new_environment,
-    tool_schemas,
-)
+from kvgateway.tokens.chat_template import ChatTemplate, TemplateError, new_environment
+from kvgateway.tokens.conversation import conversation, tool_schemas
 from kvgateway.tokens.exact import ExactCounter, template_arguments
 from kvgateway.tokens.modeldir import ModelTokenizer
 from tests.support import templates

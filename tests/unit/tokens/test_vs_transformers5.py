@@ -27,8 +27,8 @@ from kvgateway.tokens.roles import as_system
 from tests.support.real_fleet import require_vllm
 from tests.support.real_models import VLLM_VENV
 
-# One oracle run: the module's tests stay on one xdist worker (--dist loadgroup).
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("transformers5_oracle")]
+# One oracle run: the module's tests stay on one xdist worker (--dist loadfile).
+pytestmark = pytest.mark.slow
 
 ORACLE = Path(__file__).with_name("transformers5_oracle.py")
 TEXTS = [
@@ -111,9 +111,7 @@ def _variant(root: Path, name: str, base: Path) -> Path:
     return directory
 
 
-# Session scope: xdist may interleave other modules' tests on this worker, and a module
-# fixture would then run the oracle (a minute of vLLM imports) once per visit.
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def oracle(
     vocab_dirs: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory
 ) -> dict[str, Any]:
