@@ -26,13 +26,27 @@ gets the 429. Everything tenant-specific is in the methods marked "tenancy".
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
+from typing import Self
 
-from kvgateway.core.admission_core import AdmissionCore, _Waiter
-from kvgateway.core.demand import Demand, context_error
+from kvgateway.config.model import GatewayConfig
+from kvgateway.core.admission_core import AdmissionCore
+from kvgateway.core.admission_queue import Waiter
+from kvgateway.core.demand import (
+    Demand,
+    can_ever_hold,
+    context_error,
+    flight_for,
+    projected_budget,
+)
+from kvgateway.core.fleet import Fleet
+from kvgateway.core.ledger import Ledger
+from kvgateway.core.prefix_routing import PrefixRouter
 from kvgateway.core.reservation import Reservation, Reserving
-from kvgateway.core.routing import NoBackend, TooLong, Wait
+from kvgateway.core.routing import Decision, NoBackend, TooLong, Wait
 from kvgateway.core.tenancy import (
     CLASS_FLOOR,
+    Tenancy,
     Ticket,
     floors_error,
     gated_error,
@@ -45,6 +59,35 @@ __all__ = ["Admission", "Reservation", "Reserving"]
 
 class Admission(AdmissionCore):
     """Owns every reservation: the synchronous core plus waiting for room."""
+
+    @classmethod
+    def for_fleet(
+        cls,
+        fleet: Fleet,
+        config: Callable[[], GatewayConfig],
+        clock: Callable[[], float],
+        on_decision: Callable[[Decision, Demand], None] | None = None,
+        tenancy: Tenancy | None = None,
+        ledger: Ledger | None = None,
+        prefix: PrefixRouter | None = None,
+    ) -> Self:
+        """Admission over ``fleet``, following the live config (it changes on reload)."""
+        return cls(
+            tenancy=tenancy or Tenancy(lambda: config().auth),
+            budget=lambda: sum(b.budget_tokens for b in fleet.backends if b.usable),
+            capacity=lambda: sum(b.budget_tokens for b in fleet.active),
+            slots=lambda: sum(b.max_num_seqs for b in fleet.backends if b.usable),
+            index_for=fleet.index,
+            adjust=fleet.adjust,
+            policy=lambda: config().routing.policy,
+            offload_overflow=lambda: config().routing.offload_overflow,
+            queue_size=lambda: config().admission.queue_size,
+            clock=clock,
+            on_decision=on_decision,
+            ledger=ledger,
+            abort_delay=lambda: config().admission.abort_release_delay_s,
+            prefix=prefix,
+        )
 
     # ---- async edge -------------------------------------------------------------
 
@@ -120,18 +163,18 @@ class Admission(AdmissionCore):
                 retry_after=5,
             )
         assert isinstance(outcome, Wait)
-        gated = self._gate(demand, ticket)
-        if gated == CLASS_FLOOR and self._never_passes_floors(demand):
+        gated = self._queue.gate(demand, ticket)
+        if gated == CLASS_FLOOR and self._queue.never_passes_floors(demand):
             raise floors_error(demand.tenant, demand.tokens)
         if gated is not None:
             # Held by its own tenant's limit: it waits in its tenant's share of the
             # queue (queue_size of them at most), never in the room others queue in.
             name = ticket.tenant if ticket is not None else demand.tenant
-            parked = self._waiters.parked_of(name, _tenant_of)
+            parked = self._queue.parked(name)
             if timeout <= 0 or parked >= self._queue_size():
                 raise tenant_queue_full_error(name, gated, parked)
         else:
-            full = self._waiters.waiting_for_room() >= self._queue_size()
+            full = self._queue.waiters.waiting_for_room() >= self._queue_size()
             if timeout <= 0 or (full and not self._displace(ticket)):
                 raise Saturated(
                     "Every backend that can hold this request is at its KV-cache budget "
@@ -148,9 +191,9 @@ class Admission(AdmissionCore):
                     retry_after=max(1.0, wait),
                 )
         loop = asyncio.get_running_loop()
-        waiter = _Waiter(demand, loop.create_future(), since, self._claims(demand), ticket)
+        waiter = Waiter(demand, loop.create_future(), since, self._queue.claims_of(demand), ticket)
         waiter.gated = gated
-        self._enqueue(waiter)
+        self._queue.enqueue(waiter)
         try:
             async with asyncio.timeout(timeout):
                 return await waiter.future
@@ -167,15 +210,48 @@ class Admission(AdmissionCore):
                 ) from None
             raise
 
-    def _abandon(self, waiter: _Waiter) -> None:
+    def projected_wait(self, demand: Demand) -> float | None:
+        """Seconds until ``demand`` first fits a backend it could use, as the projection
+        sees it now (the queue ahead aside: a lower bound); None when no backend's
+        projection can say (an end unknown, no step time seen yet)."""
+        if not demand.projected:
+            return None
+        best: float | None = None
+        for b in self._index_for(demand.model).backends:
+            if not b.usable or not b.step_s or not can_ever_hold(b, demand):
+                continue
+            start = b.projection.earliest_start(
+                b.limits.block_size, flight_for(b, demand), projected_budget(b), demand.z
+            )
+            if start is None:
+                continue
+            wait = start * b.step_s
+            best = wait if best is None else min(best, wait)
+        return best
+
+    def _displace(self, ticket: Ticket | None) -> bool:
+        """Queue full: refuse the last waiter of a class below ``ticket``'s, if any."""
+        victim = self._queue.displace(ticket)
+        if victim is None:
+            return False
+        self._offer_claims(victim)
+        return True
+
+    def _offer_claims(self, w: Waiter) -> None:
+        """``w`` left the queue without a grant: offer the backends it claimed to the
+        waiters behind it."""
+        for b in self._queue.claimed_by(w):
+            self._offer(b)
+
+    def _abandon(self, waiter: Waiter) -> None:
         # The waiter gave up (timeout, cancellation). If a grant raced with that, the
         # caller never received the reservation: give it back here.
         try:
-            self._waiters.remove(waiter)
+            self._queue.waiters.remove(waiter)
         except ValueError:
             pass  # already handed over (granted) or dropped by a rebalance
         else:
-            self._dequeued(waiter)
+            self._queue.dequeued(waiter)
             # It held its claims against those behind it: the room it could not use may
             # fit them (nothing else would offer it until some release).
             self._offer_claims(waiter)
@@ -184,9 +260,3 @@ class Admission(AdmissionCore):
             self.release(fut.result())
         else:
             fut.cancel()
-
-
-def _tenant_of(w: _Waiter) -> str:
-    """The name a waiter's ticket resolved (a tenant gone from the config on reload is
-    the default), else the one it asked as."""
-    return w.ticket.tenant if w.ticket is not None else w.demand.tenant

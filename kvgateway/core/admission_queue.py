@@ -1,0 +1,291 @@
+"""The admission queue's book: who waits, in which order, for which backends, and which
+tenant limits hold them (:class:`AdmissionQueue`); and a queue head's planned start,
+around which later waiters may backfill (:func:`plan_of`, :func:`backfills`).
+
+Nothing here grants: :class:`~kvgateway.core.admission_core.AdmissionCore` walks the
+queue when room appears and hands waiters their reservations. Nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+from kvgateway.core.backends import Backend
+from kvgateway.core.demand import Demand, can_ever_hold, flight_for, projected_budget
+from kvgateway.core.projection import Flight, delayed
+from kvgateway.core.reservation import Reservation
+from kvgateway.core.routing_index import ModelIndex
+from kvgateway.core.tenancy import CLASS_FLOOR, Tenancy, Ticket, displaced_error
+from kvgateway.core.wait_queue import WaitQueue
+
+
+@dataclass(eq=False, slots=True)
+class Waiter:
+    demand: Demand
+    future: asyncio.Future[Reservation]
+    since: float
+    claims: frozenset[str]
+    ticket: Ticket | None = None
+    # The tenant limit this waiter last waited for (it claims nothing meanwhile).
+    gated: str | None = None
+    # Where it heads a backend's queue: its planned start there, on that node's
+    # projection clock (kept, so backfills are held to one plan, not to each new one).
+    plans: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def tenant(self) -> str:
+        return tenant_key(self.demand, self.ticket)
+
+
+def tenant_key(demand: Demand, ticket: Ticket | None) -> str:
+    """The tenant a request counts under: its ticket's resolved name (a tenant gone from
+    the config on reload resolves to the default), else the one it asked as."""
+    return ticket.tenant if ticket is not None else demand.tenant
+
+
+class AdmissionQueue:
+    """The waiters, the backends they claim and the tenant limits holding them back.
+
+    A waiter that its tenant's limits let through claims every backend routing could
+    give it (nobody after it may take room there); one held by a limit claims nothing.
+    """
+
+    def __init__(
+        self,
+        *,
+        index_for: Callable[[str], ModelIndex],
+        offload_overflow: Callable[[], bool],
+        clock: Callable[[], float],
+        changed: Callable[[], None],
+        tenancy: Tenancy | None,
+        budget: Callable[[], int],
+        capacity: Callable[[], int],
+        slots: Callable[[], int],
+    ) -> None:
+        self.waiters: WaitQueue[Waiter] = WaitQueue()
+        self._index_for = index_for
+        self._offload_overflow = offload_overflow
+        self._clock = clock
+        self._changed = changed
+        self._tenancy = tenancy
+        self._budget = budget
+        # The budget with every configured backend usable: what "never" is judged against
+        # (a node down for a moment does not make a request impossible).
+        self._capacity = capacity
+        # The sequence slots of the usable backends (class floors hold on them too).
+        self._slots = slots
+        # How many waiters claim each backend: "is it claimed?" without walking the queue.
+        self._claim_counts: Counter[str] = Counter()
+        # Per tenant: its waiters that its limits let through, waiting for room (count,
+        # tokens): they count against those limits as if running.
+        self._through: dict[str, list[int]] = {}
+
+    def __len__(self) -> int:
+        return len(self.waiters)
+
+    def ordered(self) -> Iterator[Waiter]:
+        """The waiters in the order they are served (arrival order without tenancy), as
+        a snapshot: the queue may change while it is read."""
+        if self._tenancy is None:
+            return iter(self.waiters)
+        return self.waiters.ordered(self._clock(), self._tenancy.auth.aging_s)
+
+    def claimed(self, name: str) -> bool:
+        return self._claim_counts[name] > 0
+
+    def claimed_names(self) -> frozenset[str]:
+        return frozenset(n for n, c in self._claim_counts.items() if c > 0)
+
+    def claimed_ahead(self, ticket: Ticket | None) -> frozenset[str]:
+        """Backends claimed by waiters served before a newcomer holding ``ticket``."""
+        claimed = self.claimed_names()
+        if ticket is None or self._tenancy is None:
+            return claimed
+        ahead = self.waiters.claims_ahead(
+            ticket,
+            self._clock(),
+            self._tenancy.auth.aging_s,
+            live=lambda w: not w.future.done(),
+            claimed=claimed,
+        )
+        return frozenset(ahead)
+
+    def claims_of(self, demand: Demand) -> frozenset[str]:
+        """The backends routing could give this request: those that can hold it, minus
+        the offload tier when a GPU tier can hold it (unless overflow is on)."""
+        could = [b for b in self._index_for(demand.model).backends if can_ever_hold(b, demand)]
+        if any(not b.offload for b in could) and not self._offload_overflow():
+            could = [b for b in could if not b.offload]
+        return frozenset(b.name for b in could)
+
+    def claimed_by(self, w: Waiter) -> list[Backend]:
+        return [b for b in self._index_for(w.demand.model).backends if b.name in w.claims]
+
+    def enqueue(self, w: Waiter) -> None:
+        self.waiters.append(w)
+        if w.gated is None:
+            self._waits_for_room(w, 1)
+        self._changed()
+
+    def dequeued(self, w: Waiter) -> None:
+        """``w`` left the queue (taken out by the caller)."""
+        if w.gated is None:
+            self._waits_for_room(w, -1)
+        self._changed()
+
+    def _waits_for_room(self, w: Waiter, sign: int) -> None:
+        """``w`` starts (1) or stops (-1) waiting for room: its claims, and its place
+        among its tenant's requests let through."""
+        if sign > 0:
+            self._claim_counts.update(w.claims)
+        else:
+            self._claim_counts.subtract(w.claims)
+            for name in w.claims:  # no key left at 0 (DNS members come and go as names)
+                if self._claim_counts[name] <= 0:
+                    del self._claim_counts[name]
+        key = w.tenant
+        through = self._through.setdefault(key, [0, 0])
+        through[0] += sign
+        through[1] += sign * w.demand.tokens
+        if through[0] <= 0:
+            del self._through[key]
+
+    # ---- tenancy: gates, floors, displacement -----------------------------------
+
+    def gate(self, demand: Demand, ticket: Ticket | None, own: Waiter | None = None) -> str | None:
+        """The limit holding ``demand`` back, counting the tenant's waiters already let
+        through (all of them would otherwise pass at once when a limit opens by one, and
+        overfill the queue); ``own``, a waiter asking again, does not count itself."""
+        if self._tenancy is None:
+            return None
+        ahead = ahead_tokens = 0
+        through = self._through.get(tenant_key(demand, ticket))
+        if through is not None:
+            ahead, ahead_tokens = through
+            if own is not None and own.gated is None:
+                ahead -= 1
+                ahead_tokens -= own.demand.tokens
+        return self._tenancy.gate(
+            demand.tenant,
+            demand.tokens,
+            self._budget(),
+            ahead,
+            ahead_tokens,
+            seqs=demand.sequences,
+            slots=self._slots(),
+        )
+
+    def never_passes_floors(self, demand: Demand) -> bool:
+        return self._tenancy is not None and self._tenancy.never_passes_floors(
+            demand.tenant,
+            demand.tokens,
+            self._capacity(),
+            seqs=demand.sequences,
+            slots=self._slots(),
+        )
+
+    def regate(self, w: Waiter) -> str | None:
+        """Ask ``w``'s tenant limit again. While it holds ``w``, ``w`` claims no backend:
+        it would keep other requests (of this replica, and through a shared ledger's wait
+        marks, of every replica) off backends it cannot take."""
+        gate = self.gate(w.demand, w.ticket, own=w)
+        if (gate is None) != (w.gated is None):
+            self._waits_for_room(w, 1 if gate is None else -1)
+            self._changed()
+        w.gated = gate
+        return gate
+
+    def ungated(self, tenant: str) -> list[Backend]:
+        """``tenant``'s limit may have opened (and with it, any class floor): the waiters
+        it held are asked again (no other tenant's). Returns the backends those now let
+        through claim, to be offered to the queue (a tenant at its concurrency limit
+        waits for any of its requests to end, wherever that one ran)."""
+        opened: dict[str, Backend] = {}
+        for w in self.ordered():  # in serving order: the first let through go first
+            if w.gated is None or w.future.done():
+                continue
+            if w.tenant != tenant and w.gated != CLASS_FLOOR:
+                continue
+            if self.regate(w) is None:
+                for b in self.claimed_by(w):
+                    opened.setdefault(b.name, b)
+        return list(opened.values())
+
+    def displace(self, ticket: Ticket | None) -> Waiter | None:
+        """Queue full: refuse the last waiter of a class below ``ticket``'s, if any; the
+        caller offers the backends it claimed to those behind it."""
+        if ticket is None or self._tenancy is None:
+            return None
+        victim = self.waiters.displaceable(ticket, self._clock(), self._tenancy.auth.aging_s)
+        if victim is None:
+            return None
+        self.waiters.remove(victim)
+        self.dequeued(victim)
+        if not victim.future.done():
+            victim.future.set_exception(displaced_error())
+        return victim
+
+    def parked(self, tenant: str) -> int:
+        """Waiters of ``tenant`` held by its own limits."""
+        return self.waiters.parked_of(tenant, lambda w: w.tenant)
+
+    # ---- backfill: the head's plan ----------------------------------------------
+
+    def head_plan(self, b: Backend) -> Plan | Literal[False] | None:
+        """The first waiter claiming ``b``, planned where it first fits there. None:
+        nobody waits for ``b``; False: its start cannot be projected (no backfill)."""
+        for w in self.ordered():
+            if w.future.done() or w.gated is not None or b.name not in w.claims:
+                continue
+            plan = plan_of(b, w)
+            return False if plan is None else plan
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """A queue head's planned start on one backend: later waiters may take only what
+    leaves it in place."""
+
+    flight: Flight
+    z: float
+
+
+def plan_of(b: Backend, w: Waiter) -> Plan | None:
+    """``w`` as a flight starting where ``b``'s projection first fits it (where it was
+    planned before, while that still fits); None when that cannot be projected (it
+    holds its whole bound, or an end there is unknown)."""
+    d = w.demand
+    if not d.projected:
+        return None
+    proj = b.projection
+    block = b.limits.block_size
+    budget = projected_budget(b)
+    head = flight_for(b, d)
+    start = proj.earliest_start(block, head, budget, d.z)
+    kept = w.plans.get(b.name)
+    if kept is not None and (start is None or kept - proj.clock < start):
+        # A plan only moves earlier: a report not in yet makes the node look further
+        # from its ends than it is, and a later plan would let backfills take the room
+        # the head was promised.
+        start = max(0, kept - proj.clock)
+    if start is None:
+        return None
+    w.plans[b.name] = proj.clock + start
+    return Plan(delayed(head, start), d.z)
+
+
+def backfills(b: Backend, d: Demand, head: Plan) -> bool:
+    """``d`` fits ``b`` now and leaves the head's planned start as it is."""
+    if not d.projected or b.free_seqs < d.sequences + head.flight.n:
+        return False
+    extra = (flight_for(b, d), head.flight)
+    return b.projection.fits(b.limits.block_size, projected_budget(b), max(d.z, head.z), extra)
+
+
+def with_busy(d: Demand, names: frozenset[str]) -> Demand:
+    return replace(d, busy=d.busy | names)
