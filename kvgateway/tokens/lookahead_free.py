@@ -330,3 +330,18 @@ class FastEncoding:
             return encode(text), 0
         ids = self.encoding.encode(marked_text, allowed_special=_MARKERS, disallowed_special=())
         return ids, cuts
+
+
+# Split patterns of the public OpenAI encodings, by family name. A user pointing
+# at their own BPE file picks one of these (or gives a raw regex). cl100k and o200k are
+# spelled above, beside their lookahead-free forms.
+_P50K_PATTERN = (
+    r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
+)
+
+PATTERNS: dict[str, str] = {
+    "cl100k": CL100K,
+    "o200k": O200K,
+    "p50k": _P50K_PATTERN,
+    "r50k": _P50K_PATTERN,
+}

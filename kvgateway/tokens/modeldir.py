@@ -33,9 +33,9 @@ from tiktoken.load import load_tiktoken_bpe
 from kvgateway.tokens import transformers5
 from kvgateway.tokens.bytelevel import NotExact, to_tiktoken_ranks
 from kvgateway.tokens.chat_template import ChatTemplate, TemplateError
-from kvgateway.tokens.encoding import PATTERNS
 from kvgateway.tokens.engines import HfEngine, TextEngine, TiktokenEngine
 from kvgateway.tokens.images import ImageGrid, load_grid
+from kvgateway.tokens.lookahead_free import PATTERNS
 from kvgateway.tokens.special_tokens import (
     SpecialTokenError,
     bos_eos,
@@ -198,7 +198,7 @@ def load_model_tokenizer(
     directory: str, *, pattern: str | None = None, engine: str = "auto", transformers: int = 5
 ) -> ModelTokenizer:
     """The tokenizer in ``directory``; ``pattern`` is the split regex (or a family name
-    from :data:`~kvgateway.tokens.encoding.PATTERNS`) of a ``*.tiktoken`` file.
+    from :data:`~kvgateway.tokens.lookahead_free.PATTERNS`) of a ``*.tiktoken`` file.
 
     ``engine``: "auto" (tiktoken when proven exact), or "tokenizers" to force the
     ``tokenizers`` library (what the simulator's reference node does). ``transformers``:

