@@ -23,7 +23,7 @@ if "$BIN/python" -c 'import sys; from tests.support.vllm_nodes import vllm_missi
     keeper=$!
 fi
 
-"$BIN/pytest" -n 2 --dist loadfile -q -m "not real_vllm"
+"$BIN/pytest" -n 2 -q -m "not real_vllm"
 
 if [ -n "$keeper" ]; then
     # Bounded: the keeper gives up after the nodes' start-up timeout.

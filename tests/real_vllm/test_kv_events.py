@@ -12,7 +12,7 @@ import asyncio
 import logging
 import random
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -29,7 +29,6 @@ from kvgateway.upstream.kv_events import KVEventSource, KVEventSubscriber
 from tests.support.eventually import eventually
 from tests.support.real_fleet import (
     ENCODINGS,
-    Launcher,
     StartGateway,
     backend_entry,
     gateway_config,
@@ -314,17 +313,6 @@ async def test_the_gateway_counts_each_nodes_events(
 # -- a node whose event endpoint names a host ------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def connecting_node(launcher: Launcher) -> Iterator[RealNode]:
-    """A Qwen node told to publish at tcp://127.0.0.1:PORT: vLLM then connects its PUB
-    socket to that address instead of binding it (its replay socket binds either way)."""
-    spec, events, replay = launcher.connecting
-    node = launcher.ready(spec)["C"]
-    node.events_port, node.replay_port = events, replay
-    yield node
-    launcher.stop(spec)
-
-
 async def _gateway(aiohttp_server: Any, config: dict[str, Any], silence_s: float) -> TestServer:
     app = create_app(
         parse_config(config, encodings=ENCODINGS),
@@ -336,12 +324,12 @@ async def _gateway(aiohttp_server: Any, config: dict[str, Any], silence_s: float
 
 
 async def test_a_node_that_connects_its_publisher_is_heard_only_by_a_binding_gateway(
-    connecting_node: RealNode, aiohttp_server: Any, caplog: pytest.LogCaptureFixture
+    apart_node: RealNode, aiohttp_server: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Both sides connecting hear nothing: the gateway warns once prompts the node was sent
     should have shown up, and counts no batch. With ``kv_events_bind`` the gateway binds
     the address, the node connects to it, and its cache shows in the index."""
-    node = connecting_node
+    node = apart_node
     entry = backend_entry(node)
     config = one_tier(node)
     config["tiers"][0]["backends"] = [entry]

@@ -3,8 +3,8 @@
 Nodes start once per run (:class:`Launcher`; at most three at once on these 2-core
 machines): ``qwen_fleet`` is the two-node fleet S (4k context, 6,016 KV tokens) and L
 (16k, 24,448), both publishing KV events; the other vocabularies and the hybrid model
-start once S and L serve, the node whose engine a test kills (and one publishing its KV
-events at a concrete host) once the vocabularies stop: each ahead of its module. A gateway is started in the test's own
+start once S and L serve, the node publishing its KV events at a concrete host (whose
+engine the last test kills) once the vocabularies stop: each ahead of its module. A gateway is started in the test's own
 event loop in front of whichever nodes a test names.
 """
 
@@ -45,9 +45,7 @@ MISTRAL = NodeSpec("mistral", "mistral", served_name="mistral", max_model_len=40
 BENCH = NodeSpec("B", "qwen2", max_model_len=4096, num_blocks=64)
 # S's twin, for two equal nodes (the multi-turn benchmark).
 S2 = NodeSpec("S2", "qwen2", max_model_len=4096, num_blocks=48, kv_events=True)
-# A node whose engine a test kills.
-VICTIM = NodeSpec("V", "qwen2", max_model_len=2048, num_blocks=24)
-ALL_SPECS = (S, L, S2, HYBRID, LLAMA, MISTRAL, BENCH, VICTIM)
+ALL_SPECS = (S, L, S2, HYBRID, LLAMA, MISTRAL, BENCH)
 # Tokenizer directories load once per run (a Qwen vocabulary takes ~3 s).
 ENCODINGS = EncodingCache()
 
@@ -164,18 +162,22 @@ def hybrid_node(launcher: Launcher) -> Iterator[RealNode]:
     launcher.stop(HYBRID)
 
 
-@pytest.fixture(scope="module")
-def victim_node(launcher: Launcher) -> Iterator[RealNode]:
-    yield launcher.ready(VICTIM)["V"]
-    launcher.stop(VICTIM)
+@pytest.fixture(scope="session")
+def apart_node(launcher: Launcher) -> RealNode:
+    """C (:attr:`Launcher.connecting`): a Qwen node that connects its KV-event publisher
+    to the gateway. No test shares it with others; the test that kills its engine runs
+    last (``kills_node``)."""
+    spec, events, replay = launcher.connecting
+    node = launcher.ready(spec)["C"]
+    node.events_port, node.replay_port = events, replay
+    return node
 
 
 @pytest.fixture(scope="module")
 def vocab_nodes(launcher: Launcher) -> Iterator[dict[str, RealNode]]:
     yield launcher.ready(LLAMA, MISTRAL)
     launcher.stop(LLAMA, MISTRAL)
-    launcher.ahead("victim_node", VICTIM)
-    launcher.ahead("connecting_node", launcher.connecting[0])
+    launcher.ahead("apart_node", launcher.connecting[0])
 
 
 WORDS = ("harbor", "lantern", "meadow", "quartz", "summit", "willow", "anchor", "ember")

@@ -24,10 +24,10 @@ import pytest
 from kvgateway.tokens import transformers5
 from kvgateway.tokens.modeldir import load_model_tokenizer
 from kvgateway.tokens.roles import as_system
+from tests.support.once import once_per_run
 from tests.support.real_fleet import require_vllm
 from tests.support.real_models import VLLM_VENV
 
-# One oracle run: the module's tests stay on one xdist worker (--dist loadfile).
 pytestmark = pytest.mark.slow
 
 ORACLE = Path(__file__).with_name("transformers5_oracle.py")
@@ -111,11 +111,12 @@ def _variant(root: Path, name: str, base: Path) -> Path:
     return directory
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def oracle(
     vocab_dirs: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory
 ) -> dict[str, Any]:
-    """vLLM's answers for every variant, the tables and the conversations (one run)."""
+    """vLLM's answers for every variant, the tables and the conversations: one oracle
+    run (a minute of vLLM imports) for the whole test run, shared by the workers."""
     require_vllm()
     root = tmp_path_factory.mktemp("t5")
     dirs = {n: _variant(root, n, vocab_dirs(v[0])) for n, v in VARIANTS.items()}
@@ -123,15 +124,19 @@ def oracle(
     jobs.append({"tables": True})
     for template in (TEMPLATE_WITHOUT, TEMPLATE_WITH):
         jobs += [{"developer": c, "template": template} for c in CONVERSATIONS]
-    run = subprocess.run(
-        [str(VLLM_VENV / "bin" / "python"), str(ORACLE)],
-        input=json.dumps(jobs),
-        capture_output=True,
-        text=True,
-        timeout=900,
-        check=True,
-    )
-    answers = json.loads(run.stdout.strip().splitlines()[-1])
+
+    def run() -> str:
+        return subprocess.run(
+            [str(VLLM_VENV / "bin" / "python"), str(ORACLE)],
+            input=json.dumps(jobs),
+            capture_output=True,
+            text=True,
+            timeout=900,
+            check=True,
+        ).stdout
+
+    stdout = once_per_run(tmp_path_factory, "transformers5-oracle", run, timeout=1000)
+    answers = json.loads(stdout.strip().splitlines()[-1])
     n = len(dirs)
     return {
         "dirs": dirs,
