@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# The whole suite after lint: the main tier (-n 2), then the real-vLLM tier. The real
-# tier's first two nodes (S and L, which every real module uses) start in the background
-# as the main tier begins: a node's start-up is mostly imports on one core, which the
-# main tier leaves idle a third of the time. They stop when this script ends, however
-# it ends. Where vLLM is not installed nothing starts early and the real tier says why
-# it skips (under CI=true it fails).
+# The whole suite after lint: the main tier, then the real-vLLM tier. The main tier runs
+# 3 workers on 2 cores (it spends a third of its time waiting on sockets and timers).
+# The real tier's first two nodes (S and L, which every real module uses) start in the
+# background as the main tier begins: a node's start-up is mostly imports on one core.
+# They stop when this script ends, however it ends. Where vLLM is not installed nothing
+# starts early and the real tier says why it skips (under CI=true it fails).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=${BIN:-.venv/bin}
@@ -23,7 +23,7 @@ if "$BIN/python" -c 'import sys; from tests.support.vllm_nodes import vllm_missi
     keeper=$!
 fi
 
-"$BIN/pytest" -n 2 -q -m "not real_vllm"
+"$BIN/pytest" -n 3 -q -m "not real_vllm"
 
 if [ -n "$keeper" ]; then
     # Bounded: the keeper gives up after the nodes' start-up timeout.
