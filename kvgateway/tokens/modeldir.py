@@ -262,7 +262,7 @@ def load_model_tokenizer(
         except Exception as exc:
             raise TokenizerDirError(f"cannot read {bpe_files[0]}: {exc}") from exc
         # No tokenizer.json: transformers cannot build this one; its added tokens are
-        # what the config lists, as before.
+        # what the config lists (as transformers 4 reads them).
         added = _added_tokens({}, cfg)
         clash = [t for t, i in added.items() if i < len(ranks)]
         if clash:

@@ -19,8 +19,8 @@ transformers 5.19's ``tokenization_utils_tokenizers.py`` (``TokenizersBackend``)
   file's post-processor decides BOS/EOS for every class, except GPT-NeoX's, which builds
   one that adds neither.
 - Special tokens: the class's defaults (Gemma's ``<mask>``, Cohere's ``<PAD>``/``<CLS>``...),
-  then the configs' as before; other ``*_token`` keys of the config are named special
-  tokens too. A template sees the named ones only (``additional_special_tokens`` is no
+  then the configs' (as transformers 4 reads them); other ``*_token`` keys of the config
+  are named special tokens too. A template sees the named ones only (``additional_special_tokens`` is no
   longer a template variable).
 """
 

@@ -115,8 +115,8 @@ def _drain(tmp_path) -> None:
 
 
 def test_sigterm_after_a_reload_drains_with_the_reloaded_settings(tmp_path) -> None:
-    """A reload changed shutdown_grace_s and drain_delay_s, but the drain used the ones
-    of the start (a review saw "waiting up to 30s" after a reload to 1 s)."""
+    """The drain after a reload waits shutdown_grace_s and drain_delay_s as reloaded,
+    not as the gateway started with."""
     with running_gateway(tmp_path) as (_, proc):  # shutdown_grace_s: 2
         config = tmp_path / "gateway.yaml"
         config.write_text(

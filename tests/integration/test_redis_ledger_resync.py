@@ -238,10 +238,10 @@ async def test_an_outage_longer_than_every_lease_does_not_lend_room_in_use(
     redis_server: RedisServer,
 ) -> None:
     """Redis frozen past every replica's lease, its data kept (a Sentinel failover, a
-    long GC of the Redis host): the first replica back found the others' leases lapsed,
-    deleted their holdings as it read them, and took their room (a review saw 42,528 of a
-    29,168 budget recorded and 6 requests on a node that holds 4). It now stalls grants
-    as after a restart without persistence, until the others have written theirs again.
+    long GC of the Redis host): the first replica back finds the others' leases lapsed;
+    deleting their holdings as it reads them would let it take their room (more than
+    the budget recorded, more requests than the node holds). Grants stall as after a
+    restart without persistence, until the others have written theirs again.
     Here the leases are made to lapse in Redis (as the freeze would) just after A's
     heartbeat, and B asks for room at once: B's call comes first."""
     url = redis_server.url

@@ -44,8 +44,8 @@ def test_more_than_one_worker_needs_a_shared_ledger(tmp_path: Path, capsys):
     assert main(["serve", "--config", str(cfg), "--workers", "2"]) == 2
     assert "needs the shared ledger" in capsys.readouterr().err
     # A worker the supervisor (re)starts reads the file again: if the ledger is gone
-    # from it, the worker refuses to start (a review saw one come up alone, "local",
-    # and a node run 7 requests where its budget holds 4).
+    # from it, the worker refuses to start (alone, "local", it would admit past the
+    # budget the other workers share).
     worker = ["serve", "--config", str(cfg), "--worker-count", "2", "--worker-index", "0"]
     assert main([*worker, "--metrics-dir", str(tmp_path)]) == 2
     assert "needs the shared ledger" in capsys.readouterr().err

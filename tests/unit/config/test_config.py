@@ -282,7 +282,7 @@ def test_references_inside_mappings_are_typed_like_plain_values(monkeypatch, tmp
     (spec,) = load_fleet_config(path)
     assert spec.settings.time_scale == 4.0 and spec.settings.max_num_seqs == 3
     # Only the simulation blocks: a name or a label from a reference stays a string
-    # (a second look saw NODE_NAME=7 refused by `gateway simulate`).
+    # (NODE_NAME=7 is a name, not a number).
     monkeypatch.setenv("NODE_NAME", "7")
     path.write_text(
         "models: [{name: m}]\n"

@@ -107,7 +107,7 @@ def test_a_hybrid_node_is_followed_by_its_full_attention_group_whatever_its_numb
     # One block left in full attention, but the window's block before it is gone too:
     # vLLM's hybrid lookup hits nothing.
     assert index.matched_blocks("n", keys, now=0.0) == 0
-    # Events without kinds (older vLLM): group 0 or unnumbered, as before.
+    # Events without kinds (older vLLM): group 0 or unnumbered.
     old = PrefixIndex()
     old.apply_events("n", [stored([1], None, prompt[:4], group_idx=0)], now=0.0)
     old.apply_events("n", [stored([2], None, prompt[:4], group_idx=None)], now=0.0)

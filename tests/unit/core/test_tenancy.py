@@ -251,7 +251,7 @@ async def test_a_request_the_class_floors_can_never_let_through_is_refused_at_on
     assert "never" in info.value.message
     r = await adm.admit(of("i", big - 16, 16), 1.0)
     adm.release(r)
-    # One that fits beside the floor still waits for it to free, as before.
+    # One that fits beside the floor still waits for it to free.
     small = await adm.admit(of("b", 1000, 16), 1.0)
     adm.release(small)
 

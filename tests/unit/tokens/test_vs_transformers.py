@@ -746,7 +746,7 @@ DIR_VARIANTS: dict[str, tuple[str, dict[str, Any], bool, bool]] = {
         False,
         False,
     ),
-    # From a second look: GPT-NeoX's class rebuilds the post-processor with no BOS by
+    # GPT-NeoX's class rebuilds the post-processor with no BOS by
     # default, and its <|endoftext|> defaults are no tokens of Llama 3's vocabulary:
     # transformers adds them, one new id each.
     "gpt-neox-class": (
