@@ -18,7 +18,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -226,12 +226,19 @@ def launch_node(spec: NodeSpec, workdir: Path, models: Path) -> RealNode:
     return node
 
 
-def start_nodes(specs: Iterable[NodeSpec], workdir: Path, models: Path) -> list[RealNode]:
-    """Start every node at once and wait until each serves (bounded)."""
+def start_nodes(
+    specs: Iterable[NodeSpec],
+    workdir: Path,
+    models: Path,
+    launched: Callable[[RealNode], None] = lambda node: None,
+) -> list[RealNode]:
+    """Start every node at once (``launched`` is told of each as its process starts) and
+    wait until each serves (bounded); on any failure every one is stopped."""
     nodes: list[RealNode] = []
     try:
         for spec in specs:
             nodes.append(launch_node(spec, workdir, models))
+            launched(nodes[-1])
         deadline = time.monotonic() + START_TIMEOUT_S
         for node in nodes:
             node.wait_ready(deadline)
@@ -288,33 +295,30 @@ def keep(specs: list[NodeSpec], directory: Path, models: Path) -> None:
     happens to this process); a description is used once the node serves."""
     directory.mkdir(parents=True, exist_ok=True)
     todo = [s for s in specs if kept_node(directory, s) is None]
-    nodes: list[RealNode] = []
-    try:
-        for spec in todo:
-            node = launch_node(spec, directory, models)
-            nodes.append(node)
-            _kept_path(directory, spec).write_text(
-                json.dumps(
-                    {
-                        "spec": repr(spec),
-                        "port": node.port,
-                        "log": str(node.log_path),
-                        "model_dir": str(node.model_dir),
-                        "events_port": node.events_port,
-                        "replay_port": node.replay_port,
-                        "pid": node.proc.pid if node.proc else None,
-                    }
-                )
+
+    def describe(node: RealNode) -> None:
+        _kept_path(directory, node.spec).write_text(
+            json.dumps(
+                {
+                    "spec": repr(node.spec),
+                    "port": node.port,
+                    "log": str(node.log_path),
+                    "model_dir": str(node.model_dir),
+                    "events_port": node.events_port,
+                    "replay_port": node.replay_port,
+                    "pid": node.proc.pid if node.proc else None,
+                }
             )
-        deadline = time.monotonic() + START_TIMEOUT_S
-        for node in nodes:
-            node.wait_ready(deadline)
-            print(f"{node.spec.name}: {node.url} (log {node.log_path})")
+        )
+
+    try:
+        nodes = start_nodes(todo, directory, models, launched=describe)
     except BaseException:
-        for node in nodes:
-            node.stop()
-            _kept_path(directory, node.spec).unlink(missing_ok=True)
+        for spec in todo:  # stopped by start_nodes: their descriptions go too
+            _kept_path(directory, spec).unlink(missing_ok=True)
         raise
+    for node in nodes:
+        print(f"{node.spec.name}: {node.url} (log {node.log_path})")
 
 
 def stop_kept(directory: Path, timeout: float = 30) -> None:
