@@ -31,7 +31,7 @@ from typing import Self
 
 from kvgateway.config.model import GatewayConfig
 from kvgateway.core.admission_core import AdmissionCore
-from kvgateway.core.admission_queue import Waiter
+from kvgateway.core.admission_queue import Waiter, tenant_key
 from kvgateway.core.demand import (
     Demand,
     can_ever_hold,
@@ -169,7 +169,7 @@ class Admission(AdmissionCore):
         if gated is not None:
             # Held by its own tenant's limit: it waits in its tenant's share of the
             # queue (queue_size of them at most), never in the room others queue in.
-            name = ticket.tenant if ticket is not None else demand.tenant
+            name = tenant_key(demand, ticket)
             parked = self._queue.parked(name)
             if timeout <= 0 or parked >= self._queue_size():
                 raise tenant_queue_full_error(name, gated, parked)
