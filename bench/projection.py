@@ -13,8 +13,9 @@ Workloads and what they compare:
             ``admission.kv_projection: false``) and ``projected`` (the default).
   unknown   192 chats, 32 at a time, on B, ``max_tokens`` 2048; the node draws each answer's
             length (a ``logit_bias``ed token listed in ``stop_token_ids`` ends it, mean
-            ~200 tokens), which the gateway cannot know. Same modes, and ``learned``
-            (``admission.output_reservation: learned``).
+            ~200 tokens), which the gateway cannot know. Same modes (``projected``
+            bounds each answer by the lengths learned, the default), and ``max_tokens``
+            (``admission.output_reservation: max_tokens``).
   fleet     60 chats, 30 at a time, on S (4k context, 6,016 KV tokens) and L (16k,
             24,448): 42 short (300-2,500 prompt tokens) and 18 too long for S (4,500-
             12,000); outputs of 128-512 fixed. Modes: ``projected`` (kv_aware),
@@ -25,7 +26,12 @@ Workloads and what they compare:
 
 Printed per mode: wall time, output tokens/s, the nodes' preemptions, 429s, node 400s
 and other errors, TTFT p50/p99, the nodes' mean KV use and running sequences (batch) and
-the gateway's CPU seconds.
+the gateway's CPU seconds; then each mode's time against the node alone's, as wall time
+and per output token (answers the node draws differ in length from run to run).
+
+A workload of one node runs with the node on the machine's last CPU and this harness
+(the clients) and the gateway on the others, in every mode (``--pin``): vLLM's CPU
+engine polls with ``sched_yield`` and a process sharing its CPU waits for seconds.
 
     python -m bench.projection --real [--workload burst|unknown|fleet|multiturn|all]
         [--repeat N]
@@ -53,7 +59,7 @@ from typing import Any
 
 from openai import APIConnectionError, APIStatusError, AsyncOpenAI
 
-from bench.real_nodes import KvSampler, real_nodes, wait_idle
+from bench.real_nodes import KvSampler, pin, real_nodes, wait_idle
 from bench.report import machine, save
 from tests.support.gateway_process import serve_process
 from tests.support.real_fleet import BENCH, S2, L, S
@@ -173,7 +179,7 @@ def workload(name: str, seed: int = 7) -> Workload:
             Request(_one_turn(_text(rng, rng.randint(100, 600), i)), 2048, False)
             for i in range(192)
         ]
-        modes = ("node", "whole_life", "projected", "learned")
+        modes = ("node", "whole_life", "max_tokens", "projected")
         return Workload(name, (BENCH,), modes, tuple(reqs), 32)
     if name == "fleet":
         short = [(rng.randint(300, 2500), rng.randint(128, 512)) for _ in range(42)]
@@ -284,6 +290,9 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+TRACE_COLUMNS = ("s", "kv_use", "running", "waiting", "gateway_queue")
+
+
 def _gateway_config(nodes: list[RealNode], mode: str) -> dict[str, Any]:
     """The gateway's defaults in front of ``nodes`` (one tier, in the order given; a
     larger context later), only the model's tokenizer directory and the mode set."""
@@ -301,8 +310,8 @@ def _gateway_config(nodes: list[RealNode], mode: str) -> dict[str, Any]:
     for part in mode.split("+"):
         if part == "whole_life":
             adm["kv_projection"] = False
-        elif part == "learned":
-            adm["output_reservation"] = "learned"
+        elif part == "max_tokens":
+            adm["output_reservation"] = "max_tokens"
         elif part.startswith("fraction="):
             adm["budget_fraction"] = float(part.partition("=")[2])
         elif part.startswith("risk="):
@@ -322,7 +331,11 @@ def _gateway(nodes: list[RealNode], mode: str) -> Iterator[tuple[str, int]]:
         yield url, proc.pid
 
 
-def measure(nodes: list[RealNode], mode: str, w: Workload) -> Result:
+def measure(
+    nodes: list[RealNode], mode: str, w: Workload, trace: dict[str, Any] | None = None
+) -> Result:
+    """One run of ``w`` in ``mode``; with ``trace`` each node's readings over time go
+    into it under ``mode/node``."""
     for n in nodes:
         wait_idle(n)
     pre = sum(n.metric("vllm:num_preemptions_total") for n in nodes)
@@ -333,12 +346,16 @@ def measure(nodes: list[RealNode], mode: str, w: Workload) -> Result:
         if mode != "node":
             url, pid = stack.enter_context(_gateway(nodes, mode))
             cpu = _cpu_seconds(pid)
-        samplers = [stack.enter_context(KvSampler(n)) for n in nodes]
+        gw = url if mode != "node" else None
+        samplers = [stack.enter_context(KvSampler(n, gateway=gw)) for n in nodes]
         t0 = time.monotonic()
         got = asyncio.run(_run(url, model, w))
         wall = time.monotonic() - t0
         if pid:
             cpu = _cpu_seconds(pid) - cpu
+    if trace is not None:
+        for n, s in zip(nodes, samplers, strict=True):
+            trace.setdefault(f"{mode}/{n.spec.name}", []).append(s.series)
     ok = [g for g in got if g.status == 200]
     out = sum(g.output for g in ok)
     ttfts = [g.ttft for g in ok if g.ttft is not None]
@@ -383,9 +400,15 @@ def _print(results: list[Result]) -> None:
         base = [r for r in mine if r.mode == "node"]
         if base:
             ref = statistics.mean(r.wall_s for r in base)
+            per = statistics.mean(r.wall_s / max(1, r.output_tokens) for r in base)
             for mode in dict.fromkeys(r.mode for r in mine if r.mode != "node"):
-                walls = [r.wall_s for r in mine if r.mode == mode]
-                print(f"{name} {mode}: {statistics.mean(walls) / ref:.2f}x the node alone's time")
+                runs = [r for r in mine if r.mode == mode]
+                wall = statistics.mean(r.wall_s for r in runs) / ref
+                token = statistics.mean(r.wall_s / max(1, r.output_tokens) for r in runs) / per
+                print(
+                    f"{name} {mode}: {wall:.2f}x the node alone's time, "
+                    f"{token:.2f}x its time per output token"
+                )
 
 
 def calibrate(node: RealNode, n: int = 32) -> None:
@@ -412,26 +435,52 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=1)
     p.add_argument("--calibrate", action="store_true", help="print the stop-token lengths")
     p.add_argument("--out", default="projection_real", help="results name under bench/results")
+    p.add_argument(
+        "--trace",
+        action="store_true",
+        help="also write each node's readings over time (KV use, running, waiting, the "
+        "gateway's queue) to bench/results/OUT_trace.json",
+    )
+    p.add_argument(
+        "--pin",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="the node(s) on the last CPU, this harness and the gateway on the others "
+        "(auto: when the workload runs one node on a machine of 2 or more CPUs)",
+    )
     args = p.parse_args(argv)
     names = (
         ("burst", "unknown", "fleet", "multiturn") if args.workload == "all" else (args.workload,)
     )
     results: list[Result] = []
+    trace: dict[str, Any] | None = {} if args.trace else None
+    cpus = sorted(os.sched_getaffinity(0))
     for name in names:
         w = workload(name)
         modes = args.modes.split(",") if args.modes else w.modes
         with real_nodes(list(w.nodes)) as found:
             nodes = [found[s.name] for s in w.nodes]
-            if args.calibrate:
-                calibrate(nodes[0])
-                return 0
-            for _ in range(args.repeat):
-                for mode in modes:
-                    r = measure(nodes, mode, w)
-                    results.append(r)
-                    print(json.dumps(asdict(r)), flush=True)
+            pinned = len(cpus) > 1 and (
+                args.pin == "on" or (args.pin == "auto" and len(nodes) == 1)
+            )
+            if pinned:
+                pin(nodes, {cpus[-1]}, set(cpus[:-1]))
+                print(f"pinned: node(s) on CPU {cpus[-1]}, harness and gateway on {cpus[:-1]}")
+            try:
+                if args.calibrate:
+                    calibrate(nodes[0])
+                    return 0
+                for _ in range(args.repeat):
+                    for mode in modes:
+                        r = measure(nodes, mode, w, trace)
+                        results.append(r)
+                        print(json.dumps(asdict(r)), flush=True)
+            finally:
+                pin(nodes, set(cpus), set(cpus))
     _print(results)
     save(args.out, {"machine": machine(), "results": [asdict(r) for r in results]})
+    if trace is not None:
+        save(f"{args.out}_trace", {"columns": TRACE_COLUMNS, "runs": trace})
     return 0
 
 

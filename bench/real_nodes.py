@@ -39,31 +39,68 @@ def real_nodes(specs: Sequence[NodeSpec]) -> Iterator[dict[str, RealNode]]:
         yield {n.spec.name: n for n in nodes}
 
 
+def pin(nodes: Sequence[RealNode], node_cpus: set[int], own_cpus: set[int]) -> None:
+    """Every thread of every process in the nodes' process groups onto ``node_cpus``,
+    this process (and what it starts from now on: the gateway) onto ``own_cpus``.
+
+    vLLM's CPU engine core and worker poll each other with ``sched_yield`` while they
+    serve; a process sharing their CPU then waits for it for seconds at a time (a
+    10 ms sleeper beside a serving node overslept by up to 7 s on this machine, on
+    either CPU; none with the node on the other CPU). The node alone hardly needs the
+    second CPU (192 answers in 109 s on one, 100 s on two), so a comparison of the node
+    alone with the node behind a gateway keeps the node on its own CPU."""
+    groups = {n.group for n in nodes if n.group is not None}
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            if os.getpgid(int(pid)) not in groups:
+                continue
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                with contextlib.suppress(OSError):
+                    os.sched_setaffinity(int(tid), node_cpus)
+    os.sched_setaffinity(0, own_cpus)
+
+
 def node_metric(node: RealNode, name: str) -> float:
     return node.metric(name)
 
 
 @dataclass
 class KvSampler:
-    """Samples a node's ``vllm:kv_cache_usage_perc`` and ``vllm:num_requests_running``
-    while a run goes on (mean KV use, mean batch)."""
+    """Samples a node's ``vllm:kv_cache_usage_perc``, ``vllm:num_requests_running`` and
+    ``vllm:num_requests_waiting`` while a run goes on (mean KV use, mean batch), and
+    with ``gateway`` set that gateway's queue depth: ``series`` keeps every reading
+    (seconds since the start, KV use, running, waiting, gateway queue)."""
 
     node: RealNode
     interval_s: float = 0.25
+    gateway: str | None = None
     samples: list[float] = field(default_factory=list)
     running: list[float] = field(default_factory=list)
+    series: list[tuple[float, float, float, float, float]] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
 
     def _run(self) -> None:
-        url = self.node.url + "/metrics"
+        t0 = time.monotonic()
         while not self._stop.is_set():
-            with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=2) as resp:
-                for line in resp.read().decode().splitlines():
-                    if line.startswith("vllm:kv_cache_usage_perc"):
-                        self.samples.append(float(line.rsplit(" ", 1)[1]))
-                    elif line.startswith("vllm:num_requests_running"):
-                        self.running.append(float(line.rsplit(" ", 1)[1]))
+            node = _read(self.node.url + "/metrics")
+            queue = _read(self.gateway + "/metrics") if self.gateway else {}
+            if node:
+                kv = node.get("vllm:kv_cache_usage_perc", 0.0)
+                run = node.get("vllm:num_requests_running", 0.0)
+                self.samples.append(kv)
+                self.running.append(run)
+                self.series.append(
+                    (
+                        round(time.monotonic() - t0, 2),
+                        kv,
+                        run,
+                        node.get("vllm:num_requests_waiting", 0.0),
+                        queue.get("gateway_queue_depth", 0.0),
+                    )
+                )
             self._stop.wait(self.interval_s)
 
     def __enter__(self) -> KvSampler:
@@ -93,3 +130,14 @@ def wait_idle(node: RealNode, timeout: float = 120.0) -> None:
             return
         time.sleep(0.2)
     raise RuntimeError(f"node {node.spec.name} still busy after {timeout} s")
+
+
+def _read(url: str) -> dict[str, float]:
+    """A Prometheus text page as name -> value (the first sample of each name)."""
+    out: dict[str, float] = {}
+    with contextlib.suppress(OSError, ValueError), urllib.request.urlopen(url, timeout=2) as r:
+        for line in r.read().decode().splitlines():
+            if line and not line.startswith("#"):
+                name = line.split("{", 1)[0].split(" ", 1)[0]
+                out.setdefault(name, float(line.rsplit(" ", 1)[1]))
+    return out

@@ -68,11 +68,13 @@ class AdmissionConfig:
     # within the budget. False: every request holds prompt + output for its whole life.
     # (With a shared ledger requests always hold their whole bound.)
     kv_projection: bool = True
-    # What bounds each sequence's output in the projection. "max_tokens": its
-    # max_tokens (no preemption caused by the gateway). "learned": the lengths seen for
-    # such requests (model, client key, max_tokens bucket) say when a running stream
-    # is likely to end, within its max_tokens.
-    output_reservation: str = "max_tokens"
+    # What bounds each sequence's output in the projection. "learned": the lengths seen
+    # for such requests (model, client key, max_tokens bucket) say when a running stream
+    # is likely to end, within its max_tokens (which bounds it until enough are seen, and
+    # always for a request that fixes its length: ignore_eos, min_tokens). "max_tokens":
+    # its max_tokens always (no preemption caused by the gateway, at a batch sized for
+    # every answer running to its cap).
+    output_reservation: str = "learned"
     # learned only: the accepted chance, per node, that its running sequences outgrow
     # its budget (the projected curve is checked at mean + z(risk) standard deviations).
     preemption_risk: float = 0.01

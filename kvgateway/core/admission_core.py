@@ -43,6 +43,10 @@ from kvgateway.core.tenancy import Tenancy, Ticket
 
 # Weight of each new observation of a node's seconds per engine step.
 STEP_EWMA = 0.05
+# Room that appears as running flights progress (not by an end, which is offered at
+# once) is offered to a node's queue at most this often: a walk costs up to waiters x
+# flights x curve samples, and a node takes 30-100 engine steps a second.
+REOFFER_S = 0.25
 
 
 class AdmissionCore:
@@ -91,6 +95,7 @@ class AdmissionCore:
         )
         # Per backend: the flights that reported since its waiters were last offered room.
         self._reported: dict[str, set[int]] = {}
+        self._reoffered: dict[str, float] = {}
 
     # ---- synchronous core -------------------------------------------------------
 
@@ -187,11 +192,13 @@ class AdmissionCore:
         elif self._queue.claimed(b.name):
             # Room also comes as running flights near their ends: a queue waiting for
             # this node is offered it again once every started flight has reported since
-            # the last offer (about once an engine step, with every count fresh).
+            # the last offer (every count fresh), at most once per REOFFER_S.
             seen = self._reported.setdefault(b.name, set())
             seen.add(f.id)
-            if len(seen) >= b.projection.started:
+            last = self._reoffered.get(b.name)
+            if len(seen) >= b.projection.started and (last is None or now - last >= REOFFER_S):
                 seen.clear()
+                self._reoffered[b.name] = now
                 self._offer(b)
 
     def prefill_done(self, reservation: Reservation) -> None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from kvgateway.core.backends import Backend
 from kvgateway.core.output_model import LearnedLengths
-from kvgateway.core.projection import AHEAD, Flight
+from kvgateway.core.projection import AHEAD, FIRST_CHUNK_TOKENS, Flight
 from kvgateway.errors import ContextLengthExceeded
 
 
@@ -115,8 +115,8 @@ def can_ever_hold(b: Backend, d: Demand) -> bool:
 
 def flight_for(b: Backend, d: Demand, fid: int = 0) -> Flight:
     """``d`` as a flight on ``b``'s projection: its prompt blocks (the one holding the
-    last prompt token is never shared: the node recomputes it), the leading ones a
-    started flight there holds credited, and a draft model's lookahead held ahead."""
+    last prompt token is never shared: the node recomputes it), the leading ones an
+    admitted flight there holds credited, and a draft model's lookahead held ahead."""
     block = b.limits.block_size
     keys: tuple[int, ...] = ()
     credited = 0
@@ -131,6 +131,7 @@ def flight_for(b: Backend, d: Demand, fid: int = 0) -> Flight:
         d.output_tokens,
         keys=keys,
         credited=credited,
+        scheduled=min(len(keys), FIRST_CHUNK_TOKENS // block),
         shape=d.lengths.shape if d.lengths is not None else None,
         ahead=AHEAD + b.config.num_speculative_tokens,
     )

@@ -142,7 +142,7 @@ class LearnedLengths:
 
 
 class OutputModel:
-    def __init__(self, *, window: int = 512, min_samples: int = 8, max_groups: int = 10_000):
+    def __init__(self, *, window: int = 512, min_samples: int = 4, max_groups: int = 10_000):
         if window < 1 or min_samples < 1 or max_groups < 1:
             raise ValueError("window, min_samples and max_groups must be positive")
         self._window = window

@@ -20,6 +20,10 @@ What the projection assumes, and why each assumption is safe:
 - Prompt blocks shared with another flight on the node (vLLM's prefix cache) are
   counted once per block while any flight holding them lives
   (:class:`SharedKeys`), and once per copy a flight paid for while that one lives.
+  vLLM caches a prompt's full blocks when it schedules them, before they are computed,
+  so a newcomer shares them from its holder's admission on: at once the blocks of the
+  holder's first prefill chunk (:data:`FIRST_CHUNK_TOKENS`), all of them once it
+  reports its first token.
 - With learned output lengths (:class:`~kvgateway.core.output_model.OutputShape`) a
   started flight ends early with the learned probability: the check is then
   ``mean + z * stddev`` of the blocks in use at each step, ``z`` set by the accepted
@@ -48,6 +52,9 @@ AHEAD = 2
 # this many times over its horizon.
 SAMPLES_PER_BLOCK = 2
 MAX_SAMPLES = 32
+# Prompt tokens vLLM schedules in a request's first step at least (max_num_batched_tokens
+# is 2048 or more by default): their full blocks are in its prefix cache from then on.
+FIRST_CHUNK_TOKENS = 2048
 
 
 def z_of(risk: float) -> float:
@@ -68,10 +75,12 @@ class Flight:
     generated: int = 0  # per sequence, as the node last reported
     # The node reports its progress: its end is projected. Else it holds its bound.
     started: bool = False
-    # Its prompt's full blocks (prefix-aware routing) and how many leading ones it was
-    # credited (held ready by another flight when it was admitted).
+    # Its prompt's full blocks (prefix-aware routing), how many leading ones it was
+    # credited (held ready by another flight when it was admitted), and how many leading
+    # ones are in the node's cache from its admission (its first prefill chunk's).
     keys: tuple[BlockKey, ...] = ()
     credited: int = 0
+    scheduled: int = 0
     # Learned output lengths of requests like it (None: ``bound`` is the length).
     shape: OutputShape | None = None
     # Steps before it starts (a queued request's place in a plan; 0 for admitted ones).
@@ -146,7 +155,7 @@ class NodeProjection:
     def __init__(self) -> None:
         self._flights: dict[int, Flight] = {}
         self._shared = SharedKeys()
-        # Prompt blocks of started flights: in the node's cache, shareable by newcomers.
+        # Prompt blocks the flights' node has cached or scheduled: shareable by newcomers.
         self._ready: dict[BlockKey, int] = {}
         self._base: dict[tuple[int, int], tuple[float, float, int]] = {}
         self._steps: dict[int, tuple[int, ...]] = {}
@@ -183,6 +192,7 @@ class NodeProjection:
 
     def add(self, f: Flight) -> None:
         self._flights[f.id] = f
+        self._mark_ready(f.keys[: f.scheduled])
         if f.credited:
             self._shared.add(f, self._flights)
         elif f.keys and len(self._shared):
@@ -195,7 +205,7 @@ class NodeProjection:
             self._shared.remove(fid)
             if f.started:
                 self._started -= 1
-                self._unready(f.keys)
+            self._unready(f.keys if f.started else f.keys[: f.scheduled])
             self._changed()
         return f
 
@@ -214,11 +224,15 @@ class NodeProjection:
             f.started = True
             f.origin = self._clock - f.generated
             self._started += 1
-            for key in f.keys:
-                self._ready[key] = self._ready.get(key, 0) + 1
+            self._mark_ready(f.keys[f.scheduled :])
         self._clock = max(self._clock, f.origin + f.generated)
         self._changed()
         return first
+
+    def _mark_ready(self, keys: tuple[BlockKey, ...]) -> None:
+        ready = self._ready
+        for key in keys:
+            ready[key] = ready.get(key, 0) + 1
 
     def _unready(self, keys: tuple[BlockKey, ...]) -> None:
         ready = self._ready
@@ -230,7 +244,7 @@ class NodeProjection:
                 ready.pop(key, None)
 
     def creditable(self, keys: tuple[BlockKey, ...]) -> int:
-        """Leading ``keys`` a started flight holds (in the node's cache now)."""
+        """Leading ``keys`` an admitted flight holds (cached or scheduled by the node)."""
         n = 0
         for key in keys:
             if key not in self._ready:
@@ -274,14 +288,14 @@ class NodeProjection:
         return Peak(min(mean + z * math.sqrt(var), float(most)) if var else mean, t)
 
     def _credit_until(self, f: Flight) -> int | None:
-        """Until which step ``f``'s credited blocks stay held by a started flight (None:
+        """Until which step ``f``'s credited blocks stay held by an admitted flight (None:
         for as long as projected)."""
         if not f.credited:
             return 0
         key = f.keys[f.credited - 1]
         until = 0
         for other in self._flights.values():
-            if other.started and key in other.keys:
+            if key in other.keys:
                 end = other.end
                 if end is None:
                     return None

@@ -58,6 +58,14 @@ class RealNode:
     events_port: int | None = None
     replay_port: int | None = None
     proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+    # The process group of a node another process started and keeps (its API server's
+    # pid): what the node's processes are found by when ``proc`` is not ours.
+    kept_pid: int | None = None
+
+    @property
+    def group(self) -> int | None:
+        """The node's process group: its API server, engine core and worker."""
+        return self.proc.pid if self.proc is not None else self.kept_pid
 
     @property
     def url(self) -> str:
@@ -281,6 +289,7 @@ def kept_node(directory: Path, spec: NodeSpec) -> RealNode | None:
         Path(doc["model_dir"]),
         events_port=doc.get("events_port"),
         replay_port=doc.get("replay_port"),
+        kept_pid=doc.get("pid"),
     )
     try:
         http_json(node.url + "/v1/models", timeout=2)

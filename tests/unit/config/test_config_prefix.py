@@ -26,7 +26,7 @@ def test_defaults():
     cfg = parse()
     assert cfg.routing.prefix_aware is True
     assert cfg.admission.prefix_credit is True
-    assert cfg.admission.output_reservation == "max_tokens"
+    assert cfg.admission.output_reservation == "learned"
     assert cfg.admission.preemption_risk == 0.01
     assert cfg.backends[0].kv_events is None
 
@@ -37,11 +37,11 @@ def test_everything_set():
         ", kv_events_topic: kv",
         """
         routing: {prefix_aware: true}
-        admission: {prefix_credit: false, output_reservation: learned, preemption_risk: 0.05}
+        admission: {prefix_credit: false, output_reservation: max_tokens, preemption_risk: 0.05}
         """,
     )
     assert cfg.routing.prefix_aware and not cfg.admission.prefix_credit
-    assert cfg.admission.output_reservation == "learned"
+    assert cfg.admission.output_reservation == "max_tokens"
     assert cfg.admission.preemption_risk == 0.05
     assert cfg.backends[0].kv_events == "tcp://10.0.0.1:5557"
     # The node's replay socket and topic reach its subscriber: a lost batch is fetched

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvgateway.core.admission import Admission, Reservation
+from kvgateway.core.admission_core import REOFFER_S
 from kvgateway.core.backends import Backend
 from kvgateway.core.demand import Demand, flight_for, projected_budget
 from tests.support.backends import admission_over, backend, demand
@@ -144,3 +145,32 @@ async def _engine(requests: list[tuple[int, int, int]], budget: int) -> None:
         step += 1
         assert step < 20_000
     assert b.reserved_tokens == 0 and len(b.projection) == 0
+
+
+async def test_room_that_progress_makes_is_offered_at_most_once_per_reoffer_interval() -> None:
+    """A running flight nearing its end makes room without ending; the queue is offered
+    that room again at most once per REOFFER_S (each walk asks the projection about
+    every waiter), and an end or a first report offers it at once."""
+    now = [0.0]
+    b = backend("a", kv=35 * BLOCK)
+    adm = admission_over([b], clock=lambda: now[0])
+    old = await adm.admit(projected(16 * 20, 40), 0.0)  # 20 prompt blocks, ends in 40
+    old.progress(1)
+    head = asyncio.create_task(adm.admit(projected(16 * 10, 64), 5.0))
+    await asyncio.sleep(0)
+    assert not head.done()  # 23 + 13 blocks just before `old` ends: over 35
+    now[0] = 0.1
+    old.progress(5)  # walked: still 23 + 13
+    await asyncio.sleep(0)
+    assert not head.done()
+    now[0] = 0.1 + REOFFER_S / 2
+    old.progress(30)  # it would fit now (23 + 11), but the last walk was too recent
+    await asyncio.sleep(0)
+    assert not head.done()
+    now[0] = 0.1 + REOFFER_S * 1.01
+    old.progress(31)
+    got = await asyncio.wait_for(head, 1.0)
+    assert got.backend is b
+    adm.release(old)
+    adm.release(got)
+    assert b.reserved_tokens == 0

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvgateway.core.output_model import OutputShape
-from kvgateway.core.projection import AHEAD, Flight, NodeProjection
+from kvgateway.core.projection import AHEAD, FIRST_CHUNK_TOKENS, Flight, NodeProjection
 
 BLOCK = 16
 
@@ -193,3 +193,31 @@ def test_the_learned_check_never_projects_more_than_the_flights_can_hold() -> No
     assert proj.peak(BLOCK, 50.0, (newcomer,)).blocks <= most
     # Now: every flight holds what it holds, whatever the margin.
     assert proj.peak_at(BLOCK, 0, 50.0).blocks == sum(_blocks(f.tokens_at(0)) for f in proj.flights)
+
+
+def test_a_holder_shares_its_first_chunk_from_admission_and_the_rest_from_its_first_token() -> None:
+    """vLLM caches a prompt's full blocks when it schedules them: the blocks of an
+    admitted request's first prefill chunk are shareable at once, the rest once it
+    reports its first token, and none after it ends."""
+    first = FIRST_CHUNK_TOKENS // BLOCK
+    keys = tuple(range(1000, 1000 + first + 4))
+    proj = NodeProjection()
+    proj.add(Flight(1, prompt=len(keys) * BLOCK + 10, n=1, bound=20, keys=keys, scheduled=first))
+    assert proj.creditable(keys) == first
+    proj.progress(1, 1)
+    assert proj.creditable(keys) == len(keys)
+    proj.remove(1)
+    assert proj.creditable(keys) == 0
+
+
+def test_credit_from_an_unstarted_holder_lasts_as_long_as_it_is_projected() -> None:
+    """A newcomer credited blocks an unstarted holder schedules counts them once: the
+    holder's end is unknown, so the credit holds at every step projected."""
+    keys = tuple(range(200, 210))
+    proj = NodeProjection()
+    holder = Flight(1, prompt=170 + BLOCK * 9, n=1, bound=20, keys=keys, scheduled=len(keys))
+    proj.add(holder)
+    alone = proj.peak(BLOCK, 0.0).blocks
+    sharer = Flight(2, prompt=170 + BLOCK * 9, n=1, bound=20, keys=keys, credited=len(keys))
+    own = _blocks(170 + BLOCK * 9 + 20 + AHEAD)
+    assert proj.peak(BLOCK, 0.0, (sharer,)).blocks == alone + own - len(keys)
