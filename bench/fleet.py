@@ -27,10 +27,10 @@ during the arrival window by requests that succeeded (200, stream ended with [DO
 no error event), per simulated second: the fleet's useful serving rate, neither
 inflated by a backlog finishing after the window nor by failed work. ``offered``: the
 expected output of every offered request (E[min(answer, max_tokens)] under the nodes'
-lognormal) per simulated second, a ceiling no policy can pass. ``kv_aware+learned`` is
-``kv_aware`` with ``admission.output_reservation: learned`` (preemption_risk 0.01),
-checked against issue #14 (>= 1.3x the best baseline's goodput, <= 1 preemption per
-1,000 requests) when run beside the baselines. Preemptions come
+lognormal) per simulated second, a ceiling no policy can pass. ``kv_aware`` (learned
+output lengths, the default) is checked against >= 1.3x the best baseline's goodput and
+<= 1 preemption per 1,000 requests when run beside the baselines;
+``kv_aware+max_tokens`` bounds every answer by its max_tokens. Preemptions come
 from the nodes' own /metrics. The gateway's queue timeout and load-feedback periods are
 divided by time_scale so they keep their meaning in simulated time.
 
@@ -197,13 +197,14 @@ def overrides(
 
 
 def fleet(policy: str, args: argparse.Namespace) -> Any:
-    """``kv_aware+learned`` is kv_aware with ``admission.output_reservation: learned``;
-    ``kv_aware+whole_life`` holds every request's prompt + max_tokens for its life
-    (``admission.kv_projection: false``)."""
+    """``kv_aware`` projects each answer's end from the lengths learned (the default);
+    ``kv_aware+max_tokens`` bounds every answer by its max_tokens
+    (``admission.output_reservation: max_tokens``); ``kv_aware+whole_life`` holds every
+    request's prompt + max_tokens for its life (``admission.kv_projection: false``)."""
     gw, sim = overrides(args.time_scale, MIXES[args.mix], args.timeout)
     base, _, variant = policy.partition("+")
-    if variant == "learned":
-        gw["admission"].update(output_reservation="learned", preemption_risk=0.01)
+    if variant == "max_tokens":
+        gw["admission"].update(output_reservation="max_tokens")
     elif variant == "whole_life":
         gw["admission"].update(kv_projection=False)
     return fleet_and_gateway(
@@ -529,10 +530,10 @@ def targets(rows: list[dict[str, Any]], loads: list[float]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     kv = {r["load"]: r for r in rows if r["policy"] == "kv_aware"}
     base = [r for r in rows if not r["policy"].startswith("kv_aware")]
-    learned = {r["load"]: r for r in rows if r["policy"] == "kv_aware+learned"}
+    learned = kv
     if learned and base:
-        # Learned output lengths at 120% load: goodput against the best baseline, and
-        # preemptions per 1,000 requests.
+        # kv_aware (learned output lengths) per load: goodput against the best baseline,
+        # and preemptions per 1,000 requests.
         ldetails = {}
         for load, r in learned.items():
             best = max((b["goodput_tok_s"] for b in base if b["load"] == load), default=0.0)
@@ -548,7 +549,7 @@ def targets(rows: list[dict[str, Any]], loads: list[float]) -> dict[str, Any]:
         out["vs_whole_life"] = {
             f"{r['policy']} {r['load']:.0%}": r["goodput_tok_s"] / whole[r["load"]]["goodput_tok_s"]
             for r in rows
-            if r["policy"] in ("kv_aware", "kv_aware+learned")
+            if r["policy"] in ("kv_aware", "kv_aware+max_tokens")
             and r["load"] in whole
             and whole[r["load"]]["goodput_tok_s"]
         }
@@ -694,7 +695,7 @@ def print_report(out: dict[str, Any]) -> None:
     for k, v in t.get("learned_vs_best_baseline", {}).items():
         ratio = "n/a" if v["ratio"] is None else f"{v['ratio']:.2f}x"
         print(
-            f"kv_aware+learned at {k}: goodput {ratio} the best baseline (need 1.3x), "
+            f"kv_aware at {k}: goodput {ratio} the best baseline (need 1.3x), "
             f"{v['preemptions_per_1000']:.2f} preemptions per 1,000 requests (need <= 1)"
         )
     for k, v in t.get("vs_whole_life", {}).items():
@@ -822,7 +823,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "seconds": time.monotonic() - t0,
     }
     out["targets"] = targets(rows, args.loads) if "kv_aware" in args.policies else {}
-    if "kv_aware+learned" in args.policies:
+    if "kv_aware" in args.policies.split(","):
         out["learned_ceiling"] = learned_ceiling(args.seed)
     print_report(out)
     save(args.name, out)

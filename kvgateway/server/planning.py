@@ -27,7 +27,7 @@ from kvgateway.server.openai_request import (
     parse_completion,
     parse_responses,
 )
-from kvgateway.server.prefix_hint import prefix_hint
+from kvgateway.server.prefix_hint import prefix_hint, prompt_ids
 from kvgateway.server.stream_usage import UsageAsk, ask_node, usage_ask
 from kvgateway.server.truncation import truncated, truncates_to_fit, truncation
 from kvgateway.tokens.calibration import PromptCalibration
@@ -93,12 +93,19 @@ async def plan_request(
     largest = fleet.largest_context(model.name)
     estimator = counters.estimator_for(model.tokenizer)
     body = parsed.body
+    prefix_aware = config.routing.prefix_aware and config.routing.policy == Policy.KV_AWARE
+    ids: tuple[list[int] | None, bool] = (None, False)
     try:
         if parsed.kind == "completion":
             counted_body = body
-            prompt = await estimator.completion(body, largest or None)
         else:
             counted_body = body if parsed.kind == "chat" else responses_chat_body(body)
+        if prefix_aware:
+            # Before counting: the count then reads the ids' lengths.
+            ids = await prompt_ids(parsed, counted_body, model, counters, len(raw))
+        if parsed.kind == "completion":
+            prompt = await estimator.completion(body, largest or None)
+        else:
             prompt = await estimator.chat(counted_body, largest or None)
     except RecursionError as exc:
         # JSON nested to just under json.loads' limit goes deeper still when a value is
@@ -174,10 +181,8 @@ async def plan_request(
         # running stream is likely to end before it.
         lengths = outputs.group(model.name, client, output)
     prefix = None
-    if config.routing.prefix_aware and config.routing.policy == Policy.KV_AWARE:
-        prefix = await prefix_hint(
-            parsed, counted_body, model, counters, block, longest, session, len(raw)
-        )
+    if prefix_aware:
+        prefix = prefix_hint(parsed, *ids, block, longest, session)
     demand = Demand(
         model=model.name,
         prompt_tokens=sum(each),

@@ -18,23 +18,16 @@ from kvgateway.tokens.plans import part_text
 IDS_INLINE_BYTES = 24_000
 
 
-async def prefix_hint(
+async def prompt_ids(
     parsed: ParsedRequest,
     counted_body: dict[str, Any],
     model: ModelConfig,
     counters: TokenCounters,
-    block: int,
-    longest: int,
-    session: str | None,
     size: int,
-) -> PrefixHint:
-    """The prompt's block keys (a single prompt only) and its session, for routing.
-
-    Keys stop at the prompt's full blocks before its last token's (what vLLM can take
-    from its cache), so a credit for shared blocks can never exceed what the demand
-    reserved for the prompt, nor what the node shares."""
-    user = parsed.body.get("user")
-    session = session or (user if isinstance(user, str) and user else None)
+) -> tuple[list[int] | None, bool]:
+    """The prompt's ids (a single prompt only), and whether they are the node's own.
+    Taken before the prompt is counted: the stand-in's count of a text whose ids are
+    held is their length (:meth:`PromptIds.known_count`), so nothing is encoded twice."""
     ids_of = counters.ids_for(model.tokenizer)
     body = parsed.body
 
@@ -57,9 +50,27 @@ async def prefix_hint(
         return ids_of.chat(counted_body, model.tokenizer), False
 
     if size > IDS_INLINE_BYTES:
-        found, own = await asyncio.get_running_loop().run_in_executor(counters.executor, ids)
-    else:
-        found, own = ids()
+        return await asyncio.get_running_loop().run_in_executor(counters.executor, ids)
+    return ids()
+
+
+def prefix_hint(
+    parsed: ParsedRequest,
+    found: list[int] | None,
+    own: bool,
+    block: int,
+    longest: int,
+    session: str | None,
+) -> PrefixHint:
+    """The prompt's block keys (from its ids, ``own`` when they are the node's) and its
+    session, for routing.
+
+    Keys stop at the prompt's full blocks before its last token's (what vLLM can take
+    from its cache), so a credit for shared blocks can never exceed what the demand
+    reserved for the prompt, nor what the node shares."""
+    body = parsed.body
+    user = body.get("user")
+    session = session or (user if isinstance(user, str) and user else None)
     keys: tuple[int, ...] = ()
     cut = False
     keep = truncation(body, len(found)) if found else 0

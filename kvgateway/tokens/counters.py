@@ -48,6 +48,7 @@ class TokenCounters:
                 inline_chars=self.inline_chars,
                 chunked=spec.chunk_safe,
                 huge_executor=self.huge_executor,
+                known=self.ids_for(tokenizer).known_count,
             )
             self._by_spec[spec] = counter
         return counter

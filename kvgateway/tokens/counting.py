@@ -146,8 +146,12 @@ class PromptCounter:
         inline_chars: int = 24_000,
         chunked: bool = False,
         huge_executor: Executor | None = None,
+        known: Callable[[str], int | None] | None = None,
     ) -> None:
         self._encoder = encoder
+        # Counts of texts whose ids are already held elsewhere (prefix-aware routing
+        # encodes a prompt's texts to key its blocks): len(ids) is their count.
+        self._known = known
         # The lookahead-free encoding counts without building the id list it would filter.
         fast = getattr(encoder, "count_ordinary", None)
         self._count: Callable[[str], int] = (
@@ -190,6 +194,8 @@ class PromptCounter:
                 owner.append(i)
                 continue
             whole = self._cache.get(piece)
+            if whole is None and self._known is not None:
+                whole = self._known(piece)
             if whole is not None:
                 piece_tokens[i] = whole
             else:

@@ -55,6 +55,13 @@ class PromptIds:
                 self._held -= len(old)
         return ids
 
+    def known_count(self, text: str) -> int | None:
+        """Tokens of ``text`` if its ids are held (encoded for routing): counting then
+        encodes nothing again."""
+        with self._lock:
+            ids = self._cache.get(text)
+        return None if ids is None else len(ids)
+
     def chat(self, body: dict[str, Any], cfg: TokenizerConfig) -> list[int]:
         """Ids of a chat request (``messages`` already validated as a list of dicts)."""
         out: list[int] = []

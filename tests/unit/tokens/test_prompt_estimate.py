@@ -173,3 +173,22 @@ async def test_without_the_bound_the_floor_allows_for_the_overcount() -> None:
     assert cjk.total == cjk.standin > 2000 and not cjk.exact
     assert cjk.floor == int(cjk.standin / MAX_OVERCOUNT)
     assert NodeTokenizer.worth_asking(cjk.total, cjk.floor, 16, 2000)
+
+
+async def test_a_prompt_keyed_for_routing_is_counted_from_its_ids_without_encoding() -> None:
+    """Prefix-aware routing encodes a prompt's texts to key its blocks; counting the
+    same prompt then reads their ids' lengths: the same count, nothing encoded again."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kvgateway.tokens.counters import TokenCounters
+    from kvgateway.tokens.encoding import EncodingCache
+
+    body = {"messages": [{"role": "user", "content": corpus.text(random.Random(7), 2000)}]}
+    with ThreadPoolExecutor(1) as pool:
+        fresh = await TokenCounters(EncodingCache(), pool).estimator_for(CONFIG).chat(body)
+        counters = TokenCounters(EncodingCache(), pool)
+        counters.ids_for(CONFIG).chat(body, CONFIG)
+        keyed = await counters.estimator_for(CONFIG).chat(body)
+    assert fresh.encoded_chars > 1000
+    assert keyed.standin == fresh.standin and keyed.total == fresh.total
+    assert keyed.encoded_chars < 50  # at most the template's short texts
