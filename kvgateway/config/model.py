@@ -62,21 +62,19 @@ class AdmissionConfig:
     # With routing.prefix_aware: prompt blocks that a running request on the same node
     # already holds are reserved once, not once per request.
     prefix_credit: bool = True
-    # Admit by the projected KV peak (core/projection.py): each admitted sequence grows
-    # a token per engine step from the length its node last reported and frees its
-    # blocks when it ends, so a newcomer fits when the projected curve with it stays
-    # within the budget. False: every request holds prompt + output for its whole life.
-    # (With a shared ledger requests always hold their whole bound.)
+    # Admit by the projected KV peak (core/projection.py): each sequence grows a token
+    # per engine step from its last reported length and frees its blocks when it ends; a
+    # newcomer fits when the curve with it stays within the budget. False (and with a
+    # shared ledger): every request holds prompt + output for its whole life.
     kv_projection: bool = True
     # What bounds each sequence's output in the projection. "learned": the lengths seen
     # for such requests (model, client key, max_tokens bucket) say when a running stream
-    # is likely to end, within its max_tokens (which bounds it until enough are seen, and
-    # always for a request that fixes its length: ignore_eos, min_tokens). "max_tokens":
-    # its max_tokens always (no preemption caused by the gateway, at a batch sized for
-    # every answer running to its cap).
+    # is likely to end, within its max_tokens (the bound until enough are seen, and with
+    # ignore_eos or min_tokens). "max_tokens": always its max_tokens (no preemption
+    # caused by the gateway, at a batch sized for every answer running to its cap).
     output_reservation: str = "learned"
-    # learned only: the accepted chance, per node, that its running sequences outgrow
-    # its budget (the projected curve is checked at mean + z(risk) standard deviations).
+    # learned: the accepted chance, per node, that its sequences outgrow its budget (the
+    # curve is checked at mean + z(risk) standard deviations).
     preemption_risk: float = 0.01
 
 

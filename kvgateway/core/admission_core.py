@@ -43,9 +43,7 @@ from kvgateway.core.tenancy import Tenancy, Ticket
 
 # Weight of each new observation of a node's seconds per engine step.
 STEP_EWMA = 0.05
-# Room that appears as running flights progress (not by an end, which is offered at
-# once) is offered to a node's queue at most this often: a walk costs up to waiters x
-# flights x curve samples, and a node takes 30-100 engine steps a second.
+# Room made by progress is offered at most this often (a walk asks about every waiter).
 REOFFER_S = 0.25
 
 
@@ -190,9 +188,8 @@ class AdmissionCore:
         if first:
             self._offer(b)
         elif self._queue.claimed(b.name):
-            # Room also comes as running flights near their ends: a queue waiting for
-            # this node is offered it again once every started flight has reported since
-            # the last offer (every count fresh), at most once per REOFFER_S.
+            # Room also comes as flights near their ends: offered again once every started
+            # flight reported since the last offer, at most once per REOFFER_S.
             seen = self._reported.setdefault(b.name, set())
             seen.add(f.id)
             last = self._reoffered.get(b.name)

@@ -14,16 +14,13 @@ What the projection assumes, and why each assumption is safe:
   per-chunk usage). Before that (prefill, a queue inside the node, a non-streamed
   answer) it is taken to grow to its whole bound and stay there.
 - A reported count may lag the node by a step or two: a flight is taken to hold
-  :data:`AHEAD` tokens more than reported, and still to end no earlier than its bound
-  says.
+  :data:`AHEAD` tokens more than reported, and to end no earlier than its bound says.
 - Blocks are counted as vLLM allocates them: ``ceil(tokens / block)`` per sequence.
-- Prompt blocks shared with another flight on the node (vLLM's prefix cache) are
-  counted once per block while any flight holding them lives
-  (:class:`SharedKeys`), and once per copy a flight paid for while that one lives.
-  vLLM caches a prompt's full blocks when it schedules them, before they are computed,
-  so a newcomer shares them from its holder's admission on: at once the blocks of the
-  holder's first prefill chunk (:data:`FIRST_CHUNK_TOKENS`), all of them once it
-  reports its first token.
+- Prompt blocks shared with another flight on the node (vLLM's prefix cache) are counted
+  once while any holder lives (:class:`SharedKeys`), plus each copy a flight paid for.
+  vLLM caches a prompt's full blocks when it schedules them, so a newcomer shares the
+  blocks of its holder's first prefill chunk (:data:`FIRST_CHUNK_TOKENS`) from the
+  holder's admission, the rest from its first token.
 - With learned output lengths (:class:`~kvgateway.core.output_model.OutputShape`) a
   started flight ends early with the learned probability: the check is then
   ``mean + z * stddev`` of the blocks in use at each step, ``z`` set by the accepted
@@ -52,8 +49,8 @@ AHEAD = 2
 # this many times over its horizon.
 SAMPLES_PER_BLOCK = 2
 MAX_SAMPLES = 32
-# Prompt tokens vLLM schedules in a request's first step at least (max_num_batched_tokens
-# is 2048 or more by default): their full blocks are in its prefix cache from then on.
+# Prompt tokens vLLM schedules in a request's first step at least (its smallest default
+# max_num_batched_tokens).
 FIRST_CHUNK_TOKENS = 2048
 
 
@@ -75,9 +72,8 @@ class Flight:
     generated: int = 0  # per sequence, as the node last reported
     # The node reports its progress: its end is projected. Else it holds its bound.
     started: bool = False
-    # Its prompt's full blocks (prefix-aware routing), how many leading ones it was
-    # credited (held ready by another flight when it was admitted), and how many leading
-    # ones are in the node's cache from its admission (its first prefill chunk's).
+    # Its prompt's full blocks (prefix-aware routing), the leading ones it was credited
+    # (another flight held them) and those cached from its admission (its first chunk's).
     keys: tuple[BlockKey, ...] = ()
     credited: int = 0
     scheduled: int = 0
@@ -230,9 +226,8 @@ class NodeProjection:
         return first
 
     def _mark_ready(self, keys: tuple[BlockKey, ...]) -> None:
-        ready = self._ready
         for key in keys:
-            ready[key] = ready.get(key, 0) + 1
+            self._ready[key] = self._ready.get(key, 0) + 1
 
     def _unready(self, keys: tuple[BlockKey, ...]) -> None:
         ready = self._ready
