@@ -120,7 +120,7 @@ MIXES = {
 }
 
 
-def learned_ceiling(seed: int, samples: int = 200_000) -> dict[str, Any]:
+def learned_ceiling(seed: int, mix: Mix = MIXES["today"], samples: int = 200_000) -> dict[str, Any]:
     """How much more an oracle could admit than ``max_tokens`` mode on this mix.
 
     An oracle knows each answer's length before it starts, so it reserves prompt +
@@ -133,15 +133,15 @@ def learned_ceiling(seed: int, samples: int = 200_000) -> dict[str, Any]:
     with the KV a request actually holds over its life (its prompt, and its answer as it
     grows: half of it on average), which bounds even a policy that tracks every
     sequence's growth live and is never wrong. The answer lengths are
-    drawn as the nodes draw them (lognormal, mean ``OUTPUT_MEAN``, capped by
+    drawn as the nodes draw them (lognormal at the mix's mean and sigma, capped by
     max_tokens). Slots bound it too: a 24 GB demo node fits ``max_num_seqs`` (16)
     short requests even at their max_tokens reservations (~30k KV tokens)."""
     rnd = random.Random(seed)
-    mu = math.log(OUTPUT_MEAN) - OUTPUT_SIGMA**2 / 2
+    mu = math.log(mix.output_mean) - mix.output_sigma**2 / 2
     sums: dict[str, list[float]] = {}
     for _ in range(samples):
-        prompt, cap = shape(rnd)
-        answer = max(1, min(cap, round(rnd.lognormvariate(mu, OUTPUT_SIGMA))))
+        prompt, cap = mix.shape(rnd)
+        answer = max(1, min(cap, round(rnd.lognormvariate(mu, mix.output_sigma))))
         kind = "short" if prompt < SHORT_MAX else "long"
         for key in ("all", kind):
             acc = sums.setdefault(key, [0.0] * 6)
@@ -774,7 +774,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     args = p.parse_args(argv)
     if args.ceiling:
-        ceiling = learned_ceiling(args.seed)
+        ceiling = learned_ceiling(args.seed, MIXES[args.mix])
         print(ceiling_line(ceiling))
         return {"learned_ceiling": ceiling}
     args.window = args.window or (4.0 if args.quick else 15.0)
@@ -824,7 +824,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     out["targets"] = targets(rows, args.loads) if "kv_aware" in args.policies else {}
     if "kv_aware" in args.policies.split(","):
-        out["learned_ceiling"] = learned_ceiling(args.seed)
+        out["learned_ceiling"] = learned_ceiling(args.seed, MIXES[args.mix])
     print_report(out)
     save(args.name, out)
     if args.name == "fleet":

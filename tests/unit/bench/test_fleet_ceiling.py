@@ -32,3 +32,16 @@ def test_an_oracle_books_what_the_answers_use() -> None:
     measured = a["max_tokens_reservation_mean"] - a["oracle_reservation_mean"]
     assert math.isclose(measured, saved, rel_tol=0.03)
     assert OUTPUT_MEAN == 512.0 and OUTPUT_SIGMA == 1.0
+
+
+def test_the_ceiling_is_drawn_from_the_mix_asked_for() -> None:
+    """A reasoning model's answers (mean 1,500) under max_tokens of 8k-32k leave far
+    more to an output-aware policy than today's mix: the ceiling follows --mix."""
+    from bench.fleet import MIXES
+
+    today = learned_ceiling(seed=3, samples=20_000)["all"]
+    reasoning = learned_ceiling(seed=3, mix=MIXES["reasoning"], samples=20_000)["all"]
+    assert today["by_time_held"] < 1.2
+    assert reasoning["by_time_held"] > 4.0
+    # Booked: prompts of 200-3,000 and max_tokens of 8,192-32,000 (mean 20,288).
+    assert math.isclose(reasoning["max_tokens_reservation_mean"], 1_600 + 20_288, rel_tol=0.03)
