@@ -295,7 +295,8 @@ async def _publish_worker_gauges(app: web.Application) -> None:
     others = state.ledger.others_tokens if state.ledger is not None else None
     while True:
         state.metrics.queue_depth.set(state.admission.queue_depth)
-        gauges.publish(state.fleet.backends, others, tenant_holdings(state.tenancy))
+        holdings = tenant_holdings(state.tenancy, state.quotas, state.clock())
+        gauges.publish(state.fleet.backends, others, holdings)
         await asyncio.sleep(QUEUE_GAUGE_S)
 
 

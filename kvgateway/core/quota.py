@@ -25,6 +25,7 @@ WINDOW_S = 60.0
 REQUESTS = "requests_per_minute"
 PROMPT = "prompt_tokens_per_minute"
 OUTPUT = "output_tokens_per_minute"
+RATE_LIMITS = (REQUESTS, PROMPT, OUTPUT)
 
 
 @dataclass(eq=False, slots=True)
@@ -110,10 +111,12 @@ class Charge:
     reserved_output: int
     entries: dict[str, _Entry]
     settled: bool = False
+    # Its name in a shared ledger's windows ("": kept in this process only).
+    ref: str = ""
 
 
 class QuotaLedger(Protocol):
-    def try_charge(
+    async def try_charge(
         self, tenant: str, limits: TenantLimits, prompt: int, output: int, now: float
     ) -> Charge | RateLimitHit: ...
 
@@ -152,9 +155,15 @@ class LocalQuotaLedger:
             w = self._windows[tenant, name] = RateWindow()
         return w
 
-    def try_charge(
+    async def try_charge(
         self, tenant: str, limits: TenantLimits, prompt: int, output: int, now: float
     ) -> Charge | RateLimitHit:
+        return self.take(tenant, limits, prompt, output, now)
+
+    def take(
+        self, tenant: str, limits: TenantLimits, prompt: int, output: int, now: float
+    ) -> Charge | RateLimitHit:
+        """:meth:`try_charge`, at once."""
         asks = {REQUESTS: 1, PROMPT: prompt, OUTPUT: output}
         hits = []
         for name, asked in asks.items():
@@ -168,8 +177,12 @@ class LocalQuotaLedger:
         if hits:
             # The one that frees last is the one to report: retrying earlier fails again.
             return max(hits, key=lambda h: h.retry_after_s)
+        return self.record(tenant, asks, now)
+
+    def record(self, tenant: str, asks: dict[str, int], now: float) -> Charge:
+        """Charge ``asks`` (per limit name) without judging them."""
         entries = {name: self._window(tenant, name).add(asked, now) for name, asked in asks.items()}
-        return Charge(tenant, output, entries)
+        return Charge(tenant, asks[OUTPUT], entries)
 
     def settle(
         self,
@@ -194,7 +207,7 @@ class LocalQuotaLedger:
 
     def status(self, tenant: str, limits: TenantLimits, now: float) -> dict[str, RateStatus]:
         out = {}
-        for name in (REQUESTS, PROMPT, OUTPUT):
+        for name in RATE_LIMITS:
             limit = _limit_of(limits, name)
             if limit is not None:
                 w = self._window(tenant, name)
@@ -203,4 +216,4 @@ class LocalQuotaLedger:
         return out
 
     def usage(self, tenant: str, now: float) -> dict[str, int]:
-        return {name: self._window(tenant, name).used(now) for name in (REQUESTS, PROMPT, OUTPUT)}
+        return {name: self._window(tenant, name).used(now) for name in RATE_LIMITS}

@@ -72,8 +72,8 @@ def create_app(
     metrics_dir: str | None = None,
     kv_events_silence_s: float = 30.0,
 ) -> web.Application:
-    """The gateway. ``quota_ledger`` holds the tenants' per-minute quotas; by default each
-    process keeps its own. ``worker`` / ``metrics_dir``: this app is worker ``worker`` of
+    """The gateway. ``quota_ledger`` holds the tenants' per-minute quotas; by default in
+    the shared ledger's Redis when one is configured, else in this process. ``worker`` / ``metrics_dir``: this app is worker ``worker`` of
     ``serve --workers``, its metrics written to (and /metrics read from) the shared
     ``metrics_dir``. ``kv_events_silence_s``: how long a backend sent prompts it does not
     hold may publish no KV event before that is logged as a warning."""
@@ -83,7 +83,10 @@ def create_app(
     # Limits derived from capacity blocks (and each hybrid model's KV groups).
     fleet = Fleet(config, derive_all(config) if derived is None else derived)
     encodings = encodings or EncodingCache()
-    ledger = build_ledger(config, fleet, LedgerMetrics(registry), worker)
+    shared = build_ledger(config, fleet, LedgerMetrics(registry), clock, worker)
+    ledger, shared_quotas = shared if shared is not None else (None, None)
+    if quota_ledger is None:
+        quota_ledger = shared_quotas
     per_worker = metrics_dir is not None
     live = FleetCollector(
         lambda: fleet.backends,
@@ -177,6 +180,8 @@ def create_app(
                 async with contextlib.AsyncExitStack() as stack:
                     if ledger is not None:
                         await stack.enter_async_context(ledger.running(state.admission))
+                    if shared_quotas is not None:
+                        await stack.enter_async_context(shared_quotas.running())
                     await stack.enter_async_context(discovery)
                     yield
             finally:

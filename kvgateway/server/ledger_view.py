@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -10,6 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from kvgateway.config.model import GatewayConfig
 from kvgateway.core.fleet import Fleet
 from kvgateway.ledger.connect import default_replica_id, redis_client
+from kvgateway.ledger.quotas import SharedQuotas
 from kvgateway.ledger.redis_ledger import LedgerStatus, RedisLedger
 
 
@@ -41,6 +43,14 @@ class LedgerMetrics:
             "request left, still recorded as this gateway's), without a Redis round trip.",
             registry=registry,
         )
+        self.quota_fallback = Gauge(
+            "gateway_tenant_quota_fallback",
+            "1 while tenants' per-minute limits are judged on this gateway's share "
+            "(limit / live replicas) because the shared ledger's Redis is unavailable; 0 "
+            "while they are judged across every replica (or no shared ledger is set).",
+            registry=registry,
+            multiprocess_mode="livemax",
+        )
         self._seen_fallbacks = 0
 
     def update(self, status: LedgerStatus) -> None:
@@ -52,23 +62,40 @@ class LedgerMetrics:
 
 
 def build_ledger(
-    config: GatewayConfig, fleet: Fleet, metrics: LedgerMetrics, worker: int | None = None
-) -> RedisLedger | None:
-    """The Redis ledger when the config names one (None: the in-process ledger)."""
+    config: GatewayConfig,
+    fleet: Fleet,
+    metrics: LedgerMetrics,
+    clock: Callable[[], float],
+    worker: int | None = None,
+) -> tuple[RedisLedger, SharedQuotas] | None:
+    """The Redis ledger and the tenants' fleet-wide rate limits, over one client, when
+    the config names a Redis (None: both in this process)."""
     cfg = config.ledger
     if not cfg.shared:
         return None
     rid = cfg.replica_id or default_replica_id(config.server.port)
     if worker is not None:
         rid = f"{rid}/w{worker}"
-    return RedisLedger(
+    client = redis_client(cfg)
+    ledger = RedisLedger(
         cfg,
         rid,
         fleet,
-        redis_client(cfg),
+        client,
         on_status=metrics.update,
         on_credit=metrics.credit_admissions.inc,
     )
+    quotas = SharedQuotas(
+        client,
+        cfg.namespace,
+        rid,
+        cfg.timeout_s,
+        shared=ledger.in_shared_mode,
+        live=lambda: ledger.status().live_replicas,
+        clock=clock,
+        on_fallback=lambda on: metrics.quota_fallback.set(1 if on else 0),
+    )
+    return ledger, quotas
 
 
 def ready_details(ledger: RedisLedger | None) -> dict[str, Any]:

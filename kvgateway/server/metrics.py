@@ -273,6 +273,11 @@ RESERVED = (
 IN_FLIGHT = ("gateway_backend_in_flight", "Requests in flight through this gateway instance.")
 TENANT_KV = ("gateway_tenant_kv_tokens", "KV tokens reserved for the tenant now.")
 TENANT_HELD = ("gateway_tenant_in_flight", "The tenant's admitted requests.")
+TENANT_MINUTE = (
+    "gateway_tenant_minute_usage",
+    "The tenant's use of each per-minute limit over the last minute, through this "
+    "gateway instance (with a shared ledger the limit itself is judged across replicas).",
+)
 TENANT_GRANTED = (
     "gateway_tenant_kv_tokens_granted",
     "KV tokens reserved for the tenant's requests, summed over admissions "

@@ -98,7 +98,7 @@ async def _serve(state: GatewayState, request: web.Request, ex: Exchange) -> web
         body["model"] = model.served_name
         raw = json.dumps(body, separators=(",", ":")).encode()
     tenant = ex.record.tenant
-    paid, limit_headers = charge(state.quotas, state.tenancy, tenant, 0, 0, state.clock())
+    paid, limit_headers = await charge(state.quotas, state.tenancy, tenant, 0, 0, state.clock())
     served = False
     prompt: int | None = None
     try:

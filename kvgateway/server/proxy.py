@@ -187,7 +187,7 @@ async def _count_and_forward(state: GatewayState, ex: Exchange, kind: Kind) -> w
     rec.model = counted.model.name
     rec.prompt_tokens = counted.prompt.total
     rec.stream = counted.parsed.stream
-    ex.charge, ex.limit_headers = charge(
+    ex.charge, ex.limit_headers = await charge(
         state.quotas,
         state.tenancy,
         rec.tenant,

@@ -23,7 +23,7 @@ from kvgateway.core.quota import OUTPUT, PROMPT, REQUESTS, Charge, QuotaLedger, 
 from kvgateway.core.tenancy import Tenancy
 from kvgateway.errors import RateLimited
 from kvgateway.server.exchange import CLIENT_GONE, Exchange, Outcome
-from kvgateway.server.metrics import TENANT_GRANTED, TENANT_HELD, TENANT_KV
+from kvgateway.server.metrics import TENANT_GRANTED, TENANT_HELD, TENANT_KV, TENANT_MINUTE
 
 TENANT = web.RequestKey("tenant", str)
 
@@ -74,12 +74,12 @@ def limit_headers(ledger: QuotaLedger, tenancy: Tenancy, tenant: str, now: float
     return headers
 
 
-def charge(
+async def charge(
     ledger: QuotaLedger, tenancy: Tenancy, tenant: str, prompt: int, output: int, now: float
 ) -> tuple[Charge, dict[str, str]]:
     """Charge one request against the tenant's limits; :class:`RateLimited` names the
     limit that refused it and when it frees."""
-    outcome = ledger.try_charge(tenant, tenancy.tenant(tenant).limits, prompt, output, now)
+    outcome = await ledger.try_charge(tenant, tenancy.tenant(tenant).limits, prompt, output, now)
     headers = limit_headers(ledger, tenancy, tenant, now)
     if isinstance(outcome, RateLimitHit):
         raise _refusal(tenant, outcome, headers)
@@ -120,18 +120,17 @@ class TenantCollector(Collector):
         self._tenancy = tenancy
         self._ledger = ledger
         self._clock = clock
-        # With `serve --workers`: what tenants hold comes from WorkerGauges (summed over
-        # the workers); only the quota windows are read here.
+        # With `serve --workers`: every tenant gauge comes from WorkerGauges (summed
+        # over the workers); nothing is read here.
         self._per_worker = per_worker
 
     def collect(self) -> Iterable[Metric]:
+        if self._per_worker:
+            return
         kv = GaugeMetricFamily(*TENANT_KV, labels=["tenant"])
         held = GaugeMetricFamily(*TENANT_HELD, labels=["tenant"])
-        minute = GaugeMetricFamily(
-            "gateway_tenant_minute_usage",
-            "The tenant's use of each per-minute limit over the last minute (this process).",
-            labels=["tenant", "limit"],
-        )
+        name, doc = TENANT_MINUTE
+        minute = GaugeMetricFamily(name, doc, labels=["tenant", "limit"])
         granted = CounterMetricFamily(*TENANT_GRANTED, labels=["tenant"])
         now = self._clock()
         for t in self._tenancy.auth.tenants:
@@ -140,16 +139,22 @@ class TenantCollector(Collector):
             held.add_metric([t.name], self._tenancy.requests[t.name])
             for name, used in self._ledger.usage(t.name, now).items():
                 minute.add_metric([t.name, name], used)
-        if self._per_worker:
-            yield minute
-            return
         yield from (kv, held, minute, granted)
 
 
-def tenant_holdings(t: Tenancy) -> list[tuple[str, int, int, int]]:
-    """Per tenant: name, KV tokens and requests held now, tokens granted so far."""
+def tenant_holdings(
+    t: Tenancy, ledger: QuotaLedger, now: float
+) -> list[tuple[str, int, int, int, dict[str, int]]]:
+    """Per tenant: name, KV tokens and requests held now, tokens granted so far, and
+    its use of each per-minute limit over the last minute."""
     return [
-        (c.name, t.tokens[c.name], t.requests[c.name], t.granted_tokens[c.name])
+        (
+            c.name,
+            t.tokens[c.name],
+            t.requests[c.name],
+            t.granted_tokens[c.name],
+            ledger.usage(c.name, now),
+        )
         for c in t.auth.tenants
     ]
 

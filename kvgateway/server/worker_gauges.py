@@ -8,7 +8,15 @@ from collections.abc import Callable, Iterable, Sequence
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from kvgateway.core.backends import Backend
-from kvgateway.server.metrics import IN_FLIGHT, RESERVED, TENANT_GRANTED, TENANT_HELD, TENANT_KV
+from kvgateway.core.quota import RATE_LIMITS
+from kvgateway.server.metrics import (
+    IN_FLIGHT,
+    RESERVED,
+    TENANT_GRANTED,
+    TENANT_HELD,
+    TENANT_KV,
+    TENANT_MINUTE,
+)
 
 
 class WorkerGauges:
@@ -25,6 +33,7 @@ class WorkerGauges:
         self._in_flight = Gauge(*IN_FLIGHT, labels, **live)  # type: ignore[arg-type]
         self._tenant_kv = Gauge(*TENANT_KV, ["tenant"], **live)  # type: ignore[arg-type]
         self._tenant_held = Gauge(*TENANT_HELD, ["tenant"], **live)  # type: ignore[arg-type]
+        self._minute = Gauge(*TENANT_MINUTE, ["tenant", "limit"], **live)  # type: ignore[arg-type]
         self._granted = Counter(*TENANT_GRANTED, ["tenant"], registry=registry)
         self._granted_sent: dict[str, int] = {}
         self._backends_seen: set[tuple[str, str, str]] = set()
@@ -34,10 +43,11 @@ class WorkerGauges:
         self,
         backends: Sequence[Backend],
         others: Callable[[Backend], int] | None,
-        tenants: Iterable[tuple[str, int, int, int]],
+        tenants: Iterable[tuple[str, int, int, int, dict[str, int]]],
     ) -> None:
         """This worker's own reservations per backend (first of each name, as the
-        collector), and per tenant (name, KV tokens, requests, tokens granted so far)."""
+        collector), and per tenant (name, KV tokens, requests, tokens granted so far, its
+        last minute per limit)."""
         seen: set[tuple[str, str, str]] = set()
         names: set[str] = set()
         for b in backends:
@@ -54,10 +64,12 @@ class WorkerGauges:
             self._in_flight.labels(*lv).set(0)
         self._backends_seen = seen
         present: set[str] = set()
-        for name, kv, held, granted in tenants:
+        for name, kv, held, granted, minute in tenants:
             present.add(name)
             self._tenant_kv.labels(name).set(kv)
             self._tenant_held.labels(name).set(held)
+            for limit, used in minute.items():
+                self._minute.labels(name, limit).set(used)
             sent = self._granted_sent.get(name, 0)
             if granted > sent:
                 self._granted.labels(name).inc(granted - sent)
@@ -65,4 +77,6 @@ class WorkerGauges:
         for name in self._tenants_seen - present:
             self._tenant_kv.labels(name).set(0)
             self._tenant_held.labels(name).set(0)
+            for limit in RATE_LIMITS:
+                self._minute.labels(name, limit).set(0)
         self._tenants_seen = present

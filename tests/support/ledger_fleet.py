@@ -74,11 +74,19 @@ class GatewayProc:
 
 
 async def start_gateway(
-    work: Path, name: str, node_url: str, redis_url: str | None, *extra: str, lease_s: float = 2.0
+    work: Path,
+    name: str,
+    node_url: str,
+    redis_url: str | None,
+    *extra: str,
+    lease_s: float = 2.0,
+    config: dict[str, Any] | None = None,
 ) -> GatewayProc:
+    """``gateway serve`` with :func:`gateway_config`, ``config``'s top-level keys added."""
     (port,) = free_ports(1)
     path = work / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(gateway_config(port, node_url, redis_url, lease_s)))
+    cfg = {**gateway_config(port, node_url, redis_url, lease_s), **(config or {})}
+    path.write_text(yaml.safe_dump(cfg))
     log = work / f"{name}.log"
     with log.open("wb") as fh:
         proc = await asyncio.create_subprocess_exec(

@@ -13,26 +13,26 @@ def test_a_hit_names_the_limit_and_when_it_frees():
     ledger = LocalQuotaLedger()
     limits = TenantLimits(requests_per_minute=3)
     for t in (0.0, 10.0, 20.0):
-        assert isinstance(ledger.try_charge("a", limits, 10, 10, t), Charge)
-    hit = ledger.try_charge("a", limits, 10, 10, 30.0)
+        assert isinstance(ledger.take("a", limits, 10, 10, t), Charge)
+    hit = ledger.take("a", limits, 10, 10, 30.0)
     assert isinstance(hit, RateLimitHit)
     assert (hit.limit, hit.value, hit.used) == (REQUESTS, 3, 3)
     assert hit.retry_after_s == 30.0  # the charge made at t=0 leaves the window at t=60
-    assert isinstance(ledger.try_charge("a", limits, 10, 10, 60.01), Charge)
+    assert isinstance(ledger.take("a", limits, 10, 10, 60.01), Charge)
     # Another tenant has its own window.
-    assert isinstance(ledger.try_charge("b", limits, 10, 10, 30.0), Charge)
+    assert isinstance(ledger.take("b", limits, 10, 10, 30.0), Charge)
 
 
 def test_the_limit_that_frees_last_is_reported():
     ledger = LocalQuotaLedger()
     limits = TenantLimits(prompt_tokens_per_minute=1000, output_tokens_per_minute=1000)
-    ledger.try_charge("a", limits, 900, 100, 0.0)
-    ledger.try_charge("a", limits, 50, 850, 30.0)
-    hit = ledger.try_charge("a", limits, 200, 200, 40.0)
+    ledger.take("a", limits, 900, 100, 0.0)
+    ledger.take("a", limits, 50, 850, 30.0)
+    hit = ledger.take("a", limits, 200, 200, 40.0)
     assert isinstance(hit, RateLimitHit)
     # Prompt frees at t=60 (the 900), output only at t=90 (the 850 must leave too).
     assert hit.limit == OUTPUT and hit.retry_after_s == 50.0
-    too_big = ledger.try_charge("a", limits, 2000, 0, 40.0)
+    too_big = ledger.take("a", limits, 2000, 0, 40.0)
     assert isinstance(too_big, RateLimitHit) and too_big.limit == PROMPT
     assert too_big.retry_after_s == float("inf")
 
@@ -40,13 +40,13 @@ def test_the_limit_that_frees_last_is_reported():
 def test_settling_gives_back_unused_output_once():
     ledger = LocalQuotaLedger()
     limits = TenantLimits(output_tokens_per_minute=1000)
-    c = ledger.try_charge("a", limits, 10, 800, 0.0)
+    c = ledger.take("a", limits, 10, 800, 0.0)
     assert isinstance(c, Charge)
-    assert isinstance(ledger.try_charge("a", limits, 10, 300, 1.0), RateLimitHit)
+    assert isinstance(ledger.take("a", limits, 10, 300, 1.0), RateLimitHit)
     ledger.settle(c, 100, 2.0)
     ledger.settle(c, 900, 2.0)  # only the first settlement counts
     assert ledger.usage("a", 3.0)[OUTPUT] == 100
-    assert isinstance(ledger.try_charge("a", limits, 10, 300, 3.0), Charge)
+    assert isinstance(ledger.take("a", limits, 10, 300, 3.0), Charge)
     status = ledger.status("a", limits, 3.0)[OUTPUT]
     assert (status.limit, status.remaining) == (
         1000,
@@ -71,7 +71,7 @@ def test_token_quotas_hold_within_one_percent_over_minutes_of_mixed_traffic():
             ledger.settle(charge, actual, now)
         prompt = rng.choice([50, 200, 800, 3000])
         reserved = rng.choice([64, 256, 1024])
-        c = ledger.try_charge("t", limits, prompt, reserved, now)
+        c = ledger.take("t", limits, prompt, reserved, now)
         if isinstance(c, Charge):
             actual = rng.randint(0, reserved)
             pending.append((now, c, actual, now + rng.uniform(0.1, 20.0)))
@@ -115,7 +115,7 @@ def test_no_sliding_minute_ever_holds_more_than_a_limit(requests):
         for item in sorted((p for p in pending if p[0] <= now), key=lambda p: p[0]):
             pending.remove(item)
             ledger.settle(item[1], item[2], item[0])
-        c = ledger.try_charge("t", limits, prompt, reserved, now)
+        c = ledger.take("t", limits, prompt, reserved, now)
         if isinstance(c, Charge):
             admitted.append((now, prompt, c))
             pending.append((now + settle_in, c, int(reserved * share)))

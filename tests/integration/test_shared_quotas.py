@@ -1,0 +1,207 @@
+"""Tenant rate limits across two gateway processes sharing one real Redis: a limit holds
+for the fleet whichever replica a request reaches, with the fleet-wide state in its
+headers; with Redis stopped each replica keeps within its share and fails nothing."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import openai
+import pytest
+from redis.asyncio import Redis
+
+from kvgateway.config.model import TenantLimits
+from kvgateway.core.quota import OUTPUT, REQUESTS, Charge, RateLimitHit
+from kvgateway.ledger.quotas import SharedQuotas, share_of
+from tests.support.ledger_fleet import (
+    GatewayProc,
+    get_json,
+    running_node,
+    start_gateway,
+    stop_gateway,
+)
+from tests.support.redis_server import RedisServer
+
+pytestmark = pytest.mark.slow
+
+LIMIT = 10
+AUTH = {
+    "auth": {
+        "keys": [
+            {"name": "metered", "key": "k-metered", "limits": {"requests_per_minute": LIMIT}},
+            {"name": "free", "key": "k-free"},
+        ]
+    }
+}
+
+
+@pytest.fixture
+async def two(
+    tmp_path: Path, redis_server: RedisServer
+) -> AsyncIterator[tuple[GatewayProc, GatewayProc]]:
+    async with running_node(time_scale=40) as node:
+        running: list[GatewayProc] = []
+        try:
+            for name in ("a", "b"):
+                running.append(
+                    await start_gateway(tmp_path, name, node, redis_server.url, config=AUTH)
+                )
+            for g in running:  # each has seen the other's lease
+                for _ in range(100):
+                    if (await get_json(g.url + "/ready"))["ledger"]["live_replicas"] == 2:
+                        break
+                    await asyncio.sleep(0.05)
+            yield running[0], running[1]
+        finally:
+            for g in running:
+                await stop_gateway(g)
+
+
+async def _ask(url: str, key: str = "k-metered") -> tuple[int, dict[str, str]]:
+    """One short chat through the official client (no retries): status and headers."""
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=20)
+    try:
+        raw = await client.chat.completions.with_raw_response.create(
+            model="llama", messages=[{"role": "user", "content": "hi"}], max_tokens=4
+        )
+        return raw.status_code, dict(raw.headers)
+    except openai.RateLimitError as err:
+        return err.status_code, dict(err.response.headers)
+    finally:
+        await client.close()
+
+
+async def test_a_requests_per_minute_limit_holds_across_two_replicas(
+    two: tuple[GatewayProc, GatewayProc],
+) -> None:
+    a, b = two
+    answers = await asyncio.gather(*(_ask((a, b)[i % 2].url) for i in range(3 * LIMIT)))
+    statuses = [s for s, _ in answers]
+    assert statuses.count(200) == LIMIT and statuses.count(429) == 2 * LIMIT, statuses
+    for status, headers in answers:
+        assert headers["x-ratelimit-limit-requests"] == str(LIMIT)
+        if status == 429:
+            # The fleet-wide state, whichever replica answered: nothing left this minute.
+            assert headers["x-ratelimit-remaining-requests"] == "0", headers
+            assert 1 <= int(headers["retry-after"]) <= 60, headers
+    # Each replica served some: the limit was judged across both, not per replica.
+    assert {s for s, _ in answers[0::2]} >= {200} or {s for s, _ in answers[1::2]} >= {200}
+    # A tenant without limits is not held by the other's.
+    assert (await _ask(a.url, "k-free"))[0] == 200
+
+
+async def test_a_requests_per_minute_limit_holds_across_workers(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    async with running_node(time_scale=40) as node:
+        g = await start_gateway(
+            tmp_path, "w", node, redis_server.url, "--workers", "2", config=AUTH
+        )
+        try:
+            for _ in range(100):
+                if (await get_json(g.url + "/ready"))["ledger"]["live_replicas"] == 2:
+                    break
+                await asyncio.sleep(0.05)
+            answers = await asyncio.gather(*(_ask(g.url) for _ in range(2 * LIMIT)))
+            statuses = [s for s, _ in answers]
+            assert statuses.count(200) == LIMIT and statuses.count(429) == LIMIT, statuses
+            # The instance's minute, summed over its workers whichever answers the scrape.
+            series = 'gateway_tenant_minute_usage{limit="requests_per_minute",tenant="metered"}'
+            for _ in range(60):
+                async with aiohttp.ClientSession() as s, s.get(g.url + "/metrics") as r:
+                    text = await r.text()
+                if f"{series} {float(LIMIT)}" in text:
+                    break
+                await asyncio.sleep(0.1)
+            else:
+                raise AssertionError([ln for ln in text.splitlines() if "minute_usage" in ln])
+        finally:
+            await stop_gateway(g)
+
+
+async def test_without_redis_each_replica_keeps_its_share_and_fails_nothing(
+    two: tuple[GatewayProc, GatewayProc], redis_server: RedisServer
+) -> None:
+    a, b = two
+    assert [(await _ask(g.url))[0] for g in (a, b)] == [200, 200]
+    redis_server.stop()
+    for g in (a, b):
+        for _ in range(100):
+            if not (await get_json(g.url + "/ready"))["ledger"]["shared"]:
+                break
+            await asyncio.sleep(0.05)
+    # Each judges the limit on what it admitted itself against its share, 10 // 2.
+    for g in (a, b):
+        statuses = [(await _ask(g.url))[0] for _ in range(LIMIT)]
+        assert statuses.count(200) == LIMIT // 2 - 1 and set(statuses) == {200, 429}, statuses
+        async with aiohttp.ClientSession() as s, s.get(g.url + "/metrics") as r:
+            assert "gateway_tenant_quota_fallback 1.0" in await r.text()
+    redis_server.start()
+    for g in (a, b):
+        for _ in range(200):
+            if (await get_json(g.url + "/ready"))["ledger"]["shared"]:
+                break
+            await asyncio.sleep(0.05)
+        else:
+            raise AssertionError(f"{g.url} did not return to the shared ledger")
+    for g in (a, b):  # each has added what it charged meanwhile to Redis
+        for _ in range(100):
+            async with aiohttp.ClientSession() as s, s.get(g.url + "/metrics") as r:
+                if "gateway_tenant_quota_fallback 0.0" in await r.text():
+                    break
+            await asyncio.sleep(0.05)
+    # Back in Redis, what each admitted on its share counts: the minute is used up.
+    for g in (a, b):
+        status, headers = await _ask(g.url)
+        assert status == 429 and headers["x-ratelimit-remaining-requests"] == "0", headers
+
+
+async def test_token_windows_settle_and_free_in_redis_as_they_do_in_one_process(
+    redis_server: RedisServer,
+) -> None:
+    """The shared windows keep the local ones' rules: a refusal says when room frees, a
+    settlement gives back the unused reservation, a refund all of it."""
+    client = Redis.from_url(redis_server.url, socket_timeout=1)
+    now = [0.0]
+    quotas = SharedQuotas(
+        client, "t", "r1", 1.0, shared=lambda: True, live=lambda: 2, clock=lambda: now[0]
+    )
+    limits = TenantLimits(output_tokens_per_minute=1000, requests_per_minute=5)
+    try:
+        async with quotas.running():
+            first = await quotas.try_charge("x", limits, 10, 600, now[0])
+            assert isinstance(first, Charge) and first.ref
+            hit = await quotas.try_charge("x", limits, 10, 500, now[0])
+            assert isinstance(hit, RateLimitHit) and hit.limit == OUTPUT
+            assert 59 <= hit.retry_after_s <= 60 and (hit.used, hit.asked) == (600, 500)
+            never = await quotas.try_charge("x", limits, 10, 1001, now[0])
+            assert isinstance(never, RateLimitHit) and never.retry_after_s == float("inf")
+            quotas.settle(first, 200, now[0])  # generated 200 of the 600 reserved
+            for _ in range(100):
+                if await client.get("{t}:qt:output_tokens_per_minute:x") == b"200":
+                    break
+                await asyncio.sleep(0.01)
+            second = await quotas.try_charge("x", limits, 10, 500, now[0])
+            assert isinstance(second, Charge)
+            status = quotas.status("x", limits, now[0])
+            assert status[OUTPUT].remaining == 300 and status[REQUESTS].remaining == 3
+            quotas.settle(second, 0, now[0], served=False)  # never admitted: refunded
+            for _ in range(100):
+                if await client.get("{t}:qt:requests_per_minute:x") == b"1":
+                    break
+                await asyncio.sleep(0.01)
+            else:
+                raise AssertionError("the refund did not reach Redis")
+    finally:
+        await client.aclose()
+
+
+def test_a_replicas_share_of_each_limit_is_the_limit_over_the_live_replicas() -> None:
+    limits = TenantLimits(requests_per_minute=10, prompt_tokens_per_minute=1001, max_concurrent=4)
+    share = share_of(limits, 3)
+    assert (share.requests_per_minute, share.prompt_tokens_per_minute) == (3, 333)
+    assert share.output_tokens_per_minute is None and share.max_concurrent == 4
+    assert share_of(limits, 0) == limits
