@@ -115,12 +115,13 @@ class Admission(AdmissionCore):
                 r = await self._admit_ticketed(
                     demand, deadline - loop.time(), ticket, since, stated=timeout
                 )
-                ok = False
+                confirmed = ok = False
                 try:
-                    ok = await self._ledger.confirm(r)
+                    confirmed = await self._ledger.confirm(r)
+                    ok = confirmed and await self._ledger.hold(r)
                 finally:
                     if not ok:
-                        r.counted = False
+                        r.counted = confirmed  # refused for its tenant: its room goes back
                         self.release(r)
                 if ok:
                     return r

@@ -1,9 +1,7 @@
 """The synchronous core of admission: routing decisions, grants, progress, releases,
 pauses ending, and the walks that hand queued requests the room that appears (the queue's
-book is :mod:`kvgateway.core.admission_queue`). No ``await`` here;
-:mod:`kvgateway.core.admission` adds the async edge (a waiter parked on a future) on top.
-See that module for the rules.
-"""
+book is :mod:`kvgateway.core.admission_queue`). No ``await`` here; the async edge and the
+rules are :mod:`kvgateway.core.admission`'s."""
 
 from __future__ import annotations
 
@@ -21,11 +19,7 @@ from kvgateway.core.admission_queue import (
     with_busy,
 )
 from kvgateway.core.backends import Backend, PauseReason
-from kvgateway.core.demand import (
-    Demand,
-    flight_for,
-    tokens_on,
-)
+from kvgateway.core.demand import Demand, flight_for, tokens_on
 from kvgateway.core.ledger import Ledger, LocalLedger
 from kvgateway.core.prefix_routing import PrefixRouter
 from kvgateway.core.reservation import Reservation
@@ -271,10 +265,15 @@ class AdmissionCore:
         if reservation.ticket is not None and self._tenancy is not None:
             self._tenancy.released(reservation.ticket, reservation.tokens, reservation.seqs)
         self._offer(b)
-        if self._tenancy is not None and reservation.ticket is not None:
-            for opened in self._queue.ungated(reservation.ticket.tenant):
-                self._offer(opened)
+        if reservation.ticket is not None:
+            self.reopen(reservation.ticket.tenant)
         return True
+
+    def reopen(self, tenant: str) -> None:
+        """``tenant`` holds less (here, or on other replicas): its gated waiters ask again."""
+        if self._tenancy is not None:
+            for opened in self._queue.ungated(tenant):
+                self._offer(opened)
 
     def release_after(self, r: Reservation, *, gone: bool) -> None:
         """Release ``r`` when the node has freed its blocks: at once, or after the

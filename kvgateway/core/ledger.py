@@ -38,6 +38,12 @@ class Ledger(Protocol):
         still has room across all replicas; False: refused (the view was refreshed)."""
         ...
 
+    async def hold(self, reservation: Reservation) -> bool:
+        """After a confirm: hold a confirmed reservation for its tenant across replicas
+        (``max_concurrent``, ``max_kv_share``); False: other replicas hold too much for
+        that tenant (its gate now sees them). Its release gives the hold back."""
+        ...
+
     def release(self, reservation: Reservation, shared: int = 0) -> None:
         """A reservation the ledger may count ended (every one but those it refused);
         synchronous: the ledger sends it later. ``shared``: tokens of prompt blocks
@@ -71,6 +77,9 @@ class LocalLedger:
         return False
 
     async def confirm(self, reservation: Reservation) -> bool:
+        return True
+
+    async def hold(self, reservation: Reservation) -> bool:
         return True
 
     def release(self, reservation: Reservation, shared: int = 0) -> None:

@@ -9,7 +9,8 @@ three things of it:
   ``max(class virtual time, the tenant's last finish tag)`` and the tenant's finish tag
   advances by ``tokens / weight``. Two saturating tenants of equal weight are therefore
   served equal KV tokens, whatever their request sizes;
-- a *gate* per tenant: ``max_concurrent``, ``max_kv_share`` of the fleet's KV budget, and
+- a *gate* per tenant: ``max_concurrent``, ``max_kv_share`` of the fleet's KV budget
+  (what other replicas hold for the tenant counting too, with a shared ledger), and
   what other classes reserve as their ``floor_share``: that share of the KV budget and
   of the sequence slots (the nodes' ``max_num_seqs``, which often bind first), each
   reserved while the class holds less of it. A gated request waits without holding up
@@ -65,6 +66,10 @@ class Tenancy:
         self.class_tokens: Counter[str] = Counter()
         self.class_seqs: Counter[str] = Counter()  # sequence slots held, per class
         self.granted_tokens: Counter[str] = Counter()  # KV tokens ever granted, per tenant
+        # What other gateway replicas hold per tenant, as a shared ledger last saw it
+        # (or all of each limit but this replica's share, in its fallback).
+        self.others_tokens: Counter[str] = Counter()
+        self.others_requests: Counter[str] = Counter()
         # The tenants by name, for the config they were read from (a reload makes anew).
         self._names: tuple[AuthConfig, dict[str, TenantConfig]] | None = None
 
@@ -119,10 +124,10 @@ class Tenancy:
         auth = self._auth()
         t = self.tenant(name)
         limits = t.limits
-        running = self.requests[t.name] + ahead
+        running = self.requests[t.name] + self.others_requests[t.name] + ahead
         if limits.max_concurrent is not None and running >= limits.max_concurrent:
             return MAX_CONCURRENT
-        held = self.tokens[t.name] + ahead_tokens
+        held = self.tokens[t.name] + self.others_tokens[t.name] + ahead_tokens
         # A tenant holding nothing may always run one request, however large.
         if (
             limits.max_kv_share is not None

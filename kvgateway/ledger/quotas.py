@@ -102,6 +102,10 @@ class SharedQuotas:
         self._ids = itertools.count(1)
         self._seen: dict[str, _Seen] = {}
         self._retry_at = 0.0
+        # The most replicas seen live within the last minute, and when: any of them may
+        # have charged the window (a count seen low for a moment, as right after Redis
+        # restarted, must not hand this replica a larger share).
+        self._most_live = (1, float("-inf"))
         self._in_fallback = False
         # Every charge of a limited tenant in the last minute, oldest first: back from a
         # fallback, those Redis lacks (charged on the share, or lost with Redis's data)
@@ -125,12 +129,18 @@ class SharedQuotas:
                 "tenant rate limits: Redis unavailable (%s); each limit is judged on this "
                 "replica's share (1/%d) until it is back",
                 reason,
-                max(1, self._live()),
+                self._most_live[0],
             )
         else:
             log.info("tenant rate limits: shared across replicas again")
         if self._on_fallback is not None:
             self._on_fallback(on)
+
+    def _replicas(self, now: float) -> int:
+        live, at = max(1, self._live()), self._most_live[1]
+        if live >= self._most_live[0] or now - at > WINDOW_S:
+            self._most_live = (live, now)
+        return self._most_live[0]
 
     def _use_redis(self, now: float) -> bool:
         return self._shared() and now >= self._retry_at
@@ -153,6 +163,7 @@ class SharedQuotas:
     ) -> Charge | RateLimitHit:
         if not _limited(limits):
             return self._local.take(tenant, limits, prompt, output, now)
+        share = share_of(limits, self._replicas(now))
         if self._use_redis(now):
             try:
                 async with asyncio.timeout(self._timeout):
@@ -167,7 +178,7 @@ class SharedQuotas:
                 self._set_fallback(True, repr(exc))
         else:
             self._set_fallback(True, "the shared ledger is in its fallback")
-        got = self._local.take(tenant, share_of(limits, self._live()), prompt, output, now)
+        got = self._local.take(tenant, share, prompt, output, now)
         self._keep(tenant, got, now)
         self._unsent = True
         return got
@@ -241,7 +252,7 @@ class SharedQuotas:
         seen = self._seen.get(tenant)
         if self._in_fallback or seen is None or not _limited(limits):
             return self._local.status(
-                tenant, share_of(limits, self._live()) if self._in_fallback else limits, now
+                tenant, share_of(limits, self._replicas(now)) if self._in_fallback else limits, now
             )
         out = {}
         for name in RATE_LIMITS:
@@ -274,6 +285,7 @@ class SharedQuotas:
                 async with asyncio.timeout(RETRY_S / 4):
                     await self._flush.wait()
             self._flush.clear()
+            self._replicas(self._clock())
             try:
                 async with asyncio.timeout(self._timeout):
                     if self._unsent and self._shared():

@@ -33,12 +33,14 @@ from kvgateway.core.backends import Backend
 from kvgateway.core.fleet import Fleet
 from kvgateway.core.ledger import Holding, OthersView
 from kvgateway.core.reservation import Reservation
+from kvgateway.core.tenancy import Tenancy
 from kvgateway.ledger.calls import LedgerCalls, release_totals
 from kvgateway.ledger.credit import Credit
 from kvgateway.ledger.fallback import FallbackShare
 from kvgateway.ledger.recorded import Recorded
 from kvgateway.ledger.scripts import Keys, Refused, parse_message
 from kvgateway.ledger.snapshot import UnsentGrants, settled_holding
+from kvgateway.ledger.tenant_holds import TenantHolds
 from kvgateway.ledger.waiting import WaitMarks
 
 log = logging.getLogger("kvgateway.ledger")
@@ -123,6 +125,15 @@ class RedisLedger:
         self._closing = False
         # Room recorded in Redis as ours that no request holds (part of `_mine`).
         self._credit = Credit(cfg.credit_hold_s, self._give_back, cfg.credit_max_requests)
+        self._holds = TenantHolds(
+            client,
+            cfg.namespace,
+            replica_id,
+            cfg.timeout_s,
+            shared=self.in_shared_mode,
+            live=lambda: self._live,
+            budget=lambda: sum(b.budget_tokens for b in fleet.backends if b.usable),
+        )
 
     # ---- what Admission calls ---------------------------------------------------
 
@@ -208,7 +219,11 @@ class RedisLedger:
         self._set_others(b, others_t, others_s)
         return bool(granted)
 
+    async def hold(self, reservation: Reservation) -> bool:
+        return await self._holds.hold(reservation)
+
     def release(self, reservation: Reservation, shared: int = 0) -> None:
+        self._holds.released(reservation)
         name = reservation.backend.name
         if self._unsent.sent(reservation):
             # Released before its confirm ran: never recorded, in no snapshot. A last
@@ -319,9 +334,12 @@ class RedisLedger:
     # ---- background -------------------------------------------------------------
 
     @contextlib.asynccontextmanager
-    async def running(self, admission: Admission) -> AsyncIterator[None]:
+    async def running(
+        self, admission: Admission, tenancy: Tenancy | None = None
+    ) -> AsyncIterator[None]:
         """Join the ledger (or start in fallback if Redis is not there) and keep the
-        lease, the view and the listener going until the block ends."""
+        lease, the view, the listener and ``tenancy``'s holdings going until the block
+        ends."""
         self._admission = admission
         self._share.apply()  # blind until the first sync answers
         await self._heartbeat_once()
@@ -342,7 +360,11 @@ class RedisLedger:
             asyncio.create_task(self._listen_loop(), name="ledger-listen"),
         ]
         try:
-            yield
+            if tenancy is None:
+                yield
+            else:
+                async with self._holds.running(tenancy, admission.reopen):
+                    yield
         finally:
             self._closing = True
             for t in tasks:

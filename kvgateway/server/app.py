@@ -179,7 +179,9 @@ def create_app(
             try:
                 async with contextlib.AsyncExitStack() as stack:
                     if ledger is not None:
-                        await stack.enter_async_context(ledger.running(state.admission))
+                        await stack.enter_async_context(
+                            ledger.running(state.admission, state.tenancy)
+                        )
                     if shared_quotas is not None:
                         await stack.enter_async_context(shared_quotas.running())
                     await stack.enter_async_context(discovery)

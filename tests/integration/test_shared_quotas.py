@@ -148,11 +148,13 @@ async def test_without_redis_each_replica_keeps_its_share_and_fails_nothing(
         else:
             raise AssertionError(f"{g.url} did not return to the shared ledger")
     for g in (a, b):  # each has added what it charged meanwhile to Redis
-        for _ in range(100):
+        for _ in range(200):
             async with aiohttp.ClientSession() as s, s.get(g.url + "/metrics") as r:
                 if "gateway_tenant_quota_fallback 0.0" in await r.text():
                     break
             await asyncio.sleep(0.05)
+        else:
+            raise AssertionError(f"{g.url} still judges limits on its share")
     # Back in Redis, what each admitted on its share counts: the minute is used up.
     for g in (a, b):
         status, headers = await _ask(g.url)
@@ -205,3 +207,129 @@ def test_a_replicas_share_of_each_limit_is_the_limit_over_the_live_replicas() ->
     assert (share.requests_per_minute, share.prompt_tokens_per_minute) == (3, 333)
     assert share.output_tokens_per_minute is None and share.max_concurrent == 4
     assert share_of(limits, 0) == limits
+
+
+HOLDERS = {
+    "auth": {
+        "keys": [
+            {"name": "shared", "key": "k-shared", "limits": {"max_kv_share": 0.3}},
+            {"name": "few", "key": "k-few", "limits": {"max_concurrent": 3}},
+        ]
+    },
+    "admission": {"queue_timeout_s": 60},
+}
+
+
+async def _long(s: aiohttp.ClientSession, url: str, key: str) -> int:
+    """~1k-token prompt generating 3k tokens: ~4k KV tokens held for ~2 s."""
+    body = {
+        "model": "llama",
+        "messages": [{"role": "user", "content": "hello " * 1000}],
+        "max_tokens": 3000,
+        "ignore_eos": True,
+    }
+    headers = {"Authorization": f"Bearer {key}"}
+    async with s.post(url + "/v1/chat/completions", json=body, headers=headers) as r:
+        await r.read()
+        return r.status
+
+
+async def test_max_kv_share_and_max_concurrent_hold_across_two_replicas(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """Flooded through both replicas, a tenant never has more than its share of the
+    fleet's KV budget on the node, nor more requests than its max_concurrent, counted
+    over both (each replica alone lets it have twice that); every request is served."""
+    async with running_node(time_scale=40) as node:
+        running = [
+            await start_gateway(tmp_path, name, node, redis_server.url, config=HOLDERS)
+            for name in ("a", "b")
+        ]
+        try:
+            for g in running:
+                for _ in range(100):
+                    if (await get_json(g.url + "/ready"))["ledger"]["live_replicas"] == 2:
+                        break
+                    await asyncio.sleep(0.05)
+            auth = {"Authorization": "Bearer k-shared"}
+            async with (
+                aiohttp.ClientSession(headers=auth) as s,
+                s.get(running[0].url + "/admin/backends") as r,
+            ):
+                (b,) = (await r.json())["backends"]
+            # Each request holds at most ~4.3k KV tokens (prompt + max_tokens).
+            most = int(0.3 * b["budget_tokens"]) // 4_000
+
+            async def sample(stop: asyncio.Event) -> int:
+                """The most requests the node had at once (running or queued there)."""
+                peak = 0
+                while not stop.is_set():
+                    state = await get_json(node + "/sim/state")
+                    peak = max(peak, state["running"] + state["waiting"])
+                    await asyncio.sleep(0.005)
+                return peak
+
+            for key, limit in (("k-shared", most), ("k-few", 3)):
+                stop = asyncio.Event()
+                sampler = asyncio.create_task(sample(stop))
+                timeout = aiohttp.ClientTimeout(total=90)
+                async with aiohttp.ClientSession(timeout=timeout) as s:
+                    statuses = await asyncio.gather(
+                        *(_long(s, running[i % 2].url, key) for i in range(12))
+                    )
+                stop.set()
+                peak = await sampler
+                assert statuses == [200] * 12, (key, statuses)
+                assert peak == limit, (key, peak, limit)
+            assert (await get_json(node + "/sim/state"))["preemptions"] == 0
+        finally:
+            for g in running:
+                await stop_gateway(g)
+
+
+async def test_redis_stopped_mid_flood_fails_nothing_and_each_replica_keeps_its_share(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """max_concurrent 4 over two replicas: with Redis gone each takes the other to hold
+    all but its share (2), so together they still stay within 4; no request fails."""
+    config = {
+        **HOLDERS,
+        "auth": {"keys": [{"name": "few", "key": "k-few", "limits": {"max_concurrent": 4}}]},
+    }
+    async with running_node(time_scale=40) as node:
+        running = [
+            await start_gateway(tmp_path, name, node, redis_server.url, config=config)
+            for name in ("a", "b")
+        ]
+        try:
+            for g in running:
+                for _ in range(100):
+                    if (await get_json(g.url + "/ready"))["ledger"]["live_replicas"] == 2:
+                        break
+                    await asyncio.sleep(0.05)
+            peak = 0
+            stop = asyncio.Event()
+
+            async def sample() -> None:
+                nonlocal peak
+                while not stop.is_set():
+                    state = await get_json(node + "/sim/state")
+                    peak = max(peak, state["running"] + state["waiting"])
+                    await asyncio.sleep(0.005)
+
+            sampler = asyncio.create_task(sample())
+            timeout = aiohttp.ClientTimeout(total=90)
+            async with aiohttp.ClientSession(timeout=timeout) as s:
+                flood = asyncio.gather(*(_long(s, running[i % 2].url, "k-few") for i in range(16)))
+                await asyncio.sleep(1.0)
+                redis_server.stop()
+                statuses = await flood
+            stop.set()
+            await sampler
+            assert statuses == [200] * 16, statuses
+            assert peak <= 4, peak
+            for g in running:
+                assert not (await get_json(g.url + "/ready"))["ledger"]["shared"]
+        finally:
+            for g in running:
+                await stop_gateway(g)

@@ -35,6 +35,9 @@ class ScriptedLedger:
         self.view.set(r.backend, self.others, 0)
         return ok
 
+    async def hold(self, r: Reservation) -> bool:
+        return True
+
     def release(self, r: Reservation, shared: int = 0) -> None:
         self.held -= r.tokens + shared
         self.released.append(r.tokens + shared)

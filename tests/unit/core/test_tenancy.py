@@ -532,3 +532,25 @@ async def test_a_class_floor_keeps_sequence_slots_free_where_slots_bind_first():
     for r in batch + interactive:
         adm.release(r)
     assert sum(x.reserved_seqs for x in nodes) == 0
+
+
+def test_what_other_replicas_hold_counts_against_the_tenants_limits():
+    """With a shared ledger a tenant's limits are judged on its holdings across
+    replicas: this replica's plus what the others hold for it."""
+    t = Tenancy(lambda: auth(tenant("a", max_concurrent=3, max_kv_share=0.5)))
+    ticket = t.ticket("a", 100)
+    t.granted(ticket, 100)
+    assert t.gate("a", 100, 1000) is None
+    t.others_requests["a"] = 2
+    assert t.gate("a", 100, 1000) == MAX_CONCURRENT
+    t.others_requests["a"] = 1
+    t.others_tokens["a"] = 350
+    assert t.gate("a", 100, 1000) == MAX_KV_SHARE
+    t.others_tokens["a"] = 300
+    assert t.gate("a", 100, 1000) is None
+    # Holding nothing anywhere, one request of any size may run; held elsewhere, not.
+    t.released(ticket, 100)
+    t.others_requests["a"] = t.others_tokens["a"] = 0
+    assert t.gate("a", 900, 1000) is None
+    t.others_tokens["a"] = 1
+    assert t.gate("a", 900, 1000) == MAX_KV_SHARE
