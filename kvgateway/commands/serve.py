@@ -27,6 +27,7 @@ from kvgateway.config.argtypes import log_level, port_number, seconds
 from kvgateway.config.load import load_config
 from kvgateway.config.model import GatewayConfig
 from kvgateway.config.yamlread import ConfigError
+from kvgateway.core.backends import DEFAULT_MAX_NUM_SEQS
 from kvgateway.core.derived_limits import derive_all
 from kvgateway.ledger.connect import LedgerConfigError
 from kvgateway.server.accesslog import setup_logging
@@ -34,6 +35,7 @@ from kvgateway.server.app import STATE, create_app
 from kvgateway.server.appkeys import WORKER_GAUGES
 from kvgateway.server.protocol import GatewayRunner
 from kvgateway.server.reload import Reloader, watch_file
+from kvgateway.server.state import GatewayState
 from kvgateway.server.tenants import tenant_holdings
 
 log = logging.getLogger("kvgateway.server")
@@ -230,6 +232,7 @@ async def serve(
     gc.freeze()
     url = f"http://{config.server.host}:{config.server.port}"
     log.info("gateway listening on %s (policy %s)", url, config.routing.policy)
+    _warn_unknown_slots(app[STATE])
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -272,6 +275,22 @@ async def serve(
         if reloader is not None:
             await reloader.close()
         await _shutdown(app, runner, site, app[STATE].config)  # as last reloaded
+
+
+def _warn_unknown_slots(state: GatewayState) -> None:
+    """Class floors keep sequence slots as well as KV: on a node whose max_num_seqs is
+    neither configured nor derived (vLLM does not report it), slots are judged against
+    vLLM's default, and a floor cannot hold them if the node runs with fewer."""
+    if not any(c.floor_share > 0 for c in state.config.auth.classes):
+        return
+    unknown = [b.name for b in state.fleet.backends if b.limits.max_num_seqs.value is None]
+    if unknown:
+        log.warning(
+            "class floors hold sequence slots only where max_num_seqs is known; set it on "
+            "backends %s (their nodes' --max-num-seqs; %d assumed)",
+            ", ".join(unknown),
+            DEFAULT_MAX_NUM_SEQS,
+        )
 
 
 def _already_stopping(sig: signal.Signals) -> None:

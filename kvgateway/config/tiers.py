@@ -47,6 +47,14 @@ def read_tier(s: Section, models: Mapping[str, ModelConfig], timeouts: TimeoutCo
     )
 
 
+def _simulated_seqs(s: Section) -> int | None:
+    """A simulated node's ``simulate.max_num_seqs``: the node runs with it (vLLM does
+    not report its own), so the gateway knows its sequence slots as if configured."""
+    sim = s.raw("simulate")
+    seqs = sim.get("max_num_seqs") if isinstance(sim, Mapping) else None
+    return seqs if isinstance(seqs, int) and not isinstance(seqs, bool) and seqs > 0 else None
+
+
 def _backend(
     s: Section,
     tier: str,
@@ -136,7 +144,7 @@ def _backend_settings(
         offload=offload,
         served_model=s.opt_str("served_model") or served,
         max_model_len=s.opt_int("max_model_len"),
-        max_num_seqs=s.opt_int("max_num_seqs"),
+        max_num_seqs=s.opt_int("max_num_seqs") or _simulated_seqs(s),
         kv_cache_tokens=s.opt_int("kv_cache_tokens"),
         capacity=s.mapping("capacity"),
         discover=s.flag("discover", True),

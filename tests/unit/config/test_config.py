@@ -307,3 +307,20 @@ def test_capacity_problems_are_reported_with_the_files_others():
     paths = {e.path or str(e).split(":")[0] for e in err.value.errors}
     assert "routing.policy" in paths
     assert sum("capacity" in p for p in paths) == 2, str(err.value)
+
+
+def test_a_simulated_nodes_max_num_seqs_is_the_backends_unless_set_there():
+    """A `simulate:` block says how the node runs; vLLM does not report --max-num-seqs."""
+    cfg = parse(
+        """
+        models: [{name: m}]
+        tiers:
+          - name: t
+            backends:
+              - {name: a, url: "http://127.0.0.1:9000", model: m, simulate: {max_num_seqs: 16}}
+              - {name: b, url: "http://127.0.0.1:9001", model: m, max_num_seqs: 8,
+                 simulate: {max_num_seqs: 16}}
+              - {name: c, url: "http://127.0.0.1:9002", model: m, simulate: {profile: tiny}}
+        """
+    )
+    assert [b.max_num_seqs for b in cfg.backends] == [16, 8, None]
