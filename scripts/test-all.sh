@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The whole suite after lint: the main tier, then the real-vLLM tier. The main tier runs
+# The whole suite after lint: the main tier, its timing tests alone, then the real-vLLM
+# tier. The main tier runs
 # 3 workers on 2 cores (it spends a third of its time waiting on sockets and timers).
 # The real tier's first two nodes (S and L, which every real module uses) start in the
 # background as the main tier begins: a node's start-up is mostly imports on one core.
@@ -23,7 +24,10 @@ if "$BIN/python" -c 'import sys; from tests.support.vllm_nodes import vllm_missi
     keeper=$!
 fi
 
-"$BIN/pytest" -n 3 -q -m "not real_vllm"
+"$BIN/pytest" -n 3 -q -m "not real_vllm and not timing"
+# Tests that compare latencies, alone on the machine (beside the parallel tier, the
+# CPU it takes moves their timings more than what they measure).
+"$BIN/pytest" -q -m "timing and not real_vllm"
 
 if [ -n "$keeper" ]; then
     # Bounded: the keeper gives up after the nodes' start-up timeout.

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
 from kvgateway.config.model import AuthConfig, TenantConfig
@@ -66,10 +66,7 @@ class Tenancy:
         self.class_tokens: Counter[str] = Counter()
         self.class_seqs: Counter[str] = Counter()  # sequence slots held, per class
         self.granted_tokens: Counter[str] = Counter()  # KV tokens ever granted, per tenant
-        # What other gateway replicas hold per tenant, as a shared ledger last saw it
-        # (or all of each limit but this replica's share, in its fallback).
-        self.others_tokens: Counter[str] = Counter()
-        self.others_requests: Counter[str] = Counter()
+        self.elsewhere = Elsewhere()
         # The tenants by name, for the config they were read from (a reload makes anew).
         self._names: tuple[AuthConfig, dict[str, TenantConfig]] | None = None
 
@@ -124,10 +121,11 @@ class Tenancy:
         auth = self._auth()
         t = self.tenant(name)
         limits = t.limits
-        running = self.requests[t.name] + self.others_requests[t.name] + ahead
+        away = self.elsewhere
+        running = self.requests[t.name] + away.requests[t.name] + ahead
         if limits.max_concurrent is not None and running >= limits.max_concurrent:
             return MAX_CONCURRENT
-        held = self.tokens[t.name] + self.others_tokens[t.name] + ahead_tokens
+        held = self.tokens[t.name] + away.tokens[t.name] + ahead_tokens
         # A tenant holding nothing may always run one request, however large.
         if (
             limits.max_kv_share is not None
@@ -136,21 +134,12 @@ class Tenancy:
         ):
             return MAX_KV_SHARE
         own = auth.class_of(t)
-        reserved = sum(
-            max(0.0, c.floor_share * budget - self.class_tokens[c.name])
-            for c in auth.classes
-            if c.name != own
-        )
-        if reserved and sum(self.class_tokens.values()) + tokens + reserved > budget:
+        kv = (self.class_tokens, away.class_tokens, away.unclassed_tokens)
+        if _floors_block(auth, own, *kv, tokens, budget):
             return CLASS_FLOOR
-        if slots > 0:
-            kept = sum(
-                max(0.0, c.floor_share * slots - self.class_seqs[c.name])
-                for c in auth.classes
-                if c.name != own
-            )
-            if kept and sum(self.class_seqs.values()) + seqs + kept > slots:
-                return CLASS_FLOOR
+        seq = (self.class_seqs, away.class_seqs, away.unclassed_seqs)
+        if slots > 0 and _floors_block(auth, own, *seq, seqs, slots):
+            return CLASS_FLOOR
         return None
 
     def never_passes_floors(
@@ -181,6 +170,42 @@ class Tenancy:
         self.requests[ticket.tenant] -= 1
         self.class_tokens[klass] -= tokens
         self.class_seqs[klass] -= seqs
+
+
+def _floors_block(
+    auth: AuthConfig,
+    own: str,
+    here: Counter[str],
+    away: Counter[str],
+    unclassed: int,
+    asked: int,
+    total: int,
+) -> bool:
+    """Would ``asked`` more of one resource (KV tokens or slots, ``total`` of them) in
+    class ``own`` eat into what the other classes' floors keep? Each floor keeps what
+    its class does not hold of it, here or on other replicas."""
+    kept = sum(
+        max(0.0, c.floor_share * total - here[c.name] - away[c.name])
+        for c in auth.classes
+        if c.name != own
+    )
+    used = sum(here.values()) + sum(away.values()) + unclassed
+    return bool(kept) and used + asked + kept > total
+
+
+@dataclass(slots=True)
+class Elsewhere:
+    """What other gateway replicas hold, as a shared ledger last saw it: per tenant
+    (KV tokens, requests) and per class (KV tokens, sequences)."""
+
+    tokens: Counter[str] = field(default_factory=Counter)
+    requests: Counter[str] = field(default_factory=Counter)
+    class_tokens: Counter[str] = field(default_factory=Counter)
+    class_seqs: Counter[str] = field(default_factory=Counter)
+    # In the ledger's fallback: what the others are taken to hold, all of the fleet
+    # but this replica's share, in classes unknown here.
+    unclassed_tokens: int = 0
+    unclassed_seqs: int = 0
 
 
 class Queued(Protocol):

@@ -133,6 +133,7 @@ class RedisLedger:
             shared=self.in_shared_mode,
             live=lambda: self._live,
             budget=lambda: sum(b.budget_tokens for b in fleet.backends if b.usable),
+            slots=lambda: sum(b.max_num_seqs for b in fleet.backends if b.usable),
         )
 
     # ---- what Admission calls ---------------------------------------------------

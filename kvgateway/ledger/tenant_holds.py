@@ -1,18 +1,20 @@
-"""Tenant holdings across replicas: ``max_concurrent`` and ``max_kv_share`` for the fleet.
+"""Tenant and class holdings across replicas: ``max_concurrent``, ``max_kv_share`` and
+class floors for the whole fleet.
 
-Each replica records in Redis what each limited tenant holds through it, as absolute
-values (``{ns}:ttok:TENANT`` KV tokens, ``{ns}:treq:TENANT`` requests; hashes of
-replica -> value, summed over the live leases of the shared ledger as its KV holdings
-are). A limited tenant's grant is held there after its KV confirm, in one script: the
-other replicas' holdings plus this replica's (the request included) must stay within
-the limits, else it is refused and waits, its tenant's gate now seeing the others'
-holdings (:attr:`Tenancy.others_tokens`). After releases, and every ``REFRESH_S``, the
-replica writes its holdings again and reads the others'; a tenant they no longer hold
-back here is let through.
+Each replica records in Redis, as absolute values, what it holds per tenant (KV tokens,
+requests: ``{ns}:ttok:TENANT``, ``{ns}:treq:TENANT``) and per class (KV tokens,
+sequences: ``{ns}:ctok:CLASS``, ``{ns}:cseq:CLASS``); hashes of replica -> value,
+summed over the live leases of the shared ledger as its KV holdings are. A grant that a
+tenant limit or a class floor concerns is held there after its KV confirm, in one
+script: with it, the tenant must stay within its limits and the other classes' floors
+must still fit, counting what every live replica holds; else it is refused and waits,
+its gate now seeing the others' holdings (:class:`~kvgateway.core.tenancy.Elsewhere`).
+After releases, and every ``REFRESH_S``, the replica writes its holdings again and reads
+the others'; waiters they no longer hold back are let through.
 
 While the shared ledger is in its fallback the others are taken to hold all of each
-limit but this replica's share (``limit // live replicas``), so the replicas together
-stay within it; a failed call fails no request.
+tenant limit, and of the fleet, but this replica's share (``1 / live replicas``); a
+failed call fails no request.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import contextlib
 import logging
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
@@ -35,11 +38,15 @@ _FAILURES = (RedisError, OSError, TimeoutError)
 # How often the others' holdings are read (and this replica's written) at the least.
 REFRESH_S = 0.25
 
-# KEYS: live, tokens hash, requests hash. ARGV: me, my tokens, my requests (this request
-# included), token cap (-1: none), request cap (-1: none), this request's tokens, check
-# (1: judge it; 0: only write mine). Returns {held 0/1, others' tokens, others' requests}.
-# A tenant holding nothing anywhere may always run one request, however large (as in
-# one process).
+# KEYS: live, the tenant's tokens and requests hashes, then per class its tokens and
+# seqs hashes. ARGV: me, check (1: judge this request; 0: only write mine), this
+# request's tokens, its seqs, its class's index (1-based; 0: none), my tenant tokens and
+# requests (this request included), the tenant's token and request caps (-1: none), the
+# fleet's KV budget and slots, then per class: my tokens and seqs (this request
+# included), its floor in tokens and in seqs. Returns {held 0/1, the others' tenant
+# tokens and requests, then per class the others' tokens and seqs}. As in one process:
+# a tenant holding nothing anywhere may always run one request, however large; a
+# floor keeps what its class does not hold, and binds the other classes only.
 HOLD = """
 local function others(key, livekey, me)
   local all = redis.call('HGETALL', key)
@@ -55,21 +62,66 @@ local function others(key, livekey, me)
   end
   return sum
 end
-local me = ARGV[1]
-local mt, mr = tonumber(ARGV[2]), tonumber(ARGV[3])
-local ct, cr, this = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
+local function put(key, me, v)
+  if v > 0 then redis.call('HSET', key, me, v) else redis.call('HDEL', key, me) end
+end
+local me, check = ARGV[1], ARGV[2] == '1'
+local this, this_seqs, own = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
+local mt, mr, ct, cr = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9])
+local budget, slots = tonumber(ARGV[10]), tonumber(ARGV[11])
 local ot, orq = others(KEYS[2], KEYS[1], me), others(KEYS[3], KEYS[1], me)
-if ARGV[7] == '1' then
-  if cr >= 0 and orq + mr > cr then return {0, ot, orq} end
-  if ct >= 0 and ot + mt - this > 0 and ot + mt > ct then return {0, ot, orq} end
+local n = (#KEYS - 3) / 2
+local out = {1, ot, orq}
+local held_t, held_s, floor_t, floor_s = {}, {}, {}, {}
+local mine_t, mine_s = {}, {}
+local sum_t, sum_s = 0, 0
+for c = 1, n do
+  local a = 11 + 4 * (c - 1)
+  mine_t[c], mine_s[c] = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2])
+  floor_t[c], floor_s[c] = tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4])
+  local oct = others(KEYS[2 + 2 * c], KEYS[1], me)
+  local ocs = others(KEYS[3 + 2 * c], KEYS[1], me)
+  out[#out + 1], out[#out + 2] = oct, ocs
+  held_t[c], held_s[c] = oct + mine_t[c], ocs + mine_s[c]
+  sum_t, sum_s = sum_t + held_t[c], sum_s + held_s[c]
 end
-for k, v in pairs({[KEYS[2]] = mt, [KEYS[3]] = mr}) do
-  if v > 0 then redis.call('HSET', k, me, v) else redis.call('HDEL', k, me) end
+if check then
+  local refused = (cr >= 0 and orq + mr > cr)
+    or (ct >= 0 and ot + mt - this > 0 and ot + mt > ct)
+  if own > 0 and not refused then
+    local kept_t, kept_s = 0, 0
+    for c = 1, n do
+      if c ~= own then
+        kept_t = kept_t + math.max(0, floor_t[c] - held_t[c])
+        kept_s = kept_s + math.max(0, floor_s[c] - held_s[c])
+      end
+    end
+    refused = (kept_t > 0 and sum_t + kept_t > budget)
+      or (slots > 0 and kept_s > 0 and sum_s + kept_s > slots)
+  end
+  if refused then
+    out[1] = 0
+    return out
+  end
 end
-return {1, ot, orq}
+put(KEYS[2], me, mt)
+put(KEYS[3], me, mr)
+for c = 1, n do
+  put(KEYS[2 + 2 * c], me, mine_t[c])
+  put(KEYS[3 + 2 * c], me, mine_s[c])
+end
+return out
 """
 
 Caps = tuple[int, int]  # KV tokens, requests (-1: no limit)
+
+
+@dataclass(frozen=True, slots=True)
+class _Held:
+    tenant: str
+    klass: str
+    tokens: int
+    seqs: int
 
 
 class TenantHolds:
@@ -83,6 +135,7 @@ class TenantHolds:
         shared: Callable[[], bool],
         live: Callable[[], int],
         budget: Callable[[], int],
+        slots: Callable[[], int],
     ) -> None:
         self._client = client
         self._ns = namespace
@@ -91,6 +144,7 @@ class TenantHolds:
         self._shared = shared
         self._live = live
         self._budget = budget
+        self._slots = slots
         self._tenancy: Tenancy | None = None
         self._reopen: Callable[[str], None] = lambda tenant: None
         # One write at a time: each carries absolute values read when it is sent, and
@@ -98,18 +152,17 @@ class TenantHolds:
         self._lock = asyncio.Lock()
         self._dirty = asyncio.Event()
         self._sha = ""
-        # What this replica holds for limited tenants: the reservations held (recorded,
-        # or let through in the fallback, to be recorded once back), per tenant.
-        self._held: dict[int, tuple[str, int]] = {}
-        self._tokens: Counter[str] = Counter()
+        # The reservations this replica holds that a limit or floor concerns (recorded,
+        # or let through in the fallback, to be recorded once back).
+        self._held: dict[int, _Held] = {}
+        self._tokens: Counter[str] = Counter()  # per tenant
         self._requests: Counter[str] = Counter()
-
-    def _keys(self, tenant: str) -> list[str]:
-        ns = self._ns
-        return [f"{{{ns}}}:live", f"{{{ns}}}:ttok:{tenant}", f"{{{ns}}}:treq:{tenant}"]
+        self._class_tokens: Counter[str] = Counter()
+        self._class_seqs: Counter[str] = Counter()
 
     def _caps(self, tenant: str) -> Caps | None:
-        if self._tenancy is None:
+        assert self._tenancy is not None
+        if not tenant:
             return None
         limits = self._tenancy.tenant(tenant).limits
         if limits.max_concurrent is None and limits.max_kv_share is None:
@@ -117,66 +170,100 @@ class TenantHolds:
         tokens = -1 if limits.max_kv_share is None else int(limits.max_kv_share * self._budget())
         return tokens, -1 if limits.max_concurrent is None else limits.max_concurrent
 
-    async def _call(self, tenant: str, caps: Caps, this: int, check: bool) -> list[int]:
-        """The script for ``tenant``: this replica's holdings written (plus ``this``
-        request's tokens, if ``this``), the others' read."""
+    def _floors(self) -> bool:
+        assert self._tenancy is not None
+        return any(c.floor_share > 0 for c in self._tenancy.auth.classes)
+
+    async def _call(self, tenant: str, held: _Held | None) -> list[int]:
+        """The script for ``tenant``: this replica's holdings written (``held``, the
+        request judged, included), the others' read."""
+        assert self._tenancy is not None
         if not self._sha:
             self._sha = await self._client.script_load(HOLD)
-        mine = (self._tokens[tenant] + this, self._requests[tenant] + (1 if this else 0))
-        args = [self._id, *mine, *caps, this, 1 if check else 0]
-        got = await self._client.evalsha(self._sha, 3, *self._keys(tenant), *args)
+        classes = self._tenancy.auth.classes
+        ns = self._ns
+        keys = [f"{{{ns}}}:live", f"{{{ns}}}:ttok:{tenant}", f"{{{ns}}}:treq:{tenant}"]
+        budget, slots = self._budget(), self._slots()
+        this, seqs = (held.tokens, held.seqs) if held is not None else (0, 0)
+        own = next((i + 1 for i, c in enumerate(classes) if held and c.name == held.klass), 0)
+        caps = self._caps(tenant) or (-1, -1)
+        args: list[str | int] = [self._id, 1 if held else 0, this, seqs, own]
+        args += [self._tokens[tenant] + this, self._requests[tenant] + (1 if held else 0)]
+        args += [*caps, budget, slots]
+        for i, c in enumerate(classes):
+            keys += [f"{{{ns}}}:ctok:{c.name}", f"{{{ns}}}:cseq:{c.name}"]
+            mine = i + 1 == own
+            args += [
+                self._class_tokens[c.name] + (this if mine else 0),
+                self._class_seqs[c.name] + (seqs if mine else 0),
+                int(c.floor_share * budget),
+                int(c.floor_share * slots),
+            ]
+        got = await self._client.evalsha(self._sha, len(keys), *keys, *args)
         return [int(x) for x in got]
 
-    def _add(self, r: Reservation, tenant: str) -> None:
-        self._held[r.id] = (tenant, r.tokens)
-        self._tokens[tenant] += r.tokens
-        self._requests[tenant] += 1
+    def _add(self, r: Reservation, held: _Held) -> None:
+        self._held[r.id] = held
+        self._tokens[held.tenant] += held.tokens
+        self._requests[held.tenant] += 1
+        self._class_tokens[held.klass] += held.tokens
+        self._class_seqs[held.klass] += held.seqs
 
-    def _seen(self, tenant: str, tokens: int, requests: int) -> None:
+    def _seen(self, tenant: str, got: list[int]) -> None:
+        """Take in the others' holdings a script answered; reopen what fell."""
         assert self._tenancy is not None
-        t = self._tenancy
-        fell = tokens < t.others_tokens[tenant] or requests < t.others_requests[tenant]
-        t.others_tokens[tenant], t.others_requests[tenant] = tokens, requests
+        away = self._tenancy.elsewhere
+        fell = got[1] < away.tokens[tenant] or got[2] < away.requests[tenant]
+        away.tokens[tenant], away.requests[tenant] = got[1], got[2]
+        for i, c in enumerate(self._tenancy.auth.classes):
+            tokens, seqs = got[3 + 2 * i], got[4 + 2 * i]
+            fell |= tokens < away.class_tokens[c.name] or seqs < away.class_seqs[c.name]
+            away.class_tokens[c.name], away.class_seqs[c.name] = tokens, seqs
+        fell |= away.unclassed_tokens > 0 or away.unclassed_seqs > 0
+        away.unclassed_tokens = away.unclassed_seqs = 0
         if fell:
             self._reopen(tenant)
 
     async def hold(self, r: Reservation) -> bool:
-        """Hold ``r`` for its tenant across replicas; False: the others' holdings leave
-        it no room (its gate now sees them)."""
-        caps = self._caps(r.ticket.tenant) if r.ticket is not None else None
-        if caps is None or r.ticket is None:
+        """Hold ``r`` for its tenant and class across replicas; False: what the others
+        hold leaves it no room (its gate now sees them)."""
+        if self._tenancy is None or r.ticket is None:
             return True
         tenant = r.ticket.tenant
+        if self._caps(tenant) is None and not self._floors():
+            return True
+        held = _Held(tenant, r.ticket.klass, r.tokens, r.seqs)
         if not self._shared():  # the fallback's share limited it; recorded once back
-            self._add(r, tenant)
+            self._add(r, held)
             return True
         try:
             async with asyncio.timeout(self._timeout):
                 async with self._lock:
-                    ok, tokens, requests = await self._call(tenant, caps, r.tokens, True)
-                    if ok:
-                        self._add(r, tenant)
+                    got = await self._call(tenant, held)
+                    if got[0]:
+                        self._add(r, held)
         except _FAILURES as exc:
             self._sha = ""
             log.debug("tenant holdings: hold not recorded: %r", exc)
-            self._add(r, tenant)
+            self._add(r, held)
             self._dirty.set()
             return True  # the shared ledger finds Redis gone and falls back on its own
-        self._seen(tenant, tokens, requests)
-        return bool(ok)
+        self._seen(tenant, got)
+        return bool(got[0])
 
     def released(self, r: Reservation) -> None:
         held = self._held.pop(r.id, None)
         if held is not None:
-            tenant, tokens = held
-            self._tokens[tenant] -= tokens
-            self._requests[tenant] -= 1
+            self._tokens[held.tenant] -= held.tokens
+            self._requests[held.tenant] -= 1
+            self._class_tokens[held.klass] -= held.tokens
+            self._class_seqs[held.klass] -= held.seqs
             self._dirty.set()
 
     @contextlib.asynccontextmanager
     async def running(self, tenancy: Tenancy, reopen: Callable[[str], None]) -> AsyncIterator[None]:
         """Keep this replica's holdings written and the others' read until the block
-        ends; ``reopen(tenant)``: the others' holdings of ``tenant`` fell."""
+        ends; ``reopen(tenant)``: what the others hold for ``tenant`` (or its class) fell."""
         self._tenancy, self._reopen = tenancy, reopen
         task = asyncio.create_task(self._loop(), name="tenant-holds")
         try:
@@ -194,34 +281,61 @@ class TenantHolds:
             self._dirty.clear()
             await self.refresh()
 
-    def _limited(self) -> list[tuple[str, Caps]]:
+    def _concerned(self) -> list[str]:
+        """The tenants whose holdings are refreshed: those with a limit; with floors and
+        none of them, one call still refreshes the classes' ("": no tenant's)."""
         assert self._tenancy is not None
         auth = self._tenancy.auth
-        names = {t.name for t in (*auth.tenants, auth.default_tenant)}
-        return [(n, caps) for n in sorted(names) if (caps := self._caps(n)) is not None]
+        names = sorted({t.name for t in (*auth.tenants, auth.default_tenant)})
+        limited = [n for n in names if self._caps(n) is not None]
+        return limited or ([""] if self._floors() else [])
 
     async def refresh(self) -> None:
-        """Write this replica's holdings of every limited tenant and read the others';
-        in the fallback, take the others to hold all but this replica's share."""
-        limited = self._limited()
-        if not limited:
+        """Write this replica's holdings and read the others'; in the fallback, take the
+        others to hold all but this replica's share."""
+        if self._tenancy is None:
+            return
+        concerned = self._concerned()
+        if not concerned:
             return
         if not self._shared():
-            live = max(1, self._live())
-            for tenant, (tokens, requests) in limited:
-                self._seen(
-                    tenant,
-                    max(0, tokens - tokens // live),
-                    max(0, requests - requests // live),
-                )
+            self._fallback_view(concerned)
             return
         try:
             async with asyncio.timeout(self._timeout):
                 async with self._lock:
-                    answers = [await self._call(t, caps, 0, False) for t, caps in limited]
+                    answers = [await self._call(t, None) for t in concerned]
         except _FAILURES as exc:
             self._sha = ""
             log.debug("tenant holdings: refresh failed: %r", exc)
             return
-        for (tenant, _), (_, tokens, requests) in zip(limited, answers, strict=True):
-            self._seen(tenant, tokens, requests)
+        for tenant, got in zip(concerned, answers, strict=True):
+            self._seen(tenant, got)
+
+    def _fallback_view(self, concerned: list[str]) -> None:
+        """The others taken to hold all but this replica's share; tenants whose view
+        fell (what was last seen of the others was more) ask again."""
+        assert self._tenancy is not None
+        away = self._tenancy.elsewhere
+        live = max(1, self._live())
+        before = sum(away.class_tokens.values()) + away.unclassed_tokens
+        before_s = sum(away.class_seqs.values()) + away.unclassed_seqs
+        fell: list[str] = []
+        for tenant in concerned:
+            tokens, requests = self._caps(tenant) or (0, 0)
+            was = (away.tokens[tenant], away.requests[tenant])
+            away.tokens[tenant] = max(0, tokens - tokens // live)
+            away.requests[tenant] = max(0, requests - requests // live)
+            if away.tokens[tenant] < was[0] or away.requests[tenant] < was[1]:
+                fell.append(tenant)
+        away.class_tokens.clear()
+        away.class_seqs.clear()
+        away.unclassed_tokens = away.unclassed_seqs = 0
+        if self._floors():
+            budget, slots = self._budget(), self._slots()
+            away.unclassed_tokens = budget - budget // live
+            away.unclassed_seqs = slots - slots // live
+            if away.unclassed_tokens < before or away.unclassed_seqs < before_s:
+                fell = concerned
+        for tenant in fell:
+            self._reopen(tenant)

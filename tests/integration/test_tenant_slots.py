@@ -1,7 +1,8 @@
 """Class floors where sequence slots bind first, run as a user runs it: one YAML, the
 simulated fleet (`gateway simulate`) and the gateway (`gateway serve`) in their own
 processes, two 24 GB nodes with max_num_seqs 16, an interactive class with floor_share
-0.2, a batch tenant flooding with 80 loops of long answers."""
+0.2, a batch tenant flooding with 80 loops of long answers; through one gateway, and
+through two sharing one Redis."""
 
 from __future__ import annotations
 
@@ -20,12 +21,14 @@ import aiohttp
 import pytest
 import yaml
 
-from bench.tenants import flooded, gateway_config, interactive
+from bench.tenants import flood, flooded, gateway_config, interactive
 from tests.support.fleet import MODEL, SERVED
 from tests.support.gateway_process import serve_process
 from tests.support.live import free_ports
+from tests.support.redis_server import RedisServer
 
-pytestmark = pytest.mark.slow
+# Timing: run alone, after the parallel tier (scripts/test-all.sh).
+pytestmark = [pytest.mark.slow, pytest.mark.timing]
 
 
 def _config(ports: list[int]) -> dict[str, Any]:
@@ -71,16 +74,18 @@ def _simulated(config: dict[str, Any], ports: list[int], work: Path) -> Iterator
         proc.wait(30)
 
 
-async def _running_peak(ports: list[int], stop: asyncio.Event) -> int:
-    """The most sequences any node ran at once."""
-    peak = 0
+async def _running_peak(ports: list[int], stop: asyncio.Event) -> tuple[int, int]:
+    """The most sequences any node ran at once, and the most all of them ran."""
+    peak = total = 0
     async with aiohttp.ClientSession() as s:
         while not stop.is_set():
+            running = []
             for port in ports:
                 async with s.get(f"http://127.0.0.1:{port}/sim/state") as r:
-                    peak = max(peak, (await r.json())["running"])
-            await asyncio.sleep(0.05)
-    return peak
+                    running.append((await r.json())["running"])
+            peak, total = max(peak, *running), max(total, sum(running))
+            await asyncio.sleep(0.02)
+    return peak, total
 
 
 async def test_a_batch_flood_takes_no_slot_the_interactive_floor_keeps(tmp_path: Path) -> None:
@@ -90,19 +95,61 @@ async def test_a_batch_flood_takes_no_slot_the_interactive_floor_keeps(tmp_path:
     ports = free_ports(2)
     config = _config(ports)
     with _simulated(config, ports, tmp_path), serve_process(config, tmp_path / "gw") as (url, _):
-        args = {"clients": 3, "requests": 30, "prompt_tokens": 1500}
+        args = {"clients": 3, "requests": 20, "prompt_tokens": 1500}
         alone = await interactive(url, MODEL, **args)
         stop = asyncio.Event()
         peak = asyncio.create_task(_running_peak(ports, stop))
         inter, batch = await flooded(url, MODEL, batch_clients=80, settle_s=1.0, **args)
         stop.set()
-        slots = await peak
+        slots, _ = await peak
     log = (tmp_path / "gw" / "gateway.log").read_text()
     assert "class floors hold sequence slots only where" not in log
-    assert alone.statuses == {200: 90} and inter.statuses == {200: 90}
+    assert alone.statuses == {200: 60} and inter.statuses == {200: 60}
     assert inter.percentile(99) <= 1.5 * alone.percentile(99), (alone.summary(), inter.summary())
     queued = [float(q) for q in re.findall(r"tenant=app .*? queued_ms=([\d.]+)", log)]
-    assert len(queued) == 180 and max(queued) == 0.0, queued
+    assert len(queued) == 120 and max(queued) == 0.0, queued
     # The flood was real: the slots were full and batch waited or was refused.
     assert slots == 16
     assert re.search(r"tenant=etl .*? queued_ms=[1-9]", log) or batch.statuses[429] > 0
+
+
+async def test_the_floor_holds_with_the_flood_spread_over_two_replicas(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """The same flood through two gateway replicas sharing one Redis: each replica's
+    batch requests count what the other holds in each class, so together they still
+    leave the interactive floor free (batch runs at most 25 of the 32 slots; judged per
+    replica it took them all), and interactive chats never queue. The floor keeps slots
+    in the fleet, not on each node: when the free ones are all on one node, the
+    interactive prefills share its steps, so TTFT p99 is bounded at 2x here (1.0-1.5x
+    in most runs, 2.1x with floors judged per replica)."""
+    ports = free_ports(2)
+    config = {**_config(ports), "ledger": {"url": redis_server.url, "timeout_s": 0.5}}
+    with (
+        _simulated(config, ports, tmp_path),
+        serve_process(config, tmp_path / "a") as (a, _),
+        serve_process(config, tmp_path / "b") as (b, _),
+    ):
+        args = {"clients": 3, "requests": 20, "prompt_tokens": 1500}
+        alone = await interactive(a, MODEL, **args)
+        stop = asyncio.Event()
+        peak = asyncio.create_task(_running_peak(ports, stop))
+        flood_b = asyncio.create_task(_flood(b, stop))
+        inter, _ = await flooded(a, MODEL, batch_clients=40, settle_s=1.0, **args)
+        stop.set()
+        slots, total = await peak
+        await flood_b
+    logs = [(tmp_path / n / "gateway.log").read_text() for n in ("a", "b")]
+    assert alone.statuses == {200: 60} and inter.statuses == {200: 60}
+    assert inter.percentile(99) <= 2 * alone.percentile(99), (alone.summary(), inter.summary())
+    queued = [float(q) for q in re.findall(r"tenant=app .*? queued_ms=([\d.]+)", logs[0])]
+    assert len(queued) == 120 and max(queued) == 0.0, queued
+    # 25 batch sequences at most (32 less the floor's 6.4), 3 interactive ones, and one
+    # the node ends in the step after the gateway saw its answer end (32 judged apart).
+    assert slots == 16 and total <= 29, (slots, total)
+    assert all(re.search(r"tenant=etl .*? status=200", log) for log in logs)
+
+
+async def _flood(url: str, stop: asyncio.Event) -> None:
+    """40 more batch loops, through another replica, until ``stop``."""
+    await flood(url, MODEL, stop, clients=40)

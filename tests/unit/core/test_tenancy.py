@@ -541,16 +541,38 @@ def test_what_other_replicas_hold_counts_against_the_tenants_limits():
     ticket = t.ticket("a", 100)
     t.granted(ticket, 100)
     assert t.gate("a", 100, 1000) is None
-    t.others_requests["a"] = 2
+    t.elsewhere.requests["a"] = 2
     assert t.gate("a", 100, 1000) == MAX_CONCURRENT
-    t.others_requests["a"] = 1
-    t.others_tokens["a"] = 350
+    t.elsewhere.requests["a"] = 1
+    t.elsewhere.tokens["a"] = 350
     assert t.gate("a", 100, 1000) == MAX_KV_SHARE
-    t.others_tokens["a"] = 300
+    t.elsewhere.tokens["a"] = 300
     assert t.gate("a", 100, 1000) is None
     # Holding nothing anywhere, one request of any size may run; held elsewhere, not.
     t.released(ticket, 100)
-    t.others_requests["a"] = t.others_tokens["a"] = 0
+    t.elsewhere.requests["a"] = t.elsewhere.tokens["a"] = 0
     assert t.gate("a", 900, 1000) is None
-    t.others_tokens["a"] = 1
+    t.elsewhere.tokens["a"] = 1
     assert t.gate("a", 900, 1000) == MAX_KV_SHARE
+
+
+def test_class_floors_count_what_other_replicas_hold_in_each_class():
+    """A floor keeps what its class holds nowhere: batch held on another replica eats
+    into the room this one may give batch, interactive held there fills the floor."""
+    classes = (ClassConfig("interactive", floor_share=0.2), ClassConfig("batch"))
+    t = Tenancy(lambda: auth(tenant("i", "interactive"), tenant("b", "batch"), classes=classes))
+    # 100 slots: 20 kept for interactive; 70 batch sequences run on another replica.
+    t.elsewhere.class_seqs["batch"] = 70
+    assert t.gate("b", 1, 10**9, seqs=10, slots=100) is None
+    assert t.gate("b", 1, 10**9, seqs=11, slots=100) == CLASS_FLOOR
+    # Interactive holding its floor elsewhere: the floor keeps nothing more.
+    t.elsewhere.class_seqs["interactive"] = 20
+    assert t.gate("b", 1, 10**9, seqs=30, slots=100) is None
+    t.elsewhere.class_seqs["interactive"] = 5  # 15 still kept: 70 + 5 + 10 + 15 = 100
+    assert t.gate("b", 1, 10**9, seqs=10, slots=100) is None
+    assert t.gate("b", 1, 10**9, seqs=11, slots=100) == CLASS_FLOOR
+    # In a ledger's fallback the others hold all but this replica's share, unclassed.
+    t.elsewhere.class_seqs.clear()
+    t.elsewhere.unclassed_seqs = 50
+    assert t.gate("b", 1, 10**9, seqs=30, slots=100) is None
+    assert t.gate("b", 1, 10**9, seqs=31, slots=100) == CLASS_FLOOR
