@@ -116,10 +116,6 @@ class SharedQuotas:
         self._flush = asyncio.Event()
         self._shas: dict[str, str] = {}
 
-    @property
-    def in_fallback(self) -> bool:
-        return self._in_fallback
-
     def _set_fallback(self, on: bool, reason: str = "") -> None:
         if on == self._in_fallback:
             return
