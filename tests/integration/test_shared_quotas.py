@@ -5,8 +5,10 @@ headers; with Redis stopped each replica keeps within its share and fails nothin
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import openai
@@ -38,26 +40,44 @@ AUTH = {
 }
 
 
-@pytest.fixture
-async def two(
-    tmp_path: Path, redis_server: RedisServer
-) -> AsyncIterator[tuple[GatewayProc, GatewayProc]]:
+@contextlib.asynccontextmanager
+async def _replicas(
+    work: Path, redis_url: str, config: dict[str, Any]
+) -> AsyncIterator[tuple[str, list[GatewayProc]]]:
+    """A simulated node and two `gateway serve` replicas sharing ``redis_url``, each
+    having seen the other's lease; yields the node's URL and the replicas."""
     async with running_node(time_scale=40) as node:
         running: list[GatewayProc] = []
         try:
             for name in ("a", "b"):
-                running.append(
-                    await start_gateway(tmp_path, name, node, redis_server.url, config=AUTH)
-                )
-            for g in running:  # each has seen the other's lease
+                running.append(await start_gateway(work, name, node, redis_url, config=config))
+            for g in running:
                 for _ in range(100):
                     if (await get_json(g.url + "/ready"))["ledger"]["live_replicas"] == 2:
                         break
                     await asyncio.sleep(0.05)
-            yield running[0], running[1]
+            yield node, running
         finally:
             for g in running:
                 await stop_gateway(g)
+
+
+async def _node_peak(node: str, stop: asyncio.Event) -> int:
+    """The most requests the node had at once (running or queued there) until ``stop``."""
+    peak = 0
+    while not stop.is_set():
+        state = await get_json(node + "/sim/state")
+        peak = max(peak, state["running"] + state["waiting"])
+        await asyncio.sleep(0.005)
+    return peak
+
+
+@pytest.fixture
+async def two(
+    tmp_path: Path, redis_server: RedisServer
+) -> AsyncIterator[tuple[GatewayProc, GatewayProc]]:
+    async with _replicas(tmp_path, redis_server.url, AUTH) as (_, (a, b)):
+        yield a, b
 
 
 async def _ask(url: str, key: str = "k-metered") -> tuple[int, dict[str, str]]:
@@ -240,96 +260,54 @@ async def test_max_kv_share_and_max_concurrent_hold_across_two_replicas(
     """Flooded through both replicas, a tenant never has more than its share of the
     fleet's KV budget on the node, nor more requests than its max_concurrent, counted
     over both (each replica alone lets it have twice that); every request is served."""
-    async with running_node(time_scale=40) as node:
-        running = [
-            await start_gateway(tmp_path, name, node, redis_server.url, config=HOLDERS)
-            for name in ("a", "b")
-        ]
-        try:
-            for g in running:
-                for _ in range(100):
-                    if (await get_json(g.url + "/ready"))["ledger"]["live_replicas"] == 2:
-                        break
-                    await asyncio.sleep(0.05)
-            auth = {"Authorization": "Bearer k-shared"}
-            async with (
-                aiohttp.ClientSession(headers=auth) as s,
-                s.get(running[0].url + "/admin/backends") as r,
-            ):
-                (b,) = (await r.json())["backends"]
-            # Each request holds at most ~4.3k KV tokens (prompt + max_tokens).
-            most = int(0.3 * b["budget_tokens"]) // 4_000
-
-            async def sample(stop: asyncio.Event) -> int:
-                """The most requests the node had at once (running or queued there)."""
-                peak = 0
-                while not stop.is_set():
-                    state = await get_json(node + "/sim/state")
-                    peak = max(peak, state["running"] + state["waiting"])
-                    await asyncio.sleep(0.005)
-                return peak
-
-            for key, limit in (("k-shared", most), ("k-few", 3)):
-                stop = asyncio.Event()
-                sampler = asyncio.create_task(sample(stop))
-                timeout = aiohttp.ClientTimeout(total=90)
-                async with aiohttp.ClientSession(timeout=timeout) as s:
-                    statuses = await asyncio.gather(
-                        *(_long(s, running[i % 2].url, key) for i in range(12))
-                    )
-                stop.set()
-                peak = await sampler
-                assert statuses == [200] * 12, (key, statuses)
-                assert peak == limit, (key, peak, limit)
-            assert (await get_json(node + "/sim/state"))["preemptions"] == 0
-        finally:
-            for g in running:
-                await stop_gateway(g)
+    async with _replicas(tmp_path, redis_server.url, HOLDERS) as (node, running):
+        auth = {"Authorization": "Bearer k-shared"}
+        async with (
+            aiohttp.ClientSession(headers=auth) as s,
+            s.get(running[0].url + "/admin/backends") as r,
+        ):
+            (b,) = (await r.json())["backends"]
+        # Each request holds at most ~4.3k KV tokens (prompt + max_tokens).
+        most = int(0.3 * b["budget_tokens"]) // 4_000
+        for key, limit in (("k-shared", most), ("k-few", 3)):
+            stop = asyncio.Event()
+            sampler = asyncio.create_task(_node_peak(node, stop))
+            timeout = aiohttp.ClientTimeout(total=90)
+            async with aiohttp.ClientSession(timeout=timeout) as s:
+                statuses = await asyncio.gather(
+                    *(_long(s, running[i % 2].url, key) for i in range(12))
+                )
+            stop.set()
+            peak = await sampler
+            assert statuses == [200] * 12, (key, statuses)
+            assert peak == limit, (key, peak, limit)
+        assert (await get_json(node + "/sim/state"))["preemptions"] == 0
 
 
 async def test_redis_stopped_mid_flood_fails_nothing_and_each_replica_keeps_its_share(
     tmp_path: Path, redis_server: RedisServer
 ) -> None:
     """max_concurrent 4 over two replicas: with Redis gone each takes the other to hold
-    all but its share (2), so together they still stay within 4; no request fails."""
+    all but its share (2), so what either admits from then on keeps the two within 4;
+    no request fails. A replica that held 3 when Redis went keeps them until they end
+    (as with the KV budgets' blind share), so the node may see 5 for that while; judged
+    by each replica alone it would see up to 8."""
     config = {
         **HOLDERS,
         "auth": {"keys": [{"name": "few", "key": "k-few", "limits": {"max_concurrent": 4}}]},
     }
-    async with running_node(time_scale=40) as node:
-        running = [
-            await start_gateway(tmp_path, name, node, redis_server.url, config=config)
-            for name in ("a", "b")
-        ]
-        try:
-            for g in running:
-                for _ in range(100):
-                    if (await get_json(g.url + "/ready"))["ledger"]["live_replicas"] == 2:
-                        break
-                    await asyncio.sleep(0.05)
-            peak = 0
-            stop = asyncio.Event()
-
-            async def sample() -> None:
-                nonlocal peak
-                while not stop.is_set():
-                    state = await get_json(node + "/sim/state")
-                    peak = max(peak, state["running"] + state["waiting"])
-                    await asyncio.sleep(0.005)
-
-            sampler = asyncio.create_task(sample())
-            timeout = aiohttp.ClientTimeout(total=90)
-            async with aiohttp.ClientSession(timeout=timeout) as s:
-                flood = asyncio.gather(*(_long(s, running[i % 2].url, "k-few") for i in range(16)))
-                await asyncio.sleep(1.0)
-                redis_server.stop()
-                statuses = await flood
-            stop.set()
-            await sampler
-            assert statuses == [200] * 16, statuses
-            assert peak <= 4, peak
-            for g in running:
-                assert not (await get_json(g.url + "/ready"))["ledger"]["shared"]
-        finally:
-            for g in running:
-                await stop_gateway(g)
+    async with _replicas(tmp_path, redis_server.url, config) as (node, running):
+        stop = asyncio.Event()
+        sampler = asyncio.create_task(_node_peak(node, stop))
+        timeout = aiohttp.ClientTimeout(total=90)
+        async with aiohttp.ClientSession(timeout=timeout) as s:
+            flood = asyncio.gather(*(_long(s, running[i % 2].url, "k-few") for i in range(16)))
+            await asyncio.sleep(1.0)
+            redis_server.stop()
+            statuses = await flood
+        stop.set()
+        peak = await sampler
+        assert statuses == [200] * 16, statuses
+        assert peak <= 5, peak
+        for g in running:
+            assert not (await get_json(g.url + "/ready"))["ledger"]["shared"]
