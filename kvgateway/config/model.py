@@ -272,7 +272,7 @@ class ClassConfig:
     """A priority class; `auth.classes` lists them highest first."""
 
     name: str
-    # Fraction of the fleet's KV budget no other class may take from this one.
+    # Share of the KV budget and of the (each node's) slots no other class may take.
     floor_share: float = 0.0
     # How long this class's requests may wait for room (None: admission.queue_timeout_s).
     queue_timeout_s: float | None = None

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Self
 
 from kvgateway.config.model import GatewayConfig
@@ -110,6 +111,8 @@ class Admission(AdmissionCore):
         deadline = loop.time() + timeout
         since = self._clock()
         ticket = self._tenancy.ticket(demand.tenant, demand.tokens) if self._tenancy else None
+        if ticket is not None and self._tenancy is not None:
+            demand = replace(demand, kept_slots=self._tenancy.kept_on(ticket.klass))
         try:
             while True:
                 r = await self._admit_ticketed(

@@ -120,7 +120,7 @@ class AdmissionCore:
         self._adjust(backend, tokens, demand.sequences, 1)
         backend.unstarted += 1
         if ticket is not None and self._tenancy is not None:
-            self._tenancy.granted(ticket, r.tokens, r.seqs)
+            self._tenancy.granted(ticket, r.tokens, r.seqs, backend.name)
         self._ledger.granted(r)
         return r
 
@@ -140,7 +140,7 @@ class AdmissionCore:
         self._adjust(backend, self._resync(backend), demand.sequences, 1)
         backend.unstarted += 1
         if ticket is not None and self._tenancy is not None:
-            self._tenancy.granted(ticket, r.tokens, r.seqs)
+            self._tenancy.granted(ticket, r.tokens, r.seqs, backend.name)
         self._ledger.granted(r)
         return r
 
@@ -263,7 +263,7 @@ class AdmissionCore:
         else:
             self._adjust(b, -(reservation.tokens + shared), -reservation.seqs, -1)
         if reservation.ticket is not None and self._tenancy is not None:
-            self._tenancy.released(reservation.ticket, reservation.tokens, reservation.seqs)
+            self._tenancy.released(reservation.ticket, reservation.tokens, reservation.seqs, b.name)
         self._offer(b)
         if reservation.ticket is not None:
             self.reopen(reservation.ticket.tenant)

@@ -169,7 +169,7 @@ class AdmissionQueue:
             if own is not None and own.gated is None:
                 ahead -= 1
                 ahead_tokens -= own.demand.tokens
-        return self._tenancy.gate(
+        gate = self._tenancy.gate(
             demand.tenant,
             demand.tokens,
             self._budget(),
@@ -177,6 +177,22 @@ class AdmissionQueue:
             ahead_tokens,
             seqs=demand.sequences,
             slots=self._slots(),
+        )
+        if gate is None and self._floors_fill_every_node(demand):
+            return CLASS_FLOOR
+        return gate
+
+    def _floors_fill_every_node(self, d: Demand) -> bool:
+        """Other classes' floors leave ``d`` no slot on any usable backend that could
+        hold it: it waits as its tenant's limits make it wait, claiming none (a claim
+        would hold the floor's own class off them, here and, through a shared ledger's
+        wait marks, on every replica)."""
+        kept = d.kept_slots
+        if kept is None:
+            return False
+        nodes = [b for b in self._index_for(d.model).backends if b.usable and can_ever_hold(b, d)]
+        return bool(nodes) and all(
+            b.free_seqs - kept(b.name, b.max_num_seqs) < d.sequences for b in nodes
         )
 
     def never_passes_floors(self, demand: Demand) -> bool:

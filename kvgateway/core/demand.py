@@ -7,7 +7,7 @@ index and admission's queue claims alike.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvgateway.core.backends import Backend
@@ -60,6 +60,9 @@ class Demand:
     # admission.prefix_credit: prompt blocks a started request on the node holds are
     # counted once.
     prefix_credit: bool = True
+    # Slots of a node (name, max_num_seqs) that other classes' floors keep from this
+    # request there (Tenancy.kept_on); None: no floor concerns it.
+    kept_slots: Callable[[str, int], float] | None = None
 
     @property
     def longest_sequence(self) -> int:

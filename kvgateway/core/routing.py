@@ -74,7 +74,8 @@ class RouterState:
 
 
 def _has_room(b: Backend, d: Demand) -> bool:
-    if b.free_seqs < d.sequences:
+    kept = d.kept_slots(b.name, b.max_num_seqs) if d.kept_slots is not None else 0.0
+    if b.free_seqs - kept < d.sequences:
         return False
     if d.projected:
         return projected_room(b, d)

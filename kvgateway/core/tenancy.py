@@ -14,7 +14,9 @@ three things of it:
   what other classes reserve as their ``floor_share``: that share of the KV budget and
   of the sequence slots (the nodes' ``max_num_seqs``, which often bind first), each
   reserved while the class holds less of it. A gated request waits without holding up
-  others;
+  others. The slot floors hold on each node as well (:meth:`Tenancy.kept_on`, which
+  routing reads): a floor kept in the fleet but not per node leaves the protected class
+  the nodes the others have not filled, where its prefills queue behind each other;
 - the bookkeeping of grants and releases (tokens and requests in use per tenant/class).
 """
 
@@ -65,6 +67,8 @@ class Tenancy:
         self.requests: Counter[str] = Counter()  # admitted requests in flight, per tenant
         self.class_tokens: Counter[str] = Counter()
         self.class_seqs: Counter[str] = Counter()  # sequence slots held, per class
+        # Sequence slots held per backend, per class: floors hold on each node too.
+        self.node_seqs: dict[str, Counter[str]] = {}
         self.granted_tokens: Counter[str] = Counter()  # KV tokens ever granted, per tenant
         self.elsewhere = Elsewhere()
         # The tenants by name, for the config they were read from (a reload makes anew).
@@ -155,7 +159,27 @@ class Tenancy:
             return False
         return tokens + share * budget > budget or (slots > 0 and seqs + share * slots > slots)
 
-    def granted(self, ticket: Ticket, tokens: int, seqs: int = 1) -> None:
+    def kept_on(self, klass: str) -> Callable[[str, int], float] | None:
+        """For requests of class ``klass``: the slots of a node (its name, its
+        ``max_num_seqs``) that the other classes' floors keep from them there, each the
+        floor's share of the node less what its class holds on it (here, and on other
+        replicas as a shared ledger last answered); None if no other class has a
+        floor."""
+        floors = [(c.name, c.floor_share) for c in self._auth().classes if c.name != klass]
+        floors = [f for f in floors if f[1] > 0]
+        if not floors:
+            return None
+
+        empty: Counter[str] = Counter()
+
+        def kept(backend: str, slots: int) -> float:
+            here = self.node_seqs.get(backend, empty)
+            away = self.elsewhere.node_seqs.get(backend, empty)
+            return sum(max(0.0, share * slots - here[name] - away[name]) for name, share in floors)
+
+        return kept
+
+    def granted(self, ticket: Ticket, tokens: int, seqs: int = 1, backend: str = "") -> None:
         klass = ticket.klass
         self._virtual[klass] = max(self._virtual.get(klass, 0.0), ticket.start)
         self.tokens[ticket.tenant] += tokens
@@ -163,13 +187,15 @@ class Tenancy:
         self.requests[ticket.tenant] += 1
         self.class_tokens[klass] += tokens
         self.class_seqs[klass] += seqs
+        self.node_seqs.setdefault(backend, Counter())[klass] += seqs
 
-    def released(self, ticket: Ticket, tokens: int, seqs: int = 1) -> None:
+    def released(self, ticket: Ticket, tokens: int, seqs: int = 1, backend: str = "") -> None:
         klass = ticket.klass
         self.tokens[ticket.tenant] -= tokens
         self.requests[ticket.tenant] -= 1
         self.class_tokens[klass] -= tokens
         self.class_seqs[klass] -= seqs
+        self.node_seqs.setdefault(backend, Counter())[klass] -= seqs
 
 
 def _floors_block(
@@ -202,6 +228,8 @@ class Elsewhere:
     requests: Counter[str] = field(default_factory=Counter)
     class_tokens: Counter[str] = field(default_factory=Counter)
     class_seqs: Counter[str] = field(default_factory=Counter)
+    # Sequences per class on a backend, as last answered for a grant there.
+    node_seqs: dict[str, Counter[str]] = field(default_factory=dict)
     # In the ledger's fallback: what the others are taken to hold, all of the fleet
     # but this replica's share, in classes unknown here.
     unclassed_tokens: int = 0

@@ -1,4 +1,5 @@
-"""The Redis side of fleet-wide tenant rate limits: key names and Lua scripts.
+"""The Redis side of fleet-wide tenant limits: key names and Lua scripts. The rate
+windows are below; ``HOLD`` is the holdings check of :mod:`kvgateway.ledger.tenant_holds`.
 
 One sliding minute per tenant and limit, shared by every replica, as
 :class:`~kvgateway.core.quota.RateWindow` keeps it in one process:
@@ -155,3 +156,94 @@ class QuotaKeys:
             f"{{{ns}}}:qa:{limit}:{tenant}",
             f"{{{ns}}}:qt:{limit}:{tenant}",
         )
+
+
+# KEYS: live, the tenant's tokens and requests hashes, then per class its tokens and
+# seqs hashes, then (with a backend's slots) per class its seqs hash on that backend.
+# ARGV: me, check (1: judge this request; 0: only write mine), this request's tokens,
+# its seqs, its class's index (1-based; 0: none), my tenant tokens and requests (this
+# request included), the tenant's token and request caps (-1: none), the fleet's KV
+# budget and slots, the number of classes, the request's backend's slots (0: none),
+# then per class: my tokens and seqs (this request included), its floor in tokens and
+# in seqs, my seqs on the backend (this request included), its floor there. Returns
+# {held 0/1, the others' tenant tokens and requests, then per class the others' tokens
+# and seqs, then per class the others' seqs on the backend}. As in one process: a
+# tenant holding nothing anywhere may always run one request, however large; a floor
+# keeps what its class does not hold, and binds the other classes only.
+HOLD = """
+local function others(key, livekey, me)
+  local all = redis.call('HGETALL', key)
+  local sum = 0
+  for i = 1, #all, 2 do
+    if all[i] ~= me then
+      if redis.call('ZSCORE', livekey, all[i]) then
+        sum = sum + tonumber(all[i + 1])
+      else
+        redis.call('HDEL', key, all[i])
+      end
+    end
+  end
+  return sum
+end
+local function put(key, me, v)
+  if v > 0 then redis.call('HSET', key, me, v) else redis.call('HDEL', key, me) end
+end
+local me, check = ARGV[1], ARGV[2] == '1'
+local this, this_seqs, own = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
+local mt, mr, ct, cr = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9])
+local budget, slots = tonumber(ARGV[10]), tonumber(ARGV[11])
+local n, node = tonumber(ARGV[12]), tonumber(ARGV[13])
+local ot, orq = others(KEYS[2], KEYS[1], me), others(KEYS[3], KEYS[1], me)
+local out = {1, ot, orq}
+local held_t, held_s, floor_t, floor_s = {}, {}, {}, {}
+local mine_t, mine_s, mine_n, held_n, floor_n = {}, {}, {}, {}, {}
+local sum_t, sum_s, sum_n = 0, 0, 0
+for c = 1, n do
+  local a = 13 + 6 * (c - 1)
+  mine_t[c], mine_s[c] = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2])
+  floor_t[c], floor_s[c] = tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4])
+  mine_n[c], floor_n[c] = tonumber(ARGV[a + 5]), tonumber(ARGV[a + 6])
+  local oct = others(KEYS[2 + 2 * c], KEYS[1], me)
+  local ocs = others(KEYS[3 + 2 * c], KEYS[1], me)
+  out[#out + 1], out[#out + 2] = oct, ocs
+  held_t[c], held_s[c] = oct + mine_t[c], ocs + mine_s[c]
+  sum_t, sum_s = sum_t + held_t[c], sum_s + held_s[c]
+end
+if node > 0 then
+  for c = 1, n do
+    local ons = others(KEYS[3 + 2 * n + c], KEYS[1], me)
+    out[#out + 1] = ons
+    held_n[c] = ons + mine_n[c]
+    sum_n = sum_n + held_n[c]
+  end
+end
+if check then
+  local refused = (cr >= 0 and orq + mr > cr)
+    or (ct >= 0 and ot + mt - this > 0 and ot + mt > ct)
+  if own > 0 and not refused then
+    local kept_t, kept_s, kept_n = 0, 0, 0
+    for c = 1, n do
+      if c ~= own then
+        kept_t = kept_t + math.max(0, floor_t[c] - held_t[c])
+        kept_s = kept_s + math.max(0, floor_s[c] - held_s[c])
+        if node > 0 then kept_n = kept_n + math.max(0, floor_n[c] - held_n[c]) end
+      end
+    end
+    refused = (kept_t > 0 and sum_t + kept_t > budget)
+      or (slots > 0 and kept_s > 0 and sum_s + kept_s > slots)
+      or (node > 0 and kept_n > 0 and sum_n + kept_n > node)
+  end
+  if refused then
+    out[1] = 0
+    return out
+  end
+end
+put(KEYS[2], me, mt)
+put(KEYS[3], me, mr)
+for c = 1, n do
+  put(KEYS[2 + 2 * c], me, mine_t[c])
+  put(KEYS[3 + 2 * c], me, mine_s[c])
+  if node > 0 then put(KEYS[3 + 2 * n + c], me, mine_n[c]) end
+end
+return out
+"""

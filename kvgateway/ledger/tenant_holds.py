@@ -2,13 +2,15 @@
 class floors for the whole fleet.
 
 Each replica records in Redis, as absolute values, what it holds per tenant (KV tokens,
-requests: ``{ns}:ttok:TENANT``, ``{ns}:treq:TENANT``) and per class (KV tokens,
-sequences: ``{ns}:ctok:CLASS``, ``{ns}:cseq:CLASS``); hashes of replica -> value,
-summed over the live leases of the shared ledger as its KV holdings are. A grant that a
-tenant limit or a class floor concerns is held there after its KV confirm, in one
-script: with it, the tenant must stay within its limits and the other classes' floors
-must still fit, counting what every live replica holds; else it is refused and waits,
-its gate now seeing the others' holdings (:class:`~kvgateway.core.tenancy.Elsewhere`).
+requests: ``{ns}:ttok:TENANT``, ``{ns}:treq:TENANT``), per class (KV tokens,
+sequences: ``{ns}:ctok:CLASS``, ``{ns}:cseq:CLASS``) and, with floors, per class on each
+backend (sequences: ``{ns}:nseq:BACKEND:CLASS``); hashes of replica -> value, summed
+over the live leases of the shared ledger as its KV holdings are. A grant that a tenant
+limit or a class floor concerns is held there after its KV confirm, in one script: with
+it, the tenant must stay within its limits and the other classes' floors must still
+fit, in the fleet and on its backend, counting what every live replica holds; else it
+is refused and waits, its gate and routing now seeing the others' holdings
+(:class:`~kvgateway.core.tenancy.Elsewhere`).
 After releases, and every ``REFRESH_S``, the replica writes its holdings again and reads
 the others'; waiters they no longer hold back are let through.
 
@@ -31,6 +33,7 @@ from redis.exceptions import RedisError
 
 from kvgateway.core.reservation import Reservation
 from kvgateway.core.tenancy import Tenancy
+from kvgateway.ledger.quota_scripts import HOLD
 
 log = logging.getLogger("kvgateway.ledger")
 
@@ -38,80 +41,6 @@ _FAILURES = (RedisError, OSError, TimeoutError)
 # How often the others' holdings are read (and this replica's written) at the least.
 REFRESH_S = 0.25
 
-# KEYS: live, the tenant's tokens and requests hashes, then per class its tokens and
-# seqs hashes. ARGV: me, check (1: judge this request; 0: only write mine), this
-# request's tokens, its seqs, its class's index (1-based; 0: none), my tenant tokens and
-# requests (this request included), the tenant's token and request caps (-1: none), the
-# fleet's KV budget and slots, then per class: my tokens and seqs (this request
-# included), its floor in tokens and in seqs. Returns {held 0/1, the others' tenant
-# tokens and requests, then per class the others' tokens and seqs}. As in one process:
-# a tenant holding nothing anywhere may always run one request, however large; a
-# floor keeps what its class does not hold, and binds the other classes only.
-HOLD = """
-local function others(key, livekey, me)
-  local all = redis.call('HGETALL', key)
-  local sum = 0
-  for i = 1, #all, 2 do
-    if all[i] ~= me then
-      if redis.call('ZSCORE', livekey, all[i]) then
-        sum = sum + tonumber(all[i + 1])
-      else
-        redis.call('HDEL', key, all[i])
-      end
-    end
-  end
-  return sum
-end
-local function put(key, me, v)
-  if v > 0 then redis.call('HSET', key, me, v) else redis.call('HDEL', key, me) end
-end
-local me, check = ARGV[1], ARGV[2] == '1'
-local this, this_seqs, own = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
-local mt, mr, ct, cr = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9])
-local budget, slots = tonumber(ARGV[10]), tonumber(ARGV[11])
-local ot, orq = others(KEYS[2], KEYS[1], me), others(KEYS[3], KEYS[1], me)
-local n = (#KEYS - 3) / 2
-local out = {1, ot, orq}
-local held_t, held_s, floor_t, floor_s = {}, {}, {}, {}
-local mine_t, mine_s = {}, {}
-local sum_t, sum_s = 0, 0
-for c = 1, n do
-  local a = 11 + 4 * (c - 1)
-  mine_t[c], mine_s[c] = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2])
-  floor_t[c], floor_s[c] = tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4])
-  local oct = others(KEYS[2 + 2 * c], KEYS[1], me)
-  local ocs = others(KEYS[3 + 2 * c], KEYS[1], me)
-  out[#out + 1], out[#out + 2] = oct, ocs
-  held_t[c], held_s[c] = oct + mine_t[c], ocs + mine_s[c]
-  sum_t, sum_s = sum_t + held_t[c], sum_s + held_s[c]
-end
-if check then
-  local refused = (cr >= 0 and orq + mr > cr)
-    or (ct >= 0 and ot + mt - this > 0 and ot + mt > ct)
-  if own > 0 and not refused then
-    local kept_t, kept_s = 0, 0
-    for c = 1, n do
-      if c ~= own then
-        kept_t = kept_t + math.max(0, floor_t[c] - held_t[c])
-        kept_s = kept_s + math.max(0, floor_s[c] - held_s[c])
-      end
-    end
-    refused = (kept_t > 0 and sum_t + kept_t > budget)
-      or (slots > 0 and kept_s > 0 and sum_s + kept_s > slots)
-  end
-  if refused then
-    out[1] = 0
-    return out
-  end
-end
-put(KEYS[2], me, mt)
-put(KEYS[3], me, mr)
-for c = 1, n do
-  put(KEYS[2 + 2 * c], me, mine_t[c])
-  put(KEYS[3 + 2 * c], me, mine_s[c])
-end
-return out
-"""
 
 Caps = tuple[int, int]  # KV tokens, requests (-1: no limit)
 
@@ -122,6 +51,8 @@ class _Held:
     klass: str
     tokens: int
     seqs: int
+    backend: str
+    slots: int  # the backend's max_num_seqs
 
 
 class TenantHolds:
@@ -159,6 +90,9 @@ class TenantHolds:
         self._requests: Counter[str] = Counter()
         self._class_tokens: Counter[str] = Counter()
         self._class_seqs: Counter[str] = Counter()
+        self._node_seqs: dict[str, Counter[str]] = {}  # per backend, per class
+        self._nodes_dirty: set[str] = set()  # not written since they changed
+        self._closing = False
 
     def _caps(self, tenant: str) -> Caps | None:
         assert self._tenancy is not None
@@ -187,9 +121,12 @@ class TenantHolds:
         this, seqs = (held.tokens, held.seqs) if held is not None else (0, 0)
         own = next((i + 1 for i, c in enumerate(classes) if held and c.name == held.klass), 0)
         caps = self._caps(tenant) or (-1, -1)
-        args: list[str | int] = [self._id, 1 if held else 0, this, seqs, own]
+        # The backend's slots are judged for a grant when classes have floors.
+        node = held.slots if held is not None and self._floors() else 0
+        on_node = self._node_seqs.get(held.backend, Counter()) if held else Counter()
+        args: list[str | int | float] = [self._id, 1 if held else 0, this, seqs, own]
         args += [self._tokens[tenant] + this, self._requests[tenant] + (1 if held else 0)]
-        args += [*caps, budget, slots]
+        args += [*caps, budget, slots, len(classes), node]
         for i, c in enumerate(classes):
             keys += [f"{{{ns}}}:ctok:{c.name}", f"{{{ns}}}:cseq:{c.name}"]
             mine = i + 1 == own
@@ -198,9 +135,16 @@ class TenantHolds:
                 self._class_seqs[c.name] + (seqs if mine else 0),
                 int(c.floor_share * budget),
                 int(c.floor_share * slots),
+                on_node[c.name] + (seqs if mine else 0),
+                c.floor_share * node,
             ]
+        if node and held is not None:
+            keys += [self._node_key(held.backend, c.name) for c in classes]
         got = await self._client.evalsha(self._sha, len(keys), *keys, *args)
         return [int(x) for x in got]
+
+    def _node_key(self, backend: str, klass: str) -> str:
+        return f"{{{self._ns}}}:nseq:{backend}:{klass}"
 
     def _add(self, r: Reservation, held: _Held) -> None:
         self._held[r.id] = held
@@ -208,14 +152,23 @@ class TenantHolds:
         self._requests[held.tenant] += 1
         self._class_tokens[held.klass] += held.tokens
         self._class_seqs[held.klass] += held.seqs
+        self._node_seqs.setdefault(held.backend, Counter())[held.klass] += held.seqs
+        self._nodes_dirty.add(held.backend)  # its script wrote it, unless in the fallback
 
-    def _seen(self, tenant: str, got: list[int]) -> None:
-        """Take in the others' holdings a script answered; reopen what fell."""
+    def _seen(self, tenant: str, got: list[int], backend: str = "") -> None:
+        """Take in the others' holdings a script answered (on ``backend`` too, if it
+        judged one); reopen what fell."""
         assert self._tenancy is not None
         away = self._tenancy.elsewhere
         fell = got[1] < away.tokens[tenant] or got[2] < away.requests[tenant]
         away.tokens[tenant], away.requests[tenant] = got[1], got[2]
-        for i, c in enumerate(self._tenancy.auth.classes):
+        classes = self._tenancy.auth.classes
+        node = got[3 + 2 * len(classes) :]
+        if backend and len(node) == len(classes):
+            away.node_seqs[backend] = Counter(
+                {c.name: s for c, s in zip(classes, node, strict=True)}
+            )
+        for i, c in enumerate(classes):
             tokens, seqs = got[3 + 2 * i], got[4 + 2 * i]
             fell |= tokens < away.class_tokens[c.name] or seqs < away.class_seqs[c.name]
             away.class_tokens[c.name], away.class_seqs[c.name] = tokens, seqs
@@ -232,7 +185,8 @@ class TenantHolds:
         tenant = r.ticket.tenant
         if self._caps(tenant) is None and not self._floors():
             return True
-        held = _Held(tenant, r.ticket.klass, r.tokens, r.seqs)
+        b = r.backend
+        held = _Held(tenant, r.ticket.klass, r.tokens, r.seqs, b.name, b.max_num_seqs)
         if not self._shared():  # the fallback's share limited it; recorded once back
             self._add(r, held)
             return True
@@ -248,7 +202,7 @@ class TenantHolds:
             self._add(r, held)
             self._dirty.set()
             return True  # the shared ledger finds Redis gone and falls back on its own
-        self._seen(tenant, got)
+        self._seen(tenant, got, held.backend)
         return bool(got[0])
 
     def released(self, r: Reservation) -> None:
@@ -258,6 +212,8 @@ class TenantHolds:
             self._requests[held.tenant] -= 1
             self._class_tokens[held.klass] -= held.tokens
             self._class_seqs[held.klass] -= held.seqs
+            self._node_seqs[held.backend][held.klass] -= held.seqs
+            self._nodes_dirty.add(held.backend)
             self._dirty.set()
 
     @contextlib.asynccontextmanager
@@ -265,16 +221,21 @@ class TenantHolds:
         """Keep this replica's holdings written and the others' read until the block
         ends; ``reopen(tenant)``: what the others hold for ``tenant`` (or its class) fell."""
         self._tenancy, self._reopen = tenancy, reopen
+        self._closing = False
         task = asyncio.create_task(self._loop(), name="tenant-holds")
         try:
             yield
         finally:
+            # The loop stops even if a Redis call swallowed its cancellation (the client
+            # turns some into connection errors, which a refresh survives).
+            self._closing = True
             task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            with contextlib.suppress(asyncio.CancelledError, TimeoutError):
+                async with asyncio.timeout(self._timeout * 2 + REFRESH_S):
+                    await task
 
     async def _loop(self) -> None:
-        while True:
+        while not self._closing:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(REFRESH_S):
                     await self._dirty.wait()
@@ -305,12 +266,34 @@ class TenantHolds:
             async with asyncio.timeout(self._timeout):
                 async with self._lock:
                     answers = [await self._call(t, None) for t in concerned]
+                    await self._write_nodes()
         except _FAILURES as exc:
             self._sha = ""
             log.debug("tenant holdings: refresh failed: %r", exc)
             return
         for tenant, got in zip(concerned, answers, strict=True):
             self._seen(tenant, got)
+
+    async def _write_nodes(self) -> None:
+        """This replica's per-backend class holdings that changed since last written (a
+        grant writes its own backend's in its script; releases are written here)."""
+        assert self._tenancy is not None
+        names, self._nodes_dirty = self._nodes_dirty, set()
+        if not names or not self._floors():
+            return
+        pipe = self._client.pipeline(transaction=False)
+        for name in sorted(names):
+            held = self._node_seqs.get(name, Counter())
+            for c in self._tenancy.auth.classes:
+                if held[c.name] > 0:
+                    pipe.hset(self._node_key(name, c.name), self._id, held[c.name])
+                else:
+                    pipe.hdel(self._node_key(name, c.name), self._id)
+        try:
+            await pipe.execute()
+        except BaseException:
+            self._nodes_dirty |= names  # written at the next refresh
+            raise
 
     def _fallback_view(self, concerned: list[str]) -> None:
         """The others taken to hold all but this replica's share; tenants whose view
@@ -330,6 +313,7 @@ class TenantHolds:
                 fell.append(tenant)
         away.class_tokens.clear()
         away.class_seqs.clear()
+        away.node_seqs.clear()  # each node's floors kept whole (nothing known held there)
         away.unclassed_tokens = away.unclassed_seqs = 0
         if self._floors():
             budget, slots = self._budget(), self._slots()

@@ -90,11 +90,12 @@ async def _running_peak(ports: list[int], stop: asyncio.Event) -> tuple[int, int
 
 async def test_a_batch_flood_takes_no_slot_the_interactive_floor_keeps(tmp_path: Path) -> None:
     """While the batch tenant fills every other slot, no interactive chat (1.5k-token
-    prompts, 0.3 s TTFT alone) waits in the gateway's queue: the floor keeps 20% of the
-    32 slots for its class. It keeps them in the fleet, not on each node: when batch
-    has filled one node, the interactive prefills share the other's steps, and TTFT p99
-    was 1.05-1.52x of alone over runs (p50 up to 2.3x); it is bounded at 3x here. With
-    the slots unknown to the gateway (256 assumed) the nodes queued and p99 went 7-9x."""
+    prompts, 0.3 s TTFT alone) waits in the gateway's queue, and its TTFT p99 stays
+    within 1.5x of alone: the floor keeps 20% of each node's 16 slots for its class, so
+    interactive prefills spread over both nodes as they do alone. (Kept in the fleet
+    only, batch filled one node and the prefills queued behind each other on the other:
+    p99 up to 1.52x, p50 up to 2.3x. With the slots unknown to the gateway, 256
+    assumed, the nodes queued and p99 went 7-9x.)"""
     ports = free_ports(2)
     config = _config(ports)
     with _simulated(config, ports, tmp_path), serve_process(config, tmp_path / "gw") as (url, _):
@@ -108,11 +109,12 @@ async def test_a_batch_flood_takes_no_slot_the_interactive_floor_keeps(tmp_path:
     log = (tmp_path / "gw" / "gateway.log").read_text()
     assert "class floors hold sequence slots only where" not in log
     assert alone.statuses == {200: 45} and inter.statuses == {200: 45}
-    assert inter.percentile(99) <= 3 * alone.percentile(99), (alone.summary(), inter.summary())
+    assert inter.percentile(99) <= 1.5 * alone.percentile(99), (alone.summary(), inter.summary())
     queued = [float(q) for q in re.findall(r"tenant=app .*? queued_ms=([\d.]+)", log)]
     assert len(queued) == 90 and max(queued) == 0.0, queued
-    # The flood was real: the slots were full and batch waited or was refused.
-    assert slots == 16
+    # The flood was real: batch filled its share of a node's slots, and waited or was
+    # refused.
+    assert 12 <= slots <= 16
     assert re.search(r"tenant=etl .*? queued_ms=[1-9]", log) or batch.statuses[429] > 0
 
 
@@ -120,10 +122,12 @@ async def test_the_floor_holds_with_the_flood_spread_over_two_replicas(
     tmp_path: Path, redis_server: RedisServer
 ) -> None:
     """The same flood through two gateway replicas sharing one Redis: each replica's
-    batch requests count what the other holds in each class, so together they still
-    leave the interactive floor free (batch runs at most 25 of the 32 slots; judged per
-    replica it took them all, and interactive chats queued 0.8 s), and interactive
-    chats never queue. TTFT is bounded as through one replica (above)."""
+    batch requests count what the other holds in each class, on each node, so together
+    they still leave the interactive floor free (batch runs at most 12 of each node's
+    16 slots; judged per replica it took them all, and interactive chats queued 0.8 s).
+    Interactive chats never queue and TTFT p99 stays within 1.5x of alone. Batch kept
+    off every node by the floors waits without claiming one (a claim, told to the other
+    replica, would hold interactive chats there off it)."""
     ports = free_ports(2)
     config = {**_config(ports), "ledger": {"url": redis_server.url, "timeout_s": 0.5}}
     with (
@@ -142,12 +146,12 @@ async def test_the_floor_holds_with_the_flood_spread_over_two_replicas(
         await flood_b
     logs = [(tmp_path / n / "gateway.log").read_text() for n in ("a", "b")]
     assert alone.statuses == {200: 45} and inter.statuses == {200: 45}
-    assert inter.percentile(99) <= 3 * alone.percentile(99), (alone.summary(), inter.summary())
+    assert inter.percentile(99) <= 1.5 * alone.percentile(99), (alone.summary(), inter.summary())
     queued = [float(q) for q in re.findall(r"tenant=app .*? queued_ms=([\d.]+)", logs[0])]
     assert len(queued) == 90 and max(queued) == 0.0, queued
-    # 25 batch sequences at most (32 less the floor's 6.4), 3 interactive ones, and one
-    # the node ends in the step after the gateway saw its answer end (32 judged apart).
-    assert slots == 16 and total <= 29, (slots, total)
+    # 24 batch sequences at most (16 less the floor's 3.2, per node), 3 interactive ones,
+    # and one the node ends in the step after the gateway saw its answer end.
+    assert slots <= 16 and total <= 28, (slots, total)
     assert all(re.search(r"tenant=etl .*? status=200", log) for log in logs)
 
 

@@ -534,6 +534,64 @@ async def test_a_class_floor_keeps_sequence_slots_free_where_slots_bind_first():
     assert sum(x.reserved_seqs for x in nodes) == 0
 
 
+async def test_a_class_floor_keeps_its_share_of_each_nodes_slots():
+    """The floor holds on every node, not only in the fleet: batch never fills a node
+    past its share less the interactive floor's, so interactive requests can go to
+    every node (their prefills do not all queue on the one node batch left free), and
+    batch kept off every node waits behind its class's floor, claiming none."""
+    nodes = [backend("a", kv=1_000_000, seqs=8), backend("b", kv=1_000_000, seqs=8)]
+    classes = (ClassConfig("interactive", floor_share=0.25), ClassConfig("batch"))
+    t = Tenancy(lambda: auth(tenant("i", "interactive"), tenant("b", "batch"), classes=classes))
+    adm = admission_over(
+        nodes,
+        queue_size=100,
+        tenancy=t,
+        budget=lambda: sum(x.budget_tokens for x in nodes),
+        slots=lambda: sum(x.max_num_seqs for x in nodes),
+    )
+    # Twelve batch requests: 6 on each node, whatever order routing fills them in.
+    batch = [await adm.admit(of("b", 100), 1.0) for _ in range(12)]
+    assert sorted(x.reserved_seqs for x in nodes) == [6, 6]
+    flood = asyncio.create_task(adm.admit(of("b", 100), 5.0))
+    await asyncio.sleep(0.01)
+    assert not flood.done()
+    # Kept off every node by the floors, it claims none (no waiting mark anywhere).
+    assert [w.gated for w in adm._queue.waiters] == [CLASS_FLOOR]
+    assert adm.waiting_backends() == set()
+    # Interactive gets both nodes' kept slots at once.
+    interactive = [await asyncio.wait_for(adm.admit(of("i", 100), 1.0), 0.5) for _ in range(4)]
+    assert sorted(r.backend.name for r in interactive) == ["a", "a", "b", "b"]
+    # A slot interactive frees on a node stays kept there while it holds less than 2.
+    adm.release(interactive.pop())
+    await asyncio.sleep(0.01)
+    assert not flood.done()
+    adm.release(batch.pop())
+    adm.release(await asyncio.wait_for(flood, 1.0))
+    for r in batch + interactive:
+        adm.release(r)
+    assert sum(x.reserved_seqs for x in nodes) == 0
+    assert all(not any(c.values()) for c in t.node_seqs.values())
+
+
+def test_kept_slots_are_each_floor_less_what_its_class_holds_on_the_node():
+    classes = (
+        ClassConfig("interactive", floor_share=0.25),
+        ClassConfig("standard", floor_share=0.125),
+        ClassConfig("batch"),
+    )
+    t = Tenancy(lambda: auth(tenant("i", "interactive"), tenant("b", "batch"), classes=classes))
+    kept = t.kept_on("batch")
+    assert kept is not None and kept("n", 16) == 6.0  # 4 + 2, nothing held on n yet
+    t.granted(t.ticket("i", 10), 10, 3, "n")
+    assert kept("n", 16) == 3.0 and kept("m", 16) == 6.0
+    t.granted(t.ticket("i", 10), 10, 3, "n")  # above its floor: keeps nothing more
+    assert kept("n", 16) == 2.0
+    standard_kept = t.kept_on("standard")
+    assert standard_kept is not None and standard_kept("n", 16) == 0.0
+    lone = Tenancy(lambda: auth(tenant("i", "interactive"), classes=classes[:1]))
+    assert lone.kept_on("interactive") is None
+
+
 def test_what_other_replicas_hold_counts_against_the_tenants_limits():
     """With a shared ledger a tenant's limits are judged on its holdings across
     replicas: this replica's plus what the others hold for it."""
