@@ -307,15 +307,16 @@ async def _watch_parent(parent: int, stop: asyncio.Event) -> None:
 
 async def _publish_worker_gauges(app: web.Application) -> None:
     """With workers, a scrape reaches one of them: what each holds (its queue, its
-    reservations per backend and per tenant) is written here every second, for /metrics
-    to sum over the live workers (a single process reads its own at the scrape)."""
+    reservations per backend and per tenant) and how it finds each backend are written
+    here every second, for /metrics to sum (or take the lowest of) over the live workers
+    (a single process reads its own at the scrape)."""
     state = app[STATE]
     gauges = app[WORKER_GAUGES]
     others = state.ledger.others_tokens if state.ledger is not None else None
     while True:
         state.metrics.queue_depth.set(state.admission.queue_depth)
         holdings = tenant_holdings(state.tenancy, state.quotas, state.clock())
-        gauges.publish(state.fleet.backends, others, holdings)
+        gauges.publish(state.fleet.backends, others, holdings, state.clock())
         await asyncio.sleep(QUEUE_GAUGE_S)
 
 

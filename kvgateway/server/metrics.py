@@ -271,6 +271,12 @@ RESERVED = (
     "KV tokens reserved by requests in flight through this gateway instance.",
 )
 IN_FLIGHT = ("gateway_backend_in_flight", "Requests in flight through this gateway instance.")
+# A worker's view of a backend: with `serve --workers`, the lowest of the live workers'.
+HEALTHY = ("gateway_backend_healthy", "1 when the backend passes checks.")
+ACCEPTING = (
+    "gateway_backend_accepting",
+    "1 when the backend takes new work (healthy, not paused).",
+)
 TENANT_KV = ("gateway_tenant_kv_tokens", "KV tokens reserved for the tenant now.")
 TENANT_HELD = ("gateway_tenant_in_flight", "The tenant's admitted requests.")
 TENANT_MINUTE = (
@@ -330,11 +336,8 @@ class FleetCollector(Collector):
                 "gateway_backend_max_num_seqs", "Concurrency cap (sequences) of the backend."
             ),
             "ctx": gauge("gateway_backend_max_model_len", "The backend's context length."),
-            "healthy": gauge("gateway_backend_healthy", "1 when the backend passes checks."),
-            "accepting": gauge(
-                "gateway_backend_accepting",
-                "1 when the backend takes new work (healthy, not paused).",
-            ),
+            "healthy": gauge(*HEALTHY),
+            "accepting": gauge(*ACCEPTING),
             "usage": gauge(
                 "gateway_backend_scraped_kv_usage_ratio",
                 "KV-cache usage the node last reported (0..1).",
@@ -377,6 +380,6 @@ class FleetCollector(Collector):
                 if b.load.preemptions is not None:
                     preempt.add_metric(lv, b.load.preemptions)
         if self._per_worker:
-            del fams["reserved"], fams["in_flight"]
+            del fams["reserved"], fams["in_flight"], fams["healthy"], fams["accepting"]
         yield from fams.values()
         yield preempt

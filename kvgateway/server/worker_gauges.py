@@ -1,5 +1,7 @@
 """With ``serve --workers``: each worker's holdings, written every second for /metrics
-to sum over the live workers (prometheus-client multiprocess ``livesum`` gauges)."""
+to sum over the live workers (prometheus-client multiprocess ``livesum`` gauges), and
+its view of each backend's health, which /metrics reports as the live workers' lowest
+(``livemin``: 1 only while every worker finds the backend healthy)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from kvgateway.core.backends import Backend
 from kvgateway.core.quota import RATE_LIMITS
 from kvgateway.server.metrics import (
+    ACCEPTING,
+    HEALTHY,
     IN_FLIGHT,
     RESERVED,
     TENANT_GRANTED,
@@ -34,6 +38,9 @@ class WorkerGauges:
         self._tenant_kv = Gauge(*TENANT_KV, ["tenant"], **live)  # type: ignore[arg-type]
         self._tenant_held = Gauge(*TENANT_HELD, ["tenant"], **live)  # type: ignore[arg-type]
         self._minute = Gauge(*TENANT_MINUTE, ["tenant", "limit"], **live)  # type: ignore[arg-type]
+        lowest = {"registry": registry, "multiprocess_mode": "livemin"}
+        self._healthy = Gauge(*HEALTHY, labels, **lowest)  # type: ignore[arg-type]
+        self._accepting = Gauge(*ACCEPTING, labels, **lowest)  # type: ignore[arg-type]
         self._granted = Counter(*TENANT_GRANTED, ["tenant"], registry=registry)
         self._granted_sent: dict[str, int] = {}
         self._backends_seen: set[tuple[str, str, str]] = set()
@@ -44,10 +51,11 @@ class WorkerGauges:
         backends: Sequence[Backend],
         others: Callable[[Backend], int] | None,
         tenants: Iterable[tuple[str, int, int, int, dict[str, int]]],
+        now: float,
     ) -> None:
-        """This worker's own reservations per backend (first of each name, as the
-        collector), and per tenant (name, KV tokens, requests, tokens granted so far, its
-        last minute per limit)."""
+        """This worker's own reservations and view of health per backend (first of each
+        name, as the collector; ``now`` on the admission clock), and per tenant (name, KV
+        tokens, requests, tokens granted so far, its last minute per limit)."""
         seen: set[tuple[str, str, str]] = set()
         names: set[str] = set()
         for b in backends:
@@ -59,9 +67,11 @@ class WorkerGauges:
             own = b.reserved_tokens - (others(b) if others is not None else 0)
             self._reserved.labels(*lv).set(own)
             self._in_flight.labels(*lv).set(b.in_flight)
+            self._healthy.labels(*lv).set(1 if b.healthy else 0)
+            self._accepting.labels(*lv).set(1 if b.accepting(now) else 0)
         for lv in self._backends_seen - seen:
-            self._reserved.labels(*lv).set(0)
-            self._in_flight.labels(*lv).set(0)
+            for g in (self._reserved, self._in_flight, self._healthy, self._accepting):
+                g.labels(*lv).set(0)
         self._backends_seen = seen
         present: set[str] = set()
         for name, kv, held, granted, minute in tenants:
