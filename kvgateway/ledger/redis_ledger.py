@@ -132,6 +132,7 @@ class RedisLedger:
             cfg.timeout_s,
             shared=self.in_shared_mode,
             live=lambda: self._live,
+            lease_left=self._share.lease_left,
             budget=lambda: sum(b.budget_tokens for b in fleet.backends if b.usable),
             slots=lambda: sum(b.max_num_seqs for b in fleet.backends if b.usable),
         )

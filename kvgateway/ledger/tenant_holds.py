@@ -65,6 +65,7 @@ class TenantHolds:
         *,
         shared: Callable[[], bool],
         live: Callable[[], int],
+        lease_left: Callable[[], float] = lambda: 0.0,
         budget: Callable[[], int],
         slots: Callable[[], int],
     ) -> None:
@@ -74,6 +75,7 @@ class TenantHolds:
         self._timeout = timeout_s
         self._shared = shared
         self._live = live
+        self._lease_left = lease_left
         self._budget = budget
         self._slots = slots
         self._tenancy: Tenancy | None = None
@@ -93,6 +95,11 @@ class TenantHolds:
         self._node_seqs: dict[str, Counter[str]] = {}  # per backend, per class
         self._nodes_dirty: set[str] = set()  # not written since they changed
         self._closing = False
+        # What Redis records for this replica, per tenant (KV tokens, requests) and over
+        # its classes (KV tokens, sequences), as last written: the fallback keeps within
+        # it while this replica's lease may still be live (the others count it so).
+        self._recorded: dict[str, tuple[int, int]] = {}
+        self._recorded_total = (0, 0)
 
     def _caps(self, tenant: str) -> Caps | None:
         assert self._tenancy is not None
@@ -140,8 +147,14 @@ class TenantHolds:
             ]
         if node and held is not None:
             keys += [self._node_key(held.backend, c.name) for c in classes]
-        got = await self._client.evalsha(self._sha, len(keys), *keys, *args)
-        return [int(x) for x in got]
+        got = [int(x) for x in await self._client.evalsha(self._sha, len(keys), *keys, *args)]
+        if held is None or got[0]:  # written: what Redis now records for this replica
+            self._recorded[tenant] = (int(args[5]), int(args[6]))
+            self._recorded_total = (
+                sum(self._class_tokens.values()) + this,
+                sum(self._class_seqs.values()) + seqs,
+            )
+        return got
 
     def _node_key(self, backend: str, klass: str) -> str:
         return f"{{{self._ns}}}:nseq:{backend}:{klass}"
@@ -296,19 +309,28 @@ class TenantHolds:
             raise
 
     def _fallback_view(self, concerned: list[str]) -> None:
-        """The others taken to hold all but this replica's share; tenants whose view
-        fell (what was last seen of the others was more) ask again."""
+        """The others taken to hold all but this replica's share (and, while its lease
+        may still be live, all but what Redis records for it, if less: as the KV budgets'
+        fallback does); tenants whose view fell (what was last seen of the others was
+        more) ask again."""
         assert self._tenancy is not None
         away = self._tenancy.elsewhere
         live = max(1, self._live())
+        leased = self._lease_left() > 0
+
+        def others(cap: int, recorded: int) -> int:
+            mine = min(cap // live, recorded) if leased else cap // live
+            return max(0, cap - mine)
+
         before = sum(away.class_tokens.values()) + away.unclassed_tokens
         before_s = sum(away.class_seqs.values()) + away.unclassed_seqs
         fell: list[str] = []
         for tenant in concerned:
             tokens, requests = self._caps(tenant) or (0, 0)
+            rec_tokens, rec_requests = self._recorded.get(tenant, (0, 0))
             was = (away.tokens[tenant], away.requests[tenant])
-            away.tokens[tenant] = max(0, tokens - tokens // live)
-            away.requests[tenant] = max(0, requests - requests // live)
+            away.tokens[tenant] = others(tokens, rec_tokens)
+            away.requests[tenant] = others(requests, rec_requests)
             if away.tokens[tenant] < was[0] or away.requests[tenant] < was[1]:
                 fell.append(tenant)
         away.class_tokens.clear()
@@ -317,8 +339,8 @@ class TenantHolds:
         away.unclassed_tokens = away.unclassed_seqs = 0
         if self._floors():
             budget, slots = self._budget(), self._slots()
-            away.unclassed_tokens = budget - budget // live
-            away.unclassed_seqs = slots - slots // live
+            away.unclassed_tokens = others(budget, self._recorded_total[0])
+            away.unclassed_seqs = others(slots, self._recorded_total[1])
             if away.unclassed_tokens < before or away.unclassed_seqs < before_s:
                 fell = concerned
         for tenant in fell:
