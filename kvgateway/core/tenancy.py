@@ -7,8 +7,9 @@ three things of it:
   one class for every ``aging_s`` it has waited (so a lower class is never starved), then
   within a class by start-time fair queuing on **KV tokens**: a request's tag is
   ``max(class virtual time, the tenant's last finish tag)`` and the tenant's finish tag
-  advances by ``tokens / weight``. Two saturating tenants of equal weight are therefore
-  served equal KV tokens, whatever their request sizes;
+  advances by ``tokens / weight`` (and, with a shared ledger, by what other replicas
+  grant it). Two saturating tenants of equal weight are therefore served equal KV
+  tokens, whatever their request sizes;
 - a *gate* per tenant: ``max_concurrent``, ``max_kv_share`` of the fleet's KV budget
   (what other replicas hold for the tenant counting too, with a shared ledger), and
   what other classes reserve as their ``floor_share``: that share of the KV budget and
@@ -98,6 +99,15 @@ class Tenancy:
         self._finish[t.name] = start + tokens / t.weight
         self._seq += 1
         return Ticket(t.name, klass, auth.rank(t), start, self._seq)
+
+    def advance(self, name: str, tokens: int) -> None:
+        """Other replicas granted ``tokens`` KV tokens to ``name``: its later requests
+        here are tagged as if those had been tagged here (fair queuing across replicas:
+        a tenant that other replicas serve waits behind those they do not)."""
+        t = self.tenant(name)
+        klass = self._auth().class_of(t)
+        start = max(self._finish.get(t.name, 0.0), self._virtual.get(klass, 0.0))
+        self._finish[t.name] = start + tokens / t.weight
 
     def refund(self, ticket: Ticket, tokens: int) -> None:
         """A request tagged ``ticket`` was never served: if no later request of its

@@ -170,7 +170,7 @@ class QuotaKeys:
 # and seqs, then per class the others' seqs on the backend}. As in one process: a
 # tenant holding nothing anywhere may always run one request, however large; a floor
 # keeps what its class does not hold, and binds the other classes only.
-HOLD = """
+_HOLDINGS = """
 local function others(key, livekey, me)
   local all = redis.call('HGETALL', key)
   local sum = 0
@@ -188,6 +188,10 @@ end
 local function put(key, me, v)
   if v > 0 then redis.call('HSET', key, me, v) else redis.call('HDEL', key, me) end
 end
+"""
+HOLD = (
+    _HOLDINGS
+    + """
 local me, check = ARGV[1], ARGV[2] == '1'
 local this, this_seqs, own = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
 local mt, mr, ct, cr = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9])
@@ -247,3 +251,19 @@ for c = 1, n do
 end
 return out
 """
+)
+
+# KEYS: live, then per tenant its hash of KV tokens ever granted per replica. ARGV: me,
+# then per tenant what this replica has granted it so far. Writes mine; returns per
+# tenant what the other live replicas have granted it.
+GRANTED = (
+    _HOLDINGS
+    + """
+local out = {}
+for i = 2, #KEYS do
+  put(KEYS[i], ARGV[1], tonumber(ARGV[i]))
+  out[#out + 1] = others(KEYS[i], KEYS[1], ARGV[1])
+end
+return out
+"""
+)

@@ -33,7 +33,7 @@ from redis.exceptions import RedisError
 
 from kvgateway.core.reservation import Reservation
 from kvgateway.core.tenancy import Tenancy
-from kvgateway.ledger.quota_scripts import HOLD
+from kvgateway.ledger.quota_scripts import GRANTED, HOLD
 
 log = logging.getLogger("kvgateway.ledger")
 
@@ -100,6 +100,9 @@ class TenantHolds:
         # it while this replica's lease may still be live (the others count it so).
         self._recorded: dict[str, tuple[int, int]] = {}
         self._recorded_total = (0, 0)
+        # What the other replicas had granted each tenant sharing a class, as last read.
+        self._granted_seen: dict[str, int] = {}
+        self._granted_sha = ""
 
     def _caps(self, tenant: str) -> Caps | None:
         assert self._tenancy is not None
@@ -264,24 +267,53 @@ class TenantHolds:
         limited = [n for n in names if self._caps(n) is not None]
         return limited or ([""] if self._floors() else [])
 
+    def _sharing(self) -> list[str]:
+        """The tenants that share a class with another: their fair-queuing tags follow
+        what other replicas grant them."""
+        assert self._tenancy is not None
+        auth = self._tenancy.auth
+        per_class = Counter(auth.class_of(t) for t in auth.tenants)
+        return sorted({t.name for t in auth.tenants if per_class[auth.class_of(t)] > 1})
+
+    async def _share_grants(self, names: list[str]) -> None:
+        """Write the KV tokens this replica has granted each of ``names``, read what the
+        others have, and advance each tenant's fair-queuing tag by what they granted it
+        since last read."""
+        assert self._tenancy is not None
+        if not names:
+            return
+        if not self._granted_sha:
+            self._granted_sha = await self._client.script_load(GRANTED)
+        keys = [f"{{{self._ns}}}:live", *(f"{{{self._ns}}}:gtok:{n}" for n in names)]
+        mine = [self._tenancy.granted_tokens[n] for n in names]
+        got = await self._client.evalsha(self._granted_sha, len(keys), *keys, self._id, *mine)
+        for name, total in zip(names, (int(x) for x in got), strict=True):
+            before = self._granted_seen.get(name)
+            self._granted_seen[name] = total
+            if before is not None and total > before:
+                self._tenancy.advance(name, total - before)
+
     async def refresh(self) -> None:
         """Write this replica's holdings and read the others'; in the fallback, take the
         others to hold all but this replica's share."""
         if self._tenancy is None:
             return
         concerned = self._concerned()
-        if not concerned:
+        sharing = self._sharing()
+        if not concerned and not sharing:
             return
         if not self._shared():
-            self._fallback_view(concerned)
+            if concerned:
+                self._fallback_view(concerned)
             return
         try:
             async with asyncio.timeout(self._timeout):
                 async with self._lock:
                     answers = [await self._call(t, None) for t in concerned]
                     await self._write_nodes()
+                    await self._share_grants(sharing)
         except _FAILURES as exc:
-            self._sha = ""
+            self._sha = self._granted_sha = ""
             log.debug("tenant holdings: refresh failed: %r", exc)
             return
         for tenant, got in zip(concerned, answers, strict=True):

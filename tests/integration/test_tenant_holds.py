@@ -1,5 +1,6 @@
-"""Class floors on each node across replicas, against a real redis-server: two replicas'
-tenant holdings (``kvgateway.ledger.tenant_holds``) in one test process."""
+"""Tenants across replicas, against a real redis-server: two replicas' tenant holdings
+(``kvgateway.ledger.tenant_holds``) in one test process: class floors on each node, and
+fair queuing on what every replica grants."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ AUTH = AuthConfig(
 )
 
 
-def _holds(client: Redis, me: str) -> tuple[TenantHolds, Tenancy]:
+def _holds(client: Redis, me: str, auth: AuthConfig = AUTH) -> tuple[TenantHolds, Tenancy]:
     nodes = [backend("n1", seqs=8), backend("n2", seqs=8)]
     holds = TenantHolds(
         client,
@@ -38,7 +39,7 @@ def _holds(client: Redis, me: str) -> tuple[TenantHolds, Tenancy]:
         budget=lambda: sum(b.budget_tokens for b in nodes),
         slots=lambda: sum(b.max_num_seqs for b in nodes),
     )
-    return holds, Tenancy(lambda: AUTH)
+    return holds, Tenancy(lambda: auth)
 
 
 def _grants(tenancy: Tenancy, tenant: str, node: str) -> Iterator[Reservation]:
@@ -82,5 +83,33 @@ async def test_batch_on_two_replicas_leaves_each_nodes_floor_free(
             assert not await a.hold(next(batch_a))
             # The other node is judged on its own.
             assert await a.hold(next(_grants(ta, "b", "n2")))
+    finally:
+        await client.aclose()
+
+
+async def test_what_other_replicas_grant_a_tenant_moves_it_back_in_this_ones_queue(
+    redis_server: RedisServer,
+) -> None:
+    """Fair queuing across replicas: KV tokens another replica granted tenant y advance
+    y's tag here, so x (served nowhere) goes first here though y asked first; what was
+    granted before this replica first looked does not count."""
+    two = AuthConfig(keys=(TenantConfig("x", ("k-x",)), TenantConfig("y", ("k-y",))))
+    client = Redis.from_url(redis_server.url)
+    try:
+        await client.zadd(f"{{{NS}}}:live", {"a": 2**40, "b": 2**40})
+        a, ta = _holds(client, "a", two)
+        b, tb = _holds(client, "b", two)
+        async with a.running(ta, lambda t: None), b.running(tb, lambda t: None):
+            tb.granted(tb.ticket("y", 5_000), 5_000)
+            await b.refresh()
+            await a.refresh()  # first look: y's earlier grants on b set the baseline
+            y, x = ta.ticket("y", 100), ta.ticket("x", 100)
+            assert y.key(0, 0, 5) < x.key(0, 0, 5)
+            tb.granted(tb.ticket("y", 10_000), 10_000)
+            await b.refresh()
+            await a.refresh()
+            y, x = ta.ticket("y", 100), ta.ticket("x", 100)
+            assert x.key(0, 0, 5) < y.key(0, 0, 5)
+            assert y.start - x.start >= 10_000 - 200
     finally:
         await client.aclose()
