@@ -1,5 +1,6 @@
-"""The fallback's view of the others: what this replica may take on each backend while
-Redis does not answer it.
+"""The fallback's view of the others: what this replica may take on each backend, and
+of each tenant limit and class floor (:func:`tenant_fallback`), while Redis does not
+answer it.
 
 While its lease may still be live, the other replicas (if they reach Redis) count this
 one at what Redis records for it, so it keeps within that and within its share
@@ -12,10 +13,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from kvgateway.core.backends import Backend
 from kvgateway.core.fleet import Fleet
 from kvgateway.core.ledger import OthersView
+from kvgateway.core.tenancy import Elsewhere
 from kvgateway.ledger.recorded import Recorded
 
 
@@ -65,3 +68,54 @@ class FallbackShare:
         self._timer = None
         if self._in_fallback():
             self.apply()
+
+
+@dataclass(frozen=True, slots=True)
+class TenantRecord:
+    """What Redis records for this replica's tenants: per tenant (KV tokens, requests),
+    over its classes (KV tokens, sequences), and whether its lease may still be live."""
+
+    tenants: dict[str, tuple[int, int]]
+    classes: tuple[int, int]
+    leased: bool
+
+
+def tenant_fallback(
+    away: Elsewhere,
+    caps: dict[str, tuple[int, int]],
+    fleet: tuple[int, int] | None,
+    mine: TenantRecord,
+    live: int,
+) -> list[str]:
+    """Set ``away`` to what the others are taken to hold in the fallback: all of each
+    tenant's ``caps`` (KV tokens, requests) and, with class floors, of the ``fleet`` (KV
+    budget, slots) but this replica's share (``1 / live``), and while its lease may
+    still be live, but what Redis records for it if less (as the KV budgets' fallback
+    does). Returns the tenants whose view fell (the others were last seen holding more),
+    whose waiters are to ask again."""
+    live = max(1, live)
+
+    def others(cap: int, recorded: int) -> int:
+        share = cap // live
+        return max(0, cap - (min(share, recorded) if mine.leased else share))
+
+    before = sum(away.class_tokens.values()) + away.unclassed_tokens
+    before_s = sum(away.class_seqs.values()) + away.unclassed_seqs
+    fell: list[str] = []
+    for tenant, (tokens, requests) in caps.items():
+        rec_tokens, rec_requests = mine.tenants.get(tenant, (0, 0))
+        was = (away.tokens[tenant], away.requests[tenant])
+        away.tokens[tenant] = others(tokens, rec_tokens)
+        away.requests[tenant] = others(requests, rec_requests)
+        if away.tokens[tenant] < was[0] or away.requests[tenant] < was[1]:
+            fell.append(tenant)
+    away.class_tokens.clear()
+    away.class_seqs.clear()
+    away.node_seqs.clear()  # each node's floors kept whole (nothing known held there)
+    away.unclassed_tokens = away.unclassed_seqs = 0
+    if fleet is not None:
+        away.unclassed_tokens = others(fleet[0], mine.classes[0])
+        away.unclassed_seqs = others(fleet[1], mine.classes[1])
+        if away.unclassed_tokens < before or away.unclassed_seqs < before_s:
+            fell = list(caps)
+    return fell

@@ -29,10 +29,12 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from redis.asyncio import Redis
+from redis.asyncio.client import Pipeline
 from redis.exceptions import RedisError
 
 from kvgateway.core.reservation import Reservation
 from kvgateway.core.tenancy import Tenancy
+from kvgateway.ledger.fallback import TenantRecord, tenant_fallback
 from kvgateway.ledger.quota_scripts import GRANTED, HOLD
 
 log = logging.getLogger("kvgateway.ledger")
@@ -40,6 +42,8 @@ log = logging.getLogger("kvgateway.ledger")
 _FAILURES = (RedisError, OSError, TimeoutError)
 # How often the others' holdings are read (and this replica's written) at the least.
 REFRESH_S = 0.25
+# ... and at most this often, however often releases come.
+REFRESH_GAP_S = 0.05
 
 
 Caps = tuple[int, int]  # KV tokens, requests (-1: no limit)
@@ -118,12 +122,25 @@ class TenantHolds:
         assert self._tenancy is not None
         return any(c.floor_share > 0 for c in self._tenancy.auth.classes)
 
+    async def _load(self) -> None:
+        if not self._sha:
+            self._sha = await self._client.script_load(HOLD)
+        if not self._granted_sha:
+            self._granted_sha = await self._client.script_load(GRANTED)
+
     async def _call(self, tenant: str, held: _Held | None) -> list[int]:
         """The script for ``tenant``: this replica's holdings written (``held``, the
         request judged, included), the others' read."""
+        await self._load()
+        keys, args = self._hold_args(tenant, held)
+        got = [int(x) for x in await self._client.evalsha(self._sha, len(keys), *keys, *args)]
+        self._written(tenant, held, args, got)
+        return got
+
+    def _hold_args(
+        self, tenant: str, held: _Held | None
+    ) -> tuple[list[str], list[str | int | float]]:
         assert self._tenancy is not None
-        if not self._sha:
-            self._sha = await self._client.script_load(HOLD)
         classes = self._tenancy.auth.classes
         ns = self._ns
         keys = [f"{{{ns}}}:live", f"{{{ns}}}:ttok:{tenant}", f"{{{ns}}}:treq:{tenant}"]
@@ -150,14 +167,20 @@ class TenantHolds:
             ]
         if node and held is not None:
             keys += [self._node_key(held.backend, c.name) for c in classes]
-        got = [int(x) for x in await self._client.evalsha(self._sha, len(keys), *keys, *args)]
-        if held is None or got[0]:  # written: what Redis now records for this replica
+        return keys, args
+
+    def _written(
+        self, tenant: str, held: _Held | None, args: list[str | int | float], got: list[int]
+    ) -> None:
+        """After a script answered: what Redis now records for this replica, if written
+        (a refused hold writes nothing)."""
+        if held is None or got[0]:
+            this, seqs = (held.tokens, held.seqs) if held is not None else (0, 0)
             self._recorded[tenant] = (int(args[5]), int(args[6]))
             self._recorded_total = (
                 sum(self._class_tokens.values()) + this,
                 sum(self._class_seqs.values()) + seqs,
             )
-        return got
 
     def _node_key(self, backend: str, klass: str) -> str:
         return f"{{{self._ns}}}:nseq:{backend}:{klass}"
@@ -257,6 +280,9 @@ class TenantHolds:
                     await self._dirty.wait()
             self._dirty.clear()
             await self.refresh()
+            # Releases coming one after another are written together: a refresh after
+            # each one would keep the lock busy, and holds waiting for it.
+            await asyncio.sleep(REFRESH_GAP_S)
 
     def _concerned(self) -> list[str]:
         """The tenants whose holdings are refreshed: those with a limit; with floors and
@@ -275,18 +301,18 @@ class TenantHolds:
         per_class = Counter(auth.class_of(t) for t in auth.tenants)
         return sorted({t.name for t in auth.tenants if per_class[auth.class_of(t)] > 1})
 
-    async def _share_grants(self, names: list[str]) -> None:
-        """Write the KV tokens this replica has granted each of ``names``, read what the
-        others have, and advance each tenant's fair-queuing tag by what they granted it
-        since last read."""
+    def _share_grants(self, pipe: Pipeline, names: list[str]) -> None:
+        """Write the KV tokens this replica has granted each of ``names`` and read what
+        the others have (:meth:`_granted_by_others` takes the answer)."""
         assert self._tenancy is not None
-        if not names:
-            return
-        if not self._granted_sha:
-            self._granted_sha = await self._client.script_load(GRANTED)
         keys = [f"{{{self._ns}}}:live", *(f"{{{self._ns}}}:gtok:{n}" for n in names)]
         mine = [self._tenancy.granted_tokens[n] for n in names]
-        got = await self._client.evalsha(self._granted_sha, len(keys), *keys, self._id, *mine)
+        pipe.evalsha(self._granted_sha, len(keys), *keys, self._id, *mine)
+
+    def _granted_by_others(self, names: list[str], got: list[int]) -> None:
+        """Advance each tenant's fair-queuing tag by what the others granted it since
+        this replica last looked."""
+        assert self._tenancy is not None
         for name, total in zip(names, (int(x) for x in got), strict=True):
             before = self._granted_seen.get(name)
             self._granted_seen[name] = total
@@ -306,27 +332,39 @@ class TenantHolds:
             if concerned:
                 self._fallback_view(concerned)
             return
+        # One round trip: the lock (which holds wait for) is held as briefly as it can be.
+        nodes: set[str] = set()
         try:
             async with asyncio.timeout(self._timeout):
+                await self._load()
                 async with self._lock:
-                    answers = [await self._call(t, None) for t in concerned]
-                    await self._write_nodes()
-                    await self._share_grants(sharing)
+                    pipe = self._client.pipeline(transaction=False)
+                    calls = [self._hold_args(t, None) for t in concerned]
+                    for keys, args in calls:
+                        pipe.evalsha(self._sha, len(keys), *keys, *args)
+                    nodes, self._nodes_dirty = self._nodes_dirty, set()
+                    self._write_nodes(pipe, nodes)
+                    if sharing:
+                        self._share_grants(pipe, sharing)
+                    answers = await pipe.execute()
         except _FAILURES as exc:
+            self._nodes_dirty |= nodes  # written at the next refresh
             self._sha = self._granted_sha = ""
             log.debug("tenant holdings: refresh failed: %r", exc)
             return
-        for tenant, got in zip(concerned, answers, strict=True):
-            self._seen(tenant, got)
+        for tenant, (_, args), got in zip(concerned, calls, answers, strict=False):
+            values = [int(x) for x in got]
+            self._written(tenant, None, args, values)
+            self._seen(tenant, values)
+        if sharing:
+            self._granted_by_others(sharing, answers[-1])
 
-    async def _write_nodes(self) -> None:
-        """This replica's per-backend class holdings that changed since last written (a
-        grant writes its own backend's in its script; releases are written here)."""
+    def _write_nodes(self, pipe: Pipeline, names: set[str]) -> None:
+        """This replica's per-backend class holdings under ``names``, changed since last
+        written (a grant writes its own backend's in its script; releases here)."""
         assert self._tenancy is not None
-        names, self._nodes_dirty = self._nodes_dirty, set()
-        if not names or not self._floors():
+        if not self._floors():
             return
-        pipe = self._client.pipeline(transaction=False)
         for name in sorted(names):
             held = self._node_seqs.get(name, Counter())
             for c in self._tenancy.auth.classes:
@@ -334,46 +372,15 @@ class TenantHolds:
                     pipe.hset(self._node_key(name, c.name), self._id, held[c.name])
                 else:
                     pipe.hdel(self._node_key(name, c.name), self._id)
-        try:
-            await pipe.execute()
-        except BaseException:
-            self._nodes_dirty |= names  # written at the next refresh
-            raise
 
     def _fallback_view(self, concerned: list[str]) -> None:
-        """The others taken to hold all but this replica's share (and, while its lease
-        may still be live, all but what Redis records for it, if less: as the KV budgets'
-        fallback does); tenants whose view fell (what was last seen of the others was
-        more) ask again."""
+        """The others taken to hold all but this replica's share (see
+        :func:`~kvgateway.ledger.fallback.tenant_fallback`); tenants whose view fell
+        ask again."""
         assert self._tenancy is not None
-        away = self._tenancy.elsewhere
-        live = max(1, self._live())
-        leased = self._lease_left() > 0
-
-        def others(cap: int, recorded: int) -> int:
-            mine = min(cap // live, recorded) if leased else cap // live
-            return max(0, cap - mine)
-
-        before = sum(away.class_tokens.values()) + away.unclassed_tokens
-        before_s = sum(away.class_seqs.values()) + away.unclassed_seqs
-        fell: list[str] = []
-        for tenant in concerned:
-            tokens, requests = self._caps(tenant) or (0, 0)
-            rec_tokens, rec_requests = self._recorded.get(tenant, (0, 0))
-            was = (away.tokens[tenant], away.requests[tenant])
-            away.tokens[tenant] = others(tokens, rec_tokens)
-            away.requests[tenant] = others(requests, rec_requests)
-            if away.tokens[tenant] < was[0] or away.requests[tenant] < was[1]:
-                fell.append(tenant)
-        away.class_tokens.clear()
-        away.class_seqs.clear()
-        away.node_seqs.clear()  # each node's floors kept whole (nothing known held there)
-        away.unclassed_tokens = away.unclassed_seqs = 0
-        if self._floors():
-            budget, slots = self._budget(), self._slots()
-            away.unclassed_tokens = others(budget, self._recorded_total[0])
-            away.unclassed_seqs = others(slots, self._recorded_total[1])
-            if away.unclassed_tokens < before or away.unclassed_seqs < before_s:
-                fell = concerned
+        caps = {t: self._caps(t) or (0, 0) for t in concerned}
+        fleet = (self._budget(), self._slots()) if self._floors() else None
+        mine = TenantRecord(self._recorded, self._recorded_total, self._lease_left() > 0)
+        fell = tenant_fallback(self._tenancy.elsewhere, caps, fleet, mine, self._live())
         for tenant in fell:
             self._reopen(tenant)
