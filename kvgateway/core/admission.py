@@ -214,6 +214,11 @@ class Admission(AdmissionCore):
                 ) from None
             raise
 
+    def floor_waits(self) -> dict[tuple[str, str], float]:
+        """Per class and model, how long the oldest request waiting behind the floors
+        has waited (a shared ledger orders such waiters across replicas by it)."""
+        return self._queue.floor_waits()
+
     def projected_wait(self, demand: Demand) -> float | None:
         """Seconds until ``demand`` first fits a backend it could use, as the projection
         sees it now (the queue ahead aside: a lower bound); None when no backend's

@@ -180,7 +180,22 @@ class AdmissionQueue:
         )
         if gate is None and self._floors_fill_every_node(demand):
             return CLASS_FLOOR
+        if gate is None and ticket is not None:
+            older = self._tenancy.elsewhere.floor_waits.get((ticket.klass, demand.model))
+            if older is not None and older > (self._clock() - own.since if own else 0.0):
+                return CLASS_FLOOR
         return gate
+
+    def floor_waits(self) -> dict[tuple[str, str], float]:
+        """Per class and model, how long the oldest request waiting behind the floors
+        has waited."""
+        now = self._clock()
+        oldest: dict[tuple[str, str], float] = {}
+        for w in self.waiters:
+            if w.gated == CLASS_FLOOR and w.ticket is not None and not w.future.done():
+                k = (w.ticket.klass, w.demand.model)
+                oldest[k] = max(oldest.get(k, 0.0), now - w.since)
+        return oldest
 
     def _floors_fill_every_node(self, d: Demand) -> bool:
         """Other classes' floors leave ``d`` no slot on any usable backend that could

@@ -240,6 +240,10 @@ class Elsewhere:
     class_seqs: Counter[str] = field(default_factory=Counter)
     # Sequences per class on a backend, as last answered for a grant there.
     node_seqs: dict[str, Counter[str]] = field(default_factory=dict)
+    # Per class and model: how long the oldest request other replicas keep waiting
+    # behind the floors has waited (s), as last read. A request of the class for the
+    # model here that has waited less waits too: freed room goes to the oldest.
+    floor_waits: dict[tuple[str, str], float] = field(default_factory=dict)
     # In the ledger's fallback: what the others are taken to hold, all of the fleet
     # but this replica's share, in classes unknown here.
     unclassed_tokens: int = 0

@@ -253,6 +253,37 @@ return out
 """
 )
 
+# KEYS: live, then per class its sorted set of replica -> since when (Redis ms) its
+# oldest request waiting behind the floors has waited. ARGV: me, then per class how long
+# mine has waited (ms; -1: none waits). Writes mine; returns per class how long the
+# other live replicas' oldest has waited (ms; -1: none).
+FLOOR_WAITS = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local out = {}
+for i = 2, #KEYS do
+  local age = tonumber(ARGV[i])
+  if age >= 0 then
+    redis.call('ZADD', KEYS[i], now - age, ARGV[1])
+  else
+    redis.call('ZREM', KEYS[i], ARGV[1])
+  end
+  local oldest = -1
+  local all = redis.call('ZRANGE', KEYS[i], 0, -1, 'WITHSCORES')
+  for j = 1, #all, 2 do
+    if all[j] ~= ARGV[1] then
+      if redis.call('ZSCORE', KEYS[1], all[j]) then
+        oldest = math.max(oldest, now - tonumber(all[j + 1]))
+      else
+        redis.call('ZREM', KEYS[i], all[j])
+      end
+    end
+  end
+  out[#out + 1] = oldest
+end
+return out
+"""
+
 # KEYS: live, then per tenant its hash of KV tokens ever granted per replica. ARGV: me,
 # then per tenant what this replica has granted it so far. Writes mine; returns per
 # tenant what the other live replicas have granted it.

@@ -135,6 +135,7 @@ class RedisLedger:
             lease_left=self._share.lease_left,
             budget=lambda: sum(b.budget_tokens for b in fleet.backends if b.usable),
             slots=lambda: sum(b.max_num_seqs for b in fleet.backends if b.usable),
+            models=lambda: sorted({b.model for b in fleet.backends}),
         )
 
     # ---- what Admission calls ---------------------------------------------------
@@ -365,7 +366,7 @@ class RedisLedger:
             if tenancy is None:
                 yield
             else:
-                async with self._holds.running(tenancy, admission.reopen):
+                async with self._holds.running(tenancy, admission.reopen, admission.floor_waits):
                     yield
         finally:
             self._closing = True

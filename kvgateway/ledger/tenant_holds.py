@@ -35,7 +35,15 @@ from redis.exceptions import RedisError
 from kvgateway.core.reservation import Reservation
 from kvgateway.core.tenancy import Tenancy
 from kvgateway.ledger.fallback import TenantRecord, tenant_fallback
-from kvgateway.ledger.quota_scripts import GRANTED, HOLD
+from kvgateway.ledger.quota_scripts import FLOOR_WAITS, GRANTED, HOLD
+from kvgateway.ledger.tenant_order import (
+    Waits,
+    sharing_tenants,
+    take_floor_waits,
+    take_grants,
+    write_floor_waits,
+    write_grants,
+)
 
 log = logging.getLogger("kvgateway.ledger")
 
@@ -72,6 +80,7 @@ class TenantHolds:
         lease_left: Callable[[], float] = lambda: 0.0,
         budget: Callable[[], int],
         slots: Callable[[], int],
+        models: Callable[[], list[str]] = list,
     ) -> None:
         self._client = client
         self._ns = namespace
@@ -82,6 +91,7 @@ class TenantHolds:
         self._lease_left = lease_left
         self._budget = budget
         self._slots = slots
+        self._models = models
         self._tenancy: Tenancy | None = None
         self._reopen: Callable[[str], None] = lambda tenant: None
         # One write at a time: each carries absolute values read when it is sent, and
@@ -106,7 +116,8 @@ class TenantHolds:
         self._recorded_total = (0, 0)
         # What the other replicas had granted each tenant sharing a class, as last read.
         self._granted_seen: dict[str, int] = {}
-        self._granted_sha = ""
+        self._granted_sha = self._waits_sha = ""
+        self._floor_waits: Callable[[], Waits] = dict
 
     def _caps(self, tenant: str) -> Caps | None:
         assert self._tenancy is not None
@@ -118,6 +129,13 @@ class TenantHolds:
         tokens = -1 if limits.max_kv_share is None else int(limits.max_kv_share * self._budget())
         return tokens, -1 if limits.max_concurrent is None else limits.max_concurrent
 
+    def _floor_pairs(self) -> list[tuple[str, str]]:
+        """With floors: every (class, model) whose waiters are ordered across replicas."""
+        assert self._tenancy is not None
+        if not self._floors():
+            return []
+        return [(c.name, m) for c in self._tenancy.auth.classes for m in self._models()]
+
     def _floors(self) -> bool:
         assert self._tenancy is not None
         return any(c.floor_share > 0 for c in self._tenancy.auth.classes)
@@ -127,6 +145,8 @@ class TenantHolds:
             self._sha = await self._client.script_load(HOLD)
         if not self._granted_sha:
             self._granted_sha = await self._client.script_load(GRANTED)
+        if not self._waits_sha:
+            self._waits_sha = await self._client.script_load(FLOOR_WAITS)
 
     async def _call(self, tenant: str, held: _Held | None) -> list[int]:
         """The script for ``tenant``: this replica's holdings written (``held``, the
@@ -256,10 +276,17 @@ class TenantHolds:
             self._dirty.set()
 
     @contextlib.asynccontextmanager
-    async def running(self, tenancy: Tenancy, reopen: Callable[[str], None]) -> AsyncIterator[None]:
+    async def running(
+        self,
+        tenancy: Tenancy,
+        reopen: Callable[[str], None],
+        floor_waits: Callable[[], Waits] = dict,
+    ) -> AsyncIterator[None]:
         """Keep this replica's holdings written and the others' read until the block
-        ends; ``reopen(tenant)``: what the others hold for ``tenant`` (or its class) fell."""
-        self._tenancy, self._reopen = tenancy, reopen
+        ends; ``reopen(tenant)``: what the others hold for ``tenant`` (or its class) fell;
+        ``floor_waits()``: per class and model, how long the oldest request waiting
+        behind the floors here has waited (s)."""
+        self._tenancy, self._reopen, self._floor_waits = tenancy, reopen, floor_waits
         self._closing = False
         task = asyncio.create_task(self._loop(), name="tenant-holds")
         try:
@@ -293,39 +320,13 @@ class TenantHolds:
         limited = [n for n in names if self._caps(n) is not None]
         return limited or ([""] if self._floors() else [])
 
-    def _sharing(self) -> list[str]:
-        """The tenants that share a class with another: their fair-queuing tags follow
-        what other replicas grant them."""
-        assert self._tenancy is not None
-        auth = self._tenancy.auth
-        per_class = Counter(auth.class_of(t) for t in auth.tenants)
-        return sorted({t.name for t in auth.tenants if per_class[auth.class_of(t)] > 1})
-
-    def _share_grants(self, pipe: Pipeline, names: list[str]) -> None:
-        """Write the KV tokens this replica has granted each of ``names`` and read what
-        the others have (:meth:`_granted_by_others` takes the answer)."""
-        assert self._tenancy is not None
-        keys = [f"{{{self._ns}}}:live", *(f"{{{self._ns}}}:gtok:{n}" for n in names)]
-        mine = [self._tenancy.granted_tokens[n] for n in names]
-        pipe.evalsha(self._granted_sha, len(keys), *keys, self._id, *mine)
-
-    def _granted_by_others(self, names: list[str], got: list[int]) -> None:
-        """Advance each tenant's fair-queuing tag by what the others granted it since
-        this replica last looked."""
-        assert self._tenancy is not None
-        for name, total in zip(names, (int(x) for x in got), strict=True):
-            before = self._granted_seen.get(name)
-            self._granted_seen[name] = total
-            if before is not None and total > before:
-                self._tenancy.advance(name, total - before)
-
     async def refresh(self) -> None:
         """Write this replica's holdings and read the others'; in the fallback, take the
         others to hold all but this replica's share."""
         if self._tenancy is None:
             return
         concerned = self._concerned()
-        sharing = self._sharing()
+        sharing = sharing_tenants(self._tenancy.auth)
         if not concerned and not sharing:
             return
         if not self._shared():
@@ -344,12 +345,16 @@ class TenantHolds:
                         pipe.evalsha(self._sha, len(keys), *keys, *args)
                     nodes, self._nodes_dirty = self._nodes_dirty, set()
                     self._write_nodes(pipe, nodes)
+                    me = (self._ns, self._id)
+                    pairs = self._floor_pairs()
+                    if pairs:
+                        write_floor_waits(pipe, self._waits_sha, *me, pairs, self._floor_waits())
                     if sharing:
-                        self._share_grants(pipe, sharing)
+                        write_grants(pipe, self._granted_sha, *me, self._tenancy, sharing)
                     answers = await pipe.execute()
         except _FAILURES as exc:
             self._nodes_dirty |= nodes  # written at the next refresh
-            self._sha = self._granted_sha = ""
+            self._sha = self._granted_sha = self._waits_sha = ""
             log.debug("tenant holdings: refresh failed: %r", exc)
             return
         for tenant, (_, args), got in zip(concerned, calls, answers, strict=False):
@@ -357,7 +362,9 @@ class TenantHolds:
             self._written(tenant, None, args, values)
             self._seen(tenant, values)
         if sharing:
-            self._granted_by_others(sharing, answers[-1])
+            take_grants(self._tenancy, self._granted_seen, sharing, answers.pop())
+        if pairs and take_floor_waits(self._tenancy.elsewhere, pairs, answers[-1]):
+            self._reopen("")  # the others' oldest was served: ours ask again
 
     def _write_nodes(self, pipe: Pipeline, names: set[str]) -> None:
         """This replica's per-backend class holdings under ``names``, changed since last

@@ -38,6 +38,7 @@ def _holds(client: Redis, me: str, auth: AuthConfig = AUTH) -> tuple[TenantHolds
         live=lambda: 2,
         budget=lambda: sum(b.budget_tokens for b in nodes),
         slots=lambda: sum(b.max_num_seqs for b in nodes),
+        models=lambda: ["m"],
     )
     return holds, Tenancy(lambda: auth)
 
@@ -111,5 +112,36 @@ async def test_what_other_replicas_grant_a_tenant_moves_it_back_in_this_ones_que
             y, x = ta.ticket("y", 100), ta.ticket("x", 100)
             assert x.key(0, 0, 5) < y.key(0, 0, 5)
             assert y.start - x.start >= 10_000 - 200
+    finally:
+        await client.aclose()
+
+
+async def test_the_oldest_request_behind_the_floors_on_any_replica_goes_first(
+    redis_server: RedisServer,
+) -> None:
+    """A replica reads how long the others' oldest request kept back by the floors has
+    waited (per class and model), and lets its own waiters ask again once that one was
+    served."""
+    client = Redis.from_url(redis_server.url)
+    try:
+        await client.zadd(f"{{{NS}}}:live", {"a": 2**40, "b": 2**40})
+        a, ta = _holds(client, "a")
+        b, tb = _holds(client, "b")
+        on_b = {("batch", "m"): 2.0}
+        reopened: list[str] = []
+        async with (
+            a.running(ta, reopened.append),
+            b.running(tb, lambda t: None, lambda: dict(on_b)),
+        ):
+            await b.refresh()
+            await a.refresh()
+            assert list(ta.elsewhere.floor_waits) == [("batch", "m")]
+            assert 2.0 <= ta.elsewhere.floor_waits["batch", "m"] < 2.5
+            assert tb.elsewhere.floor_waits == {}  # its own are not the others'
+            reopened.clear()
+            on_b.clear()  # b's waiter was served
+            await b.refresh()
+            await a.refresh()
+            assert ta.elsewhere.floor_waits == {} and "" in reopened
     finally:
         await client.aclose()

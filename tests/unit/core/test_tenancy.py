@@ -573,6 +573,27 @@ async def test_a_class_floor_keeps_its_share_of_each_nodes_slots():
     assert all(not any(c.values()) for c in t.node_seqs.values())
 
 
+async def test_a_request_waits_behind_an_older_one_other_replicas_keep_behind_the_floors():
+    """Another replica's request of the same class and model has waited behind the
+    floors longer: one here waits behind it (gated, claiming nothing) though there is
+    room, until that one is served; other classes and models are not held."""
+    nodes = [backend("a", kv=1_000_000, seqs=8)]
+    classes = (ClassConfig("interactive", floor_share=0.25), ClassConfig("batch"))
+    t = Tenancy(lambda: auth(tenant("i", "interactive"), tenant("b", "batch"), classes=classes))
+    adm = admission_over(nodes, queue_size=100, tenancy=t, budget=lambda: 10**6, slots=lambda: 8)
+    t.elsewhere.floor_waits = {("batch", "m"): 1.5, ("batch", "other-model"): 9.0}
+    held = asyncio.create_task(adm.admit(of("b", 100), 5.0))
+    await asyncio.sleep(0.01)
+    assert not held.done() and [w.gated for w in adm._queue.waiters] == [CLASS_FLOOR]
+    assert adm.waiting_backends() == set()
+    interactive = await asyncio.wait_for(adm.admit(of("i", 100), 1.0), 0.5)
+    t.elsewhere.floor_waits = {}
+    adm.reopen("")
+    batch = await asyncio.wait_for(held, 1.0)
+    adm.release(batch)
+    adm.release(interactive)
+
+
 def test_kept_slots_are_each_floor_less_what_its_class_holds_on_the_node():
     classes = (
         ClassConfig("interactive", floor_share=0.25),
