@@ -183,7 +183,8 @@ class RedisLedger:
                     b,
                     reservation.tokens - take_t,
                     reservation.seqs - take_s,
-                    queued=reservation.queued_s > 0,
+                    # A class within its floor is not held off by others' waiters.
+                    queued=reservation.queued_s > 0 or self._holds.within_floor(reservation),
                     still_waiting=still_waiting,
                 )
         except asyncio.CancelledError:

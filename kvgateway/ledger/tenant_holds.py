@@ -41,6 +41,7 @@ from kvgateway.ledger.tenant_order import (
     sharing_tenants,
     take_floor_waits,
     take_grants,
+    within_floor,
     write_floor_waits,
     write_grants,
 )
@@ -135,6 +136,12 @@ class TenantHolds:
         if not self._floors():
             return []
         return [(c.name, m) for c in self._tenancy.auth.classes for m in self._models()]
+
+    def within_floor(self, r: Reservation) -> bool:
+        """``r``'s class holds less than its floor (see :func:`within_floor`)."""
+        if self._tenancy is None or r.ticket is None:
+            return False
+        return within_floor(self._tenancy, r.ticket.klass, self._budget(), self._slots())
 
     def _floors(self) -> bool:
         assert self._tenancy is not None

@@ -11,6 +11,9 @@ holdings (:mod:`kvgateway.ledger.tenant_holds`):
   model here that has waited less waits too, so freed
   room goes to the oldest waiter across replicas (without it, the replica whose own
   requests end takes every slot they free, and the other's wait until they time out).
+- **A class within its floor goes first**: the shared ledger's wait sets (a replica with
+  requests queued for a backend holds the others' new requests off it) do not hold it
+  off (:func:`within_floor`).
 """
 
 from __future__ import annotations
@@ -70,3 +73,16 @@ def take_floor_waits(away: Elsewhere, pairs: list[tuple[str, str]], ages_ms: lis
         p: int(a) / 1000 for p, a in zip(pairs, ages_ms, strict=True) if int(a) >= 0
     }
     return any(c not in away.floor_waits or away.floor_waits[c] < age for c, age in before.items())
+
+
+def within_floor(tenancy: Tenancy, klass: str, budget: int, slots: int) -> bool:
+    """``klass`` has a floor and holds less than it (KV tokens or slots, here and on the
+    other replicas as last read): the room its floor keeps is its own, so other
+    replicas' waiters (of any class) do not hold its requests off a backend."""
+    share = next((c.floor_share for c in tenancy.auth.classes if c.name == klass), 0.0)
+    if share <= 0:
+        return False
+    away = tenancy.elsewhere
+    tokens = tenancy.class_tokens[klass] + away.class_tokens[klass]
+    seqs = tenancy.class_seqs[klass] + away.class_seqs[klass]
+    return tokens <= share * budget or seqs <= share * slots
