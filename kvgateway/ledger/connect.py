@@ -9,8 +9,13 @@ import socket
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
 
 from kvgateway.config.model import LedgerConfig
+
+# What a Redis call that failed raises: each caller falls back on its own, never fails
+# a request.
+REDIS_FAILURES = (RedisError, OSError, TimeoutError)
 
 # Connections to Redis per replica (each call holds one for ~0.1-1 ms; the listener one).
 POOL_CONNECTIONS = 32

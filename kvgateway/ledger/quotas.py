@@ -40,11 +40,11 @@ from kvgateway.core.quota import (
     RateLimitHit,
     RateStatus,
 )
+from kvgateway.ledger.connect import REDIS_FAILURES
 from kvgateway.ledger.quota_scripts import ADJUST, CHARGE, IMPORT, QuotaKeys
 
 log = logging.getLogger("kvgateway.ledger")
 
-_FAILURES = (RedisError, OSError, TimeoutError)
 _WINDOW_MS = int(WINDOW_S * 1000)
 # After a failed quota call, limits are judged on the local share this long before
 # Redis is asked again (the shared ledger's own heartbeat finds it back sooner or later).
@@ -168,7 +168,7 @@ class SharedQuotas:
                     got = await self._charge_shared(tenant, limits, prompt, output, now)
                 self._keep(tenant, got, now)
                 return got
-            except _FAILURES as exc:
+            except REDIS_FAILURES as exc:
                 self._shas.clear()
                 self._retry_at = now + RETRY_S
                 self._set_fallback(True, repr(exc))
@@ -271,7 +271,7 @@ class SharedQuotas:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-            with contextlib.suppress(*_FAILURES):
+            with contextlib.suppress(*REDIS_FAILURES):
                 async with asyncio.timeout(self._timeout):
                     await self._send_adjustments()
 
@@ -290,7 +290,7 @@ class SharedQuotas:
                         await self._send_recent(self._clock())
                         self._set_fallback(False)
                     await self._send_adjustments()
-            except _FAILURES as exc:
+            except REDIS_FAILURES as exc:
                 self._shas.clear()  # a restarted Redis has lost the scripts
                 # Lost: the window keeps what was reserved, never less than was used,
                 # except a passthrough's prompt known only from its answer.

@@ -25,7 +25,6 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from redis.asyncio import Redis
-from redis.exceptions import RedisError
 
 from kvgateway.config.model import LedgerConfig
 from kvgateway.core.admission import Admission
@@ -35,6 +34,7 @@ from kvgateway.core.ledger import Holding, OthersView
 from kvgateway.core.reservation import Reservation
 from kvgateway.core.tenancy import Tenancy
 from kvgateway.ledger.calls import LedgerCalls, release_totals
+from kvgateway.ledger.connect import REDIS_FAILURES
 from kvgateway.ledger.credit import Credit
 from kvgateway.ledger.fallback import FallbackShare
 from kvgateway.ledger.recorded import Recorded
@@ -44,8 +44,6 @@ from kvgateway.ledger.tenant_holds import TenantHolds
 from kvgateway.ledger.waiting import WaitMarks
 
 log = logging.getLogger("kvgateway.ledger")
-
-_FAILURES = (RedisError, OSError, TimeoutError)
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,7 +189,7 @@ class RedisLedger:
             # Redis may have recorded it: the next heartbeat rewrites our holdings.
             self._resync = True
             raise
-        except _FAILURES as exc:
+        except REDIS_FAILURES as exc:
             if isinstance(exc, TimeoutError):
                 self._share.renewed()  # Redis may have run it: the lease may have been renewed
             self._fall_back(f"reserve failed: {exc!r}")
@@ -386,7 +384,7 @@ class RedisLedger:
         if not self._shared:
             return
         self._credit.drop_all()
-        with contextlib.suppress(*_FAILURES):
+        with contextlib.suppress(*REDIS_FAILURES):
             async with asyncio.timeout(self._cfg.timeout_s * 4):
                 await self._calls.release(release_totals(self._pending))
                 await self._calls.leave()
@@ -468,7 +466,7 @@ class RedisLedger:
                 if absolute:
                     await self._calls.load_scripts()
                 values = await self._calls.heartbeat(names, own if absolute else None, waiting)
-        except _FAILURES as exc:
+        except REDIS_FAILURES as exc:
             if isinstance(exc, TimeoutError) and self._shared:
                 self._share.renewed()  # Redis may have run it
             if self._shared:
@@ -507,7 +505,7 @@ class RedisLedger:
         try:
             async with asyncio.timeout(self._cfg.timeout_s):
                 await self._calls.ping()
-        except _FAILURES as exc:
+        except REDIS_FAILURES as exc:
             self._reason = f"Redis unreachable: {exc!r}"
             self._share.apply()  # backends a reload added get their share too
             return False
@@ -537,7 +535,7 @@ class RedisLedger:
                     if batch or enter or leave:
                         await self._calls.release(release_totals(batch), enter, leave)
                         self._marks.sent(enter, leave)
-            except _FAILURES as exc:
+            except REDIS_FAILURES as exc:
                 self._fall_back(f"release failed: {exc!r}")
 
     async def _listen_loop(self) -> None:
@@ -549,7 +547,7 @@ class RedisLedger:
                         msg = await ps.get_message(ignore_subscribe_messages=True, timeout=1.0)
                         if msg is not None:
                             self._on_released(msg["data"])
-            except _FAILURES as exc:
+            except REDIS_FAILURES as exc:
                 log.debug("ledger listener: %r; reconnecting", exc)
                 await asyncio.sleep(self._interval())
 

@@ -30,10 +30,10 @@ from dataclasses import dataclass
 
 from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
-from redis.exceptions import RedisError
 
 from kvgateway.core.reservation import Reservation
 from kvgateway.core.tenancy import Tenancy
+from kvgateway.ledger.connect import REDIS_FAILURES
 from kvgateway.ledger.fallback import TenantRecord, tenant_fallback
 from kvgateway.ledger.quota_scripts import FLOOR_WAITS, GRANTED, HOLD
 from kvgateway.ledger.tenant_order import (
@@ -48,7 +48,6 @@ from kvgateway.ledger.tenant_order import (
 
 log = logging.getLogger("kvgateway.ledger")
 
-_FAILURES = (RedisError, OSError, TimeoutError)
 # How often the others' holdings are read (and this replica's written) at the least.
 REFRESH_S = 0.25
 # ... and at most this often, however often releases come.
@@ -262,7 +261,7 @@ class TenantHolds:
                     got = await self._call(tenant, held)
                     if got[0]:
                         self._add(r, held)
-        except _FAILURES as exc:
+        except REDIS_FAILURES as exc:
             self._sha = ""
             log.debug("tenant holdings: hold not recorded: %r", exc)
             self._add(r, held)
@@ -359,7 +358,7 @@ class TenantHolds:
                     if sharing:
                         write_grants(pipe, self._granted_sha, *me, self._tenancy, sharing)
                     answers = await pipe.execute()
-        except _FAILURES as exc:
+        except REDIS_FAILURES as exc:
             self._nodes_dirty |= nodes  # written at the next refresh
             self._sha = self._granted_sha = self._waits_sha = ""
             log.debug("tenant holdings: refresh failed: %r", exc)
