@@ -111,8 +111,9 @@ class Admission(AdmissionCore):
         deadline = loop.time() + timeout
         since = self._clock()
         ticket = self._tenancy.ticket(demand.tenant, demand.tokens) if self._tenancy else None
-        if ticket is not None and self._tenancy is not None:
-            demand = replace(demand, kept_slots=self._tenancy.kept_on(ticket.klass))
+        kept = self._tenancy.kept_on(ticket.klass) if self._tenancy and ticket else None
+        if kept is not None:  # no copy of the demand where no floor concerns it
+            demand = replace(demand, kept_slots=kept)
         try:
             while True:
                 r = await self._admit_ticketed(
