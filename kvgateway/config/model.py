@@ -38,7 +38,7 @@ class ModelConfig:
 @dataclass(frozen=True, slots=True)
 class AdmissionConfig:
     default_output_tokens: int = 1024
-    budget_fraction: float = 0.95
+    budget_fraction: float = 1.0
     queue_timeout_s: float = 300.0
     queue_size: int = 1024
     max_body_bytes: int = 32 * 1024 * 1024

@@ -11,8 +11,9 @@ at the end of the horizon).
 What the projection assumes, and why each assumption is safe:
 
 - A flight's end is projected only once the node reports its progress (a stream's
-  per-chunk usage). Before that (prefill, a queue inside the node, a non-streamed
-  answer) it is taken to grow to its whole bound and stay there.
+  per-chunk usage). Before that (prefill, a queue inside the node) it is taken to grow
+  from its admission to its whole bound and stay there. A flight whose progress is never
+  reported (a non-streamed answer runs unseen) holds its whole bound from its admission.
 - A reported count may lag the node by a step or two: a flight is taken to hold
   :data:`AHEAD` tokens more than reported, and to end no earlier than its bound says.
 - Blocks are counted as vLLM allocates them: ``ceil(tokens / block)`` per sequence.
@@ -85,9 +86,14 @@ class Flight:
     ahead: int = AHEAD
     # The node's step count (its projection's clock) when this flight had generated 0.
     origin: int = 0
+    # Its progress will be reported (a stream). False: it runs unseen and may be anywhere
+    # in its answer, so it holds its whole bound until it ends.
+    seen: bool = True
 
     def tokens_at(self, t: int) -> int:
         """Tokens per sequence at step ``t`` from now, if it is still running."""
+        if not self.seen:
+            return self.prompt + self.bound + self.ahead
         return self.prompt + min(self.bound, self.generated + max(0, t - self.delay)) + self.ahead
 
     @property
@@ -112,11 +118,12 @@ class Flight:
         """(chance it is running, mean blocks, variance of blocks) at step ``t``.
 
         An unstarted flight with learned lengths never ends in the projection (its
-        start is unknown) but holds at most ``prompt + min(L, t)`` tokens by step ``t``,
-        ``L`` its learned length: mean and variance come from the shape, a block added
-        for rounding."""
+        start is unknown) but holds at most ``prompt + min(L, t)`` tokens by step ``t``
+        (``prompt + L`` from its admission if it is never seen), ``L`` its learned
+        length: mean and variance come from the shape, a block added for rounding."""
         if not self.started and self.shape is not None:
-            cap = min(self.bound, self.generated + max(0, t - self.delay))
+            grown = self.generated + max(0, t - self.delay)
+            cap = min(self.bound, grown) if self.seen else self.bound
             o = self.shape.outlook(self.generated - 1, cap, 0.5)
             tokens = self.prompt + o.expected + self.ahead
             return 1.0, self.n * (tokens / block + 1.0), self.n * o.variance / (block * block)

@@ -1,5 +1,6 @@
 """Admission by the projected KV peak: with output bounds that hold, the node never needs
-more blocks than its budget, whatever the arrival order, prefill delays and report lag."""
+more blocks than its budget, whatever the arrival order, prefill delays, report lag and
+answers whose progress is never reported."""
 
 from __future__ import annotations
 
@@ -56,6 +57,7 @@ request = st.tuples(
     st.floats(0.0, 1.0),  # where in [1, bound] its length falls
     st.integers(0, 4),  # prefill steps
     st.integers(0, 6),  # arrival step gap
+    st.booleans(),  # silent: never reports progress (a non-streamed answer)
 )
 
 
@@ -66,22 +68,25 @@ request = st.tuples(
     lag=st.integers(0, 1),
 )
 def test_no_step_needs_more_than_the_budget(
-    requests: list[tuple[int, int, float, int, int]], budget: int, lag: int
+    requests: list[tuple[int, int, float, int, int, bool]], budget: int, lag: int
 ) -> None:
     """Requests arrive in any order; each is admitted only when the projection with it
-    fits; the node reports progress ``lag`` steps late. The engine never holds more
-    blocks than the budget."""
+    fits; the node reports progress ``lag`` steps late, and never for silent ones. The
+    engine never holds more blocks than the budget."""
     proj = NodeProjection()
     ids = itertools.count(1)
     queue: list[tuple[Flight, int, int]] = []
     arrivals: list[tuple[int, Flight, int, int]] = []
+    silent: set[int] = set()
     t = 0
-    for prompt, bound, frac, prefill, gap in requests:
+    for prompt, bound, frac, prefill, gap, quiet in requests:
         t += gap
         if _blocks(prompt + bound + AHEAD) > budget:
             continue  # could never fit: refused, not queued
         length = max(1, round(frac * bound))
-        f = Flight(next(ids), prompt, 1, bound)
+        f = Flight(next(ids), prompt, 1, bound, seen=not quiet)
+        if quiet:
+            silent.add(f.id)
         arrivals.append((t, f, length, prefill + 1))
     running: list[_Seq] = []
     reports: list[tuple[int, int, int]] = []  # (step due, flight id, generated)
@@ -100,7 +105,7 @@ def test_no_step_needs_more_than_the_budget(
         running_before = {s.flight.id for s in running}
         running = _engine_step(running)
         for s in running:
-            if s.prefill_left == 0:
+            if s.prefill_left == 0 and s.flight.id not in silent:
                 reports.append((step + lag, s.flight.id, s.generated))
         for fid in running_before - {s.flight.id for s in running}:
             proj.remove(fid)
@@ -125,12 +130,24 @@ def test_staggered_sequences_share_a_budget_their_maxima_would_not() -> None:
 
 
 def test_an_unstarted_flight_holds_its_whole_bound_forever() -> None:
-    """Until the node reports progress a flight's end is unknown: it counts at its
-    final size from the moment it could reach it."""
+    """Until the node reports progress a flight may be anywhere in its answer and its
+    end is unknown: it counts at its final size from now on."""
     proj = NodeProjection()
     proj.add(Flight(1, prompt=32, n=1, bound=64))
     assert proj.peak(BLOCK, 0.0).blocks == _blocks(32 + 64 + AHEAD)
     assert proj.earliest_start(BLOCK, Flight(2, 32, 1, 64), _blocks(96) + 2, 0.0) is None
+
+
+def test_an_unseen_flight_holds_its_whole_bound_from_its_admission() -> None:
+    """A non-streamed answer may be anywhere in its answer: beside a flight about to
+    end it counts at its final size, where a streamed newcomer counts at what it can
+    have grown to by then."""
+    proj = NodeProjection()
+    proj.add(Flight(1, prompt=16, n=1, bound=160, generated=150, started=True))
+    streamed = Flight(2, prompt=16, n=1, bound=160)
+    unseen = Flight(2, prompt=16, n=1, bound=160, seen=False)
+    assert proj.peak(BLOCK, 0.0, (unseen,)).blocks == 2 * _blocks(16 + 160 + AHEAD)
+    assert proj.peak(BLOCK, 0.0, (streamed,)).blocks < 2 * _blocks(16 + 160 + AHEAD)
 
 
 def test_earliest_start_is_the_first_end_that_makes_room() -> None:
