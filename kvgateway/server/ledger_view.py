@@ -12,7 +12,8 @@ from kvgateway.config.model import GatewayConfig
 from kvgateway.core.fleet import Fleet
 from kvgateway.ledger.connect import default_replica_id, redis_client
 from kvgateway.ledger.quotas import SharedQuotas
-from kvgateway.ledger.redis_ledger import LedgerStatus, RedisLedger
+from kvgateway.ledger.redis_ledger import RedisLedger
+from kvgateway.ledger.shared_book import LedgerStatus
 
 
 class LedgerMetrics:

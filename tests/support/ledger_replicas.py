@@ -20,7 +20,8 @@ from kvgateway.core.demand import Demand
 from kvgateway.core.fleet import Fleet
 from kvgateway.core.prefix_routing import PrefixRouter
 from kvgateway.ledger.connect import redis_client
-from kvgateway.ledger.redis_ledger import LedgerStatus, RedisLedger
+from kvgateway.ledger.redis_ledger import RedisLedger
+from kvgateway.ledger.shared_book import LedgerStatus
 
 BUDGET = 10_000  # kv_cache_tokens with budget_fraction 1.0
 
