@@ -290,7 +290,15 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-TRACE_COLUMNS = ("s", "kv_use", "running", "waiting", "gateway_queue")
+TRACE_COLUMNS = (
+    "s",
+    "kv_use",
+    "running",
+    "waiting",
+    "gateway_queue",
+    "preemptions",
+    "gateway_blocks",
+)
 
 
 def _gateway_config(nodes: list[RealNode], mode: str) -> dict[str, Any]:

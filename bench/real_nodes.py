@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import tempfile
 import threading
@@ -70,15 +71,16 @@ def node_metric(node: RealNode, name: str) -> float:
 class KvSampler:
     """Samples a node's ``vllm:kv_cache_usage_perc``, ``vllm:num_requests_running`` and
     ``vllm:num_requests_waiting`` while a run goes on (mean KV use, mean batch), and
-    with ``gateway`` set that gateway's queue depth: ``series`` keeps every reading
-    (seconds since the start, KV use, running, waiting, gateway queue)."""
+    with ``gateway`` set that gateway's queue depth and the blocks its projection says
+    the node holds now: ``series`` keeps every reading (seconds since the start, KV use,
+    running, waiting, gateway queue, the node's preemptions so far, gateway blocks)."""
 
     node: RealNode
     interval_s: float = 0.25
     gateway: str | None = None
     samples: list[float] = field(default_factory=list)
     running: list[float] = field(default_factory=list)
-    series: list[tuple[float, float, float, float, float]] = field(default_factory=list)
+    series: list[tuple[float, ...]] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
 
@@ -87,6 +89,7 @@ class KvSampler:
         while not self._stop.is_set():
             node = _read(self.node.url + "/metrics")
             queue = _read(self.gateway + "/metrics") if self.gateway else {}
+            blocks = self._gateway_blocks() if self.gateway else 0.0
             if node:
                 kv = node.get("vllm:kv_cache_usage_perc", 0.0)
                 run = node.get("vllm:num_requests_running", 0.0)
@@ -99,9 +102,22 @@ class KvSampler:
                         run,
                         node.get("vllm:num_requests_waiting", 0.0),
                         queue.get("gateway_queue_depth", 0.0),
+                        node.get("vllm:num_preemptions_total", 0.0),
+                        blocks,
                     )
                 )
             self._stop.wait(self.interval_s)
+
+    def _gateway_blocks(self) -> float:
+        """The blocks the gateway's projection says its flights on this node hold now."""
+        with (
+            contextlib.suppress(OSError, ValueError),
+            urllib.request.urlopen(f"{self.gateway}/admin/backends", timeout=2) as r,
+        ):
+            for b in json.loads(r.read()).get("backends", []):
+                if b.get("name") == self.node.spec.name:
+                    return float((b.get("projected") or {}).get("blocks_now", 0))
+        return 0.0
 
     def __enter__(self) -> KvSampler:
         self._thread = threading.Thread(target=self._run, name="kv-sampler", daemon=True)

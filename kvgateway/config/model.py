@@ -75,7 +75,7 @@ class AdmissionConfig:
     output_reservation: str = "learned"
     # learned: the accepted chance, per node, that its sequences outgrow its budget (the
     # curve is checked at mean + z(risk) standard deviations).
-    preemption_risk: float = 0.01
+    preemption_risk: float = 0.001
 
 
 @dataclass(frozen=True, slots=True)

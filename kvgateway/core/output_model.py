@@ -133,11 +133,14 @@ class LearnedLengths:
 
     @property
     def shape(self) -> OutputShape | None:
-        """The lengths seen; None while fewer than ``min_samples``."""
+        """The lengths seen, and one more that runs to its cap (None while fewer than
+        ``min_samples`` were seen): the next answer outruns all ``n`` seen with chance
+        ``1 / (n + 1)``, and how far nothing seen says. Few answers seen, each running
+        sequence may well run to its cap; many, and the model is what they show."""
         if len(self._ring) < self._min:
             return None
         if self._shape is None:
-            self._shape = OutputShape(list(self._ring))
+            self._shape = OutputShape([*self._ring, CENSORED])
         return self._shape
 
 

@@ -361,7 +361,10 @@ class NodeProjection:
 
 def _steps(flights: tuple[Flight, ...], block: int) -> list[int]:
     """Steps where the curve can peak: just before each end, where an unended flight
-    reaches its bound, on a grid where lengths are learned, and now."""
+    reaches its bound, and now; where lengths are learned, on a grid, and within the
+    first block of steps wherever a started flight takes a new block (there few can
+    have ended, so what every flight that may run holds binds, and it rises only
+    there)."""
     steps = {0}
     horizon = 0
     learned = False
@@ -381,6 +384,13 @@ def _steps(flights: tuple[Flight, ...], block: int) -> list[int]:
     if learned:
         stride = max(1, block // SAMPLES_PER_BLOCK, horizon // MAX_SAMPLES)
         steps.update(range(0, horizon, stride))
+        for f in flights:
+            if f.started:
+                # The step at which its tokens first spill into a new block.
+                t = f.delay + (1 - f.tokens_at(f.delay)) % block or block
+                end = f.end
+                if t < block and (end is None or t < end):
+                    steps.add(t)
     return sorted(steps)
 
 

@@ -77,6 +77,7 @@ def _projected_view(b: Backend) -> dict[str, Any]:
         "requests": len(b.projection),
         "started": sum(1 for f in b.projection.flights if f.started),
         "tokens_now": b.projected_tokens,
+        "blocks_now": b.projection.current_blocks(block),
         "peak_tokens": round(peak.blocks) * block,
         "peak_in_steps": peak.step,
     }

@@ -27,7 +27,7 @@ def test_defaults():
     assert cfg.routing.prefix_aware is True
     assert cfg.admission.prefix_credit is True
     assert cfg.admission.output_reservation == "learned"
-    assert cfg.admission.preemption_risk == 0.01
+    assert cfg.admission.preemption_risk == 0.001
     assert cfg.backends[0].kv_events is None
 
 

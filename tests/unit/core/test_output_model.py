@@ -29,7 +29,25 @@ def test_nothing_is_known_until_enough_is_seen() -> None:
     assert m.shape("llama", "k1", 512) is None
     m.observe("llama", "k1", 512, 109)
     shape = m.shape("llama", "k1", 512)
-    assert shape is not None and shape.size == 10
+    # The 10 seen, and one more that may run to its cap.
+    assert shape is not None and shape.size == 11
+
+
+def test_one_answer_more_than_seen_may_run_to_its_cap() -> None:
+    """The next answer outruns all n seen with chance 1 / (n + 1): with few seen, a
+    running sequence may well run to its cap; with many, the model is what they show."""
+    few = OutputModel(min_samples=4)
+    many = OutputModel(min_samples=4)
+    for v in (100, 110, 120, 130):
+        few.observe("m", "k", 2048, v)
+    for _ in range(100):
+        for v in (100, 110, 120, 130):
+            many.observe("m", "k", 2048, v)
+    few_shape = few.shape("m", "k", 2048)
+    many_shape = many.shape("m", "k", 2048)
+    assert few_shape is not None and many_shape is not None
+    assert few_shape.surviving(0, 2047) == pytest.approx(1 / 5)
+    assert many_shape.surviving(0, 2047) == pytest.approx(1 / 401)
 
 
 def test_a_client_is_learned_from_its_own_answers_only() -> None:
@@ -52,9 +70,10 @@ def test_past_the_longest_answer_seen_the_tail_falls_off_exponentially() -> None
         m.observe("m", "k", 512, v)
     shape = m.shape("m", "k", 512)
     assert shape is not None
-    # The median is 50; 60, 70, 80 exceed it by 20 on average.
-    assert shape.surviving(0, 79) == pytest.approx(1 / 8)
-    assert shape.surviving(0, 100) == pytest.approx(math.exp(-20 / 20) / 8)
+    # The median is 50; 60, 70, 80 exceed it by 20 on average. (Of 9: the 8 seen and
+    # one more that may run to its cap.)
+    assert shape.surviving(0, 79) == pytest.approx(2 / 9)
+    assert shape.surviving(0, 100) == pytest.approx((1 + math.exp(-20 / 20)) / 9)
     assert 0.0 < shape.surviving(90, 300) < shape.surviving(90, 120) < 1.0
 
 
@@ -64,7 +83,8 @@ def test_answers_cut_at_their_cap_keep_their_weight_to_the_cap() -> None:
         m.observe("m", "k", 512, v)
     shape = m.shape("m", "k", 512)
     assert shape is not None
-    assert shape.surviving(0, 5000) == pytest.approx(2 / 4, abs=1e-3)
+    # Two cut of the 4 seen, and one more that may run to its cap: 3 of 5.
+    assert shape.surviving(0, 5000) == pytest.approx(3 / 5, abs=1e-3)
 
 
 def test_the_window_follows_a_change_of_workload() -> None:
@@ -87,8 +107,9 @@ def test_survival_is_what_was_seen_past_a_point(outputs: list[int], at: int) -> 
     assert shape is not None
     finite = [o for o in outputs if o < 2048]
     if finite and at < max(finite):
-        past = sum(1 for o in outputs if o > at)
-        assert shape.surviving(-1, at) == pytest.approx(past / len(outputs))
+        # Those seen past it, and one more that may run to its cap.
+        past = sum(1 for o in outputs if o > at) + 1
+        assert shape.surviving(-1, at) == pytest.approx(past / (len(outputs) + 1))
 
 
 def test_bad_parameters_are_refused():

@@ -191,6 +191,22 @@ def test_learned_lengths_project_early_ends() -> None:
     assert lenient < strict <= by_bound
 
 
+def test_the_learned_check_sees_the_blocks_flights_take_before_they_end() -> None:
+    """Where lengths are learned the curve is read on a grid, and also wherever a started
+    flight takes a new block within the first block of steps: flights likely to end
+    before the next grid step still grow, a block each, first."""
+    shape = OutputShape([20] * 50)  # every answer ends at 20 tokens
+    proj = NodeProjection()
+    for fid in range(4):
+        # 10 generated: prompt + generated + AHEAD fills 3 blocks, the next token a 4th.
+        proj.add(
+            Flight(fid, 3 * BLOCK - 10 - AHEAD, 1, 2048, generated=10, started=True, shape=shape)
+        )
+    assert proj.peak_at(BLOCK, 0, 3.0).blocks == 4 * 3
+    peak = proj.peak(BLOCK, 3.0)
+    assert (peak.blocks, peak.step) == (4 * 4, 1)
+
+
 def test_the_learned_check_never_projects_more_than_the_flights_can_hold() -> None:
     """``mean + z * stddev`` is capped by what every flight that may still run holds:
     a node cannot hold more than that, so no margin may ask for more room."""
