@@ -22,6 +22,7 @@ from bisect import bisect_left, bisect_right
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 from itertools import accumulate
+from statistics import NormalDist
 
 ANY_KEY = "*"
 # A sequence that ran to its cap: it would have gone on, how far nobody saw. Kept as a
@@ -33,6 +34,13 @@ CENSORED = 1 << 40
 def bucket_of(max_tokens: int) -> int:
     """``max_tokens`` rounded up to a power of two: requests with similar caps together."""
     return 1 << max(0, max_tokens - 1).bit_length()
+
+
+def z_of(risk: float) -> float:
+    """The standard normal quantile that ``risk`` leaves above it (0 at risk 0.5)."""
+    if not 0.0 < risk < 1.0:
+        raise ValueError(f"risk must be in (0, 1), got {risk}")
+    return max(0.0, NormalDist().inv_cdf(1.0 - risk))
 
 
 @dataclass(frozen=True, slots=True)

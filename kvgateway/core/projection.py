@@ -1,12 +1,10 @@
 """A node's KV use projected forward in engine steps: admission by the projected peak.
 
-vLLM decodes every running sequence one token per engine step and frees a sequence's
-blocks when it ends, at the latest at its output bound. So the KV a node's sequences will
-hold is predictable: each :class:`Flight` grows a token a step from its current length
-and vanishes at its end. A newcomer fits if the projected curve, with it added, stays
-within the budget at every future step; since the curve only falls when a sequence ends,
-its maximum is found just before each end (and, for sequences whose end is not known,
-at the end of the horizon).
+vLLM decodes every running sequence one token per engine step and frees its blocks at
+its end, at the latest at its output bound: each :class:`Flight` grows a token a step
+from its current length and vanishes at its end. A newcomer fits if the curve, with it
+added, stays within the budget at every future step; it can only peak just before an
+end (or where a flight whose end is unknown reaches its bound).
 
 What the projection assumes, and why each assumption is safe:
 
@@ -17,17 +15,15 @@ What the projection assumes, and why each assumption is safe:
 - A reported count may lag the node by a step or two: a flight is taken to hold
   :data:`AHEAD` tokens more than reported, and to end no earlier than its bound says.
 - Blocks are counted as vLLM allocates them: ``ceil(tokens / block)`` per sequence.
-- Prompt blocks shared with another flight on the node (vLLM's prefix cache) are counted
-  once while any holder lives (:class:`SharedKeys`), plus each copy a flight paid for.
-  vLLM caches a prompt's full blocks when it schedules them, so a newcomer shares the
-  blocks of its holder's first prefill chunk (:data:`FIRST_CHUNK_TOKENS`) from the
-  holder's admission, the rest from its first token.
+- Prompt blocks shared with another flight on the node (vLLM's prefix cache) count once
+  while any holder lives (:class:`SharedKeys`), plus each copy a flight paid for; vLLM
+  caches full blocks when it schedules them, so a holder's first prefill chunk
+  (:data:`FIRST_CHUNK_TOKENS`) is shared from its admission, the rest from its first token.
 - With learned output lengths (:class:`~kvgateway.core.output_model.OutputShape`) a
-  started flight ends early with the learned probability: the check is then
-  ``mean + z * stddev`` of the blocks in use at each step, ``z`` set by the accepted
-  preemption risk, and never more than every flight that may still run at that step
-  holds (the normal approximation puts mass past that bound; the node cannot). Without
-  a shape, the bound is the flight's ``max_tokens``: exact.
+  started flight ends early with the learned probability: the check is ``mean + z *
+  stddev`` of the blocks in use at each step (``z`` from the accepted preemption risk),
+  never more than every flight that may still run then holds. Without a shape, the bound
+  is the flight's ``max_tokens``: exact.
 
 Nothing here does I/O or reads a clock.
 """
@@ -37,7 +33,6 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, fields
-from statistics import NormalDist
 
 from kvgateway.core.output_model import OutputShape
 from kvgateway.core.prefix_keys import BlockKey
@@ -46,20 +41,11 @@ from kvgateway.core.shared_keys import SharedKeys
 # Tokens a flight may hold beyond its reported count: the token being computed and one
 # step the scheduler may have allocated ahead.
 AHEAD = 2
-# Where lengths are learned the curve is read every half block of steps, and at most
-# this many times over its horizon.
+# Learned lengths: the curve is read every half block of steps, at most 32 times.
 SAMPLES_PER_BLOCK = 2
 MAX_SAMPLES = 32
-# Prompt tokens vLLM schedules in a request's first step at least (its smallest default
-# max_num_batched_tokens).
+# Prompt tokens vLLM schedules in a request's first step at least (its smallest default).
 FIRST_CHUNK_TOKENS = 2048
-
-
-def z_of(risk: float) -> float:
-    """The standard normal quantile that ``risk`` leaves above it (0 at risk 0.5)."""
-    if not 0.0 < risk < 1.0:
-        raise ValueError(f"risk must be in (0, 1), got {risk}")
-    return max(0.0, NormalDist().inv_cdf(1.0 - risk))
 
 
 @dataclass(eq=False, slots=True)
@@ -86,8 +72,7 @@ class Flight:
     ahead: int = AHEAD
     # The node's step count (its projection's clock) when this flight had generated 0.
     origin: int = 0
-    # Its progress will be reported (a stream). False: it runs unseen and may be anywhere
-    # in its answer, so it holds its whole bound until it ends.
+    # False: it runs unseen (not streamed), so it holds its whole bound until it ends.
     seen: bool = True
 
     def tokens_at(self, t: int) -> int:
@@ -361,10 +346,8 @@ class NodeProjection:
 
 def _steps(flights: tuple[Flight, ...], block: int) -> list[int]:
     """Steps where the curve can peak: just before each end, where an unended flight
-    reaches its bound, and now; where lengths are learned, on a grid, and within the
-    first block of steps wherever a started flight takes a new block (there few can
-    have ended, so what every flight that may run holds binds, and it rises only
-    there)."""
+    reaches its bound, now, and where lengths are learned on a grid and wherever a started
+    flight takes a new block in the first block of steps (before most can end)."""
     steps = {0}
     horizon = 0
     learned = False

@@ -14,8 +14,7 @@ from typing import Any, Protocol
 
 from kvgateway.config.model import GatewayConfig, ModelConfig, Policy
 from kvgateway.core.demand import Demand, demand_tokens
-from kvgateway.core.output_model import ANY_KEY, OutputModel
-from kvgateway.core.projection import z_of
+from kvgateway.core.output_model import ANY_KEY, OutputModel, z_of
 from kvgateway.errors import BadRequest, ModelNotFound
 from kvgateway.server.node_tokenize import NodeTokenizer
 from kvgateway.server.openai_request import (
