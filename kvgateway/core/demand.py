@@ -60,9 +60,9 @@ class Demand:
     # admission.prefix_credit: prompt blocks a started request on the node holds are
     # counted once.
     prefix_credit: bool = True
-    # Its progress is reported while it runs (a stream): where it is in its answer is
-    # known. A non-streamed answer runs unseen and holds its whole bound.
-    reports: bool = True
+    # Its progress is seen while it runs (a stream): where it is in its answer is known.
+    # A non-streamed answer runs unseen and holds its whole bound (Flight.seen).
+    seen: bool = True
     # Slots of a node (name, max_num_seqs) that other classes' floors keep from this
     # request there (Tenancy.kept_on); None: no floor concerns it.
     kept_slots: Callable[[str, int], float] | None = None
@@ -140,7 +140,7 @@ def flight_for(b: Backend, d: Demand, fid: int = 0) -> Flight:
         scheduled=min(len(keys), FIRST_CHUNK_TOKENS // block),
         shape=d.lengths.shape if d.lengths is not None else None,
         ahead=AHEAD + b.config.num_speculative_tokens,
-        seen=d.reports,
+        seen=d.seen,
     )
 
 

@@ -370,7 +370,7 @@ def _steps(flights: tuple[Flight, ...], block: int) -> list[int]:
         for f in flights:
             if f.started:
                 # The step at which its tokens first spill into a new block.
-                t = f.delay + (1 - f.tokens_at(f.delay)) % block or block
+                t = f.delay + ((1 - f.tokens_at(f.delay)) % block or block)
                 end = f.end
                 if t < block and (end is None or t < end):
                     steps.add(t)

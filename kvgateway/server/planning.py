@@ -194,7 +194,7 @@ async def plan_request(
         lengths=lengths,
         z=z_of(adm.preemption_risk) if lengths is not None else 0.0,
         prefix_credit=adm.prefix_credit,
-        reports=parsed.stream,
+        seen=parsed.stream,
     )
     ask = usage_ask(parsed.kind, parsed.stream, body) if adm.node_stream_usage else None
     return Counted(model, parsed, prompt, output, demand, injected, reserved, sum(kv_prompts), ask)
