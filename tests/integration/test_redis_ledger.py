@@ -344,8 +344,8 @@ async def test_credit_goes_back_when_another_replica_queues_on_its_own_view(
     # full, so b queues without asking Redis: its entering the wait set is announced,
     # and a gives the credit back.
     async with (
-        replica(redis_server.url, "a", lease_s=10) as a,
-        replica(redis_server.url, "b", lease_s=10) as b,
+        replica(redis_server.url, "a", lease_s=10, timeout_s=2.0) as a,
+        replica(redis_server.url, "b", lease_s=10, timeout_s=2.0) as b,
     ):
         burst = [await a.admission.admit(demand(1000), 1.0) for _ in range(10)]
         for r in burst:

@@ -27,18 +27,23 @@ BUDGET = 10_000  # kv_cache_tokens with budget_fraction 1.0
 
 
 def config_doc(
-    url: str, lease_s: float = 1.0, credit_hold_s: float = 0.05, name: str = "n1"
+    url: str,
+    lease_s: float = 1.0,
+    credit_hold_s: float = 0.05,
+    name: str = "n1",
+    timeout_s: float | None = None,
 ) -> dict[str, Any]:
     """The config every replica runs: one backend ``name`` of ``BUDGET`` KV tokens."""
     return {
         "models": [{"name": "m"}],
         "admission": {"budget_fraction": 1.0},
         # As long a Redis timeout as the lease allows: a machine busy with other
-        # tests must not make these replicas flap into the fallback.
+        # tests must not make these replicas flap into the fallback. Tests that stop
+        # Redis wait such timeouts out, so a longer one is asked for by name.
         "ledger": {
             "url": url,
             "lease_s": lease_s,
-            "timeout_s": min(0.5, lease_s / 3),
+            "timeout_s": timeout_s or min(0.5, lease_s / 3),
             "credit_hold_s": credit_hold_s,
         },
         "tiers": [
@@ -60,9 +65,9 @@ def config_doc(
 
 
 def fleet_and_config(
-    url: str, lease_s: float = 1.0, credit_hold_s: float = 0.05
+    url: str, lease_s: float = 1.0, credit_hold_s: float = 0.05, timeout_s: float | None = None
 ) -> tuple[Fleet, LedgerConfig]:
-    cfg = parse_config(config_doc(url, lease_s, credit_hold_s))
+    cfg = parse_config(config_doc(url, lease_s, credit_hold_s, timeout_s=timeout_s))
     fleet = Fleet(cfg)
     for b in fleet.active:
         b.healthy = b.ever_healthy = True
@@ -90,8 +95,9 @@ async def replica(
     lease_s: float = 1.0,
     credit_hold_s: float = 0.05,
     prefix: PrefixRouter | None = None,
+    timeout_s: float | None = None,
 ) -> AsyncIterator[Replica]:
-    fleet, cfg = fleet_and_config(url, lease_s, credit_hold_s)
+    fleet, cfg = fleet_and_config(url, lease_s, credit_hold_s, timeout_s)
     statuses: list[LedgerStatus] = []
     ledger = RedisLedger(cfg, rid, fleet, redis_client(cfg), on_status=statuses.append)
     admission = Admission.for_fleet(
