@@ -16,7 +16,7 @@ from typing import Literal
 
 from kvgateway.core.backends import Backend
 from kvgateway.core.demand import Demand, can_ever_hold, flight_for, projected_budget
-from kvgateway.core.projection import Flight, delayed
+from kvgateway.core.flight import Flight, delayed
 from kvgateway.core.reservation import Reservation
 from kvgateway.core.routing_index import ModelIndex
 from kvgateway.core.tenancy import CLASS_FLOOR, Tenancy, Ticket, displaced_error

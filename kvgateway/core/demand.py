@@ -11,8 +11,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvgateway.core.backends import Backend
+from kvgateway.core.flight import AHEAD, FIRST_CHUNK_TOKENS, Flight
 from kvgateway.core.output_model import LearnedLengths
-from kvgateway.core.projection import AHEAD, FIRST_CHUNK_TOKENS, Flight
 from kvgateway.errors import ContextLengthExceeded
 
 

@@ -32,95 +32,25 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
-from kvgateway.core.output_model import OutputShape
-from kvgateway.core.prefix_keys import BlockKey
-from kvgateway.core.shared_keys import SharedKeys
+from kvgateway.core.flight import Flight, blocks_of, delayed
+from kvgateway.core.prefix_keys import BlockKey, SharedKeys
 
-# Tokens a flight may hold beyond its reported count: the token being computed and one
-# step the scheduler may have allocated ahead.
-AHEAD = 2
 # Learned lengths: the curve is read every half block of steps, at most 32 times.
 SAMPLES_PER_BLOCK = 2
 MAX_SAMPLES = 32
-# Prompt tokens vLLM schedules in a request's first step at least (its smallest default).
-FIRST_CHUNK_TOKENS = 2048
 
 
-@dataclass(eq=False, slots=True)
-class Flight:
-    """One admitted request on a node, as the projection sees it."""
+@dataclass(frozen=True, slots=True)
+class _Static:
+    """The step-invariant part of a node's curve, and the flights read step by step."""
 
-    id: int
-    prompt: int  # tokens of its longest prompt
-    n: int  # sequences
-    bound: int  # output tokens per sequence, at most
-    generated: int = 0  # per sequence, as the node last reported
-    # The node reports its progress: its end is projected. Else it holds its bound.
-    started: bool = False
-    # Its prompt's full blocks (prefix-aware routing), the leading ones it was credited
-    # (another flight held them) and those cached from its admission (its first chunk's).
-    keys: tuple[BlockKey, ...] = ()
-    credited: int = 0
-    scheduled: int = 0
-    # Learned output lengths of requests like it (None: ``bound`` is the length).
-    shape: OutputShape | None = None
-    # Steps before it starts (a queued request's place in a plan; 0 for admitted ones).
-    delay: int = 0
-    # Tokens held beyond the reported count: AHEAD, plus a draft model's lookahead.
-    ahead: int = AHEAD
-    # The node's step count (its projection's clock) when this flight had generated 0.
-    origin: int = 0
-    # False: it runs unseen (not streamed), so it holds its whole bound until it ends.
-    seen: bool = True
-
-    def tokens_at(self, t: int) -> int:
-        """Tokens per sequence at step ``t`` from now, if it is still running."""
-        if not self.seen:
-            return self.prompt + self.bound + self.ahead
-        return self.prompt + min(self.bound, self.generated + max(0, t - self.delay)) + self.ahead
-
-    @property
-    def end(self) -> int | None:
-        """Steps until it has ended at the latest; None while its end is unknown."""
-        if not self.started:
-            return None
-        return self.delay + max(0, self.bound - self.generated)
-
-    def survival(self, t: int) -> float:
-        """Chance it is still running at step ``t`` (1 until its end without a shape)."""
-        end = self.end
-        if end is None:
-            return 1.0
-        if t >= end:
-            return 0.0
-        if self.shape is None:
-            return 1.0
-        return self.shape.surviving(self.generated, self.generated + max(0, t - self.delay))
-
-    def blocks_at(self, t: int, block: int) -> tuple[float, float, float]:
-        """(chance it is running, mean blocks, variance of blocks) at step ``t``.
-
-        An unstarted flight with learned lengths never ends in the projection (its
-        start is unknown) but holds at most ``prompt + min(L, t)`` tokens by step ``t``
-        (``prompt + L`` from its admission if it is never seen), ``L`` its learned
-        length: mean and variance come from the shape, a block added for rounding."""
-        if not self.started and self.shape is not None:
-            grown = self.generated + max(0, t - self.delay)
-            cap = min(self.bound, grown) if self.seen else self.bound
-            o = self.shape.outlook(self.generated - 1, cap, 0.5)
-            tokens = self.prompt + o.expected + self.ahead
-            return 1.0, self.n * (tokens / block + 1.0), self.n * o.variance / (block * block)
-        a = self.survival(t)
-        if a <= 0.0:
-            return 0.0, 0.0, 0.0
-        one = _blocks(self.tokens_at(t), block)
-        return a, a * one * self.n, self.n * a * (1.0 - a) * one * one
-
-
-def _blocks(tokens: int, block: int) -> int:
-    return -(-tokens // block)
+    mean: float
+    var: float
+    most: int
+    ids: tuple[int, ...]
+    varying: tuple[Flight, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,7 +68,17 @@ class NodeProjection:
     The curve of the flights admitted is kept per step read, until they change: an
     admission round asks it about many candidates, each adding only its own part."""
 
-    __slots__ = ("_base", "_clock", "_flights", "_ready", "_shared", "_started", "_steps")
+    __slots__ = (
+        "_base",
+        "_clock",
+        "_flights",
+        "_held",
+        "_ready",
+        "_shared",
+        "_started",
+        "_static",
+        "_steps",
+    )
 
     def __init__(self) -> None:
         self._flights: dict[int, Flight] = {}
@@ -147,6 +87,9 @@ class NodeProjection:
         self._ready: dict[BlockKey, int] = {}
         self._base: dict[tuple[int, int], tuple[float, float, int]] = {}
         self._steps: dict[int, tuple[int, ...]] = {}
+        self._static: dict[int, _Static] = {}
+        # Per block size, what each step-invariant flight holds (it never changes).
+        self._held: dict[int, dict[int, tuple[float, float, int]]] = {}
         self._started = 0
         self._clock = 0
 
@@ -177,6 +120,7 @@ class NodeProjection:
     def _changed(self) -> None:
         self._base.clear()
         self._steps.clear()
+        self._static.clear()
 
     def add(self, f: Flight) -> None:
         self._flights[f.id] = f
@@ -190,6 +134,8 @@ class NodeProjection:
     def remove(self, fid: int) -> Flight | None:
         f = self._flights.pop(fid, None)
         if f is not None:
+            for held in self._held.values():
+                held.pop(fid, None)
             self._shared.remove(fid)
             if f.started:
                 self._started -= 1
@@ -260,7 +206,7 @@ class NodeProjection:
                 held = a * f.credited if until is None or t < until else 0.0
                 mean += blocks - held
                 var += spread
-                most += f.n * _blocks(f.tokens_at(t), block) - (f.credited if held else 0)
+                most += f.n * blocks_of(f.tokens_at(t), block) - (f.credited if held else 0)
             value = min(mean + z * math.sqrt(var), float(most)) if var else mean
             if value > best.blocks:
                 best = Peak(value, t)
@@ -301,12 +247,13 @@ class NodeProjection:
         cached = self._base.get((block, t))
         if cached is not None:
             return cached
-        mean = 0.0
-        var = 0.0
-        most = 0
-        alive: dict[int, float] = {}
+        static = self._static_part(block)
+        mean = static.mean
+        var = static.var
+        most = static.most
+        alive: dict[int, float] = dict.fromkeys(static.ids, 1.0) if len(self._shared) else {}
         shared = self._shared
-        for f in self._flights.values():
+        for f in static.varying:
             a, blocks, spread = f.blocks_at(t, block)
             if a <= 0.0:
                 continue
@@ -314,7 +261,7 @@ class NodeProjection:
             tracked = shared.tracked(f.id)
             mean += blocks - a * tracked
             var += spread
-            most += f.n * _blocks(f.tokens_at(t), block) - tracked
+            most += f.n * blocks_of(f.tokens_at(t), block) - tracked
         for use in shared.uses():
             copies = sum(alive.get(fid, 0.0) for fid in use.payers)
             anyone = max((alive.get(fid, 0.0) for fid in use.holders), default=0.0)
@@ -322,6 +269,35 @@ class NodeProjection:
             most += max(sum(1 for fid in use.payers if fid in alive), int(anyone > 0.0))
         self._base[(block, t)] = (mean, var, most)
         return mean, var, most
+
+    def _static_part(self, block: int) -> _Static:
+        """The flights whose holding is the same at every step (unseen and not started:
+        each holds its whole bound, or its learned length, until it ends) summed once,
+        and the others, read step by step."""
+        static = self._static.get(block)
+        if static is not None:
+            return static
+        mean = var = 0.0
+        most = 0
+        ids: list[int] = []
+        varying: list[Flight] = []
+        shared = self._shared
+        held = self._held.setdefault(block, {})
+        for f in self._flights.values():
+            if f.seen or f.started or f.delay:
+                varying.append(f)
+                continue
+            part = held.get(f.id)
+            if part is None:
+                _, blocks, spread = f.blocks_at(0, block)
+                part = held[f.id] = (blocks, spread, f.n * blocks_of(f.tokens_at(0), block))
+            tracked = shared.tracked(f.id)
+            ids.append(f.id)
+            mean += part[0] - tracked
+            var += part[1]
+            most += part[2] - tracked
+        static = self._static[block] = _Static(mean, var, most, tuple(ids), tuple(varying))
+        return static
 
     def earliest_start(
         self,
@@ -375,26 +351,3 @@ def _steps(flights: tuple[Flight, ...], block: int) -> list[int]:
                 if t < block and (end is None or t < end):
                     steps.add(t)
     return sorted(steps)
-
-
-def delayed(f: Flight, steps: int) -> Flight:
-    """``f`` admitted ``steps`` from now: nothing held until then, then as a newcomer
-    is (its end unknown until the node reports it)."""
-    values = {x.name: getattr(f, x.name) for x in fields(Flight)}
-    return _Later(**{**values, "started": False, "delay": steps, "origin": 0})
-
-
-class _Later(Flight):
-    """A flight admitted later: it holds nothing before its start."""
-
-    __slots__ = ()
-
-    def tokens_at(self, t: int) -> int:
-        if t < self.delay:
-            return 0
-        return Flight.tokens_at(self, t)
-
-    def blocks_at(self, t: int, block: int) -> tuple[float, float, float]:
-        if t < self.delay:
-            return 0.0, 0.0, 0.0
-        return Flight.blocks_at(self, t, block)

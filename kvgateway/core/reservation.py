@@ -12,7 +12,7 @@ from typing import Protocol
 
 from kvgateway.core.backends import Backend
 from kvgateway.core.demand import Demand
-from kvgateway.core.projection import Flight
+from kvgateway.core.flight import Flight
 from kvgateway.core.routing import RouteReason
 from kvgateway.core.shared_blocks import Holding
 from kvgateway.core.tenancy import Ticket

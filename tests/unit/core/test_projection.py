@@ -10,8 +10,9 @@ from dataclasses import dataclass
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvgateway.core.flight import AHEAD, FIRST_CHUNK_TOKENS, Flight
 from kvgateway.core.output_model import OutputShape
-from kvgateway.core.projection import AHEAD, FIRST_CHUNK_TOKENS, Flight, NodeProjection
+from kvgateway.core.projection import NodeProjection
 
 BLOCK = 16
 
