@@ -51,53 +51,51 @@ async def test_an_overflow_burst_is_served_without_preemption_or_node_400(
     assert b is not None
     await eventually(lambda: b.limits.known and b.healthy, timeout=15)
     before = node.metric("vllm:num_preemptions_total")
-    oai = client(str(gw.make_url("")).rstrip("/"))
+    async with client(str(gw.make_url("")).rstrip("/")) as oai:
 
-    async def one(i: int) -> int:
-        r = await oai.chat.completions.create(
-            model="qwen",
-            messages=[{"role": "user", "content": words(300 + 20 * i, i)}],
-            max_tokens=100 + 5 * i,
-            stream=True,
-            extra_body={"ignore_eos": True},
-            stream_options={"include_usage": True},
-        )
-        out = 0
-        async for chunk in r:
-            if chunk.usage is not None:
-                out = chunk.usage.completion_tokens
-        return out
+        async def one(i: int) -> int:
+            r = await oai.chat.completions.create(
+                model="qwen",
+                messages=[{"role": "user", "content": words(300 + 20 * i, i)}],
+                max_tokens=100 + 5 * i,
+                stream=True,
+                extra_body={"ignore_eos": True},
+                stream_options={"include_usage": True},
+            )
+            out = 0
+            async for chunk in r:
+                if chunk.usage is not None:
+                    out = chunk.usage.completion_tokens
+            return out
 
-    # ~(400 + 160) tokens each, 24 of them: ~13k tokens against S's 6,016.
-    outs = await asyncio.gather(*(one(i) for i in range(24)))
-    assert outs == [100 + 5 * i for i in range(24)]
-    assert node.metric("vllm:num_preemptions_total") == before
-    assert state_of(gw).metrics.registry.get_sample_value(
-        "gateway_requests_total",
-        {"model": "qwen", "tier": "tier-S", "backend": "S", "status": "400"},
-    ) in (None, 0.0)
-    await oai.close()
+        # ~(400 + 160) tokens each, 24 of them: ~13k tokens against S's 6,016.
+        outs = await asyncio.gather(*(one(i) for i in range(24)))
+        assert outs == [100 + 5 * i for i in range(24)]
+        assert node.metric("vllm:num_preemptions_total") == before
+        assert state_of(gw).metrics.registry.get_sample_value(
+            "gateway_requests_total",
+            {"model": "qwen", "tier": "tier-S", "backend": "S", "status": "400"},
+        ) in (None, 0.0)
 
 
 async def test_a_long_prompt_goes_to_the_larger_node(
     qwen_fleet: dict[str, RealNode], real_gateway: StartGateway
 ) -> None:
     gw = await real_gateway(gateway_config([qwen_fleet["S"], qwen_fleet["L"]]))
-    oai = client(str(gw.make_url("")).rstrip("/"))
-    for name in ("S", "L"):
-        b = state_of(gw).fleet.get(name)
-        assert b is not None
-        await eventually(lambda b=b: b.limits.known and b.healthy, timeout=15)
-    short = await oai.chat.completions.with_raw_response.create(
-        model="qwen", messages=[{"role": "user", "content": words(500)}], max_tokens=4
-    )
-    assert short.headers["x-gateway-backend"] == "S"
-    long = await oai.chat.completions.with_raw_response.create(
-        model="qwen", messages=[{"role": "user", "content": words(6000)}], max_tokens=4
-    )
-    assert long.headers["x-gateway-backend"] == "L"
-    assert long.parse().usage.prompt_tokens == int(long.headers["x-gateway-prompt-tokens"])
-    await oai.close()
+    async with client(str(gw.make_url("")).rstrip("/")) as oai:
+        for name in ("S", "L"):
+            b = state_of(gw).fleet.get(name)
+            assert b is not None
+            await eventually(lambda b=b: b.limits.known and b.healthy, timeout=15)
+        short = await oai.chat.completions.with_raw_response.create(
+            model="qwen", messages=[{"role": "user", "content": words(500)}], max_tokens=4
+        )
+        assert short.headers["x-gateway-backend"] == "S"
+        long = await oai.chat.completions.with_raw_response.create(
+            model="qwen", messages=[{"role": "user", "content": words(6000)}], max_tokens=4
+        )
+        assert long.headers["x-gateway-backend"] == "L"
+        assert long.parse().usage.prompt_tokens == int(long.headers["x-gateway-prompt-tokens"])
 
 
 def test_vllms_own_context_refusals_carry_the_count_the_gateway_reads(
@@ -151,13 +149,12 @@ async def test_the_max_tokens_clamp_is_the_nodes(
     cut = direct["usage"]["completion_tokens"]
     assert cut == node.spec.max_model_len - prompt
     gw = await real_gateway(gateway_config([node]))
-    oai = client(str(gw.make_url("")).rstrip("/"))
-    raw = await oai.chat.completions.with_raw_response.create(
-        model="qwen",
-        messages=ask["messages"],
-        max_tokens=2000,
-        extra_body={"ignore_eos": True},
-    )
-    assert int(raw.headers["x-gateway-max-tokens"]) == cut
-    assert raw.parse().usage.completion_tokens == cut
-    await oai.close()
+    async with client(str(gw.make_url("")).rstrip("/")) as oai:
+        raw = await oai.chat.completions.with_raw_response.create(
+            model="qwen",
+            messages=ask["messages"],
+            max_tokens=2000,
+            extra_body={"ignore_eos": True},
+        )
+        assert int(raw.headers["x-gateway-max-tokens"]) == cut
+        assert raw.parse().usage.completion_tokens == cut
