@@ -49,7 +49,7 @@ class _Static:
     mean: float
     var: float
     most: int
-    ids: tuple[int, ...]
+    ids: frozenset[int]
     varying: tuple[Flight, ...]
 
 
@@ -251,7 +251,7 @@ class NodeProjection:
         mean = static.mean
         var = static.var
         most = static.most
-        alive: dict[int, float] = dict.fromkeys(static.ids, 1.0) if len(self._shared) else {}
+        alive: dict[int, float] = {}  # the varying flights' chances; static ones run
         shared = self._shared
         for f in static.varying:
             a, blocks, spread = f.blocks_at(t, block)
@@ -262,11 +262,14 @@ class NodeProjection:
             mean += blocks - a * tracked
             var += spread
             most += f.n * blocks_of(f.tokens_at(t), block) - tracked
+        ids = static.ids
         for use in shared.uses():
-            copies = sum(alive.get(fid, 0.0) for fid in use.payers)
-            anyone = max((alive.get(fid, 0.0) for fid in use.holders), default=0.0)
+            copies = sum(alive.get(fid, float(fid in ids)) for fid in use.payers)
+            anyone = max((alive.get(fid, float(fid in ids)) for fid in use.holders), default=0.0)
             mean += max(copies, anyone)
-            most += max(sum(1 for fid in use.payers if fid in alive), int(anyone > 0.0))
+            most += max(
+                sum(1 for fid in use.payers if fid in alive or fid in ids), int(anyone > 0.0)
+            )
         self._base[(block, t)] = (mean, var, most)
         return mean, var, most
 
@@ -296,7 +299,7 @@ class NodeProjection:
             mean += part[0] - tracked
             var += part[1]
             most += part[2] - tracked
-        static = self._static[block] = _Static(mean, var, most, tuple(ids), tuple(varying))
+        static = self._static[block] = _Static(mean, var, most, frozenset(ids), tuple(varying))
         return static
 
     def earliest_start(
