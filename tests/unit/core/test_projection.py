@@ -151,6 +151,23 @@ def test_an_unseen_flight_holds_its_whole_bound_from_its_admission() -> None:
     assert proj.peak(BLOCK, 0.0, (streamed,)).blocks < 2 * _blocks(16 + 160 + AHEAD)
 
 
+def test_a_flight_whose_report_lags_holds_what_the_nodes_clock_says() -> None:
+    """Every running sequence decodes a token a step: when one flight's report puts the
+    node 10 steps on, another started with it holds at least 10 tokens, whatever its own
+    (stale) report says; its end still comes from its own report."""
+    proj = NodeProjection()
+    a = Flight(1, prompt=12, n=1, bound=100)
+    b = Flight(2, prompt=12, n=1, bound=100)
+    proj.add(a)
+    proj.add(b)
+    proj.progress(1, 1)
+    proj.progress(2, 1)
+    assert proj.current_blocks(BLOCK) == 2 * _blocks(12 + 1 + AHEAD)
+    proj.progress(1, 10)  # b's report of its 10th token has not arrived yet
+    assert proj.current_blocks(BLOCK) == 2 * _blocks(12 + 10 + AHEAD)
+    assert b.end == 99
+
+
 def test_earliest_start_is_the_first_end_that_makes_room() -> None:
     proj = NodeProjection()
     proj.add(Flight(1, prompt=64, n=1, bound=100, generated=90, started=True))
