@@ -41,7 +41,7 @@ from bench.overhead import gateway_yaml
 from bench.report import machine, save, table, verdict
 from kvgateway.config.load import parse_config
 from kvgateway.config.model import ModelConfig
-from kvgateway.server.openai_request import parse_body
+from kvgateway.plan.openai_request import parse_body
 from kvgateway.tokens.counters import TokenCounters
 from kvgateway.tokens.encoding import EncodingCache
 from kvgateway.tokens.plans import plan_chat

@@ -1,8 +1,9 @@
 """One request's way through the proxy, as one object (mitmproxy's ``Flow``).
 
 An :class:`Exchange` is created when a request arrives and carries everything the
-handlers learn about it: the counted request, each admission, each upstream failure, the
-response being relayed and the final access record. When it ends, :func:`finish`
+handlers learn about it: the plan, each admission, each upstream failure, the response
+being relayed, what the relay saw of the answer and the final access record. When it
+ends, :func:`finish`
 computes the metrics and the access line once, from that final state, so the control
 flow of the proxy never interleaves bookkeeping.
 """
@@ -21,9 +22,10 @@ from kvgateway.core.quota import Charge
 from kvgateway.core.reservation import Reservation
 from kvgateway.server.accesslog import AccessRecord, log_access
 from kvgateway.server.metrics import GatewayMetrics
+from kvgateway.upstream.client import Usage
 
 if TYPE_CHECKING:
-    from kvgateway.server.planning import Counted
+    from kvgateway.plan.planner import Plan
 
 
 class Outcome(StrEnum):
@@ -56,6 +58,17 @@ class Failure:
     retried: bool
 
 
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """What the relay saw of an answer its node finished (status 200, ended cleanly)."""
+
+    backend: str
+    # The node's usage report, if it sent one.
+    usage: Usage | None
+    # A stream's own count of its output, when it is the output and not a bound of it.
+    streamed: int | None = None
+
+
 @dataclass(slots=True, eq=False)
 class Exchange:
     request: web.Request
@@ -66,7 +79,7 @@ class Exchange:
     # When the current attempt's request went to its node (the first event's wait of a
     # stream counts from here, not from a wait in the queue).
     sent: float = 0.0
-    counted: Counted | None = None
+    plan: Plan | None = None
     # Admitted again with the node's own count after it refused the prompt as too long.
     recounted: bool = False
     # Every admission of this request (one per attempt), in order.
@@ -92,6 +105,8 @@ class Exchange:
     client: str = "*"
     # KV tokens credited for shared prompt blocks.
     credited_tokens: int = 0
+    # The finished answer, as the relay saw it (None: no answer finished).
+    answer: Answer | None = None
 
     @property
     def request_id(self) -> str:
@@ -141,12 +156,12 @@ def finish(ex: Exchange, m: GatewayMetrics, now: float, access_log: bool) -> Non
     """The exchange's metrics and access line, from its final state."""
     rec = ex.record
     rec.latency_ms = (now - ex.started) * 1000
-    if ex.counted is not None:
-        model = ex.counted.model.name
-        m.of(m.prompt_tokens, model).observe(ex.counted.prompt.total)
-        m.of(m.output_budget, model).observe(ex.counted.output_tokens * ex.counted.demand.sequences)
-    if ex.counted is not None and ex.credited_tokens:
-        m.of(m.prefix_credited, ex.counted.model.name).inc(ex.credited_tokens)
+    if ex.plan is not None:
+        model = ex.plan.model.name
+        m.of(m.prompt_tokens, model).observe(ex.plan.prompt.total)
+        m.of(m.output_budget, model).observe(ex.plan.output_tokens * ex.plan.demand.sequences)
+    if ex.plan is not None and ex.credited_tokens:
+        m.of(m.prefix_credited, ex.plan.model.name).inc(ex.credited_tokens)
     for tier, reason, queued_s in ex.admissions:
         m.of(m.decisions, tier, reason).inc()
         if queued_s > 0:
@@ -176,8 +191,8 @@ def finish(ex: Exchange, m: GatewayMetrics, now: float, access_log: bool) -> Non
 def _tenant_metrics(ex: Exchange, m: GatewayMetrics) -> None:
     rec = ex.record
     m.of(m.tenant_requests, rec.tenant, str(rec.status)).inc()
-    if ex.charge is not None and ex.counted is not None:
-        m.of(m.tenant_tokens, rec.tenant, "prompt").inc(ex.counted.prompt.total)
+    if ex.charge is not None and ex.plan is not None:
+        m.of(m.tenant_tokens, rec.tenant, "prompt").inc(ex.plan.prompt.total)
         m.of(m.tenant_tokens, rec.tenant, "output").inc(ex.output_tokens or 0)
     if ex.rejection == "rate_limited" and ex.limit_hit:
         m.of(m.tenant_rate_limited, rec.tenant, ex.limit_hit).inc()

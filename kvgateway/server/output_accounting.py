@@ -1,24 +1,24 @@
 """Live output accounting: output tokens counted as they stream, per request.
 
 A streamed answer is counted by the node itself where it reports usage on every chunk
-(:mod:`kvgateway.server.stream_usage`), else chunk by chunk
+(:mod:`kvgateway.plan.stream_usage`), else chunk by chunk
 (:func:`count_stream_tokens`: one choice object per generated token, as vLLM streams
 when it keeps up; role announcements excepted; up to 1 + ``num_speculative_tokens`` per
 choice where the backend decodes speculatively, a bound that never passes the request's
 ``max_tokens``). Each count goes to admission as the request's progress
 (:meth:`~kvgateway.core.reservation.Reservation.progress`): a request admitted by the
-projected peak is then projected from where the node says it is. Whatever a finished
-request generated (``usage`` at the end, else the count) teaches the
-:class:`~kvgateway.core.output_model.OutputModel`.
+projected peak is then projected from where the node says it is. What a finished
+request generated (``usage`` at the end, else the count) is settled and learned by
+:mod:`kvgateway.server.settle`.
 """
 
 from __future__ import annotations
 
 import hashlib
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from kvgateway.core.output_model import ANY_KEY, OutputModel
+from kvgateway.core.output_model import ANY_KEY
 from kvgateway.core.reservation import Reservation
 
 _CHOICE = re.compile(rb'"index"\s*:')
@@ -79,39 +79,27 @@ class LiveRequest:
         """The count is the output itself, not a bound of it."""
         return self.reported or self.tokens_per_event == 1
 
-
-@dataclass(slots=True)
-class OutputAccounting:
-    """The learned output model, and every stream's count reported as progress."""
-
-    model: OutputModel = field(default_factory=OutputModel)
-
-    @staticmethod
-    def start(
-        r: Reservation, sequences: int, *, max_output: int = 0, tokens_per_event: int = 1
-    ) -> LiveRequest:
-        return LiveRequest(
-            r, max(1, sequences), tokens_per_event=max(1, tokens_per_event), max_output=max_output
-        )
-
-    @staticmethod
-    def on_events(
-        live: LiveRequest, events: bytes, reported: int | None = None, prompt: int | None = None
-    ) -> None:
+    def feed(self, events: bytes, reported: int | None = None, prompt: int | None = None) -> None:
         """Count a run of streamed events (or take ``reported``, the node's own count of
         the output so far) and tell admission how far each sequence has come (and the
         node's count of the prompt, ``prompt``, when it gave one)."""
         if reported is not None:
-            live.reported = True
-            live.generated = reported
+            self.reported = True
+            self.generated = reported
         else:
-            live.generated += count_stream_tokens(events) * live.tokens_per_event
-        if live.max_output:
-            live.generated = min(live.generated, live.max_output * live.sequences)
-        per_seq = -(-live.generated // live.sequences)
-        if per_seq > live.told and (per_seq > 0 or live.reported):
-            live.told = per_seq
-            live.reservation.progress(per_seq, prompt)
+            self.generated += count_stream_tokens(events) * self.tokens_per_event
+        if self.max_output:
+            self.generated = min(self.generated, self.max_output * self.sequences)
+        per_seq = -(-self.generated // self.sequences)
+        if per_seq > self.told and (per_seq > 0 or self.reported):
+            self.told = per_seq
+            self.reservation.progress(per_seq, prompt)
 
-    def learn(self, model: str, key: str, max_tokens: int, output_per_seq: int) -> None:
-        self.model.observe(model, key, max_tokens, output_per_seq)
+
+def live_request(
+    r: Reservation, sequences: int, *, max_output: int = 0, tokens_per_event: int = 1
+) -> LiveRequest:
+    """The live count of a stream relayed on ``r`` (``sequences`` choices)."""
+    return LiveRequest(
+        r, max(1, sequences), tokens_per_event=max(1, tokens_per_event), max_output=max_output
+    )

@@ -26,11 +26,11 @@ from kvgateway.errors import (
     RateLimited,
     UpstreamError,
 )
+from kvgateway.plan.openai_request import parse_body
 from kvgateway.server.accesslog import AccessRecord
 from kvgateway.server.appkeys import STATE
 from kvgateway.server.body import read_limited
-from kvgateway.server.exchange import CLIENT_GONE, Exchange, Failure, Outcome, finish
-from kvgateway.server.openai_request import parse_body
+from kvgateway.server.exchange import CLIENT_GONE, Exchange, Failure, Outcome
 from kvgateway.server.proxy import REQUEST_ID, trace_headers
 from kvgateway.server.relay import MAX_RESPONSE_BYTES
 from kvgateway.server.state import GatewayState
@@ -85,7 +85,7 @@ async def handle_passthrough(request: web.Request) -> web.StreamResponse:
         ex.record.outcome = Outcome.CLIENT_DISCONNECT
         raise
     finally:
-        finish(ex, state.metrics, state.clock(), state.config.server.access_log)
+        state.settle.close(ex)
 
 
 async def _serve(state: GatewayState, request: web.Request, ex: Exchange) -> web.Response:

@@ -29,33 +29,17 @@ from kvgateway.errors import (
     UpstreamError,
     UpstreamTimeout,
 )
+from kvgateway.plan.openai_request import Kind
+from kvgateway.plan.planner import upstream_body
 from kvgateway.server.accesslog import AccessRecord
 from kvgateway.server.body import read_limited
-from kvgateway.server.exchange import CLIENT_GONE, Exchange, Failure, Outcome, finish
-from kvgateway.server.openai_request import Kind
+from kvgateway.server.exchange import CLIENT_GONE, Exchange, Failure, Outcome
 from kvgateway.server.output_accounting import client_key
-from kvgateway.server.planning import (
-    plan_request,
-    tokenize_request,
-    upstream_body,
-    with_node_count,
-)
-from kvgateway.server.relay import (
-    answer_body,
-    error_event,
-    error_message,
-    is_event_stream,
-    read_body,
-    relay_stream,
-)
+from kvgateway.server.relay import error_event, error_message, is_event_stream
 from kvgateway.server.state import GatewayState
-from kvgateway.server.tenants import TENANT, charge, limit_headers, settle
+from kvgateway.server.tenants import TENANT, charge
 from kvgateway.server.tracing import Tracing, set_attributes
-from kvgateway.tokens.node_count import (
-    NodeCount,
-    parse_context_length_error,
-    readmission_prompt_tokens,
-)
+from kvgateway.tokens.node_count import NodeCount, parse_context_length_error
 from kvgateway.upstream.client import open_request
 from kvgateway.upstream.feedback import request_failed, request_served, serving
 
@@ -111,12 +95,7 @@ async def handle_completion(
             ex.limit_hit = err.param
         resp = error_response(err, rid)
         if ex.charge is not None:
-            # Settled now (a request never admitted is refunded): the headers say what the
-            # tenant has left after this request, not what its charge had taken.
-            settle(ex, state.quotas, state.clock())
-            ex.limit_headers = limit_headers(
-                state.quotas, state.tenancy, ex.charge.tenant, state.clock()
-            )
+            ex.limit_headers = state.settle.refused(ex)
         for name, value in ex.limit_headers.items():  # charged: the tenant's limits too
             resp.headers.setdefault(name, value)
         if state.draining:
@@ -135,8 +114,7 @@ async def handle_completion(
     finally:
         if task is not None:
             state.active.pop(task, None)
-        settle(ex, state.quotas, state.clock())
-        finish(ex, state.metrics, state.clock(), state.config.server.access_log)
+        state.settle.close(ex)
 
 
 async def _serve(state: GatewayState, ex: Exchange, kind: Kind) -> web.StreamResponse:
@@ -170,29 +148,23 @@ async def _count_and_forward(state: GatewayState, ex: Exchange, kind: Kind) -> w
         cfg.server.body_timeout_s,
         cfg.admission.max_messages if kind != "completion" else None,
     )
-    counted = await plan_request(
+    plan = await state.planner.plan(
         raw,
         kind,
-        cfg,
-        state.counters,
-        state.calibration,
-        state.fleet,
-        state.node_tokenizer,
         session=ex.request.headers.get("x-session-id") or None,
-        outputs=state.outputs.model,
         client=ex.client,
     )
-    ex.counted = counted
+    ex.plan = plan
     rec = ex.record
-    rec.model = counted.model.name
-    rec.prompt_tokens = counted.prompt.total
-    rec.stream = counted.parsed.stream
+    rec.model = plan.model.name
+    rec.prompt_tokens = plan.prompt.total
+    rec.stream = plan.parsed.stream
     ex.charge, ex.limit_headers = await charge(
         state.quotas,
         state.tenancy,
         rec.tenant,
-        counted.prompt.total,
-        counted.demand.output_tokens * counted.demand.sequences,
+        plan.prompt.total,
+        plan.demand.output_tokens * plan.demand.sequences,
         state.clock(),
     )
     return await _forward(state, ex, raw)
@@ -206,9 +178,9 @@ async def _forward(state: GatewayState, ex: Exchange, raw: bytes) -> web.StreamR
     last_error: UpstreamError | None = None
     body, body_of = raw, None
     while True:
-        counted = ex.counted
-        assert counted is not None
-        demand = replace(counted.demand, tenant=ex.record.tenant)
+        plan = ex.plan
+        assert plan is not None
+        demand = replace(plan.demand, tenant=ex.record.tenant)
         ex.record.attempts += 1
         with state.tracing.span("gateway.admission", tokens=demand.tokens) as span:
             asked = state.clock()
@@ -226,10 +198,10 @@ async def _forward(state: GatewayState, ex: Exchange, raw: bytes) -> web.StreamR
             )
         async with r:
             ex.admitted(r)
-            if body_of is not counted:
+            if body_of is not plan:
                 # Written once admitted (a refused 16 MB prompt is never re-serialised),
                 # and again only if a node's own count changed the plan.
-                body, body_of = upstream_body(counted) or raw, counted
+                body, body_of = upstream_body(plan) or raw, plan
             with state.tracing.span("gateway.upstream", backend=r.backend.name):
                 outcome = await _attempt(state, ex, r, body)
             if isinstance(outcome, UpstreamError):  # failed before any byte: try another
@@ -249,8 +221,8 @@ async def _attempt(
     """One try on the backend ``r`` holds room on: the relayed answer, the failure to
     retry elsewhere (raised instead when it may not be retried), or the node's own count
     of a prompt it refused as too long (counted with a stand-in: admit again with it)."""
-    counted = ex.counted
-    assert counted is not None
+    plan = ex.plan
+    assert plan is not None
     backend = r.backend
     timeouts = backend.config.timeouts
     ex.sent = state.clock()
@@ -262,7 +234,7 @@ async def _attempt(
             body,
             _upstream_headers(state, ex),
             timeouts,
-            head_timeout=timeouts.first_byte_s if counted.parsed.stream else timeouts.total_s,
+            head_timeout=timeouts.first_byte_s if plan.parsed.stream else timeouts.total_s,
         )
     except UpstreamError as err:
         retry = err.retryable and ex.record.attempts < MAX_ATTEMPTS
@@ -272,14 +244,17 @@ async def _attempt(
         return err
     async with resp:
         request_served(backend, state.clock())
-        if counted.parsed.stream and resp.status == 200 and is_event_stream(resp):
-            return await relay_stream(state, ex, resp, r)
-        data = await read_body(state, ex, resp, r)
-        if resp.status == 400 and not counted.prompt.exact and not ex.recounted:
+        if plan.parsed.stream and resp.status == 200 and is_event_stream(resp):
+            streamed = await state.relay.stream(ex, resp, r)
+            state.settle.learn(ex)
+            return streamed
+        data = await state.relay.read_body(ex, resp, r)
+        if resp.status == 400 and not plan.prompt.exact and not ex.recounted:
             node = parse_context_length_error(error_message(data), backend.max_model_len)
-            if node is not None and counted.prompt.prompts == 1:
+            if node is not None and plan.prompt.prompts == 1:
                 return node
-        out = answer_body(state, ex, resp, r, data)
+        out = state.relay.answer(ex, resp, r, data)
+    state.settle.learn(ex)
     await _send_now(state, ex, out)
     return out
 
@@ -295,37 +270,12 @@ async def _send_now(state: GatewayState, ex: Exchange, out: web.Response) -> Non
 
 
 async def _recount(state: GatewayState, ex: Exchange, backend: Backend, node: NodeCount) -> None:
-    """Re-plan with the count the node gave when it refused the prompt, and learn it. A
-    lower bound ("at least N") is never reserved as the count: a node with a longer
-    context is asked for its own, else the most such a node can hold is reserved."""
-    counted = ex.counted
-    assert counted is not None
-    model = counted.model
-    asked = None
-    if node.at_least and state.node_tokenizer is not None:
-        body, chat = tokenize_request(counted)
-        asked = await state.node_tokenizer.count(model, body, chat=chat)
-    tokens = readmission_prompt_tokens(
-        node,
-        asked=asked,
-        largest_context=state.fleet.largest_context(model.name),
-        output=counted.output_tokens,
-    )
+    """Re-plan with the count the node gave when it refused the prompt."""
+    plan = ex.plan
+    assert plan is not None
     backend.note_rejection(state.clock())
-    if not node.at_least or asked is not None:
-        state.calibration.observe(backend.name, model.name, counted.prompt.standin, tokens)
     ex.recounted = True
-    ex.counted = with_node_count(counted, tokens, state.fleet.block_size(model.name))
-    how = "" if not node.at_least else " (asked)" if asked is not None else " (the most it may be)"
-    log.info(
-        "backend %s counted the prompt as %s%d tokens (the gateway %d): admitting again with %d%s",
-        backend.name,
-        "at least " if node.at_least else "",
-        node.prompt_tokens,
-        counted.prompt.longest,
-        tokens,
-        how,
-    )
+    ex.plan = await state.planner.replan(plan, node, backend.name)
 
 
 async def _admit(

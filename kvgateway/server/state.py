@@ -14,19 +14,22 @@ from kvgateway.core.admission import Admission
 from kvgateway.core.demand import Demand
 from kvgateway.core.fleet import Fleet
 from kvgateway.core.membership import DiscoveredMembers
+from kvgateway.core.output_model import OutputModel
 from kvgateway.core.prefix_routing import PrefixRouter
 from kvgateway.core.quota import LocalQuotaLedger, QuotaLedger
 from kvgateway.core.routing import Decision, Wait
 from kvgateway.core.tenancy import Tenancy
 from kvgateway.ledger.redis_ledger import RedisLedger
+from kvgateway.plan.planner import Planner
 from kvgateway.server.exchange import Exchange
 from kvgateway.server.metrics import GatewayMetrics
-from kvgateway.server.node_tokenize import NodeTokenizer
-from kvgateway.server.output_accounting import OutputAccounting
+from kvgateway.server.relay import Relay
+from kvgateway.server.settle import Settle
 from kvgateway.server.tracing import Tracing
 from kvgateway.tokens.calibration import PromptCalibration
 from kvgateway.tokens.counters import TokenCounters
 from kvgateway.upstream.node_pool import NodePool
+from kvgateway.upstream.node_tokenize import NodeTokenizer
 
 Clock = Callable[[], float]
 
@@ -70,8 +73,6 @@ class GatewayState:
         self.active: dict[asyncio.Task[object], Exchange] = {}
         # Turn counter breaking ties between equally loaded nodes for pass-through calls.
         self.passthrough_turn = 0
-        # Asked for a node's own count when a stand-in bound comes near a limit.
-        self.node_tokenizer = NodeTokenizer(session, fleet)
         self.calibration = PromptCalibration(
             lambda model, ratio: metrics.estimate_ratio.labels(model=model).observe(ratio)
         )
@@ -80,8 +81,18 @@ class GatewayState:
         self.tenancy = Tenancy(lambda: self.config.auth)
         # Prefix-aware placement (consulted only for requests planned with a prefix hint).
         self.prefix = prefix
-        # Live output counts of streams and the learned output lengths.
-        self.outputs = OutputAccounting()
+        # The learned output lengths: Settle teaches them, Plan reads them.
+        outputs = OutputModel()
+        # The four stages a request passes through, each built with what it needs.
+        self.planner = Planner(
+            lambda: self.config,
+            counters,
+            self.calibration,
+            fleet,
+            # Asked for a node's own count when a stand-in bound comes near a limit.
+            node_counter=NodeTokenizer(session, fleet),
+            outputs=outputs,
+        )
         self.admission = Admission.for_fleet(
             fleet,
             lambda: self.config,
@@ -90,6 +101,16 @@ class GatewayState:
             tenancy=self.tenancy,
             ledger=ledger,
             prefix=prefix,
+        )
+        self.relay = Relay(clock, lambda: self.config.health)
+        self.settle = Settle(
+            self.calibration,
+            outputs,
+            self.quotas,
+            self.tenancy,
+            metrics,
+            clock,
+            lambda: self.config.server.access_log,
         )
 
     def _count_decision(self, decision: Decision, demand: Demand) -> None:

@@ -208,8 +208,8 @@ def settle(ex: Exchange, ledger: QuotaLedger, now: float) -> None:
     status = ex.record.status
     if ex.output_tokens is not None:
         output = ex.output_tokens
-        if ex.counted is not None:  # a node cannot generate past max_tokens x n
-            output = min(output, ex.counted.output_tokens * ex.counted.demand.sequences)
+        if ex.plan is not None:  # a node cannot generate past max_tokens x n
+            output = min(output, ex.plan.output_tokens * ex.plan.demand.sequences)
     elif ex.ttft_s is None:
         output = 0
     elif ex.streamed_tokens is not None and (

@@ -16,7 +16,7 @@ reservation and refuse prompts the node serves):
   Qwen node 2.5x what cl100k counts, English prose 1.05x): a median is what most prompts
   see, and one digit-heavy chat does not scale every English prompt after it past the
   context. What a prompt unlike most costs is not predicted: near a limit the node is
-  asked (planning and :mod:`kvgateway.server.node_tokenize`).
+  asked (planning and :mod:`kvgateway.upstream.node_tokenize`).
 
 Each observation is clamped before it is used, so one odd answer moves either only so
 far. Reads never go below the gateway's own count.

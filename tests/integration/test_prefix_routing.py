@@ -11,7 +11,6 @@ from typing import Any
 import aiohttp
 
 from kvgateway.core.prefix_keys import block_keys
-from kvgateway.server.planning import plan_request
 from tests.support.fleet import ENCODINGS, MODEL, SERVED, StartFleet
 
 NODES = [
@@ -177,7 +176,7 @@ async def test_chat_follow_ups_stay_home_with_kv_events_whose_ids_cannot_match(
     raw = json.dumps(
         {"model": MODEL, "messages": [{"role": "user", "content": SYSTEM}], "max_tokens": 8}
     ).encode()
-    counted = await plan_request(raw, "chat", st.config, st.counters, st.calibration, st.fleet)
+    counted = await st.planner.plan(raw, "chat")
     assert counted.demand.prefix is not None and counted.demand.prefix.keys
     assert not counted.demand.prefix.credit
 
@@ -253,7 +252,7 @@ async def test_chat_keys_match_the_nodes_events_with_the_models_tokenizer(
     # ... and they are the keys routing uses for that request.
     st = fleet.state
     raw = json.dumps({"model": MODEL, **body, "max_tokens": 8}).encode()
-    counted = await plan_request(raw, "chat", st.config, st.counters, st.calibration, st.fleet)
+    counted = await st.planner.plan(raw, "chat")
     hint = counted.demand.prefix
     assert hint is not None and len(hint.keys) >= len(keys) - 1
     assert hint.keys == tuple(keys[: len(hint.keys)])
@@ -267,7 +266,7 @@ async def test_chat_keys_match_the_nodes_events_with_the_models_tokenizer(
         {"messages": with_image},
     ):
         raw = json.dumps({"model": MODEL, **body, "max_tokens": 8, **extra}).encode()
-        counted = await plan_request(raw, "chat", st.config, st.counters, st.calibration, st.fleet)
+        counted = await st.planner.plan(raw, "chat")
         assert counted.demand.prefix is not None and not counted.demand.prefix.credit, extra
 
 

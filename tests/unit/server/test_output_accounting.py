@@ -7,7 +7,7 @@ from dataclasses import replace
 
 from kvgateway.core.admission import Admission, Reservation
 from kvgateway.core.backends import Backend
-from kvgateway.server.output_accounting import OutputAccounting, client_key, count_stream_tokens
+from kvgateway.server.output_accounting import client_key, count_stream_tokens, live_request
 from tests.support.backends import admission_over, backend, demand
 
 ROLE = b'data: {"id":"x","choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n\n'
@@ -48,10 +48,9 @@ def test_a_streams_count_moves_its_flight_and_the_nodes_book() -> None:
     b, adm = _projected_node()
     r = _admit(adm)
     assert r.flight is not None and not r.flight.started
-    acct = OutputAccounting()
-    live = acct.start(r, 1, max_output=400)
+    live = live_request(r, 1, max_output=400)
     for i in range(1, 200):
-        acct.on_events(live, token())
+        live.feed(token())
         assert r.flight.started and r.flight.generated == i
         assert b.reserved_tokens >= 100 + i
         assert b.reserved_tokens % 16 == 0
@@ -62,13 +61,12 @@ def test_a_streams_count_moves_its_flight_and_the_nodes_book() -> None:
 def test_the_nodes_own_count_is_taken_as_it_is_and_never_goes_back() -> None:
     _, adm = _projected_node()
     r = _admit(adm)
-    acct = OutputAccounting()
-    live = acct.start(r, 1, max_output=400)
-    acct.on_events(live, b"", reported=0)
+    live = live_request(r, 1, max_output=400)
+    live.feed(b"", reported=0)
     assert r.flight is not None and r.flight.started and r.flight.generated == 0
-    acct.on_events(live, token() * 3, reported=41)
+    live.feed(token() * 3, reported=41)
     assert r.flight.generated == 41 and live.exact
-    acct.on_events(live, token(), reported=40)
+    live.feed(token(), reported=40)
     assert r.flight.generated == 41
     adm.release(r)
 
@@ -78,10 +76,9 @@ def test_a_speculative_nodes_choices_count_as_many_tokens_as_a_step_may_emit():
     # count is that bound (never under what the node holds), capped at max_tokens.
     b, adm = _projected_node()
     r = _admit(adm, 100, 400)
-    acct = OutputAccounting()
-    live = acct.start(r, 1, max_output=400, tokens_per_event=4)
+    live = live_request(r, 1, max_output=400, tokens_per_event=4)
     for i in range(150):
-        acct.on_events(live, token())
+        live.feed(token())
         assert live.generated == min(4 * (i + 1), 400)
         assert b.reserved_tokens >= 100 + live.generated
     adm.release(r)

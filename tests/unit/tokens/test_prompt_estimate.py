@@ -95,7 +95,7 @@ async def test_a_prompt_the_standin_overcounts_is_not_cut_off_at_the_context() -
     """cl100k counts Chinese ~2x what Qwen does: a prompt it counts past the largest
     context may still fit the node, so it is counted on (to MAX_OVERCOUNT times the
     context) and given a floor the node's count cannot be below; ASCII text is not."""
-    from kvgateway.server.node_tokenize import NodeTokenizer
+    from kvgateway.plan.budget import worth_asking
     from kvgateway.tokens.standin import ASCII_OVERCOUNT, MAX_OVERCOUNT
 
     estimator = PromptEstimator(CONFIG, _standin())
@@ -109,9 +109,9 @@ async def test_a_prompt_the_standin_overcounts_is_not_cut_off_at_the_context() -
     cjk = await estimator.chat(cjk_body, 2000)
     assert cjk.standin > 2000 and cjk.total > cjk.standin  # counted on, and bounded
     assert cjk.floor == cjk.standin // MAX_OVERCOUNT
-    assert NodeTokenizer.worth_asking(cjk.total, cjk.floor, 16, 2000)
-    assert not NodeTokenizer.worth_asking(english.total, english.floor, 16, 2000)
-    assert not NodeTokenizer.worth_asking(500, 400, 16, 2000)  # nowhere near: no need
+    assert worth_asking(cjk.total, cjk.floor, 16, 2000)
+    assert not worth_asking(english.total, english.floor, 16, 2000)
+    assert not worth_asking(500, 400, 16, 2000)  # nowhere near: no need
 
 
 async def test_floor_is_the_count_when_exact(gateway_tokenizer: Loader) -> None:
@@ -162,8 +162,8 @@ async def test_without_the_bound_the_floor_allows_for_the_overcount() -> None:
     """upper_bound false reserves the stand-in's count as the nodes' reports scale it;
     the least the node may count is still that count less what cl100k may overcount
     (Chinese ~2x Qwen's count): a CJK prompt counted past the context may fit the node,
-    which is asked. It was the count itself, so such a prompt was refused unasked."""
-    from kvgateway.server.node_tokenize import NodeTokenizer
+    which is asked."""
+    from kvgateway.plan.budget import worth_asking
     from kvgateway.tokens.standin import MAX_OVERCOUNT
 
     estimator = PromptEstimator(replace(CONFIG, upper_bound=False), _standin())
@@ -172,7 +172,7 @@ async def test_without_the_bound_the_floor_allows_for_the_overcount() -> None:
     )
     assert cjk.total == cjk.standin > 2000 and not cjk.exact
     assert cjk.floor == int(cjk.standin / MAX_OVERCOUNT)
-    assert NodeTokenizer.worth_asking(cjk.total, cjk.floor, 16, 2000)
+    assert worth_asking(cjk.total, cjk.floor, 16, 2000)
 
 
 async def test_a_prompt_keyed_for_routing_is_counted_from_its_ids_without_encoding() -> None:

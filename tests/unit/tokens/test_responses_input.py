@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kvgateway.server.openai_request import parse_responses
+from kvgateway.plan.openai_request import parse_responses
 from kvgateway.simulator.profiles import TINY
 from kvgateway.tokens.encoding import EncodingCache
 from kvgateway.tokens.exact import ExactCounter

@@ -1,8 +1,9 @@
 """Asking a node for its own count of a prompt (vLLM's ``POST /tokenize``).
 
-Used when the gateway counts with a stand-in and the stand-in's safe upper bound comes
-near the largest context on offer: the bound would refuse (or over-reserve) a request the
-node may well serve, so one healthy node of the model is asked for the exact count before
+Planning asks (:func:`kvgateway.plan.planner.worth_asking`) when the gateway counts with
+a stand-in and the stand-in's safe upper bound comes near the largest context on offer:
+the bound would refuse (or over-reserve) a request the node may well serve, so one
+healthy node of the model is asked for the exact count before
 anything is reserved (another node when the first fails). That includes prompts the
 stand-in itself counts past the context when their text is one it overcounts (non-ASCII:
 CJK, Cyrillic, Arabic, emoji). Bounded in time (TIMEOUT_S per node, ATTEMPTS nodes);
@@ -26,7 +27,7 @@ from kvgateway.core.backends import Backend
 from kvgateway.core.fleet import Fleet
 from kvgateway.tokens.node_count import tokenize_body, tokenize_count
 
-log = logging.getLogger("kvgateway.server.node_tokenize")
+log = logging.getLogger("kvgateway.upstream.node_tokenize")
 
 # Per node asked. A loaded node took up to 1.4 s to count a 32k-token prompt in
 # bench.counting_modes (2 cores shared by 4 nodes and the gateway); at 2 s, 3-6 of ~80
@@ -35,8 +36,6 @@ TIMEOUT_S = 4.0
 # Nodes asked at most (the next one when the first fails or is too slow).
 ATTEMPTS = 2
 CACHE_ENTRIES = 4096
-# Ask when the bound plus the output would pass this share of the largest context.
-NEAR = 0.9
 
 
 class NodeTokenizer:
@@ -45,22 +44,6 @@ class NodeTokenizer:
         self._fleet = fleet
         self._cache: OrderedDict[bytes, int] = OrderedDict()
         self._without: set[str] = set()  # backends that lack /tokenize
-
-    @staticmethod
-    def worth_asking(
-        bound: int, floor: int, output: int, largest_context: int, *, fit_output: int | None = None
-    ) -> bool:
-        """The bound comes near the largest context while the lowest count the node may
-        have (``floor``: the stand-in's count less what it may overcount, e.g. CJK or
-        Arabic text) does not pass it (past it, the node would refuse the prompt anyway).
-        ``fit_output``: the output the node needs beside the prompt when it is less than
-        ``output`` (1 where the node cuts max_tokens to what the context leaves)."""
-        needed = output if fit_output is None else fit_output
-        return (
-            largest_context > 0
-            and bound + output > NEAR * largest_context
-            and floor + needed <= largest_context
-        )
 
     async def count(self, model: ModelConfig, body: dict[str, Any], *, chat: bool) -> int | None:
         """The node's count of ``body``'s prompt, or None (no node could say in time)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from kvgateway.config.model import ModelConfig
-from kvgateway.server.planning import LEARNED_PROMPT_SAMPLES, learned_prompts
+from kvgateway.plan.budget import LEARNED_PROMPT_SAMPLES, learned_prompts
 from kvgateway.tokens.calibration import PromptCalibration
 from kvgateway.tokens.prompt_estimate import PromptEstimate
 from kvgateway.tokens.spec import TokenizerConfig

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from kvgateway.server.stream_usage import UsageAsk, UsageTap, ask_node, usage_ask
+from kvgateway.plan.stream_usage import UsageAsk, UsageTap, ask_node, usage_ask
 
 NONE = UsageAsk(include_usage=False, continuous=False)
 FINAL = UsageAsk(include_usage=True, continuous=False)

@@ -11,11 +11,11 @@ import aiohttp
 from aiohttp import web
 
 from kvgateway.config.load import parse_config
-from kvgateway.server.node_tokenize import NodeTokenizer
-from kvgateway.server.planning import plan_request
+from kvgateway.plan.planner import Planner
 from kvgateway.tokens.calibration import PromptCalibration
 from kvgateway.tokens.counters import TokenCounters
 from kvgateway.tokens.encoding import EncodingCache
+from kvgateway.upstream.node_tokenize import NodeTokenizer
 
 
 class _Fleet:
@@ -106,9 +106,8 @@ async def test_a_count_the_nodes_reports_scale_near_the_context_is_asked_of_a_no
         counters = TokenCounters(EncodingCache(), pool)
         async with aiohttp.ClientSession() as session:
             node = NodeTokenizer(session, _Fleet([_backend("a", url, 8_192)]))  # type: ignore[arg-type]
-            counted = await plan_request(
-                raw, "chat", config, counters, calibration, _Contexts(), node
-            )
+            planner = Planner(lambda: config, counters, calibration, _Contexts(), node_counter=node)
+            counted = await planner.plan(raw, "chat")
     assert 3_400 < counted.prompt.standin < 3_600
     assert len(asked) == 1 and asked[0]["messages"][0]["content"] == text
     assert counted.prompt.exact and counted.demand.longest_prompt == 3_600

@@ -1,14 +1,17 @@
-"""From request bytes to what the request needs: parse, count, and the body to send.
+"""Plan, the first stage: from request bytes to what the request needs.
 
-:func:`plan_request` turns a client's body into a :class:`Counted` (the model, the
-counted prompt, the output budget and the :class:`~kvgateway.core.demand.Demand` that
-admission reserves); :func:`upstream_body` gives the bytes the node receives.
+A :class:`Planner` turns a client's body into a :class:`Plan` (the model, the counted
+prompt, the output budget and the :class:`~kvgateway.core.demand.Demand` that admission
+reserves); :func:`upstream_body` gives the bytes the node receives. Nothing here does I/O
+but the injected :class:`NodeCounter` (a node's own count, asked near a context limit).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
@@ -16,8 +19,17 @@ from kvgateway.config.model import GatewayConfig, ModelConfig, Policy
 from kvgateway.core.demand import Demand, demand_tokens
 from kvgateway.core.output_model import ANY_KEY, OutputModel, z_of
 from kvgateway.errors import BadRequest, ModelNotFound
-from kvgateway.server.node_tokenize import NodeTokenizer
-from kvgateway.server.openai_request import (
+from kvgateway.plan.budget import (
+    learned_prompts,
+    output_budget,
+    output_is_set,
+    reserved_prompts,
+    truncated,
+    truncates_to_fit,
+    truncation,
+    worth_asking,
+)
+from kvgateway.plan.openai_request import (
     Kind,
     Limits,
     ParsedRequest,
@@ -26,16 +38,16 @@ from kvgateway.server.openai_request import (
     parse_completion,
     parse_responses,
 )
-from kvgateway.server.prefix_hint import prefix_hint, prompt_ids
-from kvgateway.server.stream_usage import UsageAsk, ask_node, usage_ask
-from kvgateway.server.truncation import truncated, truncates_to_fit, truncation
+from kvgateway.plan.prefix_hint import prefix_hint, prompt_ids
+from kvgateway.plan.stream_usage import UsageAsk, ask_node, usage_ask
 from kvgateway.tokens.calibration import PromptCalibration
 from kvgateway.tokens.counters import TokenCounters
-from kvgateway.tokens.lax import flag, lax_int
+from kvgateway.tokens.node_count import NodeCount, readmission_prompt_tokens
 from kvgateway.tokens.prompt_estimate import PromptEstimate
 from kvgateway.tokens.responses_input import chat_body as responses_chat_body
 
-COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's documented default
+log = logging.getLogger("kvgateway.plan")
+
 OFF_LOOP_BYTES = 1024 * 1024
 
 
@@ -47,8 +59,16 @@ class FleetView(Protocol):
     def largest_context(self, model: str) -> int: ...
 
 
+class NodeCounter(Protocol):
+    """A node's own count of a prompt (:class:`kvgateway.upstream.node_tokenize.NodeTokenizer`)."""
+
+    async def count(
+        self, model: ModelConfig, body: dict[str, Any], *, chat: bool
+    ) -> int | None: ...
+
+
 @dataclass(slots=True)
-class Counted:
+class Plan:
     model: ModelConfig
     parsed: ParsedRequest
     prompt: PromptEstimate
@@ -65,18 +85,97 @@ class Counted:
     usage_ask: UsageAsk | None = None
 
 
-async def plan_request(
+class Planner:
+    """Owns the Plan stage: parsing, counting, the output budget and the demand.
+
+    ``config`` is read per request (a reload swaps it); ``outputs`` gives learned output
+    lengths (None: none are used); ``node_counter`` asks a node near a context limit
+    (None: the stand-in's bound stands)."""
+
+    def __init__(
+        self,
+        config: Callable[[], GatewayConfig],
+        counters: TokenCounters,
+        calibration: PromptCalibration,
+        fleet: FleetView,
+        *,
+        node_counter: NodeCounter | None = None,
+        outputs: OutputModel | None = None,
+    ) -> None:
+        self._config = config
+        self._counters = counters
+        self._calibration = calibration
+        self._fleet = fleet
+        self._node_counter = node_counter
+        self._outputs = outputs
+
+    async def plan(
+        self, raw: bytes, kind: Kind, *, session: str | None = None, client: str = ANY_KEY
+    ) -> Plan:
+        """The plan for ``raw``; a :class:`~kvgateway.errors.GatewayError` for a request
+        no node could serve (bad body, unknown model, a prompt past every context)."""
+        return await _plan(
+            raw,
+            kind,
+            self._config(),
+            self._counters,
+            self._calibration,
+            self._fleet,
+            self._node_counter,
+            session,
+            self._outputs,
+            client,
+        )
+
+    async def replan(self, plan: Plan, node: NodeCount, backend: str) -> Plan:
+        """``plan`` with the count ``backend`` gave when it refused the prompt as too
+        long, learned for calibration. A lower bound ("at least N") is never reserved as
+        the count: a node with a longer context is asked for its own, else the most such
+        a node can hold is reserved."""
+        model = plan.model
+        asked = None
+        if node.at_least and self._node_counter is not None:
+            body, chat = tokenize_request(plan)
+            asked = await self._node_counter.count(model, body, chat=chat)
+        tokens = readmission_prompt_tokens(
+            node,
+            asked=asked,
+            largest_context=self._fleet.largest_context(model.name),
+            output=plan.output_tokens,
+        )
+        if not node.at_least or asked is not None:
+            self._calibration.observe(backend, model.name, plan.prompt.standin, tokens)
+        how = (
+            ""
+            if not node.at_least
+            else " (asked)"
+            if asked is not None
+            else " (the most it may be)"
+        )
+        log.info(
+            "backend %s counted the prompt as %s%d tokens (the gateway %d): admitting again with %d%s",
+            backend,
+            "at least " if node.at_least else "",
+            node.prompt_tokens,
+            plan.prompt.longest,
+            tokens,
+            how,
+        )
+        return with_node_count(plan, tokens, self._fleet.block_size(model.name))
+
+
+async def _plan(
     raw: bytes,
     kind: Kind,
     config: GatewayConfig,
     counters: TokenCounters,
     calibration: PromptCalibration,
     fleet: FleetView,
-    node_tokenizer: NodeTokenizer | None = None,
-    session: str | None = None,
-    outputs: OutputModel | None = None,
-    client: str = ANY_KEY,
-) -> Counted:
+    node_counter: NodeCounter | None,
+    session: str | None,
+    outputs: OutputModel | None,
+    client: str,
+) -> Plan:
     limits = Limits(config.admission.max_messages, config.admission.max_content_parts)
     if len(raw) > OFF_LOOP_BYTES:
         # (A body of 800k messages never gets here: it is refused while it arrives.)
@@ -113,10 +212,10 @@ async def plan_request(
             "A value in your request is nested too deeply to count.", code="invalid_value"
         ) from exc
     if (
-        node_tokenizer is not None
+        node_counter is not None
         and not prompt.exact
         and prompt.prompts == 1
-        and node_tokenizer.worth_asking(
+        and worth_asking(
             # What would be reserved: the bound, or the stand-in's count as the nodes'
             # reports scale it, whichever is more (either may pass a context the node's
             # own count fits).
@@ -131,7 +230,7 @@ async def plan_request(
     ):
         # The bound comes near (or past) the largest context while the node's count may
         # still fit: the node's own count decides.
-        exact = await node_tokenizer.count(model, counted_body, chat=parsed.kind != "completion")
+        exact = await node_counter.count(model, counted_body, chat=parsed.kind != "completion")
         if exact is not None:
             prompt = node_counted(prompt, exact)
     # truncate_prompt_tokens: the node keeps each prompt's last `keep` tokens; -1 (and
@@ -160,7 +259,7 @@ async def plan_request(
     learned = (
         adm.output_reservation == "learned"
         and not parsed.echo_only
-        and not _output_is_set(parsed.body)
+        and not output_is_set(parsed.body)
     )
     # KV is reserved for each prompt's bound, or in learned mode for what the nodes'
     # reports predict; the context fit keeps the bound either way (the node checks it).
@@ -197,24 +296,16 @@ async def plan_request(
         seen=parsed.stream,
     )
     ask = usage_ask(parsed.kind, parsed.stream, body) if adm.node_stream_usage else None
-    return Counted(model, parsed, prompt, output, demand, injected, reserved, sum(kv_prompts), ask)
+    return Plan(model, parsed, prompt, output, demand, injected, reserved, sum(kv_prompts), ask)
 
 
-def _output_is_set(body: dict[str, Any]) -> bool:
-    """Does the request fix its output length, so that no learned length applies?
-    ``ignore_eos`` runs to ``max_tokens`` (unless a stop string ends it), ``min_tokens``
-    sets a floor the learned lengths know nothing of: both reserve ``max_tokens``."""
-    min_tokens = lax_int(body.get("min_tokens"))
-    return flag(body, "ignore_eos", False) or (min_tokens is not None and min_tokens > 0)
-
-
-def tokenize_request(counted: Counted) -> tuple[dict[str, Any], bool]:
+def tokenize_request(plan: Plan) -> tuple[dict[str, Any], bool]:
     """The body the prompt was counted from (a Responses request as the chat vLLM renders
     for it), and whether it is a chat: what a node's /tokenize is asked."""
-    body = counted.parsed.body
-    if counted.parsed.kind == "completion":
+    body = plan.parsed.body
+    if plan.parsed.kind == "completion":
         return body, False
-    return (body if counted.parsed.kind == "chat" else responses_chat_body(body)), True
+    return (body if plan.parsed.kind == "chat" else responses_chat_body(body)), True
 
 
 def node_counted(prompt: PromptEstimate, count: int) -> PromptEstimate:
@@ -222,63 +313,26 @@ def node_counted(prompt: PromptEstimate, count: int) -> PromptEstimate:
     return replace(prompt, total=count, longest=count, each=(count,), exact=True, floor=count)
 
 
-def with_node_count(counted: Counted, count: int, block_size: int) -> Counted:
-    """``counted`` re-planned with the node's own count of its single prompt (from a
+def with_node_count(plan: Plan, count: int, block_size: int) -> Plan:
+    """``plan`` re-planned with the node's own count of its single prompt (from a
     context-length refusal): what a second admission reserves."""
-    prompt = node_counted(counted.prompt, count)
-    d = counted.demand
+    prompt = node_counted(plan.prompt, count)
+    d = plan.demand
     demand = replace(
         d,
         prompt_tokens=count,
         longest_prompt=count,
         tokens=demand_tokens(
-            [count], counted.output_tokens, counted.parsed.sequences_per_prompt, block_size
+            [count], plan.output_tokens, plan.parsed.sequences_per_prompt, block_size
         ),
     )
     return replace(
-        counted,
+        plan,
         prompt=prompt,
         demand=demand,
         reserved_prompt=count,
-        reserved_output=counted.output_tokens,
+        reserved_output=plan.output_tokens,
     )
-
-
-def reserved_prompts(
-    prompt: PromptEstimate, model: ModelConfig, calibration: PromptCalibration
-) -> list[int]:
-    """What to reserve for each prompt. The model's own count is exact and taken as it is.
-    Otherwise the stand-in's bound, and never less than what the nodes' reports say the
-    stand-in's count grows to (calibration: template overhead, tokenizer ratio)."""
-    each = list(prompt.each or (prompt.total,))
-    if prompt.exact:
-        return each
-    margin = model.tokenizer.estimate_margin
-    if len(each) == 1:
-        return [max(each[0], calibration.scaled(model.name, prompt.standin, margin))]
-    return [calibration.scaled(model.name, n, margin) for n in each]
-
-
-# Usage reports of a model before learned mode reserves prompts by what they predict.
-LEARNED_PROMPT_SAMPLES = 50
-
-
-def learned_prompts(
-    prompt: PromptEstimate,
-    model: ModelConfig,
-    calibration: PromptCalibration,
-    bounds: list[int],
-) -> list[int]:
-    """KV to reserve for a single prompt in learned mode: the nodes' predicted count of
-    it (template overhead and tokenizer ratio learned from their usage reports) instead
-    of the worst-case vocabulary bound, never more than the bound; the bound until
-    :data:`LEARNED_PROMPT_SAMPLES` reports were seen. Exact counts and batched prompts
-    (already reserved by the prediction) stay as they are."""
-    if prompt.exact or prompt.uncalibrated or prompt.truncated or len(bounds) != 1:
-        return bounds  # no stand-in count to predict from (standin 0 or cut)
-    margin = model.tokenizer.estimate_margin
-    guess = calibration.learned(model.name, prompt.standin, margin, LEARNED_PROMPT_SAMPLES)
-    return bounds if guess is None else [min(bounds[0], guess)]
 
 
 def _parse(
@@ -301,63 +355,17 @@ def _parse(
     return parsed, model
 
 
-def output_budget(
-    parsed: ParsedRequest, config: GatewayConfig, prompt_bound: int, largest_context: int
-) -> tuple[int, int | None]:
-    """Output tokens to reserve per sequence, and the ``max_tokens`` to send when the
-    client left it open or asked for more than the largest context leaves (None: the
-    body goes unchanged).
-
-    A client-given budget is kept, unless it does not fit beside the prompt in the
-    largest context but does fit the context itself: with ``admission.context_overflow:
-    clamp`` (vLLM >= 0.32) it is cut to what the context leaves, as the node would cut
-    it. Left open (absent or ``null``), vLLM would allow "the
-    rest of the context" (chat, and completions with an explicit null) or 16
-    (completions, absent): the gateway sends the node what it reserves, the default capped
-    at what the largest context leaves after the prompt, so the cap never turns a request
-    the node could serve into a 400. With ``inject_default_output: false`` the body goes
-    unchanged and the gateway reserves what vLLM would allow.
-    """
-    if parsed.echo_only:
-        return 1, None  # vLLM schedules one token for an echo of the prompt
-    requested = parsed.requested_output
-    if requested is not None:
-        left = largest_context - prompt_bound
-        if (
-            config.admission.context_overflow == "clamp"
-            and largest_context
-            and 0 < left < requested <= largest_context
-        ):
-            # vLLM >= 0.32 serves it with max_tokens cut to what the context leaves
-            # (get_max_tokens); the node is sent the cut, so the reservation holds
-            # whatever its count of the prompt.
-            return left, left
-        return requested, None
-    room = max(1, largest_context - prompt_bound) if largest_context else None
-    explicit_null = parsed.output_field in parsed.body and parsed.body[parsed.output_field] is None
-    if parsed.kind != "completion":
-        default = config.admission.default_output_tokens
-        vllm_allows = room
-    else:
-        default = COMPLETIONS_DEFAULT_MAX_TOKENS
-        vllm_allows = room if explicit_null else COMPLETIONS_DEFAULT_MAX_TOKENS
-    if not config.admission.inject_default_output:
-        return (vllm_allows or default), None
-    budget = min(default, room) if room is not None else default
-    return budget, budget
-
-
-def upstream_body(counted: Counted) -> bytes | None:
+def upstream_body(plan: Plan) -> bytes | None:
     """The body to send, or None to forward the client's bytes unchanged."""
-    body = counted.parsed.body
+    body = plan.parsed.body
     changed = False
-    if counted.parsed.model != counted.model.served_name:
-        body["model"] = counted.model.served_name
+    if plan.parsed.model != plan.model.served_name:
+        body["model"] = plan.model.served_name
         changed = True
-    if counted.injected_output is not None:
-        body[counted.parsed.output_field] = counted.injected_output
+    if plan.injected_output is not None:
+        body[plan.parsed.output_field] = plan.injected_output
         changed = True
-    if counted.usage_ask is not None and not counted.usage_ask.continuous:
+    if plan.usage_ask is not None and not plan.usage_ask.continuous:
         ask_node(body)
         changed = True
     return json.dumps(body, separators=(",", ":")).encode() if changed else None
