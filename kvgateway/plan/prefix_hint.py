@@ -9,8 +9,8 @@ from typing import Any
 from kvgateway.config.model import ModelConfig
 from kvgateway.core.demand import PrefixHint
 from kvgateway.core.prefix_keys import block_keys
-from kvgateway.plan.openai_request import ParsedRequest
 from kvgateway.plan.budget import truncates_to_fit, truncation
+from kvgateway.plan.openai_request import ParsedRequest
 from kvgateway.tokens.counters import TokenCounters
 from kvgateway.tokens.plans import part_text
 

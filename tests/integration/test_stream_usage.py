@@ -1,4 +1,4 @@
-"""The node's own output count on every stream (server/stream_usage.py), with a
+"""The node's own output count on every stream (plan/stream_usage.py), with a
 simulated vLLM node that streams the way vLLM does with ``--stream-interval 4``: several
 tokens per chunk. The client, the official SDK, sees only the usage it asked for; the
 gateway settles what the node generated, not one token per chunk."""
