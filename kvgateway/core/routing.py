@@ -23,7 +23,7 @@ Policies:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -218,6 +218,20 @@ def route_simple(
         state.cursors[d.model] = i + 1
         return Routed(pool[i % len(pool)], RouteReason.FIT)
     return Routed(min(pool, key=lambda b: b.in_flight), RouteReason.FIT)
+
+
+def least_in_flight(
+    backends: Iterable[Backend], now: float, excluded: Collection[str], turn: int
+) -> Backend | None:
+    """Where a request that reserves no KV goes (embeddings, rerank, score, tokenize): an
+    accepting backend not in ``excluded`` with the fewest requests in flight, ties taken
+    in turn (``turn``: the caller's counter); None when there is none."""
+    pool = [b for b in backends if b.accepting(now) and b.name not in excluded]
+    if not pool:
+        return None
+    least = min(b.in_flight for b in pool)
+    ties = [b for b in pool if b.in_flight == least]
+    return ties[turn % len(ties)]
 
 
 def route(

@@ -1,15 +1,16 @@
 """Endpoints a vLLM node serves that hold no KV cache beyond the request itself:
 embeddings, rerank and score, tokenize and detokenize. They go to a healthy node of the
-model, the one with the fewest requests in flight, with no KV reservation: plain load
-balancing, bounded like every other upstream call, failing over before the first byte.
-Each counts against its tenant's requests_per_minute (refused with a 429 and the
+model with the fewest requests in flight (:func:`kvgateway.core.routing.least_in_flight`),
+with no KV reservation, bounded like every other upstream call and failing over before
+the first byte. Their life (exchange, errors, settling) is every request's
+(:func:`kvgateway.server.proxy.run_exchange`), and a node's failures count towards its
+health as a chat's do. Each counts against its tenant's requests_per_minute (refused with a 429 and the
 ``x-ratelimit-*`` headers like the rest of the API), and the prompt tokens the node
 reports in its ``usage`` (embeddings, rerank, score) count against its prompt tokens.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 from dataclasses import replace
 from typing import Any
@@ -17,27 +18,25 @@ from typing import Any
 from aiohttp import web
 
 from kvgateway.config.model import ModelConfig
-from kvgateway.core.backends import Backend
+from kvgateway.core.routing import least_in_flight
 from kvgateway.errors import (
     BadRequest,
     GatewayError,
     ModelNotFound,
     NoHealthyBackend,
-    RateLimited,
     UpstreamError,
 )
 from kvgateway.plan.openai_request import parse_body
-from kvgateway.server.accesslog import AccessRecord
 from kvgateway.server.appkeys import STATE
 from kvgateway.server.body import read_limited
-from kvgateway.server.exchange import CLIENT_GONE, Exchange, Failure, Outcome
-from kvgateway.server.proxy import REQUEST_ID, trace_headers
+from kvgateway.server.exchange import Exchange, Outcome
+from kvgateway.server.proxy import REQUEST_ID, note_failure, run_exchange, trace_headers
 from kvgateway.server.relay import MAX_RESPONSE_BYTES
 from kvgateway.server.state import GatewayState
-from kvgateway.server.tenants import TENANT, charge
-from kvgateway.server.tracing import set_attributes
+from kvgateway.server.tenants import charge
 from kvgateway.upstream.client import find_usage, open_request
 from kvgateway.upstream.error_body import is_error_object, openai_error_body
+from kvgateway.upstream.feedback import request_served
 
 PATHS = (
     "/v1/embeddings",
@@ -56,36 +55,13 @@ async def handle_passthrough(request: web.Request) -> web.StreamResponse:
     """One passthrough request, in the access log and the metrics as every request is
     (model, backend, status, failures, refusals) and in the client's trace."""
     state = request.app[STATE]
-    ex = Exchange(
-        request=request,
-        record=AccessRecord(
-            request_id=request[REQUEST_ID],
-            method=request.method,
-            path=request.path,
-            tenant=request.get(TENANT, state.config.auth.default_tenant.name),
-        ),
-        started=state.clock(),
-    )
-    try:
-        with state.tracing.request("gateway.request", request.headers) as span:
-            resp = await _serve(state, request, ex)
-            set_attributes(span, status=resp.status, request_id=ex.record.request_id)
-        ex.record.status = resp.status
+
+    async def serve(ex: Exchange) -> web.StreamResponse:
+        resp = await _serve(state, request, ex)
         ex.record.outcome = Outcome.OK if resp.status < 400 else f"backend_{resp.status}"
         return resp
-    except GatewayError as err:
-        ex.record.status = err.status
-        ex.record.outcome = err.code
-        ex.rejection = err.rejection_reason
-        if isinstance(err, RateLimited):
-            ex.limit_hit = err.param
-        raise
-    except (asyncio.CancelledError, ConnectionResetError):
-        ex.record.status = CLIENT_GONE
-        ex.record.outcome = Outcome.CLIENT_DISCONNECT
-        raise
-    finally:
-        state.settle.close(ex)
+
+    return await run_exchange(state, request, serve)
 
 
 async def _serve(state: GatewayState, request: web.Request, ex: Exchange) -> web.Response:
@@ -128,7 +104,10 @@ async def _relay(
     tried: set[str] = set()
     last: UpstreamError | None = None
     for _ in range(MAX_ATTEMPTS):
-        backend = _pick(state, model.name, tried)
+        state.passthrough_turn += 1
+        backend = least_in_flight(
+            state.fleet.for_model(model.name), state.clock(), tried, state.passthrough_turn
+        )
         if backend is None:
             break
         if ex.failures:  # the last failure is retried here, on another backend
@@ -149,6 +128,7 @@ async def _relay(
                 head_timeout=timeouts.total_s,
             )
             async with resp:
+                request_served(backend, state.clock())
                 data = await resp.read(MAX_RESPONSE_BYTES)
                 headers = resp.relay_headers()
             headers.update({"x-request-id": request[REQUEST_ID], "x-gateway-backend": backend.name})
@@ -157,7 +137,7 @@ async def _relay(
                 headers["Content-Type"] = "application/json"
             return web.Response(status=resp.status, body=data, headers=headers), data
         except UpstreamError as err:
-            ex.failures.append(Failure(backend.name, err.code, retried=False))
+            note_failure(state, ex, backend.name, err, retried=False)
             if not err.retryable:
                 raise
             last = err
@@ -194,18 +174,6 @@ def _model(state: GatewayState, body: dict[str, Any]) -> ModelConfig:
             f"The model `{name}` does not exist or you do not have access to it.", param="model"
         )
     return model
-
-
-def _pick(state: GatewayState, model: str, tried: set[str]) -> Backend | None:
-    """Fewest requests in flight; ties taken in turn."""
-    now = state.clock()
-    pool = [b for b in state.fleet.for_model(model) if b.accepting(now) and b.name not in tried]
-    if not pool:
-        return None
-    least = min(b.in_flight for b in pool)
-    ties = [b for b in pool if b.in_flight == least]
-    state.passthrough_turn += 1
-    return ties[state.passthrough_turn % len(ties)]
 
 
 def _headers(state: GatewayState, request: web.Request) -> dict[str, str]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 
 from aiohttp import web
@@ -62,6 +63,32 @@ def error_response(err: GatewayError, request_id: str) -> web.Response:
 async def handle_completion(
     request: web.Request, state: GatewayState, kind: Kind
 ) -> web.StreamResponse:
+    """A chat, completion or Responses request: planned, admitted with a KV
+    reservation, relayed and settled."""
+
+    async def serve(ex: Exchange) -> web.StreamResponse:
+        try:
+            return await _serve(state, ex, kind)
+        except ContextLengthExceeded as err:
+            if kind == "completion":
+                err.param = "prompt"
+            raise
+
+    client = client_key(request.headers.get("Authorization", ""))
+    return await run_exchange(state, request, serve, client=client)
+
+
+async def run_exchange(
+    state: GatewayState,
+    request: web.Request,
+    serve: Callable[[Exchange], Awaitable[web.StreamResponse]],
+    *,
+    client: str = "*",
+) -> web.StreamResponse:
+    """One request's life, whatever it is for: its :class:`Exchange`, its trace span, its
+    place among the requests shutdown waits for; a gateway error answered as OpenAI's
+    JSON with the tenant's limit headers; a client gone recorded as 499; and, however it
+    ends, its charge settled, its metrics and its access line (:class:`Settle`)."""
     rid = request[REQUEST_ID]
     ex = Exchange(
         request=request,
@@ -72,22 +99,20 @@ async def handle_completion(
             tenant=request.get(TENANT, state.config.auth.default_tenant.name),
         ),
         started=state.clock(),
-        client=client_key(request.headers.get("Authorization", "")),
+        client=client,
     )
     task = asyncio.current_task()
     if task is not None:
         state.active[task] = ex
     try:
         with state.tracing.request("gateway.request", request.headers) as span:
-            resp = await _serve(state, ex, kind)
+            resp = await serve(ex)
             set_attributes(span, status=resp.status, request_id=rid)
         ex.record.status = resp.status
         if state.draining and not resp.prepared:
             resp.force_close()  # the gateway is leaving: the client reconnects elsewhere
         return resp
     except GatewayError as err:
-        if isinstance(err, ContextLengthExceeded) and kind == "completion":
-            err.param = "prompt"
         ex.record.status = err.status
         ex.record.outcome = err.code
         ex.rejection = err.rejection_reason
@@ -238,7 +263,7 @@ async def _attempt(
         )
     except UpstreamError as err:
         retry = err.retryable and ex.record.attempts < MAX_ATTEMPTS
-        _note_failure(state, ex, backend.name, err, retry)
+        note_failure(state, ex, backend.name, err, retry)
         if not retry:
             raise
         return err
@@ -308,7 +333,7 @@ async def _admit(
         raise last_error from None
 
 
-def _note_failure(
+def note_failure(
     state: GatewayState, ex: Exchange, backend_name: str, err: UpstreamError, retried: bool
 ) -> None:
     cause = "timeout" if isinstance(err, UpstreamTimeout) else err.code

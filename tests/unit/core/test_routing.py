@@ -9,6 +9,7 @@ from kvgateway.core.routing import (
     TooLong,
     Wait,
     kv_aware_scan,
+    least_in_flight,
     route,
 )
 from kvgateway.core.routing_index import ModelIndex
@@ -220,3 +221,15 @@ def test_index_stays_sorted_through_reservations():
             held.append((b, t))
         order = [x.free_tokens for x in idx.tiers[0]._sorted]
         assert order == sorted(order, reverse=True)
+
+
+def test_a_request_that_reserves_nothing_goes_to_the_least_busy_node_in_turn() -> None:
+    """Embeddings, rerank, tokenize: the fewest requests in flight among nodes that
+    accept work and were not tried; ties in turn, so no node takes them all."""
+    a, b, c = backend("a"), backend("b"), backend("c", healthy=False)
+    a.in_flight, b.in_flight = 3, 1
+    assert least_in_flight([a, b, c], 0.0, set(), 0) is b
+    assert least_in_flight([a, b, c], 0.0, {"b"}, 0) is a  # tried already: the next
+    b.in_flight = 3
+    assert {least_in_flight([a, b], 0.0, set(), turn).name for turn in range(4)} == {"a", "b"}
+    assert least_in_flight([c], 0.0, set(), 0) is None
