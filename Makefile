@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PORT ?= 8080
 
-.PHONY: demo test check lint typecheck bench install simulate clean test-tools
+.PHONY: demo test check lint typecheck bench install simulate clean test-tools coverage
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -42,6 +42,12 @@ check: $(STAMP)
 	$(BIN)/ruff check kvgateway tests bench
 	$(BIN)/lint-imports
 	$(BIN)/pytest -n 2 -q -m "not slow and not real_vllm"
+
+# Line coverage of kvgateway over the main tier (in-process code; gateways and nodes a
+# test starts as processes are not traced). Prints the total and writes coverage.json.
+coverage: $(STAMP)
+	$(BIN)/pytest -n 3 -q -m "not real_vllm and not timing" --cov=kvgateway \
+		--cov-report=term:skip-covered --cov-report=json:coverage.json
 
 lint: $(STAMP)
 	$(BIN)/ruff check kvgateway tests bench

@@ -14,6 +14,7 @@ from typing import Any
 import aiohttp
 import pytest
 import yaml
+from aiohttp.http_exceptions import HttpProcessingError
 
 from kvgateway.simulator.fleet import start_fleet
 from kvgateway.simulator.fleetconfig import (
@@ -267,7 +268,10 @@ async def test_cli_serves_the_demo_config_until_sigint() -> None:
                         async with session.get(url + "/health") as r:
                             if r.status == 200:
                                 healthy.add(spec.name)
-                    except aiohttp.ClientConnectionError:
+                    except (aiohttp.ClientConnectionError, HttpProcessingError):
+                        # Not listening yet. A connect to a free port of the ephemeral
+                        # range can meet itself (TCP simultaneous open): the request
+                        # then comes back as the answer, which does not parse.
                         pass
                 await asyncio.sleep(0.1)
             async with session.get(f"http://127.0.0.1:{9301 + offset}/v1/models") as r:
