@@ -43,17 +43,12 @@ class Flight:
     origin: int = 0
     # False: it runs unseen (not streamed), so it holds its whole bound until it ends.
     seen: bool = True
-    # Tokens per sequence the node's clock says it has generated at least (every running
-    # sequence decodes one a step): above ``generated`` while its own report lags another
-    # flight's. Read for what it holds, never for when it ends.
-    clocked: int = 0
 
     def tokens_at(self, t: int) -> int:
         """Tokens per sequence at step ``t`` from now, if it is still running."""
         if not self.seen:
             return self.prompt + self.bound + self.ahead
-        grown = max(self.generated, self.clocked) + max(0, t - self.delay)
-        return self.prompt + min(self.bound, grown) + self.ahead
+        return self.prompt + min(self.bound, self.generated + max(0, t - self.delay)) + self.ahead
 
     @property
     def end(self) -> int | None:

@@ -13,9 +13,7 @@ What the projection assumes, and why each assumption is safe:
   from its admission to its whole bound and stay there. A flight whose progress is never
   reported (a non-streamed answer runs unseen) holds its whole bound from its admission.
 - A reported count may lag the node by a step or two: a flight is taken to hold
-  :data:`AHEAD` tokens more than reported, or than the node's clock (the furthest any
-  flight's report puts it) says it has generated, and to end no earlier than its own
-  report and bound say.
+  :data:`AHEAD` tokens more than reported, and to end no earlier than its bound says.
 - Blocks are counted as vLLM allocates them: ``ceil(tokens / block)`` per sequence.
 - Prompt blocks shared with another flight on the node (vLLM's prefix cache) count once
   while any holder lives (:class:`SharedKeys`), plus each copy a flight paid for; vLLM
@@ -161,12 +159,7 @@ class NodeProjection:
             f.origin = self._clock - f.generated
             self._started += 1
             self._mark_ready(f.keys[f.scheduled :])
-        if f.origin + f.generated > self._clock:
-            # The node took a step: every other sequence it runs grew with this one.
-            self._clock = clock = f.origin + f.generated
-            for other in self._flights.values():
-                if other.started:
-                    other.clocked = min(other.bound, clock - other.origin)
+        self._clock = max(self._clock, f.origin + f.generated)
         self._changed()
         return first
 

@@ -57,13 +57,12 @@ class GatewayState:
         self.fleet = fleet
         self.metrics = metrics
         self.counters = counters
-        self.session = session
-        # The request path's own keep-alive connections to nodes (probes use ``session``).
+        # The request path's own keep-alive connections to nodes (probes and the node
+        # counter use ``session``).
         self.nodes = nodes if nodes is not None else NodePool()
         self.clock = clock
         # The shared ledger (None: reservations are this process's alone).
         self.ledger = ledger
-        self.started_at = clock()
         self.started_at_wall = time.time()
         # Shutdown phases: `draining` makes /ready fail while requests are still
         # served (load balancers stop sending); `shutting_down` refuses new requests.
