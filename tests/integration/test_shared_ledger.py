@@ -15,6 +15,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from tests.support.eventually import eventually
 from tests.support.ledger_fleet import (
     GatewayProc,
     Sampler,
@@ -229,16 +230,15 @@ async def test_a_worker_killed_mid_stream_is_restarted_without_double_counting(
         # Restarted under the same identity, whose lease it renews at once: had it added to
         # the dead worker's holdings instead of replacing them, they would never expire.
         ids: set[str] = set()
-        # Bounded by time, not tries: a restart on a loaded 2-core machine takes seconds.
-        deadline = asyncio.get_running_loop().time() + 30
-        while asyncio.get_running_loop().time() < deadline:
+
+        async def both_seen_and_nothing_held() -> bool:
             # Connections the kernel steered to the dying worker fail: clients retry.
             with contextlib.suppress(aiohttp.ClientError):
-                ids |= {(await get_json(g.url + "/ready"))["ledger"]["replica_id"]}
-            if len(ids) == 2 and await ledger_sum(redis_server.url) == 0:
-                break
-            await asyncio.sleep(0.1)
-        assert len(ids) == 2 and await ledger_sum(redis_server.url) == 0
+                ids.add((await get_json(g.url + "/ready"))["ledger"]["replica_id"])
+            return len(ids) == 2 and await ledger_sum(redis_server.url) == 0
+
+        # Bounded by time, not tries: a restart on a loaded 2-core machine takes seconds.
+        await eventually(both_seen_and_nothing_held, timeout=30, interval=0.1)
         statuses = await asyncio.gather(*(chat(s, g.url, PROMPT_WORDS, 1500) for _ in range(8)))
     assert statuses == [200] * 8
     assert (await _node_state(node))["preemptions"] == 0

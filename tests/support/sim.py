@@ -16,6 +16,7 @@ from kvgateway.simulator.node import NODE_KEY, SimNode
 from kvgateway.simulator.profiles import TINY
 from kvgateway.simulator.server import create_node_app
 from kvgateway.tokens.encoding import EncodingCache
+from tests.support.eventually import eventually
 
 # Tests run the tiny profile fast: 10 ms simulated steps take 0.1-0.2 ms of wall time.
 FAST = 60.0
@@ -63,16 +64,13 @@ class SimClient:
 
     async def wait_idle(self, timeout: float = 5.0) -> dict[str, Any]:
         """Poll /sim/state until nothing runs or waits; returns that state."""
-        import asyncio
 
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        while True:
+        async def idle() -> dict[str, Any]:
             state = await self.state()
-            if state["running"] == 0 and state["waiting"] == 0:
-                return state
-            assert loop.time() < deadline, f"node not idle: {state}"
-            await asyncio.sleep(0.02)
+            assert state["running"] == 0 and state["waiting"] == 0, f"node not idle: {state}"
+            return state
+
+        return await eventually(idle, timeout=timeout, interval=0.02)
 
 
 @pytest.fixture(scope="session")

@@ -46,6 +46,7 @@ from kvgateway.upstream.kv_events import (
     KVEventSubscriber,
     kv_event_sources,
 )
+from tests.support.eventually import eventually
 from tests.support.live import free_ports
 from tests.support.sim import SimClient, SimFactory, chat
 
@@ -246,14 +247,6 @@ def node_cached_prefix(core: EngineCore, ids: list[int]) -> int:
     return n
 
 
-async def _until(predicate: Any, timeout: float = 5.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not predicate():
-        assert loop.time() < deadline, "condition not reached"
-        await asyncio.sleep(0.02)
-
-
 async def _events_node(sim: SimFactory) -> SimClient:
     return await sim(
         num_gpu_blocks=40,
@@ -290,7 +283,7 @@ async def test_subscriber_state_matches_the_nodes_own_cache(
             assert status == 200
         await node.wait_idle()
         core = node.node.driver.core
-        await _until(
+        await eventually(
             lambda: index.precise_engine_hashes("sim") == core.kv.pool.cached_external_hashes()
         )
         assert publisher.next_seq > 0
@@ -347,7 +340,7 @@ async def test_a_disconnect_resyncs(sim: SimFactory, zctx: zmq.asyncio.Context) 
     try:
         await asyncio.wait_for(sub.connected.wait(), 5.0)
         await publisher.close()
-        await _until(lambda: sub.statistics().resyncs >= 1)
+        await eventually(lambda: sub.statistics().resyncs >= 1)
         assert not sub.connected.is_set()
     finally:
         await sub.close()
@@ -543,21 +536,21 @@ async def test_a_malformed_event_resyncs_and_the_subscriber_lives_on(
     try:
         await pub.subscribed()
         await pub.send(_stored(1, None, a))
-        await _until(lambda: index.precise_keys("n") == set(block_keys(a, 4)))
+        await eventually(lambda: index.precise_keys("n") == set(block_keys(a, 4)))
         await pub.send(_stored(2, 1, b, **bad))  # malformed: the view can no longer be trusted
-        await _until(lambda: sub.statistics().last_seq == 1)
+        await eventually(lambda: sub.statistics().last_seq == 1)
         assert index.precise_keys("n") == frozenset()
         await pub.send(_stored(3, None, b))
         await pub.send(_stored(4, 3, c))
         await pub.send({"type": "BlockRemoved", "block_hashes": [99], "medium": "GPU"})
-        await _until(lambda: sub.statistics().last_seq == 4)
+        await eventually(lambda: sub.statistics().last_seq == 4)
         assert index.precise_keys("n") == set(block_keys(b + c, 4))
         stats = sub.statistics()
         assert (stats.batches, stats.decode_errors, stats.resyncs) == (4, 1, 1)
         assert index.statistics("n", now=0.0).resyncs == 1
         assert "resync (undecodable batch 1: malformed BlockStored" in caplog.text
         await pub.send({"type": "AllBlocksCleared"})
-        await _until(lambda: index.precise_keys("n") == frozenset())
+        await eventually(lambda: index.precise_keys("n") == frozenset())
     finally:
         await sub.close()  # must not raise
 
@@ -611,7 +604,7 @@ async def test_a_batch_that_fails_to_apply_resyncs_and_the_subscriber_lives_on(
         await pub.send(_stored(1, None, a))
         await pub.send(_stored(666, 1, b))  # half-applied, then fails
         await pub.send(_stored(2, None, b))
-        await _until(lambda: sub.statistics().last_seq == 2)
+        await eventually(lambda: sub.statistics().last_seq == 2)
         assert index.precise_keys("n") == set(block_keys(b, 4))
         stats = sub.statistics()
         assert (stats.apply_errors, stats.decode_errors, stats.resyncs) == (1, 0, 1)
@@ -631,7 +624,7 @@ async def test_close_does_not_raise_a_failed_tasks_exception(
         await pub.subscribed()
         await asyncio.wait_for(sub.connected.wait(), 5.0)
         pub.sock.close(linger=0)  # the disconnect's resync fails: the monitor task dies
-        await _until(lambda: not sub.connected.is_set())
+        await eventually(lambda: not sub.connected.is_set())
         await asyncio.sleep(0)
     finally:
         await sub.close()
@@ -653,7 +646,7 @@ async def test_hub_closes_every_subscriber_even_after_one_failed(
         assert bad_sub is not None
         await asyncio.wait_for(bad_sub.connected.wait(), 5.0)
         bad.sock.close(linger=0)
-        await _until(lambda: not bad_sub.connected.is_set())
+        await eventually(lambda: not bad_sub.connected.is_set())
         await asyncio.sleep(0)
     finally:
         await hub.close()  # must not raise, and must close "good" too
@@ -681,7 +674,7 @@ async def test_a_publisher_on_an_ipv6_address_is_subscribed_to(zctx: zmq.asyncio
     try:
         await pub.subscribed()
         await pub.send(_stored(1, None, a))
-        await _until(lambda: index.precise_keys("n") == set(block_keys(a, 4)))
+        await eventually(lambda: index.precise_keys("n") == set(block_keys(a, 4)))
     finally:
         await sub.close()
         pub.sock.close(linger=0)
@@ -720,7 +713,7 @@ async def test_a_subscriber_starting_beside_a_serving_node_learns_its_cache_by_r
     sub = KVEventSubscriber(source, index, zctx)
     sub.start()
     try:
-        await _until(
+        await eventually(
             lambda: index.precise_engine_hashes("sim") == core.kv.pool.cached_external_hashes()
         )
         stats = sub.statistics()  # what it knows came by replay, from batch 0 on
@@ -729,7 +722,7 @@ async def test_a_subscriber_starting_beside_a_serving_node_learns_its_cache_by_r
         status, _ = await node.post("/v1/chat/completions", chat("held after " * 30))
         assert status == 200
         await node.wait_idle()
-        await _until(
+        await eventually(
             lambda: index.precise_engine_hashes("sim") == core.kv.pool.cached_external_hashes()
         )
         assert sub.statistics().gaps == 0
@@ -755,7 +748,7 @@ async def test_a_bound_subscriber_hears_a_publisher_that_connects(
         await asyncio.wait_for(sub.connected.wait(), 5.0)
         a = [3] * 4
         await pub.send_multipart([b"kv", (0).to_bytes(8, "big"), _payload(_stored(1, None, a))])
-        await _until(lambda: index.precise_keys("n") == set(block_keys(a, 4)))
+        await eventually(lambda: index.precise_keys("n") == set(block_keys(a, 4)))
     finally:
         pub.close(linger=0)
         await sub.close()
