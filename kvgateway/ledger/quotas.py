@@ -26,7 +26,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 
 from redis.asyncio import Redis
-from redis.exceptions import RedisError
+from redis.exceptions import NoScriptError
 
 from kvgateway.config.model import TenantLimits
 from kvgateway.core.quota import (
@@ -147,9 +147,9 @@ class SharedQuotas:
             sha = self._shas[name] = await self._client.script_load(src)
         try:
             got = await self._client.evalsha(sha, len(keys), *keys, *args)
-        except RedisError as exc:
-            if "NOSCRIPT" not in str(exc):
-                raise
+        except NoScriptError:
+            # Redis lost its scripts (a restart between two calls, SCRIPT FLUSH): redis-py
+            # raises this for the NOSCRIPT reply.
             self._shas[name] = await self._client.script_load(src)
             got = await self._client.evalsha(self._shas[name], len(keys), *keys, *args)
         return [int(x) for x in got] if isinstance(got, list) else [int(got)]

@@ -1,0 +1,69 @@
+"""What a replica takes the others to hold while Redis does not answer it: all of each
+tenant's cap but its own share (1 / live replicas), or, while its lease may still be
+live, what Redis records for it when that is less; the same for the fleet's budget and
+slots under class floors. Pure: no Redis."""
+
+from __future__ import annotations
+
+from kvgateway.core.tenancy import Elsewhere
+from kvgateway.ledger.fallback import TenantRecord, tenant_fallback
+
+
+def _record(
+    tenants: dict[str, tuple[int, int]] | None = None,
+    classes: tuple[int, int] = (0, 0),
+    *,
+    leased: bool,
+) -> TenantRecord:
+    return TenantRecord(tenants or {}, classes, leased)
+
+
+def test_with_the_lease_gone_each_replica_keeps_its_share_alone() -> None:
+    away = Elsewhere()
+    caps = {"acme": (9_000, 30)}
+    tenant_fallback(away, caps, None, _record({"acme": (100, 1)}, leased=False), live=3)
+    # The others hold all but this replica's third, whatever Redis recorded for it.
+    assert (away.tokens["acme"], away.requests["acme"]) == (6_000, 20)
+
+
+def test_while_the_lease_may_be_live_the_others_count_it_at_its_record() -> None:
+    """The other replicas, reaching Redis, count this one at what Redis records for it:
+    it may take no more than that (if less than its share) until its lease runs out."""
+    away = Elsewhere()
+    caps = {"acme": (9_000, 30), "beta": (3_000, 6)}
+    mine = _record({"acme": (1_000, 2), "beta": (5_000, 9)}, leased=True)
+    tenant_fallback(away, caps, None, mine, live=3)
+    assert (away.tokens["acme"], away.requests["acme"]) == (8_000, 28)  # its record
+    assert (away.tokens["beta"], away.requests["beta"]) == (2_000, 4)  # its share: less
+    # A tenant it holds nothing for: the others may hold the whole cap.
+    tenant_fallback(away, {"gamma": (600, 6)}, None, mine, live=2)
+    assert (away.tokens["gamma"], away.requests["gamma"]) == (600, 6)
+
+
+def test_the_tenants_whose_view_fell_are_named_for_their_waiters() -> None:
+    away = Elsewhere()
+    away.tokens["acme"], away.requests["acme"] = 9_000, 30  # last seen: all of it held
+    away.tokens["beta"], away.requests["beta"] = 0, 0
+    caps = {"acme": (9_000, 30), "beta": (3_000, 6)}
+    fell = tenant_fallback(away, caps, None, _record(leased=False), live=2)
+    assert fell == ["acme"]  # beta's view rose from nothing: its waiters have no more room
+
+
+def test_class_floors_count_the_fleet_but_this_replicas_share_in_no_known_class() -> None:
+    away = Elsewhere()
+    away.class_tokens["interactive"] = 50_000
+    away.class_seqs["interactive"] = 40
+    away.node_seqs["n1"] = away.class_seqs.copy()
+    caps = {"acme": (9_000, 30)}
+    fell = tenant_fallback(away, caps, (120_000, 64), _record(leased=False), live=4)
+    assert not away.class_tokens and not away.class_seqs and not away.node_seqs
+    assert (away.unclassed_tokens, away.unclassed_seqs) == (90_000, 48)
+    assert fell == []  # 90,000 and 48 are more than the 50,000 and 40 last seen
+    # Leased with little recorded: the others hold all but that little.
+    leased = _record(classes=(2_000, 1), leased=True)
+    fell = tenant_fallback(away, caps, (120_000, 64), leased, live=4)
+    assert (away.unclassed_tokens, away.unclassed_seqs) == (118_000, 63)
+    # A replica alone (live counted at least 1) leaves the others nothing of its share.
+    fell = tenant_fallback(away, caps, (120_000, 64), _record(leased=False), live=0)
+    assert (away.unclassed_tokens, away.unclassed_seqs) == (0, 0)
+    assert fell == ["acme"]  # the fleet's view fell: every tenant's waiters ask again
