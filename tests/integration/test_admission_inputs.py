@@ -5,12 +5,13 @@ vLLM nodes on loopback."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import aiohttp
 
-from tests.support.fleet import MODEL, SERVED, StartFleet
+from tests.support.fleet import MODEL, SERVED, NodeSpec, StartFleet
 
-SMALL = [("small-1", "small", "gpu24-8b", {})]
+SMALL: list[NodeSpec] = [("small-1", "small", "gpu24-8b", {})]
 
 
 def words(n_tokens: int) -> str:
@@ -18,7 +19,9 @@ def words(n_tokens: int) -> str:
     return "hello" + " hello" * (n_tokens - 1)
 
 
-async def _post(s: aiohttp.ClientSession, url: str, body: dict) -> tuple[int, dict, dict]:
+async def _post(
+    s: aiohttp.ClientSession, url: str, body: dict[str, Any]
+) -> tuple[int, dict[str, str], dict[str, Any]]:
     async with s.post(url, json=body) as r:
         return r.status, dict(r.headers), await r.json()
 
@@ -162,7 +165,12 @@ async def test_a_hybrid_node_is_budgeted_by_its_kv_groups_and_never_preempted(
     node = fleet.backend("oss-1")
     assert node.limits.kv_cache_tokens.source == "discovered"
     assert node.kv_cache_tokens == (21_110 - 1) // 2 * 16
-    body = {"model": MODEL, "prompt": words(12_000), "max_tokens": 1_000, "ignore_eos": True}
+    body: dict[str, Any] = {
+        "model": MODEL,
+        "prompt": words(12_000),
+        "max_tokens": 1_000,
+        "ignore_eos": True,
+    }
     async with aiohttp.ClientSession() as s:
         got = await asyncio.gather(
             *(

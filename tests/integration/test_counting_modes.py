@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+from typing import Any
 
 import aiohttp
 import pytest
@@ -250,7 +251,7 @@ async def test_mixed_workload_against_a_real_vocabulary(
     white-space layout, tools, images, long prompts and prompts within 5% of a node's
     context, through the gateway to nodes counting with a real vocabulary."""
     directory = str(vocab_dirs(vocabulary))
-    gateway = {"models": [{"name": MODEL, "served_name": SERVED}]}
+    gateway: dict[str, Any] = {"models": [{"name": MODEL, "served_name": SERVED}]}
     if mode == "exact":
         gateway["models"][0]["tokenizer"] = {"path": directory}
     fleet = await start_fleet(
@@ -300,7 +301,7 @@ async def test_the_nodes_default_template_kwargs_are_counted_when_configured(
         time_scale=200,
         gateway={"models": [{"name": MODEL, "served_name": SERVED, "tokenizer": tok}]},
     )
-    asks = [
+    asks: list[dict[str, Any]] = [
         {},
         {"reasoning_effort": "high"},  # the request's own field wins over the default
         {"chat_template_kwargs": {"enable_thinking": True}},

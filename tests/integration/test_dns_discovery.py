@@ -8,6 +8,7 @@ import subprocess
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -30,7 +31,7 @@ def dns(tmp_path: Path) -> Iterator[Dnsmasq]:
         yield server
 
 
-def config(dns: Dnsmasq, interval: float = 0.05) -> dict:
+def config(dns: Dnsmasq, interval: float = 0.05) -> dict[str, Any]:
     return {
         "models": [{"name": "m"}],
         "discovery": {"nameservers": [dns.nameserver], "timeout_s": 0.5},
@@ -143,7 +144,7 @@ def test_check_lists_the_groups_current_members(dns: Dnsmasq, tmp_path: Path) ->
     assert res.returncode == 1 and "m" in doc["unroutable_models"]
 
 
-def fleet_config(dns: Dnsmasq, max_num_seqs: int = 4) -> dict:
+def fleet_config(dns: Dnsmasq, max_num_seqs: int = 4) -> dict[str, Any]:
     cfg = config(dns)
     group = cfg["tiers"][0]["backends"][0]
     group["max_num_seqs"] = max_num_seqs
@@ -321,7 +322,9 @@ async def test_members_appear_and_leave_a_running_gateway_under_load(
     assert statuses and set(statuses) == {200}, {s: statuses.count(s) for s in set(statuses)}
 
 
-def gateway_config(dns: Dnsmasq, port: int = 8000, kv: int = 100_000, **group: object) -> dict:
+def gateway_config(
+    dns: Dnsmasq, port: int = 8000, kv: int = 100_000, **group: object
+) -> dict[str, Any]:
     """A DNS group whose limits are configured (no node needs to answer for them)."""
     cfg = config(dns, interval=0.05)
     cfg["tiers"][0]["backends"][0].update(

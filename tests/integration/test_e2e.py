@@ -6,6 +6,7 @@ import asyncio
 import io
 import json
 import random
+from typing import Any, cast
 
 import aiohttp
 import openai
@@ -93,7 +94,7 @@ async def test_too_long_prompt_gets_400_and_no_backend_sees_it(start_fleet: Star
         await oai.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": words(140000)}], max_tokens=100
         )
-    body = err.value.body
+    body = cast("dict[str, Any]", err.value.body)
     assert err.value.code == "context_length_exceeded"
     assert "131072" in body["message"] and "100 in the completion" in body["message"]
     for node in fleet.nodes.values():

@@ -13,6 +13,7 @@ import socket
 import time
 import urllib.request
 from collections.abc import Iterator
+from typing import Any
 
 import aiohttp
 import httpx
@@ -73,8 +74,8 @@ def get(g: LiveGateway, path: str, key: str | None) -> tuple[int, bytes]:
         return exc.code, exc.read()
 
 
-def openai_error(body: bytes) -> dict:
-    err = json.loads(body)["error"]
+def openai_error(body: bytes) -> dict[str, Any]:
+    err: dict[str, Any] = json.loads(body)["error"]
     assert set(err) >= {"message", "type", "param", "code"}
     return err
 
@@ -272,7 +273,7 @@ async def test_fuzz_no_5xx_openai_errors_no_leaks(gw: LiveGateway):
     values = [None, True, -1, 0, 1, 2**40, 1.5, "", "x" * 300, [], {}, [1, "a"], {"a": None}]
     statuses: dict[int, int] = {}
 
-    def mutate(base: dict) -> bytes:
+    def mutate(base: dict[str, Any]) -> bytes:
         body = json.loads(json.dumps(base))
         for _ in range(rnd.randint(1, 3)):
             op = rnd.random()

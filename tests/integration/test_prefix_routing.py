@@ -11,9 +11,9 @@ from typing import Any
 import aiohttp
 
 from kvgateway.core.prefix_keys import block_keys
-from tests.support.fleet import ENCODINGS, MODEL, SERVED, StartFleet
+from tests.support.fleet import ENCODINGS, MODEL, SERVED, NodeSpec, StartFleet
 
-NODES = [
+NODES: list[NodeSpec] = [
     ("small-1", "small", "gpu24-8b", {}),
     ("small-2", "small", "gpu24-8b", {}),
     ("small-3", "small", "gpu24-8b", {}),
@@ -55,6 +55,7 @@ async def test_follow_up_turns_go_to_the_node_holding_their_history(start_fleet:
     # Concurrent first turns still spread over the nodes by free budget.
     assert len({turns[0] for turns in homes}) >= 2, homes
     assert fleet.leaks() == {}
+    assert fleet.state.prefix is not None
     stats = fleet.state.prefix.index.statistics(homes[0][0], fleet.state.clock())
     assert stats.approximate_blocks > 0 and not stats.precise
 
@@ -88,6 +89,7 @@ async def test_precise_mode_follows_the_nodes_kv_events(start_fleet: StartFleet)
         for name, tier, profile, _ in NODES
     ]
     fleet = await start_fleet(nodes, gateway={"routing": {"prefix_aware": True}})
+    assert fleet.state.prefix is not None
     index = fleet.state.prefix.index
     encoder = ENCODINGS.get(fleet.state.config.models[0].tokenizer.encoding)
     docs = [f"Document {i}: " + f"shipment {i} left the depot at dawn. " * 120 for i in range(3)]
@@ -130,6 +132,7 @@ async def test_a_prefix_the_gateway_never_routed_draws_its_follow_ups(start_flee
         for name, tier, profile, _ in NODES
     ]
     fleet = await start_fleet(nodes, gateway={"routing": {"prefix_aware": True}})
+    assert fleet.state.prefix is not None
     index = fleet.state.prefix.index
     encoder = ENCODINGS.get(fleet.state.config.models[0].tokenizer.encoding)
     homes = list(fleet.nodes)
@@ -169,6 +172,7 @@ async def test_chat_follow_ups_stay_home_with_kv_events_whose_ids_cannot_match(
     for turns in homes:
         assert len(set(turns)) == 1, homes
     now = fleet.state.clock()
+    assert fleet.state.prefix is not None
     assert all(fleet.state.prefix.index.is_precise(n, now) for n in fleet.nodes)
     # Its stand-in keys guide routing only: no block is credited on them (the template
     # puts tools, roles and images where the stand-in layout does not).
@@ -239,6 +243,7 @@ async def test_chat_keys_match_the_nodes_events_with_the_models_tokenizer(
     for turns in homes:
         assert len(set(turns)) == 1, homes
     # The gateway's keys of a chat are the node's own: its events match them exactly.
+    assert fleet.state.prefix is not None
     index = fleet.state.prefix.index
     model = fleet.state.config.models[0]
     body = {"messages": [{"role": "system", "content": SYSTEM.format(i=0)}]}

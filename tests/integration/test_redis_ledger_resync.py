@@ -102,8 +102,8 @@ async def test_a_backend_removed_while_in_fallback_is_synced_back_to_nothing(
             async with asyncio.timeout(3):
                 while a.ledger.in_shared_mode():
                     await asyncio.sleep(0.02)
-            for r in held:
-                a.admission.release(r)
+            for reservation in held:
+                a.admission.release(reservation)
             async with asyncio.timeout(6):
                 while not a.ledger.in_shared_mode():
                     await asyncio.sleep(0.05)
@@ -169,7 +169,7 @@ async def test_a_refused_payers_prefix_copy_left_to_a_follower_is_recorded(
             await b.admission.admit(demand(1200), 1.0)  # B fills the room: R is refused
             return await reserve(*args, **kw)  # type: ignore[arg-type]
 
-        a.ledger._calls.reserve = slow_reserve  # type: ignore[method-assign]
+        a.ledger._calls.reserve = slow_reserve  # type: ignore[method-assign, assignment]
         with pytest.raises(Saturated):
             await a.admission.admit(shared, 0.3)  # R, refused by Redis
         f = box["f"]

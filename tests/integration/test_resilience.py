@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+from typing import Any
 
 import aiohttp
 import pytest
@@ -12,10 +13,12 @@ import yaml
 
 from kvgateway.server.app import KV_EVENTS, STATE
 from kvgateway.server.reload import reload_config
-from tests.support.fleet import MODEL, StartFleet
+from tests.support.fleet import MODEL, NodeSpec, StartFleet
 
 
-def chat(tokens_text: str = "hello there", max_tokens: int = 32, stream: bool = False) -> dict:
+def chat(
+    tokens_text: str = "hello there", max_tokens: int = 32, stream: bool = False
+) -> dict[str, Any]:
     return {
         "model": MODEL,
         "messages": [{"role": "user", "content": tokens_text}],
@@ -24,8 +27,8 @@ def chat(tokens_text: str = "hello there", max_tokens: int = 32, stream: bool = 
     }
 
 
-async def read_sse(resp: aiohttp.ClientResponse) -> list[dict | str]:
-    events: list[dict | str] = []
+async def read_sse(resp: aiohttp.ClientResponse) -> list[Any]:
+    events: list[Any] = []
     async for line in resp.content:
         if line.startswith(b"data: "):
             payload = line[6:].strip()
@@ -33,7 +36,10 @@ async def read_sse(resp: aiohttp.ClientResponse) -> list[dict | str]:
     return events
 
 
-TWO_SMALL = [("small-1", "small", "gpu24-8b", {}), ("small-2", "small", "gpu24-8b", {})]
+TWO_SMALL: list[NodeSpec] = [
+    ("small-1", "small", "gpu24-8b", {}),
+    ("small-2", "small", "gpu24-8b", {}),
+]
 
 
 async def test_node_dying_mid_stream_ends_stream_cleanly(start_fleet: StartFleet):
@@ -190,7 +196,7 @@ async def test_node_filled_by_outside_client_gets_no_gateway_traffic(start_fleet
 
 def write_config(path, fleet, names, **extra) -> None:
     backends = {n: {"name": n, "url": fleet.nodes[n].url, "model": MODEL} for n in names}
-    tiers: dict[str, list] = {}
+    tiers: dict[str, list[dict[str, str]]] = {}
     for n in names:
         tiers.setdefault(fleet.nodes[n].tier, []).append(backends[n])
     data = {
@@ -362,6 +368,7 @@ async def test_what_was_learned_of_a_removed_backend_goes_with_it(
     assert state.prefix is not None
 
     def routed(name: str) -> int:
+        assert state.prefix is not None
         return state.prefix.index.statistics(name, state.clock()).approximate_blocks
 
     gone = max(("small-1", "small-2"), key=routed)  # the one that took the traffic

@@ -115,7 +115,8 @@ async def tenant_view(url: str) -> dict[str, Any]:
         headers = {"Authorization": "Bearer k-etl"}
         async with s.get(url + "/admin/backends", headers=headers) as r:
             assert r.status == 200
-            return {t["name"]: t for t in (await r.json())["tenants"]}["etl"]
+            view: dict[str, Any] = {t["name"]: t for t in (await r.json())["tenants"]}["etl"]
+            return view
 
 
 async def test_usage_read_apart_from_done_settles_the_stream(

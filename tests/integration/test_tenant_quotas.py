@@ -184,7 +184,7 @@ async def test_a_refused_request_is_refunded_in_its_own_rate_limit_headers(
     )
 
     async def post(max_tokens: int) -> tuple[int, dict[str, str]]:
-        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+        body: dict[str, Any] = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
         body["max_tokens"] = max_tokens
         async with aiohttp.ClientSession() as s:
             headers = {"Authorization": "Bearer k-app"}

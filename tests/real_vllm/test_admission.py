@@ -5,9 +5,12 @@ matches vLLM's own context rules."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
+from typing import Any, cast
 
 import pytest
 from openai import AsyncOpenAI
+from openai.types import CompletionUsage
 
 from kvgateway.tokens.node_count import parse_context_length_error
 from tests.support.eventually import eventually
@@ -86,7 +89,11 @@ async def test_a_long_prompt_goes_to_the_larger_node(
         for name in ("S", "L"):
             b = state_of(gw).fleet.get(name)
             assert b is not None
-            await eventually(lambda b=b: b.limits.known and b.healthy, timeout=15)
+            await eventually(
+                # mypy infers a lambda with defaults as one taking arguments.
+                cast("Callable[[], bool]", lambda b=b: b.limits.known and b.healthy),
+                timeout=15,
+            )
         short = await oai.chat.completions.with_raw_response.create(
             model="qwen", messages=[{"role": "user", "content": words(500)}], max_tokens=4
         )
@@ -95,7 +102,9 @@ async def test_a_long_prompt_goes_to_the_larger_node(
             model="qwen", messages=[{"role": "user", "content": words(6000)}], max_tokens=4
         )
         assert long.headers["x-gateway-backend"] == "L"
-        assert long.parse().usage.prompt_tokens == int(long.headers["x-gateway-prompt-tokens"])
+        assert cast(CompletionUsage, long.parse().usage).prompt_tokens == int(
+            long.headers["x-gateway-prompt-tokens"]
+        )
 
 
 def test_vllms_own_context_refusals_carry_the_count_the_gateway_reads(
@@ -138,7 +147,7 @@ async def test_the_max_tokens_clamp_is_the_nodes(
     node = qwen_fleet["S"]
     content = words(3000)
     prompt = node_count(node, content)
-    ask = {
+    ask: dict[str, Any] = {
         "model": "qwen",
         "messages": [{"role": "user", "content": content}],
         "max_tokens": 2000,
@@ -157,4 +166,4 @@ async def test_the_max_tokens_clamp_is_the_nodes(
             extra_body={"ignore_eos": True},
         )
         assert int(raw.headers["x-gateway-max-tokens"]) == cut
-        assert raw.parse().usage.completion_tokens == cut
+        assert cast(CompletionUsage, raw.parse().usage).completion_tokens == cut

@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestServer
 from openai import AsyncOpenAI
+from openai.types.chat import ChatCompletionMessageParam
 
 from kvgateway.config.load import parse_config
 from kvgateway.server.app import create_app
@@ -165,9 +166,10 @@ async def _counts(gw: TestServer, model: str) -> dict[str, tuple[int, int]]:
 
 async def _counted(oai: AsyncOpenAI, model: str) -> dict[str, tuple[int, int]]:
     out: dict[str, tuple[int, int]] = {}
-    chats = {**CHATS, "tools": TOOL_CHAT}
+    # Any: these hand-written chats are OpenAI's message and tool params.
+    chats: dict[str, Any] = {**CHATS, "tools": TOOL_CHAT}
     for name, messages in chats.items():
-        tools = TOOLS if name == "tools" else None
+        tools: Any = TOOLS if name == "tools" else None
         raw = await oai.chat.completions.with_raw_response.create(
             model=model,
             messages=messages,
@@ -324,8 +326,10 @@ async def test_chats_of_numbers_do_not_make_the_calibrated_standin_refuse_prose(
     node = vocab_nodes["mistral"]
     gw = await _gateway(aiohttp_server, _config([[node]], lambda n: {"upper_bound": False}))
     model = node.spec.served_name
-    digits = [{"role": "user", "content": "0123456789" * 300}]
-    prose = [[{"role": "user", "content": words(n)}] for n in (1_400, 2_200)]
+    digits: list[ChatCompletionMessageParam] = [{"role": "user", "content": "0123456789" * 300}]
+    prose: list[list[ChatCompletionMessageParam]] = [
+        [{"role": "user", "content": words(n)}] for n in (1_400, 2_200)
+    ]
     state = state_of(gw)
     async with _client(gw) as oai:
         await oai.chat.completions.create(model=model, messages=digits, max_tokens=1)
@@ -355,7 +359,7 @@ async def test_a_prompt_refused_as_at_least_n_is_readmitted_with_its_own_count(
     gw = await _gateway(
         aiohttp_server, _config([[small], [large]], lambda n: {"upper_bound": False})
     )
-    messages = [{"role": "user", "content": "0123456789" * 900}]
+    messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": "0123456789" * 900}]
     async with _client(gw) as oai:
         raw = await oai.chat.completions.with_raw_response.create(
             model="qwen", messages=messages, max_tokens=1

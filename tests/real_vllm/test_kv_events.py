@@ -12,8 +12,8 @@ import asyncio
 import logging
 import random
 import uuid
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from typing import Any, cast
 
 import aiohttp
 import pytest
@@ -23,6 +23,7 @@ from aiohttp.test_utils import TestServer
 from kvgateway.config.load import parse_config
 from kvgateway.core.prefix_index import PrefixIndex
 from kvgateway.core.prefix_keys import block_keys
+from kvgateway.core.prefix_routing import PrefixRouter
 from kvgateway.server.app import KV_EVENTS, create_app
 from kvgateway.upstream.kv_event_decode import EventCount
 from kvgateway.upstream.kv_events import KVEventSource, KVEventSubscriber
@@ -199,7 +200,7 @@ async def test_the_index_predicts_the_nodes_own_cache_hits(
     holds whole, and one it has never seen."""
     node = qwen_fleet["L"]
     gw = await real_gateway(one_tier(node))
-    index = state_of(gw).prefix.index
+    index = cast(PrefixRouter, state_of(gw).prefix).index
     first = [user(words(400))]
     ids = await node_ids(node, first)
     await post_node(node, chat(first))
@@ -254,7 +255,7 @@ async def test_a_follow_up_goes_to_the_node_holding_its_history(
         assert await ask(replica, messages) == "S"
     if gw is None:
         gw = await real_gateway(config)
-    index = state_of(gw).prefix.index
+    index = cast(PrefixRouter, state_of(gw).prefix).index
     ids = await node_ids(s_node, messages)
     await eventually(
         lambda: (
@@ -269,13 +270,21 @@ async def test_a_follow_up_goes_to_the_node_holding_its_history(
         # At least the history's full blocks came from S's cache (others may add more).
         history = (len(ids) // CPU_BLOCK) * CPU_BLOCK
         await eventually(
-            lambda h=hits, n=history: _rose(s_node, "vllm:prefix_cache_hits_total", h, n),
+            # mypy infers a lambda with defaults as one taking arguments.
+            cast(
+                "Callable[[], bool]",
+                lambda h=hits, n=history: _rose(s_node, "vllm:prefix_cache_hits_total", h, n),
+            ),
             timeout=10,
         )
         ids = await node_ids(s_node, messages)
         await eventually(
-            lambda i=ids: (
-                index.matched_blocks("S", block_keys(i, CPU_BLOCK), now=0.0) == len(i) // CPU_BLOCK
+            cast(
+                "Callable[[], bool]",
+                lambda i=ids: (
+                    index.matched_blocks("S", block_keys(i, CPU_BLOCK), now=0.0)
+                    == len(i) // CPU_BLOCK
+                ),
             ),
             timeout=10,
         )
@@ -349,7 +358,7 @@ async def test_a_node_that_connects_its_publisher_is_heard_only_by_a_binding_gat
     sub = gw.app[KV_EVENTS].subscriber("C")
     assert sub is not None
     await asyncio.wait_for(sub.connected.wait(), 10)  # the node's publisher connected
-    index = state_of(gw).prefix.index
+    index = cast(PrefixRouter, state_of(gw).prefix).index
 
     async def heard() -> bool:
         # A batch published before the node's socket took the subscription reaches the

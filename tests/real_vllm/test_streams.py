@@ -10,6 +10,7 @@ import logging
 import signal
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -34,7 +35,7 @@ def _ask(content: str, max_tokens: int, **extra: object) -> dict[str, object]:
     }
 
 
-async def _chunks(url: str, body: dict[str, object]) -> list[dict[str, object]]:
+async def _chunks(url: str, body: dict[str, object]) -> list[dict[str, Any]]:
     out = []
     async with aiohttp.ClientSession() as s, s.post(url + "/v1/chat/completions", json=body) as r:
         assert r.status == 200, await r.text()

@@ -3,14 +3,25 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
-from kvgateway.config.model import BackendConfig
+from kvgateway.config.model import BackendConfig, Policy
 from kvgateway.core.admission import Admission
 from kvgateway.core.backends import Backend
 from kvgateway.core.demand import Demand, demand_tokens
 from kvgateway.core.limits import Limit, Limits, LimitSource
 from kvgateway.core.routing_index import ModelIndex
+
+
+# Read through a call, for mypy: it keeps an attribute narrowed by a check or an
+# assignment (``assert not b.paused``) across the calls that change it, and would call a
+# later check of the other value unreachable.
+def paused(b: Backend) -> bool:
+    return b.paused
+
+
+def healthy(b: Backend) -> bool:
+    return b.healthy
 
 
 def backend(
@@ -70,7 +81,8 @@ def admission_over(
     return Admission(
         index_for=lambda m: idx,
         adjust=idx.adjust,
-        policy=lambda: policy,
+        # The core compares the policy with ==, so a plain string stands in for the enum.
+        policy=lambda: cast("Policy", policy),
         offload_overflow=lambda: False,
         queue_size=lambda: queue_size,
         clock=clock,

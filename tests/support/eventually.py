@@ -12,18 +12,38 @@ import asyncio
 import inspect
 import time
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar, overload
 
 T = TypeVar("T")
 
 
+@overload
 async def eventually(
-    check: Callable[[], T | Awaitable[T]],
+    check: Callable[[], Awaitable[T]],
+    *,
+    timeout: float = ...,
+    interval: float = ...,
+    what: str = ...,
+) -> T: ...
+
+
+@overload
+async def eventually(
+    check: Callable[[], T],
+    *,
+    timeout: float = ...,
+    interval: float = ...,
+    what: str = ...,
+) -> T: ...
+
+
+async def eventually(
+    check: Callable[[], Any],
     *,
     timeout: float = 10.0,
     interval: float = 0.05,
     what: str = "",
-) -> T:
+) -> Any:
     deadline = time.monotonic() + timeout
     last: AssertionError | None = None
     while True:
@@ -32,7 +52,7 @@ async def eventually(
             if inspect.isawaitable(value):
                 value = await value
             if value:
-                return value  # type: ignore[return-value]
+                return value
             last = AssertionError(
                 f"{what or getattr(check, '__name__', 'condition')}: got {value!r}"
             )

@@ -37,7 +37,8 @@ class Node:
 
     async def state(self) -> dict[str, Any]:
         async with aiohttp.ClientSession() as s, s.get(self.url + "/sim/state") as r:
-            return await r.json()
+            state: dict[str, Any] = await r.json()
+            return state
 
     async def fault(self, **fault: Any) -> None:
         async with aiohttp.ClientSession() as s, s.post(self.url + "/sim/fault", json=fault) as r:

@@ -57,7 +57,7 @@ def gateway_metric_names() -> frozenset[str]:
 
 def vllm_metric_names() -> frozenset[str]:
     text = VLLM_SAMPLE.read_text(encoding="utf-8")
-    names = set()
+    names: set[str] = set()
     for fam in text_string_to_metric_families(text):
         names.update(s.name for s in fam.samples)
     return frozenset(names)

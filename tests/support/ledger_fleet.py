@@ -144,12 +144,14 @@ async def chat(s: aiohttp.ClientSession, url: str, prompt_words: int, max_tokens
 
 async def get_json(url: str) -> dict[str, Any]:
     async with aiohttp.ClientSession() as s, s.get(url) as r:
-        return json.loads(await r.text())
+        doc: dict[str, Any] = json.loads(await r.text())
+        return doc
 
 
 async def node_view(gateway_url: str) -> dict[str, Any]:
     """The gateway's /admin/backends entry for the node (fleet-wide reservations)."""
     data = await get_json(gateway_url + "/admin/backends")
+    b: dict[str, Any]
     (b,) = [b for b in data["backends"] if b["name"] == NODE]
     return b
 

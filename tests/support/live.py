@@ -57,7 +57,7 @@ def wait_until_ok(url: str, procs: list[subprocess.Popen[bytes]], logs: list[Pat
     while time.monotonic() < deadline:
         for p in procs:
             if p.poll() is not None:
-                raise AssertionError(f"{p.args} exited with {p.returncode}\n{_tails(logs)}")
+                raise AssertionError(f"{p.args!s} exited with {p.returncode}\n{_tails(logs)}")
         try:
             status, body = http_get(url, timeout=1.0)
             if status == 200:

@@ -16,7 +16,7 @@ import os
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from aiohttp.test_utils import TestServer
@@ -45,7 +45,7 @@ MISTRAL = NodeSpec("mistral", "mistral", served_name="mistral", max_model_len=40
 BENCH = NodeSpec("B", "qwen2", max_model_len=4096, num_blocks=64)
 # S's twin, for two equal nodes (the multi-turn benchmark).
 S2 = NodeSpec("S2", "qwen2", max_model_len=4096, num_blocks=48, kv_events=True)
-ALL_SPECS = (S, L, S2, HYBRID, LLAMA, MISTRAL, BENCH)
+ALL_SPECS: tuple[NodeSpec, ...] = (S, L, S2, HYBRID, LLAMA, MISTRAL, BENCH)
 # Tokenizer directories load once per run (a Qwen vocabulary takes ~3 s).
 ENCODINGS = EncodingCache()
 
@@ -140,7 +140,11 @@ def launcher(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Launcher]:
     require_vllm()
-    wanted = frozenset(name for item in request.session.items for name in item.fixturenames)
+    wanted = frozenset(
+        name
+        for item in request.session.items
+        for name in cast("pytest.Function", item).fixturenames
+    )
     nodes = Launcher(tmp_path_factory.mktemp("vllm"), wanted)
     try:
         yield nodes
@@ -180,7 +184,16 @@ def vocab_nodes(launcher: Launcher) -> Iterator[dict[str, RealNode]]:
     launcher.ahead("apart_node", launcher.connecting[0])
 
 
-WORDS = ("harbor", "lantern", "meadow", "quartz", "summit", "willow", "anchor", "ember")
+WORDS: tuple[str, ...] = (
+    "harbor",
+    "lantern",
+    "meadow",
+    "quartz",
+    "summit",
+    "willow",
+    "anchor",
+    "ember",
+)
 WORDS += ("falcon", "glacier")
 
 

@@ -12,6 +12,7 @@ from typing import Any
 def _fields(buf: bytes) -> Iterator[tuple[int, int, Any]]:
     """(field number, wire type, value) of a protobuf message, enough for ModelProto."""
     pos = 0
+    value: Any
     while pos < len(buf):
         key, pos = _varint(buf, pos)
         field, wire = key >> 3, key & 7

@@ -19,7 +19,8 @@ DEMO = REPO / "config" / "demo.yaml"
 def _services() -> dict[str, Any]:
     docs = list(yaml.safe_load_all((DEPLOY / "compose.yaml").read_text()))
     assert len(docs) == 1
-    return docs[0]["services"]
+    services: dict[str, Any] = docs[0]["services"]
+    return services
 
 
 def _mounts(service: dict[str, Any]) -> dict[str, Path]:

@@ -34,7 +34,8 @@ GRAFANA_VARS = {
 
 
 def _dashboard() -> dict[str, Any]:
-    return json.loads(DASHBOARD.read_text())
+    dashboard: dict[str, Any] = json.loads(DASHBOARD.read_text())
+    return dashboard
 
 
 def _panels() -> list[dict[str, Any]]:

@@ -64,8 +64,8 @@ def dockerignore_excludes(path: str) -> bool:
     parts = path.split("/")
     candidates = ["/".join(parts[: i + 1]) for i in range(len(parts))]
     excluded = False
-    for regex, negate in patterns:
-        if any(regex.match(c) for c in candidates):
+    for compiled, negate in patterns:
+        if any(compiled.match(c) for c in candidates):
             excluded = not negate
     return excluded
 

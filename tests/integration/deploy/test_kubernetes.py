@@ -31,7 +31,8 @@ def _docs() -> dict[str, dict[str, Any]]:
 
 
 def _pod() -> dict[str, Any]:
-    return _docs()["Deployment"]["spec"]["template"]
+    pod: dict[str, Any] = _docs()["Deployment"]["spec"]["template"]
+    return pod
 
 
 def _container(name: str) -> dict[str, Any]:

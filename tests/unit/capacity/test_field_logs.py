@@ -13,7 +13,8 @@ from dataclasses import replace
 import pytest
 
 from kvgateway.capacity import CapacitySpec, estimate, parse_vllm_log
-from kvgateway.capacity.explain import explain_log, logged_tokens
+from kvgateway.capacity.explain import explain_log
+from kvgateway.capacity.loggedpool import logged_tokens
 from tests.support.capacity_data import read_data
 
 CASES = [

@@ -6,6 +6,7 @@ import asyncio
 import json
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 import yaml
@@ -132,7 +133,7 @@ def test_check_demo_config_without_nodes_names_every_backend():
     assert "[derived]" in r.stdout and "[config]" in r.stdout
 
 
-def _two_models(tmp_path, backend_b: dict) -> object:
+def _two_models(tmp_path, backend_b: dict[str, Any]) -> object:
     cfg = {
         "models": [{"name": "a-model"}, {"name": "b-model"}],
         "tiers": [
@@ -179,7 +180,7 @@ def test_check_asking_the_nodes_fails_when_every_backend_is_unreachable(tmp_path
 def test_check_says_how_each_model_is_counted(tmp_path, vocab_dirs) -> None:
     directory = vocab_dirs("tekken")
     backend = {"url": "http://127.0.0.1:9", "max_model_len": 8192, "kv_cache_tokens": 100000}
-    cfg = {
+    cfg: dict[str, Any] = {
         "models": [{"name": "exact", "tokenizer": {"path": str(directory)}}, {"name": "plain"}],
         "tiers": [
             {

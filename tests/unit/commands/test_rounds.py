@@ -9,7 +9,8 @@ import pytest
 
 from kvgateway.capacity.advice import PLAN_ORDER
 from kvgateway.cli import main
-from kvgateway.commands.roundsreport import next_step, render, verdict
+from kvgateway.commands.roundsnext import next_step
+from kvgateway.commands.roundsreport import render, verdict
 from kvgateway.commands.roundstats import RoundsFileError, rounds_from_json
 
 

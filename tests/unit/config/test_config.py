@@ -1,5 +1,6 @@
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -159,7 +160,7 @@ def test_a_models_template_defaults_are_read_and_checked():
 
     backend = {"name": "b", "url": "http://h:1", "model": "m"}
 
-    def cfg(kwargs: object) -> dict:
+    def cfg(kwargs: object) -> dict[str, Any]:
         return {
             "models": [{"name": "m", "tokenizer": {"chat_template_kwargs": kwargs}}],
             "tiers": [{"name": "t", "backends": [backend]}],

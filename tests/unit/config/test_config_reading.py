@@ -7,7 +7,7 @@ import subprocess
 import sys
 import textwrap
 
-import jsonschema
+import jsonschema  # type: ignore[import-untyped]  # types-jsonschema is not a dev dependency
 import pytest
 import yaml
 from hypothesis import given

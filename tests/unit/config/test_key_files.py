@@ -7,6 +7,7 @@ import textwrap
 import pytest
 
 from kvgateway.config.load import parse_config_text
+from kvgateway.config.model import GatewayConfig
 from kvgateway.config.yamlread import ConfigError
 from kvgateway.server.tenants import key_owner, tenant_for_key
 from tests.support.config_text import ONE_BACKEND
@@ -20,7 +21,7 @@ B64_32 = "Zm9vYmFyYmF6cXV4Zm9vYmFyYmF6cXV4Zm9vYmFyYmE="
 B64_WITH_SLASH = "9f+/Qm1x2Lw3Zk4N5p6R7A=="
 
 
-def parse(extra: str):
+def parse(extra: str) -> GatewayConfig:
     return parse_config_text(BASE + textwrap.dedent(extra))
 
 

@@ -4,7 +4,7 @@ import random
 import pytest
 
 from kvgateway.errors import ContextLengthExceeded, NoHealthyBackend, Saturated
-from tests.support.backends import admission_over, backend, demand
+from tests.support.backends import admission_over, backend, demand, paused
 
 
 def make(backends, queue_size=100, clock=None, abort_delay=0.0):
@@ -210,7 +210,7 @@ async def test_pause_ending_serves_every_waiter_without_a_new_request():
     assert adm.end_pause(b, clock[0]) is True
     done = await asyncio.gather(*waiters)
     assert len(done) == 13 and all(r.backend is b for r in done)
-    assert not b.paused and adm.queue_depth == 0
+    assert not paused(b) and adm.queue_depth == 0
     for r in done:
         r.release()
     assert b.reserved_tokens == 0 and b.in_flight == 0

@@ -2,9 +2,11 @@
 blind local share, and Admission's confirm / refuse / release protocol."""
 
 import asyncio
+from typing import cast
 
 import pytest
 
+from kvgateway.config.model import Policy
 from kvgateway.core.admission import Admission, Reservation
 from kvgateway.core.backends import Backend
 from kvgateway.core.ledger import OthersView, local_share
@@ -60,7 +62,7 @@ def make(kv: int, others: int, clock=lambda: 0.0, tenancy=None):
     adm = Admission(
         index_for=lambda m: idx,
         adjust=idx.adjust,
-        policy=lambda: "kv_aware",
+        policy=lambda: cast(Policy, "kv_aware"),
         offload_overflow=lambda: False,
         queue_size=lambda: 10,
         clock=clock,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from kvgateway.config.load import parse_config
 from kvgateway.core.derived_limits import derive_all
@@ -46,7 +47,7 @@ def test_groups_from_a_model_directory(tmp_path: Path, vocab_dirs: Callable[[str
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (model / name).symlink_to(vocab_dirs("qwen") / name)
     (model / "config.json").write_text(json.dumps(GEMMA3))
-    doc = {
+    doc: dict[str, Any] = {
         "models": [{"name": "m", "tokenizer": {"path": str(model)}}],
         "tiers": [{"name": "t", "backends": [{"name": "a", "url": "http://x:1", "model": "m"}]}],
     }
@@ -70,5 +71,5 @@ GEMMA3 = {
 }
 
 
-def _fields(o: Observed) -> dict[str, object]:
+def _fields(o: Observed) -> dict[str, Any]:
     return {k: getattr(o, k) for k in o.__dataclass_fields__}

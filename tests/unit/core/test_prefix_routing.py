@@ -91,6 +91,7 @@ def _scan_best(router: PrefixRouter, idx: ModelIndex, d: Demand, chosen, now: fl
     prefix, plus the ``candidates`` freest, scored one by one."""
     pool = [b for b in idx.backends if b.tier_index == chosen.tier_index and eligible(b, d, now)]
     freest = sorted(pool, key=lambda b: (-b.free_tokens, b.name))[: router.scoring.candidates]
+    assert d.prefix is not None
     holders = [b for b in pool if router.index.expected_blocks(b.name, d.prefix.keys, now) > 0]
     if not holders:
         return router._score(chosen, d, now, None)  # nobody holds any of it: kv_aware's pick

@@ -1,6 +1,10 @@
+from typing import cast
+
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvgateway.config.model import Policy
+from kvgateway.core.backends import Backend, PauseReason
 from kvgateway.core.demand import demand_tokens
 from kvgateway.core.routing import (
     NoBackend,
@@ -109,7 +113,12 @@ def test_round_robin_ignores_context():
     b = fleet()
     state = RouterState()
     idx = ModelIndex(b)
-    names = [route("round_robin", idx, demand(20000), state, 0.0).backend.name for _ in range(4)]
+    names = [
+        cast(
+            Routed, route(cast(Policy, "round_robin"), idx, demand(20000), state, 0.0)
+        ).backend.name
+        for _ in range(4)
+    ]
     assert names == ["s1", "s2", "l1", "o1"]
 
 
@@ -188,7 +197,7 @@ def test_indexed_kv_aware_matches_the_full_scan(specs, prompt, output, n, overfl
         b.reserved_tokens = int(b.budget_tokens * s["reserved"])
         b.reserved_seqs = int(b.max_num_seqs * s["rseqs"])
         b.paused = s["paused"] == 0
-        b.pause_reason = "kv_full" if b.paused else ""
+        b.pause_reason = cast(PauseReason, "kv_full" if b.paused else "")
         bs.append(b)
     d = demand(prompt, output, n=n)
     d = type(d)(
@@ -198,7 +207,9 @@ def test_indexed_kv_aware_matches_the_full_scan(specs, prompt, output, n, overfl
             "busy": frozenset(f"b{i}" for i in busy),
         }
     )
-    fast = route("kv_aware", ModelIndex(bs), d, RouterState(), 0.0, offload_overflow=overflow)
+    fast = route(
+        cast(Policy, "kv_aware"), ModelIndex(bs), d, RouterState(), 0.0, offload_overflow=overflow
+    )
     slow = kv_aware_scan(bs, d, 0.0, offload_overflow=overflow)
     assert fast == slow
 
@@ -209,7 +220,7 @@ def test_index_stays_sorted_through_reservations():
     import random
 
     rnd = random.Random(5)
-    held = []
+    held: list[tuple[Backend, int]] = []
     for _ in range(500):
         if held and rnd.random() < 0.5:
             b, t = held.pop(rnd.randrange(len(held)))
@@ -231,5 +242,8 @@ def test_a_request_that_reserves_nothing_goes_to_the_least_busy_node_in_turn() -
     assert least_in_flight([a, b, c], 0.0, set(), 0) is b
     assert least_in_flight([a, b, c], 0.0, {"b"}, 0) is a  # tried already: the next
     b.in_flight = 3
-    assert {least_in_flight([a, b], 0.0, set(), turn).name for turn in range(4)} == {"a", "b"}
+    assert {cast(Backend, least_in_flight([a, b], 0.0, set(), turn)).name for turn in range(4)} == {
+        "a",
+        "b",
+    }
     assert least_in_flight([c], 0.0, set(), 0) is None

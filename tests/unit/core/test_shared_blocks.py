@@ -16,7 +16,7 @@ from kvgateway.core.demand import Demand, PrefixHint, demand_tokens
 from kvgateway.core.prefix_index import PrefixIndex
 from kvgateway.core.prefix_keys import block_keys
 from kvgateway.core.prefix_routing import PrefixRouter
-from kvgateway.core.shared_blocks import SharedBlocks
+from kvgateway.core.shared_blocks import Holding, SharedBlocks
 from kvgateway.simulator.engine import EngineConfig, EngineCore
 from tests.support.backends import admission_over, backend, demand
 
@@ -52,7 +52,7 @@ def test_release_is_counted_once():
 @given(st.lists(st.tuples(st.integers(0, 2), st.integers(1, 6), st.integers(0, 2)), max_size=60))
 def test_charge_covers_every_held_block_and_returns_to_zero(ops):
     s = SharedBlocks()
-    live = []
+    live: list[Holding] = []
     charged = 0
     for prefix, length, action in ops:
         keys = tuple(prefix * 100 + i for i in range(length))

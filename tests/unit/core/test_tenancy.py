@@ -404,7 +404,8 @@ async def test_a_storm_of_cancellations_walks_the_queue_once_and_serves_who_fits
 
     def counted() -> float:
         reads[0] += 1
-        return clock[0]
+        now: float = clock[0]
+        return now
 
     adm._clock = counted
     held = await adm.admit(of("x", 2500, 100), 1.0)  # 2,600 of 4,096 used
@@ -473,7 +474,7 @@ async def test_a_full_queue_never_displaces_a_request_parked_behind_its_own_limi
     assert room <= 2, room
     parked = [t for t in tasks[0::2] if t.done()]
     assert not any(
-        isinstance(t.exception(), Saturated) and t.exception().code == "displaced_by_priority"
+        isinstance(exc := t.exception(), Saturated) and exc.code == "displaced_by_priority"
         for t in parked
     )
     for t in tasks + waiting:

@@ -44,7 +44,7 @@ def test_order_claims_and_victim_match_the_definition_under_churn(seed):
     aging_s = rng.choice((0.0, 1.0, 5.0, 7.5))
     # Duplicate seqs in some runs (a reload starts a new Tenancy and its counter anew).
     ws = population(rng, rng.randint(0, 120), ranks=rng.randint(1, 4), seqs=rng.choice((None, 7)))
-    q = WaitQueue()
+    q: WaitQueue[Waiter] = WaitQueue()
     arrival = []
     for w in ws:
         q.append(w)
@@ -82,7 +82,7 @@ def test_without_tickets_the_order_is_arrival_order():
     rng = random.Random(1)
     ws = population(rng, 20)
     ws[7] = Waiter(None, ws[7].since, frozenset("a"))
-    q = WaitQueue()
+    q: WaitQueue[Waiter] = WaitQueue()
     for w in ws:
         q.append(w)
     assert list(q.ordered(ws[-1].since + 30, 5.0)) == ws
@@ -95,7 +95,7 @@ def test_without_tickets_the_order_is_arrival_order():
 def test_the_order_is_a_snapshot_the_queue_may_change_under():
     rng = random.Random(2)
     ws = population(rng, 50)
-    q = WaitQueue()
+    q: WaitQueue[Waiter] = WaitQueue()
     for w in ws:
         q.append(w)
     want = by_key(ws, ws[-1].since + 6, 5.0)
@@ -107,7 +107,7 @@ def test_the_order_is_a_snapshot_the_queue_may_change_under():
 
 
 def test_removing_what_is_not_queued_raises_as_list_remove_does():
-    q = WaitQueue()
+    q: WaitQueue[Waiter] = WaitQueue()
     w = population(random.Random(3), 1)[0]
     with pytest.raises(ValueError):
         q.remove(w)

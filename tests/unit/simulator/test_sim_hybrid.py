@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import pytest
+from aiohttp import web
 from aiohttp.test_utils import TestClient
 
 from kvgateway.capacity.layout import discovered_usable_tokens
 from kvgateway.capacity.presets import preset_arch
-from kvgateway.simulator.engine import CostModel, EngineConfig, EngineCore, SeqState, Sequence
+from kvgateway.simulator.cost import CostModel
+from kvgateway.simulator.engine import EngineConfig, EngineCore, SeqState, Sequence
 from kvgateway.simulator.fleetconfig import node_spec
 from kvgateway.simulator.profiles import get_profile
 from kvgateway.simulator.server import create_node_app
@@ -130,9 +132,11 @@ def test_gateway_usable_tokens_for_a_hybrid_architecture() -> None:
     assert discovered_usable_tokens(21_110, 16) == 21_109 * 16
 
 
-async def test_hybrid_node_reports_its_pool_blocks_and_group_capacity(aiohttp_client) -> None:  # type: ignore[no-untyped-def]
+async def test_hybrid_node_reports_its_pool_blocks_and_group_capacity(aiohttp_client) -> None:
     spec = node_spec("gpu24-gptoss-20b", overrides={"num_gpu_blocks": 65, "max_model_len": 512})
-    client: TestClient = await aiohttp_client(create_node_app(spec.settings))
+    client: TestClient[web.Request, web.Application] = await aiohttp_client(
+        create_node_app(spec.settings)
+    )
     metrics = await (await client.get("/metrics")).text()
     info = next(line for line in metrics.splitlines() if line.startswith("vllm:cache_config_info"))
     assert 'num_gpu_blocks="65"' in info and 'sliding_window="128"' in info

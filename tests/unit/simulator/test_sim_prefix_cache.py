@@ -16,7 +16,8 @@ from kvgateway.simulator.block_pool import (
     hash_block_tokens,
     none_hash,
 )
-from kvgateway.simulator.engine import CostModel, EngineConfig, EngineCore, Sequence, StepResult
+from kvgateway.simulator.cost import CostModel
+from kvgateway.simulator.engine import EngineConfig, EngineCore, Sequence, StepResult
 
 COST = CostModel(
     step_overhead_s=0.001, weight_read_s=0.01, prefill_s_per_token=1e-4, kv_read_s_per_token=0.0
@@ -44,7 +45,7 @@ def add(c: EngineCore, ids: list[int], out: int = 1) -> Sequence:
 
 
 def drain(c: EngineCore) -> list[StepResult]:
-    results = []
+    results: list[StepResult] = []
     for _ in range(10_000):
         r = c.step(c.clock)
         if r is None:

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from datetime import datetime
+from typing import Any
 
+import jinja2.exceptions
 import jinja2.sandbox
 import pytest
 
@@ -18,7 +20,7 @@ from tests.support import templates
 USER = [{"role": "user", "content": "héllo"}]
 
 
-def render(source: str, messages: list[dict[str, object]] | None = None, **kw: object) -> str:
+def render(source: str, messages: list[dict[str, Any]] | None = None, **kw: object) -> str:
     tpl = ChatTemplate(source)
     conv = conversation(messages or USER, tpl.content_format)
     return tpl.render(conv.messages, **kw)  # type: ignore[arg-type]
@@ -75,9 +77,9 @@ def test_attribute_reads_on_dicts_are_jinjas_sandbox_reads() -> None:
         source = "{{ " + expr + " }}"
         expect = plain.from_string(source).render(m=msg)
         assert ours.from_string(source).render(m=msg) == expect, expr
-    with pytest.raises(jinja2.sandbox.SecurityError):
+    with pytest.raises(jinja2.exceptions.SecurityError):
         ours.from_string("{{ m.__class__.__subclasses__() }}").render(m=msg)
-    with pytest.raises(jinja2.sandbox.SecurityError):
+    with pytest.raises(jinja2.exceptions.SecurityError):
         ours.from_string("{{ m.update({'a': 1}) }}").render(m=msg)
 
 
@@ -255,7 +257,7 @@ def test_messages_as_vllm_and_transformers_4_pass_them() -> None:
         "{% for m in messages %}{{ m.thinking | default('-') }}|{{ m.reasoning_content }}"
         "|{{ m.tool_call_id is defined }}:{{ m.tool_call_id }};{% endfor %}"
     )
-    msgs = [
+    msgs: list[dict[str, Any]] = [
         {"role": "assistant", "content": "a", "reasoning": "why"},
         {"role": "assistant", "content": "b", "reasoning": None, "reasoning_content": "old"},
         {"role": "tool", "content": "r", "tool_call_id": None},

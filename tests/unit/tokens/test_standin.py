@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -38,7 +39,7 @@ from tests.unit.tokens.conftest import KINDS
 CL100K = load_encoding(EncodingSpec())
 
 
-async def _standin(body: dict[str, object]) -> int:
+async def _standin(body: dict[str, Any]) -> int:
     counter = PromptCounter(CL100K, TextCountCache(), None)
     return (await counter.count(plan_chat(body, TokenizerConfig()))).total
 
@@ -286,7 +287,9 @@ async def test_images_are_charged_once(gateway_tokenizer: Callable[[str], ModelT
     """The stand-in charged each image image_tokens already; the bound scales only the
     text (it once charged an image-only chat 2.2x what the node counts)."""
     image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
-    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "What is it?"}]}]}
+    body: dict[str, Any] = {
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "What is it?"}]}]
+    }
     body["messages"][0]["content"] += [image, image, image]
     bound = upper_bound(await _standin(body), body)
     counts = {k: ExactCounter(gateway_tokenizer(k)).count_chat_sync(body) for k in KINDS}

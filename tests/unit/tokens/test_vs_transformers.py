@@ -620,7 +620,7 @@ def test_openai_content_format(custom: Callable[[str, str], Pair]) -> None:
 
 
 HI = [{"role": "user", "content": "hi"}]
-REFUSED = {
+REFUSED: dict[str, dict[str, Any]] = {
     "generation-prompt-and-continue": {
         "messages": HI,
         "add_generation_prompt": True,

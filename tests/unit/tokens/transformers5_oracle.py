@@ -27,7 +27,7 @@ logging.disable(logging.WARNING)
 
 
 def tokenizer_job(job: dict[str, Any]) -> dict[str, Any]:
-    from vllm.tokenizers import get_tokenizer
+    from vllm.tokenizers import get_tokenizer  # type: ignore[import-not-found]  # oracle venv only
 
     tok = get_tokenizer(job["dir"])
     cls = type(tok)
@@ -48,12 +48,13 @@ def tables_job() -> dict[str, Any]:
 
     return {
         "mapping": {k: v for k, v in auto.TOKENIZER_MAPPING_NAMES.items() if isinstance(v, str)},
-        "registered_wins": sorted(auto.MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS),
+        # transformers 5 only (the oracle's venv); this venv has transformers 4.
+        "registered_wins": sorted(auto.MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS),  # type: ignore[attr-defined]
     }
 
 
 def developer_job(job: dict[str, Any]) -> list[dict[str, Any]]:
-    from vllm.renderers import hf
+    from vllm.renderers import hf  # type: ignore[import-not-found]  # oracle venv only
 
     conversation = job["developer"]
     if any(m["role"] == "developer" for m in conversation) and not (

@@ -9,7 +9,7 @@ from kvgateway.upstream.feedback import (
     request_served,
 )
 from kvgateway.upstream.vllm_metrics import ScrapedMetrics
-from tests.support.backends import backend
+from tests.support.backends import backend, healthy, paused
 
 FB = LoadFeedbackConfig(kv_high_watermark=0.9, kv_low_watermark=0.7, preemption_cooldown_s=5)
 
@@ -26,32 +26,32 @@ def test_health_thresholds():
 def test_kv_watermark_hysteresis():
     b = backend("a")
     apply_metrics(b, ScrapedMetrics(kv_usage=0.5), 0.0, FB)
-    assert not b.paused
+    assert not paused(b)
     apply_metrics(b, ScrapedMetrics(kv_usage=0.93), 1.0, FB)
-    assert b.paused and b.pause_reason == "kv_full" and not b.accepting(1.0)
+    assert paused(b) and b.pause_reason == "kv_full" and not b.accepting(1.0)
     apply_metrics(b, ScrapedMetrics(kv_usage=0.8), 2.0, FB)
-    assert b.paused  # still above the low watermark
+    assert paused(b)  # still above the low watermark
     assert apply_metrics(b, ScrapedMetrics(kv_usage=0.6), 3.0, FB) is True
-    assert not b.paused
+    assert not paused(b)
 
 
 def test_queue_must_persist_two_scrapes():
     b = backend("a")
     apply_metrics(b, ScrapedMetrics(waiting=3), 0.0, FB)
-    assert not b.paused
+    assert not paused(b)
     apply_metrics(b, ScrapedMetrics(waiting=2), 1.0, FB)
-    assert b.paused and b.pause_reason == "queueing"
+    assert paused(b) and b.pause_reason == "queueing"
     apply_metrics(b, ScrapedMetrics(waiting=0), 2.0, FB)
-    assert not b.paused
+    assert not paused(b)
 
 
 def test_new_preemptions_pause_for_a_cooldown():
     b = backend("a")
     apply_metrics(b, ScrapedMetrics(preemptions=4), 0.0, FB)
     apply_metrics(b, ScrapedMetrics(preemptions=6), 1.0, FB)
-    assert b.paused and b.pause_reason == "preempting"
+    assert paused(b) and b.pause_reason == "preempting"
     apply_metrics(b, ScrapedMetrics(preemptions=6), 2.0, FB)
-    assert b.paused  # cooling down until t=6
+    assert paused(b)  # cooling down until t=6
     assert b.accepting(6.5)  # the cool-down ends by itself even without a scrape
 
 
@@ -59,11 +59,11 @@ def test_a_preemption_pause_ends_once_the_node_has_taken_its_preempted_work_back
     b = backend("a")
     apply_metrics(b, ScrapedMetrics(preemptions=4, waiting=0), 0.0, FB)
     apply_metrics(b, ScrapedMetrics(preemptions=5, waiting=1), 1.0, FB)
-    assert b.paused and b.pause_reason == "preempting"
+    assert paused(b) and b.pause_reason == "preempting"
     apply_metrics(b, ScrapedMetrics(preemptions=5, waiting=1), 2.0, FB)
-    assert b.paused  # the preempted request still waits on the node
+    assert paused(b)  # the preempted request still waits on the node
     assert apply_metrics(b, ScrapedMetrics(preemptions=5, waiting=0), 3.0, FB) is True
-    assert not b.paused
+    assert not paused(b)
 
 
 def test_kv_use_the_gateways_own_book_explains_pauses_nothing():
@@ -72,19 +72,19 @@ def test_kv_use_the_gateways_own_book_explains_pauses_nothing():
     b = backend("a", kv=10_000)
     b.reserved_tokens = 9_300
     apply_metrics(b, ScrapedMetrics(kv_usage=0.97), 0.0, FB)
-    assert not b.paused
+    assert not paused(b)
     # 2,000 tokens the book knows nothing of: someone else fills the node.
     b.reserved_tokens = 7_700
     apply_metrics(b, ScrapedMetrics(kv_usage=0.97), 1.0, FB)
-    assert b.paused and b.pause_reason == "kv_full"
+    assert paused(b) and b.pause_reason == "kv_full"
 
 
 def test_stale_scrape_never_halts_the_node():
     b = backend("a")
     apply_metrics(b, ScrapedMetrics(kv_usage=0.99), 0.0, FB)
-    assert b.paused
+    assert paused(b)
     assert expire_stale(b, FB.stale_after_s + 1, FB) is True
-    assert not b.paused and b.load is None
+    assert not paused(b) and b.load is None
 
 
 def test_disabled_feedback_records_but_never_pauses():
@@ -92,7 +92,7 @@ def test_disabled_feedback_records_but_never_pauses():
     cfg = LoadFeedbackConfig(enabled=False)
     apply_metrics(b, ScrapedMetrics(kv_usage=1.0, waiting=10), 0.0, cfg)
     apply_metrics(b, ScrapedMetrics(kv_usage=1.0, waiting=10), 1.0, cfg)
-    assert not b.paused and b.load is not None
+    assert not paused(b) and b.load is not None
 
 
 def test_a_slow_probe_of_a_node_whose_streams_progress_takes_nothing_out() -> None:
@@ -122,7 +122,7 @@ def test_a_connect_timeout_to_a_node_whose_streams_progress_ejects_nothing() -> 
         assert not request_failed(b, "no connection within 3s", t, cfg, slow=True)
     assert b.healthy and b.consecutive_failures == 0
     assert not request_failed(b, "ConnectionRefusedError", 104.0, cfg)
-    assert request_failed(b, "ConnectionRefusedError", 104.5, cfg) and not b.healthy
+    assert request_failed(b, "ConnectionRefusedError", 104.5, cfg) and not healthy(b)
     quiet = backend("q")
     request_served(quiet, now=100.0)
     request_failed(quiet, "no connection within 3s", 110.0, cfg, slow=True)
@@ -137,7 +137,7 @@ def test_requests_waiting_behind_the_gateways_own_unstarted_ones_pause_nothing()
     b.unstarted = 3
     apply_metrics(b, ScrapedMetrics(waiting=3), 0.0, FB)
     apply_metrics(b, ScrapedMetrics(waiting=2), 1.0, FB)
-    assert not b.paused
+    assert not paused(b)
     apply_metrics(b, ScrapedMetrics(waiting=5), 2.0, FB)
     apply_metrics(b, ScrapedMetrics(waiting=4), 3.0, FB)
-    assert b.paused and b.pause_reason == "queueing"
+    assert paused(b) and b.pause_reason == "queueing"

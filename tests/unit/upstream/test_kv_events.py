@@ -8,7 +8,7 @@ import logging
 import textwrap
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import pytest
@@ -489,7 +489,8 @@ class _Publisher:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.IPV6, 1)
         self.sock.bind(f"tcp://{host}:*")
-        self.endpoint: str = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        # pyzmq types getsockopt int | bytes; LAST_ENDPOINT is a bytes option.
+        self.endpoint: str = cast(bytes, self.sock.getsockopt(zmq.LAST_ENDPOINT)).decode()
         self.topic = topic
         self.seq = 0
 

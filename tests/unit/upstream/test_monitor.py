@@ -3,16 +3,19 @@
 import asyncio
 import contextlib
 import dataclasses
+from typing import Any
 
 import aiohttp
 
 from kvgateway.config.load import parse_config
 from kvgateway.config.model import GatewayConfig
 from kvgateway.core.admission import Admission
+from kvgateway.core.backends import Backend
 from kvgateway.core.fleet import Fleet
 from kvgateway.simulator.profiles import get_profile
 from kvgateway.simulator.server import create_node_app as create_node
 from kvgateway.upstream.monitor import Monitor
+from tests.support.backends import healthy
 from tests.support.fleet import ENCODINGS, SERVED
 
 
@@ -64,7 +67,7 @@ async def test_a_crashing_watcher_is_restarted_and_health_keeps_updating(aiohttp
             raise RuntimeError("bug in a watcher")
         return config
 
-    crashed = []
+    crashed: list[Backend] = []
     async with aiohttp.ClientSession() as session:
         monitor = Monitor(
             fleet=fleet,
@@ -104,7 +107,7 @@ async def test_a_crashing_watcher_is_restarted_and_health_keeps_updating(aiohttp
             # The restarted watcher still follows the node: stop it, it turns unhealthy.
             await node.close()
             for _ in range(200):
-                if not b.healthy:
+                if not healthy(b):
                     break
                 await asyncio.sleep(0.02)
             assert not b.healthy
@@ -112,7 +115,7 @@ async def test_a_crashing_watcher_is_restarted_and_health_keeps_updating(aiohttp
             await monitor.close()
 
 
-def _node_app(state: dict) -> "aiohttp.web.Application":
+def _node_app(state: dict[str, Any]) -> "aiohttp.web.Application":
     """A node that answers as vLLM does, but for what ``state`` says to break."""
     from aiohttp import web
 
@@ -166,7 +169,7 @@ async def test_a_nodes_endless_health_answer_is_not_read_to_its_end(aiohttp_serv
 async def test_a_failed_metrics_scrape_keeps_the_pool_last_reported(aiohttp_server):
     """Rediscovery whose /metrics fails once (a 503 blip) keeps the node's pool as last
     reported: it once made the node's KV budget unknown, the node unusable."""
-    state: dict = {}
+    state: dict[str, Any] = {}
     node = await aiohttp_server(_node_app(state))
     fleet, adm, config = _monitored(str(node.make_url("")).rstrip("/"))
     b = fleet.get("n")
@@ -186,7 +189,7 @@ async def test_a_node_back_with_a_failing_metrics_page_is_not_given_its_old_pool
     """A node that went down and came back (restarted, maybe with a smaller pool) while
     its /metrics fails has an unknown pool: keeping the last report budgeted it at twice
     what it held."""
-    state: dict = {}
+    state: dict[str, Any] = {}
     node = await aiohttp_server(_node_app(state))
     fleet, adm, config = _monitored(str(node.make_url("")).rstrip("/"))
     b = fleet.get("n")
@@ -218,7 +221,7 @@ async def test_a_node_back_with_a_failing_metrics_page_is_not_given_its_old_pool
 async def test_an_unhealthy_node_is_not_polled_in_a_tight_loop(aiohttp_server):
     """Rediscovery waits for health; its due time was a wake-up all the same: an
     unhealthy node's watcher woke every 10 ms once that time had passed."""
-    state: dict = {"down": True}
+    state: dict[str, Any] = {"down": True}
     node = await aiohttp_server(_node_app(state))
     fleet, adm, config = _monitored(
         str(node.make_url("")).rstrip("/"), interval_s=1.0, rediscover_interval_s=0.05
@@ -230,7 +233,7 @@ async def test_an_unhealthy_node_is_not_polled_in_a_tight_loop(aiohttp_server):
         loops[0] += 1
         end_pause(b, now)  # type: ignore[arg-type]
 
-    adm.end_pause = counting  # type: ignore[method-assign]
+    adm.end_pause = counting  # type: ignore[method-assign, assignment]
     async with aiohttp.ClientSession() as session:
         monitor = _monitor(fleet, adm, config, session)
         monitor.sync()
