@@ -22,14 +22,21 @@ from prometheus_client.multiprocess import MultiProcessCollector
 
 from kvgateway import __version__
 from kvgateway.config.model import GatewayConfig
+from kvgateway.core.admission import Admission
+from kvgateway.core.demand import Demand
 from kvgateway.core.derived_limits import derive_all
 from kvgateway.core.fleet import Fleet
 from kvgateway.core.limits import Observed
+from kvgateway.core.output_model import OutputModel
 from kvgateway.core.prefix_index import PrefixIndex
 from kvgateway.core.prefix_routing import PrefixRouter
-from kvgateway.core.quota import QuotaLedger
+from kvgateway.core.quota import LocalQuotaLedger, QuotaLedger
+from kvgateway.core.routing import Decision, Wait
 from kvgateway.core.shared_blocks import SharedBlocks
+from kvgateway.core.tenancy import Tenancy
 from kvgateway.errors import BodyTooLarge, GatewayError, MethodNotAllowed, NotFound, Unauthorized
+from kvgateway.ledger.redis_ledger import RedisLedger
+from kvgateway.plan.planner import Planner
 from kvgateway.server import admin
 from kvgateway.server.accesslog import AccessRecord, log_access
 from kvgateway.server.appkeys import DNS, EXPOSITION, KV_EVENTS, MONITOR, STATE, WORKER_GAUGES
@@ -39,17 +46,21 @@ from kvgateway.server.metrics import FleetCollector, GatewayMetrics
 from kvgateway.server.passthrough import PATHS as PASSTHROUGH_PATHS
 from kvgateway.server.passthrough import handle_passthrough
 from kvgateway.server.proxy import REQUEST_ID, error_response, handle_completion
+from kvgateway.server.relay import Relay
 from kvgateway.server.reload import FleetMembers
-from kvgateway.server.state import Clock, GatewayState
+from kvgateway.server.settle import Settle
+from kvgateway.server.state import Clock, GatewayState, LiveConfig, Stages
 from kvgateway.server.tenants import TENANT, TenantCollector, key_owner, tenant_for_key
-from kvgateway.server.tracing import from_environment
+from kvgateway.server.tracing import Tracing, from_environment
 from kvgateway.server.worker_gauges import WorkerGauges
+from kvgateway.tokens.calibration import PromptCalibration
 from kvgateway.tokens.counters import TokenCounters
 from kvgateway.tokens.encoding import EncodingCache
 from kvgateway.upstream.dns import DnsDiscovery
 from kvgateway.upstream.kv_events import KVEventHub, kv_event_sources
 from kvgateway.upstream.monitor import Monitor
 from kvgateway.upstream.node_pool import NodePool
+from kvgateway.upstream.node_tokenize import NodeTokenizer
 
 _OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
 
@@ -134,23 +145,24 @@ def create_app(
             prefix_index, clock=clock, tally=metrics.count_kv_event, silence_s=kv_events_silence_s
         )
         try:
+            live_config = LiveConfig(config)
             prefix = PrefixRouter(
                 prefix_index,
                 shared=SharedBlocks(),
-                credit=lambda: state.config.admission.prefix_credit,
+                credit=lambda: live_config().admission.prefix_credit,
             )
-            state = GatewayState(
-                config,
+            state = _build_state(
+                live_config,
                 fleet,
                 metrics,
                 TokenCounters(encodings, pool, huge),
                 session,
+                nodes,
                 clock=clock,
                 tracing=tracing,
-                quota_ledger=quota_ledger,
+                quotas=quota_ledger if quota_ledger is not None else LocalQuotaLedger(),
                 ledger=ledger,
                 prefix=prefix,
-                nodes=nodes,
             )
             collector = TenantCollector(state.tenancy, state.quotas, clock, per_worker=per_worker)
             registry.register(collector)
@@ -232,6 +244,81 @@ def _client_request_id(request: web.Request) -> str:
     if 0 < len(rid) <= 128 and rid.isascii() and rid.isprintable() and " " not in rid:
         return rid
     return uuid.uuid4().hex
+
+
+def _build_state(
+    live: LiveConfig,
+    fleet: Fleet,
+    metrics: GatewayMetrics,
+    counters: TokenCounters,
+    session: aiohttp.ClientSession,
+    nodes: NodePool,
+    *,
+    clock: Clock,
+    tracing: Tracing,
+    quotas: QuotaLedger,
+    ledger: RedisLedger | None,
+    prefix: PrefixRouter,
+) -> GatewayState:
+    """The four stages, each built with what it needs, and the state that holds them."""
+    calibration = PromptCalibration(
+        lambda model, ratio: metrics.estimate_ratio.labels(model=model).observe(ratio)
+    )
+    tenancy = Tenancy(lambda: live().auth)
+    # The learned output lengths: Settle teaches them, Plan reads them.
+    outputs = OutputModel()
+
+    def count_decision(decision: Decision, demand: Demand) -> None:
+        # Admissions are counted with their tier when the exchange ends; here: the
+        # requests that had to queue (whether or not they were served in the end).
+        if isinstance(decision, Wait):
+            metrics.decisions.labels(tier="-", reason="queued").inc()
+
+    stages = Stages(
+        planner=Planner(
+            live,
+            counters,
+            calibration,
+            fleet,
+            # Asked for a node's own count when a stand-in bound comes near a limit.
+            node_counter=NodeTokenizer(session, fleet),
+            outputs=outputs,
+        ),
+        admission=Admission.for_fleet(
+            fleet,
+            live,
+            clock,
+            on_decision=count_decision,
+            tenancy=tenancy,
+            ledger=ledger,
+            prefix=prefix,
+        ),
+        relay=Relay(clock, lambda: live().health),
+        settle=Settle(
+            calibration,
+            outputs,
+            quotas,
+            tenancy,
+            metrics,
+            clock,
+            lambda: live().server.access_log,
+        ),
+    )
+    return GatewayState(
+        live,
+        stages,
+        fleet,
+        metrics,
+        counters,
+        nodes,
+        calibration=calibration,
+        quotas=quotas,
+        tenancy=tenancy,
+        clock=clock,
+        tracing=tracing,
+        ledger=ledger,
+        prefix=prefix,
+    )
 
 
 @web.middleware

@@ -1,23 +1,22 @@
-"""What one running gateway holds, built in full by :func:`kvgateway.server.app.create_app`
-once its resources (HTTP session, counting pool) exist: nothing is attached later."""
+"""What one running gateway holds: the four stages' owners, what the admin and metrics
+endpoints read, and its lifecycle (draining, shutting down, the requests in progress).
+Built in full by :func:`kvgateway.server.app.create_app`, the one composition root, once
+its resources (HTTP session, counting pool) exist: nothing is attached later, and
+nothing here builds anything."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 from collections.abc import Callable
-
-import aiohttp
+from dataclasses import dataclass
 
 from kvgateway.config.model import GatewayConfig
 from kvgateway.core.admission import Admission
-from kvgateway.core.demand import Demand
 from kvgateway.core.fleet import Fleet
 from kvgateway.core.membership import DiscoveredMembers
-from kvgateway.core.output_model import OutputModel
 from kvgateway.core.prefix_routing import PrefixRouter
-from kvgateway.core.quota import LocalQuotaLedger, QuotaLedger
-from kvgateway.core.routing import Decision, Wait
+from kvgateway.core.quota import QuotaLedger
 from kvgateway.core.tenancy import Tenancy
 from kvgateway.ledger.redis_ledger import RedisLedger
 from kvgateway.plan.planner import Planner
@@ -29,40 +28,72 @@ from kvgateway.server.tracing import Tracing
 from kvgateway.tokens.calibration import PromptCalibration
 from kvgateway.tokens.counters import TokenCounters
 from kvgateway.upstream.node_pool import NodePool
-from kvgateway.upstream.node_tokenize import NodeTokenizer
 
 Clock = Callable[[], float]
+
+
+class LiveConfig:
+    """The running config, read per request by every stage (a call); a reload sets it."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: GatewayConfig) -> None:
+        self.value = value
+
+    def __call__(self) -> GatewayConfig:
+        return self.value
+
+
+@dataclass(frozen=True, slots=True)
+class Stages:
+    """The owners of the four stages a request passes through."""
+
+    planner: Planner
+    admission: Admission
+    relay: Relay
+    settle: Settle
 
 
 class GatewayState:
     def __init__(
         self,
-        config: GatewayConfig,
+        live: LiveConfig,
+        stages: Stages,
         fleet: Fleet,
         metrics: GatewayMetrics,
         counters: TokenCounters,
-        session: aiohttp.ClientSession,
+        nodes: NodePool,
         *,
+        calibration: PromptCalibration,
+        quotas: QuotaLedger,
+        tenancy: Tenancy,
         clock: Clock = time.monotonic,
         tracing: Tracing | None = None,
-        quota_ledger: QuotaLedger | None = None,
         ledger: RedisLedger | None = None,
         prefix: PrefixRouter | None = None,
-        nodes: NodePool | None = None,
     ) -> None:
-        self.config = config
+        self._live = live
+        self.planner = stages.planner
+        self.admission = stages.admission
+        self.relay = stages.relay
+        self.settle = stages.settle
         self.tracing = tracing or Tracing()
         # Members of DNS-discovered backend groups; ``config`` lists them among the backends.
-        self.members = DiscoveredMembers(config)
+        self.members = DiscoveredMembers(live.value)
         self.fleet = fleet
         self.metrics = metrics
         self.counters = counters
         # The request path's own keep-alive connections to nodes (probes and the node
-        # counter use ``session``).
-        self.nodes = nodes if nodes is not None else NodePool()
+        # counter use the app's aiohttp session).
+        self.nodes = nodes
         self.clock = clock
         # The shared ledger (None: reservations are this process's alone).
         self.ledger = ledger
+        self.calibration = calibration
+        self.quotas = quotas
+        self.tenancy = tenancy
+        # Prefix-aware placement (consulted only for requests planned with a prefix hint).
+        self.prefix = prefix
         self.started_at_wall = time.time()
         # Shutdown phases: `draining` makes /ready fail while requests are still
         # served (load balancers stop sending); `shutting_down` refuses new requests.
@@ -72,48 +103,11 @@ class GatewayState:
         self.active: dict[asyncio.Task[object], Exchange] = {}
         # Turn counter breaking ties between equally loaded nodes for pass-through calls.
         self.passthrough_turn = 0
-        self.calibration = PromptCalibration(
-            lambda model, ratio: metrics.estimate_ratio.labels(model=model).observe(ratio)
-        )
-        # Per-minute quotas: in this process unless a shared ledger is given.
-        self.quotas: QuotaLedger = quota_ledger if quota_ledger is not None else LocalQuotaLedger()
-        self.tenancy = Tenancy(lambda: self.config.auth)
-        # Prefix-aware placement (consulted only for requests planned with a prefix hint).
-        self.prefix = prefix
-        # The learned output lengths: Settle teaches them, Plan reads them.
-        outputs = OutputModel()
-        # The four stages a request passes through, each built with what it needs.
-        self.planner = Planner(
-            lambda: self.config,
-            counters,
-            self.calibration,
-            fleet,
-            # Asked for a node's own count when a stand-in bound comes near a limit.
-            node_counter=NodeTokenizer(session, fleet),
-            outputs=outputs,
-        )
-        self.admission = Admission.for_fleet(
-            fleet,
-            lambda: self.config,
-            clock,
-            on_decision=self._count_decision,
-            tenancy=self.tenancy,
-            ledger=ledger,
-            prefix=prefix,
-        )
-        self.relay = Relay(clock, lambda: self.config.health)
-        self.settle = Settle(
-            self.calibration,
-            outputs,
-            self.quotas,
-            self.tenancy,
-            metrics,
-            clock,
-            lambda: self.config.server.access_log,
-        )
 
-    def _count_decision(self, decision: Decision, demand: Demand) -> None:
-        # Admissions are counted with their tier when the exchange ends; here: the
-        # requests that had to queue (whether or not they were served in the end).
-        if isinstance(decision, Wait):
-            self.metrics.decisions.labels(tier="-", reason="queued").inc()
+    @property
+    def config(self) -> GatewayConfig:
+        return self._live.value
+
+    @config.setter
+    def config(self, new: GatewayConfig) -> None:
+        self._live.value = new
