@@ -114,18 +114,130 @@ class Planner:
     ) -> Plan:
         """The plan for ``raw``; a :class:`~kvgateway.errors.GatewayError` for a request
         no node could serve (bad body, unknown model, a prompt past every context)."""
-        return await _plan(
-            raw,
-            kind,
-            self._config(),
-            self._counters,
-            self._calibration,
-            self._fleet,
-            self._node_counter,
-            session,
-            self._outputs,
-            client,
+        config = self._config()
+        counters, calibration, fleet = self._counters, self._calibration, self._fleet
+        node_counter, outputs = self._node_counter, self._outputs
+        limits = Limits(config.admission.max_messages, config.admission.max_content_parts)
+        if len(raw) > OFF_LOOP_BYTES:
+            # (A body of 800k messages never gets here: it is refused while it arrives.)
+            # Parsing and validating a large body takes milliseconds of Python: not on the loop.
+            loop = asyncio.get_running_loop()
+            parsed, model = await loop.run_in_executor(
+                counters.executor, _parse, raw, kind, config, limits
+            )
+        else:
+            parsed, model = _parse(raw, kind, config, limits)
+        # Counting stops once the prompt is certainly past the largest context on offer: it is
+        # refused.
+        largest = fleet.largest_context(model.name)
+        estimator = counters.estimator_for(model.tokenizer)
+        body = parsed.body
+        prefix_aware = config.routing.prefix_aware and config.routing.policy == Policy.KV_AWARE
+        ids: tuple[list[int] | None, bool] = (None, False)
+        try:
+            if parsed.kind == "completion":
+                counted_body = body
+            else:
+                counted_body = body if parsed.kind == "chat" else responses_chat_body(body)
+            if prefix_aware:
+                # Before counting: the count then reads the ids' lengths.
+                ids = await prompt_ids(parsed, counted_body, model, counters, len(raw))
+            if parsed.kind == "completion":
+                prompt = await estimator.completion(body, largest or None)
+            else:
+                prompt = await estimator.chat(counted_body, largest or None)
+        except RecursionError as exc:
+            # JSON nested to just under json.loads' limit goes deeper still when a value is
+            # copied, dumped or rendered: a clean 400, not a 500.
+            raise BadRequest(
+                "A value in your request is nested too deeply to count.", code="invalid_value"
+            ) from exc
+        if (
+            node_counter is not None
+            and not prompt.exact
+            and prompt.prompts == 1
+            and worth_asking(
+                # What would be reserved: the bound, or the stand-in's count as the nodes'
+                # reports scale it, whichever is more (either may pass a context the node's
+                # own count fits).
+                reserved_prompts(prompt, model, calibration)[0],
+                prompt.floor,
+                parsed.requested_output or 1,
+                largest,
+                # A node that cuts max_tokens serves any prompt with one token of room: its
+                # count decides the cut (and whether the prompt fits at all).
+                fit_output=1 if config.admission.context_overflow == "clamp" else None,
+            )
+        ):
+            # The bound comes near (or past) the largest context while the node's count may
+            # still fit: the node's own count decides.
+            exact = await node_counter.count(model, counted_body, chat=parsed.kind != "completion")
+            if exact is not None:
+                prompt = node_counted(prompt, exact)
+        # truncate_prompt_tokens: the node keeps each prompt's last `keep` tokens; -1 (and
+        # a Responses request's truncation "auto"): as many as fit beside the output.
+        # Only on per-prompt counts: a batch counted past the limit is one lump (its prompts
+        # unknown), cut to one prompt's size it would reserve for one sequence of many.
+        per_prompt = len(prompt.each) == prompt.prompts
+        keep = truncation(body, prompt.longest) if per_prompt else 0
+        if keep == 0 and per_prompt and largest and truncates_to_fit(parsed):
+            if config.admission.context_overflow == "clamp":
+                # vLLM >= 0.32 keeps all but one token of the context, then cuts max_tokens
+                # to the one left (renderers/params.py max_truncation_tokens).
+                fit = largest - 1
+            else:
+                # The output the node gets: asked for, or the default as for a short prompt
+                # (the prompt is cut to make room for it, not the output to the leftover).
+                fit = largest - output_budget(parsed, config, 0, largest)[0]
+            keep = fit if 0 < fit < prompt.longest else 0
+        if 0 < keep < prompt.longest:
+            prompt = truncated(prompt, keep)
+        each = reserved_prompts(prompt, model, calibration)
+        if prompt.truncated:
+            each = [min(n, keep) for n in each]
+        longest = max(each)
+        adm = config.admission
+        learned = (
+            adm.output_reservation == "learned"
+            and not parsed.echo_only
+            and not output_is_set(parsed.body)
         )
+        # KV is reserved for each prompt's bound, or in learned mode for what the nodes'
+        # reports predict; the context fit keeps the bound either way (the node checks it).
+        kv_prompts = learned_prompts(prompt, model, calibration, each) if learned else each
+        output, injected = output_budget(parsed, config, longest, largest)
+        block = fleet.block_size(model.name)
+        n = parsed.sequences_per_prompt
+        reserved = output
+        # Every prompt's sequences rounded to whole blocks on their own, as vLLM does.
+        tokens = demand_tokens(kv_prompts, output, n, block)
+        # Admission by the projected peak needs every replica's sequences: with a shared
+        # ledger each request holds its whole bound.
+        projected = adm.kv_projection and not config.ledger.url
+        lengths = None
+        if projected and learned and outputs is not None and adm.preemption_risk > 0:
+            # The bound stays max_tokens (the node enforces it); learned lengths say when a
+            # running stream is likely to end before it.
+            lengths = outputs.group(model.name, client, output)
+        prefix = None
+        if prefix_aware:
+            prefix = prefix_hint(parsed, *ids, block, longest, session)
+        demand = Demand(
+            model=model.name,
+            prompt_tokens=sum(each),
+            longest_prompt=longest,
+            output_tokens=output,
+            sequences=len(each) * n,
+            tokens=tokens,
+            prefix=prefix,
+            projected=projected,
+            lengths=lengths,
+            z=z_of(adm.preemption_risk) if lengths is not None else 0.0,
+            prefix_credit=adm.prefix_credit,
+            seen=parsed.stream,
+        )
+        ask = usage_ask(parsed.kind, parsed.stream, body) if adm.node_stream_usage else None
+        return Plan(model, parsed, prompt, output, demand, injected, reserved, sum(kv_prompts), ask)
 
     async def replan(self, plan: Plan, node: NodeCount, backend: str) -> Plan:
         """``plan`` with the count ``backend`` gave when it refused the prompt as too
@@ -162,141 +274,6 @@ class Planner:
             how,
         )
         return with_node_count(plan, tokens, self._fleet.block_size(model.name))
-
-
-async def _plan(
-    raw: bytes,
-    kind: Kind,
-    config: GatewayConfig,
-    counters: TokenCounters,
-    calibration: PromptCalibration,
-    fleet: FleetView,
-    node_counter: NodeCounter | None,
-    session: str | None,
-    outputs: OutputModel | None,
-    client: str,
-) -> Plan:
-    limits = Limits(config.admission.max_messages, config.admission.max_content_parts)
-    if len(raw) > OFF_LOOP_BYTES:
-        # (A body of 800k messages never gets here: it is refused while it arrives.)
-        # Parsing and validating a large body takes milliseconds of Python: not on the loop.
-        loop = asyncio.get_running_loop()
-        parsed, model = await loop.run_in_executor(
-            counters.executor, _parse, raw, kind, config, limits
-        )
-    else:
-        parsed, model = _parse(raw, kind, config, limits)
-    # Counting stops once the prompt is certainly past the largest context on offer: it is
-    # refused.
-    largest = fleet.largest_context(model.name)
-    estimator = counters.estimator_for(model.tokenizer)
-    body = parsed.body
-    prefix_aware = config.routing.prefix_aware and config.routing.policy == Policy.KV_AWARE
-    ids: tuple[list[int] | None, bool] = (None, False)
-    try:
-        if parsed.kind == "completion":
-            counted_body = body
-        else:
-            counted_body = body if parsed.kind == "chat" else responses_chat_body(body)
-        if prefix_aware:
-            # Before counting: the count then reads the ids' lengths.
-            ids = await prompt_ids(parsed, counted_body, model, counters, len(raw))
-        if parsed.kind == "completion":
-            prompt = await estimator.completion(body, largest or None)
-        else:
-            prompt = await estimator.chat(counted_body, largest or None)
-    except RecursionError as exc:
-        # JSON nested to just under json.loads' limit goes deeper still when a value is
-        # copied, dumped or rendered: a clean 400, not a 500.
-        raise BadRequest(
-            "A value in your request is nested too deeply to count.", code="invalid_value"
-        ) from exc
-    if (
-        node_counter is not None
-        and not prompt.exact
-        and prompt.prompts == 1
-        and worth_asking(
-            # What would be reserved: the bound, or the stand-in's count as the nodes'
-            # reports scale it, whichever is more (either may pass a context the node's
-            # own count fits).
-            reserved_prompts(prompt, model, calibration)[0],
-            prompt.floor,
-            parsed.requested_output or 1,
-            largest,
-            # A node that cuts max_tokens serves any prompt with one token of room: its
-            # count decides the cut (and whether the prompt fits at all).
-            fit_output=1 if config.admission.context_overflow == "clamp" else None,
-        )
-    ):
-        # The bound comes near (or past) the largest context while the node's count may
-        # still fit: the node's own count decides.
-        exact = await node_counter.count(model, counted_body, chat=parsed.kind != "completion")
-        if exact is not None:
-            prompt = node_counted(prompt, exact)
-    # truncate_prompt_tokens: the node keeps each prompt's last `keep` tokens; -1 (and
-    # a Responses request's truncation "auto"): as many as fit beside the output.
-    # Only on per-prompt counts: a batch counted past the limit is one lump (its prompts
-    # unknown), cut to one prompt's size it would reserve for one sequence of many.
-    per_prompt = len(prompt.each) == prompt.prompts
-    keep = truncation(body, prompt.longest) if per_prompt else 0
-    if keep == 0 and per_prompt and largest and truncates_to_fit(parsed):
-        if config.admission.context_overflow == "clamp":
-            # vLLM >= 0.32 keeps all but one token of the context, then cuts max_tokens
-            # to the one left (renderers/params.py max_truncation_tokens).
-            fit = largest - 1
-        else:
-            # The output the node gets: asked for, or the default as for a short prompt
-            # (the prompt is cut to make room for it, not the output to the leftover).
-            fit = largest - output_budget(parsed, config, 0, largest)[0]
-        keep = fit if 0 < fit < prompt.longest else 0
-    if 0 < keep < prompt.longest:
-        prompt = truncated(prompt, keep)
-    each = reserved_prompts(prompt, model, calibration)
-    if prompt.truncated:
-        each = [min(n, keep) for n in each]
-    longest = max(each)
-    adm = config.admission
-    learned = (
-        adm.output_reservation == "learned"
-        and not parsed.echo_only
-        and not output_is_set(parsed.body)
-    )
-    # KV is reserved for each prompt's bound, or in learned mode for what the nodes'
-    # reports predict; the context fit keeps the bound either way (the node checks it).
-    kv_prompts = learned_prompts(prompt, model, calibration, each) if learned else each
-    output, injected = output_budget(parsed, config, longest, largest)
-    block = fleet.block_size(model.name)
-    n = parsed.sequences_per_prompt
-    reserved = output
-    # Every prompt's sequences rounded to whole blocks on their own, as vLLM does.
-    tokens = demand_tokens(kv_prompts, output, n, block)
-    # Admission by the projected peak needs every replica's sequences: with a shared
-    # ledger each request holds its whole bound.
-    projected = adm.kv_projection and not config.ledger.url
-    lengths = None
-    if projected and learned and outputs is not None and adm.preemption_risk > 0:
-        # The bound stays max_tokens (the node enforces it); learned lengths say when a
-        # running stream is likely to end before it.
-        lengths = outputs.group(model.name, client, output)
-    prefix = None
-    if prefix_aware:
-        prefix = prefix_hint(parsed, *ids, block, longest, session)
-    demand = Demand(
-        model=model.name,
-        prompt_tokens=sum(each),
-        longest_prompt=longest,
-        output_tokens=output,
-        sequences=len(each) * n,
-        tokens=tokens,
-        prefix=prefix,
-        projected=projected,
-        lengths=lengths,
-        z=z_of(adm.preemption_risk) if lengths is not None else 0.0,
-        prefix_credit=adm.prefix_credit,
-        seen=parsed.stream,
-    )
-    ask = usage_ask(parsed.kind, parsed.stream, body) if adm.node_stream_usage else None
-    return Plan(model, parsed, prompt, output, demand, injected, reserved, sum(kv_prompts), ask)
 
 
 def tokenize_request(plan: Plan) -> tuple[dict[str, Any], bool]:
