@@ -116,7 +116,7 @@ class Planner:
         no node could serve (bad body, unknown model, a prompt past every context)."""
         config = self._config()
         counters, calibration, fleet = self._counters, self._calibration, self._fleet
-        node_counter, outputs = self._node_counter, self._outputs
+        outputs = self._outputs
         limits = Limits(config.admission.max_messages, config.admission.max_content_parts)
         if len(raw) > OFF_LOOP_BYTES:
             # (A body of 800k messages never gets here: it is refused while it arrives.)
@@ -130,50 +130,9 @@ class Planner:
         # Counting stops once the prompt is certainly past the largest context on offer: it is
         # refused.
         largest = fleet.largest_context(model.name)
-        estimator = counters.estimator_for(model.tokenizer)
         body = parsed.body
         prefix_aware = config.routing.prefix_aware and config.routing.policy == Policy.KV_AWARE
-        ids: tuple[list[int] | None, bool] = (None, False)
-        try:
-            if parsed.kind == "completion":
-                counted_body = body
-            else:
-                counted_body = body if parsed.kind == "chat" else responses_chat_body(body)
-            if prefix_aware:
-                # Before counting: the count then reads the ids' lengths.
-                ids = await prompt_ids(parsed, counted_body, model, counters, len(raw))
-            if parsed.kind == "completion":
-                prompt = await estimator.completion(body, largest or None)
-            else:
-                prompt = await estimator.chat(counted_body, largest or None)
-        except RecursionError as exc:
-            # JSON nested to just under json.loads' limit goes deeper still when a value is
-            # copied, dumped or rendered: a clean 400, not a 500.
-            raise BadRequest(
-                "A value in your request is nested too deeply to count.", code="invalid_value"
-            ) from exc
-        if (
-            node_counter is not None
-            and not prompt.exact
-            and prompt.prompts == 1
-            and worth_asking(
-                # What would be reserved: the bound, or the stand-in's count as the nodes'
-                # reports scale it, whichever is more (either may pass a context the node's
-                # own count fits).
-                reserved_prompts(prompt, model, calibration)[0],
-                prompt.floor,
-                parsed.requested_output or 1,
-                largest,
-                # A node that cuts max_tokens serves any prompt with one token of room: its
-                # count decides the cut (and whether the prompt fits at all).
-                fit_output=1 if config.admission.context_overflow == "clamp" else None,
-            )
-        ):
-            # The bound comes near (or past) the largest context while the node's count may
-            # still fit: the node's own count decides.
-            exact = await node_counter.count(model, counted_body, chat=parsed.kind != "completion")
-            if exact is not None:
-                prompt = node_counted(prompt, exact)
+        prompt, ids = await self._count(parsed, model, config, largest, len(raw), prefix_aware)
         # truncate_prompt_tokens: the node keeps each prompt's last `keep` tokens; -1 (and
         # a Responses request's truncation "auto"): as many as fit beside the output.
         # Only on per-prompt counts: a batch counted past the limit is one lump (its prompts
@@ -238,6 +197,64 @@ class Planner:
         )
         ask = usage_ask(parsed.kind, parsed.stream, body) if adm.node_stream_usage else None
         return Plan(model, parsed, prompt, output, demand, injected, reserved, sum(kv_prompts), ask)
+
+    async def _count(
+        self,
+        parsed: ParsedRequest,
+        model: ModelConfig,
+        config: GatewayConfig,
+        largest: int,
+        raw_bytes: int,
+        prefix_aware: bool,
+    ) -> tuple[PromptEstimate, tuple[list[int] | None, bool]]:
+        """The prompt's count (the node's own where the stand-in's bound comes near the
+        largest context), and with prefix awareness its token ids for block keys."""
+        estimator = self._counters.estimator_for(model.tokenizer)
+        body = parsed.body
+        ids: tuple[list[int] | None, bool] = (None, False)
+        try:
+            if parsed.kind == "completion":
+                counted_body = body
+            else:
+                counted_body = body if parsed.kind == "chat" else responses_chat_body(body)
+            if prefix_aware:
+                # Before counting: the count then reads the ids' lengths.
+                ids = await prompt_ids(parsed, counted_body, model, self._counters, raw_bytes)
+            if parsed.kind == "completion":
+                prompt = await estimator.completion(body, largest or None)
+            else:
+                prompt = await estimator.chat(counted_body, largest or None)
+        except RecursionError as exc:
+            # JSON nested to just under json.loads' limit goes deeper still when a value is
+            # copied, dumped or rendered: a clean 400, not a 500.
+            raise BadRequest(
+                "A value in your request is nested too deeply to count.", code="invalid_value"
+            ) from exc
+        if (
+            self._node_counter is not None
+            and not prompt.exact
+            and prompt.prompts == 1
+            and worth_asking(
+                # What would be reserved: the bound, or the stand-in's count as the nodes'
+                # reports scale it, whichever is more (either may pass a context the node's
+                # own count fits).
+                reserved_prompts(prompt, model, self._calibration)[0],
+                prompt.floor,
+                parsed.requested_output or 1,
+                largest,
+                # A node that cuts max_tokens serves any prompt with one token of room: its
+                # count decides the cut (and whether the prompt fits at all).
+                fit_output=1 if config.admission.context_overflow == "clamp" else None,
+            )
+        ):
+            # The bound comes near (or past) the largest context while the node's count may
+            # still fit: the node's own count decides.
+            exact = await self._node_counter.count(
+                model, counted_body, chat=parsed.kind != "completion"
+            )
+            if exact is not None:
+                prompt = node_counted(prompt, exact)
+        return prompt, ids
 
     async def replan(self, plan: Plan, node: NodeCount, backend: str) -> Plan:
         """``plan`` with the count ``backend`` gave when it refused the prompt as too
