@@ -30,10 +30,10 @@ test-tools: $(STAMP)
 	./scripts/install-vllm.sh
 	$(BIN)/python -m tests.support.real_models
 
+# mypy runs beside the main tier (scripts/test-all.sh): its result fails the target.
 test: $(STAMP) test-tools
 	$(BIN)/ruff check kvgateway tests bench
 	$(BIN)/lint-imports
-	$(BIN)/mypy
 	BIN=$(BIN) ./scripts/test-all.sh
 
 # The loop a developer runs every minute: lint, the import contracts and the fast tier

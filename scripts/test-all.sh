@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The whole suite after lint: the main tier, its timing tests alone, then the real-vLLM
-# tier. The main tier runs
-# 3 workers on 2 cores (it spends a third of its time waiting on sockets and timers).
+# The whole suite after lint: mypy beside the main tier, the timing tests alone, then the
+# real-vLLM tier. The main tier runs 3 workers on 2 cores (it spends a sixth of its time
+# waiting on sockets and timers); mypy (one core, ~45 s from an empty cache) takes some
+# of that, and its errors fail the run once the main tier is done.
 # The real tier's first two nodes (S and L, which every real module uses) start in the
 # background as the main tier begins: a node's start-up is mostly imports on one core.
 # They stop when this script ends, however it ends. Where vLLM is not installed nothing
@@ -11,8 +12,10 @@ cd "$(dirname "$0")/.."
 BIN=${BIN:-.venv/bin}
 nodes=$(mktemp -d /tmp/kvgateway-test-nodes.XXXXXX)
 keeper=
+typecheck=
 cleanup() {
     if [ -n "$keeper" ]; then kill "$keeper" 2>/dev/null || true; fi
+    if [ -n "$typecheck" ]; then kill "$typecheck" 2>/dev/null || true; fi
     "$BIN/python" -m tests.support.vllm_nodes --stop --dir "$nodes" || true
     rm -rf "$nodes"
 }
@@ -24,7 +27,18 @@ if "$BIN/python" -c 'import sys; from tests.support.vllm_nodes import vllm_missi
     keeper=$!
 fi
 
+"$BIN/mypy" >"$nodes/mypy.log" 2>&1 &
+typecheck=$!
+
 "$BIN/pytest" -n 3 -q -m "not real_vllm and not timing"
+status=0
+wait "$typecheck" || status=$?
+typecheck=
+cat "$nodes/mypy.log"
+if [ "$status" -ne 0 ]; then
+    echo "mypy failed" >&2
+    exit "$status"
+fi
 # Tests that compare latencies, alone on the machine (beside the parallel tier, the
 # CPU it takes moves their timings more than what they measure).
 "$BIN/pytest" -q -m "timing and not real_vllm"

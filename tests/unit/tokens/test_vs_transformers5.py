@@ -24,11 +24,11 @@ import pytest
 from kvgateway.tokens import transformers5
 from kvgateway.tokens.modeldir import load_model_tokenizer
 from kvgateway.tokens.roles import as_system
-from tests.support.once import once_per_run
 from tests.support.real_fleet import require_vllm
 from tests.support.real_models import VLLM_VENV
 
-pytestmark = pytest.mark.slow
+# One worker asks the oracle and runs every test that reads it: the others never wait.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("transformers5-oracle")]
 
 ORACLE = Path(__file__).with_name("transformers5_oracle.py")
 TEXTS = [
@@ -116,7 +116,7 @@ def oracle(
     vocab_dirs: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory
 ) -> dict[str, Any]:
     """vLLM's answers for every variant, the tables and the conversations: one oracle
-    run (a minute of vLLM imports) for the whole test run, shared by the workers."""
+    run for the whole test run (the module's tests share one xdist worker)."""
     require_vllm()
     root = tmp_path_factory.mktemp("t5")
     dirs = {n: _variant(root, n, vocab_dirs(v[0])) for n, v in VARIANTS.items()}
@@ -125,17 +125,14 @@ def oracle(
     for template in (TEMPLATE_WITHOUT, TEMPLATE_WITH):
         jobs += [{"developer": c, "template": template} for c in CONVERSATIONS]
 
-    def run() -> str:
-        return subprocess.run(
-            [str(VLLM_VENV / "bin" / "python"), str(ORACLE)],
-            input=json.dumps(jobs),
-            capture_output=True,
-            text=True,
-            timeout=900,
-            check=True,
-        ).stdout
-
-    stdout = once_per_run(tmp_path_factory, "transformers5-oracle", run, timeout=1000)
+    stdout = subprocess.run(
+        [str(VLLM_VENV / "bin" / "python"), str(ORACLE)],
+        input=json.dumps(jobs),
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=True,
+    ).stdout
     answers = json.loads(stdout.strip().splitlines()[-1])
     n = len(dirs)
     return {

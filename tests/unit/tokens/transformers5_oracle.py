@@ -28,6 +28,13 @@ logging.disable(logging.WARNING)
 
 def tokenizer_job(job: dict[str, Any]) -> dict[str, Any]:
     from vllm.tokenizers import get_tokenizer  # type: ignore[import-not-found]  # oracle venv only
+    from vllm.transformers_utils import repo_utils  # type: ignore[import-not-found]
+
+    # A directory without a model config fails vLLM's config lookup, which it retries
+    # after 2 s in case a hub cache refresh hid the file: a local directory's answer does
+    # not change, so the oracle retries at once. The tokenizer it loads is the same.
+    max_retries, _, fatal = repo_utils.with_retry.__defaults__
+    repo_utils.with_retry.__defaults__ = (max_retries, 0, fatal)
 
     tok = get_tokenizer(job["dir"])
     cls = type(tok)
