@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Protocol
 import tiktoken
 from tiktoken.load import load_tiktoken_bpe
 
+from kvgateway.tokens.bytelevel import MergeProofs
 from kvgateway.tokens.lookahead_free import PATTERNS, FastEncoding
 
 if TYPE_CHECKING:
@@ -137,10 +138,12 @@ def _dir_stamp(directory: str) -> tuple[object, ...]:
 
 
 class EncodingCache:
-    """Loads each spec (and each model tokenizer directory) once; thread-safe."""
+    """Loads each spec (and each model tokenizer directory) once, and checks each
+    ``tokenizer.json``'s merges once whichever directories hold it; thread-safe."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self._proofs = MergeProofs()
         self._cache: dict[EncodingSpec, Encoder] = {}
         self._models: dict[tuple[str, str | None, str, tuple[object, ...]], ModelTokenizer] = {}
 
@@ -161,7 +164,11 @@ class EncodingCache:
             tok = self._models.get(key)
             if tok is None:
                 tok = load_model_tokenizer(
-                    directory, pattern=pattern, engine=engine, transformers=transformers
+                    directory,
+                    pattern=pattern,
+                    engine=engine,
+                    transformers=transformers,
+                    proofs=self._proofs,
                 )
                 self._models[key] = tok
             return tok

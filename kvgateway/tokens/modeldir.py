@@ -31,7 +31,7 @@ from typing import Any
 from tiktoken.load import load_tiktoken_bpe
 
 from kvgateway.tokens import transformers5
-from kvgateway.tokens.bytelevel import NotExact, to_tiktoken_ranks
+from kvgateway.tokens.bytelevel import MergeProofs, NotExact, to_tiktoken_ranks
 from kvgateway.tokens.chat_template import ChatTemplate, TemplateError
 from kvgateway.tokens.engines import HfEngine, TextEngine, TiktokenEngine
 from kvgateway.tokens.images import ImageGrid, load_grid
@@ -195,7 +195,12 @@ def _post_processor_ids(proc: Any, added: Mapping[str, int]) -> tuple[list[int],
 
 
 def load_model_tokenizer(
-    directory: str, *, pattern: str | None = None, engine: str = "auto", transformers: int = 5
+    directory: str,
+    *,
+    pattern: str | None = None,
+    engine: str = "auto",
+    transformers: int = 5,
+    proofs: MergeProofs | None = None,
 ) -> ModelTokenizer:
     """The tokenizer in ``directory``; ``pattern`` is the split regex (or a family name
     from :data:`~kvgateway.tokens.lookahead_free.PATTERNS`) of a ``*.tiktoken`` file.
@@ -203,6 +208,7 @@ def load_model_tokenizer(
     ``engine``: "auto" (tiktoken when proven exact), or "tokenizers" to force the
     ``tokenizers`` library (what the simulator's reference node does). ``transformers``:
     the major version whose loading rules apply (see :data:`TRANSFORMERS_VERSIONS`).
+    ``proofs``: merge checks already made (see :class:`~.bytelevel.MergeProofs`).
     """
     if transformers not in TRANSFORMERS_VERSIONS:
         raise TokenizerDirError(
@@ -243,7 +249,7 @@ def load_model_tokenizer(
         try:
             if engine == "tokenizers":
                 raise NotExact("the tokenizers engine was asked for")
-            parts = to_tiktoken_ranks(spec)
+            parts = to_tiktoken_ranks(spec, proofs=proofs)
             text_engine = TiktokenEngine(label, parts.pattern, parts.ranks, added, nfc=parts.nfc)
             note = "byte-level BPE that tiktoken reproduces exactly"
         except NotExact as exc:

@@ -21,8 +21,8 @@ from bench.counting_workload import (
     send,
     workload,
 )
+from kvgateway.tokens.encoding import EncodingCache
 from kvgateway.tokens.exact import ExactCounter
-from kvgateway.tokens.modeldir import load_model_tokenizer
 from tests.support import vocab
 from tests.support.fleet import MODEL, SERVED, StartFleet
 from tests.unit.tokens.test_vs_transformers import THINKING
@@ -245,7 +245,11 @@ MIXED = {kind: 1.0 for kind in MIX}  # every content class of the benchmark, ali
 @pytest.mark.parametrize("vocabulary", ["qwen", "sentencepiece"])
 @pytest.mark.parametrize("mode", ["exact", "standin"])
 async def test_mixed_workload_against_a_real_vocabulary(
-    start_fleet: StartFleet, vocab_dirs, mode: str, vocabulary: str
+    start_fleet: StartFleet,
+    vocab_dirs,
+    mode: str,
+    vocabulary: str,
+    encodings: EncodingCache,
 ):
     """A small run of bench.counting_modes: numbers, code, JSON, CJK, other scripts,
     white-space layout, tools, images, long prompts and prompts within 5% of a node's
@@ -262,7 +266,7 @@ async def test_mixed_workload_against_a_real_vocabulary(
         time_scale=200,
         gateway=gateway,
     )
-    counter = ExactCounter(load_model_tokenizer(directory))
+    counter = ExactCounter(encodings.model(directory))
     probes = workload(MODEL, counter, 26, seed=7, contexts=(8_192, 32_768), mix=MIXED)
     assert {p.kind.split("/")[0] for p in probes} >= {"near_limit", "layout", "tools", "images"}
     todo = iter(probes)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +13,7 @@ import pytest
 from kvgateway.config.load import parse_config
 from kvgateway.config.yamlread import ConfigError
 from kvgateway.tokens.bytelevel import (
+    MergeProofs,
     NotExact,
     _check_merges,
     split_pattern,
@@ -21,7 +22,7 @@ from kvgateway.tokens.bytelevel import (
 )
 from kvgateway.tokens.encoding import EncodingCache
 from kvgateway.tokens.exact import ExactCounter
-from kvgateway.tokens.modeldir import TokenizerDirError, load_model_tokenizer
+from kvgateway.tokens.modeldir import TokenizerDirError
 from tests.support import vocab
 
 # Loads real vocabularies (and transformers): the slow tier.
@@ -71,6 +72,37 @@ def test_merge_checks_catch_what_tiktoken_would_do_differently() -> None:
         token_bytes("\u4e2d")
 
 
+class _Watched(dict[str, int]):
+    """A vocabulary that counts the check's passes over its tokens."""
+
+    passes = 0
+
+    def __iter__(self) -> Iterator[str]:
+        self.passes += 1
+        return super().__iter__()
+
+
+def test_merge_proofs_check_each_vocabulary_and_merge_list_once() -> None:
+    """The same input is checked once and gets the same verdict, a failure included;
+    any change to what the check reads is checked anew."""
+    proofs = MergeProofs()
+    vocab = _Watched({"a": 97, "b": 98, "c": 99, "ab": 256, "abc": 257})
+    merges: list[Any] = [["a", "b"], ["ab", "c"]]
+    for _ in range(2):
+        proofs.check(merges, vocab, ignore_merges=False)
+    assert vocab.passes == 1
+    for _ in range(2):
+        with pytest.raises(NotExact, match="not a listed merge"):
+            proofs.check([["a", "b"]], vocab, ignore_merges=False)
+    assert vocab.passes == 2
+    proofs.check(merges, vocab, ignore_merges=True)
+    assert vocab.passes == 3
+    vocab["bc"] = 258
+    with pytest.raises(NotExact, match="not a listed merge"):
+        proofs.check(merges, vocab, ignore_merges=False)  # no listed merge makes bc
+    assert vocab.passes == 4
+
+
 def test_split_patterns() -> None:
     assert "\\p{L}" in split_pattern({"type": "ByteLevel", "use_regex": True})
     with pytest.raises(NotExact):
@@ -79,27 +111,29 @@ def test_split_patterns() -> None:
         split_pattern({"type": "ByteLevel", "add_prefix_space": True})
 
 
-def test_missing_and_inconsistent_directories(tmp_path: Path, vocab_dirs: Dirs) -> None:
+def test_missing_and_inconsistent_directories(
+    tmp_path: Path, vocab_dirs: Dirs, encodings: EncodingCache
+) -> None:
     with pytest.raises(TokenizerDirError, match="does not exist"):
-        load_model_tokenizer(str(tmp_path / "nope"))
+        encodings.model(str(tmp_path / "nope"))
     with pytest.raises(TokenizerDirError, match=r"neither tokenizer\.json"):
-        load_model_tokenizer(str(tmp_path))
+        encodings.model(str(tmp_path))
     # A special token that is no token of the vocabulary is added as one, as
     # transformers adds it (the next free id), not refused.
     new_bos = _copy(vocab_dirs("tekken"), tmp_path / "bos")
     _edit_config(new_bos, bos_token="<|begin|>")
-    tok = load_model_tokenizer(str(new_bos))
+    tok = encodings.model(str(new_bos))
     assert len(tok.engine.encode("<|begin|>")) == 1
     assert tok.engine.encode("<|begin|>")[0] >= 131_072  # past Tekken's vocabulary
     bad_template = _copy(vocab_dirs("tekken"), tmp_path / "tpl")
     _edit_config(bad_template, chat_template="{% for m in messages %}")
     with pytest.raises(TokenizerDirError, match="chat template"):
-        load_model_tokenizer(str(bad_template))
+        encodings.model(str(bad_template))
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "tokenizer.json").write_text("{not json")
     with pytest.raises(TokenizerDirError, match="cannot read"):
-        load_model_tokenizer(str(broken))
+        encodings.model(str(broken))
 
 
 def test_a_bad_path_is_a_config_error_naming_the_yaml_path(tmp_path: Path) -> None:
@@ -124,17 +158,19 @@ def test_config_path_loads_the_tokenizer(vocab_dirs: Dirs) -> None:
 
 
 def test_add_bos_token_overrides_the_post_processor_of_llama_style_classes_only(
-    tmp_path: Path, vocab_dirs: Dirs
+    tmp_path: Path,
+    vocab_dirs: Dirs,
+    encodings: EncodingCache,
 ) -> None:
     """transformers 4.x: LlamaTokenizerFast (and Gemma's, Cohere's) rebuild the
     post-processor from add_bos_token / add_eos_token; the generic class keeps
     tokenizer.json's (BOS <s> = 1 here) whatever the config says."""
     directory = _copy(vocab_dirs("tekken"), tmp_path / "nobos")
     _edit_config(directory, add_bos_token=False, add_eos_token=True)
-    tok = load_model_tokenizer(str(directory), transformers=4)
+    tok = encodings.model(str(directory), transformers=4)
     assert tok.prefix == (1,) and tok.suffix == ()
     _edit_config(directory, tokenizer_class="LlamaTokenizerFast")
-    tok = load_model_tokenizer(str(directory), transformers=4)
+    tok = encodings.model(str(directory), transformers=4)
     assert tok.prefix == () and tok.suffix == (2,)
     assert tok.encode_prompt("hi")[-1] == 2
     # Silent config, Llama class: BOS and no EOS by the class's defaults.
@@ -142,12 +178,14 @@ def test_add_bos_token_overrides_the_post_processor_of_llama_style_classes_only(
     config = json.loads((directory / "tokenizer_config.json").read_text())
     config = {k: v for k, v in config.items() if v is not None}
     (directory / "tokenizer_config.json").write_text(json.dumps(config))
-    tok = load_model_tokenizer(str(directory), transformers=4)
+    tok = encodings.model(str(directory), transformers=4)
     assert tok.prefix == (1,) and tok.suffix == ()
 
 
 def test_transformers_5_keeps_the_post_processor_of_every_class(
-    tmp_path: Path, vocab_dirs: Dirs
+    tmp_path: Path,
+    vocab_dirs: Dirs,
+    encodings: EncodingCache,
 ) -> None:
     """transformers 5 drops add_bos_token / add_eos_token beside a tokenizer.json: the
     file's post-processor decides for every class (BOS <s> = 1 here), except GPT-NeoX's,
@@ -156,16 +194,18 @@ def test_transformers_5_keeps_the_post_processor_of_every_class(
     _edit_config(directory, add_bos_token=False, add_eos_token=True)
     for cls in ("LlamaTokenizerFast", "GemmaTokenizer", "PreTrainedTokenizerFast"):
         _edit_config(directory, tokenizer_class=cls)
-        tok = load_model_tokenizer(str(directory))
+        tok = encodings.model(str(directory))
         assert (tok.prefix, tok.suffix) == ((1,), ()), cls
     _edit_config(directory, tokenizer_class="LlamaTokenizerFast")
-    assert load_model_tokenizer(str(directory), transformers=4).prefix == ()
+    assert encodings.model(str(directory), transformers=4).prefix == ()
     _edit_config(directory, tokenizer_class="GPTNeoXTokenizer", add_bos_token=True)
-    tok = load_model_tokenizer(str(directory))
+    tok = encodings.model(str(directory))
     assert (tok.prefix, tok.suffix) == ((), ())
 
 
-def test_template_files_and_named_templates(tmp_path: Path, vocab_dirs: Dirs) -> None:
+def test_template_files_and_named_templates(
+    tmp_path: Path, vocab_dirs: Dirs, encodings: EncodingCache
+) -> None:
     directory = _copy(vocab_dirs("qwen"), tmp_path / "named")
     _edit_config(
         directory,
@@ -174,28 +214,30 @@ def test_template_files_and_named_templates(tmp_path: Path, vocab_dirs: Dirs) ->
             {"name": "tool_use", "template": "T{{ tools | length }}"},
         ],
     )
-    counter = ExactCounter(load_model_tokenizer(str(directory)))
+    counter = ExactCounter(encodings.model(str(directory)))
     msgs = [{"role": "user", "content": "x"}]
     assert counter.render_chat({"messages": msgs}).text == "Dx"
     tools = [{"type": "function", "function": {"name": "f"}}]
     assert counter.render_chat({"messages": msgs, "tools": tools}).text == "T1"
     (directory / "chat_template.jinja").write_text("J{{ messages | length }}")
-    counter = ExactCounter(load_model_tokenizer(str(directory)))
+    counter = ExactCounter(encodings.model(str(directory)))
     assert counter.render_chat({"messages": msgs}).text == "J1"
     (directory / "chat_template.json").write_text(json.dumps({"chat_template": "P"}))
-    counter = ExactCounter(load_model_tokenizer(str(directory)))
+    counter = ExactCounter(encodings.model(str(directory)))
     # vLLM prefers a processor's template unless the request has tools.
     assert counter.render_chat({"messages": msgs}).text == "P"
     assert counter.render_chat({"messages": msgs, "tools": tools}).text == "T1"
 
 
-def test_a_tiktoken_file_with_its_pattern(tmp_path: Path, vocab_dirs: Dirs) -> None:
+def test_a_tiktoken_file_with_its_pattern(
+    tmp_path: Path, vocab_dirs: Dirs, encodings: EncodingCache
+) -> None:
     directory = tmp_path / "qwen-tiktoken"
     directory.mkdir()
     src = vocab._site("dashscope") / "resources" / "qwen.tiktoken"
     shutil.copy(src, directory / "qwen.tiktoken")
     with pytest.raises(TokenizerDirError, match="split pattern"):
-        load_model_tokenizer(str(directory))
+        encodings.model(str(directory))
     base = len(vocab.qwen_ranks())
     config = {
         "eos_token": "<|im_end|>",
@@ -206,8 +248,8 @@ def test_a_tiktoken_file_with_its_pattern(tmp_path: Path, vocab_dirs: Dirs) -> N
         },
     }
     (directory / "tokenizer_config.json").write_text(json.dumps(config))
-    tok = load_model_tokenizer(str(directory), pattern=vocab.QWEN_PATTERN)
-    reference = load_model_tokenizer(str(vocab_dirs("qwen")), engine="tokenizers")
+    tok = encodings.model(str(directory), pattern=vocab.QWEN_PATTERN)
+    reference = encodings.model(str(vocab_dirs("qwen")), engine="tokenizers")
     text = "<|im_start|>user\nPrices: 12345.678 USD, naïve café 東京 🙂<|im_end|>\n"
     assert tok.engine.encode(text) == reference.engine.encode(text)
 

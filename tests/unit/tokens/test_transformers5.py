@@ -17,7 +17,6 @@ from kvgateway.config.yamlread import ConfigError
 from kvgateway.tokens.chat_template import TemplateError
 from kvgateway.tokens.encoding import EncodingCache
 from kvgateway.tokens.exact import ExactCounter
-from kvgateway.tokens.modeldir import load_model_tokenizer
 from kvgateway.tokens.responses_input import chat_body
 from kvgateway.tokens.transformers5 import tokenizer_class
 
@@ -39,7 +38,9 @@ def _qwen_without_nfc(base: Path, directory: Path) -> Path:
 
 
 def test_qwen2_class_normalizes_to_nfc_whatever_the_file_says(
-    vocab_dirs: Dirs, tmp_path: Path
+    vocab_dirs: Dirs,
+    tmp_path: Path,
+    encodings: EncodingCache,
 ) -> None:
     """transformers 5's Qwen2Tokenizer builds its own NFC normalizer: NFD text costs what
     its NFC form does (seen on a node: gateway 331, node 231 for one NFD prompt). With
@@ -47,11 +48,11 @@ def test_qwen2_class_normalizes_to_nfc_whatever_the_file_says(
     directory = _qwen_without_nfc(vocab_dirs("qwen"), tmp_path / "qwen")
     nfc = unicodedata.normalize("NFC", NFD)
     for engine in ("auto", "tokenizers"):
-        tok = load_model_tokenizer(str(directory), engine=engine)
+        tok = encodings.model(str(directory), engine=engine)
         assert len(tok.encode_prompt(NFD)) == len(tok.encode_prompt(nfc))
-        old = load_model_tokenizer(str(directory), engine=engine, transformers=4)
+        old = encodings.model(str(directory), engine=engine, transformers=4)
         assert len(old.encode_prompt(NFD)) > 1.3 * len(old.encode_prompt(nfc))
-    counter = ExactCounter(load_model_tokenizer(str(directory)))
+    counter = ExactCounter(encodings.model(str(directory)))
     chat = {"messages": [{"role": "user", "content": NFD}]}
     assert counter.count_chat_sync(chat) == len(counter.prompt_ids(chat))
 
@@ -123,7 +124,9 @@ def test_responses_instructions_and_developer_input_become_one_system_message(
     assert text.count("<|im_start|>system") == 1
 
 
-def test_templates_see_named_special_tokens_only(vocab_dirs: Dirs, tmp_path: Path) -> None:
+def test_templates_see_named_special_tokens_only(
+    vocab_dirs: Dirs, tmp_path: Path, encodings: EncodingCache
+) -> None:
     """transformers 5's special_tokens_map has the named tokens, not the extra ones."""
     base = vocab_dirs("qwen")
     directory = tmp_path / "extra"
@@ -134,9 +137,9 @@ def test_templates_see_named_special_tokens_only(vocab_dirs: Dirs, tmp_path: Pat
     config["chat_template"] = "{{ additional_special_tokens | default('none') }} {{ eos_token }}"
     (directory / "tokenizer_config.json").write_text(json.dumps(config))
     body = {"messages": [{"role": "user", "content": "x"}]}
-    new = ExactCounter(load_model_tokenizer(str(directory)))
+    new = ExactCounter(encodings.model(str(directory)))
     assert new.render_chat(body).text == "none <|im_end|>"
-    old = ExactCounter(load_model_tokenizer(str(directory), transformers=4))
+    old = ExactCounter(encodings.model(str(directory), transformers=4))
     assert old.render_chat(body).text == "['<|im_start|>', '<|im_end|>'] <|im_end|>"
 
 

@@ -778,14 +778,16 @@ MODEL_CONFIGS: dict[str, dict[str, Any]] = {"model-type-phi3": {"model_type": "p
 
 @pytest.mark.parametrize("variant", sorted(DIR_VARIANTS))
 def test_special_tokens_and_bos_eos_as_the_tokenizer_class_sets_them(
-    variant: str, vocab_dirs: Callable[[str], Path], tmp_path: Path
+    variant: str,
+    vocab_dirs: Callable[[str], Path],
+    tmp_path: Path,
+    encodings: EncodingCache,
 ) -> None:
     """Found by a review against transformers 4.57: the gateway applied add_bos_token /
     add_eos_token to every class (a Llama 3 directory saying add_bos_token false was
     counted one under), never read special_tokens_map.json (a template's bos_token
     rendered as "", one under) and knew no class defaults (a Mistral template's
     eos_token was undefined)."""
-    from kvgateway.tokens.modeldir import load_model_tokenizer
 
     kind, changes, drop_post, stmap = DIR_VARIANTS[variant]
     source = vocab_dirs(kind)
@@ -809,7 +811,7 @@ def test_special_tokens_and_bos_eos_as_the_tokenizer_class_sets_them(
     if variant in MODEL_CONFIGS:
         (tmp_path / "config.json").write_text(json.dumps(MODEL_CONFIGS[variant]))
     hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
-    gateway = ExactCounter(load_model_tokenizer(str(tmp_path), transformers=4))
+    gateway = ExactCounter(encodings.model(str(tmp_path), transformers=4))
     for prompt in ("Hello world", "12345 <s> x", "a <|endoftext|> b <pad> c"):
         assert gateway.completion_ids({"prompt": prompt}) == hf(prompt)["input_ids"], prompt
     pair = Pair(tmp_path, gateway.tokenizer, hf)

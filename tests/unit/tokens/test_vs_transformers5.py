@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from kvgateway.tokens import transformers5
-from kvgateway.tokens.modeldir import load_model_tokenizer
+from kvgateway.tokens.encoding import EncodingCache
 from kvgateway.tokens.roles import as_system
 from tests.support.real_fleet import require_vllm
 from tests.support.real_models import VLLM_VENV
@@ -146,7 +146,9 @@ def oracle(
 @pytest.mark.timeout(1200)
 @pytest.mark.parametrize("name", sorted(VARIANTS))
 def test_directories_load_as_vllm_with_transformers_5_loads_them(
-    name: str, oracle: dict[str, Any]
+    name: str,
+    oracle: dict[str, Any],
+    encodings: EncodingCache,
 ) -> None:
     """Same class, same named special tokens (what a template sees), same ids with and
     without special tokens. On the 4.x rules: a Qwen2Tokenizer directory without NFC
@@ -154,7 +156,7 @@ def test_directories_load_as_vllm_with_transformers_5_loads_them(
     after a special token one more, add_bos_token false dropped a BOS the node adds..."""
     directory = oracle["dirs"][name]
     want = oracle["tokenizers"][name]
-    tok = load_model_tokenizer(str(directory))
+    tok = encodings.model(str(directory))
     cfg = json.loads((directory / "tokenizer_config.json").read_text())
     model = json.loads(p.read_text()) if (p := directory / "config.json").exists() else {}
     assert (transformers5.tokenizer_class(cfg, model) or "TokenizersBackend") == want["class"]
