@@ -273,6 +273,7 @@ def _admission(s: Section) -> AdmissionConfig:
         preemption_risk=s.number(
             "preemption_risk", d.preemption_risk, exclusive_min=False, maximum=0.5
         ),
+        clamp_risk=s.number("clamp_risk", d.clamp_risk, exclusive_min=False, maximum=0.5),
     )
     s.reject_unknown()
     return cfg

@@ -76,6 +76,11 @@ class AdmissionConfig:
     # learned: the accepted chance, per node, that its sequences outgrow its budget (the
     # curve is checked at mean + z(risk) standard deviations).
     preemption_risk: float = 0.001
+    # context_overflow "clamp", learned: a node whose context leaves less than the
+    # request's max_tokens beside its prompt may serve it with max_tokens cut to what it
+    # leaves, when the learned answers of such requests pass that cut with at most this
+    # chance. 0: max_tokens is cut only to the largest context on offer.
+    clamp_risk: float = 0.001
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,7 +19,7 @@ from kvgateway.core.admission_queue import (
     with_busy,
 )
 from kvgateway.core.backends import Backend, PauseReason
-from kvgateway.core.demand import Demand, flight_for, tokens_on
+from kvgateway.core.demand import Demand, flight_for, served_as, tokens_on
 from kvgateway.core.ledger import Ledger, LocalLedger
 from kvgateway.core.prefix_routing import PrefixRouter
 from kvgateway.core.reservation import Reservation
@@ -109,8 +109,21 @@ class AdmissionCore:
     def _grant(
         self, backend: Backend, demand: Demand, reason: RouteReason, ticket: Ticket | None = None
     ) -> Reservation:
-        if demand.projected:
-            return self._grant_projected(backend, demand, reason, ticket)
+        r = (self._grant_projected if demand.projected else self._grant_whole)(
+            backend, demand, reason, ticket
+        )
+        served = served_as(backend, demand)
+        if served is not None and served is not demand:
+            r.output_cut = served.output_tokens  # the node's context cuts max_tokens
+        backend.unstarted += 1
+        if ticket is not None and self._tenancy is not None:
+            self._tenancy.granted(ticket, r.tokens, r.seqs, backend.name)
+        self._ledger.granted(r)
+        return r
+
+    def _grant_whole(
+        self, backend: Backend, demand: Demand, reason: RouteReason, ticket: Ticket | None
+    ) -> Reservation:
         # Prefix-aware: blocks a ready in-flight request on the node holds are credited.
         holding = self._prefix.granted(backend, demand, self._clock()) if self._prefix else None
         tokens = tokens_on(backend, demand) - (holding.credited_tokens if holding else 0)
@@ -118,10 +131,6 @@ class AdmissionCore:
             backend, tokens, demand.sequences, reason, self, ticket=ticket, holding=holding
         )
         self._adjust(backend, tokens, demand.sequences, 1)
-        backend.unstarted += 1
-        if ticket is not None and self._tenancy is not None:
-            self._tenancy.granted(ticket, r.tokens, r.seqs, backend.name)
-        self._ledger.granted(r)
         return r
 
     def _grant_projected(
@@ -137,20 +146,8 @@ class AdmissionCore:
         )
         r.flight = flight_for(backend, demand, r.id)
         backend.projection.add(r.flight)
-        self._adjust(backend, self._resync(backend), demand.sequences, 1)
-        backend.unstarted += 1
-        if ticket is not None and self._tenancy is not None:
-            self._tenancy.granted(ticket, r.tokens, r.seqs, backend.name)
-        self._ledger.granted(r)
+        self._adjust(backend, backend.resync_projected(), demand.sequences, 1)
         return r
-
-    @staticmethod
-    def _resync(b: Backend) -> int:
-        """Make ``b.projected_tokens`` what its flights hold now; the change."""
-        block = b.limits.block_size
-        now = b.projection.current_blocks(block) * block
-        change, b.projected_tokens = now - b.projected_tokens, now
-        return change
 
     def progress(self, reservation: Reservation, generated: int, prompt: int | None = None) -> None:
         """The node reports ``generated`` output tokens per sequence for a request (it is
@@ -259,7 +256,7 @@ class AdmissionCore:
         if reservation.flight is not None:
             b.projection.remove(reservation.flight.id)
             self._reported.get(b.name, set()).discard(reservation.flight.id)
-            self._adjust(b, self._resync(b), -reservation.seqs, -1)
+            self._adjust(b, b.resync_projected(), -reservation.seqs, -1)
         else:
             self._adjust(b, -(reservation.tokens + shared), -reservation.seqs, -1)
         if reservation.ticket is not None and self._tenancy is not None:

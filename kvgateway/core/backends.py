@@ -131,6 +131,13 @@ class Backend:
         """Healthy, limits known and not leaving the fleet."""
         return self.healthy and self.limits.known and not self.draining
 
+    def resync_projected(self) -> int:
+        """Make ``projected_tokens`` what the projection's flights hold now; the change."""
+        block = self.limits.block_size
+        now = self.projection.current_blocks(block) * block
+        change, self.projected_tokens = now - self.projected_tokens, now
+        return change
+
     def note_rejection(self, now: float) -> None:
         self.rejection_times.append(now)
 

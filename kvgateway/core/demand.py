@@ -8,7 +8,7 @@ index and admission's queue claims alike.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvgateway.core.backends import Backend
 from kvgateway.core.flight import AHEAD, FIRST_CHUNK_TOKENS, Flight
@@ -66,10 +66,25 @@ class Demand:
     # Slots of a node (name, max_num_seqs) that other classes' floors keep from this
     # request there (Tenancy.kept_on); None: no floor concerns it.
     kept_slots: Callable[[str, int], float] | None = None
+    # admission.clamp_risk (one prompt, learned lengths, context_overflow: clamp): a
+    # node whose context leaves less than ``output_tokens`` beside the prompt may serve
+    # it with max_tokens cut to what it leaves, when such answers pass that cut with at
+    # most this chance (0: never). See :func:`served_as`.
+    clamp_risk: float = 0.0
 
     @property
     def longest_sequence(self) -> int:
         return self.longest_prompt + self.output_tokens
+
+    @property
+    def shortest_output(self) -> int:
+        """The least output a node's context may leave it (``output_tokens`` unless
+        learned answers allow a cut)."""
+        if self.clamp_risk and self.lengths is not None:
+            cut = self.lengths.shortest_cut(self.clamp_risk)
+            if cut is not None:
+                return min(cut, self.output_tokens)
+        return self.output_tokens
 
     @property
     def room_floor(self) -> int:
@@ -91,17 +106,46 @@ def demand_tokens(prompt_lengths: Sequence[int], output_tokens: int, n: int, blo
 
 
 def fits_limits(context_limit: int, budget_tokens: int, max_num_seqs: int, d: Demand) -> bool:
-    """Limits of this size could hold ``d`` (the shape the routing index keeps per tier)."""
+    """Limits of this size could hold ``d`` (the shape the routing index keeps per tier):
+    exact for a demand no context may cut (as :func:`served_as` gives it), otherwise a
+    necessary condition only."""
+    least = d.shortest_output
     return (
-        context_limit >= d.longest_sequence
-        and budget_tokens >= d.tokens
+        context_limit >= d.longest_prompt + least
+        and (least < d.output_tokens or budget_tokens >= d.tokens)
         and max_num_seqs >= d.sequences
     )
 
 
+def cut_to(d: Demand, context_limit: int, block: int) -> Demand | None:
+    """``d`` as a node with this context serves it: unchanged where prompt and output
+    fit; with its output cut to what the context leaves (vLLM >= 0.32 cuts
+    ``max_tokens`` so; the gateway sends the cut) where its learned answers allow that
+    cut (:attr:`Demand.shortest_output`); None where the node cannot serve it."""
+    if d.longest_sequence <= context_limit:
+        return d
+    if not d.clamp_risk:
+        return None
+    cut = context_limit - d.longest_prompt
+    if cut < 1 or cut < d.shortest_output:
+        return None
+    # One prompt's sequences, each in whole blocks: the context's worth at most, or
+    # (a prompt reserved below its bound) what it held less the output cut off.
+    each = min(d.tokens // d.sequences - (d.output_tokens - cut), context_limit)
+    tokens = d.sequences * (-(-each // block) * block)
+    return replace(d, output_tokens=cut, tokens=tokens, clamp_risk=0.0)
+
+
+def served_as(b: Backend, d: Demand) -> Demand | None:
+    """``d`` as ``b`` would serve it (:func:`cut_to` at its context), None if it cannot."""
+    return cut_to(d, b.context_limit, b.limits.block_size)
+
+
 def tokens_on(b: Backend, d: Demand) -> int:
-    """KV tokens ``d`` takes on ``b``: its own, plus speculative decoding's lookahead slots
-    for each of its sequences (in whole blocks) where ``b`` runs a draft model."""
+    """KV tokens ``d`` takes on ``b``: its own (as ``b`` serves it), plus speculative
+    decoding's lookahead slots for each of its sequences (in whole blocks) where ``b``
+    runs a draft model."""
+    d = served_as(b, d) or d
     k = b.config.num_speculative_tokens
     if not k:
         return d.tokens
@@ -112,10 +156,13 @@ def tokens_on(b: Backend, d: Demand) -> int:
 def can_ever_hold(b: Backend, d: Demand) -> bool:
     """``b`` could hold ``d`` if it were idle: limits known and large enough (health,
     pauses and current reservations aside)."""
+    if not b.limits.known:
+        return False
+    served = served_as(b, d)
     return (
-        b.limits.known
-        and fits_limits(b.context_limit, b.budget_tokens, b.max_num_seqs, d)
-        and b.budget_tokens >= tokens_on(b, d)
+        served is not None
+        and fits_limits(b.context_limit, b.budget_tokens, b.max_num_seqs, served)
+        and b.budget_tokens >= tokens_on(b, served)
     )
 
 
@@ -123,6 +170,7 @@ def flight_for(b: Backend, d: Demand, fid: int = 0) -> Flight:
     """``d`` as a flight on ``b``'s projection: its prompt blocks (the one holding the
     last prompt token is never shared: the node recomputes it), the leading ones an
     admitted flight there holds credited, and a draft model's lookahead held ahead."""
+    d = served_as(b, d) or d
     block = b.limits.block_size
     keys: tuple[int, ...] = ()
     credited = 0

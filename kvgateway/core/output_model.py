@@ -25,6 +25,8 @@ from itertools import accumulate
 from statistics import NormalDist
 
 ANY_KEY = "*"
+# Answers a group must hold before a node's context may cut its requests' max_tokens.
+CUT_SAMPLES = 32
 # A sequence that ran to its cap: it would have gone on, how far nobody saw. Kept as a
 # length past every cap, so that it counts as running to the cap of whichever request
 # reads it (one capped at 129 says nothing about where a 256-token one stops).
@@ -80,6 +82,11 @@ class OutputShape:
     def size(self) -> int:
         return self._n
 
+    @property
+    def longest(self) -> int:
+        """The longest answer seen (0: every one ran to its cap)."""
+        return self._top
+
     def _beyond(self, x: int) -> float:
         """Chance of an answer longer than ``x`` (any cap aside): the answers seen, and
         past the longest one an exponential tail."""
@@ -96,6 +103,28 @@ class OutputShape:
         if now <= 0.0:
             return 1.0
         return min(1.0, self._beyond(later) / now)
+
+    def shortest_cut(self, risk: float, assumed: int = 0) -> int | None:
+        """The shortest cap an answer passes with chance at most ``risk`` (None: none
+        does, too many ran to their caps). Of the :data:`CENSORED` lengths, ``assumed``
+        were never seen (a length taken to run on, not one that did): past the longest
+        answer seen they fall off as the tail does; the others pass every cap."""
+        n, censored = self._n, self._censored
+        allowed = n * risk - (censored - assumed)  # answers that may pass, of n
+        if allowed <= 0:
+            return None
+        finite = self._values[: n - censored]
+        # Below the longest answer seen every censored length passes the cap too: at
+        # most floor(allowed - assumed) of the answers seen may.
+        passing = math.floor(allowed - assumed)
+        if passing >= len(finite):
+            return 1
+        if passing >= 1:
+            return finite[len(finite) - 1 - passing]
+        if allowed >= assumed:
+            return self._top
+        # Past it: assumed * exp(-(cap - top) / tail) <= allowed.
+        return self._top + math.ceil(self._tail * math.log(assumed / allowed))
 
     def outlook(self, generated: int, max_tokens: int, q: float) -> Outlook:
         """Total output of a sequence capped at ``max_tokens`` that has generated
@@ -128,16 +157,35 @@ class LearnedLengths:
     """One group's observed lengths, as they are when read: a request planned before
     anything was learned reads what is known by the time it is admitted."""
 
-    __slots__ = ("_min", "_ring", "_shape")
+    __slots__ = ("_cuts", "_min", "_ring", "_shape")
 
     def __init__(self, window: int, min_samples: int) -> None:
         self._ring: deque[int] = deque(maxlen=window)
         self._min = min_samples
         self._shape: OutputShape | None = None
+        self._cuts: dict[float, int | None] = {}
 
     def add(self, value: int) -> None:
         self._ring.append(value)
         self._shape = None
+        self._cuts.clear()
+
+    def shortest_cut(self, risk: float) -> int | None:
+        """The shortest ``max_tokens`` that cuts such an answer short with chance at most
+        ``risk`` (None while too little is known, or when too many ran to their caps):
+        what a node's context may cut the request to without changing its answer but
+        that rarely. The one answer :attr:`shape` adds that runs to its cap is an
+        assumption, not a sighting: it falls off past the longest seen as the tail does."""
+        if risk in self._cuts:
+            return self._cuts[risk]
+        shape = self.shape if len(self._ring) >= CUT_SAMPLES else None
+        cut = None if shape is None else shape.shortest_cut(risk, assumed=1)
+        if cut is not None:
+            # The tail's scale, read off a few hundred answers at most, is itself
+            # uncertain: never closer than twice the longest answer seen.
+            cut = max(cut, 2 * shape.longest) if shape is not None else None
+        self._cuts[risk] = cut
+        return cut
 
     @property
     def shape(self) -> OutputShape | None:
@@ -172,12 +220,15 @@ class OutputModel:
                 self._groups.popitem(last=False)
         return group
 
-    def observe(self, model: str, key: str, max_tokens: int, output_tokens: int) -> None:
-        """One finished sequence generated ``output_tokens`` of its ``max_tokens`` (all of
-        them: it was cut there, and is kept as :data:`CENSORED`)."""
+    def observe(
+        self, model: str, key: str, max_tokens: int, output_tokens: int, cap: int | None = None
+    ) -> None:
+        """One finished sequence generated ``output_tokens`` of its ``max_tokens``; one
+        that reached its cap (``max_tokens``, or the ``cap`` a node's context cut it to)
+        was cut there, and is kept as :data:`CENSORED`."""
         if max_tokens < 1 or output_tokens < 0:
             return
-        value = output_tokens if output_tokens < max_tokens else CENSORED
+        value = output_tokens if output_tokens < min(max_tokens, cap or max_tokens) else CENSORED
         # Only the client's own group: another key's answers never say when a client's
         # answers end (one key could teach the gateway that every answer is short, and
         # every other key's flood would be admitted as if it were).

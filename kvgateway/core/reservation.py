@@ -65,6 +65,9 @@ class Reservation:
     reported_at: float = 0.0
     # The node has reported its progress: it runs there (not queued, not in prefill).
     started: bool = False
+    # The output the node's context cut this request's max_tokens to (sent to the node
+    # as max_tokens); None: as planned.
+    output_cut: int | None = None
 
     def release(self) -> bool:
         """Give the tokens and slot back; only the first call has an effect."""

@@ -54,7 +54,7 @@ class TierIndex:
         if not fits_limits(self.max_context, self.max_budget, self.max_seqs, d):
             return False
         if self.uniform:
-            return True
+            return can_ever_hold(self._known[0], d)
         return any(can_ever_hold(b, d) for b in self._known)
 
     def any_usable(self, pred: Callable[[Backend], bool]) -> bool:

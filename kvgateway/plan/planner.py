@@ -194,6 +194,9 @@ class Planner:
             z=z_of(adm.preemption_risk) if lengths is not None else 0.0,
             prefix_credit=adm.prefix_credit,
             seen=parsed.stream,
+            clamp_risk=adm.clamp_risk
+            if lengths is not None and adm.context_overflow == "clamp" and len(each) == 1
+            else 0.0,
         )
         ask = usage_ask(parsed.kind, parsed.stream, body) if adm.node_stream_usage else None
         return Plan(model, parsed, prompt, output, demand, injected, reserved, sum(kv_prompts), ask)
@@ -349,15 +352,17 @@ def _parse(
     return parsed, model
 
 
-def upstream_body(plan: Plan) -> bytes | None:
-    """The body to send, or None to forward the client's bytes unchanged."""
-    body = plan.parsed.body
+def upstream_body(plan: Plan, output_cut: int | None = None) -> bytes | None:
+    """The body to send (with ``max_tokens`` cut to ``output_cut`` where the node's
+    context cuts it), or None to forward the client's bytes unchanged."""
+    body = dict(plan.parsed.body)  # a retry elsewhere starts from the client's own
     changed = False
     if plan.parsed.model != plan.model.served_name:
         body["model"] = plan.model.served_name
         changed = True
-    if plan.injected_output is not None:
-        body[plan.parsed.output_field] = plan.injected_output
+    output = output_cut if output_cut is not None else plan.injected_output
+    if output is not None:
+        body[plan.parsed.output_field] = output
         changed = True
     if plan.usage_ask is not None and not plan.usage_ask.continuous:
         ask_node(body)

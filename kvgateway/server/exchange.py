@@ -67,6 +67,8 @@ class Answer:
     usage: Usage | None
     # A stream's own count of its output, when it is the output and not a bound of it.
     streamed: int | None = None
+    # The max_tokens its node's context cut the request to (None: as planned).
+    cap: int | None = None
 
 
 @dataclass(slots=True, eq=False)

@@ -201,7 +201,7 @@ async def _forward(state: GatewayState, ex: Exchange, raw: bytes) -> web.StreamR
     deadline = ex.started + cfg.auth.queue_timeout(ex.record.tenant, cfg.admission.queue_timeout_s)
     excluded: set[str] = set()
     last_error: UpstreamError | None = None
-    body, body_of = raw, None
+    body, body_of, cut = raw, None, None
     while True:
         plan = ex.plan
         assert plan is not None
@@ -223,10 +223,11 @@ async def _forward(state: GatewayState, ex: Exchange, raw: bytes) -> web.StreamR
             )
         async with r:
             ex.admitted(r)
-            if body_of is not plan:
+            if body_of is not plan or cut != r.output_cut:
                 # Written once admitted (a refused 16 MB prompt is never re-serialised),
-                # and again only if a node's own count changed the plan.
-                body, body_of = upstream_body(plan) or raw, plan
+                # and again only if a node's own count changed the plan or a node's
+                # context cuts max_tokens otherwise.
+                body, body_of, cut = upstream_body(plan, r.output_cut) or raw, plan, r.output_cut
             with state.tracing.span("gateway.upstream", backend=r.backend.name):
                 outcome = await _attempt(state, ex, r, body)
             if isinstance(outcome, UpstreamError):  # failed before any byte: try another

@@ -44,9 +44,11 @@ def gateway_headers(ex: Exchange, r: Reservation) -> dict[str, str]:
         "x-gateway-prompt-tokens": str(ex.plan.prompt.total),
         **ex.limit_headers,
     }
-    if ex.plan.injected_output is not None:
-        # The client left the output budget open; the node was sent this one.
-        headers["x-gateway-max-tokens"] = str(ex.plan.injected_output)
+    sent = r.output_cut if r.output_cut is not None else ex.plan.injected_output
+    if sent is not None:
+        # The client left the output budget open, or asked for more than the node's
+        # context leaves: the node was sent this one.
+        headers["x-gateway-max-tokens"] = str(sent)
     return headers
 
 
@@ -147,7 +149,7 @@ class Relay:
             )
         if resp.status == 200:
             usage = find_usage(data) if b'"usage"' in data else None
-            ex.answer = Answer(r.backend.name, usage)
+            ex.answer = Answer(r.backend.name, usage, cap=r.output_cut)
             ex.record.outcome = Outcome.OK
         else:
             ex.record.outcome = f"backend_{resp.status}"
@@ -177,7 +179,7 @@ class Relay:
         live = live_request(
             r,
             plan.demand.sequences,
-            max_output=plan.output_tokens,
+            max_output=r.output_cut or plan.output_tokens,
             tokens_per_event=1 + r.backend.config.num_speculative_tokens,
         )
         ask = plan.usage_ask
@@ -276,6 +278,7 @@ class Relay:
                 r.backend.name,
                 find_usage(usage) if b'"usage"' in usage else None,
                 live.generated if live.exact else None,
+                r.output_cut,
             )
 
     def _stream_failed(self, ex: Exchange, r: Reservation, error: str) -> None:

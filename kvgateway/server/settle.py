@@ -73,7 +73,9 @@ class Settle:
         # One sequence's length per request: the mean of n sequences is narrower than the
         # lengths it averages (and hides one cut at its cap), so n > 1 teaches nothing.
         if output is not None and not plan.parsed.echo_only and plan.demand.sequences == 1:
-            self._outputs.observe(plan.model.name, ex.client, plan.output_tokens, output)
+            self._outputs.observe(
+                plan.model.name, ex.client, plan.output_tokens, output, cap=answer.cap
+            )
 
     def refused(self, ex: Exchange) -> dict[str, str]:
         """Settle a refused request's charge now (one never admitted is refunded) and

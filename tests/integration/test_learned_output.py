@@ -93,3 +93,30 @@ async def test_a_stream_running_past_its_learned_length_stays_in_the_projection(
                 assert large.reserved_tokens >= min(prompt, f.prompt) + f.generated
     assert seen > 300
     assert fleet.leaks() == {}
+
+
+async def test_a_node_whose_context_cuts_max_tokens_serves_what_its_answers_never_reach(
+    start_fleet: StartFleet,
+) -> None:
+    """A prompt of ~1,700 tokens with max_tokens 8,000 passes the small node's 8k context
+    whole; once the answers of such requests are known to end near 40 tokens, the small
+    node serves it with max_tokens cut to what its context leaves (sent to the node, and
+    told to the client), instead of the large tier holding it."""
+    both = [("small-1", "small", "gpu24-8b", SHORT), ("large-1", "large", "gpu80-8b", SHORT)]
+    fleet = await start_fleet(both)
+    long = _body(1500, 8000)
+    async with aiohttp.ClientSession() as s:
+        async with s.post(fleet.url + "/v1/chat/completions", json=long) as r:
+            assert r.status == 200, await r.text()
+            assert r.headers["x-gateway-backend"] == "large-1"
+            assert "x-gateway-max-tokens" not in r.headers
+        for _ in range(4):
+            await asyncio.gather(*(_post(s, fleet.url, _body(60, 8000)) for _ in range(10)))
+        async with s.post(fleet.url + "/v1/chat/completions", json={**long, "stream": True}) as r:
+            assert r.status == 200, await r.text()
+            assert r.headers["x-gateway-backend"] == "small-1"
+            prompt = int(r.headers["x-gateway-prompt-tokens"])
+            assert int(r.headers["x-gateway-max-tokens"]) == 8192 - prompt
+            text = await r.text()
+        assert text.rstrip().endswith("data: [DONE]") and '"error"' not in text
+    assert fleet.leaks() == {}
