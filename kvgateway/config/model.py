@@ -62,24 +62,17 @@ class AdmissionConfig:
     # With routing.prefix_aware: prompt blocks that a running request on the same node
     # already holds are reserved once, not once per request.
     prefix_credit: bool = True
-    # Admit by the projected KV peak (core/projection.py): each sequence grows a token
-    # per engine step from its last reported length and frees its blocks when it ends; a
-    # newcomer fits when the curve with it stays within the budget. False (and with a
-    # shared ledger): every request holds prompt + output for its whole life.
+    # Admit by the projected KV peak (core/projection.py). False (and with a shared
+    # ledger): every request holds prompt + output for its whole life.
     kv_projection: bool = True
-    # What bounds each sequence's output in the projection. "learned": the lengths seen
-    # for such requests (model, client key, max_tokens bucket) say when a running stream
-    # is likely to end, within its max_tokens (the bound until enough are seen, and with
-    # ignore_eos or min_tokens). "max_tokens": always its max_tokens (no preemption
-    # caused by the gateway, at a batch sized for every answer running to its cap).
+    # What bounds each sequence's output in the projection: "learned" lengths of such
+    # requests (core/output_model.py), or always its "max_tokens".
     output_reservation: str = "learned"
     # learned: the accepted chance, per node, that its sequences outgrow its budget (the
     # curve is checked at mean + z(risk) standard deviations).
     preemption_risk: float = 0.001
-    # context_overflow "clamp", learned: a node whose context leaves less than the
-    # request's max_tokens beside its prompt may serve it with max_tokens cut to what it
-    # leaves, when the learned answers of such requests pass that cut with at most this
-    # chance. 0: max_tokens is cut only to the largest context on offer.
+    # clamp, learned: the accepted chance that a node's context cuts an answer short
+    # (core/demand.py cut_to). 0: max_tokens is cut only to the largest context.
     clamp_risk: float = 0.001
 
 
