@@ -221,10 +221,13 @@ async def test_fleet_in_separate_processes() -> None:
 
 
 def _free_offset(ports: list[int]) -> int:
-    """An offset at which every port is free right now (another run may hold 9101...)."""
+    """An offset at which every port is free right now (another run may hold 9101...),
+    below the kernel's ephemeral range: a client socket elsewhere in the suite can take
+    an ephemeral port between this check and the simulator's bind, never one below it."""
     rng = random.Random()
+    low = _ephemeral_low() - max(ports) - 1
     for _ in range(50):
-        offset = rng.randrange(10_000, 50_000, 1000)
+        offset = rng.randrange(1_000, max(2_000, low), 1000)
         try:
             for port in ports:
                 with socket.socket() as sock:
@@ -233,6 +236,14 @@ def _free_offset(ports: list[int]) -> int:
             continue
         return offset
     raise AssertionError("no free port range")
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 async def test_cli_serves_the_demo_config_until_sigint() -> None:
