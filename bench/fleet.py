@@ -43,8 +43,8 @@ how far the nodes themselves fell behind.
 
 The reasoning mix (``--mix reasoning``) runs at time scale 2 with a 150 s calibration,
 60 s windows and a 300 s client timeout unless told otherwise: its answers take ~1,500
-engine steps, so a 10 s calibration counts the short answers that finish first (5.1-5.4
-req/s simulated against 3.55 at steady state), and at time scale 6 the gateway's one
+engine steps, so a 60 s calibration counts the first wave of answers, the short ones
+(5.1-5.4 req/s simulated against 3.55 over 150 s), and at time scale 6 the gateway's one
 process, relaying every token of ~300 streams, is what runs out (TTFT p50 grew from 0.3
 to 17 s within a window while the large nodes held 19% of their KV).
 

@@ -109,11 +109,11 @@ class AdmissionCore:
     def _grant(
         self, backend: Backend, demand: Demand, reason: RouteReason, ticket: Ticket | None = None
     ) -> Reservation:
+        served = served_as(backend, demand) or demand  # as the node serves it, once
         r = (self._grant_projected if demand.projected else self._grant_whole)(
-            backend, demand, reason, ticket
+            backend, served, reason, ticket
         )
-        served = served_as(backend, demand)
-        if served is not None and served is not demand:
+        if served is not demand:
             r.output_cut = served.output_tokens  # the node's context cuts max_tokens
         backend.unstarted += 1
         if ticket is not None and self._tenancy is not None:
