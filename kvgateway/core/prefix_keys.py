@@ -8,8 +8,11 @@ scorer does: from a prompt's token ids when it routes, and from the token ids th
 ``BlockStored`` events carry when a node reports what it cached. Only the tokenization
 has to match the node's; block size and extra keys come with the events.
 
-Keys are 64-bit ints (8-byte BLAKE2b of the parent key, the tokens as signed 64-bit
-little-endian, and the extra keys' repr); ``ROOT_KEY`` is the parent of a first block.
+Keys are 64-bit ints: Python's hash of the bytes of the parent key, the tokens as
+signed 64-bit little-endian, and the extra keys' repr. That hash is SipHash-1-3 under a
+key drawn at random per process, so a client cannot aim two prompts at one key; keys
+are never compared across processes (each gateway process keys the prompts it routes
+and the events its nodes send it). ``ROOT_KEY`` is the parent of a first block.
 
 :class:`SharedKeys` records which in-flight sequences on a node hold, and which paid
 for, each shared prompt block: the projection (:mod:`.projection`) counts a block shared
@@ -19,7 +22,6 @@ paid for its own.
 
 from __future__ import annotations
 
-import hashlib
 from array import array
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -27,19 +29,17 @@ from typing import Any, Protocol
 
 BlockKey = int
 ROOT_KEY: BlockKey = 0
-_ROOT_BYTES = ROOT_KEY.to_bytes(8, "little")
 
 
 def chain_key(
     parent: BlockKey | None, block_tokens: bytes, extra_keys: tuple[Any, ...] | None = None
 ) -> BlockKey:
     """The key of one block from its parent's key and its tokens packed as int64."""
-    h = hashlib.blake2b(digest_size=8)
-    h.update(_ROOT_BYTES if parent is None else parent.to_bytes(8, "little"))
-    h.update(block_tokens)
+    data = (ROOT_KEY if parent is None else parent).to_bytes(8, "little", signed=True)
+    data += block_tokens
     if extra_keys:
-        h.update(repr(tuple(extra_keys)).encode())
-    return int.from_bytes(h.digest(), "little")
+        data += repr(tuple(extra_keys)).encode()
+    return hash(data)
 
 
 def pack_tokens(token_ids: Sequence[int]) -> bytes:
@@ -68,9 +68,14 @@ def block_keys(
     packed = pack_tokens(token_ids[: n * block_size])
     width = block_size * 8
     keys: list[BlockKey] = []
-    key = parent
+    key = ROOT_KEY if parent is None else parent
+    if extra_keys is None:  # the common case, inlined: one hash per block
+        for i in range(0, n * width, width):
+            key = hash(key.to_bytes(8, "little", signed=True) + packed[i : i + width])
+            keys.append(key)
+        return keys
     for i in range(n):
-        extra = extra_keys[i] if extra_keys is not None and i < len(extra_keys) else None
+        extra = extra_keys[i] if i < len(extra_keys) else None
         key = chain_key(key, packed[i * width : (i + 1) * width], extra)
         keys.append(key)
     return keys

@@ -280,8 +280,7 @@ class FastEncoding:
     def encode_ordinary(self, text: str) -> list[int]:
         ids, cuts = self._encode_cut(text)
         if cuts:
-            marker = self._marker_id
-            return [i for i in ids if i != marker]
+            return list(filter(self._marker_id.__ne__, ids))
         return ids
 
     def count_ordinary(self, text: str) -> int:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 from array import array
 
 import pytest
@@ -14,16 +13,14 @@ from kvgateway.core.prefix_index import PrefixIndex
 from kvgateway.core.prefix_keys import ROOT_KEY, block_keys, request_extra_keys
 
 
-def test_block_key_is_blake2b_of_parent_and_packed_tokens() -> None:
-    h = hashlib.blake2b(digest_size=8)
-    h.update(ROOT_KEY.to_bytes(8, "little"))
-    h.update(array("q", [1, 2, 3, 4]).tobytes())
-    first = int.from_bytes(h.digest(), "little")
+def test_block_key_hashes_the_parent_key_and_packed_tokens() -> None:
+    first = hash(ROOT_KEY.to_bytes(8, "little", signed=True) + array("q", [1, 2, 3, 4]).tobytes())
     assert block_keys([1, 2, 3, 4, 5], 4) == [first]  # the partial block has no key
-    h = hashlib.blake2b(digest_size=8)
-    h.update(first.to_bytes(8, "little"))
-    h.update(array("q", [5, 6, 7, 8]).tobytes())
-    assert block_keys(range(1, 9), 4)[1] == int.from_bytes(h.digest(), "little")
+    second = hash(first.to_bytes(8, "little", signed=True) + array("q", [5, 6, 7, 8]).tobytes())
+    assert block_keys(range(1, 9), 4)[1] == second
+    # Extra keys (LoRA, salt) go into the block they are given for, and so down the chain.
+    salted = block_keys(range(1, 9), 4, extra_keys=[("salt",), None])
+    assert salted[0] != first and salted[1] != second
 
 
 def test_keys_chain_so_the_same_block_after_another_prefix_differs() -> None:
