@@ -187,7 +187,7 @@ class Admission(AdmissionCore):
                     retry_after=1.0,  # refused at once: room may free any moment
                 )
             wait = self.projected_wait(demand)
-            if wait is not None and wait > timeout:
+            if wait is not None and wait > timeout and not self._cut_soon(demand):
                 # Even the soonest room the projection sees comes after the deadline.
                 raise Saturated(
                     f"No backend is projected to have room for this request "
@@ -238,6 +238,18 @@ class Admission(AdmissionCore):
             wait = start * b.step_s
             best = wait if best is None else min(best, wait)
         return best
+
+    def _cut_soon(self, demand: Demand) -> bool:
+        """Room the projection cannot see yet: a live backend's context holds the
+        prompt but not the whole output, and would serve it cut once the request's group
+        has learned enough answers (the queue is offered again then)."""
+        if not demand.cut_pending:
+            return False
+        return any(
+            b.usable and demand.longest_prompt < b.context_limit < demand.longest_sequence
+            for b in self._index_for(demand.model).backends
+            if b.limits.known
+        )
 
     def _displace(self, ticket: Ticket | None) -> bool:
         """Queue full: refuse the last waiter of a class below ``ticket``'s, if any."""

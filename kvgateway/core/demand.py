@@ -87,6 +87,12 @@ class Demand:
         return self.output_tokens
 
     @property
+    def cut_pending(self) -> bool:
+        """A node's context may cut this request once its group has learned enough
+        answers, and it has not yet (:attr:`shortest_output` is still ``output_tokens``)."""
+        return bool(self.clamp_risk) and self.lengths is not None and self.lengths.learning
+
+    @property
     def room_floor(self) -> int:
         """Free tokens a backend must have now for this request to fit there at all."""
         return self.sequences if self.projected else self.tokens

@@ -170,6 +170,12 @@ class LearnedLengths:
         self._shape = None
         self._cuts.clear()
 
+    @property
+    def learning(self) -> bool:
+        """Too few answers yet for a node's context to cut such a request (a cut may be
+        allowed once :data:`CUT_SAMPLES` are seen)."""
+        return len(self._ring) < CUT_SAMPLES
+
     def shortest_cut(self, risk: float) -> int | None:
         """The shortest ``max_tokens`` that cuts such an answer short with chance at most
         ``risk`` (None while too little is known, or when too many ran to their caps):
@@ -178,7 +184,7 @@ class LearnedLengths:
         assumption, not a sighting: it falls off past the longest seen as the tail does."""
         if risk in self._cuts:
             return self._cuts[risk]
-        shape = self.shape if len(self._ring) >= CUT_SAMPLES else None
+        shape = None if self.learning else self.shape
         cut = None if shape is None else shape.shortest_cut(risk, assumed=1)
         if cut is not None:
             # The tail's scale, read off a few hundred answers at most, is itself
@@ -222,19 +228,24 @@ class OutputModel:
 
     def observe(
         self, model: str, key: str, max_tokens: int, output_tokens: int, cap: int | None = None
-    ) -> None:
+    ) -> bool:
         """One finished sequence generated ``output_tokens`` of its ``max_tokens``; one
         that reached its cap (``max_tokens``, or the ``cap`` a node's context cut it to)
-        was cut there, and is kept as :data:`CENSORED`."""
+        was cut there, and is kept as :data:`CENSORED`. True when this answer is the one
+        that makes its group no longer :attr:`~LearnedLengths.learning`: requests
+        waiting for a cut may now be served."""
         if max_tokens < 1 or output_tokens < 0:
-            return
+            return False
         value = output_tokens if output_tokens < min(max_tokens, cap or max_tokens) else CENSORED
         # Only the client's own group: another key's answers never say when a client's
         # answers end (one key could teach the gateway that every answer is short, and
         # every other key's flood would be admitted as if it were).
-        self.group(model, key, max_tokens).add(value)
+        group = self.group(model, key, max_tokens)
+        was_learning = group.learning
+        group.add(value)
         self._groups.move_to_end((model, key, bucket_of(max_tokens)))
         self._seen += 1
+        return was_learning and not group.learning
 
     def shape(self, model: str, key: str, max_tokens: int) -> OutputShape | None:
         """The learned lengths for such a request (its client's own), or None while too

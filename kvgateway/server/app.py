@@ -274,6 +274,15 @@ def _build_state(
         if isinstance(decision, Wait):
             metrics.decisions.labels(tier="-", reason="queued").inc()
 
+    admission = Admission.for_fleet(
+        fleet,
+        live,
+        clock,
+        on_decision=count_decision,
+        tenancy=tenancy,
+        ledger=ledger,
+        prefix=prefix,
+    )
     stages = Stages(
         planner=Planner(
             live,
@@ -284,15 +293,7 @@ def _build_state(
             node_counter=NodeTokenizer(session, fleet),
             outputs=outputs,
         ),
-        admission=Admission.for_fleet(
-            fleet,
-            live,
-            clock,
-            on_decision=count_decision,
-            tenancy=tenancy,
-            ledger=ledger,
-            prefix=prefix,
-        ),
+        admission=admission,
         relay=Relay(clock, lambda: live().health),
         settle=Settle(
             calibration,
@@ -302,6 +303,7 @@ def _build_state(
             metrics,
             clock,
             lambda: live().server.access_log,
+            cuts_learned=admission.rebalance,
         ),
     )
     return GatewayState(

@@ -35,6 +35,7 @@ class Settle:
         metrics: GatewayMetrics,
         clock: Clock,
         access_log: Callable[[], bool],
+        cuts_learned: Callable[[], None] = lambda: None,
     ) -> None:
         self._calibration = calibration
         self._outputs = outputs
@@ -43,6 +44,9 @@ class Settle:
         self._metrics = metrics
         self._clock = clock
         self._access_log = access_log
+        # Told when a group's answers first allow a node's context to cut its requests:
+        # requests waiting for such a cut may be served now.
+        self._cuts_learned = cuts_learned
 
     def learn(self, ex: Exchange) -> None:
         """What a finished answer (``ex.answer``) says: the output it generated (from
@@ -72,10 +76,12 @@ class Settle:
             )
         # One sequence's length per request: the mean of n sequences is narrower than the
         # lengths it averages (and hides one cut at its cap), so n > 1 teaches nothing.
-        if output is not None and not plan.parsed.echo_only and plan.demand.sequences == 1:
-            self._outputs.observe(
-                plan.model.name, ex.client, plan.output_tokens, output, cap=answer.cap
-            )
+        if output is None or plan.parsed.echo_only or plan.demand.sequences != 1:
+            return
+        if self._outputs.observe(
+            plan.model.name, ex.client, plan.output_tokens, output, cap=answer.cap
+        ):
+            self._cuts_learned()
 
     def refused(self, ex: Exchange) -> dict[str, str]:
         """Settle a refused request's charge now (one never admitted is refunded) and

@@ -4,6 +4,7 @@ cut is all but never reached: the request holds, and is sent, the cut."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 from dataclasses import replace
 
@@ -16,6 +17,7 @@ from kvgateway.core.demand import Demand, cut_to, demand_tokens
 from kvgateway.core.output_model import CENSORED, CUT_SAMPLES, OutputModel, OutputShape
 from kvgateway.core.routing import Routed, RouterState, route
 from kvgateway.core.routing_index import ModelIndex
+from kvgateway.errors import Saturated
 from tests.support.backends import admission_over, backend, demand
 
 
@@ -147,3 +149,40 @@ def test_multi_sequence_demands_are_cut_per_sequence(risk: float) -> None:
         assert cut is None
     else:
         assert cut is not None and cut.tokens == demand_tokens([1000], 7192, 3, 16)
+
+
+async def test_a_request_a_cut_will_serve_waits_for_its_answers_to_be_learned() -> None:
+    """Only the offload node holds 1,000 + 32,000 whole, and its KV only one such: its
+    soonest room, when the running one ends, is far past the deadline. A request no cut
+    can serve is refused at once; one the small node will serve cut once its group has
+    learned enough answers waits, and the answer that completes the group re-offers the
+    queue: it is served there, cut."""
+    small = backend("s1", max_model_len=8192, kv=30000)
+    offload = backend(
+        "o1", tier="offload", tier_index=1, offload=True, max_model_len=131072, kv=40000
+    )
+    offload.step_s = 0.25
+    adm = admission_over([small, offload])
+    first = await adm.admit(replace(demand(1000, 32000), projected=True), 1.0)
+    assert first.backend is offload
+    adm.progress(first, 1)  # running: its end, and so the soonest room, is known
+    with pytest.raises(Saturated, match="projected"):
+        await adm.admit(replace(demand(1000, 32000), projected=True), 5.0)
+
+    model = OutputModel()
+    waiting = replace(
+        demand(1000, 32000),
+        projected=True,
+        lengths=model.group("m", "k", 32000),
+        clamp_risk=0.001,
+    )
+    task = asyncio.create_task(adm.admit(waiting, 5.0))
+    await asyncio.sleep(0)
+    assert not task.done() and adm.queue_depth == 1
+    learned = [model.observe("m", "k", 32000, 100 + i) for i in range(CUT_SAMPLES)]
+    assert learned == [False] * (CUT_SAMPLES - 1) + [True]
+    adm.rebalance()
+    r = await asyncio.wait_for(task, 1.0)
+    assert r.backend is small and r.output_cut == 8192 - 1000
+    r.release()
+    first.release()

@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry
 
 from kvgateway.config.load import parse_config
 from kvgateway.config.model import AuthConfig, TenantConfig, TenantLimits
-from kvgateway.core.output_model import OutputModel
+from kvgateway.core.output_model import CUT_SAMPLES, OutputModel
 from kvgateway.core.quota import OUTPUT, Charge, LocalQuotaLedger
 from kvgateway.core.tenancy import Tenancy
 from kvgateway.plan.planner import Plan, Planner
@@ -64,7 +64,9 @@ class _Stage:
             self.metrics,
             lambda: 100.0,
             lambda: access_log,
+            cuts_learned=lambda: self.told.append(True),
         )
+        self.told: list[bool] = []
 
 
 @pytest.fixture
@@ -95,6 +97,18 @@ async def test_a_finished_answer_teaches_its_output_and_prompt(counters: TokenCo
     assert stage.calibration.backends() == {"a"}  # the stand-in's count against the node's
     shape = stage.outputs.shape("m", "*", 400)
     assert shape is not None and stage.outputs.statistics().observations == 1
+
+
+async def test_the_answer_that_completes_a_group_re_offers_the_queue(
+    counters: TokenCounters,
+) -> None:
+    """Requests may wait for their group's answers to allow a node's cut: the answer
+    that makes the group hold enough says so, once."""
+    stage = _Stage()
+    plan = await _plan(counters, max_tokens=400)
+    for i in range(CUT_SAMPLES + 3):
+        stage.settle.learn(_exchange(plan, Answer("a", Usage(230, 100 + i))))
+        assert stage.told == ([True] if i >= CUT_SAMPLES - 1 else [])
 
 
 async def test_a_stream_without_usage_is_taught_by_its_own_count(
