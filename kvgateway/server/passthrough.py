@@ -12,12 +12,15 @@ reports in its ``usage`` (embeddings, rerank, score) count against its prompt to
 from __future__ import annotations
 
 import json
-from dataclasses import replace
+from dataclasses import dataclass
+from types import TracebackType
 from typing import Any
 
 from aiohttp import web
 
 from kvgateway.config.model import ModelConfig
+from kvgateway.core.backends import Backend
+from kvgateway.core.fleet import Fleet
 from kvgateway.core.routing import least_in_flight
 from kvgateway.errors import (
     BadRequest,
@@ -30,7 +33,7 @@ from kvgateway.plan.openai_request import parse_body
 from kvgateway.server.appkeys import STATE
 from kvgateway.server.body import read_limited
 from kvgateway.server.exchange import Exchange, Outcome
-from kvgateway.server.proxy import REQUEST_ID, note_failure, run_exchange, trace_headers
+from kvgateway.server.proxy import REQUEST_ID, failed, failover, run_exchange
 from kvgateway.server.relay import MAX_RESPONSE_BYTES
 from kvgateway.server.state import GatewayState
 from kvgateway.server.tenants import charge
@@ -48,7 +51,6 @@ PATHS = (
     "/tokenize",
     "/detokenize",
 )
-MAX_ATTEMPTS = 2
 
 
 async def handle_passthrough(request: web.Request) -> web.StreamResponse:
@@ -100,24 +102,23 @@ async def _serve(state: GatewayState, request: web.Request, ex: Exchange) -> web
 async def _relay(
     state: GatewayState, request: web.Request, model: ModelConfig, raw: bytes, ex: Exchange
 ) -> tuple[web.Response, bytes]:
-    """The node's answer (failing over before the first byte), and its body."""
-    tried: set[str] = set()
-    last: UpstreamError | None = None
-    for _ in range(MAX_ATTEMPTS):
+    """The node's answer and its body, through every request's retry loop
+    (:func:`~kvgateway.server.proxy.failover`) with no KV held: the least busy node."""
+
+    async def pick(exclude: frozenset[str]) -> _InFlight:
         state.passthrough_turn += 1
         backend = least_in_flight(
-            state.fleet.for_model(model.name), state.clock(), tried, state.passthrough_turn
+            state.fleet.for_model(model.name), state.clock(), exclude, state.passthrough_turn
         )
         if backend is None:
-            break
-        if ex.failures:  # the last failure is retried here, on another backend
-            ex.failures[-1] = replace(ex.failures[-1], retried=True)
-        tried.add(backend.name)
-        ex.record.attempts += 1
+            raise NoHealthyBackend(f"No healthy backend for model '{model.name}'.", retry_after=5)
         ex.record.backend, ex.record.tier = backend.name, backend.tier
-        state.fleet.adjust(backend, 0, 0, 1)
+        return _InFlight(backend, state.fleet)
+
+    async def attempt(held: _InFlight) -> tuple[web.Response, bytes] | UpstreamError:
+        backend = held.backend
+        timeouts = backend.config.timeouts
         try:
-            timeouts = backend.config.timeouts
             resp = await open_request(
                 state.nodes,
                 backend,
@@ -131,21 +132,35 @@ async def _relay(
                 request_served(backend, state.clock())
                 data = await resp.read(MAX_RESPONSE_BYTES)
                 headers = resp.relay_headers()
-            headers.update({"x-request-id": request[REQUEST_ID], "x-gateway-backend": backend.name})
-            if resp.status >= 400 and not is_error_object(data):
-                data = openai_error_body(resp.status, data, backend.name)
-                headers["Content-Type"] = "application/json"
-            return web.Response(status=resp.status, body=data, headers=headers), data
-        except UpstreamError as err:
-            note_failure(state, ex, backend.name, err, retried=False)
-            if not err.retryable:
-                raise
-            last = err
-        finally:
-            state.fleet.adjust(backend, 0, 0, -1)
-    if last is not None:
-        raise last
-    raise NoHealthyBackend(f"No healthy backend for model '{model.name}'.", retry_after=5)
+        except UpstreamError as err:  # the answer is sent whole: nothing reached the client
+            return failed(state, ex, backend, err)
+        headers.update({"x-request-id": request[REQUEST_ID], "x-gateway-backend": backend.name})
+        if resp.status >= 400 and not is_error_object(data):
+            data = openai_error_body(resp.status, data, backend.name)
+            headers["Content-Type"] = "application/json"
+        return web.Response(status=resp.status, body=data, headers=headers), data
+
+    return await failover(state, ex, pick, attempt)
+
+
+@dataclass(frozen=True)
+class _InFlight:
+    """A passthrough request's place among its backend's requests in flight."""
+
+    backend: Backend
+    fleet: Fleet
+
+    async def __aenter__(self) -> _InFlight:
+        self.fleet.adjust(self.backend, 0, 0, 1)
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.fleet.adjust(self.backend, 0, 0, -1)
 
 
 def _inputs(body: dict[str, Any]) -> int:
@@ -178,5 +193,5 @@ def _model(state: GatewayState, body: dict[str, Any]) -> ModelConfig:
 
 def _headers(state: GatewayState, request: web.Request) -> dict[str, str]:
     out = {"Content-Type": "application/json", "X-Request-Id": request[REQUEST_ID]}
-    out.update(trace_headers(state.tracing, request))
+    out.update(state.tracing.for_node(request.headers))
     return out

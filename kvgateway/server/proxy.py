@@ -14,11 +14,12 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
+from types import TracebackType
+from typing import Any, Protocol, TypeVar, cast
 
 from aiohttp import web
 
 from kvgateway.core.backends import Backend
-from kvgateway.core.demand import Demand
 from kvgateway.core.reservation import Reservation
 from kvgateway.errors import (
     ContextLengthExceeded,
@@ -31,7 +32,7 @@ from kvgateway.errors import (
     UpstreamTimeout,
 )
 from kvgateway.plan.openai_request import Kind
-from kvgateway.plan.planner import upstream_body
+from kvgateway.plan.planner import Plan, upstream_body
 from kvgateway.server.accesslog import AccessRecord
 from kvgateway.server.body import read_limited
 from kvgateway.server.exchange import CLIENT_GONE, Exchange, Failure, Outcome
@@ -39,7 +40,7 @@ from kvgateway.server.output_accounting import client_key
 from kvgateway.server.relay import error_event, error_message, is_event_stream
 from kvgateway.server.state import GatewayState
 from kvgateway.server.tenants import TENANT, charge
-from kvgateway.server.tracing import Tracing, set_attributes
+from kvgateway.server.tracing import set_attributes
 from kvgateway.tokens.node_count import NodeCount, parse_context_length_error
 from kvgateway.upstream.client import open_request
 from kvgateway.upstream.feedback import request_failed, request_served, serving
@@ -195,22 +196,117 @@ async def _count_and_forward(state: GatewayState, ex: Exchange, kind: Kind) -> w
     return await _forward(state, ex, raw)
 
 
-async def _forward(state: GatewayState, ex: Exchange, raw: bytes) -> web.StreamResponse:
-    """Admit, send, relay; on a failure before the first byte, try another backend."""
-    cfg = state.config
-    deadline = ex.started + cfg.auth.queue_timeout(ex.record.tenant, cfg.admission.queue_timeout_s)
+class Held(Protocol):
+    """Room on one backend for one try (a KV reservation, or a place in flight)."""
+
+    @property
+    def backend(self) -> Backend: ...
+
+    async def __aenter__(self) -> Any: ...
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None: ...
+
+
+H = TypeVar("H", bound=Held)
+T = TypeVar("T")
+
+
+async def failover(
+    state: GatewayState,
+    ex: Exchange,
+    hold: Callable[[frozenset[str]], Awaitable[H]],
+    attempt: Callable[[H], Awaitable[T | UpstreamError | NodeCount]],
+) -> T:
+    """Every request's retry loop: ``hold`` room on a backend not in the set given,
+    ``attempt`` it; on a failure before the first byte (``attempt`` returned it, having
+    raised those it may not retry), try another. A node that refused a stand-in-counted
+    prompt as too long (a :class:`NodeCount`) is tried again, once, re-planned with its
+    count and its room given back first."""
     excluded: set[str] = set()
     last_error: UpstreamError | None = None
-    body, body_of, cut = raw, None, None
     while True:
+        ex.record.attempts += 1
+        held = await _hold_avoiding(ex, hold, excluded, last_error)
+        if last_error is not None:  # the last failure is retried, here
+            ex.failures[-1] = replace(ex.failures[-1], retried=True)
+        async with held:
+            outcome = await attempt(held)
+            if isinstance(outcome, UpstreamError):
+                # A busy node that still serves may be tried again.
+                if not (outcome.slow and serving(held.backend, state.clock(), state.config.health)):
+                    excluded.add(held.backend.name)
+                last_error = outcome
+                continue
+            if not isinstance(outcome, NodeCount):
+                return outcome
+        await _recount(state, ex, held.backend, outcome)
+
+
+async def _hold_avoiding(
+    ex: Exchange,
+    hold: Callable[[frozenset[str]], Awaitable[H]],
+    excluded: set[str],
+    last_error: UpstreamError | None,
+) -> H:
+    """Room on a backend that has not failed this request. When every backend that fits
+    has failed once, anywhere but the last one; when nothing is left, the client gets the
+    upstream failure rather than a misleading 503."""
+    if not excluded:
+        return await hold(frozenset())
+    try:
+        return await hold(frozenset(excluded))
+    except NoHealthyBackend:
+        pass
+    assert last_error is not None
+    try:
+        return await hold(frozenset({ex.failures[-1].backend}))
+    except NoHealthyBackend:
+        raise last_error from None
+
+
+def failed(
+    state: GatewayState, ex: Exchange, backend: Backend, err: UpstreamError
+) -> UpstreamError:
+    """A try failed before the first byte: recorded (as retried once another backend
+    takes the request), and counted towards the backend's health (enough in a row eject
+    it until a probe succeeds); returned to be retried, or raised when it may not be."""
+    cause = "timeout" if isinstance(err, UpstreamTimeout) else err.code
+    ex.failures.append(Failure(backend.name, cause, retried=False))
+    error = err.detail or err.message
+    health = state.config.health
+    if request_failed(
+        backend, error, state.clock(), health, may_eject=err.retryable, slow=err.slow
+    ):
+        log.warning(
+            "backend %s ejected after %d failed requests in a row: %s",
+            backend.name,
+            backend.consecutive_failures,
+            error,
+        )
+    if not err.retryable or ex.record.attempts >= MAX_ATTEMPTS:
+        raise err
+    return err
+
+
+async def _forward(state: GatewayState, ex: Exchange, raw: bytes) -> web.StreamResponse:
+    """Admit with a KV reservation, send, relay (:func:`failover`)."""
+    cfg = state.config
+    deadline = ex.started + cfg.auth.queue_timeout(ex.record.tenant, cfg.admission.queue_timeout_s)
+    body, body_of, cut = raw, cast("Plan | None", None), cast("int | None", None)
+
+    async def admit(exclude: frozenset[str]) -> Reservation:
         plan = ex.plan
         assert plan is not None
-        demand = replace(plan.demand, tenant=ex.record.tenant)
-        ex.record.attempts += 1
+        demand = replace(plan.demand, tenant=ex.record.tenant, exclude=exclude)
         with state.tracing.span("gateway.admission", tokens=demand.tokens) as span:
             asked = state.clock()
             try:
-                r = await _admit(state, ex, demand, deadline, excluded, last_error)
+                r = await state.admission.admit(demand, max(0.0, deadline - state.clock()))
             except Saturated:
                 ex.refused_after_s = state.clock() - asked  # waited, and was refused
                 raise
@@ -221,24 +317,22 @@ async def _forward(state: GatewayState, ex: Exchange, raw: bytes) -> web.StreamR
                 reason=r.reason,
                 queued_s=r.queued_s,
             )
-        async with r:
-            ex.admitted(r)
-            if body_of is not plan or cut != r.output_cut:
-                # Written once admitted (a refused 16 MB prompt is never re-serialised),
-                # and again only if a node's own count changed the plan or a node's
-                # context cuts max_tokens otherwise.
-                body, body_of, cut = upstream_body(plan, r.output_cut) or raw, plan, r.output_cut
-            with state.tracing.span("gateway.upstream", backend=r.backend.name):
-                outcome = await _attempt(state, ex, r, body)
-            if isinstance(outcome, UpstreamError):  # failed before any byte: try another
-                if not (outcome.slow and serving(r.backend, state.clock(), cfg.health)):
-                    excluded.add(r.backend.name)  # (a busy node that serves may be tried again)
-                last_error = outcome
-                continue
-            if not isinstance(outcome, NodeCount):
-                return outcome
-        # The node counted more: admit again, once, with its room given back first.
-        await _recount(state, ex, r.backend, outcome)
+        ex.admitted(r)
+        return r
+
+    async def attempt(r: Reservation) -> web.StreamResponse | UpstreamError | NodeCount:
+        nonlocal body, body_of, cut
+        plan = ex.plan
+        assert plan is not None
+        if body_of is not plan or cut != r.output_cut:
+            # Written once admitted (a refused 16 MB prompt is never re-serialised), and
+            # again only if a node's own count changed the plan or a node's context cuts
+            # max_tokens otherwise.
+            body, body_of, cut = upstream_body(plan, r.output_cut) or raw, plan, r.output_cut
+        with state.tracing.span("gateway.upstream", backend=r.backend.name):
+            return await _attempt(state, ex, r, body)
+
+    return await failover(state, ex, admit, attempt)
 
 
 async def _attempt(
@@ -263,11 +357,7 @@ async def _attempt(
             head_timeout=timeouts.first_byte_s if plan.parsed.stream else timeouts.total_s,
         )
     except UpstreamError as err:
-        retry = err.retryable and ex.record.attempts < MAX_ATTEMPTS
-        note_failure(state, ex, backend.name, err, retry)
-        if not retry:
-            raise
-        return err
+        return failed(state, ex, backend, err)
     async with resp:
         request_served(backend, state.clock())
         if plan.parsed.stream and resp.status == 200 and is_event_stream(resp):
@@ -304,72 +394,7 @@ async def _recount(state: GatewayState, ex: Exchange, backend: Backend, node: No
     ex.plan = await state.planner.replan(plan, node, backend.name)
 
 
-async def _admit(
-    state: GatewayState,
-    ex: Exchange,
-    demand: Demand,
-    deadline: float,
-    excluded: set[str],
-    last_error: UpstreamError | None,
-) -> Reservation:
-    """Admit, avoiding backends that already failed this request. When every fitting
-    backend has failed once, try again anywhere but the last one; when nothing is left,
-    the client gets the upstream failure rather than a misleading 503."""
-    admission = state.admission
-    if not excluded:
-        return await admission.admit(demand, max(0.0, deadline - state.clock()))
-    try:
-        return await admission.admit(
-            replace(demand, exclude=frozenset(excluded)), max(0.0, deadline - state.clock())
-        )
-    except NoHealthyBackend:
-        pass
-    assert last_error is not None
-    last_failed = frozenset({ex.failures[-1].backend})
-    try:
-        return await admission.admit(
-            replace(demand, exclude=last_failed), max(0.0, deadline - state.clock())
-        )
-    except NoHealthyBackend:
-        raise last_error from None
-
-
-def note_failure(
-    state: GatewayState, ex: Exchange, backend_name: str, err: UpstreamError, retried: bool
-) -> None:
-    cause = "timeout" if isinstance(err, UpstreamTimeout) else err.code
-    ex.failures.append(Failure(backend_name, cause, retried))
-    b = state.fleet.get(backend_name)
-    if b is None:
-        return
-    error = err.detail or err.message
-    if request_failed(
-        b, error, state.clock(), state.config.health, may_eject=err.retryable, slow=err.slow
-    ):
-        # Passive ejection: the health checker's next successful probe brings it back.
-        log.warning(
-            "backend %s ejected after %d failed requests in a row: %s",
-            b.name,
-            b.consecutive_failures,
-            error,
-        )
-
-
 def _upstream_headers(state: GatewayState, ex: Exchange) -> dict[str, str]:
     headers = {"Content-Type": "application/json", "X-Request-Id": ex.request_id}
-    headers.update(trace_headers(state.tracing, ex.request))
+    headers.update(state.tracing.for_node(ex.request.headers))
     return headers
-
-
-def trace_headers(tracing: Tracing, request: web.Request) -> dict[str, str]:
-    """W3C trace context for the node, so its spans join the trace: the gateway's own
-    span when tracing is on, else the client's context unchanged."""
-    out: dict[str, str] = {}
-    if tracing.enabled:
-        tracing.inject(out)
-        return out
-    for name in ("traceparent", "tracestate"):
-        value = request.headers.get(name)
-        if value is not None:
-            out[name] = value
-    return out

@@ -58,6 +58,20 @@ class Tracing:
 
         propagate.inject(headers)
 
+    def for_node(self, client: Mapping[str, str]) -> dict[str, str]:
+        """W3C trace context for the node, so its spans join the trace: the gateway's own
+        span when tracing is on, else the client's (``client``: its request's headers)
+        unchanged."""
+        out: dict[str, str] = {}
+        if self._tracer is not None:
+            self.inject(out)
+            return out
+        for name in ("traceparent", "tracestate"):
+            value = client.get(name)
+            if value is not None:
+                out[name] = value
+        return out
+
 
 def _server() -> Any:
     from opentelemetry.trace import SpanKind
