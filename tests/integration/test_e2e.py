@@ -12,6 +12,7 @@ import aiohttp
 import openai
 import pytest
 
+from tests.support.eventually import eventually
 from tests.support.fleet import MODEL, SERVED, StartFleet
 
 
@@ -195,20 +196,16 @@ async def test_many_requests_with_random_disconnects_leave_nothing_reserved(
 
     async with aiohttp.ClientSession() as session:
         await asyncio.gather(*(one(i, session) for i in range(1000)))
-    for _ in range(100):
-        if not fleet.leaks():
-            break
-        await asyncio.sleep(0.05)
-    assert fleet.leaks() == {}
+    await eventually(lambda: fleet.leaks() == {}, timeout=5, what="no reservation leaked")
     assert outcomes.get("200", 0) > 500, outcomes
     assert set(outcomes) <= {"200", "disconnected"}, outcomes
     # The nodes freed the blocks of aborted requests too.
-    for _ in range(100):
+
+    async def nodes_empty() -> bool:
         states = [await n.state() for n in fleet.nodes.values()]
-        if all(s["used_blocks"] == 0 for s in states):
-            break
-        await asyncio.sleep(0.05)
-    assert all(s["used_blocks"] == 0 for s in states), states
+        return all(s["used_blocks"] == 0 for s in states)
+
+    await eventually(nodes_empty, timeout=5, what="every node's blocks freed")
 
 
 MALFORMED = [

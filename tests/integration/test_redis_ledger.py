@@ -22,6 +22,7 @@ from kvgateway.core.shared_blocks import SharedBlocks
 from kvgateway.errors import Saturated
 from kvgateway.ledger.connect import redis_client
 from kvgateway.ledger.redis_ledger import RedisLedger
+from tests.support.eventually import eventually
 from tests.support.ledger_replicas import (
     BUDGET,
     Replica,
@@ -125,11 +126,7 @@ async def test_redis_down_falls_back_to_a_share_then_returns(redis_server: Redis
             await a.admission.admit(demand(3000), 0.2)
         r = await a.admission.admit(demand(2000), 0.2)
         redis_server.start()
-        for _ in range(40):
-            if a.ledger.status().shared and b.ledger.status().shared:
-                break
-            await asyncio.sleep(0.1)
-        assert a.ledger.status().shared and b.ledger.status().shared
+        await eventually(lambda: a.ledger.status().shared and b.ledger.status().shared, timeout=4)
         assert a.statuses[-1].shared and a.ledger.status().fallbacks == 1
         # Counted once: what a holds, written as absolute values on return.
         assert await ledger_sum(redis_server.url) == 5000
@@ -151,10 +148,7 @@ async def test_started_while_redis_is_down_serves_a_share_then_joins(
         with pytest.raises(Saturated):
             await a.admission.admit(demand(2000), 0.2)
         redis_server.start()
-        for _ in range(40):
-            if a.ledger.status().shared:
-                break
-            await asyncio.sleep(0.1)
+        await eventually(lambda: a.ledger.status().shared, timeout=4)
         assert a.ledger.status().shared and a.ledger.status().live_replicas == 1
         assert await ledger_sum(redis_server.url) == 4000
         assert a.node.free_tokens == BUDGET - 4000  # alone: the whole budget again
@@ -326,10 +320,7 @@ async def test_a_fallback_keeps_within_what_redis_records_while_the_lease_may_li
         with pytest.raises(Saturated):
             await a.admission.admit(demand(6500), 0.2)  # 3000 + 1000 + 6500 > 10000
         redis_server.start()
-        for _ in range(40):
-            if a.ledger.status().shared:
-                break
-            await asyncio.sleep(0.1)
+        await eventually(lambda: a.ledger.status().shared, timeout=4)
         assert await ledger_sum(redis_server.url) == 4000
         r.release()
         kept.release()
@@ -360,10 +351,8 @@ async def test_credit_goes_back_when_another_replica_queues_on_its_own_view(
 
         task = asyncio.create_task(trickle())
         try:
-            for _ in range(100):  # b hears of a's holdings (a release or a heartbeat)
-                if b.ledger.others_tokens(b.node) > 8000:
-                    break
-                await asyncio.sleep(0.05)
+            # b hears of a's holdings (a release or a heartbeat).
+            await eventually(lambda: b.ledger.others_tokens(b.node) > 8000, timeout=5)
             started = time.monotonic()
             got = await b.admission.admit(demand(1000), 3.0)
             assert time.monotonic() - started < 1.0
@@ -379,19 +368,11 @@ async def test_a_request_queued_in_the_fallback_and_granted_after_it_is_recorded
     async with replica(redis_server.url, "a", lease_s=10, credit_hold_s=0) as a:
         held = await a.admission.admit(demand(6000), 1.0)
         redis_server.stop()
-        for _ in range(60):
-            if not a.ledger.status().shared:
-                break
-            await asyncio.sleep(0.1)
-        assert not a.ledger.status().shared
+        await eventually(lambda: not a.ledger.status().shared, timeout=6)
         waiting = asyncio.create_task(a.admission.admit(demand(4500), 30.0))
         await asyncio.sleep(0.2)
         redis_server.start()
-        for _ in range(100):
-            if a.ledger.status().shared:
-                break
-            await asyncio.sleep(0.1)
-        assert a.ledger.status().shared
+        await eventually(lambda: a.ledger.status().shared, timeout=10)
         held.release()
         late = await asyncio.wait_for(waiting, 5.0)  # granted once shared again
         assert await settles_at(redis_server.url, 4500) == 4500
@@ -445,10 +426,7 @@ async def test_a_grant_made_as_a_return_sync_begins_is_recorded_once(
     async with replica(redis_server.url, "a", lease_s=10, credit_hold_s=0) as a:
         held = await a.admission.admit(demand(6000), 1.0)
         redis_server.stop()
-        for _ in range(60):
-            if not a.ledger.status().shared:
-                break
-            await asyncio.sleep(0.1)
+        await eventually(lambda: not a.ledger.status().shared, timeout=6)
         waiting = asyncio.create_task(a.admission.admit(demand(4500), 30.0))
         await asyncio.sleep(0.2)
         calls = a.ledger._calls
@@ -462,10 +440,7 @@ async def test_a_grant_made_as_a_return_sync_begins_is_recorded_once(
         calls.ping = ping_then_release  # type: ignore[method-assign]
         redis_server.start()
         late = await asyncio.wait_for(waiting, 10.0)
-        for _ in range(100):
-            if a.ledger.status().shared:
-                break
-            await asyncio.sleep(0.1)
+        await eventually(lambda: a.ledger.status().shared, timeout=10)
         assert await settles_at(redis_server.url, 4500) == 4500
         late.release()
         assert await settles_at(redis_server.url, 0) == 0
@@ -508,11 +483,7 @@ async def test_a_grant_made_while_a_sync_fails_is_in_the_next_snapshot(
         x.release()  # ...and the queued request is granted in this one, while it is out
         w = await asyncio.wait_for(waiting, 5.0)
         assert not a.ledger.status().shared
-        for _ in range(100):
-            if a.ledger.status().shared:
-                break
-            await asyncio.sleep(0.1)
-        assert a.ledger.status().shared
+        await eventually(lambda: a.ledger.status().shared, timeout=10)
         assert await settles_at(redis_server.url, 4500) == 4500
         w.release()
         assert await settles_at(redis_server.url, 0) == 0

@@ -10,6 +10,7 @@ import os
 import signal
 import time
 from collections.abc import AsyncIterator
+from functools import partial
 from pathlib import Path
 
 import aiohttp
@@ -21,6 +22,7 @@ from tests.support.ledger_fleet import (
     Sampler,
     chat,
     get_json,
+    ledger_says,
     ledger_sum,
     node_view,
     running_node,
@@ -81,6 +83,14 @@ async def _two(
     return a, b
 
 
+async def _ledger_holds(url: str, at_least: int) -> bool:
+    return await ledger_sum(url) >= at_least
+
+
+async def _reserves_nothing(gateway_url: str) -> bool:
+    return bool((await node_view(gateway_url))["reserved_tokens"] == 0)
+
+
 async def test_two_gateways_share_the_node_budget(
     tmp_path: Path, node: str, redis_server: RedisServer, gateways: list[GatewayProc]
 ) -> None:
@@ -129,9 +139,11 @@ async def test_a_gateway_killed_mid_stream_loses_its_reservations_within_the_lea
         await asyncio.gather(*held, return_exceptions=True)
         # b sees the fleet-wide reservations on the node drop to nothing within the
         # lease (2 s) plus one heartbeat (0.5 s).
-        while (await node_view(b.url))["reserved_tokens"] > 0:
-            assert time.monotonic() - killed < 4.0, "a's holdings outlived its lease"
-            await asyncio.sleep(0.05)
+        await eventually(
+            partial(_reserves_nothing, b.url),
+            timeout=killed + 4.0 - time.monotonic(),
+            what="a's holdings gone within its lease",
+        )
         # b serves on with the whole budget.
         statuses = await asyncio.gather(*(chat(s, b.url, PROMPT_WORDS, 1500) for _ in range(6)))
     assert statuses == [200] * 6
@@ -158,12 +170,11 @@ async def test_redis_down_under_load_falls_back_without_errors_then_returns(
     assert (await _node_state(node))["preemptions"] == 0
     redis_server.start()
     for g in (a, b):
-        for _ in range(100):
-            if (await get_json(g.url + "/ready"))["ledger"]["shared"]:
-                break
-            await asyncio.sleep(0.05)
-        else:
-            raise AssertionError(f"{g.url} did not return to the shared ledger")
+        await eventually(
+            partial(ledger_says, g.url, "shared", True),
+            timeout=5,
+            what=f"{g.url} back on the shared ledger",
+        )
     # Back to shared, counted once: a fresh load through both still fits the node.
     statuses = await _load([a.url, b.url], 6)
     assert statuses == [200] * 12
@@ -177,10 +188,7 @@ async def test_workers_share_the_port_the_budget_and_the_metrics(
 ) -> None:
     g = await start_gateway(tmp_path, "w", node, redis_server.url, "--workers", "2")
     gateways.append(g)
-    for _ in range(100):
-        if (await get_json(g.url + "/ready"))["ledger"]["live_replicas"] == 2:
-            break
-        await asyncio.sleep(0.05)
+    await eventually(partial(ledger_says, g.url, "live_replicas", 2), timeout=5)
     budget = (await node_view(g.url))["budget_tokens"]
     sampler, stop = Sampler(redis_server.url), asyncio.Event()
     sampling = asyncio.create_task(sampler.run(stop))
@@ -220,10 +228,7 @@ async def test_a_worker_killed_mid_stream_is_restarted_without_double_counting(
     timeout = aiohttp.ClientTimeout(total=50)
     async with aiohttp.ClientSession(timeout=timeout) as s:
         held = [asyncio.create_task(chat(s, g.url, PROMPT_WORDS, 4000)) for _ in range(4)]
-        for _ in range(100):
-            if await ledger_sum(redis_server.url) >= 4 * 4000:
-                break
-            await asyncio.sleep(0.05)
+        await eventually(lambda: _ledger_holds(redis_server.url, 4 * 4000), timeout=5)
         os.kill(workers[0], signal.SIGKILL)
         # The killed worker's streams break (the kernel may have given it all of them).
         await asyncio.gather(*held, return_exceptions=True)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -18,9 +19,11 @@ from redis.asyncio import Redis
 from kvgateway.config.model import TenantLimits
 from kvgateway.core.quota import OUTPUT, REQUESTS, Charge, RateLimitHit
 from kvgateway.ledger.quotas import SharedQuotas, share_of
+from tests.support.eventually import eventually
 from tests.support.ledger_fleet import (
     GatewayProc,
     get_json,
+    ledger_says,
     running_node,
     start_gateway,
     stop_gateway,
@@ -52,10 +55,7 @@ async def _replicas(
             for name in ("a", "b"):
                 running.append(await start_gateway(work, name, node, redis_url, config=config))
             for g in running:
-                for _ in range(100):
-                    if (await get_json(g.url + "/ready"))["ledger"]["live_replicas"] == 2:
-                        break
-                    await asyncio.sleep(0.05)
+                await eventually(partial(ledger_says, g.url, "live_replicas", 2), timeout=5)
             yield node, running
         finally:
             for g in running:
@@ -94,6 +94,15 @@ async def _ask(url: str, key: str = "k-metered") -> tuple[int, dict[str, str]]:
         await client.close()
 
 
+async def _redis_holds(client: Redis, limit: str, want: bytes) -> bool:
+    return bool(await client.get("{t}:qt:" + limit + ":x") == want)
+
+
+async def _metrics_show(url: str, line: str) -> bool:
+    async with aiohttp.ClientSession() as s, s.get(url + "/metrics") as r:
+        return line in await r.text()
+
+
 async def test_a_requests_per_minute_limit_holds_across_two_replicas(
     two: tuple[GatewayProc, GatewayProc],
 ) -> None:
@@ -121,23 +130,14 @@ async def test_a_requests_per_minute_limit_holds_across_workers(
             tmp_path, "w", node, redis_server.url, "--workers", "2", config=AUTH
         )
         try:
-            for _ in range(100):
-                if (await get_json(g.url + "/ready"))["ledger"]["live_replicas"] == 2:
-                    break
-                await asyncio.sleep(0.05)
+            await eventually(partial(ledger_says, g.url, "live_replicas", 2), timeout=5)
             answers = await asyncio.gather(*(_ask(g.url) for _ in range(2 * LIMIT)))
             statuses = [s for s, _ in answers]
             assert statuses.count(200) == LIMIT and statuses.count(429) == LIMIT, statuses
             # The instance's minute, summed over its workers whichever answers the scrape.
             series = 'gateway_tenant_minute_usage{limit="requests_per_minute",tenant="metered"}'
-            for _ in range(60):
-                async with aiohttp.ClientSession() as s, s.get(g.url + "/metrics") as r:
-                    text = await r.text()
-                if f"{series} {float(LIMIT)}" in text:
-                    break
-                await asyncio.sleep(0.1)
-            else:
-                raise AssertionError([ln for ln in text.splitlines() if "minute_usage" in ln])
+            line = f"{series} {float(LIMIT)}"
+            await eventually(partial(_metrics_show, g.url, line), timeout=6, what=line)
         finally:
             await stop_gateway(g)
 
@@ -149,10 +149,7 @@ async def test_without_redis_each_replica_keeps_its_share_and_fails_nothing(
     assert [(await _ask(g.url))[0] for g in (a, b)] == [200, 200]
     redis_server.stop()
     for g in (a, b):
-        for _ in range(100):
-            if not (await get_json(g.url + "/ready"))["ledger"]["shared"]:
-                break
-            await asyncio.sleep(0.05)
+        await eventually(partial(ledger_says, g.url, "shared", False), timeout=5)
     # Each judges the limit on what it admitted itself against its share, 10 // 2.
     for g in (a, b):
         statuses = [(await _ask(g.url))[0] for _ in range(LIMIT)]
@@ -161,12 +158,11 @@ async def test_without_redis_each_replica_keeps_its_share_and_fails_nothing(
             assert "gateway_tenant_quota_fallback 1.0" in await r.text()
     redis_server.start()
     for g in (a, b):
-        for _ in range(200):
-            if (await get_json(g.url + "/ready"))["ledger"]["shared"]:
-                break
-            await asyncio.sleep(0.05)
-        else:
-            raise AssertionError(f"{g.url} did not return to the shared ledger")
+        await eventually(
+            partial(ledger_says, g.url, "shared", True),
+            timeout=10,
+            what=f"{g.url} back on the shared ledger",
+        )
     for g in (a, b):  # each has added what it charged meanwhile to Redis
         for _ in range(200):
             async with aiohttp.ClientSession() as s, s.get(g.url + "/metrics") as r:
@@ -202,21 +198,16 @@ async def test_token_windows_settle_and_free_in_redis_as_they_do_in_one_process(
             never = await quotas.try_charge("x", limits, 10, 1001, now[0])
             assert isinstance(never, RateLimitHit) and never.retry_after_s == float("inf")
             quotas.settle(first, 200, now[0])  # generated 200 of the 600 reserved
-            for _ in range(100):
-                if await client.get("{t}:qt:output_tokens_per_minute:x") == b"200":
-                    break
-                await asyncio.sleep(0.01)
+            await eventually(partial(_redis_holds, client, "output_tokens_per_minute", b"200"))
             second = await quotas.try_charge("x", limits, 10, 500, now[0])
             assert isinstance(second, Charge)
             status = quotas.status("x", limits, now[0])
             assert status[OUTPUT].remaining == 300 and status[REQUESTS].remaining == 3
             quotas.settle(second, 0, now[0], served=False)  # never admitted: refunded
-            for _ in range(100):
-                if await client.get("{t}:qt:requests_per_minute:x") == b"1":
-                    break
-                await asyncio.sleep(0.01)
-            else:
-                raise AssertionError("the refund did not reach Redis")
+            await eventually(
+                partial(_redis_holds, client, "requests_per_minute", b"1"),
+                what="the refund reached Redis",
+            )
     finally:
         await client.aclose()
 

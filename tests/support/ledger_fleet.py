@@ -148,6 +148,11 @@ async def get_json(url: str) -> dict[str, Any]:
         return doc
 
 
+async def ledger_says(url: str, key: str, want: object) -> bool:
+    """The replica at ``url`` says ``ledger.<key>`` is ``want`` on ``/ready``."""
+    return bool((await get_json(url + "/ready"))["ledger"][key] == want)
+
+
 async def node_view(gateway_url: str) -> dict[str, Any]:
     """The gateway's /admin/backends entry for the node (fleet-wide reservations)."""
     data = await get_json(gateway_url + "/admin/backends")
