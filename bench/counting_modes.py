@@ -1,4 +1,4 @@
-"""Counting modes (issue #11): the gateway's prompt count against the node's own.
+"""Counting modes: the gateway's prompt count against the node's own.
 
 Simulated vLLM nodes count with real model vocabularies and chat templates
 (``simulate: {tokenizer: DIR}``; the ``tokenizers`` library, as vLLM): a Qwen 2.5-style

@@ -1,4 +1,4 @@
-"""The mixed chat workload of issue #11, and how its answers are judged.
+"""The mixed chat workload of the counting benchmark, and how its answers are judged.
 
 Every request is a chat for one model, of one content class: English prose and Python
 source (``bench.texts``), numbers, hex ids, JSON, CJK, emoji, other scripts (Cyrillic,

@@ -43,7 +43,7 @@ LUA = Path(__file__).resolve().parent / "wrk_body.lua"
 TARGET_CPU_MS = 0.6
 TARGET_CPU_CACHED_MS = 0.35
 TARGET_ADDED_P99_MS = 2.0
-TARGET_WORKERS = 1.6  # issue 13: --workers 2 on the Redis ledger against one worker
+TARGET_WORKERS = 1.6  # --workers 2 on the Redis ledger against one worker
 
 
 @dataclass
@@ -538,7 +538,7 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         if g and d and g["p99_ms"] is not None and d["p99_ms"] is not None:
             s[f"added_p50_ms_{sc}"] = g["p50_ms"] - d["p50_ms"]
             s[f"added_p99_ms_{sc}"] = g["p99_ms"] - d["p99_ms"]
-    # Issue 13: two workers on the Redis ledger against one, and what two workers add
+    # Two workers on the Redis ledger against one, and what two workers add
     # to the paced tail.
     for sc in ("c32", "c128"):
         one, two = _row(rows, sc, "gateway-redis"), _row(rows, sc, "gateway-redis-2w")

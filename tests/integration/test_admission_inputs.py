@@ -1,5 +1,5 @@
 """Admission inputs a careless client gets wrong: open output budgets, echo, best_of, and a
-node template that used to poison the prompt estimate (issue #12), against real simulated
+node template that would skew the prompt estimate, against real simulated
 vLLM nodes on loopback."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The rest of the OpenAI-compatible surface through the gateway to simulated vLLM nodes,
-with the official `openai` SDK (issue #16)."""
+with the official `openai` SDK."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Counting as the node counts, against simulated nodes that count with a real model
-vocabulary and chat template (issue #11): exact mode (the gateway has the tokenizer
+vocabulary and chat template: exact mode (the gateway has the tokenizer
 directory), and the stand-in (cl100k) with its bound, the node's /tokenize near a limit,
 and re-admission after a node's context-length 400."""
 

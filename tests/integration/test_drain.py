@@ -1,4 +1,4 @@
-"""SIGTERM drain against a real `gateway serve` process (issue #12, drain_probe.py): while
+"""SIGTERM drain against a real `gateway serve` process: while
 /ready fails requests are still served; then idle keep-alive connections close at once,
 new connections are refused, and the stream in flight finishes."""
 

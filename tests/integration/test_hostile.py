@@ -1,4 +1,4 @@
-"""Hostile and careless clients against a real `gateway serve` process (issue #12): keys,
+"""Hostile and careless clients against a real `gateway serve` process: keys,
 admin, unparsable HTTP, slow sockets, bad bodies, loop-blocking bodies, and a fuzz run.
 Every answer is OpenAI-shaped, nothing is 5xx, nothing leaks into the log or the budget."""
 

@@ -96,12 +96,12 @@ def test_a_wrong_model_is_flagged() -> None:
 def test_eagle_drafter_layer_shares_the_pool() -> None:
     # Llama-3.1-8B + EAGLE (yuhuili/EAGLE-LLaMA3.1-Instruct-8B, one decoder layer with the
     # target's 8 KV heads x 128) on an H100: vLLM divides 55.52 GiB by 33 layers, not 32.
-    # The log is rebuilt in vLLM 0.29's wording for the field report of issue #12 (the
+    # The log is rebuilt in vLLM 0.29's wording of a user's field report (the
     # original is not in the repository); its figures are consistent with each other
     # (72.91 - 15.75 - 1.44 - 0.20 = 55.52 GiB) and with the 33-layer division.
     # 55.52 GiB = 59,614,146,068 B; // (16 x 4,096 B) = 909,639 pages; // 33 = 27,564
     # blocks = 441,024 tokens, as logged. Without the drafter: // 32 = 28,426 blocks =
-    # 454,816 tokens, 3.1% high (the field report in issue #12).
+    # 454,816 tokens, 3.1% high (as the field report says).
     facts = parse_vllm_log(read_data("v1_llama31_8b_eagle_h100.log"))
     assert (facts.speculative_method, facts.num_speculative_tokens) == ("eagle", 3)
     assert facts.available_kv_gib == 55.52 and facts.kv_cache_tokens == 441_024
