@@ -120,9 +120,9 @@ async def test_best_of_reserves_every_sequence_the_node_runs(start_fleet: StartF
 async def test_tiny_chats_on_a_fixed_template_do_not_poison_a_long_prompt(
     start_fleet: StartFleet,
 ):
-    # ratio_poison: the node's template adds 30 fixed tokens to every chat. Twenty tiny
-    # chats used to drive the estimate ratio to its 2x cap, and the next 26k prompt (which
-    # the node had just served) got a gateway 400.
+    # The node's template adds 30 fixed tokens to every chat. Twenty tiny chats must not
+    # drive the estimate ratio to its 2x cap: the next 26k prompt, which the node serves,
+    # is admitted, not refused with a gateway 400.
     fleet = await start_fleet(
         [("big-1", "large", "gpu80-8b", {"chat_overhead_fixed": 30})], time_scale=200
     )

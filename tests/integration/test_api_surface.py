@@ -157,10 +157,9 @@ async def test_max_tokens_past_the_largest_context(
 async def test_a_clamped_request_is_cut_by_the_nodes_count_not_the_stand_ins(
     start_fleet: StartFleet,
 ) -> None:
-    """A second look: with the stand-in count (no tokenizer), a CJK prompt the node counts
-    as fitting was refused when max_tokens was large: the gateway asked the node for its
-    count only when prompt + max_tokens could fit, and under the clamp any prompt with a
-    token of room fits."""
+    """With the stand-in count (no tokenizer), a CJK prompt the node counts as fitting is
+    served whatever its max_tokens: under the clamp any prompt with a token of room fits,
+    so the gateway asks the node for its count whenever the bound passes the context."""
     fleet = await start_fleet([("only", "small", "tiny", {})], time_scale=200)  # 512 context
     body = {
         "model": MODEL,

@@ -337,11 +337,11 @@ def gateway_config(
 async def test_reloads_change_a_running_gateways_dns_groups(
     dns: Dnsmasq, aiohttp_server, tmp_path: Path
 ) -> None:
-    """A reload rejected after parsing changes nothing (it once left the members on the
-    rejected file: every later DNS change failed to apply, the group frozen); a reload
-    that changes a group's settings is looked up with them from then on (the next DNS
-    change once brought back the old port and budget); a group removed stops, and comes
-    back when configured again. Members' KV events come from their own addresses."""
+    """A reload rejected after parsing changes nothing (later DNS changes still apply to
+    the members of the config in force); a reload that changes a group's settings is
+    looked up with them from then on (the next DNS change keeps the new port and budget);
+    a group removed stops, and comes back when configured again. Members' KV events come
+    from their own addresses."""
     from kvgateway.config.load import load_config
     from kvgateway.server.app import KV_EVENTS, STATE, create_app
     from kvgateway.server.reload import reload_config

@@ -199,7 +199,7 @@ def test_bad_bodies_get_400s(gw: LiveGateway):
 
 
 def test_a_body_of_many_messages_is_refused_before_it_blocks_the_loop(gw: LiveGateway):
-    # loop_block: ~800k messages in ~30 MB used to hold the loop ~1.8 s per request.
+    # ~800k messages in ~30 MB would hold the loop ~1.8 s per request if parsed whole.
     msg = b'{"role":"user","content":"x"},'
     body = (
         b'{"model":"%s","messages":[' % MODEL.encode()

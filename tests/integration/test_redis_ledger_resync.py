@@ -332,9 +332,9 @@ class _Beats:
 def test_a_replica_starting_during_an_outage_stalls_as_the_first_back(
     redis_server: RedisServer,
 ) -> None:
-    """A second look: a replica that started during the outage (no epoch known yet) was
-    first back, swept the others' lapsed leases and their holdings, and stalled nothing;
-    the old replicas then found nothing lapsed but their own."""
+    """A replica that started during the outage (no epoch known yet) and is first back
+    stalls grants as the first back does, and the stall holds while the others write
+    back what they hold."""
     b = _Beats(redis_server.url)
     b.beat("A", 20000)
     b.beat("B", 9000)
@@ -344,8 +344,8 @@ def test_a_replica_starting_during_an_outage_stalls_as_the_first_back(
 
 
 def test_one_replica_back_while_another_is_live_stalls_nobody(redis_server: RedisServer) -> None:
-    """A second look: A back from a freeze while B is live, C's lease having lapsed just
-    before (killed -9): that is no outage, and no stall."""
+    """A back from a freeze while B is live, C's lease having lapsed just before (killed
+    -9): that is no outage, and nothing stalls."""
     b = _Beats(redis_server.url, lease_ms=1000)
     for me in ("A", "B", "C"):
         b.beat(me)
