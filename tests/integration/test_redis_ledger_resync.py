@@ -21,6 +21,7 @@ from kvgateway.core.prefix_routing import PrefixRouter
 from kvgateway.core.reservation import Reservation
 from kvgateway.core.shared_blocks import SharedBlocks
 from kvgateway.errors import Saturated
+from tests.support.eventually import eventually
 from tests.support.ledger_replicas import (
     BUDGET,
     Replica,
@@ -49,20 +50,24 @@ async def _held(url: str, rid: str, name: str = "n1") -> int:
         await client.aclose()
 
 
-async def _until(url: str, rid: str, want: int, name: str = "n1", within: float = 3.0) -> int:
-    async with asyncio.timeout(within):
-        while (got := await _held(url, rid, name)) != want:
-            await asyncio.sleep(0.02)
-    return got
+async def _until(url: str, rid: str, want: int, name: str = "n1", within: float = 3.0) -> None:
+    """Until Redis records ``want`` tokens held by ``rid`` on ``name`` (bounded)."""
+
+    async def reached() -> bool:
+        return await _held(url, rid, name) == want
+
+    await eventually(reached, timeout=within, interval=0.02, what=f"{rid} holding {want}")
 
 
 async def _no_stall(url: str, within: float = 5.0) -> None:
     """Until grants are no longer stalled (a lost lease stalls them; see ledger.scripts)."""
     client = Redis.from_url(url)
+
+    async def unstalled() -> bool:
+        return await client.zscore("{kvgw}:live", "!stall") is None
+
     try:
-        async with asyncio.timeout(within):
-            while await client.zscore("{kvgw}:live", "!stall") is not None:
-                await asyncio.sleep(0.05)
+        await eventually(unstalled, timeout=within, what="grants unstalled")
     finally:
         await client.aclose()
 
@@ -99,17 +104,13 @@ async def test_a_backend_removed_while_in_fallback_is_synced_back_to_nothing(
         client = Redis.from_url(url)
         try:
             await client.execute_command("CLIENT", "PAUSE", "1500", "WRITE")
-            async with asyncio.timeout(3):
-                while a.ledger.in_shared_mode():
-                    await asyncio.sleep(0.02)
+            await eventually(lambda: not a.ledger.in_shared_mode(), timeout=3, interval=0.02)
             for reservation in held:
                 a.admission.release(reservation)
-            async with asyncio.timeout(6):
-                while not a.ledger.in_shared_mode():
-                    await asyncio.sleep(0.05)
+            await eventually(a.ledger.in_shared_mode, timeout=6)
         finally:
             await client.aclose()
-        assert await _until(url, "a", 0, "n2") == 0
+        await _until(url, "a", 0, "n2")
         assert "n2" not in a.ledger._mine  # written once, then forgotten: gone, nothing held
         assert len(await _admit_all(url, b, 10)) == BUDGET // 1000
 
@@ -131,10 +132,10 @@ async def test_a_backend_replaced_by_a_reload_is_synced_under_its_name_whole(
         new = [await a.admission.admit(demand(1000), 1.0) for _ in range(7)]
         await _lapse(url, "a")
         await asyncio.sleep(0.6)
-        assert await _until(url, "a", 10_000) == 10_000
+        await _until(url, "a", 10_000)
         for r in old:
             a.admission.release(r)
-        assert await _until(url, "a", 7000) == 7000
+        await _until(url, "a", 7000)
         assert len(await _admit_all(url, b, 10)) == 3
         for r in new:
             a.admission.release(r)
@@ -175,9 +176,9 @@ async def test_a_refused_payers_prefix_copy_left_to_a_follower_is_recorded(
         f = box["f"]
         assert f.holding is not None and f.holding.credited_tokens > 0
         own = a.node.reserved_tokens - a.ledger.others_tokens(a.node)
-        assert await _until(url, "a", own) == own  # the copy is recorded with F's grant
+        await _until(url, "a", own)  # the copy is recorded with F's grant
         f.release()
-        assert await _until(url, "a", 2000) == 2000  # Q alone, as the book says
+        await _until(url, "a", 2000)  # Q alone, as the book says
         q.release()
 
 
@@ -201,7 +202,7 @@ async def test_a_redis_restart_without_persistence_does_not_lend_room_in_use(
             with contextlib.suppress(Saturated):
                 got.append(await b.admission.admit(demand(1000), 1.0))
         assert len(got) == 2, len(got)  # the room A's running requests leave, no more
-        assert await _until(url, "a", 8000) == 8000
+        await _until(url, "a", 8000)
         for r in (*held, *got):
             r.release()
 
@@ -250,13 +251,15 @@ async def test_an_outage_longer_than_every_lease_does_not_lend_room_in_use(
         replica(url, "b", lease_s=1.0, credit_hold_s=0.0) as b,
     ):
         held = [await a.admission.admit(demand(1000), 1.0) for _ in range(8)]
-        assert await _until(url, "a", 8000) == 8000
+        await _until(url, "a", 8000)
         client = Redis.from_url(url)
         try:
             renewed = await client.zscore("{kvgw}:live", "a")
-            async with asyncio.timeout(2.0):
-                while await client.zscore("{kvgw}:live", "a") == renewed:
-                    await asyncio.sleep(0.005)
+
+            async def renewed_again() -> bool:
+                return await client.zscore("{kvgw}:live", "a") != renewed
+
+            await eventually(renewed_again, timeout=2.0, interval=0.005, what="a renews")
             await client.zadd("{kvgw}:live", {"a": 1, "b": 1})  # both leases long gone
         finally:
             await client.aclose()
@@ -266,7 +269,7 @@ async def test_an_outage_longer_than_every_lease_does_not_lend_room_in_use(
             with contextlib.suppress(Saturated):
                 got.append(await b.admission.admit(demand(1000), 1.0))
         assert len(got) <= 2, len(got)  # the room A's running requests leave, no more
-        assert await _until(url, "a", 8000, within=6.0) == 8000
+        await _until(url, "a", 8000, within=6.0)
         for r in (*held, *got):
             r.release()
 
@@ -282,7 +285,7 @@ async def test_a_redis_out_of_memory_refuses_grants_too_not_only_releases(
     async with replica(url, "a", lease_s=2.0, credit_hold_s=0.0) as a:
         r = await a.admission.admit(demand(1000), 1.0)
         r.release()
-        assert await _until(url, "a", 0) == 0
+        await _until(url, "a", 0)
         redis_server.command("CONFIG", "SET", "maxmemory-policy", "noeviction")
         redis_server.command("CONFIG", "SET", "maxmemory", "1")
         try:

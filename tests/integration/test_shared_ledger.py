@@ -22,6 +22,7 @@ from tests.support.ledger_fleet import (
     Sampler,
     chat,
     get_json,
+    ledger_holds,
     ledger_says,
     ledger_sum,
     node_view,
@@ -81,10 +82,6 @@ async def _two(
     b = await start_gateway(tmp_path, "b", node, redis.url)
     gateways.append(b)
     return a, b
-
-
-async def _ledger_holds(url: str, at_least: int) -> bool:
-    return await ledger_sum(url) >= at_least
 
 
 async def _reserves_nothing(gateway_url: str) -> bool:
@@ -228,7 +225,7 @@ async def test_a_worker_killed_mid_stream_is_restarted_without_double_counting(
     timeout = aiohttp.ClientTimeout(total=50)
     async with aiohttp.ClientSession(timeout=timeout) as s:
         held = [asyncio.create_task(chat(s, g.url, PROMPT_WORDS, 4000)) for _ in range(4)]
-        await eventually(lambda: _ledger_holds(redis_server.url, 4 * 4000), timeout=5)
+        await eventually(lambda: ledger_holds(redis_server.url, 4 * 4000), timeout=5)
         os.kill(workers[0], signal.SIGKILL)
         # The killed worker's streams break (the kernel may have given it all of them).
         await asyncio.gather(*held, return_exceptions=True)

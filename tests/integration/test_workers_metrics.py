@@ -5,16 +5,16 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import signal
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
 import pytest
+from aiohttp import ClientError
 
+from tests.support.eventually import eventually
 from tests.support.ledger_fleet import (
     GatewayProc,
     get_json,
@@ -38,16 +38,6 @@ async def _metrics(url: str) -> str:
         return await r.text()
 
 
-async def _until(check: Callable[[], Awaitable[bool]], what: str, within_s: float = 15.0) -> None:
-    deadline = time.monotonic() + within_s
-    while True:
-        with contextlib.suppress(aiohttp.ClientError):  # a connection to the killed worker
-            if await check():
-                return
-        assert time.monotonic() < deadline, what
-        await asyncio.sleep(0.1)
-
-
 async def test_a_killed_workers_gauges_leave_metrics_with_it(
     tmp_path: Path, node: str, redis_server: RedisServer
 ) -> None:
@@ -64,7 +54,9 @@ async def test_a_killed_workers_gauges_leave_metrics_with_it(
                 ids[ledger["replica_id"]] = ledger["shared"]
             return len(ids) == 2 and not any(ids.values())
 
-        await _until(both_in_fallback, "the workers did not fall back with Redis down")
+        await eventually(
+            both_in_fallback, timeout=15, what="both workers in fallback", not_yet=(ClientError,)
+        )
         text = await _metrics(g.url)
         assert "gateway_ledger_fallback 1.0" in text
         os.kill(workers[0], signal.SIGKILL)
@@ -75,8 +67,13 @@ async def test_a_killed_workers_gauges_leave_metrics_with_it(
             return "gateway_ledger_fallback 0.0" in text and f'pid="{workers[0]}"' not in text
 
         # The surviving worker is shared again within a heartbeat (0.5 s); the killed
-        # one's last 1 must not hold the gauge (it did, for good, in "max" mode).
-        await _until(back_with_no_trace_of_the_dead, "the killed worker's gauges stayed")
+        # one's last 1 does not hold the gauge.
+        await eventually(
+            back_with_no_trace_of_the_dead,
+            timeout=15,
+            what="the killed worker's gauges gone",
+            not_yet=(ClientError,),
+        )
         text = await _metrics(g.url)
         assert "pid=" not in text, [line for line in text.splitlines() if "pid=" in line]
         gauges = [line for line in text.splitlines() if line.startswith("gateway_queue_depth")]
@@ -92,9 +89,9 @@ def _samples(text: str, name: str) -> list[float]:
 async def test_the_instances_reservations_and_tenants_are_whole_whichever_worker_answers(
     tmp_path: Path, node: str, redis_server: RedisServer
 ) -> None:
-    """A scrape reaches one worker: gateway_backend_reserved_tokens was that worker's
-    alone (0.44 of a fleet 0.94 reserved: GatewayFleetSaturated never fired), and the
-    tenant families were missing."""
+    """A scrape reaches one worker, yet gateway_backend_reserved_tokens is the instance's
+    (every worker's, summed: what the fleet gauge says is held), and the tenant families
+    are there."""
     g: GatewayProc = await start_gateway(tmp_path, "w", node, redis_server.url, "--workers", "2")
     body = {
         "model": "llama",
@@ -124,7 +121,9 @@ async def test_the_instances_reservations_and_tenants_are_whole_whichever_worker
             held = sum(_samples(text, "gateway_backend_in_flight{"))
             return held == 6 and fleet > 0 and abs(ours - fleet) <= 0.05 * fleet
 
-        await _until(whole, "the reserved tokens were one worker's, not the instance's")
+        await eventually(
+            whole, timeout=15, what="the instance's reserved tokens", not_yet=(ClientError,)
+        )
         text = await _metrics(g.url)
         for family in ("gateway_tenant_kv_tokens", "gateway_tenant_in_flight"):
             assert _samples(text, family + "{"), family

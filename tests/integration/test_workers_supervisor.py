@@ -12,7 +12,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -22,7 +21,14 @@ import yaml
 
 from kvgateway.cli import build_parser
 from kvgateway.commands.workers import parse_run_dir, worker_args, writer_pids
-from tests.support.ledger_fleet import chat, gateway_config, get_json, ledger_sum, running_node
+from tests.support.eventually import eventually
+from tests.support.ledger_fleet import (
+    chat,
+    gateway_config,
+    get_json,
+    ledger_holds,
+    running_node,
+)
 from tests.support.live import free_ports
 from tests.support.redis_server import RedisServer
 
@@ -95,12 +101,15 @@ class Supervisors:
     async def ready(self, proc: asyncio.subprocess.Process) -> list[int]:
         """Both workers answer /ready; their pids."""
         ids: set[str] = set()
-        deadline = time.monotonic() + 40
-        while len(ids) < 2:
-            assert proc.returncode is None and time.monotonic() < deadline, self.log()
-            with contextlib.suppress(aiohttp.ClientError):
-                ids.add((await get_json(self.url + "/ready"))["ledger"]["replica_id"])
-            await asyncio.sleep(0.05)
+
+        async def both_answered() -> bool:
+            assert proc.returncode is None, self.log()
+            ids.add((await get_json(self.url + "/ready"))["ledger"]["replica_id"])
+            return len(ids) == 2
+
+        await eventually(
+            both_answered, timeout=40, what="both workers ready", not_yet=(aiohttp.ClientError,)
+        )
         pids = _children(proc.pid)
         self.workers |= set(pids)
         return pids
@@ -134,10 +143,11 @@ async def node() -> AsyncIterator[str]:
 
 
 async def _gone(pids: list[int], within_s: float) -> None:
-    deadline = time.monotonic() + within_s
-    while any(_running(p) for p in pids):
-        assert time.monotonic() < deadline, f"workers {pids} outlived their supervisor"
-        await asyncio.sleep(0.05)
+    await eventually(
+        lambda: not any(_running(p) for p in pids),
+        timeout=within_s,
+        what=f"workers {pids} gone with their supervisor",
+    )
 
 
 async def test_workers_drain_and_exit_when_their_supervisor_is_killed(
@@ -171,17 +181,20 @@ async def test_a_new_supervisor_waits_for_the_old_workers_and_clears_their_metri
         (old_dir,) = sups.runs()
         async with aiohttp.ClientSession(timeout=timeout) as s:
             held = [asyncio.create_task(chat(s, sups.url, 1000, 6000)) for _ in range(3)]
-            deadline = time.monotonic() + 10
-            while await ledger_sum(redis_server.url) < 3 * 6000:
-                assert time.monotonic() < deadline, "the streams never showed in the ledger"
-                await asyncio.sleep(0.05)
+            await eventually(
+                lambda: ledger_holds(redis_server.url, 3 * 6000),
+                timeout=10,
+                what="the streams in the ledger",
+            )
             first.kill()
             await first.wait()
             second = await sups.start()
-            deadline = time.monotonic() + 30
-            while not (new := _children(second.pid)):
-                assert second.returncode is None and time.monotonic() < deadline, sups.log()
-                await asyncio.sleep(0.01)
+
+            def started() -> list[int]:
+                assert second.returncode is None, sups.log()
+                return _children(second.pid)
+
+            new = await eventually(started, timeout=30, interval=0.01, what="new workers")
             # No new worker before every old one has ended: they share identities.
             assert not [p for p in old if _running(p)], "new workers started beside old ones"
             sups.workers |= set(new)
@@ -230,10 +243,12 @@ async def test_a_running_supervisor_is_never_taken_for_a_dead_one(
         assert "another supervisor" in sups.log(), sups.log()
         (other_port,) = free_ports(1)
         elsewhere = await sups.start("--port", str(other_port))
-        deadline = time.monotonic() + 40
-        while len(sups.runs()) < 2:
-            assert elsewhere.returncode is None and time.monotonic() < deadline, sups.log()
-            await asyncio.sleep(0.05)
+
+        def both_running() -> bool:
+            assert elsewhere.returncode is None, sups.log()
+            return len(sups.runs()) >= 2
+
+        await eventually(both_running, timeout=40, what="two supervisors' runs")
         await asyncio.sleep(1.0)
         assert run in sups.runs() and all(_running(p) for p in workers), sups.log()
         assert (await get_json(sups.url + "/ready"))["ready"] is True
@@ -251,10 +266,12 @@ async def test_a_stop_during_a_restarts_backoff_ends_every_worker(
         sup = await sups.start()
         workers = await sups.ready(sup)
         os.kill(workers[0], signal.SIGKILL)
-        deadline = time.monotonic() + 20
-        while not (fresh := set(_children(sup.pid)) - set(workers)):
-            assert time.monotonic() < deadline, sups.log()
-            await asyncio.sleep(0.02)
+        fresh = await eventually(
+            lambda: set(_children(sup.pid)) - set(workers),
+            timeout=20,
+            interval=0.02,
+            what="a worker restarted",
+        )
         sups.workers |= fresh
         for pid in fresh:  # dies again at once: the next start waits out a backoff
             os.kill(pid, signal.SIGKILL)

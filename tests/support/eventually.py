@@ -24,6 +24,7 @@ async def eventually(
     timeout: float = ...,
     interval: float = ...,
     what: str = ...,
+    not_yet: tuple[type[BaseException], ...] = ...,
 ) -> T: ...
 
 
@@ -34,6 +35,7 @@ async def eventually(
     timeout: float = ...,
     interval: float = ...,
     what: str = ...,
+    not_yet: tuple[type[BaseException], ...] = ...,
 ) -> T: ...
 
 
@@ -43,9 +45,13 @@ async def eventually(
     timeout: float = 10.0,
     interval: float = 0.05,
     what: str = "",
+    not_yet: tuple[type[BaseException], ...] = (),
 ) -> Any:
+    """``not_yet``: exceptions besides AssertionError that mean "not yet" (a connection
+    to a process still starting or just killed)."""
     deadline = time.monotonic() + timeout
     last: AssertionError | None = None
+    label = what or getattr(check, "__name__", "condition")
     while True:
         try:
             value = check()
@@ -53,11 +59,11 @@ async def eventually(
                 value = await value
             if value:
                 return value
-            last = AssertionError(
-                f"{what or getattr(check, '__name__', 'condition')}: got {value!r}"
-            )
+            last = AssertionError(f"{label}: got {value!r}")
         except AssertionError as exc:
             last = exc
+        except not_yet as exc:
+            last = AssertionError(f"{label}: {exc!r}")
         if time.monotonic() >= deadline:
             raise AssertionError(f"not true within {timeout} s: {last}") from last
         await asyncio.sleep(interval)

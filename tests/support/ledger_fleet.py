@@ -172,6 +172,11 @@ async def ledger_sum(redis_url: str) -> int:
         await client.aclose()
 
 
+async def ledger_holds(redis_url: str, at_least: int) -> bool:
+    """:func:`ledger_sum` has reached ``at_least``."""
+    return await ledger_sum(redis_url) >= at_least
+
+
 class Sampler:
     """Samples the ledger sum every few ms while a load runs; remembers the peak."""
 

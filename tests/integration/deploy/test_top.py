@@ -14,6 +14,7 @@ from aiohttp.test_utils import TestServer
 
 from kvgateway.cli import build_parser
 from kvgateway.commands.top import CLEAR, backend_state, render, run
+from tests.support.eventually import eventually
 
 
 def _backend(name: str, tier: str, **over: Any) -> dict[str, Any]:
@@ -237,12 +238,9 @@ async def test_live_loop_redraws_and_shows_preemption_deltas(
         name="top-under-test",
     )
     try:
-        async with asyncio.timeout(10):
-            while admin.polls < 1:
-                await asyncio.sleep(0.01)
-            admin.state["backends"][1]["load"]["preemptions"] = 20
-            while admin.polls < 3:
-                await asyncio.sleep(0.01)
+        await eventually(lambda: admin.polls >= 1, timeout=10, interval=0.01)
+        admin.state["backends"][1]["load"]["preemptions"] = 20
+        await eventually(lambda: admin.polls >= 3, timeout=10, interval=0.01)
     finally:
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
