@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from types import TracebackType
 from typing import Any
 
 from aiohttp import web
@@ -154,12 +153,7 @@ class _InFlight:
         self.fleet.adjust(self.backend, 0, 0, 1)
         return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         self.fleet.adjust(self.backend, 0, 0, -1)
 
 

@@ -6,7 +6,7 @@ one that may not be retried, or the last try's, reaches the client."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from types import SimpleNamespace, TracebackType
+from types import SimpleNamespace
 from typing import cast
 
 import pytest
@@ -36,12 +36,7 @@ class _Held:
         self.log.append(f"hold {self.backend.name}")
         return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         self.log.append(f"release {self.backend.name}")
 
 
