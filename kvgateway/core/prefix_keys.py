@@ -68,14 +68,9 @@ def block_keys(
     packed = pack_tokens(token_ids[: n * block_size])
     width = block_size * 8
     keys: list[BlockKey] = []
-    key = ROOT_KEY if parent is None else parent
-    if extra_keys is None:  # the common case, inlined: one hash per block
-        for i in range(0, n * width, width):
-            key = hash(key.to_bytes(8, "little", signed=True) + packed[i : i + width])
-            keys.append(key)
-        return keys
+    key = parent
     for i in range(n):
-        extra = extra_keys[i] if i < len(extra_keys) else None
+        extra = extra_keys[i] if extra_keys is not None and i < len(extra_keys) else None
         key = chain_key(key, packed[i * width : (i + 1) * width], extra)
         keys.append(key)
     return keys
