@@ -53,7 +53,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -339,11 +339,30 @@ def _gateway(nodes: list[RealNode], mode: str) -> Iterator[tuple[str, int]]:
         yield url, proc.pid
 
 
+def salted(w: Workload, run: int) -> Workload:
+    """``w`` with every conversation's first message marked with ``run``: the nodes'
+    prefix caches outlive a run, and a run must not find the blocks of an earlier run's
+    identical prompts there. Shared prefixes within a run stay shared."""
+    mark = f"Run {run:05d}. "
+    return replace(
+        w,
+        requests=tuple(
+            replace(r, messages=((r.messages[0][0], mark + r.messages[0][1]), *r.messages[1:]))
+            for r in w.requests
+        ),
+    )
+
+
 def measure(
-    nodes: list[RealNode], mode: str, w: Workload, trace: dict[str, Any] | None = None
+    nodes: list[RealNode],
+    mode: str,
+    w: Workload,
+    trace: dict[str, Any] | None = None,
+    run: int = 0,
 ) -> Result:
-    """One run of ``w`` in ``mode``; with ``trace`` each node's readings over time go
-    into it under ``mode/node``."""
+    """One run of ``w`` in ``mode`` (its prompts marked with ``run``, unique per run);
+    with ``trace`` each node's readings over time go into it under ``mode/node``."""
+    w = salted(w, run)
     for n in nodes:
         wait_idle(n)
     pre = sum(n.metric("vllm:num_preemptions_total") for n in nodes)
@@ -463,6 +482,9 @@ def main(argv: list[str] | None = None) -> int:
     results: list[Result] = []
     trace: dict[str, Any] | None = {} if args.trace else None
     cpus = sorted(os.sched_getaffinity(0))
+    # Runs are numbered from the clock, so that runs of separate invocations against
+    # the same kept nodes differ too.
+    run = int(time.time()) % 1000 * 10
     for name in names:
         w = workload(name)
         modes = args.modes.split(",") if args.modes else w.modes
@@ -480,7 +502,8 @@ def main(argv: list[str] | None = None) -> int:
                     return 0
                 for _ in range(args.repeat):
                     for mode in modes:
-                        r = measure(nodes, mode, w, trace)
+                        run += 1
+                        r = measure(nodes, mode, w, trace, run)
                         results.append(r)
                         print(json.dumps(asdict(r)), flush=True)
             finally:
