@@ -3,10 +3,14 @@
 # real-vLLM tier. The main tier runs 3 workers on 2 cores (it spends a sixth of its time
 # waiting on sockets and timers); mypy (one core, ~45 s from an empty cache) takes some
 # of that, and its errors fail the run once the main tier is done.
-# The real tier's first two nodes (S and L, which every real module uses) start in the
-# background as the main tier begins: a node's start-up is mostly imports on one core.
-# They stop when this script ends, however it ends. Where vLLM is not installed nothing
-# starts early and the real tier says why it skips (under CI=true it fails).
+# The real tier's nodes but the one whose engine a test kills start in the background as
+# the main tier begins: S and L (which every real module uses), then the other
+# vocabularies and the hybrid model. A node's start-up is mostly imports on one core
+# (~30 CPU seconds; three take ~50 s beside each other on an idle machine, ~2.6 GB each),
+# which the main tier absorbs better than the real tier, whose first vocabulary test
+# would otherwise wait ~70 s for them. They stop when this script ends, however it ends.
+# Where vLLM is not installed nothing starts early and the real tier says why it skips
+# (under CI=true it fails).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=${BIN:-.venv/bin}
@@ -23,7 +27,8 @@ trap cleanup EXIT
 trap 'exit 130' INT TERM
 
 if "$BIN/python" -c 'import sys; from tests.support.vllm_nodes import vllm_missing; sys.exit(vllm_missing() is not None)'; then
-    "$BIN/python" -m tests.support.vllm_nodes S L --dir "$nodes" >"$nodes/keep.log" 2>&1 &
+    "$BIN/python" -m tests.support.vllm_nodes S L --then llama mistral H --dir "$nodes" \
+        >"$nodes/keep.log" 2>&1 &
     keeper=$!
 fi
 
@@ -46,7 +51,7 @@ fi
 if [ -n "$keeper" ]; then
     # Bounded: the keeper gives up after the nodes' start-up timeout.
     if ! wait "$keeper"; then
-        echo "early start of S and L failed; the real tier starts its own:" >&2
+        echo "early start of the nodes failed; the real tier starts its own:" >&2
         tail -n 40 "$nodes/keep.log" >&2 || true
     fi
     keeper=

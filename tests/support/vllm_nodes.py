@@ -370,6 +370,9 @@ if __name__ == "__main__":
     parser.add_argument("names", nargs="*", help="node names from tests/support/real_fleet.py")
     parser.add_argument("--dir", default="/tmp/kvgateway-real-nodes")
     parser.add_argument("--stop", action="store_true", help="stop the nodes kept in --dir")
+    parser.add_argument(
+        "--then", nargs="+", default=[], metavar="NAME", help="nodes to start once NAMES serve"
+    )
     args = parser.parse_args()
     if args.stop:
         stop_kept(Path(args.dir))
@@ -377,7 +380,9 @@ if __name__ == "__main__":
     if not args.names:
         parser.error("name the nodes to start (or --stop)")
     known = {s.name: s for s in real_fleet.ALL_SPECS}
-    missing = [n for n in args.names if n not in known]
+    missing = [n for n in [*args.names, *args.then] if n not in known]
     if missing:
         sys.exit(f"unknown node(s) {missing}; known: {sorted(known)}")
-    keep([known[n] for n in args.names], Path(args.dir), real_fleet.models_root())
+    for names in (args.names, args.then):
+        if names:
+            keep([known[n] for n in names], Path(args.dir), real_fleet.models_root())
