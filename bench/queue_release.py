@@ -24,7 +24,7 @@ from kvgateway.core.backends import Backend
 from kvgateway.core.demand import Demand, demand_tokens
 from kvgateway.core.limits import Limit, Limits, LimitSource
 from kvgateway.core.reservation import Reservation
-from kvgateway.core.routing_index import ModelIndex
+from kvgateway.core.routing import ModelIndex
 from kvgateway.core.tenancy import Tenancy
 
 CLASSES = ("interactive", "standard", "batch")

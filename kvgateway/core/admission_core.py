@@ -25,6 +25,7 @@ from kvgateway.core.prefix_routing import PrefixRouter
 from kvgateway.core.reservation import Reservation
 from kvgateway.core.routing import (
     Decision,
+    ModelIndex,
     Routed,
     RouteReason,
     RouterState,
@@ -32,7 +33,6 @@ from kvgateway.core.routing import (
     route,
     route_to,
 )
-from kvgateway.core.routing_index import ModelIndex
 from kvgateway.core.tenancy import Tenancy, Ticket
 
 # Weight of each new observation of a node's seconds per engine step.

@@ -18,7 +18,7 @@ from kvgateway.core.backends import Backend
 from kvgateway.core.demand import Demand, can_ever_hold, flight_for, projected_budget
 from kvgateway.core.flight import Flight, delayed
 from kvgateway.core.reservation import Reservation
-from kvgateway.core.routing_index import ModelIndex
+from kvgateway.core.routing import ModelIndex
 from kvgateway.core.tenancy import CLASS_FLOOR, Tenancy, Ticket, displaced_error
 from kvgateway.core.wait_queue import WaitQueue
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from kvgateway.config.model import BackendConfig, GatewayConfig
 from kvgateway.core.backends import Backend
 from kvgateway.core.limits import Observed, resolve_limits
-from kvgateway.core.routing_index import ModelIndex
+from kvgateway.core.routing import ModelIndex
 
 log = logging.getLogger("kvgateway.core.fleet")
 

@@ -17,6 +17,7 @@ observed forgotten). Nothing here does I/O or reads a clock.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from bisect import bisect_left, bisect_right
 from collections import OrderedDict, deque
@@ -25,6 +26,16 @@ from itertools import accumulate
 from statistics import NormalDist
 
 ANY_KEY = "*"
+
+
+def client_key(authorization: str) -> str:
+    """A stable, non-secret id of the client's API key (the learning groups' key)."""
+    token = authorization[7:].strip() if authorization[:7].lower() == "bearer " else ""
+    if not token:
+        return ANY_KEY
+    return hashlib.sha256(token.encode("utf-8", "surrogateescape")).hexdigest()[:12]
+
+
 # Answers a group must hold before a node's context may cut its requests' max_tokens.
 CUT_SAMPLES = 32
 # A sequence that ran to its cap: it would have gone on, how far nobody saw. Kept as a

@@ -46,8 +46,7 @@ from kvgateway.core.backends import Backend
 from kvgateway.core.demand import Demand
 from kvgateway.core.prefix_index import PrefixIndex
 from kvgateway.core.prefix_keys import BlockKey
-from kvgateway.core.routing import Decision, Routed, eligible
-from kvgateway.core.routing_index import ModelIndex
+from kvgateway.core.routing import Decision, ModelIndex, Routed, eligible
 from kvgateway.core.shared_blocks import Holding, SharedBlocks
 
 

@@ -38,7 +38,6 @@ from kvgateway.errors import BodyTooLarge, GatewayError, MethodNotAllowed, NotFo
 from kvgateway.ledger.redis_ledger import RedisLedger
 from kvgateway.plan.planner import Planner
 from kvgateway.server import admin
-from kvgateway.server.accesslog import AccessRecord, log_access
 from kvgateway.server.appkeys import DNS, EXPOSITION, KV_EVENTS, MONITOR, STATE, WORKER_GAUGES
 from kvgateway.server.body import end_unread_body
 from kvgateway.server.ledger_view import LedgerMetrics, build_ledger
@@ -50,8 +49,8 @@ from kvgateway.server.relay import Relay
 from kvgateway.server.reload import FleetMembers
 from kvgateway.server.settle import Settle
 from kvgateway.server.state import Clock, GatewayState, LiveConfig, Stages
+from kvgateway.server.telemetry import AccessRecord, Tracing, from_environment, log_access
 from kvgateway.server.tenants import TENANT, TenantCollector, key_owner, tenant_for_key
-from kvgateway.server.tracing import Tracing, from_environment
 from kvgateway.server.worker_gauges import WorkerGauges
 from kvgateway.tokens.calibration import PromptCalibration
 from kvgateway.tokens.counters import TokenCounters

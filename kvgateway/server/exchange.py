@@ -20,8 +20,8 @@ from aiohttp import web
 
 from kvgateway.core.quota import Charge
 from kvgateway.core.reservation import Reservation
-from kvgateway.server.accesslog import AccessRecord, log_access
 from kvgateway.server.metrics import GatewayMetrics
+from kvgateway.server.telemetry import AccessRecord, log_access
 from kvgateway.upstream.client import Usage
 
 if TYPE_CHECKING:

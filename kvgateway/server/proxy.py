@@ -20,6 +20,7 @@ from typing import Any, Protocol, TypeVar, cast
 from aiohttp import web
 
 from kvgateway.core.backends import Backend
+from kvgateway.core.output_model import client_key
 from kvgateway.core.reservation import Reservation
 from kvgateway.errors import (
     ContextLengthExceeded,
@@ -33,14 +34,12 @@ from kvgateway.errors import (
 )
 from kvgateway.plan.openai_request import Kind
 from kvgateway.plan.planner import Plan, upstream_body
-from kvgateway.server.accesslog import AccessRecord
 from kvgateway.server.body import read_limited
 from kvgateway.server.exchange import CLIENT_GONE, Exchange, Failure, Outcome
-from kvgateway.server.output_accounting import client_key
 from kvgateway.server.relay import error_event, error_message, is_event_stream
 from kvgateway.server.state import GatewayState
+from kvgateway.server.telemetry import AccessRecord, set_attributes
 from kvgateway.server.tenants import TENANT, charge
-from kvgateway.server.tracing import set_attributes
 from kvgateway.tokens.node_count import NodeCount, parse_context_length_error
 from kvgateway.upstream.client import open_request
 from kvgateway.upstream.feedback import request_failed, request_served, serving

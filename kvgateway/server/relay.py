@@ -22,9 +22,8 @@ from aiohttp import web
 from kvgateway.config.model import HealthConfig
 from kvgateway.core.reservation import Reservation
 from kvgateway.errors import UpstreamError, UpstreamTimeout
-from kvgateway.plan.stream_usage import UsageTap
+from kvgateway.plan.stream_usage import LiveRequest, UsageTap, live_request
 from kvgateway.server.exchange import Answer, Exchange, Failure, Outcome
-from kvgateway.server.output_accounting import LiveRequest, live_request
 from kvgateway.upstream.client import USAGE_MARKS, MidStreamError, UpstreamResponse, find_usage
 from kvgateway.upstream.error_body import is_error_object, is_json_object, openai_error_body
 from kvgateway.upstream.feedback import request_failed

@@ -24,7 +24,7 @@ from kvgateway.server.exchange import Exchange
 from kvgateway.server.metrics import GatewayMetrics
 from kvgateway.server.relay import Relay
 from kvgateway.server.settle import Settle
-from kvgateway.server.tracing import Tracing
+from kvgateway.server.telemetry import Tracing
 from kvgateway.tokens.calibration import PromptCalibration
 from kvgateway.tokens.counters import TokenCounters
 from kvgateway.upstream.node_pool import NodePool

@@ -10,7 +10,7 @@ from kvgateway.core.admission import Admission
 from kvgateway.core.backends import Backend
 from kvgateway.core.demand import Demand, demand_tokens
 from kvgateway.core.limits import Limit, Limits, LimitSource
-from kvgateway.core.routing_index import ModelIndex
+from kvgateway.core.routing import ModelIndex
 
 
 # Read through a call, for mypy: it keeps an attribute narrowed by a check or an

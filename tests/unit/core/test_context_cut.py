@@ -15,8 +15,7 @@ from hypothesis import strategies as st
 from kvgateway.config.model import Policy
 from kvgateway.core.demand import Demand, cut_to, demand_tokens
 from kvgateway.core.output_model import CENSORED, CUT_SAMPLES, OutputModel, OutputShape
-from kvgateway.core.routing import Routed, RouterState, route
-from kvgateway.core.routing_index import ModelIndex
+from kvgateway.core.routing import ModelIndex, Routed, RouterState, route
 from kvgateway.errors import Saturated
 from tests.support.backends import admission_over, backend, demand
 

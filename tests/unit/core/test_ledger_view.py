@@ -10,7 +10,7 @@ from kvgateway.config.model import Policy
 from kvgateway.core.admission import Admission, Reservation
 from kvgateway.core.backends import Backend
 from kvgateway.core.ledger import OthersView, local_share
-from kvgateway.core.routing_index import ModelIndex
+from kvgateway.core.routing import ModelIndex
 from kvgateway.errors import Saturated
 from tests.support.backends import backend, demand
 

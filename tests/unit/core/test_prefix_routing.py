@@ -14,8 +14,7 @@ from kvgateway.core.demand import Demand, PrefixHint
 from kvgateway.core.prefix_index import PrefixIndex
 from kvgateway.core.prefix_keys import block_keys
 from kvgateway.core.prefix_routing import PrefixRouter, PrefixScoring
-from kvgateway.core.routing import Routed, eligible
-from kvgateway.core.routing_index import ModelIndex
+from kvgateway.core.routing import ModelIndex, Routed, eligible
 from kvgateway.core.shared_blocks import SharedBlocks
 from tests.support.backends import admission_over, backend, demand
 

@@ -7,6 +7,7 @@ from kvgateway.config.model import Policy
 from kvgateway.core.backends import Backend, PauseReason
 from kvgateway.core.demand import demand_tokens
 from kvgateway.core.routing import (
+    ModelIndex,
     NoBackend,
     Routed,
     RouterState,
@@ -16,7 +17,6 @@ from kvgateway.core.routing import (
     least_in_flight,
     route,
 )
-from kvgateway.core.routing_index import ModelIndex
 from tests.support.backends import backend, demand
 
 

@@ -15,10 +15,10 @@ from aiohttp.test_utils import make_mocked_request
 from kvgateway.config.model import HealthConfig
 from kvgateway.core.backends import Backend
 from kvgateway.errors import NoHealthyBackend, UpstreamError
-from kvgateway.server.accesslog import AccessRecord
 from kvgateway.server.exchange import Exchange
 from kvgateway.server.proxy import MAX_ATTEMPTS, failed, failover
 from kvgateway.server.state import GatewayState
+from kvgateway.server.telemetry import AccessRecord
 from tests.support.backends import backend
 
 STATE = cast(

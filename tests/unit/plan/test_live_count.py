@@ -8,7 +8,8 @@ from dataclasses import replace
 from kvgateway.core.admission import Admission, Reservation
 from kvgateway.core.backends import Backend
 from kvgateway.core.flight import Flight
-from kvgateway.server.output_accounting import client_key, count_stream_tokens, live_request
+from kvgateway.core.output_model import client_key
+from kvgateway.plan.stream_usage import count_stream_tokens, live_request
 from tests.support.backends import admission_over, backend, demand
 
 ROLE = b'data: {"id":"x","choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n\n'
