@@ -14,9 +14,8 @@ from typing import Any
 
 from kvgateway.config.model import GatewayConfig, ModelConfig
 from kvgateway.plan.openai_request import ParsedRequest
-from kvgateway.tokens.calibration import PromptCalibration
 from kvgateway.tokens.lax import flag, lax_int
-from kvgateway.tokens.prompt_estimate import PromptEstimate
+from kvgateway.tokens.prompt_estimate import PromptCalibration, PromptEstimate
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's documented default
 # Ask a node for its count when the bound plus the output would pass this share of the

@@ -40,10 +40,9 @@ from kvgateway.plan.openai_request import (
 )
 from kvgateway.plan.prefix_hint import prefix_hint, prompt_ids
 from kvgateway.plan.stream_usage import UsageAsk, ask_node, usage_ask
-from kvgateway.tokens.calibration import PromptCalibration
 from kvgateway.tokens.counters import TokenCounters
 from kvgateway.tokens.node_count import NodeCount, readmission_prompt_tokens
-from kvgateway.tokens.prompt_estimate import PromptEstimate
+from kvgateway.tokens.prompt_estimate import PromptCalibration, PromptEstimate
 from kvgateway.tokens.responses_input import chat_body as responses_chat_body
 
 log = logging.getLogger("kvgateway.plan")

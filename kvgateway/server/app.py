@@ -52,9 +52,9 @@ from kvgateway.server.state import Clock, GatewayState, LiveConfig, Stages
 from kvgateway.server.telemetry import AccessRecord, Tracing, from_environment, log_access
 from kvgateway.server.tenants import TENANT, TenantCollector, key_owner, tenant_for_key
 from kvgateway.server.worker_gauges import WorkerGauges
-from kvgateway.tokens.calibration import PromptCalibration
 from kvgateway.tokens.counters import TokenCounters
 from kvgateway.tokens.encoding import EncodingCache
+from kvgateway.tokens.prompt_estimate import PromptCalibration
 from kvgateway.upstream.dns import DnsDiscovery
 from kvgateway.upstream.kv_events import KVEventHub, kv_event_sources
 from kvgateway.upstream.monitor import Monitor

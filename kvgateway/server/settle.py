@@ -18,7 +18,7 @@ from kvgateway.core.tenancy import Tenancy
 from kvgateway.server.exchange import Exchange, finish
 from kvgateway.server.metrics import GatewayMetrics
 from kvgateway.server.tenants import limit_headers, settle
-from kvgateway.tokens.calibration import PromptCalibration
+from kvgateway.tokens.prompt_estimate import PromptCalibration
 
 Clock = Callable[[], float]
 

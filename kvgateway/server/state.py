@@ -25,8 +25,8 @@ from kvgateway.server.metrics import GatewayMetrics
 from kvgateway.server.relay import Relay
 from kvgateway.server.settle import Settle
 from kvgateway.server.telemetry import Tracing
-from kvgateway.tokens.calibration import PromptCalibration
 from kvgateway.tokens.counters import TokenCounters
+from kvgateway.tokens.prompt_estimate import PromptCalibration
 from kvgateway.upstream.node_pool import NodePool
 
 Clock = Callable[[], float]

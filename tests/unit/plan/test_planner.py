@@ -15,10 +15,10 @@ from kvgateway.config.load import parse_config
 from kvgateway.config.model import GatewayConfig, ModelConfig
 from kvgateway.errors import BadRequest, ModelNotFound
 from kvgateway.plan.planner import Planner, upstream_body
-from kvgateway.tokens.calibration import PromptCalibration
 from kvgateway.tokens.counters import TokenCounters
 from kvgateway.tokens.encoding import EncodingCache
 from kvgateway.tokens.node_count import NodeCount
+from kvgateway.tokens.prompt_estimate import PromptCalibration
 
 CONTEXT = 8_192
 BLOCK = 16

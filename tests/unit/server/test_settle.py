@@ -24,9 +24,9 @@ from kvgateway.server.exchange import Answer, Exchange, Outcome
 from kvgateway.server.metrics import GatewayMetrics
 from kvgateway.server.settle import Settle
 from kvgateway.server.telemetry import AccessRecord
-from kvgateway.tokens.calibration import PromptCalibration
 from kvgateway.tokens.counters import TokenCounters
 from kvgateway.tokens.encoding import EncodingCache
+from kvgateway.tokens.prompt_estimate import PromptCalibration
 from kvgateway.upstream.client import Usage
 
 CONFIG = parse_config(

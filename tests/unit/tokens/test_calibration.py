@@ -1,4 +1,4 @@
-from kvgateway.tokens.calibration import PromptCalibration
+from kvgateway.tokens.prompt_estimate import PromptCalibration
 
 
 def test_tiny_chats_with_a_fixed_template_do_not_poison_long_prompts():

@@ -12,9 +12,9 @@ from aiohttp import web
 
 from kvgateway.config.load import parse_config
 from kvgateway.plan.planner import Planner
-from kvgateway.tokens.calibration import PromptCalibration
 from kvgateway.tokens.counters import TokenCounters
 from kvgateway.tokens.encoding import EncodingCache
+from kvgateway.tokens.prompt_estimate import PromptCalibration
 from kvgateway.upstream.node_tokenize import NodeTokenizer
 
 
