@@ -20,9 +20,8 @@ from dataclasses import replace
 
 from kvgateway.config.model import AuthConfig, BackendConfig, ClassConfig, Policy, TenantConfig
 from kvgateway.core.admission import Admission
-from kvgateway.core.backends import Backend
+from kvgateway.core.backends import Backend, Limit, Limits, LimitSource
 from kvgateway.core.demand import Demand, demand_tokens
-from kvgateway.core.limits import Limit, Limits, LimitSource
 from kvgateway.core.reservation import Reservation
 from kvgateway.core.routing import ModelIndex
 from kvgateway.core.tenancy import Tenancy

@@ -14,9 +14,8 @@ import aiohttp
 from kvgateway.config.load import load_config
 from kvgateway.config.model import BackendConfig, GatewayConfig, ModelConfig
 from kvgateway.config.yamlread import ConfigError
-from kvgateway.core.backends import DEFAULT_MAX_NUM_SEQS
+from kvgateway.core.backends import DEFAULT_MAX_NUM_SEQS, Limits, Observed, resolve_limits
 from kvgateway.core.derived_limits import derive_backend, model_dir_groups
-from kvgateway.core.limits import Limits, Observed, resolve_limits
 from kvgateway.upstream.dns import DnsLookupError, resolve_group
 from kvgateway.upstream.probe import ProbeError, probe
 

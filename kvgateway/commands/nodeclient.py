@@ -16,7 +16,7 @@ from kvgateway.commands.roundstats import (
     cache_labels,
     counter_total,
 )
-from kvgateway.core.limits import usable_tokens
+from kvgateway.core.backends import usable_tokens
 from kvgateway.upstream.vllm_metrics import parse_node_metrics
 
 PROBE_TIMEOUT_S = 10.0

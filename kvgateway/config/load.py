@@ -40,11 +40,11 @@ from kvgateway.tokens.encoding import (
     EncodingCache,
     EncodingError,
     EncodingSpec,
+    TokenizerConfig,
     spec_problem,
 )
 from kvgateway.tokens.lookahead_free import PATTERNS
 from kvgateway.tokens.modeldir import TokenizerDirError
-from kvgateway.tokens.spec import TokenizerConfig
 
 
 def load_config(path: str, *, encodings: EncodingCache | None = None) -> GatewayConfig:

@@ -12,7 +12,7 @@ from enum import StrEnum
 from typing import Any
 from urllib.parse import urlsplit
 
-from kvgateway.tokens.spec import TokenizerConfig
+from kvgateway.tokens.encoding import TokenizerConfig
 
 
 class Policy(StrEnum):

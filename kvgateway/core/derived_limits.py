@@ -17,7 +17,7 @@ from kvgateway.capacity.layout import kv_group_count
 from kvgateway.capacity.spec import CapacitySpec
 from kvgateway.config.model import BackendConfig, GatewayConfig
 from kvgateway.config.yamlread import ConfigError
-from kvgateway.core.limits import Observed
+from kvgateway.core.backends import Observed
 
 
 def derive_backend(

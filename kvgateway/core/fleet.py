@@ -13,8 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from kvgateway.config.model import BackendConfig, GatewayConfig
-from kvgateway.core.backends import Backend
-from kvgateway.core.limits import Observed, resolve_limits
+from kvgateway.core.backends import Backend, Observed, resolve_limits
 from kvgateway.core.routing import ModelIndex
 
 log = logging.getLogger("kvgateway.core.fleet")

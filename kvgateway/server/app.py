@@ -23,10 +23,10 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from kvgateway import __version__
 from kvgateway.config.model import GatewayConfig
 from kvgateway.core.admission import Admission
+from kvgateway.core.backends import Observed
 from kvgateway.core.demand import Demand
 from kvgateway.core.derived_limits import derive_all
 from kvgateway.core.fleet import Fleet
-from kvgateway.core.limits import Observed
 from kvgateway.core.output_model import OutputModel
 from kvgateway.core.prefix_index import PrefixIndex
 from kvgateway.core.prefix_routing import PrefixRouter

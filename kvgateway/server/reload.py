@@ -21,9 +21,9 @@ from kvgateway import __version__
 from kvgateway.config.load import load_config
 from kvgateway.config.model import BackendConfig, GatewayConfig
 from kvgateway.config.yamlread import ConfigError
+from kvgateway.core.backends import Observed
 from kvgateway.core.derived_limits import derive_all
 from kvgateway.core.fleet import ReloadSummary
-from kvgateway.core.limits import Observed
 from kvgateway.server.appkeys import DNS, KV_EVENTS, MONITOR, STATE
 from kvgateway.upstream.kv_events import kv_event_sources
 

@@ -25,11 +25,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvgateway.tokens.counting import PromptCounter, TextCountCache
-from kvgateway.tokens.encoding import Encoder, EncodingCache, EncodingSpec
+from kvgateway.tokens.encoding import Encoder, EncodingCache, EncodingSpec, TokenizerConfig
 from kvgateway.tokens.exact import ExactCounter
 from kvgateway.tokens.plans import CountPlan, content_text
 from kvgateway.tokens.prompt_estimate import PromptEstimator
-from kvgateway.tokens.spec import TokenizerConfig
 
 # Stand-in ids for template tokens and images: outside every common vocabulary's text.
 TEMPLATE_ID = -1

@@ -25,11 +25,11 @@ from typing import Any
 from kvgateway.tokens.chat_template import ChatTemplate, TemplateError, new_environment
 from kvgateway.tokens.conversation import conversation, tool_schemas
 from kvgateway.tokens.counting import PromptTokens, TextCountCache
+from kvgateway.tokens.encoding import TokenizerConfig
 from kvgateway.tokens.images import ImagePricing
 from kvgateway.tokens.lax import flag
 from kvgateway.tokens.modeldir import ModelTokenizer
 from kvgateway.tokens.roles import as_system
-from kvgateway.tokens.spec import TokenizerConfig
 
 # Per-request templates compiled and kept (only when the config trusts them).
 _REQUEST_TEMPLATES = 8

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvgateway.tokens.spec import TokenizerConfig
+from kvgateway.tokens.encoding import TokenizerConfig
 
 # Content parts charged ``image_tokens`` each (other media parts are counted as JSON text).
 IMAGE_PARTS = ("image_url", "input_image", "image")

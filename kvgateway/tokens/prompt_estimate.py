@@ -47,9 +47,9 @@ from typing import Any
 
 from kvgateway.tokens.chat_template import TemplateError
 from kvgateway.tokens.counting import PromptCounter, PromptTokens
+from kvgateway.tokens.encoding import TokenizerConfig
 from kvgateway.tokens.exact import ExactCounter
 from kvgateway.tokens.plans import plan_chat, plan_completion
-from kvgateway.tokens.spec import TokenizerConfig
 from kvgateway.tokens.standin import (
     BoundFactors,
     ExtraCache,

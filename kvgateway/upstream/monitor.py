@@ -19,9 +19,8 @@ import aiohttp
 
 from kvgateway.config.model import GatewayConfig
 from kvgateway.core.admission import Admission
-from kvgateway.core.backends import Backend
+from kvgateway.core.backends import Backend, LimitSource
 from kvgateway.core.fleet import Fleet
-from kvgateway.core.limits import LimitSource
 from kvgateway.upstream import feedback, probe
 from kvgateway.upstream.client import read_capped
 

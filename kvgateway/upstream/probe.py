@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import aiohttp
 
 from kvgateway.config.model import BackendConfig
-from kvgateway.core.limits import Observed, kv_groups_from_capacity, usable_tokens
+from kvgateway.core.backends import Observed, kv_groups_from_capacity, usable_tokens
 from kvgateway.upstream.client import read_capped
 from kvgateway.upstream.vllm_metrics import ScrapedMetrics, parse_node_metrics
 

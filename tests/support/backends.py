@@ -7,9 +7,8 @@ from typing import Any, cast
 
 from kvgateway.config.model import BackendConfig, Policy
 from kvgateway.core.admission import Admission
-from kvgateway.core.backends import Backend
+from kvgateway.core.backends import Backend, Limit, Limits, LimitSource
 from kvgateway.core.demand import Demand, demand_tokens
-from kvgateway.core.limits import Limit, Limits, LimitSource
 from kvgateway.core.routing import ModelIndex
 
 

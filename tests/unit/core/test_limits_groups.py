@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from kvgateway.config.load import parse_config
+from kvgateway.core.backends import Observed, kv_groups_from_capacity, resolve_limits
 from kvgateway.core.derived_limits import derive_all
-from kvgateway.core.limits import Observed, kv_groups_from_capacity, resolve_limits
 
 
 def test_groups_from_the_nodes_capacity() -> None:

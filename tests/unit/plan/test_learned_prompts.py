@@ -6,8 +6,8 @@ from dataclasses import replace
 
 from kvgateway.config.model import ModelConfig
 from kvgateway.plan.budget import LEARNED_PROMPT_SAMPLES, learned_prompts
+from kvgateway.tokens.encoding import TokenizerConfig
 from kvgateway.tokens.prompt_estimate import PromptCalibration, PromptEstimate
-from kvgateway.tokens.spec import TokenizerConfig
 
 MODEL = ModelConfig(name="m", served_name="m", aliases=(), tokenizer=TokenizerConfig())
 

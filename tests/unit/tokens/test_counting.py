@@ -11,9 +11,8 @@ from kvgateway.tokens.counting import (
     TextCountCache,
     split_chunks,
 )
-from kvgateway.tokens.encoding import EncodingSpec, load_encoding
+from kvgateway.tokens.encoding import EncodingSpec, TokenizerConfig, load_encoding
 from kvgateway.tokens.plans import plan_chat, plan_completion
-from kvgateway.tokens.spec import TokenizerConfig
 
 ENC = load_encoding(EncodingSpec())
 CFG = TokenizerConfig()

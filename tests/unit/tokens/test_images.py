@@ -138,9 +138,8 @@ async def test_an_image_of_unknown_size_makes_the_count_a_bound_not_a_count(
     # count (a 16k-context node would be refused every remote image): near a limit the
     # node's own count decides, and nothing is calibrated from it.
     from kvgateway.tokens.counting import PromptCounter, TextCountCache
-    from kvgateway.tokens.encoding import EncodingSpec, load_encoding
+    from kvgateway.tokens.encoding import EncodingSpec, TokenizerConfig, load_encoding
     from kvgateway.tokens.prompt_estimate import PromptEstimator
-    from kvgateway.tokens.spec import TokenizerConfig
 
     config = {"image_processor_type": "Qwen2VLImageProcessor", "max_pixels": 12845056}
     directory = vocab.variant(vocab_dirs("qwen"), tmp_path / "vl", processor=config)

@@ -7,11 +7,10 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from kvgateway.tokens.counting import PromptCounter, TextCountCache
-from kvgateway.tokens.encoding import EncodingSpec, load_encoding
+from kvgateway.tokens.encoding import EncodingSpec, TokenizerConfig, load_encoding
 from kvgateway.tokens.exact import ExactCounter
 from kvgateway.tokens.modeldir import ModelTokenizer
 from kvgateway.tokens.prompt_estimate import PromptEstimator
-from kvgateway.tokens.spec import TokenizerConfig
 from tests.support import corpus
 
 Loader = Callable[[str], ModelTokenizer]

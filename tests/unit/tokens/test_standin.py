@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvgateway.tokens.counting import PromptCounter, TextCountCache
-from kvgateway.tokens.encoding import EncodingSpec, load_encoding
+from kvgateway.tokens.encoding import EncodingSpec, TokenizerConfig, load_encoding
 from kvgateway.tokens.exact import ExactCounter
 from kvgateway.tokens.modeldir import ModelTokenizer
 from kvgateway.tokens.node_count import (
@@ -22,7 +22,6 @@ from kvgateway.tokens.node_count import (
     readmission_prompt_tokens,
 )
 from kvgateway.tokens.plans import plan_chat
-from kvgateway.tokens.spec import TokenizerConfig
 from kvgateway.tokens.standin import (
     ASCII_OVERCOUNT,
     MAX_OVERCOUNT,
