@@ -14,7 +14,7 @@ from typing import Any
 
 from kvgateway.config.model import GatewayConfig, ModelConfig
 from kvgateway.plan.openai_request import ParsedRequest
-from kvgateway.tokens.lax import flag, lax_int
+from kvgateway.tokens.plans import flag, lax_int
 from kvgateway.tokens.prompt_estimate import PromptCalibration, PromptEstimate
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's documented default

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from kvgateway.errors import BadRequest
-from kvgateway.tokens.lax import lax_bool, lax_int
+from kvgateway.tokens.plans import lax_bool, lax_int
 
 Kind = Literal["chat", "completion", "responses"]
 

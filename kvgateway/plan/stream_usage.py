@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvgateway.core.reservation import Reservation
-from kvgateway.tokens.lax import lax_bool
+from kvgateway.tokens.plans import lax_bool
 
 _COMPLETION = re.compile(rb'"completion_tokens"\s*:\s*(\d{1,15})(?!\d)')
 _PROMPT = re.compile(rb'"prompt_tokens"\s*:\s*(\d{1,15})(?!\d)')

@@ -31,7 +31,7 @@ from kvgateway.simulator.errors import (
     vllm_check,
 )
 from kvgateway.simulator.tokenizer import ChatMessage
-from kvgateway.tokens.lax import lax_bool, lax_int
+from kvgateway.tokens.plans import lax_bool, lax_int
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 

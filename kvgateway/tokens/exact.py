@@ -27,8 +27,8 @@ from kvgateway.tokens.conversation import conversation, tool_schemas
 from kvgateway.tokens.counting import PromptTokens, TextCountCache
 from kvgateway.tokens.encoding import TokenizerConfig
 from kvgateway.tokens.images import ImagePricing
-from kvgateway.tokens.lax import flag
 from kvgateway.tokens.modeldir import ModelTokenizer
+from kvgateway.tokens.plans import flag
 from kvgateway.tokens.roles import as_system
 
 # Per-request templates compiled and kept (only when the config trusts them).

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvgateway.tokens.lax import flag, lax_bool, lax_int
+from kvgateway.tokens.plans import flag, lax_bool, lax_int
 
 
 @pytest.mark.parametrize(
