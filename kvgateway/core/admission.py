@@ -41,9 +41,8 @@ from kvgateway.core.demand import (
     projected_budget,
 )
 from kvgateway.core.fleet import Fleet
-from kvgateway.core.ledger import Ledger
 from kvgateway.core.prefix_routing import PrefixRouter
-from kvgateway.core.reservation import Reservation, Reserving
+from kvgateway.core.reservation import Ledger, Reservation, Reserving
 from kvgateway.core.routing import Decision, NoBackend, TooLong, Wait
 from kvgateway.core.tenancy import (
     CLASS_FLOOR,

@@ -20,9 +20,8 @@ from kvgateway.core.admission_queue import (
 )
 from kvgateway.core.backends import Backend, PauseReason
 from kvgateway.core.demand import Demand, flight_for, served_as, tokens_on
-from kvgateway.core.ledger import Ledger, LocalLedger
 from kvgateway.core.prefix_routing import PrefixRouter
-from kvgateway.core.reservation import Reservation
+from kvgateway.core.reservation import Ledger, LocalLedger, Reservation
 from kvgateway.core.routing import (
     Decision,
     ModelIndex,

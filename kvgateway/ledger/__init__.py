@@ -1,1 +1,1 @@
-"""The shared reservation ledger (Redis); the embedded one is core/ledger.py."""
+"""The shared reservation ledger (Redis); the embedded one is in core/reservation.py."""

@@ -13,7 +13,7 @@ from redis.asyncio import Redis
 from redis.asyncio.client import PubSub
 
 from kvgateway.core.backends import Backend
-from kvgateway.core.ledger import Holding
+from kvgateway.core.reservation import Amount
 from kvgateway.ledger.scripts import HEARTBEAT, MARK, RELEASE, RESERVE, Keys
 
 
@@ -84,7 +84,7 @@ class LedgerCalls:
         )
 
     async def heartbeat(
-        self, names: Sequence[str], own: Sequence[Holding] | None, waiting: set[str]
+        self, names: Sequence[str], own: Sequence[Amount] | None, waiting: set[str]
     ) -> list[int]:
         """Renew the lease, write the wait marks and, with ``own``, this replica's
         holdings as absolute values: [live replicas, lapsed, ms the stall has left, then

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from kvgateway.core.backends import Backend
 from kvgateway.core.fleet import Fleet
-from kvgateway.core.ledger import OthersView
+from kvgateway.core.reservation import OthersView
 from kvgateway.core.tenancy import Elsewhere
 from kvgateway.ledger.recorded import Recorded
 

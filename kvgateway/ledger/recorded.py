@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from kvgateway.core.ledger import Holding
+from kvgateway.core.reservation import Amount
 
 
 class Recorded:
@@ -27,12 +27,12 @@ class Recorded:
         for name, tokens, seqs in items:
             self.add(name, -tokens, -seqs)
 
-    def on(self, name: str) -> Holding:
+    def on(self, name: str) -> Amount:
         """What Redis records for this replica under ``name`` (never below zero)."""
         m = self._by.get(name, (0, 0))
-        return Holding(max(0, m[0]), max(0, m[1]))
+        return Amount(max(0, m[0]), max(0, m[1]))
 
-    def caps(self) -> dict[str, Holding]:
+    def caps(self) -> dict[str, Amount]:
         return {n: self.on(n) for n in self._by}
 
     def names(self) -> set[str]:
@@ -41,7 +41,7 @@ class Recorded:
     def __contains__(self, name: object) -> bool:
         return name in self._by
 
-    def rewrite(self, names: Sequence[str], own: Sequence[Holding], present: set[str]) -> None:
+    def rewrite(self, names: Sequence[str], own: Sequence[Amount], present: set[str]) -> None:
         """An absolute sync wrote ``own[i]`` under ``names[i]``. A name gone from the
         fleet with nothing left under it is forgotten (DNS members come and go: the next
         sync need not write them again)."""

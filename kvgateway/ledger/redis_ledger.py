@@ -14,7 +14,7 @@ import logging
 from collections.abc import AsyncIterator
 
 from kvgateway.core.admission import Admission
-from kvgateway.core.ledger import Holding
+from kvgateway.core.reservation import Amount
 from kvgateway.core.tenancy import Tenancy
 from kvgateway.ledger.calls import release_totals
 from kvgateway.ledger.connect import REDIS_FAILURES
@@ -118,7 +118,7 @@ class RedisLedger(SharedBook):
     async def _heartbeat(self, *, absolute: bool) -> None:
         backends = list(self._fleet.active)
         names = [b.name for b in backends]
-        own: list[Holding] = []
+        own: list[Amount] = []
         if absolute:
             # Every name this replica may hold room under: draining backends (removed,
             # or replaced by a reload) included, and names it had recorded before.
@@ -182,7 +182,7 @@ class RedisLedger(SharedBook):
             return False
         return True
 
-    def _own_settled(self, name: str) -> Holding:
+    def _own_settled(self, name: str) -> Amount:
         """This replica's holdings under ``name`` for an absolute sync, as releases will
         give them back (:func:`kvgateway.ledger.snapshot.settled_holding`)."""
         return settled_holding(name, self._fleet.backends, self._view.own, self._unsent)

@@ -28,8 +28,7 @@ from kvgateway.config.model import LedgerConfig
 from kvgateway.core.admission import Admission
 from kvgateway.core.backends import Backend
 from kvgateway.core.fleet import Fleet
-from kvgateway.core.ledger import OthersView
-from kvgateway.core.reservation import Reservation
+from kvgateway.core.reservation import OthersView, Reservation
 from kvgateway.ledger.calls import LedgerCalls
 from kvgateway.ledger.connect import REDIS_FAILURES
 from kvgateway.ledger.credit import Credit

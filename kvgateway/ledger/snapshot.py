@@ -18,8 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from kvgateway.core.backends import Backend
-from kvgateway.core.ledger import Holding
-from kvgateway.core.reservation import Reservation
+from kvgateway.core.reservation import Amount, Reservation
 
 
 class UnsentGrants:
@@ -42,17 +41,17 @@ class UnsentGrants:
         by[1] -= r.seqs
         return True
 
-    def on(self, name: str) -> Holding:
+    def on(self, name: str) -> Amount:
         by = self._by_name.get(name, (0, 0))
-        return Holding(by[0], by[1])
+        return Amount(by[0], by[1])
 
 
 def settled_holding(
     name: str,
     backends: Iterable[Backend],
-    own: Callable[[Backend], Holding],
+    own: Callable[[Backend], Amount],
     unsent: UnsentGrants,
-) -> Holding:
+) -> Amount:
     """This replica's holding under ``name`` for an absolute sync (see the module)."""
     tokens = seqs = 0
     for b in backends:
@@ -61,4 +60,4 @@ def settled_holding(
             tokens += mine.tokens
             seqs += mine.seqs
     out = unsent.on(name)
-    return Holding(max(0, tokens - out.tokens), max(0, seqs - out.seqs))
+    return Amount(max(0, tokens - out.tokens), max(0, seqs - out.seqs))

@@ -9,7 +9,7 @@ import pytest
 from kvgateway.config.model import Policy
 from kvgateway.core.admission import Admission, Reservation
 from kvgateway.core.backends import Backend
-from kvgateway.core.ledger import OthersView, local_share
+from kvgateway.core.reservation import OthersView, local_share
 from kvgateway.core.routing import ModelIndex
 from kvgateway.errors import Saturated
 from tests.support.backends import backend, demand
