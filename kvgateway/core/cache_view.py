@@ -7,7 +7,7 @@ only ids. A block whose parent is unknown (stored before a lost event) cannot be
 and is counted as an orphan. The same hash may be stored twice (vLLM does not
 de-duplicate), so blocks are counted. Events for other media than the GPU are ignored.
 
-Every view shares one :class:`EventHolders`: which backends' events report each block
+Every view shares one :class:`~kvgateway.core.prefix_keys.EventHolders`: which backends' events report each block
 key, so routing can find a prompt's holders from the events alone, whatever put the
 prefix there (the gateway, direct traffic, another gateway replica, this gateway before
 a restart).
@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvgateway.core.prefix_keys import BlockKey, block_keys
+from kvgateway.core.prefix_keys import BlockKey, EventHolders, block_keys
 
 EngineHash = int | bytes
 
@@ -62,38 +62,6 @@ class AllCleared:
 
 
 CacheEvent = BlocksStored | BlocksRemoved | AllCleared
-
-
-class EventHolders:
-    """Block key -> the backends whose events report holding it (full-attention group).
-
-    Most keys are held by one node or a few, so each maps to a small tuple."""
-
-    __slots__ = ("_by_key",)
-
-    def __init__(self) -> None:
-        self._by_key: dict[BlockKey, tuple[str, ...]] = {}
-
-    def add(self, key: BlockKey, backend: str) -> None:
-        held = self._by_key.get(key, ())
-        if backend not in held:
-            self._by_key[key] = (*held, backend)
-
-    def discard(self, key: BlockKey, backend: str) -> None:
-        held = self._by_key.get(key, ())
-        if backend not in held:
-            return
-        rest = tuple(n for n in held if n != backend)
-        if rest:
-            self._by_key[key] = rest
-        else:
-            del self._by_key[key]
-
-    def of(self, key: BlockKey) -> tuple[str, ...]:
-        return self._by_key.get(key, ())
-
-    def __len__(self) -> int:
-        return len(self._by_key)
 
 
 class _Blocks:

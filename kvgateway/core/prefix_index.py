@@ -36,9 +36,8 @@ from kvgateway.core.cache_view import (
     CacheEvent,
     CacheView,
     EngineHash,
-    EventHolders,
 )
-from kvgateway.core.prefix_keys import BlockKey
+from kvgateway.core.prefix_keys import BlockKey, EventHolders
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,7 +17,8 @@ and the events its nodes send it). ``ROOT_KEY`` is the parent of a first block.
 :class:`SharedKeys` records which in-flight sequences on a node hold, and which paid
 for, each shared prompt block: the projection (:mod:`.projection`) counts a block shared
 through vLLM's prefix cache once while any holder runs, plus one copy per holder that
-paid for its own.
+paid for its own. :class:`EventHolders` records which backends' KV events report
+holding each key (fed by :mod:`.cache_view`, read by :mod:`.prefix_index`).
 """
 
 from __future__ import annotations
@@ -168,3 +169,35 @@ class SharedKeys:
 
     def __len__(self) -> int:
         return len(self._keys)
+
+
+class EventHolders:
+    """Block key -> the backends whose events report holding it (full-attention group).
+
+    Most keys are held by one node or a few, so each maps to a small tuple."""
+
+    __slots__ = ("_by_key",)
+
+    def __init__(self) -> None:
+        self._by_key: dict[BlockKey, tuple[str, ...]] = {}
+
+    def add(self, key: BlockKey, backend: str) -> None:
+        held = self._by_key.get(key, ())
+        if backend not in held:
+            self._by_key[key] = (*held, backend)
+
+    def discard(self, key: BlockKey, backend: str) -> None:
+        held = self._by_key.get(key, ())
+        if backend not in held:
+            return
+        rest = tuple(n for n in held if n != backend)
+        if rest:
+            self._by_key[key] = rest
+        else:
+            del self._by_key[key]
+
+    def of(self, key: BlockKey) -> tuple[str, ...]:
+        return self._by_key.get(key, ())
+
+    def __len__(self) -> int:
+        return len(self._by_key)
