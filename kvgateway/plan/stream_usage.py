@@ -42,6 +42,17 @@ _PROMPT = re.compile(rb'"prompt_tokens"\s*:\s*(\d{1,15})(?!\d)')
 _USAGE_FIELD = re.compile(rb',\s*"usage"\s*:\s*(?:null|\{[^{}]*(?:\{[^{}]*\}[^{}]*)*\})')
 _NO_CHOICES = re.compile(rb'"choices"\s*:\s*\[\s*\]')
 _CHOICE_INDEX = re.compile(rb'"choices"\s*:\s*\[\s*\{\s*"index"\s*:\s*(\d{1,9})(?!\d)')
+# Counting chunks where the node sends no usage: choice objects, role announcements.
+_CHOICE = re.compile(rb'"index"\s*:')
+_ROLE = re.compile(rb'"role"\s*:')
+# A streamed tool call's own index, as vLLM writes a DeltaToolCall (id, type, index,
+# function): not a choice. (Written in another order it is counted: an over-count.)
+_TOOL_CALL_INDEX = re.compile(rb'"index"\s*:\s*\d+\s*,\s*"function"')
+# The Responses API streams one delta event per token (text, reasoning, tool arguments).
+_RESPONSES_DELTA = re.compile(
+    rb'"type"\s*:\s*"response\.(?:output_text|reasoning_text|reasoning_summary_text'
+    rb'|function_call_arguments)\.delta"'
+)
 
 
 def _without_usage(events: bytes) -> bytes:
@@ -171,20 +182,6 @@ class UsageTap:
         if m is not None:
             # The node's total over every choice: the count from here on.
             self._per_choice = {0: int(m.group(1))}
-
-
-_CHOICE = re.compile(rb'"index"\s*:')
-_ROLE = re.compile(rb'"role"\s*:')
-# A streamed tool call's own index, as vLLM writes a DeltaToolCall (id, type, index,
-# function): not a choice. (Written in another order it is counted: an over-count.)
-_TOOL_CALL_INDEX = re.compile(rb'"index"\s*:\s*\d+\s*,\s*"function"')
-
-
-# The Responses API streams one delta event per token (text, reasoning, tool arguments).
-_RESPONSES_DELTA = re.compile(
-    rb'"type"\s*:\s*"response\.(?:output_text|reasoning_text|reasoning_summary_text'
-    rb'|function_call_arguments)\.delta"'
-)
 
 
 def count_stream_tokens(events: bytes) -> int:
