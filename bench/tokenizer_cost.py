@@ -33,7 +33,7 @@ from typing import Any
 import tiktoken
 
 from bench.loadgen import BodyMaker, Workload
-from kvgateway.tokens.counting import PromptCounter, TextCountCache
+from kvgateway.tokens.counting import PromptCounter, TextCache, TextCountCache
 from kvgateway.tokens.encoding import EncodingSpec, TokenizerConfig, load_encoding
 from kvgateway.tokens.engines import TiktokenEngine
 from kvgateway.tokens.exact import ExactCounter
@@ -121,7 +121,7 @@ async def per_chat(root: Path, n: int) -> None:
         await standin.count(plan_chat(json.loads(raw), TokenizerConfig()))
     print(f"   cl100k stand-in: {(time.process_time() - start) / n * 1000:.3f}")
     for kind in ("qwen", "llama3", "tekken", "sentencepiece"):
-        counter = ExactCounter(load_model_tokenizer(str(root / kind)), TextCountCache())
+        counter = ExactCounter(load_model_tokenizer(str(root / kind)), TextCache())
         total = 0
         start = time.process_time()
         for raw in bodies:
@@ -133,7 +133,7 @@ async def per_chat(root: Path, n: int) -> None:
 async def multi_turn(root: Path) -> None:
     print("3. 20-turn chat, history cached: CPU per turn, ms (first / mean / last)")
     for kind in ("qwen", "sentencepiece"):
-        counter = ExactCounter(load_model_tokenizer(str(root / kind)), TextCountCache())
+        counter = ExactCounter(load_model_tokenizer(str(root / kind)), TextCache())
         rng = random.Random(3)
         messages: list[dict[str, Any]] = [
             {"role": "system", "content": corpus.GENERATORS["prose"](rng, 700)}
@@ -165,7 +165,7 @@ async def loop_lag(root: Path, prompts: int) -> None:
     print("5. event-loop lag while ~100k-token chats are counted (p99 / max ms, ms per prompt)")
     for kind in ("qwen", "sentencepiece"):
         with ThreadPoolExecutor(1) as pool:
-            counter = ExactCounter(load_model_tokenizer(str(root / kind)), TextCountCache(), pool)
+            counter = ExactCounter(load_model_tokenizer(str(root / kind)), TextCache(), pool)
             texts = [corpus.GENERATORS["prose"](random.Random(i), 90_000) for i in range(prompts)]
             lags: list[float] = []
             done = asyncio.Event()

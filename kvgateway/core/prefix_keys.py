@@ -24,7 +24,7 @@ holding each key (fed by :mod:`.cache_view`, read by :mod:`.prefix_index`).
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -103,6 +103,15 @@ class _Keyed(Protocol):
     def credited(self) -> int: ...
 
 
+@dataclass(frozen=True, slots=True)
+class KeyGroup:
+    """``keys`` tracked keys, each paid for by ``payers`` and held by ``holders``."""
+
+    payers: frozenset[int]
+    holders: frozenset[int]
+    keys: int
+
+
 @dataclass(slots=True)
 class _KeyUse:
     payers: set[int] = field(default_factory=set)
@@ -117,15 +126,17 @@ class SharedKeys:
     flight still running, and at least one while any holder runs.
     """
 
-    __slots__ = ("_keys", "_of")
+    __slots__ = ("_groups", "_keys", "_of")
 
     def __init__(self) -> None:
         self._keys: dict[BlockKey, _KeyUse] = {}
         self._of: dict[int, tuple[BlockKey, ...]] = {}
+        self._groups: list[KeyGroup] | None = None
 
     def add(self, f: _Keyed, flights: Mapping[int, _Keyed]) -> None:
         if not f.credited:
             return
+        self._groups = None
         shared = f.keys[: f.credited]
         for key in shared:
             use = self._keys.get(key)
@@ -143,6 +154,8 @@ class SharedKeys:
     def join(self, f: _Keyed) -> None:
         """``f`` (not credited) holds keys already tracked: it paid for its copies."""
         mine = [k for k in f.keys if k in self._keys]
+        if mine:
+            self._groups = None
         for key in mine:
             use = self._keys[key]
             use.payers.add(f.id)
@@ -151,6 +164,8 @@ class SharedKeys:
             self._of[f.id] = (*self._of.get(f.id, ()), *mine)
 
     def remove(self, fid: int) -> None:
+        if fid in self._of:
+            self._groups = None
         for key in self._of.pop(fid, ()):
             use = self._keys.get(key)
             if use is None:
@@ -164,8 +179,16 @@ class SharedKeys:
         """How many of ``fid``'s blocks are counted here rather than as its own."""
         return len(self._of.get(fid, ()))
 
-    def uses(self) -> Iterator[_KeyUse]:
-        return iter(self._keys.values())
+    def groups(self) -> list[KeyGroup]:
+        """The tracked keys grouped by who pays for and who holds them: the blocks of
+        one shared history have the same, so a reading sums each group once."""
+        if self._groups is None:
+            count: dict[tuple[frozenset[int], frozenset[int]], int] = {}
+            for use in self._keys.values():
+                who = (frozenset(use.payers), frozenset(use.holders))
+                count[who] = count.get(who, 0) + 1
+            self._groups = [KeyGroup(p, h, n) for (p, h), n in count.items()]
+        return self._groups
 
     def __len__(self) -> int:
         return len(self._keys)

@@ -263,12 +263,12 @@ class NodeProjection:
             var += spread
             most += f.n * blocks_of(f.tokens_at(t), block) - tracked
         ids = static.ids
-        for use in shared.uses():
-            copies = sum(alive.get(fid, float(fid in ids)) for fid in use.payers)
-            anyone = max((alive.get(fid, float(fid in ids)) for fid in use.holders), default=0.0)
-            mean += max(copies, anyone)
-            most += max(
-                sum(1 for fid in use.payers if fid in alive or fid in ids), int(anyone > 0.0)
+        for group in shared.groups():
+            copies = sum(alive.get(fid, float(fid in ids)) for fid in group.payers)
+            anyone = max((alive.get(fid, float(fid in ids)) for fid in group.holders), default=0.0)
+            mean += group.keys * max(copies, anyone)
+            most += group.keys * max(
+                sum(1 for fid in group.payers if fid in alive or fid in ids), int(anyone > 0.0)
             )
         self._base[(block, t)] = (mean, var, most)
         return mean, var, most

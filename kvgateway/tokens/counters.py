@@ -24,7 +24,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvgateway.tokens.counting import PromptCounter, TextCountCache
+from kvgateway.tokens.counting import PromptCounter, TextCache, TextCountCache
 from kvgateway.tokens.encoding import Encoder, EncodingCache, EncodingSpec, TokenizerConfig
 from kvgateway.tokens.exact import ExactCounter
 from kvgateway.tokens.plans import CountPlan, content_text
@@ -153,7 +153,7 @@ class TokenCounters:
         if estimator is None:
             exact = ExactCounter.for_model(
                 tokenizer,
-                TextCountCache(self.cache_chars),
+                TextCache(self.cache_chars),
                 self.executor,
             )
             estimator = PromptEstimator(

@@ -2,7 +2,7 @@
 
 A request is first reduced (pure, no encoding, :mod:`.plans`) to a :class:`CountPlan`: the text pieces
 to encode plus the tokens the chat template and images add. Pieces are then looked up in
-a bounded :class:`TextCountCache`: a multi-turn chat resends its whole history every
+a bounded :class:`TextCache`: a multi-turn chat resends its whole history every
 turn, so only the newest message costs an encode. Uncached text below
 ``inline_chars`` is encoded on the event loop (a thread hop costs more than encoding a
 few KB); larger text goes to a worker thread (tiktoken releases the GIL while it
@@ -13,14 +13,18 @@ from __future__ import annotations
 
 import asyncio
 import re
+import threading
 import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 from kvgateway.tokens.encoding import Encoder
 from kvgateway.tokens.plans import CountPlan
+
+V = TypeVar("V")
 
 # Text shorter than this is cheaper to re-encode than to keep in the cache.
 _MIN_CACHED_CHARS = 256
@@ -85,41 +89,46 @@ class PromptTokens:
     floor: int | None = None
 
 
-class TextCountCache:
-    """LRU of text -> token count, bounded by total characters held.
-
-    Only touched from the event loop thread, so it needs no lock.
-    """
+class TextCache(Generic[V]):
+    """LRU of text -> what it encodes to (a count, or ids), bounded by the characters
+    held. Locked: the event loop and the counting pool's threads share it."""
 
     def __init__(self, max_chars: int = 32 * 1024 * 1024) -> None:
         self._max_chars = max_chars
         self._chars = 0
-        self._data: OrderedDict[str, int] = OrderedDict()
+        self._data: OrderedDict[str, V] = OrderedDict()
+        self._lock = threading.Lock()
         self.hits = 0
         self.misses = 0
 
-    def get(self, text: str) -> int | None:
-        n = self._data.get(text)
-        if n is None:
-            self.misses += 1
-            return None
-        self._data.move_to_end(text)
-        self.hits += 1
-        return n
+    def get(self, text: str) -> V | None:
+        with self._lock:
+            value = self._data.get(text)
+            if value is None:
+                self.misses += 1
+                return None
+            self._data.move_to_end(text)
+            self.hits += 1
+            return value
 
-    def put(self, text: str, tokens: int) -> None:
+    def put(self, text: str, value: V) -> None:
         if len(text) < _MIN_CACHED_CHARS or len(text) > min(HUGE_CHARS, self._max_chars // 4):
             return
-        if text in self._data:
-            return
-        self._data[text] = tokens
-        self._chars += len(text)
-        while self._chars > self._max_chars:
-            old, _ = self._data.popitem(last=False)
-            self._chars -= len(old)
+        with self._lock:
+            if text in self._data:
+                return
+            self._data[text] = value
+            self._chars += len(text)
+            while self._chars > self._max_chars:
+                old, _ = self._data.popitem(last=False)
+                self._chars -= len(old)
 
     def __len__(self) -> int:
         return len(self._data)
+
+
+# A text's token count (the stand-in's pieces).
+TextCountCache = TextCache[int]
 
 
 def _may_hold_long_run(text: str) -> bool:

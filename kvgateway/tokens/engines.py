@@ -40,10 +40,6 @@ class TextEngine(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
 
-    def count_segment(self, text: str) -> int:
-        """Tokens of ``text`` that holds no added token (only if segment_additive)."""
-        ...
-
     def split_added(self, text: str) -> list[str]:
         """``text`` cut into added tokens and the pieces between them, in order."""
         ...
@@ -139,11 +135,6 @@ class TiktokenEngine(_AddedTokens):
         if self._nfc and not text.isascii():
             text = unicodedata.normalize("NFC", text)
         return self._enc.encode_ordinary(text)
-
-    def count_segment(self, text: str) -> int:
-        if self._nfc and not text.isascii():
-            text = unicodedata.normalize("NFC", text)
-        return self._enc.count_ordinary(text)
 
     def encode(self, text: str) -> list[int]:
         ids: list[int] = []
@@ -242,9 +233,6 @@ class HfEngine(_AddedTokens):
     @property
     def segment_additive(self) -> bool:
         return self._additive
-
-    def count_segment(self, text: str) -> int:
-        return len(self.encode(text))
 
     def encode(self, text: str) -> list[int]:
         if len(text) > _GIL_FREE_CHARS:

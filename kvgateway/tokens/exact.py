@@ -8,14 +8,16 @@ cost ``image_tokens`` each, or an image what the model's processor makes of its 
 
 Cost: the rendering of a multi-turn chat repeats its whole history every turn. With a
 tiktoken engine the text between two added tokens (``<|im_start|>``, ``<|eot_id|>``...)
-encodes the same wherever it stands, so those pieces are looked up in a shared
-:class:`~kvgateway.tokens.counting.TextCountCache` and only the new turn is encoded.
+encodes the same wherever it stands, so those pieces' ids are kept in a
+:class:`~kvgateway.tokens.counting.TextCache` and only the new turn is encoded, whether
+the prompt is counted or its ids are taken (prefix-aware routing keys its blocks).
 Uncached text above ``inline_chars`` is encoded in the executor, off the event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Executor
@@ -24,7 +26,7 @@ from typing import Any
 
 from kvgateway.tokens.chat_template import ChatTemplate, TemplateError, new_environment
 from kvgateway.tokens.conversation import conversation, tool_schemas
-from kvgateway.tokens.counting import PromptTokens, TextCountCache
+from kvgateway.tokens.counting import PromptTokens, TextCache
 from kvgateway.tokens.encoding import TokenizerConfig
 from kvgateway.tokens.images import ImagePricing
 from kvgateway.tokens.modeldir import ModelTokenizer
@@ -54,7 +56,7 @@ class ExactCounter:
     def __init__(
         self,
         tokenizer: ModelTokenizer,
-        cache: TextCountCache | None = None,
+        cache: TextCache[array[int]] | None = None,
         executor: Executor | None = None,
         *,
         image_tokens: int = 765,
@@ -65,7 +67,7 @@ class ExactCounter:
         self.tokenizer = tokenizer
         # The node's default template arguments (--default-chat-template-kwargs).
         self._defaults = dict(template_defaults or {})
-        self._cache = cache if cache is not None else TextCountCache()
+        self._cache: TextCache[array[int]] = cache if cache is not None else TextCache()
         self._executor = executor
         self._pricing = ImagePricing(image_tokens, tokenizer.image_grid)
         self._trust_request_template = trust_request_chat_template
@@ -80,7 +82,7 @@ class ExactCounter:
     def for_model(
         cls,
         config: TokenizerConfig,
-        cache: TextCountCache | None = None,
+        cache: TextCache[array[int]] | None = None,
         executor: Executor | None = None,
         *,
         trust_request_chat_template: bool = False,
@@ -168,12 +170,31 @@ class ExactCounter:
         return len(tok.prefix) + len(tok.suffix) if add_special_tokens else 0
 
     def prompt_ids(self, body: dict[str, Any], media_id: int = 0) -> list[int]:
-        """The node's prompt ids: the whole rendering encoded at once, no cache (so any
-        thread may call it, unless request templates are trusted: choosing one compiles
-        and caches it), each media item expanded to as many placeholder ids as it costs."""
+        """The node's prompt ids, each media item expanded to as many placeholder ids as
+        it costs. Any thread may call it (unless request templates are trusted: choosing
+        one compiles and caches it)."""
         chat = self.render_chat(body)
-        ids = self.tokenizer.encode_prompt(chat.text, add_special_tokens=chat.add_special_tokens)
+        engine = self.tokenizer.engine
+        ids: list[int] = []
+        if engine.segment_additive:
+            for piece in engine.split_added(chat.text):
+                ids.extend(engine.encode(piece) if engine.is_added(piece) else self._ids(piece))
+        else:
+            ids = engine.encode(chat.text)
+        if chat.add_special_tokens:
+            ids = [*self.tokenizer.prefix, *ids, *self.tokenizer.suffix]
         return ids + [media_id] * chat.media_tokens
+
+    def _ids(self, piece: str) -> Sequence[int]:
+        """Ids of a text holding no added token, kept when the engine allows."""
+        engine = self.tokenizer.engine
+        if not engine.segment_additive:
+            return engine.encode(piece)
+        ids = self._cache.get(piece)
+        if ids is None:
+            ids = array("i", engine.encode(piece))
+            self._cache.put(piece, ids)
+        return ids
 
     def completion_ids(self, body: dict[str, Any]) -> list[int] | None:
         """The node's ids of a completions request's single prompt (a text encoded as
@@ -214,15 +235,7 @@ class ExactCounter:
 
     def _count_text_sync(self, text: str) -> int:
         fixed, pieces = self._pieces(text)
-        engine = self.tokenizer.engine
-        total = fixed
-        for piece in pieces:
-            n = self._cache.get(piece)
-            if n is None:
-                n = engine.count_segment(piece)
-                self._cache.put(piece, n)
-            total += n
-        return total
+        return fixed + sum(len(self._ids(piece)) for piece in pieces)
 
     async def count_text(self, text: str) -> tuple[int, int]:
         """Tokens of ``text`` (added tokens recognised, nothing added), and chars encoded."""
@@ -232,24 +245,19 @@ class ExactCounter:
             fixed, pieces = await loop.run_in_executor(self._executor, self._pieces, text)
         else:
             fixed, pieces = self._pieces(text)
-        counts: list[int | None] = [self._cache.get(p) for p in pieces]
-        todo = [p for p, n in zip(pieces, counts, strict=True) if n is None]
+        known = [self._cache.get(p) for p in pieces]
+        todo = [p for p, ids in zip(pieces, known, strict=True) if ids is None]
         chars = sum(map(len, todo))
-        if todo:
-            if chars > self._inline_chars and self._executor is not None:
-                loop = asyncio.get_running_loop()
-                fresh = await loop.run_in_executor(self._executor, self._count_many, todo)
-            else:
-                fresh = self._count_many(todo)
-            for piece, n in zip(todo, fresh, strict=True):
-                self._cache.put(piece, n)
-            it = iter(fresh)
-            counts = [n if n is not None else next(it) for n in counts]
-        return fixed + sum(n or 0 for n in counts), chars
+        if chars > self._inline_chars and self._executor is not None:
+            loop = asyncio.get_running_loop()
+            fresh = await loop.run_in_executor(self._executor, self._encode_many, todo)
+        else:
+            fresh = self._encode_many(todo)
+        more = iter(fresh)
+        return fixed + sum(len(ids if ids is not None else next(more)) for ids in known), chars
 
-    def _count_many(self, texts: Sequence[str]) -> list[int]:
-        count = self.tokenizer.engine.count_segment
-        return [count(t) for t in texts]
+    def _encode_many(self, texts: Sequence[str]) -> list[Sequence[int]]:
+        return [self._ids(text) for text in texts]
 
     async def count_chat(self, body: dict[str, Any]) -> PromptTokens:
         """Count a chat request; raises TemplateError when the node would refuse it."""

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvgateway.tokens.counting import TextCountCache
+from kvgateway.tokens.counting import TextCache
 from kvgateway.tokens.exact import ExactCounter
 from kvgateway.tokens.modeldir import ModelTokenizer
 from tests.support import corpus
@@ -70,7 +70,7 @@ async def test_completion_counts_include_bos_as_the_model_adds_it(
 
 
 async def test_history_is_cached_between_turns(gateway_tokenizer: Loader) -> None:
-    counter = ExactCounter(gateway_tokenizer("qwen"), TextCountCache())
+    counter = ExactCounter(gateway_tokenizer("qwen"), TextCache())
     history = [{"role": "user", "content": corpus.GENERATORS["prose"](random.Random(1), 400)}]
     first = await counter.count_chat({"messages": history})
     history += [
@@ -87,7 +87,7 @@ async def test_history_is_cached_between_turns(gateway_tokenizer: Loader) -> Non
 async def test_large_prompts_are_counted_in_the_executor(gateway_tokenizer: Loader) -> None:
     tok = gateway_tokenizer("tekken")
     with ThreadPoolExecutor(1) as pool:
-        counter = ExactCounter(tok, TextCountCache(), pool, inline_chars=1000)
+        counter = ExactCounter(tok, TextCache(), pool, inline_chars=1000)
         text = corpus.GENERATORS["code"](random.Random(2), 3000)
         body = {"messages": [{"role": "user", "content": text}]}
         counted = await counter.count_chat(body)
@@ -143,7 +143,7 @@ def test_pieces_between_added_tokens_add_up(
     """The cached fast path (count pieces apart) has a slow twin: encode the whole text."""
     parts = data.draw(st.lists(texty | st.sampled_from(SPECIALS[kind]), max_size=8))
     text = "".join(parts)
-    counter = ExactCounter(gateway_tokenizer(kind), TextCountCache())
+    counter = ExactCounter(gateway_tokenizer(kind), TextCache())
     assert counter._count_text_sync(text) == len(node_tokenizer(kind).engine.encode(text))
 
 
