@@ -219,10 +219,16 @@ class Planner:
                 counted_body = body
             else:
                 counted_body = body if parsed.kind == "chat" else responses_chat_body(body)
+            counted = None
             if prefix_aware:
                 # Before counting: the count then reads the ids' lengths.
-                ids = await prompt_ids(parsed, counted_body, model, self._counters, raw_bytes)
-            if parsed.kind == "completion":
+                found, own, counted = await prompt_ids(
+                    parsed, counted_body, model, self._counters, raw_bytes
+                )
+                ids = (found, own)
+            if counted is not None:
+                prompt = counted
+            elif parsed.kind == "completion":
                 prompt = await estimator.completion(body, largest or None)
             else:
                 prompt = await estimator.chat(counted_body, largest or None)

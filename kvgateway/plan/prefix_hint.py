@@ -13,6 +13,7 @@ from kvgateway.plan.budget import truncates_to_fit, truncation
 from kvgateway.plan.openai_request import ParsedRequest
 from kvgateway.tokens.counters import TokenCounters
 from kvgateway.tokens.plans import part_text
+from kvgateway.tokens.prompt_estimate import PromptEstimate
 
 # Prompts above this are turned into token ids in the counting pool, not on the loop.
 IDS_INLINE_BYTES = 24_000
@@ -24,30 +25,30 @@ async def prompt_ids(
     model: ModelConfig,
     counters: TokenCounters,
     size: int,
-) -> tuple[list[int] | None, bool]:
-    """The prompt's ids (a single prompt only), and whether they are the node's own.
-    Taken before the prompt is counted: the stand-in's count of a text whose ids are
-    held is their length (:meth:`PromptIds.known_count`), so nothing is encoded twice."""
+) -> tuple[list[int] | None, bool, PromptEstimate | None]:
+    """The prompt's ids (a single prompt only), whether they are the node's own, and a
+    chat's count when they are (the same rendering, not counted again). Taken before
+    the prompt is counted: the stand-in's count of a text whose ids are held is their
+    length (:meth:`PromptIds.known_count`), so nothing is encoded twice."""
     ids_of = counters.ids_for(model.tokenizer)
     body = parsed.body
 
     estimator = counters.estimator_for(model.tokenizer)
 
-    def ids() -> tuple[list[int] | None, bool]:
-        """The prompt's ids, and whether they are the node's own."""
+    def ids() -> tuple[list[int] | None, bool, PromptEstimate | None]:
         if parsed.kind == "completion":
             prompt = body.get("prompt")
             exact = estimator.exact_completion_ids(body)
             if exact is not None:
-                return exact, True
+                return exact, True, None
             # Token ids are the node's; a text is encoded with the stand-in here.
-            return ids_of.completion(prompt), _token_ids(prompt)
+            return ids_of.completion(prompt), _token_ids(prompt), None
         # Chat (or responses as chat): the node's own ids when the model's tokenizer is
         # configured (KV events then match), else a stable stand-in layout.
-        exact = estimator.exact_chat_ids(counted_body)
-        if exact is not None:
-            return exact, True
-        return ids_of.chat(counted_body, model.tokenizer), False
+        counted = estimator.exact_chat_ids(counted_body)
+        if counted is not None:
+            return counted[0], True, counted[1]
+        return ids_of.chat(counted_body, model.tokenizer), False, None
 
     if size > IDS_INLINE_BYTES:
         return await asyncio.get_running_loop().run_in_executor(counters.executor, ids)

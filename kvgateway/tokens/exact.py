@@ -173,27 +173,55 @@ class ExactCounter:
         """The node's prompt ids, each media item expanded to as many placeholder ids as
         it costs. Any thread may call it (unless request templates are trusted: choosing
         one compiles and caches it)."""
+        return self.counted_ids(body, media_id)[0]
+
+    def counted_ids(
+        self, body: dict[str, Any], media_id: int = 0
+    ) -> tuple[list[int], PromptTokens]:
+        """:meth:`prompt_ids` and the count they make, from one rendering."""
         chat = self.render_chat(body)
         engine = self.tokenizer.engine
         ids: list[int] = []
+        chars = 0
         if engine.segment_additive:
             for piece in engine.split_added(chat.text):
-                ids.extend(engine.encode(piece) if engine.is_added(piece) else self._ids(piece))
+                if engine.is_added(piece):
+                    ids.extend(engine.encode(piece))
+                    continue
+                part = self._cache.get(piece)
+                if part is None:
+                    part = self._encode(piece)
+                    chars += len(piece)
+                ids.extend(part)
         else:
             ids = engine.encode(chat.text)
+            chars = len(chat.text)
         if chat.add_special_tokens:
             ids = [*self.tokenizer.prefix, *ids, *self.tokenizer.suffix]
-        return ids + [media_id] * chat.media_tokens
+        ids += [media_id] * chat.media_tokens
+        return ids, self._tokens(len(ids), chars, chat)
+
+    def _tokens(self, n: int, chars: int, chat: RenderedChat) -> PromptTokens:
+        floor = n - chat.media_tokens + chat.media_floor
+        return PromptTokens(
+            total=n,
+            longest=n,
+            prompts=1,
+            encoded_chars=chars,
+            each=(n,),
+            floor=floor if floor < n else None,
+        )
 
     def _ids(self, piece: str) -> Sequence[int]:
         """Ids of a text holding no added token, kept when the engine allows."""
-        engine = self.tokenizer.engine
-        if not engine.segment_additive:
-            return engine.encode(piece)
+        if not self.tokenizer.engine.segment_additive:
+            return self.tokenizer.engine.encode(piece)
         ids = self._cache.get(piece)
-        if ids is None:
-            ids = array("i", engine.encode(piece))
-            self._cache.put(piece, ids)
+        return self._encode(piece) if ids is None else ids
+
+    def _encode(self, piece: str) -> array[int]:
+        ids = array("i", self.tokenizer.engine.encode(piece))
+        self._cache.put(piece, ids)
         return ids
 
     def completion_ids(self, body: dict[str, Any]) -> list[int] | None:
@@ -264,15 +292,7 @@ class ExactCounter:
         chat = await self._render_off_loop(body)
         n, chars = await self.count_text(chat.text)
         n += self._added_count(chat.add_special_tokens) + chat.media_tokens
-        floor = n - chat.media_tokens + chat.media_floor
-        return PromptTokens(
-            total=n,
-            longest=n,
-            prompts=1,
-            encoded_chars=chars,
-            each=(n,),
-            floor=floor if floor < n else None,
-        )
+        return self._tokens(n, chars, chat)
 
     async def _render_off_loop(self, body: dict[str, Any]) -> RenderedChat:
         size = sum(len(str(m.get("content") or "")) for m in body.get("messages") or [])

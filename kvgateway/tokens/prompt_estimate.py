@@ -120,16 +120,18 @@ class PromptEstimator:
     def exact(self) -> bool:
         return self._exact is not None
 
-    def exact_chat_ids(self, body: dict[str, Any]) -> list[int] | None:
+    def exact_chat_ids(self, body: dict[str, Any]) -> tuple[list[int], PromptEstimate] | None:
         """The node's own prompt ids of a chat request (its template and tokenizer), for
-        keying its KV blocks; None without the model's tokenizer, or when the template
-        refuses the chat (counting falls back then; the node answers it)."""
+        keying its KV blocks, and the count they make; None without the model's
+        tokenizer, or when the template refuses the chat (counting falls back then; the
+        node answers it)."""
         if self._exact is None:
             return None
         try:
-            return self._exact.prompt_ids(body)
+            ids, counted = self._exact.counted_ids(body)
         except TemplateError:
             return None
+        return ids, _exact(counted)
 
     def exact_completion_ids(self, body: dict[str, Any]) -> list[int] | None:
         """The node's own ids of a completions request's single prompt; None without the

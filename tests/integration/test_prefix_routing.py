@@ -248,9 +248,9 @@ async def test_chat_keys_match_the_nodes_events_with_the_models_tokenizer(
     model = fleet.state.config.models[0]
     body = {"messages": [{"role": "system", "content": SYSTEM.format(i=0)}]}
     body["messages"].append({"role": "user", "content": "Conversation 0, question 0: " * 40})
-    ids = fleet.state.counters.estimator_for(model.tokenizer).exact_chat_ids(body)
-    assert ids is not None
-    keys = block_keys(ids, 16)
+    exact = fleet.state.counters.estimator_for(model.tokenizer).exact_chat_ids(body)
+    assert exact is not None
+    keys = block_keys(exact[0], 16)
     now = fleet.state.clock()
     assert index.is_precise(homes[0][0], now)
     assert index.matched_blocks(homes[0][0], keys, now) >= len(keys) - 1

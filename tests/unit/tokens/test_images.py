@@ -3,6 +3,7 @@ transformers' own ``smart_resize``, with sizes read from real encoded images."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import random
@@ -83,6 +84,12 @@ def test_a_model_directory_with_a_qwen2_vl_processor_prices_images_by_size(
     big = chat(_data_url(1920, 1080, "PNG"))
     assert exact.count_chat_sync(big) - flat.count_chat_sync(big) == 2691 - 765
     assert len(exact.prompt_ids(big)) == exact.count_chat_sync(big)
+    # The ids' count is the count's, bound and floor alike (a remote image's size is
+    # unknown: priced at its largest, at least its smallest).
+    remote = chat("https://example.com/cat.png")
+    for body in (big, remote):
+        assert exact.counted_ids(body)[1] == asyncio.run(exact.count_chat(body))
+    assert exact.counted_ids(remote)[1].floor is not None
     assert load_grid(str(base)) is None  # no processor config: the flat cost
 
 
