@@ -117,9 +117,11 @@ class PrefixIndex:
         """The gateway sent a prompt with these block keys to ``backend``."""
         view = self._approx.setdefault(backend, _Approximate())
         seen = view.seen
+        to_end = seen.move_to_end
         for key in keys:
-            seen[key] = now
-            seen.move_to_end(key)
+            if key in seen:
+                to_end(key)
+        seen.update(dict.fromkeys(keys, now))
         self._prune(backend, view, now)
         state = self._precise.get(backend)
         # The deepest key stands for the run: a node holding it holds the rest.
@@ -260,10 +262,12 @@ class PrefixIndex:
 
     def _prune(self, backend: str, view: _Approximate, now: float) -> None:
         seen = view.seen
-        limit = self._max.get(backend, self._default_max)
+        oldest_first = seen.popitem
+        for _ in range(len(seen) - self._max.get(backend, self._default_max)):
+            oldest_first(last=False)
         oldest = now - self._ttl
         while seen:
             key, at = next(iter(seen.items()))
-            if at >= oldest and len(seen) <= limit:
+            if at >= oldest:
                 break
             del seen[key]
