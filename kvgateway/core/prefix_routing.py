@@ -46,7 +46,7 @@ from kvgateway.core.backends import Backend
 from kvgateway.core.demand import Demand
 from kvgateway.core.prefix_index import PrefixIndex
 from kvgateway.core.prefix_keys import BlockKey
-from kvgateway.core.routing import Decision, ModelIndex, Routed, eligible, least_context
+from kvgateway.core.routing import Decision, ModelIndex, Routed, eligible
 from kvgateway.core.shared_blocks import Holding, SharedBlocks
 
 
@@ -114,8 +114,8 @@ class PrefixRouter:
         if not named:
             return decision  # nobody holds any of it: kv_aware's freest backend stands
         pool: dict[str, Backend] = {chosen.name: chosen}
-        if self.scoring.candidates > 1:  # kv_aware's own pick comes first already
-            for b in tier.top(accept, d.room_floor, self.scoring.candidates, least_context(d)):
+        if self.scoring.candidates > 1:  # kv_aware's own pick is the freest already
+            for b in tier.top(accept, d.room_floor, self.scoring.candidates):
                 pool.setdefault(b.name, b)
         for name in named:
             other = mindex.get(name) if name not in pool else None

@@ -8,10 +8,8 @@ Policies:
 ``kv_aware`` (default)
     Candidates serve the model and their context limit (the smaller of
     ``max_model_len`` and the KV budget) holds the longest prompt plus its output.
-    GPU tiers are tried in configured order. Within a tier, backends of the smallest
-    context limit that holds the request come first (larger contexts stay free for what
-    only they can hold), and among them the one with the most free KV budget (that also
-    has a free sequence slot) wins. A tier without room
+    GPU tiers are tried in configured order; within a tier the backend with the most
+    free KV budget (that also has a free sequence slot) wins. A tier without room
     spills to the next tier that fits. The offload tier takes what fits no GPU tier,
     and overflow from full GPU tiers only when ``routing.offload_overflow`` is set.
     Nothing free: wait. Nothing could ever fit: 400 ``context_length_exceeded``.
@@ -22,11 +20,10 @@ Policies:
     Least loaded among backends whose ``max_model_len`` fits (as context-window-aware
     proxies do); KV budget is ignored.
 
-The index: each tier's backends kept sorted by context limit, then free KV budget
-(:class:`ModelIndex`). A kv_aware decision walks the tiers in order and, within a tier,
-each context limit that holds the request from the most free budget down, stopping at
-the first backend that can take the request or, for that context, as soon as the free
-budget falls below what the request needs. With the index a decision over 1,000
+The index: each tier's backends kept sorted by free KV budget (:class:`ModelIndex`). A
+kv_aware decision walks the tiers in order and, within a tier, the backends from the
+most free budget down, stopping at the first that can take the request or as soon as the
+free budget falls below what the request needs. With the index a decision over 1,000
 backends looks at a handful of them instead of all of them. Reservations change a
 backend's free budget, so every change goes through :meth:`ModelIndex.adjust` (remove,
 mutate, re-insert: O(log n)). Limits and membership change rarely (discovery, reload):
@@ -35,7 +32,7 @@ the whole index is rebuilt then.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -86,11 +83,8 @@ class RouterState:
     cursors: dict[str, int] = field(default_factory=dict)
 
 
-_MOST = 1 << 62  # more free tokens than any backend has
-
-
-def _sort_key(b: Backend) -> tuple[int, int, str]:
-    return (b.context_limit, -b.free_tokens, b.name)
+def _sort_key(b: Backend) -> tuple[int, str]:
+    return (-b.free_tokens, b.name)
 
 
 def _key_better(a: Backend, b: Backend) -> bool:
@@ -99,7 +93,6 @@ def _key_better(a: Backend, b: Backend) -> bool:
 
 class TierIndex:
     __slots__ = (
-        "_contexts",
         "_known",
         "_sorted",
         "max_budget",
@@ -113,13 +106,11 @@ class TierIndex:
     def __init__(self, tier_index: int, offload: bool, backends: Iterable[Backend]) -> None:
         self.tier_index = tier_index
         self.offload = offload
-        self._sorted: SortedKeyList[Backend, tuple[int, int, str]] = SortedKeyList(
+        self._sorted: SortedKeyList[Backend, tuple[int, str]] = SortedKeyList(
             backends, key=_sort_key
         )
         known = [b for b in self._sorted if b.limits.known]
         self._known = known
-        # Context limits change only with limits, which rebuild the index.
-        self._contexts = sorted({b.context_limit for b in self._sorted})
         # Static maxima: a request above them can skip the tier without looking inside.
         self.max_context = max((b.context_limit for b in known), default=0)
         self.max_budget = max((b.budget_tokens for b in known), default=0)
@@ -138,42 +129,23 @@ class TierIndex:
     def any_usable(self, pred: Callable[[Backend], bool]) -> bool:
         return any(pred(b) for b in self._known)
 
-    def _by_context(self, context: int) -> Iterator[Iterable[Backend]]:
-        """The backends by context limit, the smallest at or above ``context`` first;
-        within one, the most free budget first."""
-        if len(self._contexts) <= 1:
-            yield self._sorted
-            return
-        for c in self._contexts:
-            if c >= context:
-                yield self._sorted.irange_key(
-                    (c, -_MOST, ""), (c + 1, -_MOST, ""), inclusive=(True, False)
-                )
-
-    def best(
-        self, accept: Callable[[Backend], bool], tokens: int, context: int = 0
-    ) -> Backend | None:
-        """The first backend ``accept`` takes: of the smallest context limit that holds
-        ``context`` tokens and has one, the one with the most free budget."""
-        for group in self._by_context(context):
-            for b in group:
-                if b.free_tokens < tokens:
-                    break  # everyone after this one in the group has even less room
-                if accept(b):
-                    return b
+    def best(self, accept: Callable[[Backend], bool], tokens: int) -> Backend | None:
+        """The backend with the most free budget that ``accept`` takes."""
+        for b in self._sorted:
+            if b.free_tokens < tokens:
+                return None  # everyone after this one has even less room
+            if accept(b):
+                return b
         return None
 
-    def top(
-        self, accept: Callable[[Backend], bool], tokens: int, k: int, context: int = 0
-    ) -> list[Backend]:
-        """Up to ``k`` backends that ``accept`` takes, in :meth:`best`'s order."""
+    def top(self, accept: Callable[[Backend], bool], tokens: int, k: int) -> list[Backend]:
+        """Up to ``k`` backends that ``accept`` takes, most free budget first."""
         out: list[Backend] = []
-        for group in self._by_context(context):
-            for b in group:
-                if b.free_tokens < tokens or len(out) >= k:
-                    break
-                if accept(b):
-                    out.append(b)
+        for b in self._sorted:
+            if b.free_tokens < tokens or len(out) >= k:
+                break
+            if accept(b):
+                out.append(b)
         return out
 
     def remove(self, b: Backend) -> None:
@@ -218,11 +190,6 @@ class ModelIndex:
         b.in_flight += in_flight
         if tier is not None:
             tier.add(b)
-
-
-def least_context(d: Demand) -> int:
-    """The smallest context limit that may hold ``d`` (its output cut, where allowed)."""
-    return d.longest_prompt + d.shortest_output
 
 
 def _has_room(b: Backend, d: Demand) -> bool:
@@ -290,13 +257,13 @@ def route_kv_aware(
             or not tier.could_hold(d)
         ):
             continue
-        b = tier.best(accept, d.room_floor, least_context(d))
+        b = tier.best(accept, d.room_floor)
         if b is not None:
             return Routed(b, RouteReason.FIT if tier.tier_index == first_fit else RouteReason.SPILL)
     if first_fit is None or offload_overflow:
         for tier in index.tiers:
             if tier.offload and tier.could_hold(d):
-                b = tier.best(accept, d.room_floor, least_context(d))
+                b = tier.best(accept, d.room_floor)
                 if b is not None:
                     return Routed(
                         b, RouteReason.OFFLOAD if first_fit is None else RouteReason.OVERFLOW

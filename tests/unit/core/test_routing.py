@@ -53,21 +53,6 @@ def test_full_small_tier_spills_to_large():
     assert isinstance(r, Routed) and r.backend.name == "l1" and r.reason == "spill"
 
 
-def test_in_a_tier_of_unequal_contexts_the_smallest_that_holds_a_request_takes_it():
-    """Within a tier, a request goes to the smallest context limit that holds it while
-    one such backend has room, whatever a larger one has free: the larger contexts stay
-    free for what only they can hold. Without room there, a larger one takes it."""
-    s = backend("s", max_model_len=4096, kv=6016)
-    big = backend("l", max_model_len=16384, kv=24448)
-    r = decide([s, big], demand(1000, 500))
-    assert isinstance(r, Routed) and r.backend.name == "s" and r.reason == "fit"
-    r = decide([s, big], demand(6000, 500))
-    assert isinstance(r, Routed) and r.backend.name == "l"
-    s.reserved_tokens = s.budget_tokens - 1000
-    r = decide([s, big], demand(1000, 500))
-    assert isinstance(r, Routed) and r.backend.name == "l" and r.reason == "fit"
-
-
 def test_sequence_cap_counts_as_full():
     b = fleet()
     for x in b[:2]:
