@@ -279,9 +279,19 @@ class FastEncoding:
 
     def encode_ordinary(self, text: str) -> list[int]:
         ids, cuts = self._encode_cut(text)
-        if cuts:
-            return list(filter(self._marker_id.__ne__, ids))
-        return ids
+        if not cuts:
+            return ids
+        # The runs between markers, found by list.index (a C scan): ~2x faster than
+        # filtering every id through a Python-level comparison.
+        out: list[int] = []
+        marker = self._marker_id
+        start = 0
+        for _ in range(cuts):
+            at = ids.index(marker, start)
+            out += ids[start:at]
+            start = at + 1
+        out += ids[start:]
+        return out
 
     def count_ordinary(self, text: str) -> int:
         ids, cuts = self._encode_cut(text)
