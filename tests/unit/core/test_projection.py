@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from kvgateway.core.flight import AHEAD, FIRST_CHUNK_TOKENS, Flight
 from kvgateway.core.output_model import OutputShape
+from kvgateway.core.prefix_keys import SharedKeys
 from kvgateway.core.projection import NodeProjection
 
 BLOCK = 16
@@ -177,6 +178,34 @@ def test_prefix_blocks_shared_are_counted_once_while_a_holder_lives() -> None:
     assert late >= _blocks(170 + 20)
     proj.remove(1)
     assert proj.peak(BLOCK, 0.0).blocks == _blocks(170 + 20)
+
+
+def test_shared_blocks_are_read_in_groups_of_the_same_payers_and_holders() -> None:
+    """Blocks with the same payers and holders are summed as one group; the groups
+    follow every change of who holds what."""
+    shared = SharedKeys()
+    history = tuple(range(100, 110))
+    a = Flight(1, prompt=170, n=1, bound=20, keys=history, generated=5, started=True)
+    b = Flight(2, prompt=170, n=1, bound=20, keys=history, credited=10)
+    c = Flight(3, prompt=90, n=1, bound=20, keys=history[:5], credited=5)
+    flights = {1: a}
+    for f in (b, c):
+        flights[f.id] = f
+        shared.add(f, flights)
+
+    def groups() -> set[tuple[frozenset[int], frozenset[int], int]]:
+        return {(g.payers, g.holders, g.keys) for g in shared.groups()}
+
+    assert groups() == {
+        (frozenset({1}), frozenset({1, 2, 3}), 5),
+        (frozenset({1}), frozenset({1, 2}), 5),
+    }
+    shared.remove(3)
+    assert groups() == {(frozenset({1}), frozenset({1, 2}), 10)}
+    shared.remove(1)
+    assert groups() == {(frozenset(), frozenset({2}), 10)}
+    shared.remove(2)
+    assert groups() == set()
 
 
 def test_learned_lengths_project_early_ends() -> None:

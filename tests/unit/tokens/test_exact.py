@@ -84,6 +84,28 @@ async def test_history_is_cached_between_turns(gateway_tokenizer: Loader) -> Non
     assert second.encoded_chars < len(counter.render_chat({"messages": history}).text) / 2
 
 
+def test_a_historys_ids_come_from_its_pieces_ids_as_the_node_encodes_it(
+    gateway_tokenizer: Loader,
+) -> None:
+    """The ids of a chat whose history was taken before are the kept pieces' ids plus
+    the new turn's: the same as encoding the whole rendering, turn after turn, and
+    their count is the chat's count."""
+    counter = ExactCounter(gateway_tokenizer("qwen"), TextCache())
+    rng = random.Random(3)
+    history = [{"role": "system", "content": corpus.GENERATORS["prose"](rng, 300)}]
+    for turn in range(4):
+        history.append({"role": "user", "content": corpus.GENERATORS["code"](rng, 200 + turn)})
+        body = {"messages": history}
+        ids, counted = counter.counted_ids(body)
+        assert ids == counter.tokenizer.encode_prompt(
+            counter.render_chat(body).text, add_special_tokens=False
+        )
+        assert counted.total == len(ids) == counter.count_chat_sync(body)
+        if turn:
+            assert 0 < counted.encoded_chars < len(counter.render_chat(body).text) / 2
+        history.append({"role": "assistant", "content": corpus.GENERATORS["prose"](rng, 100)})
+
+
 async def test_large_prompts_are_counted_in_the_executor(gateway_tokenizer: Loader) -> None:
     tok = gateway_tokenizer("tekken")
     with ThreadPoolExecutor(1) as pool:
