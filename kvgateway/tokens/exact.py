@@ -17,6 +17,7 @@ Uncached text above ``inline_chars`` is encoded in the executor, off the event l
 from __future__ import annotations
 
 import asyncio
+import threading
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -77,6 +78,7 @@ class ExactCounter:
         for source in tokenizer.templates.values():
             self._templates.setdefault(source, ChatTemplate(source, self._env))
         self._request_templates: OrderedDict[str, ChatTemplate] = OrderedDict()
+        self._request_lock = threading.Lock()
 
     @classmethod
     def for_model(
@@ -108,30 +110,25 @@ class ExactCounter:
     def _template(self, body: dict[str, Any], has_tools: bool) -> ChatTemplate:
         given = body.get("chat_template")
         if isinstance(given, str) and given and self._trust_request_template:
-            tpl = self._request_templates.get(given)
-            if tpl is None:
-                tpl = ChatTemplate(given, self._env)
-                self._request_templates[given] = tpl
-                if len(self._request_templates) > _REQUEST_TEMPLATES:
-                    self._request_templates.popitem(last=False)
-            else:
-                self._request_templates.move_to_end(given)
-            return tpl
+            with self._request_lock:  # big prompts are rendered in worker threads
+                tpl = self._request_templates.get(given)
+                if tpl is None:
+                    tpl = ChatTemplate(given, self._env)
+                    self._request_templates[given] = tpl
+                    if len(self._request_templates) > _REQUEST_TEMPLATES:
+                        self._request_templates.popitem(last=False)
+                else:
+                    self._request_templates.move_to_end(given)
+                return tpl
         source = self.tokenizer.template_for(tools=has_tools)
         if source is None:
             raise TemplateError(f"the tokenizer in {self.tokenizer.path} has no chat template")
         return self._templates[source]
 
-    def render_chat(
-        self, body: dict[str, Any], template: ChatTemplate | None = None
-    ) -> RenderedChat:
-        """The prompt text vLLM builds for a chat request; raises TemplateError.
-
-        ``template``: already chosen (on the event loop; choosing one may compile and
-        cache a request's own template, which worker threads must not do)."""
+    def render_chat(self, body: dict[str, Any]) -> RenderedChat:
+        """The prompt text vLLM builds for a chat request; raises TemplateError."""
         tools = tool_schemas(body.get("tools"))
-        if template is None:
-            template = self._template(body, tools is not None)
+        template = self._template(body, tools is not None)
         conv = conversation(body.get("messages") or [], template.content_format)
         messages = conv.messages
         if self.tokenizer.transformers >= 5:
@@ -171,8 +168,7 @@ class ExactCounter:
 
     def prompt_ids(self, body: dict[str, Any], media_id: int = 0) -> list[int]:
         """The node's prompt ids, each media item expanded to as many placeholder ids as
-        it costs. Any thread may call it (unless request templates are trusted: choosing
-        one compiles and caches it)."""
+        it costs. Any thread may call it."""
         return self.counted_ids(body, media_id)[0]
 
     def counted_ids(
@@ -297,9 +293,8 @@ class ExactCounter:
     async def _render_off_loop(self, body: dict[str, Any]) -> RenderedChat:
         size = sum(len(str(m.get("content") or "")) for m in body.get("messages") or [])
         if size > 4 * self._inline_chars and self._executor is not None:
-            template = self._template(body, isinstance(body.get("tools"), list))
             loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self._executor, self.render_chat, body, template)
+            return await loop.run_in_executor(self._executor, self.render_chat, body)
         return self.render_chat(body)
 
     async def count_completion(self, body: dict[str, Any]) -> PromptTokens:

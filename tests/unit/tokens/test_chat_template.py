@@ -4,6 +4,7 @@ vLLM give a template."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 from typing import Any
 
@@ -195,6 +196,21 @@ def test_request_templates_only_when_trusted(
     assert ExactCounter(tok).render_chat(body).text.startswith("<|im_start|>system")
     trusted = ExactCounter(tok, trust_request_chat_template=True)
     assert trusted.render_chat(body).text == "X1"
+
+
+def test_trusted_request_templates_render_from_many_threads_at_once(
+    gateway_tokenizer: Callable[[str], ModelTokenizer],
+) -> None:
+    """Big prompts are rendered in worker threads: requests bringing more templates
+    than are kept, from several threads, each render with their own."""
+    trusted = ExactCounter(gateway_tokenizer("qwen"), trust_request_chat_template=True)
+    bodies = [
+        {"messages": USER, "chat_template": f"T{i % 24}:{{{{ messages | length }}}}"}
+        for i in range(600)
+    ]
+    with ThreadPoolExecutor(4) as pool:
+        texts = list(pool.map(lambda b: trusted.render_chat(b).text, bodies))
+    assert texts == [f"T{i % 24}:1" for i in range(600)]
 
 
 @pytest.mark.parametrize("source", [templates.QWEN, templates.LLAMA31, templates.MISTRAL])
