@@ -24,7 +24,7 @@ holding each key (fed by :mod:`.cache_view`, read by :mod:`.prefix_index`).
 from __future__ import annotations
 
 from array import array
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -174,6 +174,10 @@ class SharedKeys:
             use.holders.discard(fid)
             if not use.holders:
                 del self._keys[key]
+
+    def tracking(self) -> Iterable[int]:
+        """The flights with blocks counted here."""
+        return self._of.keys()
 
     def tracked(self, fid: int) -> int:
         """How many of ``fid``'s blocks are counted here rather than as its own."""

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 from kvgateway.core.flight import Flight, blocks_of, delayed
@@ -49,7 +50,7 @@ class _Static:
     mean: float
     var: float
     most: int
-    ids: frozenset[int]
+    ids: AbstractSet[int]
     varying: tuple[Flight, ...]
 
 
@@ -66,7 +67,9 @@ class NodeProjection:
     node's block size, passed to every reading: it is known once the node is probed).
 
     The curve of the flights admitted is kept per step read, until they change: an
-    admission round asks it about many candidates, each adding only its own part."""
+    admission round asks it about many candidates, each adding only its own part. The
+    flights whose holding never changes (:func:`_is_static`) are summed as they come and
+    go, so a change costs what the others cost, however many of them run."""
 
     __slots__ = (
         "_base",
@@ -77,7 +80,10 @@ class NodeProjection:
         "_shared",
         "_started",
         "_static",
+        "_static_ids",
         "_steps",
+        "_sums",
+        "_varying",
     )
 
     def __init__(self) -> None:
@@ -88,8 +94,12 @@ class NodeProjection:
         self._base: dict[tuple[int, int], tuple[float, float, int]] = {}
         self._steps: dict[int, tuple[int, ...]] = {}
         self._static: dict[int, _Static] = {}
-        # Per block size, what each step-invariant flight holds (it never changes).
+        # Per block size, what each step-invariant flight holds (it never changes), and
+        # their sum (mean, variance, most) while one of them runs.
         self._held: dict[int, dict[int, tuple[float, float, int]]] = {}
+        self._sums: dict[int, tuple[float, float, int]] = {}
+        self._static_ids: set[int] = set()
+        self._varying: dict[int, Flight] = {}
         self._started = 0
         self._clock = 0
 
@@ -124,6 +134,12 @@ class NodeProjection:
 
     def add(self, f: Flight) -> None:
         self._flights[f.id] = f
+        if _is_static(f):
+            self._static_ids.add(f.id)
+            for block in self._sums:
+                self._sum_in(block, f)
+        else:
+            self._varying[f.id] = f
         self._mark_ready(f.keys[: f.scheduled])
         if f.credited:
             self._shared.add(f, self._flights)
@@ -134,6 +150,8 @@ class NodeProjection:
     def remove(self, fid: int) -> Flight | None:
         f = self._flights.pop(fid, None)
         if f is not None:
+            self._unstatic(f)
+            self._varying.pop(fid, None)
             for held in self._held.values():
                 held.pop(fid, None)
             self._shared.remove(fid)
@@ -155,6 +173,8 @@ class NodeProjection:
             f.prompt = prompt
         first = not f.started
         if first:
+            self._unstatic(f)
+            self._varying[fid] = f
             f.started = True
             f.origin = self._clock - f.generated
             self._started += 1
@@ -162,6 +182,28 @@ class NodeProjection:
         self._clock = max(self._clock, f.origin + f.generated)
         self._changed()
         return first
+
+    def _sum_in(self, block: int, f: Flight) -> None:
+        """Adds a step-invariant flight's holding to the sum for ``block``."""
+        held = self._held.setdefault(block, {})
+        part = held.get(f.id)
+        if part is None:
+            _, blocks, spread = f.blocks_at(0, block)
+            part = held[f.id] = (blocks, spread, f.n * blocks_of(f.tokens_at(0), block))
+        mean, var, most = self._sums.get(block, (0.0, 0.0, 0))
+        self._sums[block] = (mean + part[0], var + part[1], most + part[2])
+
+    def _unstatic(self, f: Flight) -> None:
+        """``f`` leaves the step-invariant sum (it ended, or its progress is reported)."""
+        if f.id not in self._static_ids:
+            return
+        self._static_ids.discard(f.id)
+        if not self._static_ids:
+            self._sums.clear()  # from exactly nothing again: no rounding carried along
+            return
+        for block, (mean, var, most) in self._sums.items():
+            part = self._held[block][f.id]
+            self._sums[block] = (mean - part[0], var - part[1], most - part[2])
 
     def _mark_ready(self, keys: tuple[BlockKey, ...]) -> None:
         for key in keys:
@@ -238,7 +280,9 @@ class NodeProjection:
     def _base_steps(self, block: int) -> tuple[int, ...]:
         steps = self._steps.get(block)
         if steps is None:
-            steps = self._steps[block] = tuple(_steps(tuple(self._flights.values()), block))
+            # Step-invariant flights hold the same at every step: no step of theirs can
+            # be where the curve peaks.
+            steps = self._steps[block] = tuple(_steps(tuple(self._varying.values()), block))
         return steps
 
     def _base_at(self, block: int, t: int) -> tuple[float, float, int]:
@@ -275,31 +319,25 @@ class NodeProjection:
 
     def _static_part(self, block: int) -> _Static:
         """The flights whose holding is the same at every step (unseen and not started:
-        each holds its whole bound, or its learned length, until it ends) summed once,
-        and the others, read step by step."""
+        each holds its whole bound, or its learned length, until it ends), summed as
+        they come and go less what the shared blocks count for them, and the others,
+        read step by step."""
         static = self._static.get(block)
         if static is not None:
             return static
-        mean = var = 0.0
-        most = 0
-        ids: list[int] = []
-        varying: list[Flight] = []
+        if self._static_ids and block not in self._sums:
+            for fid in self._static_ids:
+                self._sum_in(block, self._flights[fid])
+        mean, var, most = self._sums.get(block, (0.0, 0.0, 0))
         shared = self._shared
-        held = self._held.setdefault(block, {})
-        for f in self._flights.values():
-            if f.seen or f.started or f.delay:
-                varying.append(f)
-                continue
-            part = held.get(f.id)
-            if part is None:
-                _, blocks, spread = f.blocks_at(0, block)
-                part = held[f.id] = (blocks, spread, f.n * blocks_of(f.tokens_at(0), block))
-            tracked = shared.tracked(f.id)
-            ids.append(f.id)
-            mean += part[0] - tracked
-            var += part[1]
-            most += part[2] - tracked
-        static = self._static[block] = _Static(mean, var, most, frozenset(ids), tuple(varying))
+        for fid in shared.tracking():
+            if fid in self._static_ids:
+                tracked = shared.tracked(fid)
+                mean -= tracked
+                most -= tracked
+        static = self._static[block] = _Static(
+            mean, var, most, self._static_ids, tuple(self._varying.values())
+        )
         return static
 
     def earliest_start(
@@ -313,7 +351,7 @@ class NodeProjection:
         """The first step at which ``newcomer`` fits (with ``ahead`` in the curve), or
         None if that depends on a flight whose end is unknown."""
         others = tuple(ahead)
-        if any(f.end is None for f in self._flights.values()):
+        if self._static_ids or any(f.end is None for f in self._varying.values()):
             starts = [0]
         else:
             starts = sorted({0, *(f.end for f in (*self._flights.values(), *others) if f.end)})
@@ -321,6 +359,11 @@ class NodeProjection:
             if self.fits(block, budget_blocks, z, (*others, delayed(newcomer, start))):
                 return start
         return None
+
+
+def _is_static(f: Flight) -> bool:
+    """Whether ``f`` holds the same at every step until it ends: unseen, not started."""
+    return not (f.seen or f.started or f.delay)
 
 
 def _steps(flights: tuple[Flight, ...], block: int) -> list[int]:

@@ -314,3 +314,49 @@ def test_what_a_running_flight_holds_follows_its_own_report_however_others_lag()
             assert f is not None
             if f.started:
                 assert f.tokens_at(0) <= 300 + (step - start) + AHEAD
+
+
+op = st.tuples(
+    st.sampled_from(["add", "add", "progress", "remove"]),
+    st.integers(1, 200),  # prompt tokens
+    st.integers(1, 100),  # bound
+    st.booleans(),  # seen (streamed)
+    st.integers(0, 3),  # shared history blocks credited (0: none)
+    st.integers(0, 50),  # generated, for progress
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops=st.lists(op, min_size=1, max_size=40))
+def test_the_curve_kept_through_changes_is_the_curve_of_its_flights_added_afresh(ops) -> None:
+    """Flights that hold the same at every step are summed as they come and go; after
+    any admissions, reports and ends the projection reads as one built from its
+    flights as they now are."""
+    proj = NodeProjection()
+    history = tuple(range(500, 503))
+    next_id = 1
+    for kind, prompt, bound, seen, credited, generated in ops:
+        ids = list(proj.flights)
+        if kind == "add" or not ids:
+            f = Flight(
+                next_id,
+                prompt=max(prompt, 16 * credited + 1),
+                n=1,
+                bound=bound,
+                keys=history[:credited],
+                credited=credited if ids else 0,
+                seen=seen,
+            )
+            proj.add(f)
+            next_id += 1
+        elif kind == "progress":
+            f = ids[generated % len(ids)]
+            proj.progress(f.id, min(f.bound, f.generated + generated))
+        else:
+            proj.remove(ids[generated % len(ids)].id)
+        fresh = NodeProjection()
+        for f in proj.flights:
+            fresh.add(Flight(**{k: getattr(f, k) for k in Flight.__slots__}))
+        for t in (0, 1, 7, 30, 120):
+            assert abs(proj.peak_at(BLOCK, t).blocks - fresh.peak_at(BLOCK, t).blocks) < 1e-6
+        assert abs(proj.peak(BLOCK, 0.0).blocks - fresh.peak(BLOCK, 0.0).blocks) < 1e-6

@@ -1,0 +1,67 @@
+"""CPU of one admission against a node's projection, by how many flights it holds.
+
+One cycle: a newcomer checked against the node's projected curve (``fits``), added,
+the node's use read, and the oldest flight removed. Three kinds of flights on the node:
+
+- ``unseen``: non-streamed answers (their holding never changes: summed once);
+- ``unstarted``: streamed, no progress reported yet (each reaches its bound);
+- ``running``: streamed, each at its own point of its answer, so each ends at its own
+  step and the curve is read at every end.
+
+Printed: microseconds of CPU per cycle, in this process, for each kind and count.
+
+    python -m bench.projection_cost [--flights 32,128,256] [--block 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from kvgateway.core.flight import Flight
+from kvgateway.core.projection import NodeProjection
+
+KINDS = ("unseen", "unstarted", "running")
+
+
+def _flight(fid: int, kind: str) -> Flight:
+    return Flight(fid, prompt=1000, n=1, bound=400, seen=kind != "unseen")
+
+
+def cycle_us(kind: str, flights: int, block: int, seconds: float = 0.5) -> float:
+    """Mean CPU microseconds of one admission cycle with ``flights`` on the node."""
+    proj = NodeProjection()
+    for i in range(flights):
+        proj.add(_flight(i, kind))
+        if kind == "running":
+            proj.progress(i, 1 + (i * 7) % 390)
+    fid, cycles = flights, 0
+    start = time.process_time()
+    while time.process_time() - start < seconds:
+        newcomer = _flight(fid, kind)
+        proj.fits(block, 10**9, 0.0, (newcomer,))
+        proj.add(newcomer)
+        if kind == "running":
+            proj.progress(fid, 1)
+        proj.current_blocks(block)
+        proj.remove(fid - flights)
+        fid += 1
+        cycles += 1
+    return (time.process_time() - start) / cycles * 1e6
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--flights", default="32,128,256", help="flights on the node, comma-separated")
+    p.add_argument("--block", type=int, default=16, help="the node's KV block size (tokens)")
+    args = p.parse_args(argv)
+    counts = [int(x) for x in args.flights.split(",")]
+    print(f"{'flights':>7} " + " ".join(f"{k + ' us':>13}" for k in KINDS))
+    for n in counts:
+        row = [cycle_us(k, n, args.block) for k in KINDS]
+        print(f"{n:>7} " + " ".join(f"{v:>13.1f}" for v in row))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
