@@ -5,10 +5,12 @@ latest at its output bound; a queued one is a :func:`delayed` flight. Pure.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, fields
 
 from kvgateway.core.output_model import OutputShape
-from kvgateway.core.prefix_keys import BlockKey
+from kvgateway.core.prefix_keys import BlockKey, KeyGroup
 
 # Tokens a flight may hold beyond its reported count: the token being computed and one
 # step the scheduler may have allocated ahead.
@@ -113,3 +115,136 @@ class _Later(Flight):
         if t < self.delay:
             return 0.0, 0.0, 0.0
         return Flight.blocks_at(self, t, block)
+
+
+# Learned lengths: the curve is read every half block of steps, at most 32 times.
+SAMPLES_PER_BLOCK = 2
+MAX_SAMPLES = 32
+
+
+def is_static(f: Flight) -> bool:
+    """Whether ``f`` holds the same at every step until it ends: unseen, not started."""
+    return not (f.seen or f.started or f.delay)
+
+
+def curve_steps(flights: tuple[Flight, ...], block: int) -> list[int]:
+    """Steps where the curve can peak: just before each end, where an unended flight
+    reaches its bound, now, and where lengths are learned on a grid and wherever a started
+    flight takes a new block in the first block of steps (before most can end)."""
+    steps = {0}
+    horizon = 0
+    learned = False
+    for f in flights:
+        learned = learned or f.shape is not None
+        end = f.end
+        if end is not None:
+            if end > 0:
+                steps.add(end - 1)
+            horizon = max(horizon, end)
+        else:
+            reach = f.delay + max(0, f.bound - f.generated)
+            steps.add(reach)
+            horizon = max(horizon, reach)
+        if f.delay:
+            steps.add(f.delay)
+    if learned:
+        stride = max(1, block // SAMPLES_PER_BLOCK, horizon // MAX_SAMPLES)
+        steps.update(range(0, horizon, stride))
+        for f in flights:
+            if f.started:
+                # The step at which its tokens first spill into a new block.
+                t = f.delay + ((1 - f.tokens_at(f.delay)) % block or block)
+                end = f.end
+                if t < block and (end is None or t < end):
+                    steps.add(t)
+    return sorted(steps)
+
+
+def fixed_curve(
+    flights: tuple[Flight, ...],
+    steps: list[int],
+    block: int,
+    tracked: Callable[[int], int],
+    groups: Iterable[KeyGroup],
+    static: AbstractSet[int],
+) -> list[int] | None:
+    """Blocks ``flights`` hold at each of ``steps`` (ascending), their prompt blocks
+    counted in ``tracked`` aside and ``groups`` of shared ones added (``static``: other
+    flights, running throughout, that may pay for or hold them); None unless every
+    flight is streamed, admitted and without learned lengths.
+
+    Such a flight holds ``ceil((c + t) / block)`` blocks per sequence at step ``t``
+    (``c`` its tokens now) until its growth stops (its bound reached): then it ends if
+    started, else holds on. Summed over the growing ones, with ``N`` their sequences,
+    ``S`` the sum of their ``c`` and ``r = -c mod block``::
+
+        sum ceil((c + t) / block) = (S + t N + sum r - s N + block * #{r < s}) / block
+
+    for ``s = t mod block`` (all weighted by sequences). So one pass in the order of
+    the steps and of the flights' growth ends reads every step: a flight leaves the sums
+    once, and ``#{r < s}`` is a prefix sum over residues (a Fenwick tree).
+    """
+    for f in flights:
+        if f.shape is not None or f.delay or not f.seen or type(f) is not Flight:
+            return None
+    counts = [0] * (block + 1)  # Fenwick tree over residues 0 .. block-1
+
+    def move(r: int, n: int) -> None:
+        i = r + 1
+        while i <= block:
+            counts[i] += n
+            i += i & -i
+
+    def below(s: int) -> int:
+        total, i = 0, s
+        while i > 0:
+            total += counts[i]
+            i -= i & -i
+        return total
+
+    seqs = tokens = residues = held = tracked_alive = 0
+    order: list[tuple[int, Flight, int]] = []
+    for f in flights:
+        c = f.prompt + f.ahead + f.generated
+        move(-c % block, f.n)
+        seqs += f.n
+        tokens += f.n * c
+        residues += f.n * (-c % block)
+        tracked_alive += tracked(f.id)
+        order.append((max(0, f.bound - f.generated), f, c))
+    order.sort(key=lambda e: e[0])
+    # Shared blocks: per group, its live payers and holders (static flights live on).
+    kept = list(groups)
+    live = static | {f.id for f in flights}
+    payers = [sum(1 for p in g.payers if p in live) for g in kept]
+    holders = [sum(1 for h in g.holders if h in live) for g in kept]
+    sizes = [g.keys for g in kept]
+    of: dict[int, list[tuple[int, bool, bool]]] = {}
+    for i, g in enumerate(kept):
+        for fid in g.payers | g.holders:
+            of.setdefault(fid, []).append((i, fid in g.payers, fid in g.holders))
+    shared = sum(k * max(p, int(h > 0)) for k, p, h in zip(sizes, payers, holders, strict=True))
+    out: list[int] = []
+    i = 0
+    for t in steps:
+        while i < len(order) and order[i][0] <= t:
+            stop, f, c = order[i]
+            i += 1
+            r = -c % block
+            move(r, -f.n)
+            seqs -= f.n
+            tokens -= f.n * c
+            residues -= f.n * r
+            if not f.started:
+                held += f.n * blocks_of(c + stop, block)  # at its bound from here on
+                continue
+            tracked_alive -= tracked(f.id)
+            for k, paid, holds in of.get(f.id, ()):
+                before = sizes[k] * max(payers[k], int(holders[k] > 0))
+                payers[k] -= paid
+                holders[k] -= holds
+                shared += sizes[k] * max(payers[k], int(holders[k] > 0)) - before
+        s = t % block
+        growing = (tokens + t * seqs + residues - s * seqs + block * below(s)) // block
+        out.append(growing + held - tracked_alive + shared)
+    return out

@@ -35,12 +35,15 @@ from collections.abc import Iterable
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
-from kvgateway.core.flight import Flight, blocks_of, delayed
+from kvgateway.core.flight import (
+    Flight,
+    blocks_of,
+    curve_steps,
+    delayed,
+    fixed_curve,
+    is_static,
+)
 from kvgateway.core.prefix_keys import BlockKey, SharedKeys
-
-# Learned lengths: the curve is read every half block of steps, at most 32 times.
-SAMPLES_PER_BLOCK = 2
-MAX_SAMPLES = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,7 +137,7 @@ class NodeProjection:
 
     def add(self, f: Flight) -> None:
         self._flights[f.id] = f
-        if _is_static(f):
+        if is_static(f):
             self._static_ids.add(f.id)
             for block in self._sums:
                 self._sum_in(block, f)
@@ -236,8 +239,9 @@ class NodeProjection:
         added = tuple(extra)
         steps = self._base_steps(block)
         if added:
-            steps = tuple(sorted({*steps, *_steps(added, block)}))
+            steps = tuple(sorted({*steps, *curve_steps(added, block)}))
         credit = [(f, self._credit_until(f)) for f in added]
+        self._fill(block, steps)
         best = Peak(0.0, 0)
         for t in steps:
             mean, var, most = self._base_at(block, t)
@@ -282,8 +286,21 @@ class NodeProjection:
         if steps is None:
             # Step-invariant flights hold the same at every step: no step of theirs can
             # be where the curve peaks.
-            steps = self._steps[block] = tuple(_steps(tuple(self._varying.values()), block))
+            steps = self._steps[block] = tuple(curve_steps(tuple(self._varying.values()), block))
         return steps
+
+    def _fill(self, block: int, steps: tuple[int, ...]) -> None:
+        """Reads the curve at the ``steps`` not read yet, in one pass over the flights
+        when :func:`fixed_curve` can (no learned lengths), else step by step."""
+        todo = [t for t in steps if (block, t) not in self._base]
+        if len(todo) < 4:
+            return
+        static = self._static_part(block)
+        shared = self._shared
+        part = fixed_curve(static.varying, todo, block, shared.tracked, shared.groups(), static.ids)
+        if part is not None:
+            for t, x in zip(todo, part, strict=True):
+                self._base[(block, t)] = (static.mean + x, static.var, static.most + x)
 
     def _base_at(self, block: int, t: int) -> tuple[float, float, int]:
         """(mean, variance, most) of the blocks the flights hold at step ``t``: ``most``
@@ -359,41 +376,3 @@ class NodeProjection:
             if self.fits(block, budget_blocks, z, (*others, delayed(newcomer, start))):
                 return start
         return None
-
-
-def _is_static(f: Flight) -> bool:
-    """Whether ``f`` holds the same at every step until it ends: unseen, not started."""
-    return not (f.seen or f.started or f.delay)
-
-
-def _steps(flights: tuple[Flight, ...], block: int) -> list[int]:
-    """Steps where the curve can peak: just before each end, where an unended flight
-    reaches its bound, now, and where lengths are learned on a grid and wherever a started
-    flight takes a new block in the first block of steps (before most can end)."""
-    steps = {0}
-    horizon = 0
-    learned = False
-    for f in flights:
-        learned = learned or f.shape is not None
-        end = f.end
-        if end is not None:
-            if end > 0:
-                steps.add(end - 1)
-            horizon = max(horizon, end)
-        else:
-            reach = f.delay + max(0, f.bound - f.generated)
-            steps.add(reach)
-            horizon = max(horizon, reach)
-        if f.delay:
-            steps.add(f.delay)
-    if learned:
-        stride = max(1, block // SAMPLES_PER_BLOCK, horizon // MAX_SAMPLES)
-        steps.update(range(0, horizon, stride))
-        for f in flights:
-            if f.started:
-                # The step at which its tokens first spill into a new block.
-                t = f.delay + ((1 - f.tokens_at(f.delay)) % block or block)
-                end = f.end
-                if t < block and (end is None or t < end):
-                    steps.add(t)
-    return sorted(steps)

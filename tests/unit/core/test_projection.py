@@ -7,13 +7,14 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvgateway.core.flight import AHEAD, FIRST_CHUNK_TOKENS, Flight
+from kvgateway.core.flight import AHEAD, FIRST_CHUNK_TOKENS, Flight, curve_steps
 from kvgateway.core.output_model import OutputShape
 from kvgateway.core.prefix_keys import SharedKeys
-from kvgateway.core.projection import NodeProjection
+from kvgateway.core.projection import NodeProjection, Peak
 
 BLOCK = 16
 
@@ -360,3 +361,54 @@ def test_the_curve_kept_through_changes_is_the_curve_of_its_flights_added_afresh
         for t in (0, 1, 7, 30, 120):
             assert abs(proj.peak_at(BLOCK, t).blocks - fresh.peak_at(BLOCK, t).blocks) < 1e-6
         assert abs(proj.peak(BLOCK, 0.0).blocks - fresh.peak(BLOCK, 0.0).blocks) < 1e-6
+
+
+flight_st = st.tuples(
+    st.integers(1, 300),  # prompt tokens
+    st.integers(1, 200),  # bound
+    st.booleans(),  # seen (streamed)
+    st.one_of(st.none(), st.integers(1, 200)),  # generated when it reported, if it did
+    st.integers(0, 4),  # shared history blocks
+    st.booleans(),  # credited them (else it paid for its own copies)
+    st.integers(1, 2),  # sequences
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(specs=st.lists(flight_st, min_size=1, max_size=30), block=st.sampled_from([16, 128]))
+def test_the_curve_read_in_one_pass_is_the_curve_read_step_by_step(specs, block) -> None:
+    """With no learned lengths the curve is read at all its steps in one pass; every
+    reading equals the reading of the same flights step by step, shared blocks and
+    flights that run unseen included."""
+    history = tuple(range(700, 704))
+
+    def build() -> NodeProjection:
+        proj = NodeProjection()
+        for i, (prompt, bound, seen, generated, shared, credit, n) in enumerate(specs):
+            keys = history[:shared]
+            f = Flight(
+                i + 1,
+                prompt=max(prompt, block * shared + 1),
+                n=n,
+                bound=bound,
+                keys=keys,
+                credited=shared if i and credit else 0,
+                seen=seen,
+            )
+            proj.add(f)
+            if generated is not None:
+                proj.progress(f.id, min(bound, generated))
+        return proj
+
+    one_pass, by_step = build(), build()
+    newcomer = Flight(999, prompt=50, n=1, bound=30)
+    assert one_pass.peak(block, 0.0, (newcomer,)) == by_step_peak(by_step, block, newcomer)
+    for t in sorted({0, 1, 5, 17, 64, 129, 250, *(f.end or 0 for f in one_pass.flights)}):
+        assert one_pass.peak_at(block, t).blocks == pytest.approx(by_step.peak_at(block, t).blocks)
+
+
+def by_step_peak(proj: NodeProjection, block: int, newcomer: Flight) -> Peak:
+    """:meth:`NodeProjection.peak` with every step it reads read on its own first."""
+    for t in {*proj._base_steps(block), *curve_steps((newcomer,), block)}:
+        proj.peak_at(block, t)
+    return proj.peak(block, 0.0, (newcomer,))
