@@ -6,7 +6,8 @@ the node's use read, and the oldest flight removed. Three kinds of flights on th
 - ``unseen``: non-streamed answers (their holding never changes: summed once);
 - ``unstarted``: streamed, no progress reported yet (each reaches its bound);
 - ``running``: streamed, each at its own point of its answer, so each ends at its own
-  step and the curve is read at every end.
+  step and the curve is read at every end (in one pass: no learned lengths);
+- ``learned``: running, with learned output lengths (each step read on its own).
 
 Printed: microseconds of CPU per cycle, in this process, for each kind and count.
 
@@ -19,13 +20,16 @@ import argparse
 import time
 
 from kvgateway.core.flight import Flight
+from kvgateway.core.output_model import OutputShape
 from kvgateway.core.projection import NodeProjection
 
-KINDS = ("unseen", "unstarted", "running")
+KINDS = ("unseen", "unstarted", "running", "learned")
+_SHAPE = OutputShape([20 + (k * 37) % 400 for k in range(64)])
 
 
 def _flight(fid: int, kind: str) -> Flight:
-    return Flight(fid, prompt=1000, n=1, bound=400, seen=kind != "unseen")
+    shape = _SHAPE if kind == "learned" else None
+    return Flight(fid, prompt=1000, n=1, bound=400, seen=kind != "unseen", shape=shape)
 
 
 def cycle_us(kind: str, flights: int, block: int, seconds: float = 0.5) -> float:
@@ -33,7 +37,7 @@ def cycle_us(kind: str, flights: int, block: int, seconds: float = 0.5) -> float
     proj = NodeProjection()
     for i in range(flights):
         proj.add(_flight(i, kind))
-        if kind == "running":
+        if kind in ("running", "learned"):
             proj.progress(i, 1 + (i * 7) % 390)
     fid, cycles = flights, 0
     start = time.process_time()
@@ -41,7 +45,7 @@ def cycle_us(kind: str, flights: int, block: int, seconds: float = 0.5) -> float
         newcomer = _flight(fid, kind)
         proj.fits(block, 10**9, 0.0, (newcomer,))
         proj.add(newcomer)
-        if kind == "running":
+        if kind in ("running", "learned"):
             proj.progress(fid, 1)
         proj.current_blocks(block)
         proj.remove(fid - flights)
