@@ -27,3 +27,13 @@ def node_tokenizer(
 ) -> Callable[[str], ModelTokenizer]:
     """What the simulated node (and vLLM) runs: the tokenizers library."""
     return lambda kind: encodings.model(str(vocab_dirs(kind)), engine="tokenizers")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests here get 180 s, not 60: the first in a worker loads multi-megabyte
+    vocabularies (proving merges, compiling templates), and in ``make test`` that runs
+    while the real-vLLM nodes start beside the fast tier on the same two cores."""
+    here = Path(__file__).parent
+    for item in items:
+        if here in Path(str(item.fspath)).parents:
+            item.add_marker(pytest.mark.timeout(180))
