@@ -46,6 +46,11 @@ from kvgateway.core.flight import (
 from kvgateway.core.prefix_keys import BlockKey, SharedKeys
 
 
+# Variance (in blocks squared) below which a sum kept as flights come and go is taken as
+# none: what rounding leaves of flights that have all left it.
+_NO_SPREAD = 1e-9
+
+
 @dataclass(frozen=True, slots=True)
 class _Static:
     """The step-invariant part of a node's curve, and the flights read step by step."""
@@ -206,7 +211,9 @@ class NodeProjection:
             return
         for block, (mean, var, most) in self._sums.items():
             part = self._held[block][f.id]
-            self._sums[block] = (mean - part[0], var - part[1], most - part[2])
+            # A variance summed up and down again may come back a rounding below zero.
+            var = var - part[1] if var - part[1] > _NO_SPREAD else 0.0
+            self._sums[block] = (mean - part[0], var, most - part[2])
 
     def _mark_ready(self, keys: tuple[BlockKey, ...]) -> None:
         for key in keys:
@@ -253,7 +260,7 @@ class NodeProjection:
                 mean += blocks - held
                 var += spread
                 most += f.n * blocks_of(f.tokens_at(t), block) - (f.credited if held else 0)
-            value = min(mean + z * math.sqrt(var), float(most)) if var else mean
+            value = min(mean + z * math.sqrt(var), float(most)) if var > 0.0 else mean
             if value > best.blocks:
                 best = Peak(value, t)
         return best
@@ -264,7 +271,7 @@ class NodeProjection:
     def peak_at(self, block: int, t: int, z: float = 0.0) -> Peak:
         """Blocks the admitted flights use at step ``t`` (``mean + z * stddev``)."""
         mean, var, most = self._base_at(block, t)
-        return Peak(min(mean + z * math.sqrt(var), float(most)) if var else mean, t)
+        return Peak(min(mean + z * math.sqrt(var), float(most)) if var > 0.0 else mean, t)
 
     def _credit_until(self, f: Flight) -> int | None:
         """Until which step ``f``'s credited blocks stay held by an admitted flight (None:

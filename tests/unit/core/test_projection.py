@@ -324,7 +324,9 @@ op = st.tuples(
     st.booleans(),  # seen (streamed)
     st.integers(0, 3),  # shared history blocks credited (0: none)
     st.integers(0, 50),  # generated, for progress
+    st.booleans(),  # with learned lengths
 )
+LEARNED = OutputShape([5 + (k * 13) % 90 for k in range(40)])
 
 
 @settings(max_examples=200, deadline=None)
@@ -336,7 +338,7 @@ def test_the_curve_kept_through_changes_is_the_curve_of_its_flights_added_afresh
     proj = NodeProjection()
     history = tuple(range(500, 503))
     next_id = 1
-    for kind, prompt, bound, seen, credited, generated in ops:
+    for kind, prompt, bound, seen, credited, generated, learned in ops:
         ids = list(proj.flights)
         if kind == "add" or not ids:
             f = Flight(
@@ -347,6 +349,7 @@ def test_the_curve_kept_through_changes_is_the_curve_of_its_flights_added_afresh
                 keys=history[:credited],
                 credited=credited if ids else 0,
                 seen=seen,
+                shape=LEARNED if learned else None,
             )
             proj.add(f)
             next_id += 1
@@ -358,9 +361,11 @@ def test_the_curve_kept_through_changes_is_the_curve_of_its_flights_added_afresh
         fresh = NodeProjection()
         for f in proj.flights:
             fresh.add(Flight(**{k: getattr(f, k) for k in Flight.__slots__}))
-        for t in (0, 1, 7, 30, 120):
-            assert abs(proj.peak_at(BLOCK, t).blocks - fresh.peak_at(BLOCK, t).blocks) < 1e-6
-        assert abs(proj.peak(BLOCK, 0.0).blocks - fresh.peak(BLOCK, 0.0).blocks) < 1e-6
+        for z in (0.0, 2.0):
+            for t in (0, 1, 7, 30, 120):
+                kept, anew = proj.peak_at(BLOCK, t, z).blocks, fresh.peak_at(BLOCK, t, z).blocks
+                assert abs(kept - anew) < 1e-6
+            assert abs(proj.peak(BLOCK, z).blocks - fresh.peak(BLOCK, z).blocks) < 1e-6
 
 
 flight_st = st.tuples(
@@ -412,3 +417,27 @@ def by_step_peak(proj: NodeProjection, block: int, newcomer: Flight) -> Peak:
     for t in {*proj._base_steps(block), *curve_steps((newcomer,), block)}:
         proj.peak_at(block, t)
     return proj.peak(block, 0.0, (newcomer,))
+
+
+@dataclass(eq=False, slots=True)
+class _Spread(Flight):
+    """An unseen flight whose holding has a given variance."""
+
+    spread: float = 0.0
+
+    def blocks_at(self, t: int, block: int) -> tuple[float, float, float]:
+        return 1.0, 4.0, self.spread
+
+
+def test_a_spread_summed_up_and_down_again_reads_as_none() -> None:
+    """Flights that leave the step-invariant sum take their variance with them, to
+    zero and not a rounding below it (whose square root would fail a reading)."""
+    proj = NodeProjection()
+    proj.add(_Spread(1, prompt=10, n=1, bound=10, seen=False))
+    assert proj.peak_at(BLOCK, 0, 2.0).blocks == 4.0
+    for fid, spread in ((2, 0.7), (3, 0.1)):  # 0.7 + 0.1 - 0.7 - 0.1 < 0 in floats
+        proj.add(_Spread(fid, prompt=10, n=1, bound=10, seen=False, spread=spread))
+    proj.remove(2)
+    proj.remove(3)
+    assert proj.peak_at(BLOCK, 0, 2.0).blocks == 4.0
+    assert proj.peak(BLOCK, 2.0).blocks == 4.0
