@@ -42,6 +42,8 @@ CUT_SAMPLES = 32
 # length past every cap, so that it counts as running to the cap of whichever request
 # reads it (one capped at 129 says nothing about where a 256-token one stops).
 CENSORED = 1 << 40
+# Outlooks an OutputShape keeps (forgotten all at once past this).
+_MEMO = 4096
 
 
 def bucket_of(max_tokens: int) -> int:
@@ -71,7 +73,7 @@ class OutputShape:
     and quantiles conditional on "generated ``g`` tokens and not finished" cost a
     bisection. Immutable: the model makes a new one when the group changes."""
 
-    __slots__ = ("_censored", "_n", "_sum", "_sum2", "_tail", "_top", "_values")
+    __slots__ = ("_censored", "_memo", "_n", "_sum", "_sum2", "_tail", "_top", "_values")
 
     def __init__(self, values: list[int]) -> None:
         if not values:
@@ -88,6 +90,8 @@ class OutputShape:
         median = finite[len(finite) // 2] if finite else 0
         excess = [v - median for v in finite if v > median]
         self._tail = max(1.0, sum(excess) / len(excess)) if excess else 1.0
+        # Outlooks read before: a projection reads the same few at every step it checks.
+        self._memo: dict[tuple[int, int, float], Outlook] = {}
 
     @property
     def size(self) -> int:
@@ -142,6 +146,16 @@ class OutputShape:
         ``generated`` tokens and is still running: the observations above
         ``generated``, each capped. Past every observation (or at its cap) it is taken
         to run to ``max_tokens``: nothing seen says where it stops."""
+        key = (generated, max_tokens, q)
+        seen = self._memo.get(key)
+        if seen is not None:
+            return seen
+        if len(self._memo) >= _MEMO:
+            self._memo.clear()
+        seen = self._memo[key] = self._outlook(generated, max_tokens, q)
+        return seen
+
+    def _outlook(self, generated: int, max_tokens: int, q: float) -> Outlook:
         vals = self._values
         lo = bisect_right(vals, generated)
         count = self._n - lo

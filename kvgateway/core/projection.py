@@ -45,7 +45,6 @@ from kvgateway.core.flight import (
 )
 from kvgateway.core.prefix_keys import BlockKey, SharedKeys
 
-
 # Variance (in blocks squared) below which a sum kept as flights come and go is taken as
 # none: what rounding leaves of flights that have all left it.
 _NO_SPREAD = 1e-9
@@ -212,8 +211,8 @@ class NodeProjection:
         for block, (mean, var, most) in self._sums.items():
             part = self._held[block][f.id]
             # A variance summed up and down again may come back a rounding below zero.
-            var = var - part[1] if var - part[1] > _NO_SPREAD else 0.0
-            self._sums[block] = (mean - part[0], var, most - part[2])
+            left = var - part[1]
+            self._sums[block] = (mean - part[0], left if left > _NO_SPREAD else 0.0, most - part[2])
 
     def _mark_ready(self, keys: tuple[BlockKey, ...]) -> None:
         for key in keys:
@@ -241,8 +240,12 @@ class NodeProjection:
         """Blocks the flights hold now (as projected at step 0)."""
         return math.ceil(self._base_at(block, 0)[0] - 1e-9)
 
-    def peak(self, block: int, z: float, extra: Iterable[Flight] = ()) -> Peak:
-        """The curve's maximum from now on, with ``extra`` flights (not added) in it."""
+    def peak(
+        self, block: int, z: float, extra: Iterable[Flight] = (), above: float | None = None
+    ) -> Peak:
+        """The curve's maximum from now on, with ``extra`` flights (not added) in it; or,
+        given ``above``, its first reading past that, as soon as one is (the rest of the
+        curve is then not read)."""
         added = tuple(extra)
         steps = self._base_steps(block)
         if added:
@@ -263,10 +266,13 @@ class NodeProjection:
             value = min(mean + z * math.sqrt(var), float(most)) if var > 0.0 else mean
             if value > best.blocks:
                 best = Peak(value, t)
+                if above is not None and value > above:
+                    break
         return best
 
     def fits(self, block: int, budget_blocks: int, z: float, extra: Iterable[Flight]) -> bool:
-        return self.peak(block, z, extra).blocks <= budget_blocks + 1e-9
+        limit = budget_blocks + 1e-9
+        return self.peak(block, z, extra, above=limit).blocks <= limit
 
     def peak_at(self, block: int, t: int, z: float = 0.0) -> Peak:
         """Blocks the admitted flights use at step ``t`` (``mean + z * stddev``)."""
