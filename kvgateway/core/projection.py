@@ -75,8 +75,8 @@ class NodeProjection:
 
     The curve of the flights admitted is kept per step read, until they change: an
     admission round asks it about many candidates, each adding only its own part. The
-    flights whose holding never changes (:func:`_is_static`) are summed as they come and
-    go, so a change costs what the others cost, however many of them run."""
+    flights whose holding never changes (:func:`~.flight.is_static`) are summed as they
+    come and go, so a change costs what the others cost, however many of them run."""
 
     __slots__ = (
         "_base",
