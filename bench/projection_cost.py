@@ -9,7 +9,9 @@ the node's use read, and the oldest flight removed. Three kinds of flights on th
   step and the curve is read at every end (in one pass: no learned lengths);
 - ``learned``: running, with learned output lengths (each step read on its own).
 
-Printed: microseconds of CPU per cycle, in this process, for each kind and count.
+Printed: microseconds of CPU per cycle, in this process, for each kind and count; then
+what a queue walk pays per waiter once the node's curve is read (running flights with
+learned lengths): a check that admits and one that is refused.
 
     python -m bench.projection_cost [--flights 32,128,256] [--block 16]
 """
@@ -54,6 +56,24 @@ def cycle_us(kind: str, flights: int, block: int, seconds: float = 0.5) -> float
     return (time.process_time() - start) / cycles * 1e6
 
 
+def check_us(flights: int, block: int, admit: bool, seconds: float = 0.5) -> float:
+    """Mean CPU microseconds of one waiter's check against ``flights`` running with
+    learned lengths, the curve already read; ``admit``: a budget it fits in, else one
+    just under the node's current peak."""
+    proj = NodeProjection()
+    for i in range(flights):
+        proj.add(_flight(i, "learned"))
+        proj.progress(i, 1 + (i * 7) % 390)
+    budget = 10**9 if admit else int(proj.peak(block, 2.0).blocks) - 1
+    fid, checks = flights, 0
+    start = time.process_time()
+    while time.process_time() - start < seconds:
+        proj.fits(block, budget, 2.0, (_flight(fid, "learned"),))
+        fid += 1
+        checks += 1
+    return (time.process_time() - start) / checks * 1e6
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--flights", default="32,128,256", help="flights on the node, comma-separated")
@@ -64,6 +84,11 @@ def main(argv: list[str] | None = None) -> int:
     for n in counts:
         row = [cycle_us(k, n, args.block) for k in KINDS]
         print(f"{n:>7} " + " ".join(f"{v:>13.1f}" for v in row))
+    print(f"\n{'flights':>7} {'admitted us':>13} {'refused us':>13}   (a waiter's check, learned)")
+    for n in counts:
+        print(
+            f"{n:>7} {check_us(n, args.block, True):>13.1f} {check_us(n, args.block, False):>13.1f}"
+        )
     return 0
 
 
