@@ -13,7 +13,8 @@ from kvgateway.core.output_model import OutputShape
 from kvgateway.core.prefix_keys import BlockKey, KeyGroup
 
 # Tokens a flight may hold beyond its reported count: the token being computed and one
-# step the scheduler may have allocated ahead.
+# step the scheduler may have allocated ahead. Steps the node is known to have taken since
+# the report (``Flight.behind``) come on top.
 AHEAD = 2
 # Prompt tokens vLLM schedules in a request's first step at least (its smallest default).
 FIRST_CHUNK_TOKENS = 2048
@@ -45,12 +46,19 @@ class Flight:
     origin: int = 0
     # False: it runs unseen (not streamed), so it holds its whole bound until it ends.
     seen: bool = True
+    # Steps the node has taken since this flight last reported (other flights' reports
+    # say so): it holds that many tokens more than reported, and still ends no earlier
+    # than its report says. Its projection keeps it; ``seen_at`` is the clock then (its
+    # admission's until its first report).
+    behind: int = 0
+    seen_at: int = 0
 
     def tokens_at(self, t: int) -> int:
         """Tokens per sequence at step ``t`` from now, if it is still running."""
         if not self.seen:
             return self.prompt + self.bound + self.ahead
-        return self.prompt + min(self.bound, self.generated + max(0, t - self.delay)) + self.ahead
+        grown = min(self.bound, self.generated + max(0, t - self.delay))
+        return self.prompt + grown + self.behind + self.ahead
 
     @property
     def end(self) -> int | None:
@@ -205,7 +213,7 @@ def fixed_curve(
     seqs = tokens = residues = held = tracked_alive = 0
     order: list[tuple[int, Flight, int]] = []
     for f in flights:
-        c = f.prompt + f.ahead + f.generated
+        c = f.prompt + f.ahead + f.behind + f.generated
         move(-c % block, f.n)
         seqs += f.n
         tokens += f.n * c

@@ -12,8 +12,10 @@ What the projection assumes, and why each assumption is safe:
   per-chunk usage). Before that (prefill, a queue inside the node) it is taken to grow
   from its admission to its whole bound and stay there. A flight whose progress is never
   reported (a non-streamed answer runs unseen) holds its whole bound from its admission.
-- A reported count may lag the node by a step or two: a flight is taken to hold
-  :data:`AHEAD` tokens more than reported, and to end no earlier than its bound says.
+- A reported count may lag the node: a flight is taken to hold :data:`AHEAD` tokens
+  more than reported, plus a token for every step the node is known to have taken since
+  its report (other flights' reports advance the node's clock; streams are read one by
+  one, late when the gateway is busy), and to end no earlier than its report says.
 - Blocks are counted as vLLM allocates them: ``ceil(tokens / block)`` per sequence.
 - Prompt blocks shared with another flight on the node (vLLM's prefix cache) count once
   while any holder lives (:class:`SharedKeys`), plus each copy a flight paid for; vLLM
@@ -141,6 +143,7 @@ class NodeProjection:
 
     def add(self, f: Flight) -> None:
         self._flights[f.id] = f
+        f.seen_at = self._clock
         if is_static(f):
             self._static_ids.add(f.id)
             for block in self._sums:
@@ -186,7 +189,20 @@ class NodeProjection:
             f.origin = self._clock - f.generated
             self._started += 1
             self._mark_ready(f.keys[f.scheduled :])
-        self._clock = max(self._clock, f.origin + f.generated)
+        clock = max(self._clock, f.origin + f.generated)
+        if clock > self._clock:
+            self._clock = clock
+            # The node has stepped past every other flight's last report.
+            for other in self._varying.values():
+                if other.started:
+                    other.behind = clock - other.seen_at
+        if first:
+            # Its first report may itself be late: it can have generated no more than
+            # a token per step since its admission (``seen_at`` then).
+            f.seen_at = min(self._clock, f.seen_at + f.generated)
+        else:
+            f.seen_at = self._clock
+        f.behind = self._clock - f.seen_at
         self._changed()
         return first
 

@@ -287,12 +287,51 @@ def test_credit_from_an_unstarted_holder_lasts_as_long_as_it_is_projected() -> N
     assert proj.peak(BLOCK, 0.0, (sharer,)).blocks == alone + own - len(keys)
 
 
-def test_what_a_running_flight_holds_follows_its_own_report_however_others_lag() -> None:
+def test_a_flight_whose_report_lags_is_taken_as_far_as_the_node_has_stepped() -> None:
+    """vLLM steps every running sequence together: when other flights report steps that a
+    flight has not (its stream read late), it is taken to hold a token more for each of
+    them, while its end stays where its own report puts it."""
+    proj = NodeProjection()
+    proj.add(Flight(id=1, prompt=3 * BLOCK - AHEAD - 10, n=1, bound=100))
+    proj.add(Flight(id=2, prompt=2 * BLOCK - 20, n=1, bound=100))
+    proj.progress(1, 5)
+    proj.progress(2, 5)
+    one = proj.get(1)
+    assert one is not None
+    assert one.tokens_at(0) == 3 * BLOCK - 5 and proj.current_blocks(BLOCK) == 3 + 2
+    for g in range(6, 13):
+        proj.progress(2, g)  # flight 1's chunks for these steps are not read yet
+    assert one.tokens_at(0) == 3 * BLOCK + 2
+    assert proj.current_blocks(BLOCK) == 4 + 2
+    assert one.end == 95
+    proj.progress(1, 12)
+    assert one.tokens_at(0) == 3 * BLOCK + 2 and one.end == 88
+
+
+def test_a_late_first_report_is_bounded_by_the_steps_since_admission() -> None:
+    """A flight's first report may be read late too: until its next one it is taken to
+    have generated a token for every step the node took since its admission."""
+    proj = NodeProjection()
+    proj.add(Flight(id=1, prompt=50, n=1, bound=100))
+    proj.progress(1, 1)
+    proj.add(Flight(id=2, prompt=50, n=1, bound=100))
+    for g in range(2, 12):
+        proj.progress(1, g)
+    proj.progress(2, 3)  # admitted 10 steps ago: it may be as far as 10
+    two = proj.get(2)
+    assert two is not None
+    assert two.tokens_at(0) == 50 + 10 + AHEAD and two.end == 97
+    proj.progress(2, 4)  # timely now: as reported
+    assert two.tokens_at(0) == 50 + 4 + AHEAD
+
+
+def test_what_a_running_flight_holds_stays_within_a_step_of_its_own_report() -> None:
     """A node runs a stream of sequences whose first reports lag their later ones by two
-    steps (the first token comes after the prefill). What each flight is taken to hold
-    now is what its own report says, plus AHEAD: never more, however many flights came
-    and went. (A shared step clock built from first reports runs ahead by their lag
-    with every flight, and would hold each flight up to its whole bound.)"""
+    steps (the first token comes after the prefill), every flight reporting every step.
+    What each flight is taken to hold now exceeds its own report plus AHEAD by at most
+    the node's steps since that report: one step and one first report's lag, however
+    many flights came and went (the node's clock, built from first reports, runs ahead
+    of the node by their lags; only its advance since a report counts)."""
     proj = NodeProjection()
     starts: dict[int, int] = {}
     for step in range(1, 600):
@@ -314,7 +353,7 @@ def test_what_a_running_flight_holds_follows_its_own_report_however_others_lag()
             f = proj.get(fid)
             assert f is not None
             if f.started:
-                assert f.tokens_at(0) <= 300 + (step - start) + AHEAD
+                assert f.tokens_at(0) <= 300 + (step - start) + AHEAD + 1 + 2
 
 
 op = st.tuples(
