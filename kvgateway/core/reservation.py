@@ -259,11 +259,17 @@ class OthersView:
         return tokens < old.tokens or seqs < old.seqs
 
     def fall_back(
-        self, backends: Iterable[Backend], live: int, caps: Mapping[str, Amount] | None = None
+        self,
+        backends: Iterable[Backend],
+        live: int,
+        caps: Mapping[str, Amount] | None = None,
+        seen: Mapping[str, Amount] | None = None,
     ) -> list[Backend]:
         """Blind mode: the others are taken to hold all but this replica's share, or
         with ``caps`` (by backend name; absent: nothing) all but the lesser of the share
-        and the cap. Returns the backends whose room grew."""
+        and the cap; and never less than ``seen`` (by backend name: what they held when
+        the fallback began, while that may still run). Returns the backends whose room
+        grew."""
         grew = []
         for b in backends:
             share_t = local_share(b.budget_tokens, live)
@@ -271,6 +277,15 @@ class OthersView:
             if caps is not None:
                 cap = caps.get(b.name, Amount(0, 0))
                 share_t, share_s = min(share_t, cap.tokens), min(share_s, cap.seqs)
-            if self.set(b, b.budget_tokens - share_t, b.max_num_seqs - share_s):
+            tokens, seqs = b.budget_tokens - share_t, b.max_num_seqs - share_s
+            before = seen.get(b.name) if seen is not None else None
+            if before is not None:
+                tokens = max(tokens, min(b.budget_tokens, before.tokens))
+                seqs = max(seqs, min(b.max_num_seqs, before.seqs))
+            if self.set(b, tokens, seqs):
                 grew.append(b)
         return grew
+
+    def held(self) -> dict[str, Amount]:
+        """What the others are taken to hold now, by backend name."""
+        return {name: amount for name, (_, amount) in self._applied.items()}

@@ -6,7 +6,8 @@ While its lease may still be live, the other replicas (if they reach Redis) coun
 one at what Redis records for it, so it keeps within that and within its share
 (``budget // live replicas last seen``); once the lease has surely run out, within its
 share alone. The lease is measured from the last call that renewed it, or may have (one
-that timed out may still have run).
+that timed out may still have run). Either way the others are taken to hold at least
+what they held when the fallback began, while a request admitted then may still run.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 
 from kvgateway.core.backends import Backend
 from kvgateway.core.fleet import Fleet
-from kvgateway.core.reservation import OthersView
+from kvgateway.core.reservation import Amount, OthersView
 from kvgateway.core.tenancy import Elsewhere
 from kvgateway.ledger.recorded import Recorded
 
@@ -32,6 +33,7 @@ class FallbackShare:
         live: Callable[[], int],
         offer: Callable[[Backend], None],
         in_fallback: Callable[[], bool],
+        request_life: Callable[[], float] = lambda: 900.0,
     ) -> None:
         self._lease_s = lease_s
         self._fleet = fleet
@@ -40,8 +42,28 @@ class FallbackShare:
         self._live = live
         self._offer = offer
         self._in_fallback = in_fallback
+        self._request_life = request_life
         self._renewed_at: float | None = None
         self._timer: asyncio.TimerHandle | None = None
+        # What the others held when the fallback began, kept for as long as a request
+        # admitted then may run (the nodes' longest total timeout): a replica past its
+        # share then keeps what it holds until its requests end.
+        self._seen: dict[str, Amount] | None = None
+        self._seen_timer: asyncio.TimerHandle | None = None
+
+    def began(self) -> None:
+        """The fallback begins (not at start-up: nothing was seen then)."""
+        if self._seen_timer is not None:
+            self._seen_timer.cancel()
+        self._seen = self._view.held()
+        loop = asyncio.get_running_loop()
+        self._seen_timer = loop.call_later(self._request_life(), self._seen_over)
+
+    def _seen_over(self) -> None:
+        self._seen_timer = None
+        self._seen = None
+        if self._in_fallback():
+            self.apply()
 
     def renewed(self) -> None:
         """A call renewed the lease (or may have), at the latest now."""
@@ -61,7 +83,7 @@ class FallbackShare:
             caps = self._recorded.caps()
             if self._timer is None:
                 self._timer = asyncio.get_running_loop().call_later(left, self._lease_over)
-        for b in self._view.fall_back(self._fleet.active, self._live(), caps):
+        for b in self._view.fall_back(self._fleet.active, self._live(), caps, self._seen):
             self._offer(b)
 
     def _lease_over(self) -> None:
@@ -80,33 +102,60 @@ class TenantRecord:
     leased: bool
 
 
+@dataclass(frozen=True, slots=True)
+class SeenBefore:
+    """What the others were last seen holding when Redis went (per tenant: KV tokens,
+    requests; over every class: KV tokens, sequences). Requests admitted then may run
+    as long as a request may live: until then the others are taken to hold at least
+    this, their share of a limit notwithstanding."""
+
+    tenants: dict[str, tuple[int, int]]
+    classes: tuple[int, int]
+
+    @staticmethod
+    def of(away: Elsewhere, tenants: list[str]) -> SeenBefore:
+        classes = (
+            sum(away.class_tokens.values()) + away.unclassed_tokens,
+            sum(away.class_seqs.values()) + away.unclassed_seqs,
+        )
+        return SeenBefore({t: (away.tokens[t], away.requests[t]) for t in tenants}, classes)
+
+
+NOTHING_SEEN = SeenBefore({}, (0, 0))
+
+
 def tenant_fallback(
     away: Elsewhere,
     caps: dict[str, tuple[int, int]],
     fleet: tuple[int, int] | None,
     mine: TenantRecord,
     live: int,
+    seen: SeenBefore = NOTHING_SEEN,
 ) -> list[str]:
     """Set ``away`` to what the others are taken to hold in the fallback: all of each
     tenant's ``caps`` (KV tokens, requests) and, with class floors, of the ``fleet`` (KV
     budget, slots) but this replica's share (``1 / live``), and while its lease may
     still be live, but what Redis records for it if less (as the KV budgets' fallback
-    does). Returns the tenants whose view fell (the others were last seen holding more),
+    does); never less than they were ``seen`` holding when Redis went, while what they
+    held then may still run (a replica past its share then keeps it until its requests
+    end). Returns the tenants whose view fell (the others were last seen holding more),
     whose waiters are to ask again."""
     live = max(1, live)
 
-    def others(cap: int, recorded: int) -> int:
+    def others(cap: int, recorded: int, before: int) -> int:
         share = cap // live
-        return max(0, cap - (min(share, recorded) if mine.leased else share))
+        blind = max(0, cap - (min(share, recorded) if mine.leased else share))
+        return max(blind, min(cap, before))
 
     before = sum(away.class_tokens.values()) + away.unclassed_tokens
     before_s = sum(away.class_seqs.values()) + away.unclassed_seqs
     fell: list[str] = []
     for tenant, (tokens, requests) in caps.items():
         rec_tokens, rec_requests = mine.tenants.get(tenant, (0, 0))
+        seen_tokens, seen_requests = seen.tenants.get(tenant, (0, 0))
         was = (away.tokens[tenant], away.requests[tenant])
-        away.tokens[tenant] = others(tokens, rec_tokens)
-        away.requests[tenant] = others(requests, rec_requests)
+        away.tokens[tenant] = others(tokens, rec_tokens, seen_tokens)
+        away.requests[tenant] = others(requests, rec_requests, seen_requests)
         if away.tokens[tenant] < was[0] or away.requests[tenant] < was[1]:
             fell.append(tenant)
     away.class_tokens.clear()
@@ -114,8 +163,8 @@ def tenant_fallback(
     away.node_seqs.clear()  # each node's floors kept whole (nothing known held there)
     away.unclassed_tokens = away.unclassed_seqs = 0
     if fleet is not None:
-        away.unclassed_tokens = others(fleet[0], mine.classes[0])
-        away.unclassed_seqs = others(fleet[1], mine.classes[1])
+        away.unclassed_tokens = others(fleet[0], mine.classes[0], seen.classes[0])
+        away.unclassed_seqs = others(fleet[1], mine.classes[1], seen.classes[1])
         if away.unclassed_tokens < before or away.unclassed_seqs < before_s:
             fell = list(caps)
     return fell

@@ -86,6 +86,11 @@ class SharedBook:
         self._flush = asyncio.Event()
         self._resync = False
         self._wake = asyncio.Event()  # a heartbeat is due now (a lapsed lease)
+
+        def request_life() -> float:
+            """How long a request may live: the nodes' longest total timeout."""
+            return max((b.config.timeouts.total_s for b in fleet.backends), default=900.0)
+
         self._share = FallbackShare(
             cfg.lease_s,
             fleet,
@@ -94,6 +99,7 @@ class SharedBook:
             live=lambda: self._live,
             offer=self._offer,
             in_fallback=lambda: not self._shared,
+            request_life=request_life,
         )
         self._stall_timer: asyncio.TimerHandle | None = None
         # Where Redis lists this replica as waiting; the queue changed since it was told.
@@ -132,6 +138,7 @@ class SharedBook:
             budget=lambda: sum(b.budget_tokens for b in fleet.backends if b.usable),
             slots=lambda: sum(b.max_num_seqs for b in fleet.backends if b.usable),
             models=lambda: sorted({b.model for b in fleet.backends}),
+            request_life=request_life,
         )
 
     # ---- what Admission calls ---------------------------------------------------
@@ -317,6 +324,7 @@ class SharedBook:
         self._fallbacks += 1
         self._pending.clear()
         self._credit.forget()  # the sync that ends the fallback writes what is in use
+        self._share.began()
         log.warning(
             "shared ledger unavailable (%s): this replica keeps within what Redis records "
             "for it for %.1f s (its lease), then 1/%d of each backend's budget, until Redis "

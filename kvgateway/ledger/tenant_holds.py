@@ -34,7 +34,7 @@ from redis.asyncio.client import Pipeline
 from kvgateway.core.reservation import Reservation
 from kvgateway.core.tenancy import Tenancy
 from kvgateway.ledger.connect import REDIS_FAILURES
-from kvgateway.ledger.fallback import TenantRecord, tenant_fallback
+from kvgateway.ledger.fallback import NOTHING_SEEN, SeenBefore, TenantRecord, tenant_fallback
 from kvgateway.ledger.quota_scripts import FLOOR_WAITS, GRANTED, HOLD
 from kvgateway.ledger.tenant_order import (
     Waits,
@@ -81,6 +81,7 @@ class TenantHolds:
         budget: Callable[[], int],
         slots: Callable[[], int],
         models: Callable[[], list[str]] = list,
+        request_life: Callable[[], float] = lambda: 900.0,
     ) -> None:
         self._client = client
         self._ns = namespace
@@ -118,6 +119,12 @@ class TenantHolds:
         self._granted_seen: dict[str, int] = {}
         self._granted_sha = self._waits_sha = ""
         self._floor_waits: Callable[[], Waits] = dict
+        # Since when Redis has not answered, and what the others held then: they may hold
+        # it for as long as a request may live (``request_life``: the nodes' longest
+        # total timeout).
+        self._request_life = request_life
+        self._fallback_since: float | None = None
+        self._seen_before = NOTHING_SEEN
 
     def _caps(self, tenant: str) -> Caps | None:
         assert self._tenancy is not None
@@ -336,9 +343,16 @@ class TenantHolds:
         if not concerned and not sharing:
             return
         if not self._shared():
+            now = asyncio.get_running_loop().time()
+            if self._fallback_since is None:
+                self._fallback_since = now
+                self._seen_before = SeenBefore.of(self._tenancy.elsewhere, concerned)
+            elif now - self._fallback_since >= self._request_life():
+                self._seen_before = NOTHING_SEEN
             if concerned:
                 self._fallback_view(concerned)
             return
+        self._fallback_since = None
         # One round trip: the lock (which holds wait for) is held as briefly as it can be.
         nodes: set[str] = set()
         try:
@@ -394,6 +408,8 @@ class TenantHolds:
         caps = {t: self._caps(t) or (0, 0) for t in concerned}
         fleet = (self._budget(), self._slots()) if self._floors() else None
         mine = TenantRecord(self._recorded, self._recorded_total, self._lease_left() > 0)
-        fell = tenant_fallback(self._tenancy.elsewhere, caps, fleet, mine, self._live())
+        fell = tenant_fallback(
+            self._tenancy.elsewhere, caps, fleet, mine, self._live(), self._seen_before
+        )
         for tenant in fell:
             self._reopen(tenant)

@@ -9,7 +9,7 @@ import pytest
 from kvgateway.config.model import Policy
 from kvgateway.core.admission import Admission, Reservation
 from kvgateway.core.backends import Backend
-from kvgateway.core.reservation import OthersView, local_share
+from kvgateway.core.reservation import Amount, OthersView, local_share
 from kvgateway.core.routing import ModelIndex
 from kvgateway.errors import Saturated
 from tests.support.backends import backend, demand
@@ -89,6 +89,20 @@ def test_fallback_leaves_this_replica_its_share():
     idx = ModelIndex([b])
     view = OthersView(idx.adjust)
     view.fall_back([b], 3)
+    assert b.free_tokens == 300 and b.free_seqs == 5
+
+
+def test_blind_mode_takes_the_others_at_what_they_held_when_it_began_if_more():
+    """A replica past its share when the ledger went keeps what it holds until its
+    requests end: the others count at least that (at most the whole budget)."""
+    b = backend("a", kv=900, seqs=16)
+    idx = ModelIndex([b])
+    view = OthersView(idx.adjust)
+    assert not view.fall_back([b], 3, seen={"a": Amount(800, 4)})
+    assert b.free_tokens == 100 and b.free_seqs == 5
+    view.fall_back([b], 3, seen={"a": Amount(5_000, 40)})
+    assert b.free_tokens == 0 and b.free_seqs == 0
+    assert view.fall_back([b], 3) == [b]  # what they held then has ended
     assert b.free_tokens == 300 and b.free_seqs == 5
 
 

@@ -6,7 +6,7 @@ slots under class floors. Pure: no Redis."""
 from __future__ import annotations
 
 from kvgateway.core.tenancy import Elsewhere
-from kvgateway.ledger.fallback import TenantRecord, tenant_fallback
+from kvgateway.ledger.fallback import SeenBefore, TenantRecord, tenant_fallback
 
 
 def _record(
@@ -67,3 +67,23 @@ def test_class_floors_count_the_fleet_but_this_replicas_share_in_no_known_class(
     fell = tenant_fallback(away, caps, (120_000, 64), _record(leased=False), live=0)
     assert (away.unclassed_tokens, away.unclassed_seqs) == (0, 0)
     assert fell == ["acme"]  # the fleet's view fell: every tenant's waiters ask again
+
+
+def test_what_the_others_held_when_redis_went_counts_while_it_may_still_run() -> None:
+    """A replica that held more than its share when Redis went keeps it until its
+    requests end: the others are taken to hold at least what they were seen holding
+    (never more than the cap), their share notwithstanding, lease or none."""
+    away = Elsewhere()
+    away.tokens["acme"], away.requests["acme"] = 3_000, 3  # last seen
+    seen = SeenBefore.of(away, ["acme"])
+    caps = {"acme": (4_000, 4)}
+    tenant_fallback(away, caps, None, _record({"acme": (1_000, 1)}, leased=True), 2, seen)
+    assert (away.tokens["acme"], away.requests["acme"]) == (3_000, 3)
+    tenant_fallback(away, caps, None, _record(leased=False), 2, seen)
+    assert (away.tokens["acme"], away.requests["acme"]) == (3_000, 3)
+    # Once what they held then has surely ended: the share alone.
+    fell = tenant_fallback(away, caps, None, _record(leased=False), 2)
+    assert (away.tokens["acme"], away.requests["acme"]) == (2_000, 2) and fell == ["acme"]
+    # Seen holding more than the cap (a cap lowered meanwhile): the cap.
+    tenant_fallback(away, {"acme": (2_000, 2)}, None, _record(leased=False), 2, seen)
+    assert (away.tokens["acme"], away.requests["acme"]) == (2_000, 2)
