@@ -22,6 +22,51 @@ from kvgateway.core.reservation import Amount, OthersView
 from kvgateway.core.tenancy import Elsewhere
 from kvgateway.ledger.recorded import Recorded
 
+# Lives of this replica's requests remembered: those that ended in the last one or two
+# spans of this length.
+LIVES_SPAN_S = 600.0
+
+
+class RequestLives:
+    """How long this replica's requests have lived lately. What the others held when
+    Redis went is taken to run at most as long as the longest of them (their requests
+    taken to be like ours), and never longer than ``cap()`` (the nodes' longest total
+    timeout); 0 until one has ended."""
+
+    def __init__(self, cap: Callable[[], float]) -> None:
+        self._cap = cap
+        self._born: dict[int, float] = {}
+        self._longest = 0.0  # of those ended in the current span
+        self._before = 0.0  # in the span before it
+        self._span_from: float | None = None
+
+    def __len__(self) -> int:
+        return len(self._born)
+
+    def born(self, rid: int, now: float) -> None:
+        self._born[rid] = now
+
+    def ended(self, rid: int, now: float) -> None:
+        start = self._born.pop(rid, None)
+        if start is not None:
+            self._roll(now)
+            self._longest = max(self._longest, now - start)
+
+    def forget(self, rid: int) -> None:
+        """It never held anything the others could count (refused, released uncounted)."""
+        self._born.pop(rid, None)
+
+    def window(self, now: float) -> float:
+        """How long what the others held when Redis went may still run."""
+        self._roll(now)
+        return min(self._cap(), max(self._longest, self._before))
+
+    def _roll(self, now: float) -> None:
+        if self._span_from is None:
+            self._span_from = now
+        elif now - self._span_from >= LIVES_SPAN_S:
+            self._before, self._longest, self._span_from = self._longest, 0.0, now
+
 
 class FallbackShare:
     def __init__(
@@ -33,7 +78,7 @@ class FallbackShare:
         live: Callable[[], int],
         offer: Callable[[Backend], None],
         in_fallback: Callable[[], bool],
-        request_life: Callable[[], float] = lambda: 900.0,
+        lives: RequestLives | None = None,
     ) -> None:
         self._lease_s = lease_s
         self._fleet = fleet
@@ -42,12 +87,12 @@ class FallbackShare:
         self._live = live
         self._offer = offer
         self._in_fallback = in_fallback
-        self._request_life = request_life
+        self._lives = lives or RequestLives(lambda: 0.0)
         self._renewed_at: float | None = None
         self._timer: asyncio.TimerHandle | None = None
         # What the others held when the fallback began, kept for as long as a request
-        # admitted then may run (the nodes' longest total timeout): a replica past its
-        # share then keeps what it holds until its requests end.
+        # admitted then may run (``lives``): a replica past its share then keeps what it
+        # holds until its requests end.
         self._seen: dict[str, Amount] | None = None
         self._seen_timer: asyncio.TimerHandle | None = None
 
@@ -55,9 +100,13 @@ class FallbackShare:
         """The fallback begins (not at start-up: nothing was seen then)."""
         if self._seen_timer is not None:
             self._seen_timer.cancel()
-        self._seen = self._view.held()
         loop = asyncio.get_running_loop()
-        self._seen_timer = loop.call_later(self._request_life(), self._seen_over)
+        window = self._lives.window(loop.time())
+        if window <= 0.0:
+            self._seen = None
+            return
+        self._seen = self._view.held()
+        self._seen_timer = loop.call_later(window, self._seen_over)
 
     def _seen_over(self) -> None:
         self._seen_timer = None

@@ -32,7 +32,7 @@ from kvgateway.core.reservation import OthersView, Reservation
 from kvgateway.ledger.calls import LedgerCalls
 from kvgateway.ledger.connect import REDIS_FAILURES
 from kvgateway.ledger.credit import Credit
-from kvgateway.ledger.fallback import FallbackShare
+from kvgateway.ledger.fallback import FallbackShare, RequestLives
 from kvgateway.ledger.recorded import Recorded
 from kvgateway.ledger.scripts import Keys
 from kvgateway.ledger.snapshot import UnsentGrants
@@ -91,6 +91,8 @@ class SharedBook:
             """How long a request may live: the nodes' longest total timeout."""
             return max((b.config.timeouts.total_s for b in fleet.backends), default=900.0)
 
+        self._lives = RequestLives(request_life)
+
         self._share = FallbackShare(
             cfg.lease_s,
             fleet,
@@ -99,7 +101,7 @@ class SharedBook:
             live=lambda: self._live,
             offer=self._offer,
             in_fallback=lambda: not self._shared,
-            request_life=request_life,
+            lives=self._lives,
         )
         self._stall_timer: asyncio.TimerHandle | None = None
         # Where Redis lists this replica as waiting; the queue changed since it was told.
@@ -138,7 +140,7 @@ class SharedBook:
             budget=lambda: sum(b.budget_tokens for b in fleet.backends if b.usable),
             slots=lambda: sum(b.max_num_seqs for b in fleet.backends if b.usable),
             models=lambda: sorted({b.model for b in fleet.backends}),
-            request_life=request_life,
+            lives=self._lives,
         )
 
     # ---- what Admission calls ---------------------------------------------------
@@ -149,11 +151,16 @@ class SharedBook:
 
     def granted(self, reservation: Reservation) -> None:
         self._unsent.add(reservation)
+        self._lives.born(reservation.id, asyncio.get_running_loop().time())
 
     async def confirm(self, reservation: Reservation) -> bool:
+        confirmed = False
         try:
-            return await self._confirm(reservation)
+            confirmed = await self._confirm(reservation)
+            return confirmed
         finally:
+            if not confirmed:  # released uncounted: never released here
+                self._lives.forget(reservation.id)
             # Recorded by now (its reserve, or credit already recorded as ours), refused
             # or failed (released uncounted), or local in the fallback (the next sync's
             # snapshot holds it): no longer to be left out of a snapshot.
@@ -230,6 +237,7 @@ class SharedBook:
         return await self._holds.hold(reservation)
 
     def release(self, reservation: Reservation, shared: int = 0) -> None:
+        self._lives.ended(reservation.id, asyncio.get_running_loop().time())
         self._holds.released(reservation)
         name = reservation.backend.name
         if self._unsent.sent(reservation):

@@ -34,7 +34,13 @@ from redis.asyncio.client import Pipeline
 from kvgateway.core.reservation import Reservation
 from kvgateway.core.tenancy import Tenancy
 from kvgateway.ledger.connect import REDIS_FAILURES
-from kvgateway.ledger.fallback import NOTHING_SEEN, SeenBefore, TenantRecord, tenant_fallback
+from kvgateway.ledger.fallback import (
+    NOTHING_SEEN,
+    RequestLives,
+    SeenBefore,
+    TenantRecord,
+    tenant_fallback,
+)
 from kvgateway.ledger.quota_scripts import FLOOR_WAITS, GRANTED, HOLD
 from kvgateway.ledger.tenant_order import (
     Waits,
@@ -81,7 +87,7 @@ class TenantHolds:
         budget: Callable[[], int],
         slots: Callable[[], int],
         models: Callable[[], list[str]] = list,
-        request_life: Callable[[], float] = lambda: 900.0,
+        lives: RequestLives | None = None,
     ) -> None:
         self._client = client
         self._ns = namespace
@@ -119,11 +125,10 @@ class TenantHolds:
         self._granted_seen: dict[str, int] = {}
         self._granted_sha = self._waits_sha = ""
         self._floor_waits: Callable[[], Waits] = dict
-        # Since when Redis has not answered, and what the others held then: they may hold
-        # it for as long as a request may live (``request_life``: the nodes' longest
-        # total timeout).
-        self._request_life = request_life
-        self._fallback_since: float | None = None
+        # Until when what the others held when Redis went may still run (``lives``), and
+        # what that was; None while Redis answers.
+        self._lives = lives or RequestLives(lambda: 0.0)
+        self._seen_until: float | None = None
         self._seen_before = NOTHING_SEEN
 
     def _caps(self, tenant: str) -> Caps | None:
@@ -271,11 +276,30 @@ class TenantHolds:
         except REDIS_FAILURES as exc:
             self._sha = ""
             log.debug("tenant holdings: hold not recorded: %r", exc)
-            self._add(r, held)
             self._dirty.set()
-            return True  # the shared ledger finds Redis gone and falls back on its own
+            # The shared ledger finds Redis gone and falls back on its own; until then
+            # this hold is judged as its fallback judges (the lease still live).
+            self._fallback_view(self._concerned())
+            if self._over(tenant, held):
+                return False
+            self._add(r, held)
+            return True
         self._seen(tenant, got, held.backend)
         return bool(got[0])
+
+    def _over(self, tenant: str, held: _Held) -> bool:
+        """``held`` would take ``tenant`` past a limit, with the others as now seen (a
+        tenant holding nothing may run one request, however large, as its gate says)."""
+        assert self._tenancy is not None
+        caps = self._caps(tenant)
+        if caps is None:
+            return False
+        away = self._tenancy.elsewhere
+        tokens, requests = caps
+        if requests >= 0 and self._requests[tenant] + 1 + away.requests[tenant] > requests:
+            return True
+        mine = self._tokens[tenant] + away.tokens[tenant]
+        return tokens >= 0 and mine > 0 and mine + held.tokens > tokens
 
     def released(self, r: Reservation) -> None:
         held = self._held.pop(r.id, None)
@@ -343,16 +367,9 @@ class TenantHolds:
         if not concerned and not sharing:
             return
         if not self._shared():
-            now = asyncio.get_running_loop().time()
-            if self._fallback_since is None:
-                self._fallback_since = now
-                self._seen_before = SeenBefore.of(self._tenancy.elsewhere, concerned)
-            elif now - self._fallback_since >= self._request_life():
-                self._seen_before = NOTHING_SEEN
             if concerned:
                 self._fallback_view(concerned)
             return
-        self._fallback_since = None
         # One round trip: the lock (which holds wait for) is held as briefly as it can be.
         nodes: set[str] = set()
         try:
@@ -377,6 +394,7 @@ class TenantHolds:
             self._sha = self._granted_sha = self._waits_sha = ""
             log.debug("tenant holdings: refresh failed: %r", exc)
             return
+        self._seen_until = None  # Redis answers: nothing held from before it went
         for tenant, (_, args), got in zip(concerned, calls, answers, strict=False):
             values = [int(x) for x in got]
             self._written(tenant, None, args, values)
@@ -403,8 +421,15 @@ class TenantHolds:
     def _fallback_view(self, concerned: list[str]) -> None:
         """The others taken to hold all but this replica's share (see
         :func:`~kvgateway.ledger.fallback.tenant_fallback`); tenants whose view fell
-        ask again."""
+        ask again. The first time since Redis answered, what the others were last seen
+        holding is kept for as long as it may still run."""
         assert self._tenancy is not None
+        now = asyncio.get_running_loop().time()
+        if self._seen_until is None:
+            self._seen_until = now + self._lives.window(now)
+            self._seen_before = SeenBefore.of(self._tenancy.elsewhere, concerned)
+        if now >= self._seen_until:
+            self._seen_before = NOTHING_SEEN
         caps = {t: self._caps(t) or (0, 0) for t in concerned}
         fleet = (self._budget(), self._slots()) if self._floors() else None
         mine = TenantRecord(self._recorded, self._recorded_total, self._lease_left() > 0)

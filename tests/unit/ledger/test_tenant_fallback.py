@@ -6,7 +6,13 @@ slots under class floors. Pure: no Redis."""
 from __future__ import annotations
 
 from kvgateway.core.tenancy import Elsewhere
-from kvgateway.ledger.fallback import SeenBefore, TenantRecord, tenant_fallback
+from kvgateway.ledger.fallback import (
+    LIVES_SPAN_S,
+    RequestLives,
+    SeenBefore,
+    TenantRecord,
+    tenant_fallback,
+)
 
 
 def _record(
@@ -87,3 +93,22 @@ def test_what_the_others_held_when_redis_went_counts_while_it_may_still_run() ->
     # Seen holding more than the cap (a cap lowered meanwhile): the cap.
     tenant_fallback(away, {"acme": (2_000, 2)}, None, _record(leased=False), 2, seen)
     assert (away.tokens["acme"], away.requests["acme"]) == (2_000, 2)
+
+
+def test_what_the_others_held_may_run_as_long_as_this_replicas_requests_lately() -> None:
+    """The window is the longest life of a request that ended here in the last span or
+    the one before, never past the cap; nothing ended yet: none."""
+    lives = RequestLives(lambda: 30.0)
+    assert lives.window(0.0) == 0.0
+    lives.born(1, 0.0)
+    lives.born(2, 1.0)
+    lives.born(3, 1.0)
+    lives.ended(1, 4.0)
+    lives.ended(2, 3.0)
+    lives.forget(3)
+    assert lives.window(5.0) == 4.0 and not len(lives)
+    lives.born(4, 10.0)
+    lives.ended(4, 60.0)
+    assert lives.window(60.0) == 30.0  # capped: no request outlives its total timeout
+    assert lives.window(60.0 + LIVES_SPAN_S) == 30.0  # the span before still counts
+    assert lives.window(60.0 + 3 * LIVES_SPAN_S) == 0.0
