@@ -12,10 +12,9 @@ What the projection assumes, and why each assumption is safe:
   per-chunk usage). Before that (prefill, a queue inside the node) it is taken to grow
   from its admission to its whole bound and stay there. A flight whose progress is never
   reported (a non-streamed answer runs unseen) holds its whole bound from its admission.
-- A reported count may lag the node: a flight is taken to hold :data:`AHEAD` tokens
-  more than reported, plus a token for every step the node is known to have taken since
-  its report (other flights' reports advance the node's clock; streams are read one by
-  one, late when the gateway is busy), and to end no earlier than its report says.
+- A reported count may lag the node (a stream read late): a flight holds :data:`AHEAD`
+  tokens more than reported, plus one per step the node took since (other flights'
+  reports say), and ends no earlier than its report says.
 - Blocks are counted as vLLM allocates them: ``ceil(tokens / block)`` per sequence.
 - Prompt blocks shared with another flight on the node (vLLM's prefix cache) count once
   while any holder lives (:class:`SharedKeys`), plus each copy a flight paid for; vLLM
@@ -189,19 +188,13 @@ class NodeProjection:
             f.origin = self._clock - f.generated
             self._started += 1
             self._mark_ready(f.keys[f.scheduled :])
-        clock = max(self._clock, f.origin + f.generated)
-        if clock > self._clock:
-            self._clock = clock
-            # The node has stepped past every other flight's last report.
-            for other in self._varying.values():
+        if self._clock < f.origin + f.generated:
+            self._clock = f.origin + f.generated
+            for other in self._varying.values():  # the node stepped past their reports
                 if other.started:
-                    other.behind = clock - other.seen_at
-        if first:
-            # Its first report may itself be late: it can have generated no more than
-            # a token per step since its admission (``seen_at`` then).
-            f.seen_at = min(self._clock, f.seen_at + f.generated)
-        else:
-            f.seen_at = self._clock
+                    other.behind = self._clock - other.seen_at
+        # A first report may itself be late: at most a token a step since its admission.
+        f.seen_at = min(self._clock, f.seen_at + f.generated) if first else self._clock
         f.behind = self._clock - f.seen_at
         self._changed()
         return first

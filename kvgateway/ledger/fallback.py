@@ -217,3 +217,51 @@ def tenant_fallback(
         if away.unclassed_tokens < before or away.unclassed_seqs < before_s:
             fell = list(caps)
     return fell
+
+
+class TenantFallback:
+    """The tenant limits' view of the others while Redis does not answer
+    (:func:`tenant_fallback`), what they held when it went kept for as long as a request
+    admitted then may run (``lives``)."""
+
+    def __init__(self, lives: RequestLives) -> None:
+        self._lives = lives
+        self._until: float | None = None  # None: Redis answers
+        self._before = NOTHING_SEEN
+
+    def answered(self) -> None:
+        """Redis answered: nothing is kept from before it went."""
+        self._until = None
+
+    def apply(
+        self,
+        away: Elsewhere,
+        caps: dict[str, tuple[int, int]],
+        fleet: tuple[int, int] | None,
+        mine: TenantRecord,
+        live: int,
+        now: float,
+    ) -> list[str]:
+        """Set ``away`` for the fallback; the tenants whose view fell."""
+        if self._until is None:
+            self._until = now + self._lives.window(now)
+            self._before = SeenBefore.of(away, list(caps))
+        if now >= self._until:
+            self._before = NOTHING_SEEN
+        return tenant_fallback(away, caps, fleet, mine, live, self._before)
+
+
+def over_limit(
+    caps: tuple[int, int] | None, requests: int, tokens: int, others: tuple[int, int], more: int
+) -> bool:
+    """One more request of ``more`` KV tokens takes a tenant holding ``requests`` and
+    ``tokens`` here past its ``caps`` (KV tokens, requests; -1: none), the others taken
+    to hold ``others`` (KV tokens, requests). A tenant holding nothing may run one
+    request, however large, as its gate says."""
+    if caps is None:
+        return False
+    cap_tokens, cap_requests = caps
+    if cap_requests >= 0 and requests + 1 + others[1] > cap_requests:
+        return True
+    held = tokens + others[0]
+    return cap_tokens >= 0 and held > 0 and held + more > cap_tokens

@@ -29,27 +29,22 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from redis.asyncio import Redis
-from redis.asyncio.client import Pipeline
 
 from kvgateway.core.reservation import Reservation
 from kvgateway.core.tenancy import Tenancy
 from kvgateway.ledger.connect import REDIS_FAILURES
-from kvgateway.ledger.fallback import (
-    NOTHING_SEEN,
-    RequestLives,
-    SeenBefore,
-    TenantRecord,
-    tenant_fallback,
-)
+from kvgateway.ledger.fallback import RequestLives, TenantFallback, TenantRecord, over_limit
 from kvgateway.ledger.quota_scripts import FLOOR_WAITS, GRANTED, HOLD
 from kvgateway.ledger.tenant_order import (
     Waits,
+    node_key,
     sharing_tenants,
     take_floor_waits,
     take_grants,
     within_floor,
     write_floor_waits,
     write_grants,
+    write_node_seqs,
 )
 
 log = logging.getLogger("kvgateway.ledger")
@@ -125,11 +120,7 @@ class TenantHolds:
         self._granted_seen: dict[str, int] = {}
         self._granted_sha = self._waits_sha = ""
         self._floor_waits: Callable[[], Waits] = dict
-        # Until when what the others held when Redis went may still run (``lives``), and
-        # what that was; None while Redis answers.
-        self._lives = lives or RequestLives(lambda: 0.0)
-        self._seen_until: float | None = None
-        self._seen_before = NOTHING_SEEN
+        self._fallback = TenantFallback(lives or RequestLives(lambda: 0.0))
 
     def _caps(self, tenant: str) -> Caps | None:
         assert self._tenancy is not None
@@ -204,7 +195,7 @@ class TenantHolds:
                 c.floor_share * node,
             ]
         if node and held is not None:
-            keys += [self._node_key(held.backend, c.name) for c in classes]
+            keys += [node_key(self._ns, held.backend, c.name) for c in classes]
         return keys, args
 
     def _written(
@@ -219,9 +210,6 @@ class TenantHolds:
                 sum(self._class_tokens.values()) + this,
                 sum(self._class_seqs.values()) + seqs,
             )
-
-    def _node_key(self, backend: str, klass: str) -> str:
-        return f"{{{self._ns}}}:nseq:{backend}:{klass}"
 
     def _add(self, r: Reservation, held: _Held) -> None:
         self._held[r.id] = held
@@ -280,26 +268,15 @@ class TenantHolds:
             # The shared ledger finds Redis gone and falls back on its own; until then
             # this hold is judged as its fallback judges (the lease still live).
             self._fallback_view(self._concerned())
-            if self._over(tenant, held):
+            away = self._tenancy.elsewhere
+            others = (away.tokens[tenant], away.requests[tenant])
+            mine = (self._requests[tenant], self._tokens[tenant])
+            if over_limit(self._caps(tenant), *mine, others, held.tokens):
                 return False
             self._add(r, held)
             return True
         self._seen(tenant, got, held.backend)
         return bool(got[0])
-
-    def _over(self, tenant: str, held: _Held) -> bool:
-        """``held`` would take ``tenant`` past a limit, with the others as now seen (a
-        tenant holding nothing may run one request, however large, as its gate says)."""
-        assert self._tenancy is not None
-        caps = self._caps(tenant)
-        if caps is None:
-            return False
-        away = self._tenancy.elsewhere
-        tokens, requests = caps
-        if requests >= 0 and self._requests[tenant] + 1 + away.requests[tenant] > requests:
-            return True
-        mine = self._tokens[tenant] + away.tokens[tenant]
-        return tokens >= 0 and mine > 0 and mine + held.tokens > tokens
 
     def released(self, r: Reservation) -> None:
         held = self._held.pop(r.id, None)
@@ -381,7 +358,10 @@ class TenantHolds:
                     for keys, args in calls:
                         pipe.evalsha(self._sha, len(keys), *keys, *args)
                     nodes, self._nodes_dirty = self._nodes_dirty, set()
-                    self._write_nodes(pipe, nodes)
+                    if self._floors():
+                        names = [c.name for c in self._tenancy.auth.classes]
+                        held = {n: self._node_seqs.get(n, Counter()) for n in nodes}
+                        write_node_seqs(pipe, self._ns, self._id, names, held)
                     me = (self._ns, self._id)
                     pairs = self._floor_pairs()
                     if pairs:
@@ -394,7 +374,7 @@ class TenantHolds:
             self._sha = self._granted_sha = self._waits_sha = ""
             log.debug("tenant holdings: refresh failed: %r", exc)
             return
-        self._seen_until = None  # Redis answers: nothing held from before it went
+        self._fallback.answered()
         for tenant, (_, args), got in zip(concerned, calls, answers, strict=False):
             values = [int(x) for x in got]
             self._written(tenant, None, args, values)
@@ -404,37 +384,15 @@ class TenantHolds:
         if pairs and take_floor_waits(self._tenancy.elsewhere, pairs, answers[-1]):
             self._reopen("")  # the others' oldest was served: ours ask again
 
-    def _write_nodes(self, pipe: Pipeline, names: set[str]) -> None:
-        """This replica's per-backend class holdings under ``names``, changed since last
-        written (a grant writes its own backend's in its script; releases here)."""
-        assert self._tenancy is not None
-        if not self._floors():
-            return
-        for name in sorted(names):
-            held = self._node_seqs.get(name, Counter())
-            for c in self._tenancy.auth.classes:
-                if held[c.name] > 0:
-                    pipe.hset(self._node_key(name, c.name), self._id, held[c.name])
-                else:
-                    pipe.hdel(self._node_key(name, c.name), self._id)
-
     def _fallback_view(self, concerned: list[str]) -> None:
         """The others taken to hold all but this replica's share (see
         :func:`~kvgateway.ledger.fallback.tenant_fallback`); tenants whose view fell
-        ask again. The first time since Redis answered, what the others were last seen
-        holding is kept for as long as it may still run."""
+        ask again."""
         assert self._tenancy is not None
-        now = asyncio.get_running_loop().time()
-        if self._seen_until is None:
-            self._seen_until = now + self._lives.window(now)
-            self._seen_before = SeenBefore.of(self._tenancy.elsewhere, concerned)
-        if now >= self._seen_until:
-            self._seen_before = NOTHING_SEEN
         caps = {t: self._caps(t) or (0, 0) for t in concerned}
         fleet = (self._budget(), self._slots()) if self._floors() else None
         mine = TenantRecord(self._recorded, self._recorded_total, self._lease_left() > 0)
-        fell = tenant_fallback(
-            self._tenancy.elsewhere, caps, fleet, mine, self._live(), self._seen_before
-        )
+        now = asyncio.get_running_loop().time()
+        fell = self._fallback.apply(self._tenancy.elsewhere, caps, fleet, mine, self._live(), now)
         for tenant in fell:
             self._reopen(tenant)

@@ -32,6 +32,24 @@ def sharing_tenants(auth: AuthConfig) -> list[str]:
     return sorted({t.name for t in auth.tenants if per_class[auth.class_of(t)] > 1})
 
 
+def node_key(ns: str, backend: str, klass: str) -> str:
+    """Where each replica's sequences of ``klass`` on ``backend`` are recorded."""
+    return f"{{{ns}}}:nseq:{backend}:{klass}"
+
+
+def write_node_seqs(
+    pipe: Pipeline, ns: str, me: str, classes: list[str], held: dict[str, Counter[str]]
+) -> None:
+    """This replica's sequences per class on each backend of ``held``, written (a grant
+    writes its own backend's in its script; releases here)."""
+    for name in sorted(held):
+        for klass in classes:
+            if held[name][klass] > 0:
+                pipe.hset(node_key(ns, name, klass), me, held[name][klass])
+            else:
+                pipe.hdel(node_key(ns, name, klass), me)
+
+
 def write_grants(
     pipe: Pipeline, sha: str, ns: str, me: str, tenancy: Tenancy, names: list[str]
 ) -> None:
