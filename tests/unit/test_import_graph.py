@@ -1,7 +1,10 @@
 """No two gateway modules import each other, directly or through others (lazy imports
-inside functions included): each module can be read, tested and moved on its own."""
+inside functions included), and none is past 400 lines: each module can be read,
+tested and moved on its own."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import grimp
 
@@ -45,3 +48,14 @@ def test_the_package_has_no_import_circle() -> None:
     graph = grimp.build_graph("kvgateway")
     assert len(graph.modules) > 100
     assert _cycles(graph) == []
+
+
+def test_no_module_holds_more_than_400_lines() -> None:
+    """A module stays small enough to read in one sitting: at most 400 lines."""
+    root = Path(__file__).resolve().parents[2] / "kvgateway"
+    long = {
+        str(p.relative_to(root)): n
+        for p in root.rglob("*.py")
+        if (n := len(p.read_text(encoding="utf-8").splitlines())) > 400
+    }
+    assert not long, long
