@@ -154,9 +154,9 @@ class TenantRecord:
 @dataclass(frozen=True, slots=True)
 class SeenBefore:
     """What the others were last seen holding when Redis went (per tenant: KV tokens,
-    requests; over every class: KV tokens, sequences). Requests admitted then may run
-    as long as a request may live: until then the others are taken to hold at least
-    this, their share of a limit notwithstanding."""
+    requests; over every class: KV tokens, sequences). While requests admitted then may
+    still run (:class:`RequestLives`) the others are taken to hold at least this, their
+    share of a limit notwithstanding."""
 
     tenants: dict[str, tuple[int, int]]
     classes: tuple[int, int]
