@@ -40,9 +40,6 @@ class RequestLives:
         self._before = 0.0  # in the span before it
         self._span_from: float | None = None
 
-    def __len__(self) -> int:
-        return len(self._born)
-
     def born(self, rid: int, now: float) -> None:
         self._born[rid] = now
 
@@ -87,7 +84,7 @@ class FallbackShare:
         self._live = live
         self._offer = offer
         self._in_fallback = in_fallback
-        self._lives = lives or RequestLives(lambda: 0.0)
+        self._lives = lives if lives is not None else RequestLives(lambda: 0.0)
         self._renewed_at: float | None = None
         self._timer: asyncio.TimerHandle | None = None
         # What the others held when the fallback began, kept for as long as a request

@@ -120,7 +120,7 @@ class TenantHolds:
         self._granted_seen: dict[str, int] = {}
         self._granted_sha = self._waits_sha = ""
         self._floor_waits: Callable[[], Waits] = dict
-        self._fallback = TenantFallback(lives or RequestLives(lambda: 0.0))
+        self._fallback = TenantFallback(lives if lives is not None else RequestLives(lambda: 0.0))
 
     def _caps(self, tenant: str) -> Caps | None:
         assert self._tenancy is not None
