@@ -53,6 +53,8 @@ if [ -n "$keeper" ]; then
     if ! wait "$keeper"; then
         echo "early start of the nodes failed; the real tier starts its own:" >&2
         tail -n 40 "$nodes/keep.log" >&2 || true
+        # The root cause is in the failed node's own log, before the traceback above.
+        { grep -h -E "ERROR|Killed|MemoryError|No space" "$nodes"/vllm-*.log 2>/dev/null | tail -n 20 >&2; } || true
     fi
     keeper=
 fi
