@@ -335,8 +335,8 @@ class SharedBook:
         self._share.began()
         log.warning(
             "shared ledger unavailable (%s): this replica keeps within what Redis records "
-            "for it for %.1f s (its lease), then 1/%d of each backend's budget, until Redis "
-            "answers again",
+            "for it for %.1f s (its lease), then 1/%d of each backend's budget (less while "
+            "what the others held may still run), until Redis answers again",
             reason,
             max(0.0, self._share.lease_left()),
             self._live,
