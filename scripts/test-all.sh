@@ -52,6 +52,8 @@ if [ -n "$keeper" ]; then
     # Bounded: the keeper gives up after the nodes' start-up timeout.
     if ! wait "$keeper"; then
         echo "early start of the nodes failed; the real tier starts its own:" >&2
+        # Which node, and how (its exit status or the start-up timeout), then its log's end.
+        { grep -h -E "vLLM node .* (exited with|not ready)" "$nodes/keep.log" >&2; } || true
         tail -n 40 "$nodes/keep.log" >&2 || true
         # The root cause is in the failed node's own log, before the traceback above.
         { grep -h -E "ERROR|Killed|MemoryError|No space" "$nodes"/vllm-*.log 2>/dev/null | tail -n 20 >&2; } || true

@@ -132,8 +132,11 @@ class Supervisors:
                     p.kill()
                     await p.wait()
         for pid in self.workers:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+            # Only a process of these supervisors: a recorded pid may have been reused since
+            # (pids wrap at 32768; the suite's other processes, vLLM nodes among them, run).
+            with contextlib.suppress(OSError):
+                if str(self.config).encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    os.kill(pid, signal.SIGKILL)
 
 
 @pytest.fixture
