@@ -19,15 +19,17 @@ Workloads and what they compare:
   fleet     60 chats, 30 at a time, on S (4k context, 6,016 KV tokens) and L (16k,
             24,448): 42 short (300-2,500 prompt tokens) and 18 too long for S (4,500-
             12,000); outputs of 128-512 fixed. Modes: ``projected`` (kv_aware),
-            ``whole_life``, ``length_aware`` and ``round_robin``.
+            ``whole_life``, ``length_aware`` and ``round_robin``; ``+tiers`` puts each
+            node in its own tier, in the order given (S first).
   multiturn 16 conversations of 5 turns on two equal nodes (S and S2), each turn the
             whole history plus a question, sharing two 1,500-token system prompts;
             8 conversations at a time. Modes: ``projected`` and ``round_robin``.
 
 Printed per mode: wall time, output tokens/s, the nodes' preemptions, 429s, node 400s
 and other errors, TTFT p50/p99, the nodes' mean KV use and running sequences (batch) and
-the gateway's CPU seconds; then each mode's time against the node alone's, as wall time
-and per output token (answers the node draws differ in length from run to run).
+the gateway's CPU seconds (the JSON adds each backend's requests and when its last
+answer ended); then each mode's time against the node alone's, as wall time and per
+output token (answers the node draws differ in length from run to run).
 
 A workload of one node runs with the node on the machine's last CPU and this harness
 (the clients) and the gateway on the others, in every mode (``--pin``): vLLM's CPU
@@ -156,6 +158,8 @@ class Result:
     mean_running: float = 0.0
     gateway_cpu_s: float = 0.0
     backends: dict[str, int] = field(default_factory=dict)
+    # Seconds from the start until each backend's last answer ended.
+    finished: dict[str, float] = field(default_factory=dict)
 
 
 def _text(rng: random.Random, words: int, i: int) -> str:
@@ -215,6 +219,7 @@ class _Got:
     output: int = 0
     backend: str = "-"
     node_400: bool = False
+    end: float = 0.0  # time.monotonic() when the answer ended
 
 
 async def _one(client: AsyncOpenAI, model: str, req: Request) -> _Got:
@@ -251,6 +256,7 @@ async def _once(client: AsyncOpenAI, model: str, req: Request) -> _Got:
         # A 400 the node itself answered (relayed by the gateway, or straight).
         body = exc.response.headers.get("x-gateway-backend")
         return _Got(exc.status_code, node_400=exc.status_code == 400 and body is not None)
+    got.end = time.monotonic()
     return got
 
 
@@ -326,6 +332,11 @@ def _gateway_config(nodes: list[RealNode], mode: str) -> dict[str, Any]:
             adm["preemption_risk"] = float(part.partition("=")[2])
         elif part in ("length_aware", "round_robin"):
             config["routing"] = {"policy": part}
+        elif part == "tiers":  # each node its own tier, in the order given
+            config["tiers"] = [
+                {"name": f"t{i}", "backends": [b]}
+                for i, b in enumerate(config["tiers"][0]["backends"])
+            ]
     if adm:
         config["admission"] = adm
     return config
@@ -387,8 +398,10 @@ def measure(
     out = sum(g.output for g in ok)
     ttfts = [g.ttft for g in ok if g.ttft is not None]
     backends: dict[str, int] = {}
+    finished: dict[str, float] = {}
     for g in ok:
         backends[g.backend] = backends.get(g.backend, 0) + 1
+        finished[g.backend] = max(finished.get(g.backend, 0.0), round(g.end - t0, 1))
     return Result(
         mode=mode,
         workload=w.name,
@@ -407,6 +420,7 @@ def measure(
         mean_running=round(statistics.mean(s.mean_running for s in samplers), 2),
         gateway_cpu_s=round(cpu, 2),
         backends=backends,
+        finished=finished,
     )
 
 
