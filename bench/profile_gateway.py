@@ -49,7 +49,9 @@ def analyse(raw: Path, top: int) -> tuple[int, list[tuple[str, int]], list[tuple
     for line in raw.read_text().splitlines():
         if not line.strip():
             continue
-        stack, n = line.rsplit(" ", 1)
+        stack, _, n = line.rpartition(" ")
+        if not n.isdigit():  # a note py-spy writes among the stacks (e.g. lost samples)
+            continue
         frames = [_name(f) for f in stack.split(";")]
         total += int(n)
         own[frames[-1]] += int(n)

@@ -9,6 +9,8 @@ from collections.abc import Callable, Iterable
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, fields
 
+import numpy as np
+
 from kvgateway.core.output_model import OutputShape
 from kvgateway.core.prefix_keys import BlockKey, KeyGroup
 
@@ -256,3 +258,97 @@ def fixed_curve(
         growing = (tokens + t * seqs + residues - s * seqs + block * below(s)) // block
         out.append(growing + held - tracked_alive + shared)
     return out
+
+
+def learned_curve(
+    flights: tuple[Flight, ...],
+    steps: list[int],
+    block: int,
+    tracked: Callable[[int], int],
+    groups: Iterable[KeyGroup],
+    static: AbstractSet[int],
+) -> list[tuple[float, float, int]] | None:
+    """(mean, variance, most) of the blocks ``flights`` hold at each of ``steps``, their
+    tracked prompt blocks aside and ``groups`` of shared ones added (``static``: other
+    flights, running throughout): what :meth:`Flight.blocks_at` gives step by step,
+    read for every flight and step at once. None unless every flight is an admitted one.
+
+    A flight with learned lengths that has not started holds its outlook's blocks (read
+    one step at a time: there are few such, the ones just admitted); every other one
+    holds ``ceil(tokens / block)`` per sequence while it runs, with its chance of running
+    from its shape."""
+    if any(type(f) is not Flight for f in flights):
+        return None
+    t = np.asarray(steps, dtype=np.int64)
+    rows = len(flights)
+    grid = (rows, len(steps))
+    one = np.zeros(grid, dtype=np.int64)
+    alive = np.zeros(grid)
+    mean = np.zeros(len(steps))
+    var = np.zeros(len(steps))
+    most = np.zeros(len(steps), dtype=np.int64)
+    plain = [i for i, f in enumerate(flights) if f.started or f.shape is None]
+    if plain:
+        fs = [flights[i] for i in plain]
+
+        def col(values: list[int] | list[bool]) -> np.ndarray:
+            return np.asarray(values, dtype=np.int64)[:, None]
+
+        generated = col([f.generated for f in fs])
+        bound = col([f.bound for f in fs])
+        delay = col([f.delay for f in fs])
+        n = col([f.n for f in fs])
+        later = generated + np.maximum(0, t - delay)
+        grown = np.minimum(bound, later)
+        tokens = np.where(
+            col([f.seen for f in fs]),
+            col([f.prompt + f.behind + f.ahead for f in fs]) + grown,
+            col([f.prompt + f.bound + f.ahead for f in fs]),
+        )
+        blocks = -(-tokens // block)
+        a = np.ones(blocks.shape)
+        shapes: dict[int, tuple[OutputShape, list[int]]] = {}
+        for k, f in enumerate(fs):
+            if f.started and f.shape is not None:
+                shapes.setdefault(id(f.shape), (f.shape, []))[1].append(k)
+        for shape, ks in shapes.values():
+            now = shape.beyond_many(generated[ks, 0])[:, None]
+            ratio = shape.beyond_many(later[ks]) / np.where(now > 0.0, now, 1.0)
+            a[ks] = np.where(now > 0.0, np.minimum(1.0, ratio), 1.0)
+        ends = col([f.end if f.end is not None else steps[-1] + 1 for f in fs])
+        a[t >= ends] = 0.0
+        one[plain] = blocks
+        alive[plain] = a
+        fl = n.astype(float)
+        mean += (a * blocks * fl).sum(axis=0)
+        var += (fl * a * (1.0 - a) * blocks * blocks).sum(axis=0)
+        most += np.where(a > 0.0, n * blocks, 0).sum(axis=0)
+    for i, f in enumerate(flights):
+        if f.started or f.shape is None:
+            continue
+        for j, step in enumerate(steps):  # a = 1 throughout
+            _, b, spread = f.blocks_at(step, block)
+            mean[j] += b
+            var[j] += spread
+            most[j] += f.n * blocks_of(f.tokens_at(step), block)
+        alive[i] = 1.0
+    for i, f in enumerate(flights):
+        held = tracked(f.id)
+        if held:
+            mean -= alive[i] * held
+            most -= np.where(alive[i] > 0.0, held, 0)
+    row = {f.id: i for i, f in enumerate(flights)}
+    for g in groups:
+
+        def chances(ids: frozenset[int]) -> np.ndarray:
+            out = np.zeros((len(ids), len(steps)))
+            for k, fid in enumerate(ids):
+                out[k] = alive[row[fid]] if fid in row else float(fid in static)
+            return out
+
+        payers = chances(g.payers)
+        holders = chances(g.holders)
+        anyone = holders.max(axis=0) if len(g.holders) else np.zeros(len(steps))
+        mean += g.keys * np.maximum(payers.sum(axis=0), anyone)
+        most += g.keys * np.maximum((payers > 0.0).sum(axis=0), (anyone > 0.0).astype(np.int64))
+    return [(float(x), float(v), int(m)) for x, v, m in zip(mean, var, most, strict=True)]

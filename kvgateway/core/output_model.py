@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from itertools import accumulate
 from statistics import NormalDist
 
+import numpy as np
+
 ANY_KEY = "*"
 
 
@@ -73,7 +75,17 @@ class OutputShape:
     and quantiles conditional on "generated ``g`` tokens and not finished" cost a
     bisection. Immutable: the model makes a new one when the group changes."""
 
-    __slots__ = ("_censored", "_memo", "_n", "_sum", "_sum2", "_tail", "_top", "_values")
+    __slots__ = (
+        "_array",
+        "_censored",
+        "_memo",
+        "_n",
+        "_sum",
+        "_sum2",
+        "_tail",
+        "_top",
+        "_values",
+    )
 
     def __init__(self, values: list[int]) -> None:
         if not values:
@@ -92,6 +104,7 @@ class OutputShape:
         self._tail = max(1.0, sum(excess) / len(excess)) if excess else 1.0
         # Outlooks read before: a projection reads the same few at every step it checks.
         self._memo: dict[tuple[int, int, float], Outlook] = {}
+        self._array: np.ndarray | None = None
 
     @property
     def size(self) -> int:
@@ -110,6 +123,17 @@ class OutputShape:
         if x < self._top:
             return (self._n - bisect_right(self._values, x)) / self._n
         return (self._censored + math.exp(-(x - self._top) / self._tail)) / self._n
+
+    def beyond_many(self, x: np.ndarray) -> np.ndarray:
+        """:meth:`_beyond` of every element of ``x`` (integers), at once."""
+        if self._censored == self._n:
+            return np.ones(x.shape)
+        if self._array is None:
+            self._array = np.asarray(self._values, dtype=np.int64)
+        seen = (self._n - np.searchsorted(self._array, x, side="right")) / self._n
+        past = np.maximum(x, self._top) - self._top
+        tail = (self._censored + np.exp(-past / self._tail)) / self._n
+        return np.where(x < self._top, seen, tail)
 
     def surviving(self, generated: int, later: int) -> float:
         """Chance that a sequence still running after ``generated`` tokens runs past

@@ -43,11 +43,11 @@ from kvgateway.core.flight import (
     delayed,
     fixed_curve,
     is_static,
+    learned_curve,
 )
 from kvgateway.core.prefix_keys import BlockKey, SharedKeys
 
-# Variance (in blocks squared) below which a sum kept as flights come and go is taken as
-# none: what rounding leaves of flights that have all left it.
+# Variance (blocks squared) below which a sum kept as flights come and go reads as none.
 _NO_SPREAD = 1e-9
 
 
@@ -312,17 +312,17 @@ class NodeProjection:
         return steps
 
     def _fill(self, block: int, steps: tuple[int, ...]) -> None:
-        """Reads the curve at the ``steps`` not read yet, in one pass over the flights
-        when :func:`fixed_curve` can (no learned lengths), else step by step."""
+        """Reads the curve at the ``steps`` not read yet, in one pass over the flights."""
         todo = [t for t in steps if (block, t) not in self._base]
         if len(todo) < 4:
             return
-        static = self._static_part(block)
-        shared = self._shared
-        part = fixed_curve(static.varying, todo, block, shared.tracked, shared.groups(), static.ids)
-        if part is not None:
-            for t, x in zip(todo, part, strict=True):
-                self._base[(block, t)] = (static.mean + x, static.var, static.most + x)
+        static, shared = self._static_part(block), self._shared
+        args = (static.varying, todo, block, shared.tracked, shared.groups(), static.ids)
+        part = fixed_curve(*args)  # without learned lengths; else each step's spread too
+        rows = [(x, 0.0, x) for x in part] if part is not None else learned_curve(*args)
+        if rows is not None:
+            for t, (m, v, x) in zip(todo, rows, strict=True):
+                self._base[(block, t)] = (static.mean + m, static.var + v, static.most + x)
 
     def _base_at(self, block: int, t: int) -> tuple[float, float, int]:
         """(mean, variance, most) of the blocks the flights hold at step ``t``: ``most``

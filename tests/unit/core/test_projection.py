@@ -451,6 +451,52 @@ def test_the_curve_read_in_one_pass_is_the_curve_read_step_by_step(specs, block)
         assert one_pass.peak_at(block, t).blocks == pytest.approx(by_step.peak_at(block, t).blocks)
 
 
+OTHER = OutputShape([40 + (k * 7) % 150 for k in range(20)] + [1 << 40] * 3)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    specs=st.lists(st.tuples(flight_st, st.booleans()), min_size=1, max_size=30),
+    block=st.sampled_from([16, 128]),
+    z=st.sampled_from([0.0, 1.5]),
+)
+def test_the_learned_curve_read_at_once_is_the_curve_read_step_by_step(specs, block, z) -> None:
+    """With learned lengths (two shapes, one with answers cut at their caps) the curve is
+    read for every flight and step at once; each step reads as the same flights read
+    step by step, unstarted and unseen flights and shared blocks included."""
+    history = tuple(range(700, 704))
+
+    def build() -> NodeProjection:
+        proj = NodeProjection()
+        for i, ((prompt, bound, seen, generated, shared, credit, n), other) in enumerate(specs):
+            f = Flight(
+                i + 1,
+                prompt=max(prompt, block * shared + 1),
+                n=n,
+                bound=bound,
+                keys=history[:shared],
+                credited=shared if i and credit else 0,
+                seen=seen,
+                shape=OTHER if other else LEARNED,
+            )
+            proj.add(f)
+            if generated is not None:
+                proj.progress(f.id, min(bound, generated))
+        return proj
+
+    at_once, by_step = build(), build()
+    newcomer = Flight(999, prompt=50, n=1, bound=30, shape=LEARNED)
+    steps = {*by_step._base_steps(block), *curve_steps((newcomer,), block)}
+    for t in steps:
+        by_step.peak_at(block, t, z)  # each step read on its own
+    got, want = at_once.peak(block, z, (newcomer,)), by_step.peak(block, z, (newcomer,))
+    assert got.blocks == pytest.approx(want.blocks)
+    for t in steps:  # read at once by the peak above (when it had 4 or more to read)
+        assert at_once.peak_at(block, t, z).blocks == pytest.approx(
+            by_step.peak_at(block, t, z).blocks
+        )
+
+
 def by_step_peak(proj: NodeProjection, block: int, newcomer: Flight) -> Peak:
     """:meth:`NodeProjection.peak` with every step it reads read on its own first."""
     for t in {*proj._base_steps(block), *curve_steps((newcomer,), block)}:
