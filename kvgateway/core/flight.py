@@ -280,10 +280,7 @@ def learned_curve(
     if any(type(f) is not Flight for f in flights):
         return None
     t = np.asarray(steps, dtype=np.int64)
-    rows = len(flights)
-    grid = (rows, len(steps))
-    one = np.zeros(grid, dtype=np.int64)
-    alive = np.zeros(grid)
+    alive = np.zeros((len(flights), len(steps)))  # each flight's chance of running
     mean = np.zeros(len(steps))
     var = np.zeros(len(steps))
     most = np.zeros(len(steps), dtype=np.int64)
@@ -317,7 +314,6 @@ def learned_curve(
             a[ks] = np.where(now > 0.0, np.minimum(1.0, ratio), 1.0)
         ends = col([f.end if f.end is not None else steps[-1] + 1 for f in fs])
         a[t >= ends] = 0.0
-        one[plain] = blocks
         alive[plain] = a
         fl = n.astype(float)
         mean += (a * blocks * fl).sum(axis=0)
@@ -338,14 +334,14 @@ def learned_curve(
             mean -= alive[i] * held
             most -= np.where(alive[i] > 0.0, held, 0)
     row = {f.id: i for i, f in enumerate(flights)}
+
+    def chances(ids: frozenset[int]) -> np.ndarray:
+        out = np.zeros((len(ids), len(steps)))
+        for k, fid in enumerate(ids):
+            out[k] = alive[row[fid]] if fid in row else float(fid in static)
+        return out
+
     for g in groups:
-
-        def chances(ids: frozenset[int]) -> np.ndarray:
-            out = np.zeros((len(ids), len(steps)))
-            for k, fid in enumerate(ids):
-                out[k] = alive[row[fid]] if fid in row else float(fid in static)
-            return out
-
         payers = chances(g.payers)
         holders = chances(g.holders)
         anyone = holders.max(axis=0) if len(g.holders) else np.zeros(len(steps))
