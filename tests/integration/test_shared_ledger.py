@@ -1,6 +1,7 @@
 """Two gateway processes, one simulated node, one real Redis: the node's KV budget holds
 across the gateways, a gateway killed with -9 gives its share back within the lease, and
-Redis going away costs capacity (the local share), never an error."""
+Redis going away costs capacity (the local share, less what the others held while that
+may still run), never an error."""
 
 from __future__ import annotations
 
@@ -244,3 +245,37 @@ async def test_a_worker_killed_mid_stream_is_restarted_without_double_counting(
         statuses = await asyncio.gather(*(chat(s, g.url, PROMPT_WORDS, 1500) for _ in range(8)))
     assert statuses == [200] * 8
     assert (await _node_state(node))["preemptions"] == 0
+
+
+@pytest.mark.timeout(120)
+async def test_without_redis_a_replica_leaves_what_the_others_held_while_it_may_run(
+    tmp_path: Path, redis_server: RedisServer, gateways: list[GatewayProc]
+) -> None:
+    """When Redis goes, each replica keeps within its share of a node's budget, and also
+    leaves the others what they were last seen holding for as long as its own requests
+    lately lived: A holds five ~4k-token requests (20k of the node's 30.7k), so B, idle
+    then, takes two (8k) beside them, not the three its half (15.3k) would allow."""
+    async with running_node(time_scale=4) as node:  # a 3,000-token answer: ~15 s
+        a, b = await _two(tmp_path, node, redis_server, gateways)
+        timeout = aiohttp.ClientTimeout(total=120)
+        async with aiohttp.ClientSession(timeout=timeout) as s:
+            # B's own request lives ~7 s: what it saw held is kept that long after.
+            warm = asyncio.create_task(chat(s, b.url, PROMPT_WORDS, 1500))
+            held = [asyncio.create_task(chat(s, a.url, PROMPT_WORDS, MAX_TOKENS)) for _ in range(5)]
+            await eventually(partial(ledger_holds, redis_server.url, 5 * 3900 + 2400), timeout=10)
+            assert await warm == 200
+            redis_server.stop()
+            await eventually(
+                partial(ledger_says, b.url, "shared", False), timeout=10, what="B in fallback"
+            )
+            more = [asyncio.create_task(chat(s, b.url, PROMPT_WORDS, MAX_TOKENS)) for _ in range(4)]
+            peak = 0
+            deadline = time.monotonic() + 6  # B's lease (2 s) ends within it
+            while time.monotonic() < deadline:
+                assert not any(t.done() for t in held), "A's requests ended too early"
+                peak = max(peak, int((await _node_state(node))["running"]))
+                await asyncio.sleep(0.05)
+            assert peak == 7, f"{peak} running beside A's 5 (B may take 2)"
+            redis_server.start()
+            assert await asyncio.gather(*held, *more) == [200] * 9
+        assert (await _node_state(node))["preemptions"] == 0
