@@ -273,7 +273,7 @@ async def test_without_redis_a_replica_leaves_what_the_others_held_while_it_may_
             deadline = time.monotonic() + 6  # B's lease (2 s) ends within it
             while time.monotonic() < deadline:
                 assert not any(t.done() for t in held), "A's requests ended too early"
-                peak = max(peak, int((await _node_state(node))["running"]))
+                peak = max(peak, int((await get_json(node + "/sim/state"))["running"]))
                 await asyncio.sleep(0.05)
             assert peak == 7, f"{peak} running beside A's 5 (B may take 2)"
             redis_server.start()
