@@ -249,16 +249,16 @@ class TenantFallback:
 
 
 def over_limit(
-    caps: tuple[int, int] | None, requests: int, tokens: int, others: tuple[int, int], more: int
+    caps: tuple[int, int] | None, mine: tuple[int, int], others: tuple[int, int], more: int
 ) -> bool:
-    """One more request of ``more`` KV tokens takes a tenant holding ``requests`` and
-    ``tokens`` here past its ``caps`` (KV tokens, requests; -1: none), the others taken
-    to hold ``others`` (KV tokens, requests). A tenant holding nothing may run one
-    request, however large, as its gate says."""
+    """One more request of ``more`` KV tokens takes a tenant past its ``caps``, holding
+    ``mine`` here and the others taken to hold ``others`` (each KV tokens, requests, as
+    the caps are; -1: no cap). A tenant holding nothing may run one request, however
+    large, as its gate says."""
     if caps is None:
         return False
     cap_tokens, cap_requests = caps
-    if cap_requests >= 0 and requests + 1 + others[1] > cap_requests:
+    if cap_requests >= 0 and mine[1] + 1 + others[1] > cap_requests:
         return True
-    held = tokens + others[0]
+    held = mine[0] + others[0]
     return cap_tokens >= 0 and held > 0 and held + more > cap_tokens

@@ -270,8 +270,8 @@ class TenantHolds:
             self._fallback_view(self._concerned())
             away = self._tenancy.elsewhere
             others = (away.tokens[tenant], away.requests[tenant])
-            mine = (self._requests[tenant], self._tokens[tenant])
-            if over_limit(self._caps(tenant), *mine, others, held.tokens):
+            mine = (self._tokens[tenant], self._requests[tenant])
+            if over_limit(self._caps(tenant), mine, others, held.tokens):
                 return False
             self._add(r, held)
             return True

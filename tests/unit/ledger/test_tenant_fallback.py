@@ -11,6 +11,7 @@ from kvgateway.ledger.fallback import (
     RequestLives,
     SeenBefore,
     TenantRecord,
+    over_limit,
     tenant_fallback,
 )
 
@@ -114,3 +115,17 @@ def test_what_the_others_held_may_run_as_long_as_this_replicas_requests_lately()
     assert lives.window(60.0) == 30.0  # capped: no request outlives its total timeout
     assert lives.window(60.0 + LIVES_SPAN_S) == 30.0  # the span before still counts
     assert lives.window(60.0 + 3 * LIVES_SPAN_S) == 0.0
+
+
+def test_a_hold_in_the_fallback_is_over_a_limit_counting_both_sides() -> None:
+    """Caps, this replica's holding and the others' are each (KV tokens, requests): the
+    request cap counts requests on both sides, the token cap tokens, and a tenant holding
+    nothing anywhere may run one request however large."""
+    caps = (1_000, 3)
+    assert not over_limit(None, (10**9, 10**9), (0, 0), 1)
+    assert over_limit(caps, (100, 2), (100, 1), 10)  # the 4th request of 3
+    assert not over_limit(caps, (100, 1), (100, 1), 10)  # the 3rd
+    assert over_limit(caps, (600, 1), (300, 0), 200)  # 900 + 200 tokens > 1,000
+    assert not over_limit(caps, (600, 1), (300, 0), 100)
+    assert not over_limit(caps, (0, 0), (0, 0), 5_000)  # nothing held: one may run
+    assert not over_limit((1_000, -1), (0, 50), (0, 50), 10)  # no request cap
