@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 from kvgateway.core.backends import Backend
 from kvgateway.core.fleet import Fleet
@@ -25,6 +26,8 @@ from kvgateway.ledger.recorded import Recorded
 # Lives of this replica's requests remembered: those that ended in the last one or two
 # spans of this length.
 LIVES_SPAN_S = 600.0
+
+T = TypeVar("T")
 
 
 class RequestLives:
@@ -65,6 +68,36 @@ class RequestLives:
             self._before, self._longest, self._span_from = self._longest, 0.0, now
 
 
+class LastSeen(Generic[T]):
+    """What the others held when Redis went, kept for as long as a request admitted
+    then may still run (``lives``), then forgotten. Both fallbacks (KV budgets, tenant
+    limits) keep theirs here."""
+
+    def __init__(self, lives: RequestLives) -> None:
+        self._lives = lives
+        self._value: T | None = None
+        self._until = 0.0
+
+    def keep(self, value: T, now: float) -> float | None:
+        """Keep ``value`` from ``now``; how long it is kept (None: not at all, no
+        request has ended yet to say how long one runs)."""
+        window = self._lives.window(now)
+        if window <= 0.0:
+            self._value = None
+            return None
+        self._value, self._until = value, now + window
+        return window
+
+    def at(self, now: float) -> T | None:
+        """What is kept at ``now`` (None once its time is over)."""
+        if self._value is not None and now >= self._until:
+            self._value = None
+        return self._value
+
+    def forget(self) -> None:
+        self._value = None
+
+
 class FallbackShare:
     def __init__(
         self,
@@ -84,30 +117,29 @@ class FallbackShare:
         self._live = live
         self._offer = offer
         self._in_fallback = in_fallback
-        self._lives = lives if lives is not None else RequestLives(lambda: 0.0)
         self._renewed_at: float | None = None
         self._timer: asyncio.TimerHandle | None = None
-        # What the others held when the fallback began, kept for as long as a request
-        # admitted then may run (``lives``): a replica past its share then keeps what it
-        # holds until its requests end.
-        self._seen: dict[str, Amount] | None = None
+        # What the others held when the fallback began: a replica past its share then
+        # keeps what it holds until its requests end.
+        self._seen: LastSeen[dict[str, Amount]] = LastSeen(
+            lives if lives is not None else RequestLives(lambda: 0.0)
+        )
         self._seen_timer: asyncio.TimerHandle | None = None
 
     def began(self) -> None:
         """The fallback begins (not at start-up: nothing was seen then)."""
         if self._seen_timer is not None:
             self._seen_timer.cancel()
+            self._seen_timer = None
         loop = asyncio.get_running_loop()
-        window = self._lives.window(loop.time())
-        if window <= 0.0:
-            self._seen = None
-            return
-        self._seen = self._view.held()
-        self._seen_timer = loop.call_later(window, self._seen_over)
+        window = self._seen.keep(self._view.held(), loop.time())
+        if window is not None:
+            self._seen_timer = loop.call_later(window, self._seen_over)
 
     def _seen_over(self) -> None:
+        # A timer may fire a moment early: what was kept ends here, not by the clock.
         self._seen_timer = None
-        self._seen = None
+        self._seen.forget()
         if self._in_fallback():
             self.apply()
 
@@ -129,7 +161,8 @@ class FallbackShare:
             caps = self._recorded.caps()
             if self._timer is None:
                 self._timer = asyncio.get_running_loop().call_later(left, self._lease_over)
-        for b in self._view.fall_back(self._fleet.active, self._live(), caps, self._seen):
+        seen = self._seen.at(asyncio.get_running_loop().time())
+        for b in self._view.fall_back(self._fleet.active, self._live(), caps, seen):
             self._offer(b)
 
     def _lease_over(self) -> None:
@@ -222,13 +255,13 @@ class TenantFallback:
     admitted then may run (``lives``)."""
 
     def __init__(self, lives: RequestLives) -> None:
-        self._lives = lives
-        self._until: float | None = None  # None: Redis answers
-        self._before = NOTHING_SEEN
+        self._gone = False  # Redis stopped answering: what the others held is kept
+        self._seen: LastSeen[SeenBefore] = LastSeen(lives)
 
     def answered(self) -> None:
         """Redis answered: nothing is kept from before it went."""
-        self._until = None
+        self._gone = False
+        self._seen.forget()
 
     def apply(
         self,
@@ -240,12 +273,11 @@ class TenantFallback:
         now: float,
     ) -> list[str]:
         """Set ``away`` for the fallback; the tenants whose view fell."""
-        if self._until is None:
-            self._until = now + self._lives.window(now)
-            self._before = SeenBefore.of(away, list(caps))
-        if now >= self._until:
-            self._before = NOTHING_SEEN
-        return tenant_fallback(away, caps, fleet, mine, live, self._before)
+        if not self._gone:
+            self._gone = True
+            self._seen.keep(SeenBefore.of(away, list(caps)), now)
+        seen = self._seen.at(now) or NOTHING_SEEN
+        return tenant_fallback(away, caps, fleet, mine, live, seen)
 
 
 def over_limit(

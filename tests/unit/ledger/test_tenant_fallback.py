@@ -10,6 +10,7 @@ from kvgateway.ledger.fallback import (
     LIVES_SPAN_S,
     RequestLives,
     SeenBefore,
+    TenantFallback,
     TenantRecord,
     over_limit,
     tenant_fallback,
@@ -115,6 +116,30 @@ def test_what_the_others_held_may_run_as_long_as_this_replicas_requests_lately()
     assert lives.window(60.0) == 30.0  # capped: no request outlives its total timeout
     assert lives.window(60.0 + LIVES_SPAN_S) == 30.0  # the span before still counts
     assert lives.window(60.0 + 3 * LIVES_SPAN_S) == 0.0
+
+
+def test_what_the_others_held_when_redis_went_holds_for_the_window_of_each_fallback() -> None:
+    """The first view of a fallback keeps what the others held then, for as long as a
+    request here lived lately; past that, the share alone; once Redis answered, the next
+    fallback keeps what the others hold when it begins."""
+    lives = RequestLives(lambda: 900.0)
+    lives.born(1, 0.0)
+    lives.ended(1, 5.0)  # a request here lived 5 s
+    fallback = TenantFallback(lives)
+    caps = {"acme": (4_000, 4)}
+    mine = _record(leased=False)
+    away = Elsewhere()
+    away.tokens["acme"], away.requests["acme"] = 3_500, 3
+    fallback.apply(away, caps, None, mine, 2, now=10.0)
+    assert (away.tokens["acme"], away.requests["acme"]) == (3_500, 3)
+    fallback.apply(away, caps, None, mine, 2, now=14.9)  # still kept: 3,500, not 2,000
+    assert (away.tokens["acme"], away.requests["acme"]) == (3_500, 3)
+    assert fallback.apply(away, caps, None, mine, 2, now=15.0) == ["acme"]
+    assert (away.tokens["acme"], away.requests["acme"]) == (2_000, 2)
+    fallback.answered()
+    away.tokens["acme"], away.requests["acme"] = 3_000, 4
+    fallback.apply(away, caps, None, mine, 2, now=100.0)
+    assert (away.tokens["acme"], away.requests["acme"]) == (3_000, 4)
 
 
 def test_a_hold_in_the_fallback_is_over_a_limit_counting_both_sides() -> None:
