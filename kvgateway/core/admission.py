@@ -9,9 +9,8 @@ times out is removed in ``except BaseException``; if the cancellation raced with
 grant, the granted reservation is released there, so nothing leaks.
 
 The wait queue is a bounded FIFO, fair per backend: a waiting request *claims* every
-backend that could ever hold it (one waiting for its home, only that: see
-:func:`~kvgateway.core.routing.homeward`), and nobody who arrived later may take
-capacity on a claimed backend. Whenever capacity may have appeared (a release, a backend turning
+backend that could ever hold it, and nobody who arrived later may take capacity on a
+claimed backend. Whenever capacity may have appeared (a release, a backend turning
 healthy, a reload) waiters are offered it in arrival order. Requests that fit only on
 unclaimed backends still pass: a huge prompt waiting for a large node does not hold up
 short chats on small nodes, and a stream of short chats cannot starve it either.
@@ -156,10 +155,6 @@ class Admission(AdmissionCore):
         request's queue timeout, ``stated``, which the 429 states)."""
         stated = timeout if stated is None else stated
         outcome = self.try_admit(demand, ticket)
-        home = outcome.home if isinstance(outcome, Wait) else None
-        if home is not None and (timeout <= 0 or self._full()):
-            # It cannot wait for its home: it takes the room it passed up.
-            outcome = self._grant(home.instead.backend, demand, home.instead.reason, ticket)
         if self._on_decision is not None and not isinstance(outcome, Reservation):
             self._on_decision(outcome, demand)
         if isinstance(outcome, Reservation):
@@ -183,7 +178,8 @@ class Admission(AdmissionCore):
             if timeout <= 0 or parked >= self._queue_size():
                 raise tenant_queue_full_error(name, gated, parked)
         else:
-            if timeout <= 0 or (self._full() and not self._displace(ticket)):
+            full = self._queue.waiters.waiting_for_room() >= self._queue_size()
+            if timeout <= 0 or (full and not self._displace(ticket)):
                 raise Saturated(
                     "Every backend that can hold this request is at its KV-cache budget "
                     "and the admission queue is full. Retry later.",
@@ -199,11 +195,9 @@ class Admission(AdmissionCore):
                     retry_after=max(1.0, wait),
                 )
         loop = asyncio.get_running_loop()
-        claims = home.claims if home is not None else self._queue.claims_of(demand)
-        waiter = Waiter(demand, loop.create_future(), since, claims, ticket, home=bool(home))
+        waiter = Waiter(demand, loop.create_future(), since, self._queue.claims_of(demand), ticket)
         waiter.gated = gated
         self._queue.enqueue(waiter)
-        leave = None if home is None else loop.call_later(home.patience_s, self.leave_home, waiter)
         try:
             async with asyncio.timeout(timeout):
                 return await waiter.future
@@ -219,12 +213,6 @@ class Admission(AdmissionCore):
                     retry_after=max(1.0, wait if wait is not None else stated / 2),
                 ) from None
             raise
-        finally:
-            if leave is not None:
-                leave.cancel()
-
-    def _full(self) -> bool:
-        return self._queue.waiters.waiting_for_room() >= self._queue_size()
 
     def floor_waits(self) -> dict[tuple[str, str], float]:
         """Per class and model, how long the oldest request waiting behind the floors

@@ -29,19 +29,20 @@ from kvgateway.core.routing import (
     RouteReason,
     RouterState,
     Wait,
-    homeward,
     route,
     route_to,
 )
 from kvgateway.core.tenancy import Tenancy, Ticket
 
-STEP_EWMA = 0.05  # weight of each new observation of a node's seconds per engine step
+# Weight of each new observation of a node's seconds per engine step.
+STEP_EWMA = 0.05
 # Room made by progress is offered at most this often (a walk asks about every waiter).
 REOFFER_S = 0.25
 
 
 class AdmissionCore:
-    """Owns every reservation; ``index_for(model)``: its backends now, ``clock``: s."""
+    """Owns every reservation. ``backends_for(model)`` gives that model's backends in
+    tier order (it reflects reloads), ``clock`` is monotonic seconds."""
 
     def __init__(
         self,
@@ -89,16 +90,17 @@ class AdmissionCore:
 
     # ---- synchronous core -------------------------------------------------------
 
-    def decide(self, demand: Demand, *, home: bool = True) -> Decision:
-        """Where ``demand`` goes now; ``home``: a newcomer, that kv_aware may send to the
-        smallest context holding it (:func:`homeward`), not a waiter already queued."""
+    def decide(self, demand: Demand) -> Decision:
         index = self._index_for(demand.model)
         now = self._clock()
-        policy = self._policy()
-        overflow = self._offload_overflow()
-        decision = route(policy, index, demand, self._router, now, offload_overflow=overflow)
-        if home and policy == Policy.KV_AWARE and isinstance(decision, Routed):
-            decision = homeward(index, demand, decision, now, self._queue.claim_count)
+        decision = route(
+            self._policy(),
+            index,
+            demand,
+            self._router,
+            now,
+            offload_overflow=self._offload_overflow(),
+        )
         if self._prefix is not None and demand.prefix is not None:
             decision = self._prefix.refine(index, demand, decision, now)
         return decision
@@ -201,19 +203,14 @@ class AdmissionCore:
             if decision.backend.name in claimed:
                 first = decision
                 decision = self.decide(with_busy(demand, claimed))
-                home = isinstance(decision, Wait) and decision.home is not None
-                if not isinstance(decision, Routed) and not home:
-                    decision = self._backfill(demand, first, claimed) or Wait()
+                if not isinstance(decision, Routed):
+                    filled = self._backfill(demand, first, claimed)
+                    if filled is None:
+                        return Wait()
+                    decision = filled
         if isinstance(decision, Routed):
             return self._grant(decision.backend, demand, decision.reason, ticket)
         return decision
-
-    def leave_home(self, w: Waiter) -> None:
-        """``w`` waited for its home (:func:`homeward`) as long as that paid: it now
-        claims every backend that could hold it, and is offered them in order."""
-        if w.home and not w.future.done():
-            self._queue.reclaim(w, self._queue.claims_of(w.demand))
-            self.rebalance()
 
     # ---- backfill: what fits now without delaying the head's projected start ------
 
@@ -311,8 +308,8 @@ class AdmissionCore:
                 continue
             if self._queue.regate(w) is not None:
                 continue
-            busy = claimed | self._queue.unclaimed(w)  # it takes only what it claims
-            decision = self.decide(with_busy(w.demand, busy) if busy else w.demand, home=False)
+            d = with_busy(w.demand, claimed) if claimed else w.demand
+            decision = self.decide(d)
             if isinstance(decision, Routed):
                 gone.add(w)
                 self._hand_over(w, decision, now)

@@ -30,8 +30,6 @@ class Waiter:
     since: float
     claims: frozenset[str]
     ticket: Ticket | None = None
-    # It claims only its home backends (routing.homeward), not all that could hold it.
-    home: bool = False
     # The tenant limit this waiter last waited for (it claims nothing meanwhile).
     gated: str | None = None
     # Where it heads a backend's queue: its planned start there, on that node's
@@ -99,10 +97,6 @@ class AdmissionQueue:
     def claimed(self, name: str) -> bool:
         return self._claim_counts[name] > 0
 
-    def claim_count(self, name: str) -> int:
-        """How many waiters claim backend ``name``."""
-        return self._claim_counts[name]
-
     def claimed_names(self) -> frozenset[str]:
         return frozenset(n for n, c in self._claim_counts.items() if c > 0)
 
@@ -127,23 +121,6 @@ class AdmissionQueue:
         if any(not b.offload for b in could) and not self._offload_overflow():
             could = [b for b in could if not b.offload]
         return frozenset(b.name for b in could)
-
-    def unclaimed(self, w: Waiter) -> frozenset[str]:
-        """Backends ``w`` may not take: those outside its home while it waits there;
-        else none (another may have come to hold it since it claimed)."""
-        if not w.home:
-            return frozenset()
-        index = self._index_for(w.demand.model)
-        return frozenset(b.name for b in index.backends if b.name not in w.claims)
-
-    def reclaim(self, w: Waiter, claims: frozenset[str]) -> None:
-        """``w`` stops waiting for its home alone and claims ``claims`` instead."""
-        if w.gated is None:
-            self._waits_for_room(w, -1)
-        w.claims, w.home = claims, False
-        if w.gated is None:
-            self._waits_for_room(w, 1)
-        self._changed()
 
     def claimed_by(self, w: Waiter) -> list[Backend]:
         return [b for b in self._index_for(w.demand.model).backends if b.name in w.claims]

@@ -6,22 +6,28 @@ wait, or that it can never be served. :mod:`kvgateway.core.admission` acts on th
 Policies:
 
 ``kv_aware`` (default)
-    Candidates' context limits (``max_model_len`` or the KV budget, the smaller) hold
-    the longest prompt plus its output. GPU tiers in configured order; within a tier
-    the backend with the most free KV budget and a free sequence slot, or in a tier of
-    several contexts the smallest that holds it (:func:`homeward`). A full tier spills
-    to the next that fits; the offload tier takes what fits no GPU tier (and, with
-    ``routing.offload_overflow``, overflow). Nothing free: wait. Nothing ever: 400.
-``round_robin`` / ``least_loaded`` / ``length_aware``
-    Baselines: every healthy backend in turn or by fewest in flight, as simple routers
-    do; ``length_aware`` among those whose ``max_model_len`` fits, as
-    context-window-aware proxies do. KV budget is ignored.
+    Candidates serve the model and their context limit (the smaller of
+    ``max_model_len`` and the KV budget) holds the longest prompt plus its output.
+    GPU tiers are tried in configured order; within a tier the backend with the most
+    free KV budget (that also has a free sequence slot) wins. A tier without room
+    spills to the next tier that fits. The offload tier takes what fits no GPU tier,
+    and overflow from full GPU tiers only when ``routing.offload_overflow`` is set.
+    Nothing free: wait. Nothing could ever fit: 400 ``context_length_exceeded``.
+``round_robin`` / ``least_loaded``
+    Baselines as simple routers do it: every healthy backend of the model, in turn or
+    by fewest in-flight requests; context and KV budget are ignored.
+``length_aware``
+    Least loaded among backends whose ``max_model_len`` fits (as context-window-aware
+    proxies do); KV budget is ignored.
 
 The index: each tier's backends kept sorted by free KV budget (:class:`ModelIndex`). A
-kv_aware decision walks the tiers in order and, within a tier, the backends from the most
-free budget down, stopping at the first that can take the request or once the free budget
-falls below what it needs: over 1,000 backends it looks at a handful. Reservations go
-through :meth:`ModelIndex.adjust` (O(log n)); limits and membership changes rebuild it.
+kv_aware decision walks the tiers in order and, within a tier, the backends from the
+most free budget down, stopping at the first that can take the request or as soon as the
+free budget falls below what the request needs. With the index a decision over 1,000
+backends looks at a handful of them instead of all of them. Reservations change a
+backend's free budget, so every change goes through :meth:`ModelIndex.adjust` (remove,
+mutate, re-insert: O(log n)). Limits and membership change rarely (discovery, reload):
+the whole index is rebuilt then.
 """
 
 from __future__ import annotations
@@ -34,15 +40,7 @@ from sortedcontainers import SortedKeyList
 
 from kvgateway.config.model import Policy
 from kvgateway.core.backends import Backend
-from kvgateway.core.demand import (
-    Demand,
-    can_ever_hold,
-    fits_limits,
-    flight_for,
-    projected_budget,
-    projected_room,
-    tokens_on,
-)
+from kvgateway.core.demand import Demand, can_ever_hold, fits_limits, projected_room, tokens_on
 
 
 class RouteReason(StrEnum):
@@ -61,18 +59,8 @@ class Routed:
 
 
 @dataclass(frozen=True, slots=True)
-class Home:
-    """Waiting for the smallest context that holds a request, as :func:`homeward` chose."""
-
-    claims: frozenset[str]  # the backends it waits for (none other)
-    instead: Routed  # the room it passed up: taken when it cannot wait
-    patience_s: float  # after this long, finishing there no longer beats ``instead``
-
-
-@dataclass(frozen=True, slots=True)
 class Wait:
     reason: str = "queued"
-    home: Home | None = None  # None: it waits for every backend that could hold it
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,14 +87,17 @@ def _sort_key(b: Backend) -> tuple[int, str]:
     return (-b.free_tokens, b.name)
 
 
+def _key_better(a: Backend, b: Backend) -> bool:
+    return _sort_key(a) < _sort_key(b)
+
+
 class TierIndex:
     __slots__ = (
+        "_known",
         "_sorted",
-        "known",
         "max_budget",
         "max_context",
         "max_seqs",
-        "min_context",
         "offload",
         "tier_index",
         "uniform",
@@ -118,12 +109,12 @@ class TierIndex:
         self._sorted: SortedKeyList[Backend, tuple[int, str]] = SortedKeyList(
             backends, key=_sort_key
         )
-        self.known = known = [b for b in self._sorted if b.limits.known]
+        known = [b for b in self._sorted if b.limits.known]
+        self._known = known
         # Static maxima: a request above them can skip the tier without looking inside.
         self.max_context = max((b.context_limit for b in known), default=0)
         self.max_budget = max((b.budget_tokens for b in known), default=0)
         self.max_seqs = max((b.max_num_seqs for b in known), default=0)
-        self.min_context = min((b.context_limit for b in known), default=0)
         # Tiers are usually identical nodes; then the maxima answer exactly.
         self.uniform = len({(b.context_limit, b.budget_tokens, b.max_num_seqs) for b in known}) <= 1
 
@@ -132,8 +123,11 @@ class TierIndex:
         if not fits_limits(self.max_context, self.max_budget, self.max_seqs, d):
             return False
         if self.uniform:
-            return can_ever_hold(self.known[0], d)
-        return any(can_ever_hold(b, d) for b in self.known)
+            return can_ever_hold(self._known[0], d)
+        return any(can_ever_hold(b, d) for b in self._known)
+
+    def any_usable(self, pred: Callable[[Backend], bool]) -> bool:
+        return any(pred(b) for b in self._known)
 
     def best(self, accept: Callable[[Backend], bool], tokens: int) -> Backend | None:
         """The backend with the most free budget that ``accept`` takes."""
@@ -159,6 +153,9 @@ class TierIndex:
 
     def add(self, b: Backend) -> None:
         self._sorted.add(b)
+
+    def __len__(self) -> int:
+        return len(self._sorted)
 
 
 class ModelIndex:
@@ -223,49 +220,9 @@ def _first_fit_tier(index: ModelIndex, d: Demand) -> int | None:
     """The first GPU tier that could hold ``d`` and has a live backend for it: the
     tier a request "fits"; landing in a later one is a spill."""
     for tier in index.tiers:
-        if not tier.offload and tier.could_hold(d) and any(_could_use(b, d) for b in tier.known):
+        if not tier.offload and tier.could_hold(d) and tier.any_usable(lambda b: _could_use(b, d)):
             return tier.tier_index
     return None
-
-
-def homeward(
-    index: ModelIndex, d: Demand, chosen: Routed, now: float, waiting: Callable[[str], int]
-) -> Decision:
-    """kv_aware in a tier of several contexts: a request that a smaller context than
-    ``chosen``'s holds goes to the smallest such (its home) when one has room, unless
-    its learned seconds per step (``step_s``) are slower than ``chosen``'s. When none
-    has room, it waits for a home backend ``o`` alone if it would finish there sooner:
-    ``(start + ahead + T) * o.step_s < T * chosen.step_s``, where ``start`` is ``o``'s
-    projected first fit in engine steps, ``ahead`` the steps the ``waiting(o)`` requests
-    already waiting for ``o`` add and ``T`` the output bound. Otherwise, or with nothing
-    to project from, it takes ``chosen`` (whose room is kept for what only it holds)."""
-    b = chosen.backend
-    tier = index.tier_of(b)
-    if tier is None or tier.offload or b.context_limit <= tier.min_context:
-        return chosen
-    could = [o for o in tier.known if _could_use(o, d)]
-    narrow = min((o.context_limit for o in could), default=b.context_limit)
-    home = [o for o in could if o.context_limit == narrow < b.context_limit]
-    fast = [o for o in home if not (b.step_s and o.step_s > b.step_s)]
-    here = [r for o in fast if (r := route_to(index, o, d, now)) is not None]
-    if here:
-        return min(here, key=lambda r: _sort_key(r.backend))
-    if not d.projected or not b.step_s:
-        return chosen
-    T = d.output_tokens
-    for o in home:
-        if not o.step_s:
-            continue
-        start = o.projection.earliest_start(
-            o.limits.block_size, flight_for(o, d), projected_budget(o), d.z
-        )
-        if start is None:
-            continue
-        ahead = waiting(o.name) * T / max(1, o.in_flight)
-        if (start + ahead + T) * o.step_s < T * b.step_s:
-            claims = frozenset(x.name for x in home)
-            return Wait(home=Home(claims, chosen, T * (b.step_s - o.step_s)))
-    return chosen
 
 
 def route_to(
@@ -293,9 +250,12 @@ def route_kv_aware(
 
     first_fit = _first_fit_tier(index, d)
     for tier in index.tiers:
-        if tier.offload or first_fit is None or tier.tier_index < first_fit:
-            continue
-        if not tier.could_hold(d):
+        if (
+            tier.offload
+            or first_fit is None
+            or tier.tier_index < first_fit
+            or not tier.could_hold(d)
+        ):
             continue
         b = tier.best(accept, d.room_floor)
         if b is not None:
@@ -331,7 +291,7 @@ def kv_aware_scan(
             continue
         if best is not None and b.tier_index != best.tier_index:
             break
-        if eligible(b, d, now) and (best is None or _sort_key(b) < _sort_key(best)):
+        if eligible(b, d, now) and (best is None or _key_better(b, best)):
             best = b
     if best is not None:
         return Routed(best, RouteReason.FIT if best.tier_index == first_fit else RouteReason.SPILL)
