@@ -199,12 +199,6 @@ class PrefixIndex:
             total += 0.5 ** (max(0.0, now - at) / self._half_life)
         return total
 
-    def match_all(
-        self, keys: Sequence[BlockKey], backends: Iterable[str], now: float
-    ) -> dict[str, int]:
-        """:meth:`matched_blocks` for each backend."""
-        return {b: self.matched_blocks(b, keys, now) for b in backends}
-
     def event_holders(self, key: BlockKey) -> tuple[str, ...]:
         """The backends whose events report holding the block ``key``."""
         return self._holders.of(key)

@@ -77,21 +77,6 @@ def block_keys(
     return keys
 
 
-def request_extra_keys(
-    num_blocks: int, *, lora_name: str | None = None, cache_salt: str | None = None
-) -> list[tuple[Any, ...] | None] | None:
-    """Per-block extra keys of a text request as vLLM builds them (LoRA, then salt)."""
-    if lora_name is None and not cache_salt:
-        return None
-    out: list[tuple[Any, ...] | None] = []
-    for i in range(num_blocks):
-        keys: list[Any] = [lora_name] if lora_name is not None else []
-        if i == 0 and cache_salt:
-            keys.append(cache_salt)
-        out.append(tuple(keys) if keys else None)
-    return out
-
-
 class _Keyed(Protocol):
     """What is read of a projected flight here."""
 

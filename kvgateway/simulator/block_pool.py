@@ -15,7 +15,8 @@ After ``vllm/v1/core/block_pool.py`` and ``kv_cache_utils.py`` (read, not copied
 - A cache hit on a free block takes it out of the queue (``touch``); a hit on a block in
   use just raises its count. Identical blocks are not de-duplicated, as in vLLM.
 - With KV events on, storing blocks yields one ``BlockStored`` per call (per group), each
-  eviction one ``BlockRemoved``, a prefix-cache reset one ``AllBlocksCleared``. Hashes in
+  eviction one ``BlockRemoved`` (``AllBlocksCleared``, vLLM's on a prefix-cache reset,
+  is modelled for the encoders; the simulator offers no reset). Hashes in
   events are the low 64 bits as an int (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``).
 """
 
@@ -235,17 +236,6 @@ class BlockPool:
                     sliding_window=window,
                 )
             )
-
-    def reset_prefix_cache(self) -> bool:
-        """Forget every cached hash; only possible when no request holds a block."""
-        if len(self._free) != self.num_blocks - 1:
-            return False
-        self._cached.clear()
-        for block in self.blocks:
-            block.block_hash = None
-        if self.enable_events:
-            self._events.append(AllBlocksCleared())
-        return True
 
     def take_events(self) -> list[KVEvent]:
         events, self._events = self._events, []

@@ -190,21 +190,6 @@ class NodeTokenizer:
             return self.count_prompt(prompt)
         return await asyncio.to_thread(self.count_prompt, prompt)
 
-    async def count_chat_async(self, messages: Sequence[ChatMessage]) -> int:
-        if sum(len(m.text) for m in messages) < _THREAD_THRESHOLD_CHARS:
-            return self.count_chat(messages)
-        return await asyncio.to_thread(self.count_chat, messages)
-
-    async def encode_prompt_async(self, prompt: str) -> list[int]:
-        if len(prompt) < _THREAD_THRESHOLD_CHARS:
-            return self.encode_prompt(prompt)
-        return await asyncio.to_thread(self.encode_prompt, prompt)
-
-    async def encode_chat_async(self, messages: Sequence[ChatMessage]) -> list[int]:
-        if sum(len(m.text) for m in messages) < _THREAD_THRESHOLD_CHARS:
-            return self.encode_chat(messages)
-        return await asyncio.to_thread(self.encode_chat, messages)
-
     # -- whole requests (the model's template, tools, kwargs... when the node has one) --
 
     def check_request_template(self, body: dict[str, Any]) -> None:

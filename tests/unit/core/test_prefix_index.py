@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from kvgateway.core.cache_view import AllCleared, BlocksRemoved, BlocksStored
 from kvgateway.core.prefix_index import PrefixIndex
-from kvgateway.core.prefix_keys import ROOT_KEY, block_keys, request_extra_keys
+from kvgateway.core.prefix_keys import ROOT_KEY, block_keys
 
 
 def test_block_key_hashes_the_parent_key_and_packed_tokens() -> None:
@@ -38,16 +38,6 @@ def test_continuing_from_a_parent_equals_keying_the_whole(tokens: list[int], spl
     head = block_keys(tokens[: split * 4], 4)
     tail = block_keys(tokens[len(head) * 4 :], 4, parent=head[-1] if head else None)
     assert head + tail == whole
-
-
-def test_extra_keys_follow_vllm_lora_then_salt_on_block_zero() -> None:
-    assert request_extra_keys(3) is None
-    assert request_extra_keys(2, cache_salt="s") == [("s",), None]
-    assert request_extra_keys(2, lora_name="l", cache_salt="s") == [("l", "s"), ("l",)]
-    ids = list(range(8))
-    assert block_keys(ids, 4, extra_keys=request_extra_keys(2, cache_salt="s")) != block_keys(
-        ids, 4
-    )
 
 
 def stored(hashes: list[int], parent: int | None, tokens: list[int], **kw: object) -> BlocksStored:
@@ -130,7 +120,7 @@ def test_approximate_view_expires_and_is_bounded_by_capacity() -> None:
     assert index.matched_blocks("n", keys, now=20.0) == 0
     index.record_routed("n", keys[:2], now=21.0)
     assert index.matched_blocks("n", keys, now=21.0) == 2
-    assert index.match_all(keys, ["n", "other"], now=21.0) == {"n": 2, "other": 0}
+    assert index.matched_blocks("other", keys, now=21.0) == 0
 
 
 def test_after_a_resync_the_approximate_view_answers_for_the_grace_period() -> None:
