@@ -21,6 +21,7 @@ from kvgateway.core.fleet import Fleet
 from kvgateway.core.membership import DiscoveredMembers
 from kvgateway.upstream.dns import DnsDiscovery, DnsLookupError, resolve_addresses
 from tests.support.dnsmasq import DOMAIN, Dnsmasq, run_dnsmasq
+from tests.support.eventually import eventually
 
 NAME = f"vllm.{DOMAIN}"
 
@@ -70,9 +71,7 @@ class RecordingSink:
         return set(self.calls[-1][1]) if self.calls else set()
 
     async def wait_for(self, names: set[str], timeout: float = 5.0) -> None:
-        async with asyncio.timeout(timeout):
-            while self.current != names:
-                await asyncio.sleep(0.02)
+        await eventually(lambda: self.current == names, timeout=timeout, interval=0.02)
 
 
 async def test_resolves_a_and_aaaa_and_an_unknown_name_is_empty(dns: Dnsmasq) -> None:
@@ -170,9 +169,7 @@ async def test_members_join_and_drain_a_real_fleet(dns: Dnsmasq) -> None:
         return {b.name for b in fleet.active}
 
     async def until(names: set[str]) -> None:
-        async with asyncio.timeout(5):
-            while active() != names:
-                await asyncio.sleep(0.02)
+        await eventually(lambda: active() == names, timeout=5, interval=0.02)
 
     dns.set_addresses({NAME: ["127.0.0.5", "127.0.0.6"]})
     (group,) = book.config.dns_groups
@@ -298,9 +295,7 @@ async def test_members_appear_and_leave_a_running_gateway_under_load(
         return {b.name for b in state.fleet.active if b.usable}
 
     async def until(pred, timeout: float = 10.0) -> None:
-        async with asyncio.timeout(timeout):
-            while not pred():
-                await asyncio.sleep(0.05)
+        await eventually(pred, timeout=timeout)
 
     a, b = f"pool@127.0.0.1:{ports[0]}", f"pool@127.0.0.1:{ports[1]}"
     await until(lambda: names() == {a})
@@ -357,9 +352,7 @@ async def test_reloads_change_a_running_gateways_dns_groups(
         return {(b.name, b.kv_cache_tokens) for b in state.fleet.active}
 
     async def until(want: set[tuple[str, int | None]]) -> None:
-        async with asyncio.timeout(5):
-            while members() != want:
-                await asyncio.sleep(0.02)
+        await eventually(lambda: members() == want, timeout=5, interval=0.02)
 
     await until({("pool@127.0.0.2:8000", 100_000)})
     # Parses, then fails the capacity derivation: rejected, and nothing of it kept.
@@ -393,9 +386,12 @@ async def test_reloads_change_a_running_gateways_dns_groups(
     path.write_text(yaml.safe_dump(no_group))
     assert reload_config(app, str(path))
     await until({("static", 1000)})
-    async with asyncio.timeout(2):
-        while [t for t in asyncio.all_tasks() if t.get_name() == "dns-discovery:pool"]:
-            await asyncio.sleep(0.02)
+    await eventually(
+        lambda: not [t for t in asyncio.all_tasks() if t.get_name() == "dns-discovery:pool"],
+        timeout=2,
+        interval=0.02,
+        what="the pool's discovery task ended",
+    )
     path.write_text(yaml.safe_dump(gateway_config(dns)))
     assert reload_config(app, str(path))
     await until({("pool@127.0.0.3:8000", 100_000), ("pool@127.0.0.4:8000", 100_000)})

@@ -11,6 +11,7 @@ from typing import Any
 import aiohttp
 
 from kvgateway.core.prefix_keys import block_keys
+from tests.support.eventually import eventually
 from tests.support.fleet import ENCODINGS, MODEL, SERVED, NodeSpec, StartFleet
 
 NODES: list[NodeSpec] = [
@@ -209,8 +210,7 @@ async def test_a_prefix_held_by_a_running_stream_is_reserved_once(
         alone = b.reserved_tokens
         body = {"model": MODEL, "prompt": doc + " Which pallets?", "max_tokens": 300}
         second = asyncio.create_task(s.post(fleet.url + "/v1/completions", json=body))
-        while b.in_flight < 2:
-            await asyncio.sleep(0.001)
+        await eventually(lambda: b.in_flight >= 2, interval=0.001, what="both in flight")
         # The second request reserved only what it does not share, not a second copy.
         assert b.reserved_tokens - alone < alone / 2
         async with await second as r:
@@ -347,8 +347,7 @@ async def test_a_prompt_being_prefilled_is_shared_from_its_admission(
         alone = b.reserved_tokens
         body = {"model": MODEL, "input": doc + " Which pallets?", "max_output_tokens": 50}
         second = asyncio.create_task(s.post(fleet.url + "/v1/responses", json=body))
-        while b.in_flight < 2:
-            await asyncio.sleep(0.001)
+        await eventually(lambda: b.in_flight >= 2, interval=0.001, what="both in flight")
         # The ~1.5k-token prompt is one chunk: the second holds little beyond its tail.
         assert b.reserved_tokens - alone < alone * 0.5
         async with await second as r:

@@ -4,15 +4,14 @@ so together they take one budget, not 1.5."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import time
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
 
+from tests.support.eventually import eventually
 from tests.support.ledger_fleet import NODE, start_gateway, start_node, stop_gateway
 from tests.support.live import free_ports
 
@@ -42,13 +41,15 @@ async def test_workers_started_without_redis_share_each_budget_by_their_number(
         g = await start_gateway(tmp_path, "w", url, redis_url, "--workers", "3")
         try:
             seen: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {}
-            deadline = time.monotonic() + 30
-            while len(seen) < 3:
-                assert time.monotonic() < deadline, seen
+
+            async def every_worker_seen() -> bool:
                 with contextlib.suppress(aiohttp.ClientError):
                     ledger, b = await _one_worker(g.url)
                     seen[ledger["replica_id"]] = (ledger, b)
-                await asyncio.sleep(0.02)
+                assert len(seen) == 3, seen
+                return True
+
+            await eventually(every_worker_seen, timeout=30, interval=0.02)
             # Said in /metrics as any fallback is (it was 0 for a replica that never
             # reached Redis: the documented alert could not fire).
             async with aiohttp.ClientSession() as s, s.get(g.url + "/metrics") as r:

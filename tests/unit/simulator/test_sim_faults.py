@@ -10,6 +10,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from tests.support.eventually import eventually
 from tests.support.sim import SimClient, SimFactory, chat
 
 
@@ -17,13 +18,13 @@ async def _until(
     node: SimClient, predicate: Callable[[dict[str, Any]], bool], timeout: float = 2.0
 ) -> dict[str, Any]:
     """Poll /sim/state until ``predicate`` holds; returns that state."""
-    deadline = time.monotonic() + timeout
-    while True:
+
+    async def held() -> dict[str, Any]:
         state = await node.state()
-        if predicate(state):
-            return state
-        assert time.monotonic() < deadline, f"condition never held: {state}"
-        await asyncio.sleep(0.01)
+        assert predicate(state), f"condition never held: {state}"
+        return state
+
+    return await eventually(held, timeout=timeout, interval=0.01)
 
 
 async def test_streaming_disconnect_aborts_and_frees_blocks(sim: SimFactory) -> None:

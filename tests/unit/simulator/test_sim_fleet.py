@@ -25,6 +25,7 @@ from kvgateway.simulator.fleetconfig import (
 )
 from kvgateway.simulator.profiles import PROFILES
 from kvgateway.simulator.settings import SettingsError
+from tests.support.eventually import eventually
 
 ROOT = Path(__file__).parents[3]
 DEMO = ROOT / "config" / "demo.yaml"
@@ -267,11 +268,9 @@ async def test_cli_serves_the_demo_config_until_sigint() -> None:
     )
     try:
         healthy: set[str] = set()
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + 30
         async with aiohttp.ClientSession() as session:
-            while len(healthy) < len(specs):
-                assert loop.time() < deadline, f"healthy so far: {healthy}"
+
+            async def all_healthy() -> bool:
                 assert proc.returncode is None, (await proc.communicate())[1].decode()
                 for spec in specs:
                     url = f"http://127.0.0.1:{spec.port + offset}"
@@ -284,7 +283,10 @@ async def test_cli_serves_the_demo_config_until_sigint() -> None:
                         # range can meet itself (TCP simultaneous open): the request
                         # then comes back as the answer, which does not parse.
                         pass
-                await asyncio.sleep(0.1)
+                assert len(healthy) == len(specs), f"healthy so far: {healthy}"
+                return True
+
+            await eventually(all_healthy, timeout=30, interval=0.1)
             async with session.get(f"http://127.0.0.1:{9301 + offset}/v1/models") as r:
                 assert (await r.json())["data"][0]["max_model_len"] == 131072
         proc.send_signal(signal.SIGINT)
