@@ -9,7 +9,7 @@ times out is removed in ``except BaseException``; if the cancellation raced with
 grant, the granted reservation is released there, so nothing leaks.
 
 The wait queue is a bounded FIFO, fair per backend: a waiting request *claims* every
-backend that could ever hold it, and nobody who arrived later may take capacity on a
+backend that could ever hold it (but one it excludes), and nobody who arrived later may take capacity on a
 claimed backend. Whenever capacity may have appeared (a release, a backend turning
 healthy, a reload) waiters are offered it in arrival order. Requests that fit only on
 unclaimed backends still pass: a huge prompt waiting for a large node does not hold up
@@ -178,15 +178,17 @@ class Admission(AdmissionCore):
             if timeout <= 0 or parked >= self._queue_size():
                 raise tenant_queue_full_error(name, gated, parked)
         else:
+            wait = self.projected_wait(demand)
+            late = wait is not None and wait > timeout and not self._cut_soon(demand)
             full = self._queue.waiters.waiting_for_room() >= self._queue_size()
-            if timeout <= 0 or (full and not self._displace(ticket)):
+            # A waiter is displaced only for a newcomer that then waits.
+            if timeout <= 0 or (full and (late or not self._displace(ticket))):
                 raise Saturated(
                     "Every backend that can hold this request is at its KV-cache budget "
                     "and the admission queue is full. Retry later.",
                     retry_after=1.0,  # refused at once: room may free any moment
                 )
-            wait = self.projected_wait(demand)
-            if wait is not None and wait > timeout and not self._cut_soon(demand):
+            if wait is not None and late:
                 # Even the soonest room the projection sees comes after the deadline.
                 raise Saturated(
                     f"No backend is projected to have room for this request "
@@ -250,6 +252,18 @@ class Admission(AdmissionCore):
             if b.limits.known
         )
 
+    def _reopen_soon(self, tenant: str) -> None:
+        """Reopen ``tenant`` once the loop's current callbacks ran: waiters leaving
+        together (a storm of cancellations) cost one walk of its parked waiters."""
+        if not self._reopening:
+            asyncio.get_running_loop().call_soon(self._reopen_pending)
+        self._reopening.add(tenant)
+
+    def _reopen_pending(self) -> None:
+        tenants, self._reopening = self._reopening, set()
+        for tenant in tenants:
+            self.reopen(tenant)
+
     def _displace(self, ticket: Ticket | None) -> bool:
         """Queue full: refuse the last waiter of a class below ``ticket``'s, if any."""
         victim = self._queue.displace(ticket)
@@ -265,8 +279,10 @@ class Admission(AdmissionCore):
             self._offer(b)
 
     def _abandon(self, waiter: Waiter) -> None:
-        # The waiter gave up (timeout, cancellation). If a grant raced with that, the
-        # caller never received the reservation: give it back here.
+        # The waiter gave up (timeout, cancellation, displaced). If a grant raced with
+        # that, the caller never received the reservation: give it back here.
+        if waiter.gated is None and self._tenancy is not None:
+            self._reopen_soon(waiter.tenant)  # its tenant's parked waiters counted it
         try:
             self._queue.waiters.remove(waiter)
         except ValueError:

@@ -1,7 +1,6 @@
-"""The synchronous core of admission: routing decisions, grants, progress, releases,
-pauses ending, and the walks that hand queued requests the room that appears (the queue's
-book is :mod:`kvgateway.core.admission_queue`). No ``await`` here; the async edge and the
-rules are :mod:`kvgateway.core.admission`'s."""
+"""Admission's synchronous core: decisions, grants, progress, releases, pauses ending and
+the walks handing queued requests the room that appears (the queue's book:
+:mod:`.admission_queue`; the async edge and the rules: :mod:`.admission`). No ``await``."""
 
 from __future__ import annotations
 
@@ -34,15 +33,13 @@ from kvgateway.core.routing import (
 )
 from kvgateway.core.tenancy import Tenancy, Ticket
 
-# Weight of each new observation of a node's seconds per engine step.
-STEP_EWMA = 0.05
+STEP_EWMA = 0.05  # weight of each new observation of a node's seconds per engine step
 # Room made by progress is offered at most this often (a walk asks about every waiter).
 REOFFER_S = 0.25
 
 
 class AdmissionCore:
-    """Owns every reservation. ``backends_for(model)`` gives that model's backends in
-    tier order (it reflects reloads), ``clock`` is monotonic seconds."""
+    """Owns every reservation; ``index_for(model)``: its backends now; ``clock``: s."""
 
     def __init__(
         self,
@@ -87,6 +84,7 @@ class AdmissionCore:
         # Per backend: the flights that reported since its waiters were last offered room.
         self._reported: dict[str, set[int]] = {}
         self._reoffered: dict[str, float] = {}
+        self._reopening: set[str] = set()  # tenants to reopen soon (Admission's edge)
 
     # ---- synchronous core -------------------------------------------------------
 
@@ -306,6 +304,7 @@ class AdmissionCore:
                 gone.add(w)
                 self._queue.dequeued(w)
                 continue
+            self._queue.reclaim(w)
             if self._queue.regate(w) is not None:
                 continue
             d = with_busy(w.demand, claimed) if claimed else w.demand
@@ -332,27 +331,32 @@ class AdmissionCore:
         self._offer(b)
 
     def _offer(self, b: Backend) -> None:
-        """Only ``b`` gained room: walk the waiters that claim it, in order, and stop at
-        the first one it cannot take (later ones may not pass it). Nobody else's options
-        changed, so nobody else is asked; except that a waiter found abandoned on the
-        way (cancelled or timed out in this same instant, its own clean-up still to
-        run) is taken out there and then, and the backends it claimed are walked in
-        turn, each once: a storm of cancellations costs one walk, not one per waiter."""
+        """Only ``b`` gained room: walk its claimants in order, stopping at the first it
+        cannot take (later ones may not pass it). Then the other claims of those who
+        left: of a waiter found abandoned (its clean-up still to run), each once (a
+        storm of cancellations costs one walk each); of one granted, those with room,
+        which it held against those behind it (each grant adds its own: walks end)."""
         todo: dict[str, Backend] = {b.name: b}
         walked: set[str] = set()
         while todo:
             name = next(iter(todo))
             walked.add(name)
-            for gone in self._walk(todo.pop(name)):
+            pruned, granted = self._walk(todo.pop(name))
+            for gone in pruned:
                 for other in self._queue.claimed_by(gone):
                     if other.name not in walked:
                         todo.setdefault(other.name, other)
+            for won in granted:
+                for other in self._queue.claimed_by(won):
+                    if other.name != name and other.free_seqs > 0 and other.free_tokens > 0:
+                        todo.setdefault(other.name, other)
 
-    def _walk(self, b: Backend) -> list[Waiter]:
-        """One walk of :meth:`_offer`; returns the abandoned waiters it took out."""
+    def _walk(self, b: Backend) -> tuple[list[Waiter], list[Waiter]]:
+        """One walk of :meth:`_offer`: the abandoned waiters it took out, those granted."""
         pruned: list[Waiter] = []
+        granted: list[Waiter] = []
         if not self._queue.claimed(b.name):
-            return pruned
+            return pruned, granted
         now = self._clock()
         overflow = self._offload_overflow()
         head: Plan | None = None
@@ -382,7 +386,8 @@ class AdmissionCore:
                 continue
             self._queue.waiters.remove(w)
             self._hand_over(w, routed, now)
-        return pruned
+            granted.append(w)
+        return pruned, granted
 
     def _hand_over(self, w: Waiter, decision: Routed, now: float) -> None:
         self._queue.dequeued(w)

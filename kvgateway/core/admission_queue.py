@@ -35,6 +35,8 @@ class Waiter:
     # Where it heads a backend's queue: its planned start there, on that node's
     # projection clock (kept, so backfills are held to one plan, not to each new one).
     plans: dict[str, int] = field(default_factory=dict)
+    # The model's index its claims were read from (a new one: limits or members changed).
+    index: ModelIndex | None = None
 
     @property
     def tenant(self) -> str:
@@ -115,9 +117,14 @@ class AdmissionQueue:
         return frozenset(ahead)
 
     def claims_of(self, demand: Demand) -> frozenset[str]:
-        """The backends routing could give this request: those that can hold it, minus
-        the offload tier when a GPU tier can hold it (unless overflow is on)."""
-        could = [b for b in self._index_for(demand.model).backends if can_ever_hold(b, demand)]
+        """The backends routing could give this request: those that can hold it and it
+        does not exclude, minus the offload tier when a GPU tier can hold it (unless
+        overflow is on)."""
+        could = [
+            b
+            for b in self._index_for(demand.model).backends
+            if b.name not in demand.exclude and can_ever_hold(b, demand)
+        ]
         if any(not b.offload for b in could) and not self._offload_overflow():
             could = [b for b in could if not b.offload]
         return frozenset(b.name for b in could)
@@ -126,7 +133,26 @@ class AdmissionQueue:
         return [b for b in self._index_for(w.demand.model).backends if b.name in w.claims]
 
     def enqueue(self, w: Waiter) -> None:
+        w.index = self._index_for(w.demand.model)
         self.waiters.append(w)
+        if w.gated is None:
+            self._waits_for_room(w, 1)
+        self._changed()
+
+    def reclaim(self, w: Waiter) -> None:
+        """Read ``w``'s claims afresh if its model's backends changed since it claimed
+        (a node's limits learned, members reloaded): walks of a node it could not hold
+        then would pass it by."""
+        index = self._index_for(w.demand.model)
+        if index is w.index:
+            return
+        w.index = index
+        claims = self.claims_of(w.demand)
+        if claims == w.claims:
+            return
+        if w.gated is None:
+            self._waits_for_room(w, -1)
+        w.claims = claims
         if w.gated is None:
             self._waits_for_room(w, 1)
         self._changed()
