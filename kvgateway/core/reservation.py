@@ -20,7 +20,6 @@ still reach Redis: its share can then overcommit a node; see the README.)
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -85,6 +84,9 @@ class Reservation:
     # The output the node's context cut this request's max_tokens to (sent to the node
     # as max_tokens); None: as planned.
     output_cut: int | None = None
+    # The gateway stopped reading the node's answer before its end (a timeout): like a
+    # way out by an exception, the room is freed once the node's abort has landed.
+    dropped: bool = False
 
     def release(self) -> bool:
         """Give the tokens and slot back; only the first call has an effect."""
@@ -108,9 +110,9 @@ class Reservation:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self.owner.release_after(
-            self, gone=exc_type is not None and issubclass(exc_type, asyncio.CancelledError)
-        )
+        # Any exception (a cancellation, the client's reset, a timeout) left the node's
+        # answer unread: the node is still running it until the closed connection aborts it.
+        self.owner.release_after(self, gone=exc_type is not None or self.dropped)
 
 
 class Reserving:

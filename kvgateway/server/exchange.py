@@ -47,6 +47,17 @@ class Outcome(StrEnum):
     MID_STREAM_TOO_LARGE = "mid_stream_too_large"
 
 
+# The gateway stopped reading a stream the node was still writing: the node frees its
+# blocks once the abort its closed connection causes lands.
+ABANDONED = frozenset(
+    {
+        Outcome.MID_STREAM_TIMEOUT,
+        Outcome.MID_STREAM_TOTAL_TIMEOUT,
+        Outcome.MID_STREAM_TOO_LARGE,
+        Outcome.CANCELLED_SHUTDOWN,
+    }
+)
+
 # The status recorded for a request whose client closed the connection (nginx's).
 CLIENT_GONE = 499
 

@@ -33,7 +33,6 @@ from kvgateway.server.appkeys import STATE
 from kvgateway.server.body import read_limited
 from kvgateway.server.exchange import Exchange, Outcome
 from kvgateway.server.proxy import REQUEST_ID, failed, failover, run_exchange
-from kvgateway.server.relay import MAX_RESPONSE_BYTES
 from kvgateway.server.state import GatewayState
 from kvgateway.server.tenants import charge
 from kvgateway.upstream.client import find_usage, open_request
@@ -129,7 +128,7 @@ async def _relay(
             )
             async with resp:
                 request_served(backend, state.clock())
-                data = await resp.read(MAX_RESPONSE_BYTES)
+                data = await state.relay.read_body(ex, resp, backend)
                 headers = resp.relay_headers()
         except UpstreamError as err:  # the answer is sent whole: nothing reached the client
             return failed(state, ex, backend, err)

@@ -35,7 +35,7 @@ from kvgateway.errors import (
 from kvgateway.plan.openai_request import Kind
 from kvgateway.plan.planner import Plan, upstream_body
 from kvgateway.server.body import read_limited
-from kvgateway.server.exchange import CLIENT_GONE, Exchange, Failure, Outcome
+from kvgateway.server.exchange import ABANDONED, CLIENT_GONE, Exchange, Failure, Outcome
 from kvgateway.server.relay import error_event, error_message, is_event_stream
 from kvgateway.server.state import GatewayState
 from kvgateway.server.telemetry import AccessRecord, set_attributes
@@ -361,9 +361,10 @@ async def _attempt(
         request_served(backend, state.clock())
         if plan.parsed.stream and resp.status == 200 and is_event_stream(resp):
             streamed = await state.relay.stream(ex, resp, r)
+            r.dropped = ex.record.outcome in ABANDONED
             state.settle.learn(ex)
             return streamed
-        data = await state.relay.read_body(ex, resp, r)
+        data = await state.relay.read_body(ex, resp, backend)
         if resp.status == 400 and not plan.prompt.exact and not ex.recounted:
             node = parse_context_length_error(error_message(data), backend.max_model_len)
             if node is not None and plan.prompt.prompts == 1:

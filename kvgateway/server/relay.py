@@ -20,6 +20,7 @@ from collections.abc import Callable
 from aiohttp import web
 
 from kvgateway.config.model import HealthConfig
+from kvgateway.core.backends import Backend
 from kvgateway.core.reservation import Reservation
 from kvgateway.errors import UpstreamError, UpstreamTimeout
 from kvgateway.plan.stream_usage import LiveRequest, UsageTap, live_request
@@ -117,15 +118,15 @@ class Relay:
         self._clock = clock
         self._health = health
 
-    async def read_body(self, ex: Exchange, resp: UpstreamResponse, r: Reservation) -> bytes:
+    async def read_body(self, ex: Exchange, resp: UpstreamResponse, backend: Backend) -> bytes:
         """A non-streamed answer, whole, within the backend's total timeout."""
-        remaining = ex.started + r.backend.config.timeouts.total_s - self._clock()
+        remaining = ex.started + backend.config.timeouts.total_s - self._clock()
         try:
             async with asyncio.timeout(max(0.1, remaining)):
                 return await resp.read(MAX_RESPONSE_BYTES)
         except TimeoutError as exc:
             raise UpstreamTimeout(
-                f"Backend {r.backend.name} did not finish within the total timeout.",
+                f"Backend {backend.name} did not finish within the total timeout.",
                 retryable=False,
             ) from exc
 

@@ -189,6 +189,7 @@ _CUT_SHORT = frozenset(
         Outcome.MID_STREAM_TIMEOUT,
         Outcome.MID_STREAM_RESET,
         Outcome.MID_STREAM_TRUNCATED,
+        Outcome.MID_STREAM_NODE_ERROR,
         Outcome.MID_STREAM_TOTAL_TIMEOUT,
         Outcome.MID_STREAM_TOO_LARGE,
     }

@@ -12,6 +12,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from tests.support.eventually import eventually
 from tests.support.fleet import MODEL, SERVED, StartFleet
 
 AUTH = {
@@ -473,3 +474,85 @@ async def test_a_passthrough_failure_with_nowhere_else_to_go_is_not_counted_as_r
     labels = {"backend": "only", "cause": "status_5xx"}
     assert registry.get_sample_value("gateway_upstream_failures_total", labels) == 1
     assert registry.get_sample_value("gateway_upstream_retries_total", labels) is None
+
+
+async def test_a_passthrough_answer_that_stalls_after_its_head_ends_at_total_s(
+    start_fleet: StartFleet, aiohttp_server: Any
+) -> None:
+    async def stalls(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+        resp.content_length = 1000
+        await resp.prepare(request)
+        await resp.write(b'{"object": "list", ')
+        await asyncio.sleep(30)
+        return resp
+
+    node = await aiohttp_server(node_app({"/v1/embeddings": stalls}))
+    url = str(node.make_url("")).rstrip("/")
+    extra = {"max_model_len": 8192, "kv_cache_tokens": 100_000}
+    fleet = await start_fleet(
+        [("only", "small", "gpu24-8b", {})],
+        backend_extra={"only": {"url": url, **extra, "timeouts": {"total_s": 0.5}}},
+    )
+    only = fleet.backend("only")
+    await eventually(lambda: only.usable)
+    async with (
+        aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as s,
+        s.post(fleet.url + "/v1/embeddings", json={"model": MODEL, "input": ["hi"]}) as r,
+    ):
+        assert r.status == 504, await r.text()
+    assert only.in_flight == 0
+
+
+async def test_room_of_a_stream_the_gateway_gave_up_on_is_held_until_the_abort_lands(
+    start_fleet: StartFleet, aiohttp_server: Any
+) -> None:
+    """An idle timeout closes the node's stream while the node still decodes it: the
+    room stays held for ``abort_release_delay_s``, as for a client that left."""
+    node = await aiohttp_server(slow_prefill_node(0.05))
+    url = str(node.make_url("")).rstrip("/")
+    extra = {"max_model_len": 8192, "kv_cache_tokens": 100_000}
+    fleet = await start_fleet(
+        [("only", "small", "gpu24-8b", {})],
+        gateway={"admission": {"abort_release_delay_s": 1.0}},
+        backend_extra={"only": {"url": url, **extra, "timeouts": {"idle_s": 0.3}}},
+    )
+    only = fleet.backend("only")
+    await eventually(lambda: only.usable)
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(fleet.url + "/v1/chat/completions", json={**chat(5, stream=True), "hold": 3}) as r,
+    ):
+        assert r.status == 200
+        text = await r.read()
+    assert b'"error"' in text  # the idle timeout's event
+    assert only.reserved_tokens > 0
+    await eventually(lambda: only.reserved_tokens == 0, timeout=3)
+    assert fleet.leaks() == {}
+
+
+async def test_a_stream_the_node_ends_with_an_error_is_charged_what_it_relayed(
+    start_fleet: StartFleet, aiohttp_server: Any
+) -> None:
+    async def chat_fails(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(_chunk({"role": "assistant", "content": ""}))
+        await resp.write(_chunk({"content": " w"}))
+        await resp.write(_chunk({"content": " w"}))
+        error = {"error": {"message": "engine failed", "type": "InternalServerError"}}
+        await resp.write(b"data: " + json.dumps(error).encode() + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    node = await aiohttp_server(node_app({"/v1/chat/completions": chat_fails}))
+    fleet = await gateway_over(start_fleet, str(node.make_url("")).rstrip("/"))
+    async with aiohttp.ClientSession() as s:
+        headers = {"Authorization": "Bearer k-etl"}
+        body = chat(500, stream=True)
+        async with s.post(fleet.url + "/v1/chat/completions", json=body, headers=headers) as r:
+            assert r.status == 200
+            assert b"engine failed" in await r.read()
+    charged = (await tenant_view(fleet.url))["output_tokens_last_minute"]
+    assert 0 < charged < 10, charged  # what it relayed, not its max_tokens
+    assert fleet.leaks() == {}
