@@ -127,8 +127,8 @@ async def _relay(
                 head_timeout=timeouts.total_s,
             )
             async with resp:
-                request_served(backend, state.clock())
                 data = await state.relay.read_body(ex, resp, backend)
+                request_served(backend, state.clock())
                 headers = resp.relay_headers()
         except UpstreamError as err:  # the answer is sent whole: nothing reached the client
             return failed(state, ex, backend, err)

@@ -1,10 +1,9 @@
 """The request path, in the order it happens: read, count, admit, forward, relay, release.
 
-Each request is one :class:`~kvgateway.server.exchange.Exchange`. Its reservation is an
-``async with`` block (released on success, upstream error, timeout, client disconnect and
-cancellation alike), and so is the upstream response. Failover happens only before a
-response byte has reached the client. Shutdown ends a request by moving its deadline
-forward; cancellation (a client gone) always propagates.
+Each request is one :class:`~kvgateway.server.exchange.Exchange`; its reservation and
+its upstream response are ``async with`` blocks (released whatever the way out).
+Failover happens only before a response byte has reached the client. Shutdown ends a
+request by moving its deadline forward; cancellation (a client gone) always propagates.
 """
 
 from __future__ import annotations
@@ -184,13 +183,9 @@ async def _count_and_forward(state: GatewayState, ex: Exchange, kind: Kind) -> w
     rec.model = plan.model.name
     rec.prompt_tokens = plan.prompt.total
     rec.stream = plan.parsed.stream
+    output = plan.demand.output_tokens * plan.demand.sequences
     ex.charge, ex.limit_headers = await charge(
-        state.quotas,
-        state.tenancy,
-        rec.tenant,
-        plan.prompt.total,
-        plan.demand.output_tokens * plan.demand.sequences,
-        state.clock(),
+        state.quotas, state.tenancy, rec.tenant, plan.prompt.total, output, state.clock()
     )
     return await _forward(state, ex, raw)
 
@@ -358,13 +353,15 @@ async def _attempt(
     except UpstreamError as err:
         return failed(state, ex, backend, err)
     async with resp:
-        request_served(backend, state.clock())
         if plan.parsed.stream and resp.status == 200 and is_event_stream(resp):
             streamed = await state.relay.stream(ex, resp, r)
             r.dropped = ex.record.outcome in ABANDONED
+            if ex.record.outcome == Outcome.OK:
+                request_served(backend, state.clock())
             state.settle.learn(ex)
             return streamed
         data = await state.relay.read_body(ex, resp, backend)
+        request_served(backend, state.clock())
         if resp.status == 400 and not plan.prompt.exact and not ex.recounted:
             node = parse_context_length_error(error_message(data), backend.max_model_len)
             if node is not None and plan.prompt.prompts == 1:

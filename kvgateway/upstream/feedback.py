@@ -94,7 +94,8 @@ def request_failed(
 
 
 def request_served(b: Backend, now: float) -> None:
-    """A request got an answer from ``b``: its run of failures ends."""
+    """A request got its whole answer from ``b``: its run of failures ends (a stream cut
+    after its head is a failure in that run, not a success)."""
     b.consecutive_failures = 0
     b.served_at = now
 

@@ -13,6 +13,7 @@ import yaml
 
 from kvgateway.server.app import KV_EVENTS, STATE
 from kvgateway.server.reload import reload_config
+from tests.support.eventually import eventually
 from tests.support.fleet import MODEL, NodeSpec, StartFleet
 
 
@@ -110,7 +111,8 @@ async def test_hung_node_times_out_and_releases(start_fleet: StartFleet):
             async with s.post(fleet.url + "/v1/chat/completions", json=chat(stream=stream)) as r:
                 assert r.status == 504
                 assert (await r.json())["error"]["code"] == "upstream_timeout"
-    assert fleet.leaks() == {}
+    # Released once the node's abort has landed (abort_release_delay_s).
+    await eventually(lambda: fleet.leaks() == {}, timeout=2)
 
 
 async def test_idle_stream_timeout_ends_stream_with_error(start_fleet: StartFleet):
@@ -127,7 +129,7 @@ async def test_idle_stream_timeout_ends_stream_with_error(start_fleet: StartFlee
         events = await read_sse(r)
     assert events[-1] == "[DONE]"
     assert events[-2]["error"]["code"] == "upstream_timeout"
-    assert fleet.leaks() == {}
+    await eventually(lambda: fleet.leaks() == {}, timeout=2)  # once the abort has landed
 
 
 async def test_client_disconnect_cancels_upstream_promptly(start_fleet: StartFleet):
@@ -379,3 +381,23 @@ async def test_what_was_learned_of_a_removed_backend_goes_with_it(
     assert reload_config(app, str(cfg))
     assert gone not in state.calibration.backends()
     assert routed(gone) == 0
+
+
+async def test_a_node_that_cuts_every_stream_after_its_head_is_ejected(start_fleet: StartFleet):
+    """``eject_after_failures`` (3) streams in a row cut after their heads take the node
+    out: a head is not a served request, so it does not end the run of failures."""
+    fleet = await start_fleet(
+        [("small-1", "small", "gpu24-8b", {})],
+        time_scale=20,
+        gateway={"health": {"interval_s": 60}},
+    )
+    await fleet.nodes["small-1"].fault(drop_after_chunks=3, remaining=3)
+    async with aiohttp.ClientSession() as s:
+        for _ in range(3):
+            body = chat(max_tokens=200, stream=True)
+            async with s.post(fleet.url + "/v1/chat/completions", json=body) as r:
+                assert r.status == 200
+                events = await read_sse(r)
+            assert any(isinstance(e, dict) and "error" in e for e in events)
+    assert not fleet.backend("small-1").healthy
+    assert fleet.leaks() == {}
