@@ -111,6 +111,16 @@ def chat(max_tokens: int, **extra: Any) -> dict[str, Any]:
     return {"model": MODEL, "messages": messages, "max_tokens": max_tokens, **extra}
 
 
+async def etl_stream(url: str) -> bytes:
+    """A streamed chat (``max_tokens`` 500) as the ``etl`` tenant: the whole body."""
+    async with aiohttp.ClientSession() as s:
+        headers = {"Authorization": "Bearer k-etl"}
+        body = chat(500, stream=True)
+        async with s.post(url + "/v1/chat/completions", json=body, headers=headers) as r:
+            assert r.status == 200
+            return await r.read()
+
+
 async def tenant_view(url: str) -> dict[str, Any]:
     async with aiohttp.ClientSession() as s:
         headers = {"Authorization": "Bearer k-etl"}
@@ -310,12 +320,7 @@ async def test_a_stream_without_include_usage_is_charged_what_it_relayed(
     tokens was charged its whole max_tokens (500) against the tenant's output quota."""
     node = await aiohttp_server(vllm_like_node(tokens=20, pause_s=0.0))
     fleet = await gateway_over(start_fleet, str(node.make_url("")).rstrip("/"))
-    async with aiohttp.ClientSession() as s:
-        headers = {"Authorization": "Bearer k-etl"}
-        body = chat(500, stream=True)
-        async with s.post(fleet.url + "/v1/chat/completions", json=body, headers=headers) as r:
-            assert r.status == 200
-            text = (await r.read()).decode()
+    text = (await etl_stream(fleet.url)).decode()
     assert '"usage"' not in text and text.endswith("data: [DONE]\n\n")
     assert (await tenant_view(fleet.url))["output_tokens_last_minute"] == 20
     assert fleet.leaks() == {}
@@ -547,12 +552,7 @@ async def test_a_stream_the_node_ends_with_an_error_is_charged_what_it_relayed(
 
     node = await aiohttp_server(node_app({"/v1/chat/completions": chat_fails}))
     fleet = await gateway_over(start_fleet, str(node.make_url("")).rstrip("/"))
-    async with aiohttp.ClientSession() as s:
-        headers = {"Authorization": "Bearer k-etl"}
-        body = chat(500, stream=True)
-        async with s.post(fleet.url + "/v1/chat/completions", json=body, headers=headers) as r:
-            assert r.status == 200
-            assert b"engine failed" in await r.read()
+    assert b"engine failed" in await etl_stream(fleet.url)
     charged = (await tenant_view(fleet.url))["output_tokens_last_minute"]
     assert 0 < charged < 10, charged  # what it relayed, not its max_tokens
     assert fleet.leaks() == {}
