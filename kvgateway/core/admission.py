@@ -9,11 +9,12 @@ times out is removed in ``except BaseException``; if the cancellation raced with
 grant, the granted reservation is released there, so nothing leaks.
 
 The wait queue is a bounded FIFO, fair per backend: a waiting request *claims* every
-backend that could ever hold it (but one it excludes), and nobody who arrived later may take capacity on a
-claimed backend. Whenever capacity may have appeared (a release, a backend turning
-healthy, a reload) waiters are offered it in arrival order. Requests that fit only on
-unclaimed backends still pass: a huge prompt waiting for a large node does not hold up
-short chats on small nodes, and a stream of short chats cannot starve it either.
+backend that could ever hold it (but one it excludes), and nobody who arrived later may
+take capacity on a claimed backend. Whenever capacity may have appeared (a release, a
+backend turning healthy, a reload) waiters are offered it in arrival order. Requests
+that fit only on unclaimed backends still pass: a huge prompt waiting for a large node
+does not hold up short chats on small nodes, and a stream of short chats cannot starve
+it either.
 
 With tenants (:mod:`kvgateway.core.tenancy`) "arrival order" becomes the tenancy order:
 class first (with aging), then fair queuing on KV tokens within a class. A newcomer is
