@@ -274,14 +274,14 @@ async def serve(
                     await task
         if reloader is not None:
             await reloader.close()
-        await _shutdown(app, runner, site, app[STATE].config)  # as last reloaded
+        await _shutdown(app, runner, site, app[STATE].live())  # as last reloaded
 
 
 def _warn_unknown_slots(state: GatewayState) -> None:
     """Class floors keep sequence slots as well as KV: on a node whose max_num_seqs is
     neither configured nor derived (vLLM does not report it), slots are judged against
     vLLM's default, and a floor cannot hold them if the node runs with fewer."""
-    if not any(c.floor_share > 0 for c in state.config.auth.classes):
+    if not any(c.floor_share > 0 for c in state.live().auth.classes):
         return
     unknown = [b.name for b in state.fleet.backends if b.limits.max_num_seqs.value is None]
     if unknown:

@@ -1,6 +1,7 @@
 """Configuration: typed model (:mod:`.model`), YAML loading (:mod:`.load`), YAML reading
 helpers with path-named errors (:mod:`.yamlread`)."""
 
+from kvgateway.config.ledger import LedgerConfig
 from kvgateway.config.load import load_config, parse_config, parse_config_text
 from kvgateway.config.model import (
     AdmissionConfig,
@@ -11,7 +12,6 @@ from kvgateway.config.model import (
     DnsGroupConfig,
     GatewayConfig,
     HealthConfig,
-    LedgerConfig,
     LoadFeedbackConfig,
     ModelConfig,
     RoutingConfig,

@@ -16,13 +16,13 @@ from kvgateway.capacity.errors import CapacityConfigError
 from kvgateway.capacity.estimate import estimate
 from kvgateway.capacity.spec import CapacitySpec
 from kvgateway.config.document import expand_env, read_document
+from kvgateway.config.ledger import LedgerConfig
 from kvgateway.config.model import (
     POLICIES,
     AdmissionConfig,
     DiscoveryConfig,
     GatewayConfig,
     HealthConfig,
-    LedgerConfig,
     LoadFeedbackConfig,
     ModelConfig,
     Policy,

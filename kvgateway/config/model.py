@@ -12,6 +12,7 @@ from enum import StrEnum
 from typing import Any
 from urllib.parse import urlsplit
 
+from kvgateway.config.ledger import LedgerConfig
 from kvgateway.tokens.encoding import TokenizerConfig
 
 
@@ -316,43 +317,6 @@ class AuthConfig:
 
 
 @dataclass(frozen=True, slots=True)
-class LedgerConfig:
-    """Where reservations are kept: in this process (``url`` empty) or in a Redis that
-    every replica shares, so that their sum per backend never exceeds its budget."""
-
-    url: str = ""
-    # The name of an environment variable holding the Redis password (never the password).
-    password_env: str = ""
-    # A replica that stops refreshing its lease for this long loses its reservations.
-    lease_s: float = 10.0
-    # Bound on every Redis call; past it the replica falls back to its local share. It
-    # is measured on the replica's event loop, so it includes the loop's own lag: at
-    # 0.25 s a one-worker replica saturated at 128 concurrent requests fell back every
-    # few seconds with Redis idle (bench.overhead --ledger, c128).
-    timeout_s: float = 1.0
-    # Identity of this replica in the ledger (default: host name, port and worker index);
-    # a replica restarting with the same identity starts from zero, not on top of its past.
-    replica_id: str = ""
-    # Prefix of every Redis key, so several fleets can share one Redis.
-    namespace: str = "kvgw"
-    # The replica count the blind share assumes until Redis has answered once (a replica
-    # that starts while Redis is down has never seen the real count).
-    fallback_replicas: int = 2
-    # What a finished request held stays recorded in Redis this long as this replica's
-    # credit: the next request that fits in it is admitted without a Redis round trip.
-    # 0: every admission asks Redis.
-    credit_hold_s: float = 0.05
-    # Credit kept per backend: at most this many times the room of the request released
-    # last. Releases come in bursts (one event-loop turn finishes many answers); what is
-    # over goes back to Redis at once, and a replica refused there takes it all back.
-    credit_max_requests: int = 32
-
-    @property
-    def shared(self) -> bool:
-        return bool(self.url)
-
-
-@dataclass(frozen=True, slots=True)
 class GatewayConfig:
     server: ServerConfig
     models: tuple[ModelConfig, ...]
@@ -363,7 +327,7 @@ class GatewayConfig:
     tiers: tuple[TierConfig, ...]
     discovery: DiscoveryConfig = DiscoveryConfig()
     auth: AuthConfig = AuthConfig()
-    ledger: LedgerConfig = LedgerConfig()
+    ledger: LedgerConfig = field(default_factory=LedgerConfig)
     tracing: TracingConfig = TracingConfig()
     source: str = "<memory>"
     _model_index: dict[str, ModelConfig] = field(default_factory=dict, compare=False)
@@ -396,3 +360,28 @@ class GatewayConfig:
             for t in self.tiers
         )
         return replace(self, tiers=tiers, _model_index={})
+
+
+class LiveConfig:
+    """The running config, read per request by every stage (a call); a reload sets it."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: GatewayConfig) -> None:
+        self.value = value
+
+    def __call__(self) -> GatewayConfig:
+        return self.value
+
+    # The parts a stage reads per request, each a call of its own.
+    def auth(self) -> AuthConfig:
+        return self.value.auth
+
+    def health(self) -> HealthConfig:
+        return self.value.health
+
+    def access_log(self) -> bool:
+        return self.value.server.access_log
+
+    def prefix_credit(self) -> bool:
+        return self.value.admission.prefix_credit

@@ -13,11 +13,16 @@ ledger every gateway replica enforces the limits on its own.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from kvgateway.config.model import TenantLimits
+from kvgateway.errors import RateLimited
+
+if TYPE_CHECKING:
+    from kvgateway.core.tenancy import Tenancy
 
 WINDOW_S = 60.0
 
@@ -26,6 +31,10 @@ REQUESTS = "requests_per_minute"
 PROMPT = "prompt_tokens_per_minute"
 OUTPUT = "output_tokens_per_minute"
 RATE_LIMITS = (REQUESTS, PROMPT, OUTPUT)
+
+# OpenAI's header names: `tokens` is the prompt (input) token limit; output tokens have
+# their own limit here, reported under `output-tokens`.
+_HEADER_NAMES = {REQUESTS: "requests", PROMPT: "tokens", OUTPUT: "output-tokens"}
 
 
 @dataclass(eq=False, slots=True)
@@ -217,3 +226,53 @@ class LocalQuotaLedger:
 
     def usage(self, tenant: str, now: float) -> dict[str, int]:
         return {name: self._window(tenant, name).used(now) for name in RATE_LIMITS}
+
+
+def reset_text(seconds: float) -> str:
+    """A duration as OpenAI writes it: ``20ms``, ``1.5s``, ``6m0s``."""
+    if seconds < 1:
+        return f"{max(0, math.ceil(seconds * 1000))}ms"
+    minutes, rest = divmod(seconds, 60)
+    rest_text = f"{round(rest, 3):g}s"
+    return f"{int(minutes)}m{rest_text}" if minutes else rest_text
+
+
+def limit_headers(ledger: QuotaLedger, tenancy: Tenancy, tenant: str, now: float) -> dict[str, str]:
+    headers = {}
+    for name, status in ledger.status(tenant, tenancy.tenant(tenant).limits, now).items():
+        word = _HEADER_NAMES[name]
+        headers[f"x-ratelimit-limit-{word}"] = str(status.limit)
+        headers[f"x-ratelimit-remaining-{word}"] = str(status.remaining)
+        headers[f"x-ratelimit-reset-{word}"] = reset_text(status.reset_s)
+    return headers
+
+
+async def charge(
+    ledger: QuotaLedger, tenancy: Tenancy, tenant: str, prompt: int, output: int, now: float
+) -> tuple[Charge, dict[str, str]]:
+    """Charge one request against the tenant's limits; :class:`RateLimited` names the
+    limit that refused it and when it frees."""
+    outcome = await ledger.try_charge(tenant, tenancy.tenant(tenant).limits, prompt, output, now)
+    headers = limit_headers(ledger, tenancy, tenant, now)
+    if isinstance(outcome, RateLimitHit):
+        raise _refusal(tenant, outcome, headers)
+    return outcome, headers
+
+
+def _refusal(tenant: str, hit: RateLimitHit, headers: dict[str, str]) -> RateLimited:
+    unit = "requests" if hit.limit == REQUESTS else "tokens"
+    if math.isinf(hit.retry_after_s):
+        return RateLimited(
+            f"Tenant '{tenant}': this request needs {hit.asked} {unit} but the "
+            f"{hit.limit} limit is {hit.value}; it can never fit. Reduce the request.",
+            param=hit.limit,
+            limit_headers=headers,
+        )
+    return RateLimited(
+        f"Tenant '{tenant}' reached its {hit.limit} limit ({hit.value}; {hit.used} used in "
+        f"the last minute, this request needs {hit.asked}). Retry in "
+        f"{reset_text(hit.retry_after_s)}.",
+        param=hit.limit,
+        limit_headers=headers,
+        retry_after=max(1.0, math.ceil(hit.retry_after_s)),
+    )

@@ -11,7 +11,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
-from kvgateway.config.model import LedgerConfig
+from kvgateway.config.ledger import LedgerConfig
 
 # What a Redis call that failed raises: each caller falls back on its own, never fails
 # a request.

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from redis.asyncio import Redis
 
-from kvgateway.config.model import LedgerConfig
+from kvgateway.config.ledger import LedgerConfig
 from kvgateway.core.admission import Admission
 from kvgateway.core.backends import Backend
 from kvgateway.core.fleet import Fleet

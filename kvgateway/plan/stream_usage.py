@@ -23,7 +23,7 @@ choice where the backend decodes speculatively, a bound that never passes the re
 (:class:`LiveRequest`, :meth:`~kvgateway.core.reservation.Reservation.progress`): a
 request admitted by the projected peak is then projected from where the node says it
 is. What a finished request generated is settled and learned by
-:mod:`kvgateway.server.settle`.
+:class:`~kvgateway.server.exchange.Settle`.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from kvgateway.server.tenants import tenants_view
 
 def _model_entries(state: GatewayState) -> list[dict[str, Any]]:
     data = []
-    for model in state.config.models:
+    for model in state.live().models:
         largest = state.fleet.largest_context(model.name)
         for name in (model.name, *model.aliases):
             data.append(
@@ -148,10 +148,10 @@ async def admin_backends(request: web.Request) -> web.Response:
         {
             "backends": views,
             "queue_depth": state.admission.queue_depth,
-            "policy": state.config.routing.policy,
+            "policy": state.live().routing.policy,
             "tenants": tenants_view(state.tenancy, state.quotas, now),
-            "prefix_aware": state.config.routing.prefix_aware,
-            "output_reservation": state.config.admission.output_reservation,
+            "prefix_aware": state.live().routing.prefix_aware,
+            "output_reservation": state.live().admission.output_reservation,
         }
     )
 

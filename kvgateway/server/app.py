@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import time
-import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Any
 
 import aiohttp
@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from kvgateway import __version__
-from kvgateway.config.model import GatewayConfig
+from kvgateway.config.model import GatewayConfig, LiveConfig
 from kvgateway.core.admission import Admission
 from kvgateway.core.backends import Observed
 from kvgateway.core.demand import Demand
@@ -34,23 +34,22 @@ from kvgateway.core.quota import LocalQuotaLedger, QuotaLedger
 from kvgateway.core.routing import Decision, Wait
 from kvgateway.core.shared_blocks import SharedBlocks
 from kvgateway.core.tenancy import Tenancy
-from kvgateway.errors import BodyTooLarge, GatewayError, MethodNotAllowed, NotFound, Unauthorized
 from kvgateway.ledger.redis_ledger import RedisLedger
 from kvgateway.plan.planner import Planner
 from kvgateway.server import admin
 from kvgateway.server.appkeys import DNS, EXPOSITION, KV_EVENTS, MONITOR, STATE, WORKER_GAUGES
-from kvgateway.server.body import end_unread_body
+from kvgateway.server.edge import auth_middleware, errors_middleware, request_id_middleware
+from kvgateway.server.exchange import Settle
 from kvgateway.server.ledger_view import LedgerMetrics, build_ledger
 from kvgateway.server.metrics import FleetCollector, GatewayMetrics
 from kvgateway.server.passthrough import PATHS as PASSTHROUGH_PATHS
 from kvgateway.server.passthrough import handle_passthrough
-from kvgateway.server.proxy import REQUEST_ID, error_response, handle_completion
+from kvgateway.server.proxy import handle_completion
 from kvgateway.server.relay import Relay
 from kvgateway.server.reload import FleetMembers
-from kvgateway.server.settle import Settle
-from kvgateway.server.state import Clock, GatewayState, LiveConfig, Stages
-from kvgateway.server.telemetry import AccessRecord, Tracing, from_environment, log_access
-from kvgateway.server.tenants import TENANT, TenantCollector, key_owner, tenant_for_key
+from kvgateway.server.state import Clock, GatewayState, Stages
+from kvgateway.server.telemetry import Tracing, from_environment
+from kvgateway.server.tenants import TenantCollector
 from kvgateway.server.worker_gauges import WorkerGauges
 from kvgateway.tokens.counters import TokenCounters
 from kvgateway.tokens.encoding import EncodingCache
@@ -60,10 +59,6 @@ from kvgateway.upstream.kv_events import KVEventHub, kv_event_sources
 from kvgateway.upstream.monitor import Monitor
 from kvgateway.upstream.node_pool import NodePool
 from kvgateway.upstream.node_tokenize import NodeTokenizer
-
-_OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
-
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 __all__ = ["KV_EVENTS", "MONITOR", "STATE", "create_app"]
 
@@ -118,7 +113,7 @@ def create_app(
         encodings.get(model.tokenizer.encoding)
 
     app = web.Application(
-        middlewares=[_request_id_middleware, _errors_middleware, _auth_middleware],
+        middlewares=[request_id_middleware, errors_middleware, auth_middleware],
         client_max_size=config.admission.max_body_bytes,
         # A connection with no complete request for this long (idle keep-alive, headers
         # sent half-way) is closed: aiohttp's timer runs from the connection's start.
@@ -148,7 +143,7 @@ def create_app(
             prefix = PrefixRouter(
                 prefix_index,
                 shared=SharedBlocks(),
-                credit=lambda: live_config().admission.prefix_credit,
+                credit=live_config.prefix_credit,
             )
             state = _build_state(
                 live_config,
@@ -171,7 +166,7 @@ def create_app(
                 fleet=fleet,
                 admission=state.admission,
                 session=session,
-                config=lambda: state.config,
+                config=state.live,
                 clock=clock,
                 on_crash=lambda b: metrics.of(metrics.watcher_restarts, b.name).inc(),
             )
@@ -214,18 +209,9 @@ def create_app(
         app[WORKER_GAUGES] = worker_gauges
     app.cleanup_ctx.append(runtime)
 
-    async def chat(request: web.Request) -> web.StreamResponse:
-        return await handle_completion(request, request.app[STATE], "chat")
-
-    async def completions(request: web.Request) -> web.StreamResponse:
-        return await handle_completion(request, request.app[STATE], "completion")
-
-    async def responses(request: web.Request) -> web.StreamResponse:
-        return await handle_completion(request, request.app[STATE], "responses")
-
-    app.router.add_post("/v1/chat/completions", chat)
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_post("/v1/responses", responses)
+    app.router.add_post("/v1/chat/completions", partial(handle_completion, kind="chat"))
+    app.router.add_post("/v1/completions", partial(handle_completion, kind="completion"))
+    app.router.add_post("/v1/responses", partial(handle_completion, kind="responses"))
     for path in PASSTHROUGH_PATHS:
         app.router.add_post(path, handle_passthrough)
     app.router.add_get("/v1/models", admin.models)
@@ -235,14 +221,6 @@ def create_app(
     app.router.add_get("/admin/backends", admin.admin_backends)
     app.router.add_get("/metrics", admin.metrics)
     return app
-
-
-def _client_request_id(request: web.Request) -> str:
-    """The client's X-Request-Id when it is a sane token (it is logged and echoed)."""
-    rid = request.headers.get("x-request-id", "")
-    if 0 < len(rid) <= 128 and rid.isascii() and rid.isprintable() and " " not in rid:
-        return rid
-    return uuid.uuid4().hex
 
 
 def _build_state(
@@ -260,10 +238,8 @@ def _build_state(
     prefix: PrefixRouter,
 ) -> GatewayState:
     """The four stages, each built with what it needs, and the state that holds them."""
-    calibration = PromptCalibration(
-        lambda model, ratio: metrics.estimate_ratio.labels(model=model).observe(ratio)
-    )
-    tenancy = Tenancy(lambda: live().auth)
+    calibration = PromptCalibration(metrics.observe_estimate_ratio)
+    tenancy = Tenancy(live.auth)
     # The learned output lengths: Settle teaches them, Plan reads them.
     outputs = OutputModel()
 
@@ -293,7 +269,7 @@ def _build_state(
             outputs=outputs,
         ),
         admission=admission,
-        relay=Relay(clock, lambda: live().health),
+        relay=Relay(clock, live.health),
         settle=Settle(
             calibration,
             outputs,
@@ -301,7 +277,7 @@ def _build_state(
             tenancy,
             metrics,
             clock,
-            lambda: live().server.access_log,
+            live.access_log,
             cuts_learned=admission.rebalance,
         ),
     )
@@ -320,65 +296,3 @@ def _build_state(
         ledger=ledger,
         prefix=prefix,
     )
-
-
-@web.middleware
-async def _request_id_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    # The one place a request gets its id: handlers, errors and logs all read it here.
-    request[REQUEST_ID] = _client_request_id(request)
-    resp = await handler(request)
-    end_unread_body(request, resp)
-    return resp
-
-
-@web.middleware
-async def _errors_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    rid = request[REQUEST_ID]
-    try:
-        return await handler(request)
-    except GatewayError as err:
-        return error_response(err, rid)
-    except web.HTTPNotFound:
-        return error_response(NotFound(f"No route for {request.method} {request.path}."), rid)
-    except web.HTTPMethodNotAllowed:
-        return error_response(
-            MethodNotAllowed(f"Method {request.method} is not allowed on {request.path}."), rid
-        )
-    except web.HTTPRequestEntityTooLarge as exc:
-        return error_response(BodyTooLarge(exc.text or "Request body too large."), rid)
-
-
-def _refused_key(state: GatewayState, request: web.Request) -> None:
-    """A request without a valid key: counted, and in the access log (no key in it)."""
-    state.metrics.rejections.labels(reason="auth").inc()
-    if state.config.server.access_log:
-        rid = request.get(REQUEST_ID, "-")
-        log_access(
-            AccessRecord(
-                rid, request.method, request.path, status=401, outcome=Unauthorized.default_code
-            )
-        )
-
-
-@web.middleware
-async def _auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    state = request.app[STATE]
-    server = state.config.server
-    path = request.path
-    if path in _OPEN_PATHS:
-        return await handler(request)
-    header = request.headers.get("Authorization", "")
-    if path.startswith("/admin/") and server.admin_api_keys:
-        if key_owner(header, (("admin", k) for k in server.admin_api_keys)) is None:
-            _refused_key(state, request)
-            raise Unauthorized(
-                "Incorrect API key provided. Send it as 'Authorization: Bearer <key>'. "
-                "/admin/* takes an admin key."
-            )
-        return await handler(request)
-    tenant = tenant_for_key(state.config.auth, header)
-    if tenant is None:
-        _refused_key(state, request)
-        raise Unauthorized("Incorrect API key provided. Send it as 'Authorization: Bearer <key>'.")
-    request[TENANT] = tenant
-    return await handler(request)

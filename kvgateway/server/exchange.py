@@ -1,27 +1,35 @@
-"""One request's way through the proxy, as one object (mitmproxy's ``Flow``).
+"""One request's way through the proxy, as one object (mitmproxy's ``Flow``), and
+Settle, the last stage: what it teaches and what it costs once it has ended.
 
 An :class:`Exchange` is created when a request arrives and carries everything the
 handlers learn about it: the plan, each admission, each upstream failure, the response
 being relayed, what the relay saw of the answer and the final access record. When it
-ends, :func:`finish`
-computes the metrics and the access line once, from that final state, so the control
-flow of the proxy never interleaves bookkeeping.
+ends, :class:`Settle` (synchronous, fed only by the exchange: the relay records what it
+saw in :class:`Answer` and trains nothing) learns from its usage (the output the tenant
+is charged, the nodes' prompt count for calibration, one sequence's length for the
+output model), settles the tenant's charge, and computes the metrics and the access
+line once, from that final state, so the control flow of the proxy never interleaves
+bookkeeping.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from kvgateway.core.quota import Charge
+from kvgateway.core.output_model import OutputModel
+from kvgateway.core.quota import Charge, QuotaLedger, limit_headers
 from kvgateway.core.reservation import Reservation
+from kvgateway.core.tenancy import Tenancy
 from kvgateway.server.metrics import GatewayMetrics
 from kvgateway.server.telemetry import AccessRecord, log_access
+from kvgateway.tokens.prompt_estimate import PromptCalibration
 from kvgateway.upstream.client import Usage
 
 if TYPE_CHECKING:
@@ -211,3 +219,124 @@ def _tenant_metrics(ex: Exchange, m: GatewayMetrics) -> None:
         m.of(m.tenant_rate_limited, rec.tenant, ex.limit_hit).inc()
     if ex.ttft_s is not None:
         m.of(m.tenant_ttft, rec.tenant).observe(ex.ttft_s)
+
+
+# A stream the node failed, stalled or ended early, or the gateway's own shutdown ended:
+# the gateway wrote the error event.
+_CUT_SHORT = frozenset(
+    {
+        Outcome.CANCELLED_SHUTDOWN,
+        Outcome.MID_STREAM_TIMEOUT,
+        Outcome.MID_STREAM_RESET,
+        Outcome.MID_STREAM_TRUNCATED,
+        Outcome.MID_STREAM_NODE_ERROR,
+        Outcome.MID_STREAM_TOTAL_TIMEOUT,
+        Outcome.MID_STREAM_TOO_LARGE,
+    }
+)
+
+
+def settle_charge(ex: Exchange, ledger: QuotaLedger, now: float) -> None:
+    """Replace the reserved output with what was generated: the usage when the node
+    reported it; what a stream had relayed when its client left (499), its node failed or
+    cut it, or the gateway's shutdown ended it before the usage (capped at the
+    reservation: a failure not the tenant's does not cost it its whole max_tokens); nothing when no answer was relayed or the node
+    refused; else the reservation (a stream without usage is charged in full). A request
+    never admitted costs nothing."""
+    c = ex.charge
+    if c is None:
+        return
+    status = ex.record.status
+    if ex.output_tokens is not None:
+        output = ex.output_tokens
+        if ex.plan is not None:  # a node cannot generate past max_tokens x n
+            output = min(output, ex.plan.output_tokens * ex.plan.demand.sequences)
+    elif ex.ttft_s is None:
+        output = 0
+    elif ex.streamed_tokens is not None and (
+        status == CLIENT_GONE or ex.record.outcome in _CUT_SHORT
+    ):
+        output = min(ex.streamed_tokens, c.reserved_output)
+    elif status >= 400:
+        output = 0
+    else:
+        output = c.reserved_output
+    ex.output_tokens = output
+    ledger.settle(c, output, now, served=bool(ex.admissions))
+
+
+class Settle:
+    """Owns the Settle stage. ``access_log`` is read per request (a reload may turn it)."""
+
+    def __init__(
+        self,
+        calibration: PromptCalibration,
+        outputs: OutputModel,
+        quotas: QuotaLedger,
+        tenancy: Tenancy,
+        metrics: GatewayMetrics,
+        clock: Callable[[], float],
+        access_log: Callable[[], bool],
+        cuts_learned: Callable[[], None] = lambda: None,
+    ) -> None:
+        self._calibration = calibration
+        self._outputs = outputs
+        self._quotas = quotas
+        self._tenancy = tenancy
+        self._metrics = metrics
+        self._clock = clock
+        self._access_log = access_log
+        # Told when a group's answers first allow a node's context to cut its requests:
+        # requests waiting for such a cut may be served now.
+        self._cuts_learned = cuts_learned
+
+    def learn(self, ex: Exchange) -> None:
+        """What a finished answer (``ex.answer``) says: the output it generated (from
+        ``usage``, else a stream's own count), the nodes' count of a stand-in-counted
+        prompt, and one sequence's output length."""
+        plan, answer = ex.plan, ex.answer
+        if plan is None or answer is None:
+            return
+        usage = answer.usage
+        output = usage.completion_tokens if usage is not None else None
+        if output is None:
+            output = answer.streamed
+        if output is not None:
+            ex.output_tokens = output
+        # vLLM reports the prompt once per request, whatever n is. Learned on the
+        # stand-in's own count (what calibration scales); exact counts need no correction.
+        prompt = plan.prompt
+        if (
+            usage is not None
+            and prompt.prompts == 1
+            and not prompt.exact
+            and not prompt.truncated
+            and not prompt.uncalibrated
+        ):
+            self._calibration.observe(
+                answer.backend, plan.model.name, prompt.standin, usage.prompt_tokens
+            )
+        # One sequence's length per request: the mean of n sequences is narrower than the
+        # lengths it averages (and hides one cut at its cap), so n > 1 teaches nothing.
+        if output is None or plan.parsed.echo_only or plan.demand.sequences != 1:
+            return
+        if self._outputs.observe(
+            plan.model.name, ex.client, plan.output_tokens, output, cap=answer.cap
+        ):
+            self._cuts_learned()
+
+    def refused(self, ex: Exchange) -> dict[str, str]:
+        """Settle a refused request's charge now (one never admitted is refunded) and
+        give the tenant's ``x-ratelimit-*`` headers: what it has left after this request,
+        not what its charge had taken ({} for a request never charged)."""
+        if ex.charge is None:
+            return {}
+        now = self._clock()
+        settle_charge(ex, self._quotas, now)
+        return limit_headers(self._quotas, self._tenancy, ex.charge.tenant, now)
+
+    def close(self, ex: Exchange) -> None:
+        """The request has ended: settle its charge, count it, log it."""
+        now = self._clock()
+        settle_charge(ex, self._quotas, now)
+        finish(ex, self._metrics, now, self._access_log())

@@ -234,6 +234,9 @@ class GatewayMetrics:
             child = self._children[key] = metric.labels(*values)
         return child
 
+    def observe_estimate_ratio(self, model: str, ratio: float) -> None:
+        self.of(self.estimate_ratio, model).observe(ratio)
+
     def count_kv_event(self, backend: str, what: EventCount) -> None:
         """One of ``backend``'s KV event counters, by one (a subscriber's tally)."""
         self.of(self.kv_events[what], backend).inc()

@@ -20,6 +20,7 @@ from aiohttp import web
 from kvgateway.config.model import ModelConfig
 from kvgateway.core.backends import Backend
 from kvgateway.core.fleet import Fleet
+from kvgateway.core.quota import charge
 from kvgateway.core.routing import least_in_flight
 from kvgateway.errors import (
     BadRequest,
@@ -30,11 +31,10 @@ from kvgateway.errors import (
 )
 from kvgateway.plan.openai_request import parse_body
 from kvgateway.server.appkeys import STATE
-from kvgateway.server.body import read_limited
+from kvgateway.server.edge import REQUEST_ID, read_limited
 from kvgateway.server.exchange import Exchange, Outcome
-from kvgateway.server.proxy import REQUEST_ID, failed, failover, run_exchange
+from kvgateway.server.proxy import failed, failover, run_exchange
 from kvgateway.server.state import GatewayState
-from kvgateway.server.tenants import charge
 from kvgateway.upstream.client import find_usage, open_request
 from kvgateway.upstream.error_body import is_error_object, openai_error_body
 from kvgateway.upstream.feedback import request_served
@@ -65,7 +65,7 @@ async def handle_passthrough(request: web.Request) -> web.StreamResponse:
 
 
 async def _serve(state: GatewayState, request: web.Request, ex: Exchange) -> web.Response:
-    cfg = state.config
+    cfg = state.live()
     raw = await read_limited(request, cfg.admission.max_body_bytes, cfg.server.body_timeout_s)
     body = parse_body(raw)
     model = _model(state, body)
@@ -171,12 +171,12 @@ def _inputs(body: dict[str, Any]) -> int:
 def _model(state: GatewayState, body: dict[str, Any]) -> ModelConfig:
     name = body.get("model")
     if name is None:
-        if len(state.config.models) == 1:
-            return state.config.models[0]  # /tokenize without a model, as vLLM allows
+        if len(state.live().models) == 1:
+            return state.live().models[0]  # /tokenize without a model, as vLLM allows
         raise BadRequest("Missing required parameter: 'model'.", param="model")
     if not isinstance(name, str):
         raise BadRequest("Invalid type for 'model': expected a string.", param="model")
-    model = state.config.resolve_model(name)
+    model = state.live().resolve_model(name)
     if model is None:
         raise ModelNotFound(
             f"The model `{name}` does not exist or you do not have access to it.", param="model"

@@ -20,6 +20,7 @@ from aiohttp import web
 
 from kvgateway.core.backends import Backend
 from kvgateway.core.output_model import client_key
+from kvgateway.core.quota import charge
 from kvgateway.core.reservation import Reservation
 from kvgateway.errors import (
     ContextLengthExceeded,
@@ -33,12 +34,12 @@ from kvgateway.errors import (
 )
 from kvgateway.plan.openai_request import Kind
 from kvgateway.plan.planner import Plan, upstream_body
-from kvgateway.server.body import read_limited
+from kvgateway.server.appkeys import STATE
+from kvgateway.server.edge import REQUEST_ID, TENANT, error_response, read_limited
 from kvgateway.server.exchange import ABANDONED, CLIENT_GONE, Exchange, Failure, Outcome
 from kvgateway.server.relay import error_event, error_message, is_event_stream
 from kvgateway.server.state import GatewayState
 from kvgateway.server.telemetry import AccessRecord, set_attributes
-from kvgateway.server.tenants import TENANT, charge
 from kvgateway.tokens.node_count import NodeCount, parse_context_length_error
 from kvgateway.upstream.client import open_request
 from kvgateway.upstream.feedback import request_failed, request_served, serving
@@ -46,24 +47,12 @@ from kvgateway.upstream.feedback import request_failed, request_served, serving
 log = logging.getLogger("kvgateway.server.proxy")
 
 MAX_ATTEMPTS = 3
-REQUEST_ID = web.RequestKey("request_id", str)
 
 
-def error_response(err: GatewayError, request_id: str) -> web.Response:
-    headers = {"x-request-id": request_id, **err.headers()}
-    return web.Response(
-        status=err.status,
-        body=err.body_bytes(),
-        content_type="application/json",
-        headers=headers,
-    )
-
-
-async def handle_completion(
-    request: web.Request, state: GatewayState, kind: Kind
-) -> web.StreamResponse:
+async def handle_completion(request: web.Request, kind: Kind) -> web.StreamResponse:
     """A chat, completion or Responses request: planned, admitted with a KV
     reservation, relayed and settled."""
+    state = request.app[STATE]
 
     async def serve(ex: Exchange) -> web.StreamResponse:
         try:
@@ -95,7 +84,7 @@ async def run_exchange(
             request_id=rid,
             method=request.method,
             path=request.path,
-            tenant=request.get(TENANT, state.config.auth.default_tenant.name),
+            tenant=request.get(TENANT, state.live().auth.default_tenant.name),
         ),
         started=state.clock(),
         client=client,
@@ -165,7 +154,7 @@ async def _serve(state: GatewayState, ex: Exchange, kind: Kind) -> web.StreamRes
 
 
 async def _count_and_forward(state: GatewayState, ex: Exchange, kind: Kind) -> web.StreamResponse:
-    cfg = state.config
+    cfg = state.live()
     raw = await read_limited(
         ex.request,
         cfg.admission.max_body_bytes,
@@ -232,7 +221,7 @@ async def failover(
             outcome = await attempt(held)
             if isinstance(outcome, UpstreamError):
                 # A busy node that still serves may be tried again.
-                if not (outcome.slow and serving(held.backend, state.clock(), state.config.health)):
+                if not (outcome.slow and serving(held.backend, state.clock(), state.live().health)):
                     excluded.add(held.backend.name)
                 last_error = outcome
                 continue
@@ -272,7 +261,7 @@ def failed(
     cause = "timeout" if isinstance(err, UpstreamTimeout) else err.code
     ex.failures.append(Failure(backend.name, cause, retried=False))
     error = err.detail or err.message
-    health = state.config.health
+    health = state.live().health
     if request_failed(
         backend, error, state.clock(), health, may_eject=err.retryable, slow=err.slow
     ):
@@ -289,7 +278,7 @@ def failed(
 
 async def _forward(state: GatewayState, ex: Exchange, raw: bytes) -> web.StreamResponse:
     """Admit with a KV reservation, send, relay (:func:`failover`)."""
-    cfg = state.config
+    cfg = state.live()
     deadline = ex.started + cfg.auth.queue_timeout(ex.record.tenant, cfg.admission.queue_timeout_s)
     body, body_of, cut = raw, cast("Plan | None", None), cast("int | None", None)
 

@@ -6,7 +6,7 @@ stream has sent its first byte nothing is retried: a failure ends it with an err
 and ``data: [DONE]`` so SDK clients see a clean end. The relay moves bytes and records
 what it saw on the exchange (:class:`~kvgateway.server.exchange.Answer`); a stream's
 live count goes to admission as its progress. What an answer teaches is
-:mod:`kvgateway.server.settle`'s.
+:class:`~kvgateway.server.exchange.Settle`'s.
 """
 
 from __future__ import annotations

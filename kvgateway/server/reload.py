@@ -51,7 +51,7 @@ def reload_config(
         state.metrics.reloads.labels(result="invalid").inc()
         log.error("reload of %s rejected, still serving the previous config: %s", path, exc)
         return False
-    old = state.config
+    old = state.live()
     if (new.server.host, new.server.port) != (old.server.host, old.server.port):
         log.warning(
             "server.host/port changes need a restart; keeping %s:%s",
@@ -103,7 +103,7 @@ def apply_config(
     membership changes both come through here."""
     state = app[STATE]
     summary = state.fleet.apply(new, derive_all(new) if derived is None else derived)
-    state.config = new
+    state.live.value = new
     app[MONITOR].sync()
     app[KV_EVENTS].follow(kv_event_sources(new))
     # What was learned of backends no longer in service goes (DNS members come and go).

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvgateway.config.model import GatewayConfig
+from kvgateway.config.model import LiveConfig
 from kvgateway.core.admission import Admission
 from kvgateway.core.fleet import Fleet
 from kvgateway.core.membership import DiscoveredMembers
@@ -20,28 +20,15 @@ from kvgateway.core.quota import QuotaLedger
 from kvgateway.core.tenancy import Tenancy
 from kvgateway.ledger.redis_ledger import RedisLedger
 from kvgateway.plan.planner import Planner
-from kvgateway.server.exchange import Exchange
+from kvgateway.server.exchange import Exchange, Settle
 from kvgateway.server.metrics import GatewayMetrics
 from kvgateway.server.relay import Relay
-from kvgateway.server.settle import Settle
 from kvgateway.server.telemetry import Tracing
 from kvgateway.tokens.counters import TokenCounters
 from kvgateway.tokens.prompt_estimate import PromptCalibration
 from kvgateway.upstream.node_pool import NodePool
 
 Clock = Callable[[], float]
-
-
-class LiveConfig:
-    """The running config, read per request by every stage (a call); a reload sets it."""
-
-    __slots__ = ("value",)
-
-    def __init__(self, value: GatewayConfig) -> None:
-        self.value = value
-
-    def __call__(self) -> GatewayConfig:
-        return self.value
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +59,8 @@ class GatewayState:
         ledger: RedisLedger | None = None,
         prefix: PrefixRouter | None = None,
     ) -> None:
-        self._live = live
+        # The running config (``live()``); a reload sets ``live.value``.
+        self.live = live
         self.planner = stages.planner
         self.admission = stages.admission
         self.relay = stages.relay
@@ -103,11 +91,3 @@ class GatewayState:
         self.active: dict[asyncio.Task[object], Exchange] = {}
         # Turn counter breaking ties between equally loaded nodes for pass-through calls.
         self.passthrough_turn = 0
-
-    @property
-    def config(self) -> GatewayConfig:
-        return self._live.value
-
-    @config.setter
-    def config(self, new: GatewayConfig) -> None:
-        self._live.value = new

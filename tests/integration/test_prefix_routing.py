@@ -92,7 +92,7 @@ async def test_precise_mode_follows_the_nodes_kv_events(start_fleet: StartFleet)
     fleet = await start_fleet(nodes, gateway={"routing": {"prefix_aware": True}})
     assert fleet.state.prefix is not None
     index = fleet.state.prefix.index
-    encoder = ENCODINGS.get(fleet.state.config.models[0].tokenizer.encoding)
+    encoder = ENCODINGS.get(fleet.state.live().models[0].tokenizer.encoding)
     docs = [f"Document {i}: " + f"shipment {i} left the depot at dawn. " * 120 for i in range(3)]
     async with aiohttp.ClientSession() as s:
 
@@ -135,7 +135,7 @@ async def test_a_prefix_the_gateway_never_routed_draws_its_follow_ups(start_flee
     fleet = await start_fleet(nodes, gateway={"routing": {"prefix_aware": True}})
     assert fleet.state.prefix is not None
     index = fleet.state.prefix.index
-    encoder = ENCODINGS.get(fleet.state.config.models[0].tokenizer.encoding)
+    encoder = ENCODINGS.get(fleet.state.live().models[0].tokenizer.encoding)
     homes = list(fleet.nodes)
     docs = [f"Manifest {i}: " + f"crate {i} was sealed at the quay. " * 120 for i in homes]
     async with aiohttp.ClientSession() as s:
@@ -245,7 +245,7 @@ async def test_chat_keys_match_the_nodes_events_with_the_models_tokenizer(
     # The gateway's keys of a chat are the node's own: its events match them exactly.
     assert fleet.state.prefix is not None
     index = fleet.state.prefix.index
-    model = fleet.state.config.models[0]
+    model = fleet.state.live().models[0]
     body = {"messages": [{"role": "system", "content": SYSTEM.format(i=0)}]}
     body["messages"].append({"role": "user", "content": "Conversation 0, question 0: " * 40})
     exact = fleet.state.counters.estimator_for(model.tokenizer).exact_chat_ids(body)

@@ -241,13 +241,13 @@ async def test_reload_under_load_fails_nothing(start_fleet: StartFleet, tmp_path
 async def test_invalid_reload_keeps_old_config(start_fleet: StartFleet, tmp_path):
     fleet = await start_fleet(TWO_SMALL, time_scale=50)
     app = fleet.gateway.app
-    before = app[STATE].config
+    before = app[STATE].live()
     cfg = tmp_path / "bad.yaml"
     cfg.write_text(
         "models: [{name: x}]\ntiers: [{name: t, backends: [{name: a, url: nope, model: x}]}]\n"
     )
     assert reload_config(app, str(cfg)) is False
-    assert app[STATE].config is before
+    assert app[STATE].live() is before
     assert app[STATE].metrics.reloads.labels(result="invalid")._value.get() == 1
     async with (
         aiohttp.ClientSession() as s,
@@ -337,16 +337,16 @@ async def test_a_reload_keeps_the_command_lines_settings_and_says_the_new_policy
     app = fleet.gateway.app
     state = app[STATE]
     # As `serve --port 18093` started it (the file says another port).
-    state.config = replace(state.config, server=replace(state.config.server, port=18093))
-    running = state.config.server
+    state.live.value = replace(state.live(), server=replace(state.live().server, port=18093))
+    running = state.live().server
     args = argparse.Namespace(
         host=None, port=18093, drain_delay_s=None, ledger_url=None, worker_count=None
     )
     cfg = tmp_path / "gw.yaml"
     write_config(cfg, fleet, ["small-1", "small-2"], routing={"policy": "round_robin"})
-    old_policy = app[STATE].config.routing.policy
+    old_policy = app[STATE].live().routing.policy
     assert reload_config(app, str(cfg), lambda c: _with_overrides(args, replace(c)))
-    assert app[STATE].config.server.port == running.port
+    assert app[STATE].live().server.port == running.port
     assert "need a restart" not in caplog.text
     build = app[STATE].metrics.build_info
     assert build.labels(version=__version__, policy="round_robin")._value.get() == 1

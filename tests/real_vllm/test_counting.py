@@ -225,7 +225,7 @@ async def test_the_gateway_counts_every_prompt_as_the_node(
     wrong: dict[str, dict[str, tuple[int, int]]] = {}
     for node in nodes:
         model = node.spec.served_name
-        tok = state.config.resolve_model(model)
+        tok = state.live().resolve_model(model)
         assert tok is not None and tok.tokenizer.model is not None
         want = "tiktoken:" if engine == "auto" else "tokenizers:"
         assert tok.tokenizer.model.name.startswith(want), tok.tokenizer.model.engine_note

@@ -12,8 +12,8 @@ from typing import Any
 
 from redis.asyncio import Redis
 
+from kvgateway.config.ledger import LedgerConfig
 from kvgateway.config.load import parse_config
-from kvgateway.config.model import LedgerConfig
 from kvgateway.core.admission import Admission
 from kvgateway.core.backends import Backend
 from kvgateway.core.demand import Demand

@@ -9,7 +9,7 @@ import pytest
 from kvgateway.config.load import parse_config_text
 from kvgateway.config.model import GatewayConfig
 from kvgateway.config.yamlread import ConfigError
-from kvgateway.server.tenants import key_owner, tenant_for_key
+from kvgateway.server.edge import key_owner, tenant_for_key
 from tests.support.config_text import ONE_BACKEND
 
 BASE = ONE_BACKEND

@@ -15,7 +15,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from kvgateway.errors import GatewayError
-from kvgateway.server.body import end_unread_body, read_limited
+from kvgateway.server.edge import end_unread_body, read_limited
 
 LIMIT = 4096
 

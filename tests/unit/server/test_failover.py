@@ -23,7 +23,7 @@ from tests.support.backends import backend
 
 STATE = cast(
     "GatewayState",
-    SimpleNamespace(clock=lambda: 100.0, config=SimpleNamespace(health=HealthConfig())),
+    SimpleNamespace(clock=lambda: 100.0, live=lambda: SimpleNamespace(health=HealthConfig())),
 )
 
 

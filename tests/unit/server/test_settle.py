@@ -20,9 +20,8 @@ from kvgateway.core.output_model import CUT_SAMPLES, OutputModel
 from kvgateway.core.quota import OUTPUT, Charge, LocalQuotaLedger
 from kvgateway.core.tenancy import Tenancy
 from kvgateway.plan.planner import Plan, Planner
-from kvgateway.server.exchange import Answer, Exchange, Outcome
+from kvgateway.server.exchange import Answer, Exchange, Outcome, Settle
 from kvgateway.server.metrics import GatewayMetrics
-from kvgateway.server.settle import Settle
 from kvgateway.server.telemetry import AccessRecord
 from kvgateway.tokens.counters import TokenCounters
 from kvgateway.tokens.encoding import EncodingCache
