@@ -23,6 +23,8 @@ from kvgateway.plan.budget import (
     learned_prompts,
     output_budget,
     output_is_set,
+    prefix_hint,
+    prompt_ids,
     reserved_prompts,
     truncated,
     truncates_to_fit,
@@ -38,7 +40,6 @@ from kvgateway.plan.openai_request import (
     parse_completion,
     parse_responses,
 )
-from kvgateway.plan.prefix_hint import prefix_hint, prompt_ids
 from kvgateway.plan.stream_usage import UsageAsk, ask_node, usage_ask
 from kvgateway.tokens.counters import TokenCounters
 from kvgateway.tokens.node_count import NodeCount, readmission_prompt_tokens
