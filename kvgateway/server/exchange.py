@@ -108,7 +108,7 @@ class Exchange:
     failures: list[Failure] = field(default_factory=list)
     rejection: str | None = None
     ttft_s: float | None = None
-    # The response already prepared towards the client (streams), if any.
+    # The response being written to the client (a stream, or a whole answer), if any.
     response: web.StreamResponse | None = None
     # The request's own deadline: shutdown moves it forward to end the request properly.
     deadline: asyncio.Timeout | None = None

@@ -143,10 +143,13 @@ async def _serve(state: GatewayState, ex: Exchange, kind: Kind) -> web.StreamRes
         if not ex.shutdown:
             raise
     # The gateway's shutdown ended this request: say so properly.
-    ex.record.outcome = Outcome.CANCELLED_SHUTDOWN
     out = ex.response
     if out is None:
+        ex.record.outcome = Outcome.CANCELLED_SHUTDOWN
         raise ShuttingDown("The gateway is shutting down; retry.", retry_after=1)
+    if isinstance(out, web.Response):
+        return out  # a whole answer, prepared: aiohttp finishes writing it as it is
+    ex.record.outcome = Outcome.CANCELLED_SHUTDOWN
     with contextlib.suppress(ConnectionError, RuntimeError):
         await out.write(error_event("The gateway is shutting down; retry.", "shutting_down"))
         await out.write_eof()
@@ -253,18 +256,23 @@ async def _hold_avoiding(
 
 
 def failed(
-    state: GatewayState, ex: Exchange, backend: Backend, err: UpstreamError
+    state: GatewayState,
+    ex: Exchange,
+    backend: Backend,
+    err: UpstreamError,
+    *,
+    may_eject: bool | None = None,
 ) -> UpstreamError:
     """A try failed before the first byte: recorded (as retried once another backend
     takes the request), and counted towards the backend's health (enough in a row eject
-    it until a probe succeeds); returned to be retried, or raised when it may not be."""
+    it until a probe succeeds, unless ``may_eject`` is False: by default a failure that
+    may be retried); returned to be retried, or raised when it may not be."""
     cause = "timeout" if isinstance(err, UpstreamTimeout) else err.code
     ex.failures.append(Failure(backend.name, cause, retried=False))
     error = err.detail or err.message
     health = state.live().health
-    if request_failed(
-        backend, error, state.clock(), health, may_eject=err.retryable, slow=err.slow
-    ):
+    eject = err.retryable if may_eject is None else may_eject
+    if request_failed(backend, error, state.clock(), health, may_eject=eject, slow=err.slow):
         log.warning(
             "backend %s ejected after %d failed requests in a row: %s",
             backend.name,
@@ -349,7 +357,12 @@ async def _attempt(
                 request_served(backend, state.clock())
             state.settle.learn(ex)
             return streamed
-        data = await state.relay.read_body(ex, resp, backend)
+        try:
+            data = await state.relay.read_body(ex, resp, backend)
+        except UpstreamError as err:  # a body cut or late: the node's failure, not retried
+            raise failed(
+                state, ex, backend, err, may_eject=not isinstance(err, UpstreamTimeout)
+            ) from None
         request_served(backend, state.clock())
         if resp.status == 400 and not plan.prompt.exact and not ex.recounted:
             node = parse_context_length_error(error_message(data), backend.max_model_len)
@@ -367,6 +380,7 @@ async def _send_now(state: GatewayState, ex: Exchange, out: web.Response) -> Non
     does not wait for. aiohttp finishes a prepared response as it is."""
     if state.draining:
         out.force_close()  # the gateway is leaving: the client reconnects elsewhere
+    ex.response = out
     await out.prepare(ex.request)
     await out.write_eof()
 

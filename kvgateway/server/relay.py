@@ -267,6 +267,7 @@ class Relay:
             done = True
         if not done:
             rec.outcome = Outcome.MID_STREAM_TRUNCATED
+            self._stream_failed(ex, r, "the stream ended before its last event")
             await out.write(
                 error_event(f"Backend {r.backend.name} ended the stream early.", "upstream_reset")
             )

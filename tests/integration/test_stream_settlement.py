@@ -98,11 +98,8 @@ async def gateway_over(start_fleet: StartFleet, url: str) -> Any:
         gateway={"auth": AUTH},
         backend_extra={"only": {"url": url, "max_model_len": 8192, "kv_cache_tokens": 100_000}},
     )
-    for _ in range(100):
-        if fleet.backend("only").usable:
-            return fleet
-        await asyncio.sleep(0.05)
-    raise AssertionError("the node never became healthy")
+    await eventually(lambda: fleet.backend("only").usable, timeout=5, what="the node healthy")
+    return fleet
 
 
 def chat(max_tokens: int, **extra: Any) -> dict[str, Any]:
@@ -428,6 +425,102 @@ async def test_a_stream_the_gateways_shutdown_ends_is_charged_what_it_relayed(
     assert 0 < charged < 100, charged
     await asyncio.sleep(0.5)  # the node's abort lands (abort_release_delay_s)
     assert fleet.leaks() == {}
+
+
+async def test_a_whole_answer_the_gateways_shutdown_cuts_is_answered_once(
+    start_fleet: StartFleet, aiohttp_server: Any
+) -> None:
+    """A whole (non-streamed) answer still being written to a client that reads slowly
+    when shutdown ends its request is the answer: the client reads it intact, and it is
+    counted as the 200 it was, with no second answer on the connection."""
+    text = "w " * 4_000_000  # 8 MB: more than the sockets' buffers hold
+
+    async def big(request: web.Request) -> web.Response:
+        usage = {"prompt_tokens": 9, "completion_tokens": 5, "total_tokens": 14}
+        message = {"role": "assistant", "content": text}
+        choice = {"index": 0, "message": message, "finish_reason": "length"}
+        return web.json_response(
+            {
+                "id": "c",
+                "object": "chat.completion",
+                "model": SERVED,
+                "choices": [choice],
+                "usage": usage,
+            }
+        )
+
+    node = await aiohttp_server(node_app({"/v1/chat/completions": big}))
+    url = str(node.make_url("")).rstrip("/")
+    fleet = await start_fleet(
+        [("only", "small", "gpu24-8b", {})],
+        backend_extra={"only": {"url": url, "max_model_len": 8192, "kv_cache_tokens": 8192}},
+    )
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(fleet.url + "/v1/chat/completions", json=chat(5)) as r,
+    ):
+        assert r.status == 200
+        await eventually(lambda: any(ex.answer is not None for ex in fleet.state.active.values()))
+        await asyncio.sleep(0.3)  # the write waits for the client to read
+        for ex in list(fleet.state.active.values()):
+            ex.end_now()
+        await eventually(lambda: not fleet.state.active)
+        answer = await r.json()
+    assert answer["choices"][0]["message"]["content"] == text
+    async with aiohttp.ClientSession() as s, s.get(fleet.url + "/metrics") as m:
+        exposed = await m.text()
+    served = [line for line in exposed.splitlines() if line.startswith("gateway_requests_total")]
+    assert len(served) == 1 and 'status="200"' in served[0], served
+
+
+async def test_an_answer_cut_while_its_body_is_read_is_the_nodes_failure(
+    start_fleet: StartFleet, aiohttp_server: Any
+) -> None:
+    """A node that breaks the connection half-way through a whole answer failed the
+    request: the client gets a 502, and the failure counts in the metrics and towards
+    the node's health, as a failure before the head does."""
+
+    async def cut(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+        resp.content_length = 10_000
+        await resp.prepare(request)
+        await resp.write(b'{"id": "c", "object": "chat.completion", "choices": [')
+        assert request.transport is not None
+        request.transport.close()
+        return resp
+
+    node = await aiohttp_server(node_app({"/v1/chat/completions": cut}))
+    fleet = await gateway_over(start_fleet, str(node.make_url("")).rstrip("/"))
+    async with aiohttp.ClientSession() as s:
+        headers = {"Authorization": "Bearer k-etl"}
+        async with s.post(fleet.url + "/v1/chat/completions", json=chat(5), headers=headers) as r:
+            assert r.status == 502
+            assert (await r.json())["error"]["code"] == "upstream_reset"
+    labels = {"backend": "only", "cause": "reset"}
+    assert fleet.state.metrics.registry.get_sample_value("gateway_upstream_failures_total", labels)
+    assert fleet.backend("only").consecutive_failures == 1
+
+
+async def test_a_stream_that_ends_without_its_last_event_is_the_nodes_failure(
+    start_fleet: StartFleet, aiohttp_server: Any
+) -> None:
+    """A stream the node ends cleanly but before ``[DONE]`` is cut short: the client gets
+    an error event, and the failure counts in the metrics and towards the node's health."""
+
+    async def short(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(_chunk({"role": "assistant", "content": ""}))
+        await resp.write(_chunk({"content": " w"}))
+        return resp
+
+    node = await aiohttp_server(node_app({"/v1/chat/completions": short}))
+    fleet = await gateway_over(start_fleet, str(node.make_url("")).rstrip("/"))
+    got = await etl_stream(fleet.url)
+    assert b"ended the stream early" in got and got.endswith(b"data: [DONE]\n\n")
+    labels = {"backend": "only", "cause": "mid_stream"}
+    assert fleet.state.metrics.registry.get_sample_value("gateway_upstream_failures_total", labels)
+    assert fleet.backend("only").consecutive_failures == 1
 
 
 async def test_a_queued_streams_first_event_wait_counts_from_when_it_was_sent(
