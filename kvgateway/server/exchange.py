@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING
@@ -27,6 +27,7 @@ from kvgateway.core.output_model import OutputModel
 from kvgateway.core.quota import Charge, QuotaLedger, limit_headers
 from kvgateway.core.reservation import Reservation
 from kvgateway.core.tenancy import Tenancy
+from kvgateway.errors import ShuttingDown, UpstreamError
 from kvgateway.server.metrics import GatewayMetrics
 from kvgateway.server.telemetry import AccessRecord, log_access
 from kvgateway.tokens.prompt_estimate import PromptCalibration
@@ -158,6 +159,45 @@ class Exchange:
             # A deadline already expiring or left behind has nothing more to end.
             with contextlib.suppress(RuntimeError):
                 self.deadline.reschedule(asyncio.get_running_loop().time())
+
+
+def error_event(message: str, code: str) -> bytes:
+    """The SSE events that end a stream with an OpenAI error: the error, then [DONE]."""
+    err = UpstreamError(message, code=code)
+    return b"data: " + err.body_bytes() + b"\n\ndata: [DONE]\n\n"
+
+
+async def until_shutdown(
+    ex: Exchange,
+    shutting_down: bool,
+    serve: Callable[[Exchange], Awaitable[web.StreamResponse]],
+) -> web.StreamResponse:
+    """``serve(ex)``, refused once shutdown has begun and ended when shutdown moves the
+    exchange's deadline: a 503, the error event that ends a stream, or a whole answer
+    already being written, left to finish."""
+    if shutting_down:
+        raise ShuttingDown("The gateway is shutting down; retry.", retry_after=1)
+    try:
+        async with asyncio.timeout(None) as deadline:
+            ex.deadline = deadline
+            if ex.shutdown:  # shutdown began before the deadline existed
+                ex.end_now()
+            return await serve(ex)
+    except TimeoutError:
+        if not ex.shutdown:
+            raise
+    # The gateway's shutdown ended this request: say so properly.
+    out = ex.response
+    if out is None:
+        ex.record.outcome = Outcome.CANCELLED_SHUTDOWN
+        raise ShuttingDown("The gateway is shutting down; retry.", retry_after=1)
+    if isinstance(out, web.Response):
+        return out  # a whole answer, prepared: aiohttp finishes writing it as it is
+    ex.record.outcome = Outcome.CANCELLED_SHUTDOWN
+    with contextlib.suppress(ConnectionError, RuntimeError):
+        await out.write(error_event("The gateway is shutting down; retry.", "shutting_down"))
+        await out.write_eof()
+    return out
 
 
 # Shorter than this, a refusal was made at once (a full queue), not after a wait.

@@ -143,16 +143,21 @@ async def _relay(
 
 @dataclass(frozen=True)
 class _InFlight:
-    """A passthrough request's place among its backend's requests in flight."""
+    """A passthrough request's place among its backend's requests in flight, and among
+    the gateway's own requests the node may be holding in its queue (it never reports
+    progress: it counts as unstarted until it ends, so its wait there is not taken for
+    someone else's queue)."""
 
     backend: Backend
     fleet: Fleet
 
     async def __aenter__(self) -> _InFlight:
         self.fleet.adjust(self.backend, 0, 0, 1)
+        self.backend.unstarted += 1
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        self.backend.unstarted -= 1
         self.fleet.adjust(self.backend, 0, 0, -1)
 
 

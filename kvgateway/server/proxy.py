@@ -9,7 +9,6 @@ request by moving its deadline forward; cancellation (a client gone) always prop
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
@@ -28,7 +27,6 @@ from kvgateway.errors import (
     NoHealthyBackend,
     RateLimited,
     Saturated,
-    ShuttingDown,
     UpstreamError,
     UpstreamTimeout,
 )
@@ -36,8 +34,15 @@ from kvgateway.plan.openai_request import Kind
 from kvgateway.plan.planner import Plan, upstream_body
 from kvgateway.server.appkeys import STATE
 from kvgateway.server.edge import REQUEST_ID, TENANT, error_response, read_limited
-from kvgateway.server.exchange import ABANDONED, CLIENT_GONE, Exchange, Failure, Outcome
-from kvgateway.server.relay import error_event, error_message, is_event_stream
+from kvgateway.server.exchange import (
+    ABANDONED,
+    CLIENT_GONE,
+    Exchange,
+    Failure,
+    Outcome,
+    until_shutdown,
+)
+from kvgateway.server.relay import error_message, is_event_stream
 from kvgateway.server.state import GatewayState
 from kvgateway.server.telemetry import AccessRecord, set_attributes
 from kvgateway.tokens.node_count import NodeCount, parse_context_length_error
@@ -56,7 +61,7 @@ async def handle_completion(request: web.Request, kind: Kind) -> web.StreamRespo
 
     async def serve(ex: Exchange) -> web.StreamResponse:
         try:
-            return await _serve(state, ex, kind)
+            return await _count_and_forward(state, ex, kind)
         except ContextLengthExceeded as err:
             if kind == "completion":
                 err.param = "prompt"
@@ -74,9 +79,10 @@ async def run_exchange(
     client: str = "*",
 ) -> web.StreamResponse:
     """One request's life, whatever it is for: its :class:`Exchange`, its trace span, its
-    place among the requests shutdown waits for; a gateway error answered as OpenAI's
-    JSON with the tenant's limit headers; a client gone recorded as 499; and, however it
-    ends, its charge settled, its metrics and its access line (:class:`Settle`)."""
+    place among the requests shutdown waits for (and ends: :func:`until_shutdown`); a
+    gateway error answered as OpenAI's JSON with the tenant's limit headers; a client
+    gone recorded as 499; and, however it ends, its charge settled, its metrics and its
+    access line (:class:`Settle`)."""
     rid = request[REQUEST_ID]
     ex = Exchange(
         request=request,
@@ -94,7 +100,7 @@ async def run_exchange(
         state.active[task] = ex
     try:
         with state.tracing.request("gateway.request", request.headers) as span:
-            resp = await serve(ex)
+            resp = await until_shutdown(ex, state.shutting_down, serve)
             set_attributes(span, status=resp.status, request_id=rid)
         ex.record.status = resp.status
         if state.draining and not resp.prepared:
@@ -128,32 +134,6 @@ async def run_exchange(
         if task is not None:
             state.active.pop(task, None)
         state.settle.close(ex)
-
-
-async def _serve(state: GatewayState, ex: Exchange, kind: Kind) -> web.StreamResponse:
-    if state.shutting_down:
-        raise ShuttingDown("The gateway is shutting down; retry.", retry_after=1)
-    try:
-        async with asyncio.timeout(None) as deadline:
-            ex.deadline = deadline
-            if ex.shutdown:  # shutdown began before the deadline existed
-                ex.end_now()
-            return await _count_and_forward(state, ex, kind)
-    except TimeoutError:
-        if not ex.shutdown:
-            raise
-    # The gateway's shutdown ended this request: say so properly.
-    out = ex.response
-    if out is None:
-        ex.record.outcome = Outcome.CANCELLED_SHUTDOWN
-        raise ShuttingDown("The gateway is shutting down; retry.", retry_after=1)
-    if isinstance(out, web.Response):
-        return out  # a whole answer, prepared: aiohttp finishes writing it as it is
-    ex.record.outcome = Outcome.CANCELLED_SHUTDOWN
-    with contextlib.suppress(ConnectionError, RuntimeError):
-        await out.write(error_event("The gateway is shutting down; retry.", "shutting_down"))
-        await out.write_eof()
-    return out
 
 
 async def _count_and_forward(state: GatewayState, ex: Exchange, kind: Kind) -> web.StreamResponse:

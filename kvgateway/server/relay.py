@@ -22,9 +22,9 @@ from aiohttp import web
 from kvgateway.config.model import HealthConfig
 from kvgateway.core.backends import Backend
 from kvgateway.core.reservation import Reservation
-from kvgateway.errors import UpstreamError, UpstreamTimeout
+from kvgateway.errors import UpstreamTimeout
 from kvgateway.plan.stream_usage import LiveRequest, UsageTap, live_request
-from kvgateway.server.exchange import Answer, Exchange, Failure, Outcome
+from kvgateway.server.exchange import Answer, Exchange, Failure, Outcome, error_event
 from kvgateway.upstream.client import USAGE_MARKS, MidStreamError, UpstreamResponse, find_usage
 from kvgateway.upstream.error_body import is_error_object, is_json_object, openai_error_body
 from kvgateway.upstream.feedback import request_failed
@@ -50,11 +50,6 @@ def gateway_headers(ex: Exchange, r: Reservation) -> dict[str, str]:
         # context leaves: the node was sent this one.
         headers["x-gateway-max-tokens"] = str(sent)
     return headers
-
-
-def error_event(message: str, code: str) -> bytes:
-    err = UpstreamError(message, code=code)
-    return b"data: " + err.body_bytes() + b"\n\ndata: [DONE]\n\n"
 
 
 def error_message(data: bytes) -> str:

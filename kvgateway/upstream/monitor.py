@@ -107,9 +107,9 @@ class Monitor:
             if feedback.expire_stale(b, now, fb):
                 self._admission.rebalance()
             self._admission.end_pause(b, now)
-            wake = min(next_health, next_load if fb.enabled else next_health)
-            if b.healthy:  # rediscovery waits for health: its time is no wake-up before
-                wake = min(wake, next_discovery)
+            wake = next_health
+            if b.healthy:  # scrapes and rediscovery wait for health: no wake-up before
+                wake = min(wake, next_discovery, next_load if fb.enabled else wake)
             if b.paused and b.paused_until:
                 wake = min(wake, b.paused_until)
             await asyncio.sleep(max(0.01, wake - self._clock()))

@@ -6,6 +6,7 @@ import dataclasses
 from typing import Any
 
 import aiohttp
+import pytest
 
 from kvgateway.config.load import parse_config
 from kvgateway.config.model import GatewayConfig
@@ -19,13 +20,16 @@ from tests.support.backends import healthy
 from tests.support.fleet import ENCODINGS, SERVED
 
 
-def _monitored(url: str, **health: object) -> tuple[Fleet, Admission, GatewayConfig]:
-    """One backend ``n`` at ``url``, watched every 50 ms, without load feedback."""
+def _monitored(
+    url: str, load_feedback: dict[str, object] | None = None, **health: object
+) -> tuple[Fleet, Admission, GatewayConfig]:
+    """One backend ``n`` at ``url``, watched every 50 ms, without load feedback unless
+    ``load_feedback`` says otherwise."""
     config = parse_config(
         {
             "models": [{"name": "m", "served_name": SERVED}],
             "health": {"interval_s": 0.05, "timeout_s": 1, **health},
-            "load_feedback": {"enabled": False},
+            "load_feedback": load_feedback or {"enabled": False},
             "tiers": [{"name": "t", "backends": [{"name": "n", "url": url, "model": "m"}]}],
         }
     )
@@ -152,8 +156,8 @@ def _node_app(state: dict[str, Any]) -> "aiohttp.web.Application":
 
 
 async def test_a_nodes_endless_health_answer_is_not_read_to_its_end(aiohttp_server):
-    """/health bodies were read whole: a node could push any amount into the gateway's
-    memory (600 MiB measured). Now a few KiB decide nothing: the status does."""
+    """A /health body is not read whole, or a node could push any amount into the
+    gateway's memory (600 MiB measured): the status decides, not a few KiB of body."""
     from kvgateway.upstream.monitor import _health
 
     state = {"endless_health": True}
@@ -168,7 +172,7 @@ async def test_a_nodes_endless_health_answer_is_not_read_to_its_end(aiohttp_serv
 
 async def test_a_failed_metrics_scrape_keeps_the_pool_last_reported(aiohttp_server):
     """Rediscovery whose /metrics fails once (a 503 blip) keeps the node's pool as last
-    reported: it once made the node's KV budget unknown, the node unusable."""
+    reported, and the node stays usable (an unknown KV budget would take it out)."""
     state: dict[str, Any] = {}
     node = await aiohttp_server(_node_app(state))
     fleet, adm, config = _monitored(str(node.make_url("")).rstrip("/"))
@@ -187,8 +191,8 @@ async def test_a_failed_metrics_scrape_keeps_the_pool_last_reported(aiohttp_serv
 
 async def test_a_node_back_with_a_failing_metrics_page_is_not_given_its_old_pool(aiohttp_server):
     """A node that went down and came back (restarted, maybe with a smaller pool) while
-    its /metrics fails has an unknown pool: keeping the last report budgeted it at twice
-    what it held."""
+    its /metrics fails has an unknown pool: keeping the last report could budget it at
+    twice what it holds."""
     state: dict[str, Any] = {}
     node = await aiohttp_server(_node_app(state))
     fleet, adm, config = _monitored(str(node.make_url("")).rstrip("/"))
@@ -218,14 +222,23 @@ async def test_a_node_back_with_a_failing_metrics_page_is_not_given_its_old_pool
         await monitor.close()
 
 
-async def test_an_unhealthy_node_is_not_polled_in_a_tight_loop(aiohttp_server):
-    """Rediscovery waits for health; its due time was a wake-up all the same: an
-    unhealthy node's watcher woke every 10 ms once that time had passed."""
+@pytest.mark.parametrize(
+    "due",
+    [
+        {"rediscover_interval_s": 0.05},
+        {"load_feedback": {"enabled": True, "interval_s": 0.05}},
+    ],
+    ids=["rediscovery", "load-scrape"],
+)
+async def test_an_unhealthy_node_is_not_polled_in_a_tight_loop(
+    aiohttp_server: Any, due: dict[str, Any]
+) -> None:
+    """Rediscovery and load scrapes wait for health, and their due times wake nothing:
+    an unhealthy node's watcher wakes once per health interval, not every 10 ms once
+    such a time has passed."""
     state: dict[str, Any] = {"down": True}
     node = await aiohttp_server(_node_app(state))
-    fleet, adm, config = _monitored(
-        str(node.make_url("")).rstrip("/"), interval_s=1.0, rediscover_interval_s=0.05
-    )
+    fleet, adm, config = _monitored(str(node.make_url("")).rstrip("/"), interval_s=1.0, **due)
     loops = [0]
     end_pause = adm.end_pause
 
