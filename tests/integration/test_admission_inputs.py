@@ -154,7 +154,7 @@ async def test_a_hybrid_node_is_budgeted_by_its_kv_groups_and_never_preempted(
 ):
     # gpt-oss: full-attention and sliding-window layers in two KV-cache groups sharing the
     # pool. The node reports num_gpu_blocks for the whole pool; counting it as one group
-    # gave a budget 2x too large for short requests. With the architecture known (the
+    # would give a budget 2x too large for short requests. With the architecture known (the
     # capacity block), the discovered pool is divided by its groups.
     fleet = await start_fleet(
         [("oss-1", "small", "gpu24-gptoss-20b", {})],

@@ -80,7 +80,7 @@ async def test_tokenize_detokenize_and_rerank_are_load_balanced(start_fleet: Sta
         async with s.post(fleet.url + "/v1/embeddings", json={"model": "nope", "input": "x"}) as r:
             assert r.status == 404 and (await r.json())["error"]["code"] == "model_not_found"
         # A node without the route answers aiohttp's text/plain "404: Not Found": the
-        # client still gets an OpenAI error object (it got the text as it was).
+        # client gets an OpenAI error object, never the node's text as it is.
         body = {"model": MODEL, "query": "q", "documents": ["a"]}
         async with s.post(fleet.url + "/v2/rerank", json=body) as r:
             assert r.status == 404 and r.content_type == "application/json"
@@ -209,7 +209,7 @@ async def test_opentelemetry_spans_for_admission_and_the_upstream_call(start_fle
     state = await fleet.nodes["small-1"].state()
     upstream_id = format(spans["gateway.upstream"].context.span_id, "016x")
     assert state["last_traceparent"] == f"00-{trace_id}-{upstream_id}-01"
-    # Passthrough requests too (they sent no traceparent and made no span).
+    # Passthrough requests too: they make their spans and send the node a traceparent.
     exporter.clear()
     other = "0af7651916cd43dd8448eb211c80319c"
     async with (
@@ -262,9 +262,9 @@ async def test_litellm_raises_its_context_window_error(start_fleet: StartFleet, 
 
 
 async def test_a_long_responses_stream_ends_cleanly(start_fleet: StartFleet, client):
-    """The final event carries the whole response: past 4 KB (~1,000 tokens, or less
-    with tools echoed) the gateway took a complete stream for one cut short, appended
-    an error event and the SDK raised APIError after response.completed."""
+    """The final event of a 1,500-token stream carries the whole response: past 4 KB
+    (~1,000 tokens, or less with tools echoed) a complete stream is still not taken for
+    one cut short, so no error event follows response.completed for the SDK to raise."""
     fixed = {"output_dist": "fixed", "output_mean": 1500.0, "output_max": 1500}
     fleet = await start_fleet([("small-1", "small", "gpu24-8b", fixed)], time_scale=500)
     oai = client(fleet.url)
@@ -280,8 +280,8 @@ async def test_a_long_responses_stream_ends_cleanly(start_fleet: StartFleet, cli
 async def test_passthrough_requests_are_in_the_access_log_and_the_metrics(
     start_fleet: StartFleet, client, caplog
 ):
-    """Embeddings, tokenize and the rest wrote no access line and were in no metric (not
-    even their 404s), though the README promises one access line per request."""
+    """Embeddings, tokenize and the rest each write an access line and count in the
+    metrics, their 404s included: the README promises one access line per request."""
     import logging
 
     fleet = await start_fleet(SMALL, time_scale=200, gateway={"server": {"access_log": True}})

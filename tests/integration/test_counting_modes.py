@@ -88,8 +88,8 @@ async def test_exact_mode_counts_what_the_node_counts(start_fleet: StartFleet, v
             async with s.post(fleet.url + "/v1/completions", json=completion) as r:
                 data = await r.json()
                 assert int(r.headers["x-gateway-prompt-tokens"]) == data["usage"]["prompt_tokens"]
-        # Shapes and values vLLM's lax request models take, which the gateway refused or
-        # read otherwise: a string content part, a media part without a type, any role,
+        # Shapes and values vLLM's lax request models take, which the gateway takes and
+        # reads as vLLM does: a string content part, a media part without a type, any role,
         # 2.0 and "2" for an integer, "true" for a boolean (add_special_tokens adds BOS).
         image = {"image_url": {"url": "data:image/png;base64,AAAA"}}
         for shape in (
@@ -109,7 +109,7 @@ async def test_exact_mode_counts_what_the_node_counts(start_fleet: StartFleet, v
                 assert r.status == 200, (shape, data)
                 assert int(r.headers["x-gateway-prompt-tokens"]) == data["usage"]["prompt_tokens"]
         # truncate_prompt_tokens: the node keeps the prompt's last tokens; a prompt past
-        # every context then fits (it was refused), and reserves only what is kept.
+        # every context then fits (it is not refused), and reserves only what is kept.
         digits = "".join(str(i % 10) for i in range(40_000))  # 40k tokens in Qwen's
         for path, prompt in (
             ("/v1/chat/completions", {"messages": [{"role": "user", "content": digits}]}),
@@ -155,8 +155,8 @@ async def test_exact_mode_counts_what_the_node_counts(start_fleet: StartFleet, v
         async with s.post(fleet.url + "/v1/chat/completions", json=body) as r:
             assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
             assert b"data: [DONE]" in await r.read()
-        # A tool call carrying a key nested 600 deep (vLLM drops unknown keys): it was
-        # deep-copied to render, past Python's recursion limit, and answered 500.
+        # A tool call carrying a key nested 600 deep (vLLM drops unknown keys) is counted
+        # and served: deep-copied to render, it would pass Python's recursion limit (a 500).
         deep = "1"
         for _ in range(600):
             deep = '{"a":' + deep + "}"
@@ -332,7 +332,7 @@ async def test_images_cost_what_the_models_processor_makes_of_their_size(
     start_fleet: StartFleet, vocab_dirs, tmp_path
 ):
     # A Qwen2-VL-style processor config beside the tokenizer: a 1920x1080 picture is
-    # 2,691 tokens on the node, not the flat 765 the gateway charged.
+    # 2,691 tokens on the node, and counted so, not at a flat 765.
     import base64
     import io
 

@@ -77,8 +77,8 @@ def _drain(tmp_path) -> None:
         proc.send_signal(signal.SIGTERM)
         time.sleep(0.1)
         # Signals during the drain (systemd's SIGTERM to the group beside a supervisor's,
-        # a second Ctrl-C, a reload) are ignored: they once ended the process at once,
-        # cutting the stream the grace period is for.
+        # a second Ctrl-C, a reload) are ignored: ending the process at once, they would
+        # cut the stream the grace period is for.
         for again in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
             proc.send_signal(again)
         time.sleep(0.1)

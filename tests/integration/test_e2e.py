@@ -155,7 +155,7 @@ async def test_full_fleet_gives_429_with_retry_after(start_fleet: StartFleet, cl
         body = await r.json()
         assert body["error"]["type"] == "rate_limit_error"
     # Its wait in the queue is in the histogram the runbook reads against
-    # queue_timeout_s (only admitted requests' waits were).
+    # queue_timeout_s (a refused request's wait, not only admitted ones').
     waits = fleet.state.metrics.registry.get_sample_value("gateway_queue_wait_seconds_count")
     waited = fleet.state.metrics.registry.get_sample_value("gateway_queue_wait_seconds_sum")
     assert waits is not None and waits >= 1 and waited is not None and waited >= 0.25

@@ -250,8 +250,8 @@ def _send_until_stalled(g: LiveGateway, head: bytes, body: bytes) -> tuple[int, 
 
 
 def test_an_answered_body_is_not_read_to_its_end(gw: LiveGateway):
-    # loop_dos: the 400 came at once, but aiohttp then read the other ~30 MB of every
-    # such body (lingering), and three connections resending it filled the event loop.
+    # loop_dos: the 400 goes out at once and the rest of the ~29 MB is not read: read on
+    # (aiohttp's lingering), three connections resending such bodies would fill the loop.
     msg = b'{"role":"user","content":"x"},'
     body = b'{"model":"%s","messages":[' % MODEL.encode() + msg * 800_000 + b"{}]}"
     head = (

@@ -280,7 +280,8 @@ async def test_truncated_prompts_are_not_credited_blocks_of_their_cut_head(
 ):
     # Followers share a 2,900-token head with a running request but ask the node to keep
     # their last 1,500 tokens: the node caches the tail, which shares nothing. Keyed on
-    # the head, they were credited ~1,500 tokens each and the node preempted 6 times.
+    # the head, each would be credited ~1,500 tokens and the node would preempt (6 times
+    # on this load).
     fleet = await start_fleet(NODES[:1], gateway={"routing": {"prefix_aware": True}})
     b = fleet.backend("small-1")
     rng = random.Random(7)

@@ -519,7 +519,7 @@ async def test_a_refused_follower_gives_back_the_shared_copy_it_took_over(
 ) -> None:
     # B is credited A's blocks; A ends while B's reserve is out (the book keeps one copy
     # charged, now B's, and A gives Redis back all but it); then Redis refuses B. That
-    # copy was recorded by A and must leave Redis with B: it stayed there for good.
+    # copy was recorded by A and must leave Redis with B: left, it would stay for good.
     router = PrefixRouter(PrefixIndex(), shared=SharedBlocks())
     keys = tuple(block_keys(list(range(4000, 4100)), 16))
     shared = replace(demand(1000), longest_prompt=100, prefix=PrefixHint(keys, 16))

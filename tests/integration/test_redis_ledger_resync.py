@@ -86,9 +86,10 @@ async def _admit_all(url: str, r: Replica, n: int, tokens: int = 1000) -> list[R
 async def test_a_backend_removed_while_in_fallback_is_synced_back_to_nothing(
     redis_server: RedisServer,
 ) -> None:
-    """A reload removed n2 while 3 requests ran there; they ended while Redis was slow
-    (fallback: releases are not sent, the return sync writes the truth). The sync wrote
-    only the active backends: n2 kept 3,000 recorded, room lost to every replica."""
+    """A reload removes n2 while 3 requests run there; they end while Redis is slow
+    (fallback: releases are not sent, the return sync writes the truth). The sync writes
+    n2 too, as holding nothing: were only the active backends written, n2 would keep
+    3,000 recorded, room lost to every replica."""
     url = redis_server.url
     doc = config_doc(url, credit_hold_s=0.0, name="n2")
     async with replica(url, "a", credit_hold_s=0.0) as a, replica(url, "b", credit_hold_s=0.0) as b:
@@ -119,8 +120,9 @@ async def test_a_backend_replaced_by_a_reload_is_synced_under_its_name_whole(
     redis_server: RedisServer,
 ) -> None:
     """n1 given a new URL: its old object drains 3 requests, the new one runs 7. A sync
-    wrote the new object's 7,000 only; the old ones' releases then took 3,000 off it, and
-    another replica filled the new node to 13,000 of 10,000."""
+    writes the name's whole 10,000, so the old ones' releases leave 7,000 and another
+    replica fits 3 more. Were the new object's 7,000 written alone, those releases would
+    take 3,000 off it and another replica would fill the new node to 13,000 of 10,000."""
     url = redis_server.url
     async with replica(url, "a", credit_hold_s=0.0) as a, replica(url, "b", credit_hold_s=0.0) as b:
         old = [await a.admission.admit(demand(1000), 1.0) for _ in range(3)]
@@ -144,9 +146,10 @@ async def test_a_backend_replaced_by_a_reload_is_synced_under_its_name_whole(
 async def test_a_refused_payers_prefix_copy_left_to_a_follower_is_recorded(
     redis_server: RedisServer,
 ) -> None:
-    """R paid for prefix blocks; while its confirm was out the other copy's payer ended,
-    then Redis refused R. The book kept R's copy charged to a credited follower F, which
-    gave it back when it ended: Redis undercounted the replica by the copy for good."""
+    """R pays for prefix blocks; while its confirm is out the other copy's payer ends,
+    then Redis refuses R. The book keeps R's copy charged to a credited follower F, so
+    Redis records the copy with F's grant: F gives it back when it ends, and a copy left
+    unrecorded would have Redis undercount the replica by it for good."""
     url = redis_server.url
     router = PrefixRouter(PrefixIndex(), shared=SharedBlocks())
     keys = tuple(block_keys(list(range(4000, 4100)), 16))
@@ -185,9 +188,10 @@ async def test_a_refused_payers_prefix_copy_left_to_a_follower_is_recorded(
 async def test_a_redis_restart_without_persistence_does_not_lend_room_in_use(
     redis_server: RedisServer,
 ) -> None:
-    """Redis restarts empty while A runs 8,000 of n1's 10,000: the first replica back saw
-    the others at 0 and admitted the whole budget (18,000 recorded). A lost lease now
-    stalls every grant until each live replica has written its holdings again."""
+    """Redis restarts empty while A runs 8,000 of n1's 10,000: a lost lease stalls every
+    grant until each live replica has written its holdings again, so B gets the 2,000
+    A leaves and no more. The first replica back, seeing the others at 0, would
+    otherwise admit the whole budget (18,000 recorded)."""
     url = redis_server.url
     async with (
         replica(url, "a", lease_s=2.0, credit_hold_s=0.0) as a,
@@ -210,9 +214,10 @@ async def test_a_redis_restart_without_persistence_does_not_lend_room_in_use(
 async def test_a_lease_lost_while_redis_kept_its_data_stalls_nobody(
     redis_server: RedisServer,
 ) -> None:
-    """Only a Redis that lost its data stalls grants: a replica's own lapse (a freeze) or
-    a clean stop of another process under the same identity (a supervisor that stopped
-    waiting for its previous run's workers) once stalled every replica for seconds."""
+    """Only a Redis that lost its data stalls grants: after a replica's own lapse (a
+    freeze) or a clean stop of another process under the same identity (a supervisor that
+    stopped waiting for its previous run's workers) a grant comes within 0.5 s, where a
+    stall would hold every replica's grants for seconds."""
     url = redis_server.url
     async with replica(url, "a") as a, replica(url, "b") as b:
         async with replica(url, "a"):  # the same identity, stopped cleanly: leave()
@@ -277,10 +282,11 @@ async def test_an_outage_longer_than_every_lease_does_not_lend_room_in_use(
 async def test_a_redis_out_of_memory_refuses_grants_too_not_only_releases(
     redis_server: RedisServer,
 ) -> None:
-    """With Redis at maxmemory (noeviction) the grant script wrote on (its first write,
-    a delete, passed Redis' memory check) while releases were refused: holdings could
-    only grow, and the replica flapped between fallback and shared every second. Every
-    script is now refused at its first write."""
+    """With Redis at maxmemory (noeviction) every script is refused at its first write,
+    grants as well as releases: the replica stays in the fallback with nothing recorded.
+    A grant script writing on (its first write, a delete, passes Redis' memory check)
+    while releases are refused would let holdings only grow, and the replica would flap
+    between fallback and shared every second."""
     url = redis_server.url
     async with replica(url, "a", lease_s=2.0, credit_hold_s=0.0) as a:
         r = await a.admission.admit(demand(1000), 1.0)

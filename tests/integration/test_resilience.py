@@ -291,7 +291,7 @@ async def test_node_restarted_with_new_limits_is_rediscovered(
 
 async def test_watch_reloads_on_file_change(start_fleet: StartFleet, tmp_path):
     """A file change goes through the same reload as SIGHUP: the fleet follows, and so do
-    the KV-event subscriptions (a watch reload once left a new `kv_events:` unsubscribed)."""
+    the KV-event subscriptions (a `kv_events:` the file adds is subscribed to)."""
     from kvgateway.server.reload import Reloader, watch_file
 
     fleet = await start_fleet(TWO_SMALL, time_scale=50)
@@ -325,8 +325,9 @@ async def test_watch_reloads_on_file_change(start_fleet: StartFleet, tmp_path):
 async def test_a_reload_keeps_the_command_lines_settings_and_says_the_new_policy(
     start_fleet: StartFleet, tmp_path, caplog
 ):
-    """`serve --port P` reloaded: the file's port came back (and every SIGHUP warned that
-    a port change needs a restart); gateway_build_info kept the old policy."""
+    """`serve --port P` reloaded keeps the command line's port over the file's, with no
+    warning that a port change needs a restart (else every SIGHUP would warn), and
+    gateway_build_info says the reloaded policy, not the old one."""
     import argparse
     from dataclasses import replace
 
@@ -357,8 +358,8 @@ async def test_what_was_learned_of_a_removed_backend_goes_with_it(
     start_fleet: StartFleet, tmp_path
 ):
     """DNS members come and go as new names: a gone backend's prefix view (up to its
-    whole cache of block keys) and its calibration fit (read by every request) stayed
-    for as long as the process ran."""
+    whole cache of block keys) and its calibration fit (read by every request) leave
+    with it, or they would pile up for as long as the process runs."""
     fleet = await start_fleet(TWO_SMALL, time_scale=50, gateway={"routing": {"prefix_aware": True}})
     app = fleet.gateway.app
     state = app[STATE]

@@ -140,8 +140,8 @@ async def test_usage_read_apart_from_done_settles_the_stream(
             assert r.status == 200
             text = (await r.read()).decode()
     assert '"completion_tokens": 20' in text and text.endswith("data: [DONE]\n\n")
-    # Charged 500 at admission, settled at the node's 20 (it was 500: the usage chunk
-    # was not in the last read, [DONE] was).
+    # Charged 500 at admission, settled at the node's 20, though the usage chunk and
+    # [DONE] come in different reads (the usage chunk is not in the last one).
     assert (await tenant_view(fleet.url))["output_tokens_last_minute"] == 20
     assert fleet.leaks() == {}
 
@@ -169,7 +169,7 @@ async def test_a_client_leaving_mid_stream_is_charged_what_it_was_sent(
             break
         await asyncio.sleep(0.05)
     charged = view["output_tokens_last_minute"]
-    # It was 0: a client could read 880 of 900 tokens and leave, again and again, free.
+    # Never 0: a client could read 880 of 900 tokens and leave, again and again, free.
     assert 100 <= charged <= 900, charged
     assert fleet.leaks() == {}
 
@@ -177,8 +177,8 @@ async def test_a_client_leaving_mid_stream_is_charged_what_it_was_sent(
 async def test_a_node_reporting_more_than_max_tokens_is_not_believed(
     start_fleet: StartFleet, aiohttp_server: Any
 ) -> None:
-    # A broken or hostile node says 10**9 completion tokens: the tenant was charged that
-    # and refused for a minute. It is charged at most max_tokens x n.
+    # A broken or hostile node says 10**9 completion tokens: charged that, the tenant
+    # would be refused for a minute. It is charged at most max_tokens x n.
     node = await aiohttp_server(vllm_like_node(tokens=20, pause_s=0.0, reported=10**9))
     fleet = await gateway_over(start_fleet, str(node.make_url("")).rstrip("/"))
     body = chat(500, stream=True, stream_options={"include_usage": True})
@@ -216,7 +216,7 @@ def responses_node(tokens: int) -> web.Application:
 async def test_a_responses_client_leaving_mid_stream_is_charged_what_it_was_sent(
     start_fleet: StartFleet, aiohttp_server: Any
 ) -> None:
-    # Its deltas were not counted as tokens (they carry no choice index): it was charged 0.
+    # Its deltas count as tokens though they carry no choice index: it is not charged 0.
     node = await aiohttp_server(responses_node(300))
     fleet = await gateway_over(start_fleet, str(node.make_url("")).rstrip("/"))
     body = {"model": MODEL, "input": "hi", "max_output_tokens": 900, "stream": True}
@@ -258,8 +258,9 @@ def odd_node() -> web.Application:
 async def test_answers_no_client_can_read_are_a_bad_gateway_and_cost_nothing(
     start_fleet: StartFleet, aiohttp_server: Any
 ) -> None:
-    # A 200 in plain text was relayed (the SDK returned a bare string) and charged the
-    # whole max_tokens; a node's 10^9 prompt tokens on embeddings locked the tenant out.
+    # A 200 in plain text is no answer (relayed, the SDK would return a bare string): a
+    # 502 that charges no output. A node's 10^9 prompt tokens on embeddings are not
+    # believed: charged, they would lock the tenant out.
     node = await aiohttp_server(odd_node())
     fleet = await gateway_over(start_fleet, str(node.make_url("")).rstrip("/"))
     headers = {"Authorization": "Bearer k-etl"}
@@ -283,8 +284,8 @@ async def test_answers_no_client_can_read_are_a_bad_gateway_and_cost_nothing(
 async def test_a_stream_the_node_cuts_is_charged_what_it_was_sent(
     start_fleet: StartFleet, aiohttp_server: Any
 ) -> None:
-    """The node dies after 100 of 900 tokens: the tenant was charged all 900 (a stream
-    without usage was charged its reservation), paying for the node's failure."""
+    """The node dies after 100 of 900 tokens: the tenant is charged the 100 it was sent,
+    not its reservation (the failure is the node's, not the tenant's)."""
 
     async def chat_dies(request: web.Request) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -314,7 +315,8 @@ async def test_a_stream_without_include_usage_is_charged_what_it_relayed(
     start_fleet: StartFleet, aiohttp_server: Any
 ) -> None:
     """The OpenAI SDKs stream without include_usage by default: such a stream of 20
-    tokens was charged its whole max_tokens (500) against the tenant's output quota."""
+    tokens is charged the 20 it relayed against the tenant's output quota, not its
+    max_tokens (500)."""
     node = await aiohttp_server(vllm_like_node(tokens=20, pause_s=0.0))
     fleet = await gateway_over(start_fleet, str(node.make_url("")).rstrip("/"))
     text = (await etl_stream(fleet.url)).decode()
@@ -326,8 +328,8 @@ async def test_a_stream_without_include_usage_is_charged_what_it_relayed(
 async def test_a_nodes_error_in_its_own_shape_is_relayed_with_one_content_type(
     start_fleet: StartFleet, aiohttp_server: Any
 ) -> None:
-    """uvicorn sends header names in lower case: a FastAPI 404 ({"detail": ...}) came back
-    with both the node's content-type and the gateway's Content-Type."""
+    """uvicorn sends header names in lower case: a FastAPI 404 ({"detail": ...}) comes
+    back as OpenAI's error with one Content-Type, whatever the case of the node's."""
 
     async def not_found(request: web.Request) -> web.Response:
         body = b'{"detail":"Not Found"}'
@@ -348,8 +350,7 @@ async def test_streams_reuse_their_connection_to_the_node(
     start_fleet: StartFleet, aiohttp_server: Any
 ) -> None:
     """The node ends its body (the chunked terminator) in a write of its own after
-    [DONE]: the gateway stopped reading at [DONE] and closed the connection, so every
-    stream to a node opened a new one."""
+    [DONE]: the gateway still reuses the connection for the next stream to that node."""
     peers: set[Any] = set()
 
     async def chat_stream(request: web.Request) -> web.StreamResponse:
@@ -381,8 +382,9 @@ async def test_streams_reuse_their_connection_to_the_node(
 async def test_a_streams_prefill_is_bounded_by_first_byte_s_not_idle_s(
     start_fleet: StartFleet, aiohttp_server: Any
 ) -> None:
-    """vLLM sends a stream's head at once and its first event after the prefill: a long
-    prefill on an offload node (first_byte_s 600) was cut at idle_s (60 s)."""
+    """vLLM sends a stream's head at once and its first event after the prefill: the
+    wait for that event is bounded by first_byte_s, not idle_s (a long prefill on an
+    offload node is not cut at idle_s)."""
 
     node = await aiohttp_server(slow_prefill_node(0.6))
     url = str(node.make_url("")).rstrip("/")
@@ -405,7 +407,8 @@ async def test_a_streams_prefill_is_bounded_by_first_byte_s_not_idle_s(
 async def test_a_stream_the_gateways_shutdown_ends_is_charged_what_it_relayed(
     start_fleet: StartFleet,
 ) -> None:
-    """A stream cut by the gateway's own shutdown was charged its whole max_tokens."""
+    """A stream cut by the gateway's own shutdown is charged what it relayed, not its
+    whole max_tokens."""
     fleet = await start_fleet(
         [("only", "small", "gpu24-8b", {})], time_scale=1.0, gateway={"auth": AUTH}
     )
@@ -526,8 +529,9 @@ async def test_a_stream_that_ends_without_its_last_event_is_the_nodes_failure(
 async def test_a_queued_streams_first_event_wait_counts_from_when_it_was_sent(
     start_fleet: StartFleet, aiohttp_server: Any
 ) -> None:
-    """The first event's wait counted from the request's arrival: one that waited ~2 s in
-    the queue had 0.1 s left of first_byte_s (2 s) for a 0.3 s prefill."""
+    """The first event's wait counts from when the request is sent to the node, not from
+    its arrival: one that waits ~2 s in the queue still has the whole first_byte_s (2 s)
+    for a 0.3 s prefill, not the 0.1 s its arrival would leave."""
 
     node = await aiohttp_server(slow_prefill_node(0.3))
     url = str(node.make_url("")).rstrip("/")

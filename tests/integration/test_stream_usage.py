@@ -53,7 +53,8 @@ async def _charged(url: str) -> int:
 async def test_sdk_default_stream_sees_no_usage_and_is_charged_what_the_node_generated(
     start_fleet: StartFleet,
 ) -> None:
-    """Counting chunks charged 4 of 41 tokens here (several tokens per chunk)."""
+    """The SDK's default stream sees no usage, yet is charged the node's 41 tokens:
+    counting chunks would charge one per chunk, a fraction of that (several tokens each)."""
     fleet = await _fleet(start_fleet)
     chunks = await _stream(fleet.url)
     assert all(c.usage is None and c.choices for c in chunks)
@@ -87,8 +88,9 @@ async def test_continuous_usage_asked_by_the_client_passes_through(
 async def test_switched_off_the_client_options_go_unchanged_and_chunks_are_counted(
     start_fleet: StartFleet,
 ) -> None:
-    """`admission.node_stream_usage: false`: what the gateway did before, one token per
-    chunk (an under-count against this node, which is why it is on by default)."""
+    """`admission.node_stream_usage: false`: the client's stream options go unchanged
+    and each chunk counts one token (an under-count against this node, which is why the
+    setting is on by default)."""
     fleet = await _fleet(start_fleet, {"admission": {"node_stream_usage": False}})
     chunks = await _stream(fleet.url)
     assert all(c.usage is None for c in chunks)

@@ -108,8 +108,8 @@ async def test_passthrough_endpoints_count_against_the_tenants_limits(
     start_fleet: StartFleet, monkeypatch
 ):
     # Embeddings, tokenize, score and rerank hold no KV reservation, but they are requests
-    # of a tenant: its requests_per_minute refuses them (they went through unlimited),
-    # they carry the x-ratelimit-* headers, and the prompt tokens the node reports count.
+    # of a tenant: its requests_per_minute refuses them (they are not unlimited), they
+    # carry the x-ratelimit-* headers, and the prompt tokens the node reports count.
     monkeypatch.setenv("ETL_KEYS", "k-etl")
     fleet = await start_fleet([("only", "small", "gpu24-8b", {})], gateway={"auth": AUTH})
     headers = {"Authorization": "Bearer k-app"}
@@ -131,8 +131,8 @@ async def test_passthrough_endpoints_count_against_the_tenants_limits(
 
 
 async def test_responses_api_output_is_settled_with_its_usage(start_fleet: StartFleet, monkeypatch):
-    # The Responses API names its usage input_tokens / output_tokens: it was never read,
-    # so every /v1/responses request was charged its whole max_output_tokens.
+    # The Responses API names its usage input_tokens / output_tokens: read, it settles a
+    # /v1/responses request at what it generated, not its whole max_output_tokens.
     monkeypatch.setenv("ETL_KEYS", "k-etl")
     fleet = await start_fleet([("only", "small", "gpu24-8b", {})], gateway={"auth": AUTH})
     headers = {"Authorization": "Bearer k-etl"}
@@ -155,7 +155,7 @@ async def test_responses_api_output_is_settled_with_its_usage(start_fleet: Start
 
 async def test_score_pairs_are_charged_what_the_node_counted(start_fleet: StartFleet, monkeypatch):
     # The node counts the query once per document: a legitimate count can exceed the
-    # request's bytes many times (a bytes cap charged 2,027 of 18,050).
+    # request's bytes many times (a cap at the bytes would charge 2,027 of 18,050).
     monkeypatch.setenv("ETL_KEYS", "k-etl")
     fleet = await start_fleet([("only", "small", "gpu24-8b", {})], gateway={"auth": AUTH})
     body = {"model": MODEL, "text_1": "the quick brown fox jumps " * 40, "text_2": ["a"] * 50}
@@ -172,9 +172,10 @@ async def test_score_pairs_are_charged_what_the_node_counted(start_fleet: StartF
 async def test_a_refused_request_is_refunded_in_its_own_rate_limit_headers(
     start_fleet: StartFleet,
 ) -> None:
-    """A 429 for a full queue refunds the request, but its x-ratelimit headers were
-    those of its charge: remaining 0 and a minute to wait while 2 of 3 were used. And
-    its Retry-After was the whole queue timeout (8 s) for a refusal made at once."""
+    """A 429 for a full queue refunds the request, and its x-ratelimit headers are those
+    of the refund (1 of 3 left, 2 used), not of its charge (remaining 0 and a minute to
+    wait). Its Retry-After, for a refusal made at once, is 1 s, not the whole queue
+    timeout (8 s)."""
     auth = {"keys": [{"name": "app", "key": "k-app", "limits": {"requests_per_minute": 3}}]}
     fleet = await start_fleet(
         [("only", "small", "gpu24-8b", {})],

@@ -93,9 +93,9 @@ async def test_a_batch_flood_takes_no_slot_the_interactive_floor_keeps(tmp_path:
     prompts, 0.3 s TTFT alone) waits in the gateway's queue, and its TTFT p99 stays
     within 1.5x of alone: the floor keeps 20% of each node's 16 slots for its class, so
     interactive prefills spread over both nodes as they do alone. (Kept in the fleet
-    only, batch filled one node and the prefills queued behind each other on the other:
-    p99 up to 1.52x, p50 up to 2.3x. With the slots unknown to the gateway, 256
-    assumed, the nodes queued and p99 went 7-9x.)"""
+    only, batch would fill one node and the prefills queue behind each other on the
+    other: p99 up to 1.52x, p50 up to 2.3x. With the slots unknown to the gateway, 256
+    assumed, the nodes would queue and p99 reach 7-9x.)"""
     ports = free_ports(2)
     config = _config(ports)
     with _simulated(config, ports, tmp_path), serve_process(config, tmp_path / "gw") as (url, _):
@@ -124,7 +124,8 @@ async def test_the_floor_holds_with_the_flood_spread_over_two_replicas(
     """The same flood through two gateway replicas sharing one Redis: each replica's
     batch requests count what the other holds in each class, on each node, so together
     they still leave the interactive floor free (batch runs at most 12 of each node's
-    16 slots; judged per replica it took them all, and interactive chats queued 0.8 s).
+    16 slots; judged per replica it would take them all, and interactive chats would
+    queue 0.8 s).
     Interactive chats never queue and TTFT p99 stays within 1.5x of alone. Batch kept
     off every node by the floors waits without claiming one (a claim, told to the other
     replica, would hold interactive chats there off it)."""

@@ -89,7 +89,7 @@ async def test_interactive_keeps_its_ttft_and_gets_no_429_while_batch_floods(
 
 async def test_one_shared_queue_makes_interactive_wait_behind_the_flood(start_fleet: StartFleet):
     """The control for the test above: with both keys in one tenant (one FIFO queue, as
-    before tenants) the same load does hurt the interactive user."""
+    without tenants) the same load does hurt the interactive user."""
     fleet = await start_fleet(
         NODE, time_scale=1.5, gateway={**gateway_config("shared"), "admission": ADMISSION}
     )

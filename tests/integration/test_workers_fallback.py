@@ -50,8 +50,8 @@ async def test_workers_started_without_redis_share_each_budget_by_their_number(
                 return True
 
             await eventually(every_worker_seen, timeout=30, interval=0.02)
-            # Said in /metrics as any fallback is (it was 0 for a replica that never
-            # reached Redis: the documented alert could not fire).
+            # Said in /metrics as any fallback is, by a replica that never reached Redis
+            # too (at 0 the documented alert could not fire).
             async with aiohttp.ClientSession() as s, s.get(g.url + "/metrics") as r:
                 text = await r.text()
             assert "gateway_ledger_fallback 1.0" in text, text[-3000:]

@@ -232,10 +232,11 @@ def test_metrics_directories_name_their_run_and_files_their_writers() -> None:
 async def test_a_running_supervisor_is_never_taken_for_a_dead_one(
     tmp_path: Path, node: str, redis_server: RedisServer
 ) -> None:
-    """Started as `gateway serve` (the console script), a live supervisor was taken for a
-    dead run: one started on another port removed its metrics directory (its workers
-    then crashed in a loop), one on the same port started workers beside its own under the
-    same ledger identities. Its run is marked by a lock it holds now."""
+    """Started as `gateway serve` (the console script), a live supervisor is never taken
+    for a dead run: its run is marked by a lock it holds. One started on the same port
+    refuses to start workers beside its own under the same ledger identities; one on
+    another port leaves its metrics directory alone (without it its workers would crash
+    in a loop)."""
     sups = Supervisors(tmp_path, node, redis_server.url, grace_s=1.0)
     try:
         first = await sups.start(console=True)
@@ -262,8 +263,9 @@ async def test_a_running_supervisor_is_never_taken_for_a_dead_one(
 async def test_a_stop_during_a_restarts_backoff_ends_every_worker(
     tmp_path: Path, node: str, redis_server: RedisServer
 ) -> None:
-    """SIGTERM while a crashed worker waited to be restarted: the supervisor then started
-    it, told nobody, and waited for it for good (a second SIGTERM was needed)."""
+    """SIGTERM while a crashed worker waits out its restart backoff ends the supervisor
+    and every worker: the worker is not started again behind the stop's back (to be
+    waited for until a second SIGTERM), so one SIGTERM is enough."""
     sups = Supervisors(tmp_path, node, redis_server.url, grace_s=1.0)
     try:
         sup = await sups.start()
@@ -288,9 +290,9 @@ async def test_a_stop_during_a_restarts_backoff_ends_every_worker(
 
 
 def test_a_run_directory_is_removed_only_once_its_supervisor_is_gone(tmp_path: Path) -> None:
-    """A directory made this instant has no lock yet: another supervisor sharing TMPDIR
-    once removed it (its workers then had no metrics directory). Left while its
-    supervisor lives; removed once it is gone."""
+    """A directory made this instant has no lock yet, so another supervisor sharing
+    TMPDIR judges it by the pid its name gives: it is left while that supervisor lives
+    (removed, its workers would have no metrics directory) and removed once it is gone."""
     from kvgateway.commands.workers import settle_previous_runs
 
     live = subprocess.Popen(["sleep", "30"])

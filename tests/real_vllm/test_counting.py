@@ -319,10 +319,11 @@ async def test_chats_of_numbers_do_not_make_the_calibrated_standin_refuse_prose(
     vocab_nodes: dict[str, RealNode], aiohttp_server: Any
 ) -> None:
     """upper_bound false: the stand-in's count, scaled by what the nodes report. Tekken
-    spends a token per digit where cl100k spends one per three: one chat of numbers
-    taught a 3x ratio, and prose after it was predicted past the 4k context and refused
-    by the gateway. One such chat teaches nothing now; after several (a ratio the nodes
-    agree on), prose predicted past the context is asked of the node, which serves it."""
+    spends a token per digit where cl100k spends one per three, so a chat of numbers
+    shows a 3x ratio. One such chat teaches nothing: prose after it is served, where
+    that ratio would predict it past the 4k context and the gateway refuse it. After
+    several (a ratio the nodes agree on), prose predicted past the context is asked of
+    the node, which serves it."""
     node = vocab_nodes["mistral"]
     gw = await _gateway(aiohttp_server, _config([[node]], lambda n: {"upper_bound": False}))
     model = node.spec.served_name
@@ -333,7 +334,7 @@ async def test_chats_of_numbers_do_not_make_the_calibrated_standin_refuse_prose(
     state = state_of(gw)
     async with _client(gw) as oai:
         await oai.chat.completions.create(model=model, messages=digits, max_tokens=1)
-        for messages in prose:  # refused by the gateway after one chat of numbers
+        for messages in prose:  # served: one chat of numbers teaches no ratio
             await oai.chat.completions.create(model=model, messages=messages, max_tokens=2)
         for _ in range(3):
             await oai.chat.completions.create(model=model, messages=digits, max_tokens=1)
@@ -354,7 +355,7 @@ async def test_a_prompt_refused_as_at_least_n_is_readmitted_with_its_own_count(
     """9,000 digits: cl100k counts ~3k, Qwen one token per digit. The stand-in without
     its bound sends it to S (4k), which refuses it as "at least 4097" input tokens (vLLM
     stops counting past the context). The gateway asks L (16k) for its count and admits
-    it there with it; it reserved 4,097 on L for a 9,000-token prompt."""
+    it there with it, not with the 4,097 that undercounts a 9,000-token prompt."""
     small, large = qwen_fleet["S"], qwen_fleet["L"]
     gw = await _gateway(
         aiohttp_server, _config([[small], [large]], lambda n: {"upper_bound": False})

@@ -241,8 +241,9 @@ def test_a_hybrid_models_log_is_read_in_either_wording(
 ) -> None:
     """Gemma 3 (sliding window + full attention, 7 groups) on a 32,768-block pool: vLLM
     logs 74,896 tokens (blocks // groups x 16), and the newest releases 368,540 (2.81x
-    131,072, tokens at full-length concurrency). Read as a one-group pool, the newest
-    wording made the gateway budget 368,524 tokens: 4.9x what short requests can hold."""
+    131,072, tokens at full-length concurrency). Both read as 74,880 tokens: taken for a
+    one-group pool, the newest wording would budget 368,524, 4.9x what short requests
+    can hold."""
     for version, tokens in (("v0.21.0", "74,896"), ("v0.31.0", "368,540")):
         log = tmp_path / f"{version}.log"
         log.write_text(
@@ -324,8 +325,9 @@ def test_one_group_logs_read_as_one_group(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     """A one-group log at a length that is not whole blocks (460,496 tokens = 91.95x 5,008
-    padded, not 5,000) was taken for a hybrid and got no advice; one from a node run with
-    --dtype float32 was cross-checked at the preset's 16-bit cache (off by 2x)."""
+    padded, not 5,000) reads as one group and gets its advice, not taken for a hybrid;
+    one from a node run with --dtype float32 is cross-checked at a 32-bit cache, not the
+    preset's 16-bit one (off by 2x)."""
     log = tmp_path / "ft.log"
     log.write_text(
         ONE_GROUP_LOG.format(

@@ -74,8 +74,9 @@ def test_workers_must_be_positive(tmp_path: Path, capsys, n):
     ],
 )
 def test_command_line_values_are_checked_where_typed(tmp_path: Path, capsys, flag, value, says):
-    """A review saw --port 89536 bind port 24000 (mod 65536) while the log said 89536,
-    and --log-level bogus end in a traceback."""
+    """A value out of range is a usage error (exit 2) saying what is expected: unchecked,
+    --port 89536 would bind port 24000 (mod 65536) while the log says 89536, and
+    --log-level bogus would end in a traceback."""
     cfg = tmp_path / "g.yaml"
     cfg.write_text("models: [{name: m}]\n")
     with pytest.raises(SystemExit) as err:

@@ -174,8 +174,8 @@ def test_a_models_template_defaults_are_read_and_checked():
 
 
 def test_an_unknown_keys_error_lists_the_optional_keys_left_unset():
-    """The hint listed only keys that were read, and optional strings left unset were
-    not: a misspelt `served_modle` was told of every key but `served_model`."""
+    """The hint lists the optional keys left unset as well as those read: a misspelt
+    `served_modle` is told of `served_model`, which the keys read alone would leave out."""
     with pytest.raises(ConfigError) as err:
         parse(BASE.replace("max_num_seqs: 8", "served_modle: x"))
     known = str(err.value).split("known keys here: ")[1]
@@ -185,7 +185,7 @@ def test_an_unknown_keys_error_lists_the_optional_keys_left_unset():
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        # A review's findings: each passed `check` and then crashed or misbehaved `serve`.
+        # Each would pass `check` and then crash or misbehave in `serve`.
         ("ledger: {lease_s: .inf}\n", "ledger.lease_s: expected a finite number"),
         ("admission: {queue_timeout_s: " + "1" * 400 + "}\n", "below 2**53"),
         ("server: {port: 89537}\n", "server.port: expected an integer from 0 to 65535"),
@@ -238,7 +238,8 @@ def test_a_reload_names_the_settings_only_a_restart_applies():
     ],
 )
 def test_an_encoding_that_cannot_load_fails_the_config_not_the_start(tokenizer, message):
-    """It passed `gateway check` and crashed `serve` with a traceback naming no path."""
+    """Refused when the config is read, with its path: else it would pass `gateway check`
+    and crash `serve` with a traceback naming no path."""
     with pytest.raises(ConfigError) as err:
         parse(BASE.replace("aliases: [alias]", f"aliases: [alias]\n    tokenizer: {tokenizer}"))
     assert str(err.value).startswith(message), str(err.value)
@@ -256,8 +257,9 @@ def test_a_bad_pattern_for_a_bpe_file_fails_the_config(tmp_path: Path):
 
 
 def test_references_inside_mappings_are_typed_like_plain_values(monkeypatch, tmp_path: Path):
-    """``${VAR}`` in a mapping stayed a string: gpu_memory_gib "79.25" was refused, and
-    enable_thinking "false" reached the template as a (true) string."""
+    """``${VAR}`` in a mapping is typed as the same value written plainly: as strings,
+    gpu_memory_gib "79.25" would be refused, and enable_thinking "false" would reach the
+    template as a (true) string."""
     monkeypatch.setenv("THINK", "false")
     text = BASE.replace(
         "aliases: [alias]",
@@ -295,8 +297,9 @@ def test_references_inside_mappings_are_typed_like_plain_values(monkeypatch, tmp
 
 
 def test_capacity_problems_are_reported_with_the_files_others():
-    """A capacity block's problem came only once every other one was fixed, and then
-    only the first backend's (it was found when the fleet was built)."""
+    """Every backend's capacity-block problem is reported with the file's other problems
+    when the config is read: found only when the fleet is built, it would come once every
+    other one is fixed, and for the first backend alone."""
     text = BASE.replace(
         "max_num_seqs: 8}",
         "max_num_seqs: 8, capacity: {gpu_memry_gib: 24.0, preset: llama-3.1-8b}}\n"

@@ -45,7 +45,7 @@ def test_everything_set():
     assert cfg.admission.preemption_risk == 0.05
     assert cfg.backends[0].kv_events == "tcp://10.0.0.1:5557"
     # The node's replay socket and topic reach its subscriber: a lost batch is fetched
-    # again instead of forgetting the node's cache view (the setting was not there).
+    # again instead of forgetting the node's cache view.
     from kvgateway.upstream.kv_events import KVEventSource, kv_event_sources
 
     assert kv_event_sources(cfg) == [

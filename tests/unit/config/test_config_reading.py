@@ -234,7 +234,8 @@ def test_a_reference_is_replaced_by_its_value_or_default(prefix, name, value, de
 
 def test_schema_defaults_are_values_the_loader_accepts():
     """`served_name` (the model's name) and a key's `class` (the lowest class) default to
-    other keys' values: the schema once advertised "" for them, which the loader refuses."""
+    other keys' values: what the schema advertises for them is never "", which the loader
+    refuses."""
 
     def defaults(node: object) -> list[object]:
         if isinstance(node, dict):

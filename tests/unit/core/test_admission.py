@@ -169,8 +169,8 @@ async def test_waiter_for_gpu_nodes_does_not_claim_the_offload_tier():
 
 
 async def test_rebalance_never_pushes_gpu_work_onto_offload():
-    # Regression: claims of earlier waiters made the GPU tier look down to later ones,
-    # which were then sent to the offload tier although offload_overflow is off.
+    # Claims of earlier waiters do not make the GPU tier look down to later ones, which
+    # would then be sent to the offload tier although offload_overflow is off.
     gpu = [backend(f"g{i}", kv=1024, max_model_len=1024) for i in range(2)]
     off = backend(
         "o", kv=100_000, max_model_len=100_000, tier_index=1, tier="offload", offload=True
@@ -192,7 +192,7 @@ async def test_rebalance_never_pushes_gpu_work_onto_offload():
 
 
 async def test_pause_ending_serves_every_waiter_without_a_new_request():
-    # Regression (lost wake-up): a backend paused for preemptions, waiters queued for it;
+    # No lost wake-up: a backend paused for preemptions, waiters queued for it;
     # when the cool-down ends, every waiter is served with no new request arriving.
     from kvgateway.core.backends import PauseReason
 

@@ -43,8 +43,8 @@ def test_a_removed_backend_leaves_when_its_last_request_ends():
 
 def test_a_backend_back_before_it_drained_is_the_same_backend_with_its_requests():
     # Removed by one reload, added back by the next while requests still ran on it: one
-    # object holding them (it was a second, empty one: the node's requests were not in
-    # its budget, and /metrics had the name twice).
+    # object holding them (with a second, empty one the node's requests would not be in
+    # its budget, and /metrics would have the name twice).
     fleet = Fleet(_config(["a", "b"]))
     a = fleet.get("a")
     assert a is not None
@@ -61,8 +61,8 @@ def test_a_backend_back_before_it_drained_is_the_same_backend_with_its_requests(
 
 def test_a_node_given_back_its_old_url_is_its_old_backend_not_a_second_one():
     # x moves to a new url while the old node holds 60,000 tokens, then comes back: one
-    # object for the old node (a fresh one offered 62,259 free tokens on a node with ~5k),
-    # and it counts as unchecked (what the node reported was dropped) until probed.
+    # object for the old node (a fresh one would offer 62,259 free tokens on a node with
+    # ~5k), and it counts as unchecked (what the node reported is dropped) until probed.
     fleet = Fleet(_config(["x"]))
     old = fleet.get("x")
     assert old is not None

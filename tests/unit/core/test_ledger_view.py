@@ -149,9 +149,10 @@ async def test_cancelled_while_confirming_releases_locally():
 
 
 async def test_a_request_the_ledger_refused_keeps_its_place_in_the_queue():
-    """R1 was granted locally and refused by the ledger while R2 arrived and queued; R1
-    went back in as a newcomer, behind R2 (over a Redis stall, once per heartbeat). It
-    keeps its arrival and fair-queuing tag: when room for one comes, it is R1's."""
+    """R1 is granted locally and refused by the ledger while R2 arrives and queues. R1
+    goes back in with its arrival and fair-queuing tag, not as a newcomer behind R2
+    (over a Redis stall, that would happen once per heartbeat): when room for one comes,
+    it is R1's."""
     from kvgateway.config.model import AuthConfig
     from kvgateway.core.tenancy import Tenancy
 
@@ -178,8 +179,9 @@ async def test_a_request_the_ledger_refused_keeps_its_place_in_the_queue():
 
 
 async def test_a_refused_request_that_times_out_states_its_whole_queue_timeout():
-    """Refused by the ledger, a request waits again for what is left of its timeout; the
-    429 then said that remainder ("within 3.71204s" of a 10 s queue timeout)."""
+    """Refused by the ledger, a request waits again for what is left of its timeout; its
+    429 states the whole queue timeout, not that remainder (such as "within 3.71204s" of
+    a 10 s queue timeout)."""
     _, _, ledger, adm = make(kv=1000, others=0)
     ledger.others = 900  # the view does not know yet: the first grant is refused
     with pytest.raises(Saturated) as err:

@@ -161,8 +161,8 @@ def test_expected_blocks_decay_with_age_unless_reported_by_events() -> None:
 @pytest.mark.parametrize(("kind", "hit"), [("mamba", 4), ("chunked_local_attention", 4)])
 def test_mamba_and_other_groups_cut_a_hybrid_hit_back(kind: str, hit: int) -> None:
     # Jamba / Nemotron-H / Qwen3-Next (Mamba), Llama 4 (chunked local attention): vLLM's
-    # hybrid lookup needs those groups too; their events were ignored, so the view
-    # predicted the whole full-attention run (8 blocks) where the node hits 4.
+    # hybrid lookup needs those groups too; their events ignored, the view would
+    # predict the whole full-attention run (8 blocks) where the node hits 4.
     index = PrefixIndex()
     prompt = list(range(40))
     keys = block_keys(prompt, 4)

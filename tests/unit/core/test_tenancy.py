@@ -192,9 +192,10 @@ async def test_a_waiter_at_its_concurrency_limit_does_not_hold_up_others_and_tim
 
 
 async def test_a_waiter_held_by_its_own_limit_claims_no_backend_until_the_limit_opens():
-    """A parked request was listed as waiting for every backend it could use: a shared
-    ledger put this replica in their wait sets, and every other replica's new requests
-    there queued until the next heartbeat (~2.5 s each), on an idle node."""
+    """A request parked by its tenant's own limit claims no backend until the limit
+    opens: were it listed as waiting for every backend it could use, a shared ledger
+    would put this replica in their wait sets, and every other replica's new requests
+    there would queue until the next heartbeat (~2.5 s each), on an idle node."""
     b = backend("a", kv=4096)
     adm, _ = make([b], auth(tenant("c", max_concurrent=1), tenant("o")))
     held = await adm.admit(of("c", 100), 1.0)
@@ -211,8 +212,9 @@ async def test_a_waiter_held_by_its_own_limit_claims_no_backend_until_the_limit_
 
 async def test_a_limit_that_opens_by_one_lets_one_parked_request_through():
     """Tenant e (max_concurrent 1) has two parked; when its request ends (its room going
-    to q's waiter), both were let through at once: the shared queue held 3 of 3 (two of
-    them e's, which can run one at a time) and another tenant got 429 fleet_saturated."""
+    to q's waiter), one is let through and the other stays parked, so another tenant's
+    request still queues. Both let through at once would fill the shared queue (3 of 3,
+    two of them e's, which can run one at a time): a 429 fleet_saturated for the other."""
     b = backend("a", kv=8192, max_model_len=2048, seqs=1)
     cfg = auth(tenant("e", max_concurrent=1), tenant("q"), tenant("z"))
     adm, _ = make([b], cfg, queue_size=3)
@@ -239,8 +241,9 @@ async def test_a_limit_that_opens_by_one_lets_one_parked_request_through():
 
 async def test_a_request_the_class_floors_can_never_let_through_is_refused_at_once():
     """interactive keeps 30% of 10,000 tokens: a 7,408-token batch request can never
-    pass. It waited out its whole queue timeout, then got a 429 with Retry-After (so
-    clients retried for ever); the same request from an interactive tenant runs."""
+    pass, and is refused at once with no Retry-After, not after its whole queue timeout
+    with one (which clients would retry for ever); the same request from an interactive
+    tenant runs."""
     b = backend("a", kv=10_000, max_model_len=10_000)
     classes = (ClassConfig("interactive", floor_share=0.3), ClassConfig("batch"))
     adm, _ = make([b], auth(tenant("i", "interactive"), tenant("b", "batch"), classes=classes))
@@ -257,8 +260,9 @@ async def test_a_request_the_class_floors_can_never_let_through_is_refused_at_on
 
 
 async def test_a_node_down_for_a_moment_does_not_make_a_request_impossible():
-    """ "Never" was judged on the nodes usable at the time: with one of two down, a batch
-    request that fits beside the floors on the whole fleet was refused for good."""
+    """ "Never" is judged on the whole fleet, not on the nodes usable at the time: with
+    one of two down, a batch request that fits beside the floors on the whole fleet
+    waits for the node instead of being refused for good."""
     a, b = backend("a", kv=10_000), backend("b", kv=10_000)
     classes = (ClassConfig("interactive", floor_share=0.3), ClassConfig("batch"))
     cfg = auth(tenant("i", "interactive"), tenant("b", "batch"), classes=classes)
@@ -430,7 +434,7 @@ async def test_a_storm_of_cancellations_walks_the_queue_once_and_serves_who_fits
 
 async def test_waiters_held_by_their_own_tenant_limit_do_not_fill_the_shared_queue():
     # queue_size 2. Tenant e (max_concurrent 1) parks two requests behind its own limit;
-    # another tenant's request that must wait for room still queues (it got a 429
+    # another tenant's request that must wait for room still queues (no 429
     # fleet_saturated), and e's third is refused at once as e's own limit, not the fleet.
     b = backend("a", kv=2048, max_model_len=2048)
     adm, _ = make([b], auth(tenant("e", "batch", max_concurrent=1), tenant("q")), queue_size=2)
@@ -455,9 +459,9 @@ async def test_waiters_held_by_their_own_tenant_limit_do_not_fill_the_shared_que
 
 
 async def test_a_full_queue_never_displaces_a_request_parked_behind_its_own_limit():
-    # Refusing a parked request frees no place in the queue for room: the newcomer was
-    # queued anyway and the shared queue grew past queue_size (32 with queue_size 2),
-    # while every parked request was needlessly refused as displaced_by_priority.
+    # Refusing a parked request frees no place in the queue for room: the newcomer would
+    # be queued anyway and the shared queue grow past queue_size (32 with queue_size 2),
+    # while every parked request would be needlessly refused as displaced_by_priority.
     b = backend("a", kv=2048, max_model_len=2048)
     cfg = auth(tenant("i", "interactive"), tenant("e", "batch", max_concurrent=1), tenant("q"))
     adm, _ = make([b], cfg, queue_size=2)
@@ -488,8 +492,9 @@ async def test_a_full_queue_never_displaces_a_request_parked_behind_its_own_limi
 
 
 async def test_requests_refused_or_cancelled_do_not_push_their_tenant_back():
-    # 50 requests refused at once (the tenant's parking full) advanced its fair-queuing
-    # tag as if served: its next request queued behind others' later work.
+    # 50 requests refused at once (the tenant's parking full) do not advance its
+    # fair-queuing tag as if served, which would queue its next request behind others'
+    # later work.
     b = backend("a", kv=2048, max_model_len=2048, seqs=1)
     t = Tenancy(lambda: auth(tenant("e", max_concurrent=1), tenant("o")))
     adm = admission_over(

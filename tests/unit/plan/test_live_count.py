@@ -93,8 +93,9 @@ def test_a_speculative_nodes_choices_count_as_many_tokens_as_a_step_may_emit():
 
 
 def test_a_streamed_tool_calls_own_index_is_not_a_token() -> None:
-    """vLLM's tool-call chunks carry the choice's "index" and the tool call's: counted
-    twice, a stream without usage was charged (and taught) twice its output."""
+    """vLLM's tool-call chunks carry the choice's "index" and the tool call's; only the
+    choice's counts: counted twice, a stream without usage would be charged (and taught)
+    twice its output."""
     first = (
         b'data: {"choices":[{"index":0,"delta":{"tool_calls":[{"id":"c1","type":"function",'
         b'"index":0,"function":{"name":"f","arguments":""}}]},"finish_reason":null}]}\n\n'

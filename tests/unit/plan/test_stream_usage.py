@@ -88,7 +88,8 @@ def test_the_ask_keeps_the_clients_other_options() -> None:
 
 
 def test_a_hostile_nodes_endless_numbers_are_not_read() -> None:
-    """int() refuses more than 4,300 digits: settlement raised ValueError."""
+    """int() refuses more than 4,300 digits: such a count is no count, so settlement
+    reads none instead of raising ValueError."""
     from kvgateway.upstream.client import find_usage
 
     digits = b"9" * 5000

@@ -7,7 +7,7 @@ from tests.unit.core.test_fleet import _config
 
 def test_a_node_replaced_under_its_name_is_one_series_in_metrics():
     # `a` moves to another node (new url) while a request runs on the old one: the old
-    # drains beside the new, and /metrics had every backend series twice for `a`
+    # drains beside the new, and /metrics still has each backend series once for `a`
     # (Prometheus rejects a scrape with repeated label sets).
     fleet = Fleet(_config(["a"]))
     old = fleet.get("a")
@@ -40,7 +40,8 @@ def test_two_draining_nodes_of_one_name_are_one_series():
 
 
 def test_series_of_backends_gone_from_the_fleet_are_dropped() -> None:
-    """DNS members (pool@IP:port) come and go: their series piled up for good."""
+    """DNS members (pool@IP:port) come and go: a gone member's series leave /metrics once
+    exposed one more time, or they would pile up for good."""
     from prometheus_client import CollectorRegistry
 
     from kvgateway.server.metrics import GatewayMetrics

@@ -174,8 +174,8 @@ def test_groups_are_numbered_by_first_layer_and_events_name_their_group() -> Non
 
 def test_a_request_touches_every_groups_hits_before_taking_new_blocks() -> None:
     # The pool nearly full of cached blocks: a request hitting a 32-token prefix in both
-    # groups, whose sliding-window group (0) took its new blocks first, popped and
-    # evicted its own full-attention hits (vLLM touches all groups' hits first).
+    # groups touches all groups' hits first, as vLLM does; were its sliding-window group
+    # (0) to take its new blocks first, it would pop and evict its own full-attention hits.
     c = core((8, None), 25, events=True)
     prefix = list(range(1000, 1032))  # 8 blocks
     add(c, prefix, 1)
@@ -208,8 +208,8 @@ def test_the_hybrid_profile_numbers_its_groups_as_vllm() -> None:
 
 
 def test_a_preset_hybrid_node_has_its_sliding_window_group() -> None:
-    # gateway simulate --preset gpt-oss-20b: it was simulated with one full-attention
-    # group, holding twice the tokens a vLLM node holds.
+    # gateway simulate --preset gpt-oss-20b: two groups, as vLLM forms them; with one
+    # full-attention group the node would hold twice the tokens a vLLM node holds.
     from kvgateway.simulator.sizing import ServeFlags, size_node
 
     node = size_node("gpt-oss-20b", 80, ServeFlags())
@@ -222,7 +222,7 @@ def test_the_gateways_view_of_a_hybrid_node_predicts_its_prefix_hits(seed: int) 
     # A hybrid node's events (sliding-window group 0, full attention 1), through the wire
     # format into the gateway's precise prefix view: before each request, the blocks the
     # view says it will hit are the blocks the node hits. Following only the full
-    # group over-predicted (a hit also needs the window's blocks before its end).
+    # group would over-predict (a hit also needs the window's blocks before its end).
     import random
 
     from kvgateway.core.prefix_index import PrefixIndex

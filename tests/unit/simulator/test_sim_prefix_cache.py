@@ -222,8 +222,9 @@ def test_pool_refuses_to_free_a_block_twice() -> None:
 
 
 def test_a_waiting_head_looked_up_every_step_is_counted_once() -> None:
-    # vLLM records prefix-cache stats at admission; the simulator counted every lookup
-    # of a head blocked for lack of blocks (31 "requests" for 2, the hit rate inflated).
+    # vLLM records prefix-cache stats at admission, and so does the simulator: counting
+    # every lookup of a head blocked for lack of blocks would make 31 "requests" of 2 and
+    # inflate the hit rate.
     c = core(21)
     prefix = list(range(100, 140))  # 10 blocks
     add(c, [*prefix, 1], 30)
@@ -236,7 +237,8 @@ def test_a_waiting_head_looked_up_every_step_is_counted_once() -> None:
 
 def test_the_first_blocks_parent_is_vllms_none_hash(monkeypatch) -> None:
     """vLLM >= 0.30 seeds NONE_HASH with PYTHONHASHSEED, else "vllm-none-hash" (sha256,
-    its default hash); the simulator seeded "", so no event hash matched a real node's."""
+    its default hash); the simulator seeds it the same way, or no event hash would match
+    a real node's."""
     import hashlib
     import pickle
 

@@ -77,7 +77,7 @@ def test_refuses_to_start_like_vllm_and_logs_why() -> None:
 def test_a_sliding_window_models_refusal_states_what_vllm_would_need() -> None:
     """vLLM sizes one full-length request by its groups (a sliding-window group capped by
     its window): 3.05 GiB for gpt-oss-20b at 131,072 tokens, not the 6.00 GiB that counting
-    every group as full attention gave (and `plan --from-log` would read as the need)."""
+    every group as full attention gives (and `plan --from-log` would read as the need)."""
     with pytest.raises(StartupError) as info:
         size_node(
             "gpt-oss-20b", 24.0, ServeFlags(gpu_memory_utilization=0.70, max_model_len=131072)

@@ -57,9 +57,11 @@ def test_learned_predictions_wait_for_enough_reports():
 
 
 def test_one_digit_heavy_chat_does_not_scale_every_prompt_after_it():
-    """Seen with upper_bound false against a Qwen node: one chat of numbers (stand-in
-    2,807, node 7,028) taught a 2.5x ratio, and English prompts of 3,529 and 5,029
-    tokens were predicted at 8.8k and 12.6k: refused on an 8k node that serves them."""
+    """upper_bound false against a Qwen node: one chat of numbers (stand-in 2,807, node
+    7,028) teaches no ratio, so English prompts of 3,529 and 5,029 tokens stay as
+    counted; a 2.5x ratio would predict them at 8.8k and 12.6k, refused on an 8k node
+    that serves them. English chats seen often set the ratio (1.05), numbers now and
+    then do not."""
     cal = PromptCalibration()
     cal.observe("n", "m", 2_807, 7_028)
     assert cal.scaled("m", 3_529, 0.0) == 3_529

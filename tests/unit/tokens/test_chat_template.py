@@ -302,7 +302,7 @@ def test_continue_final_message_with_an_empty_or_spaced_prefix() -> None:
 
 def test_vllms_tool_reference_part_is_the_tools_name() -> None:
     """vLLM's own content part ``{"type": "tool_reference", "name": ...}`` renders as the
-    tool's name (it was dropped: 5 tokens fewer than the node's count on Qwen3)."""
+    tool's name (dropped, the count would be 5 tokens under the node's on Qwen3)."""
     parts = [{"type": "text", "text": "Load the tool"}, {"type": "tool_reference", "name": "f"}]
     msgs = [{"role": "user", "content": parts}]
     assert conversation(msgs, "string").messages[0]["content"] == "Load the tool\nf"

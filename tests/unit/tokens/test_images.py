@@ -43,7 +43,7 @@ def test_tokens_follow_transformers_smart_resize() -> None:
             h, w, factor=28, min_pixels=grid.min_pixels, max_pixels=grid.max_pixels
         )
         assert grid.tokens(w, h) == (rh // 28) * (rw // 28), (w, h)
-    # What the review measured at transformers' default limits.
+    # Two common sizes at transformers' default limits.
     assert grid.tokens(1920, 1080) == 2691 and grid.tokens(3840, 2160) == 10549
     # A processor refuses ratios over 200; priced as the largest image (never under).
     assert grid.tokens(5000, 10) == grid.max_tokens

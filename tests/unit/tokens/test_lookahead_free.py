@@ -257,8 +257,8 @@ def test_a_million_space_run_counts_as_the_node_counts_it(
 @pytest.mark.parametrize("family", ["qwen", "cl100k"])
 @pytest.mark.parametrize("marker", ["a\\b", "\\d", "<\\1>"])
 def test_mark_takes_the_marker_literally(family: str, marker: str) -> None:
-    """The marker goes into a regex replacement template: backslashes in it stay text
-    (found by a second review; the engine's own marker has none)."""
+    """The marker goes into a regex replacement template: backslashes in any marker
+    given stay text (the engine's own marker has none)."""
     free = lookahead_free(_patterns()[family])
     assert free is not None
     text = "x\n   y  z"

@@ -145,8 +145,8 @@ async def test_a_big_prompts_bound_is_scanned_off_the_loop() -> None:
 
 async def test_a_batch_whose_prompts_each_fit_is_counted_prompt_by_prompt() -> None:
     # Eight prompts of ~630 tokens against a 1,000-token context: their total passes
-    # the limit, yet each fits. Counting stopped on the total and read it as one prompt
-    # past the limit (the batch was refused); it stops only past eight prompts' worth.
+    # the limit, yet each fits. Counting does not stop on the total (read as one prompt
+    # past the limit, the batch would be refused); it stops only past eight prompts' worth.
     estimator = PromptEstimator(CONFIG, _standin())
     text = "the quick brown fox jumps over the lazy dog " * 70
     got = await estimator.completion({"prompt": [text] * 8}, limit=1000)

@@ -1,6 +1,7 @@
 """A Responses request is counted as the chat vLLM renders for it: function calls, their
 outputs and reasoning items become the assistant and tool messages vLLM builds, not empty
-user messages (a 10,000-digit tool output was once counted as 32 tokens).
+user messages (as an empty user message, a 10,000-digit tool output would count as 32
+tokens).
 
 Expected messages are written by hand from vllm-project/vllm
 ``vllm/entrypoints/openai/responses/utils.py`` @01ca842df5
@@ -208,8 +209,9 @@ async def test_the_simulated_node_counts_what_vllm_counts(
 def test_a_responses_prompt_gets_the_models_bos_as_vllm_tokenizes_it(
     vocab_dirs: Callable[[str], Path], encodings: EncodingCache
 ) -> None:
-    """vLLM tokenizes a Responses rendering with special tokens: Llama 3's node counted
-    one more (its BOS before the template's) than the gateway did."""
+    """vLLM tokenizes a Responses rendering with special tokens, and so does the
+    gateway: on Llama 3 that is one token more than the same chat (the tokenizer's BOS
+    before the template's)."""
     counter = ExactCounter(encodings.model(str(vocab_dirs("llama3"))))
     body = {"instructions": "Be brief.", "input": "Why is the sky blue?"}
     chat = chat_body(body)

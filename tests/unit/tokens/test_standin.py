@@ -178,9 +178,9 @@ def test_a_prompt_of_exactly_the_context_is_read_with_the_nodes_context() -> Non
 
 def test_readmission_count_is_never_a_lower_bound() -> None:
     """vLLM >= 0.32 refuses a 9,028-token prompt on a 4k node as "at least 4097" (it
-    stops counting past the context); re-admitted to the 16k node reserving 4,097, the
-    prompt took twice its reservation there. The larger node's own count is used, or
-    else the most that node can hold beside the output."""
+    stops counting past the context). Re-admitted to the 16k node, it reserves that
+    node's own count, or else the most that node can hold beside the output, never the
+    4,097: reserving that, the prompt would take twice its reservation there."""
     exact = NodeCount(5000, False, 4096, 100)
     assert readmission_prompt_tokens(exact, asked=None, largest_context=16_384, output=16) == 5000
     refused = parse_context_length_error(
@@ -226,8 +226,10 @@ LAYOUT = {
 async def test_bound_holds_for_white_space_and_unmerged_characters(
     name: str, gateway_tokenizer: Callable[[str], ModelTokenizer]
 ) -> None:
-    """Found by the counting-modes benchmark: a long prompt of indented, blank-line-rich
-    text counted 30 tokens more by Mistral's SentencePiece than the bound allowed."""
+    """Every layout of white space and unmerged characters stays within the bound in
+    every vocabulary: there a byte-fallback vocabulary spends a token per character, and
+    a long prompt of indented, blank-line-rich text costs Mistral's SentencePiece 30
+    tokens past a bound that ignores it."""
     body = {"messages": [{"role": "user", "content": LAYOUT[name]}]}
     bound = upper_bound(await _standin(body), body)
     counts = {k: ExactCounter(gateway_tokenizer(k)).count_chat_sync(body) for k in KINDS}
@@ -283,8 +285,9 @@ def test_overcount_by_content() -> None:
 
 
 async def test_images_are_charged_once(gateway_tokenizer: Callable[[str], ModelTokenizer]) -> None:
-    """The stand-in charged each image image_tokens already; the bound scales only the
-    text (it once charged an image-only chat 2.2x what the node counts)."""
+    """The stand-in charges each image image_tokens itself; the bound scales only the
+    text, within 10% of the node's count (scaling the images too would charge an
+    image-only chat 2.2x what the node counts)."""
     image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
     body: dict[str, Any] = {
         "messages": [{"role": "user", "content": [{"type": "text", "text": "What is it?"}]}]

@@ -43,7 +43,7 @@ def test_qwen2_class_normalizes_to_nfc_whatever_the_file_says(
     encodings: EncodingCache,
 ) -> None:
     """transformers 5's Qwen2Tokenizer builds its own NFC normalizer: NFD text costs what
-    its NFC form does (seen on a node: gateway 331, node 231 for one NFD prompt). With
+    its NFC form does (one NFD prompt: 231 tokens on a node, 331 without NFC). With
     transformers 4 (the file as it is) the decomposed accents cost extra tokens."""
     directory = _qwen_without_nfc(vocab_dirs("qwen"), tmp_path / "qwen")
     nfc = unicodedata.normalize("NFC", NFD)
@@ -90,7 +90,7 @@ def test_developer_message_renders_as_system_for_a_template_without_the_role(
     vocab_dirs: Dirs,
 ) -> None:
     """vLLM >= 0.19 hands a template that does not name the developer role a system
-    message (the gateway, rendering the developer role as such, counted 5 under a node)."""
+    message (rendering the developer role as such would count 5 under the node)."""
     directory = str(vocab_dirs("qwen"))
     body = {
         "messages": [

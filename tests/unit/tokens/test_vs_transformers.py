@@ -653,8 +653,8 @@ async def test_the_standin_bound_holds_for_what_only_the_template_renders(
     custom: Callable[[str, str], Pair],
 ) -> None:
     """Reasoning, documents, template kwargs, refusal and thinking parts and tool-call ids
-    are rendered by the template: the stand-in's bound must cover them too (it once read
-    message content and tool calls only, and bounded a 12k-token prompt at 99)."""
+    are rendered by the template: the stand-in's bound must cover them too (reading
+    message content and tool calls only, it would bound a 12k-token prompt at 99)."""
     pair = custom("thinking", THINKING)
     exact = pair.gateway
     standin = PromptCounter(load_encoding(EncodingSpec()), TextCountCache(), None)
@@ -782,11 +782,11 @@ def test_special_tokens_and_bos_eos_as_the_tokenizer_class_sets_them(
     tmp_path: Path,
     encodings: EncodingCache,
 ) -> None:
-    """Found by a review against transformers 4.57: the gateway applied add_bos_token /
-    add_eos_token to every class (a Llama 3 directory saying add_bos_token false was
-    counted one under), never read special_tokens_map.json (a template's bos_token
-    rendered as "", one under) and knew no class defaults (a Mistral template's
-    eos_token was undefined)."""
+    """Against transformers 4.57: add_bos_token / add_eos_token apply only to the classes
+    that read them (applied to every class, a Llama 3 directory saying add_bos_token false
+    would count one under), special_tokens_map.json is read (unread, a template's
+    bos_token would render as "", one under), and each class's defaults hold (without
+    them a Mistral template's eos_token would be undefined)."""
 
     kind, changes, drop_post, stmap = DIR_VARIANTS[variant]
     source = vocab_dirs(kind)

@@ -7,7 +7,7 @@ transformers 5 rebuilds a class's pipeline (Qwen2's NFC and split regex, Llama's
 Metaspace, Gemma's space replacement, GPT-NeoX's and Cohere's NFC...) from the file's
 vocabulary and merges, keeps the file's post-processor whatever ``add_bos_token`` says,
 and chooses the class by model type first where the two disagree; the gateway's 4.x
-rules got these directories wrong (test_vs_transformers.py checks those against 4.57).
+rules get these directories wrong (test_vs_transformers.py checks those against 4.57).
 """
 
 from __future__ import annotations
@@ -151,9 +151,9 @@ def test_directories_load_as_vllm_with_transformers_5_loads_them(
     encodings: EncodingCache,
 ) -> None:
     """Same class, same named special tokens (what a template sees), same ids with and
-    without special tokens. On the 4.x rules: a Qwen2Tokenizer directory without NFC
-    counted NFD text ~1.4x the node, a Llama-class SentencePiece directory counted text
-    after a special token one more, add_bos_token false dropped a BOS the node adds..."""
+    without special tokens. On the 4.x rules a Qwen2Tokenizer directory without NFC
+    counts NFD text ~1.4x the node, a Llama-class SentencePiece directory counts text
+    after a special token one more, add_bos_token false drops a BOS the node adds..."""
     directory = oracle["dirs"][name]
     want = oracle["tokenizers"][name]
     tok = encodings.model(str(directory))

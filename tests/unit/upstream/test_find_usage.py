@@ -7,7 +7,8 @@ from kvgateway.upstream.client import Usage, find_usage
 
 def test_usage_fields_planted_in_echoed_request_json_are_not_read():
     # vLLM's Responses answer echoes the request's text.format schema and tools right
-    # before its usage: a schema key "output_tokens": 0 made every answer free.
+    # before its usage: taken for it, a schema key "output_tokens": 0 would make every
+    # answer free.
     schema = {"type": "object", "output_tokens": 0, "input_tokens": 0}
     tools = [{"type": "function", "name": "f", "parameters": {"output_tokens": 0}}]
     body = {
@@ -32,8 +33,8 @@ def test_usage_fields_planted_in_echoed_request_json_are_not_read():
 
 def test_a_string_value_usage_after_the_real_usage_is_not_taken_for_it():
     # vLLM's rerank answer echoes documents after its usage; chat's prompt_logprobs come
-    # after usage too: a document or token "usage" hid the real usage (charged 0, or
-    # the whole max_tokens).
+    # after usage too: taken for it, a document or token "usage" would hide the real usage
+    # (charging 0, or the whole max_tokens).
     rerank = {
         "id": "r",
         "usage": {"prompt_tokens": 367, "total_tokens": 367},

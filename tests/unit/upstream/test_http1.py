@@ -362,7 +362,7 @@ async def test_connections_the_node_closed_while_idle_leave_the_pool() -> None:
 async def test_a_stream_left_at_its_end_marker_is_reused_once_its_body_ends() -> None:
     """uvicorn writes a chunked body's terminator apart from the last event: a reader
     that stops at [DONE] leaves the connection waiting for it, and the pool reuses it
-    once it came (not closed: no new connection per stream)."""
+    once it comes (not closed: no new connection per stream)."""
     head = (
         b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
     )

@@ -657,8 +657,9 @@ async def test_hub_closes_every_subscriber_even_after_one_failed(
 
 
 async def test_a_publisher_on_an_ipv6_address_is_subscribed_to(zctx: zmq.asyncio.Context) -> None:
-    """A DNS member with an IPv6 address subscribes at tcp://[addr]:PORT: libzmq ignored
-    that endpoint without its IPv6 option, and the member's events never came."""
+    """A DNS member with an IPv6 address subscribes at tcp://[addr]:PORT and hears its
+    events: libzmq ignores that endpoint without its IPv6 option, and would never
+    deliver them."""
     import socket
 
     try:

@@ -77,8 +77,8 @@ async def test_a_count_the_nodes_reports_scale_near_the_context_is_asked_of_a_no
 ) -> None:
     """upper_bound false: the stand-in's count is reserved as the nodes' reports scale it
     (2.5x here, taught by chats of numbers). An English prompt of ~3.5k tokens scaled past
-    an 8k context was refused without asking the node (the ask looked at the unscaled
-    count); the node's own count decides."""
+    an 8k context is asked of the node, whose own count decides: the ask goes by the
+    scaled count (by the unscaled one the prompt would be refused without asking)."""
     asked: list[dict[str, Any]] = []
 
     async def tokenize(request: web.Request) -> web.Response:

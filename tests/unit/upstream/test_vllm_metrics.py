@@ -32,9 +32,9 @@ def test_garbage_gives_nothing_rather_than_crashing():
 
 
 def test_implausible_values_are_not_readings():
-    """A node's page is not trusted blindly: one node claiming block_size="1000000" set
-    the whole model's reservation block size (every request rounded up to 10^6 tokens),
-    a negative one gave a negative pool, and NaN or infinite gauges went through as is."""
+    """A node's page is not trusted blindly: a block_size of "1000000" is no reading (it
+    would set the whole model's reservation block size, every request rounded up to 10^6
+    tokens), nor is a negative block count (a negative pool), nor a NaN or infinite gauge."""
     text = """# TYPE vllm:kv_cache_usage_perc gauge
 vllm:kv_cache_usage_perc{engine="0"} NaN
 vllm:kv_cache_usage_perc{engine="1"} +Inf
