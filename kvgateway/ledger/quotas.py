@@ -138,6 +138,13 @@ class SharedQuotas:
             self._most_live = (live, now)
         return self._most_live[0]
 
+    def _lost(self) -> None:
+        """Redis failed or restarted: its scripts may be gone (loaded again at the next
+        call) and its data too (the last minute's charges are sent again: charges it
+        holds already are left as they are)."""
+        self._shas.clear()
+        self._unsent = True
+
     def _use_redis(self, now: float) -> bool:
         return self._shared() and now >= self._retry_at
 
@@ -148,8 +155,12 @@ class SharedQuotas:
         try:
             got = await self._client.evalsha(sha, len(keys), *keys, *args)
         except NoScriptError:
-            # Redis lost its scripts (a restart between two calls, SCRIPT FLUSH): redis-py
-            # raises this for the NOSCRIPT reply.
+            # Redis lost its scripts (redis-py raises this for the NOSCRIPT reply): it
+            # restarted between two calls, maybe without its data. The script did not
+            # run; the last minute's charges go to Redis again before it does.
+            self._lost()
+            if name != "import":
+                await self._send_recent(self._clock())
             self._shas[name] = await self._client.script_load(src)
             got = await self._client.evalsha(self._shas[name], len(keys), *keys, *args)
         return [int(x) for x in got] if isinstance(got, list) else [int(got)]
@@ -169,7 +180,7 @@ class SharedQuotas:
                 self._keep(tenant, got, now)
                 return got
             except REDIS_FAILURES as exc:
-                self._shas.clear()
+                self._lost()
                 self._retry_at = now + RETRY_S
                 self._set_fallback(True, repr(exc))
         else:
@@ -212,7 +223,9 @@ class SharedQuotas:
 
     async def _send_recent(self, now: float) -> None:
         """Add the last minute's charges to Redis with their age (those it holds already
-        are left as they are)."""
+        are left as they are). A charge made on the local share while this runs marks
+        the minute unsent again: it is in neither the batch sent nor Redis."""
+        self._unsent = False
         by_window: dict[tuple[str, str], list[str | int]] = {}
         for tenant, c in self._recent:
             age = int((now - c.entries[REQUESTS].at) * 1000)
@@ -222,10 +235,13 @@ class SharedQuotas:
                 c.ref = f"{self._id}:{next(self._ids)}"
             for name, entry in c.entries.items():
                 by_window.setdefault((name, tenant), []).extend([c.ref, age, entry.amount])
-        for (name, tenant), triples in by_window.items():
-            keys = list(self._keys.window(name, tenant))
-            await self._eval("import", IMPORT, keys, [_WINDOW_MS, *triples])
-        self._unsent = False
+        try:
+            for (name, tenant), triples in by_window.items():
+                keys = list(self._keys.window(name, tenant))
+                await self._eval("import", IMPORT, keys, [_WINDOW_MS, *triples])
+        except BaseException:
+            self._unsent = True
+            raise
 
     def settle(
         self,
@@ -281,19 +297,20 @@ class SharedQuotas:
                 async with asyncio.timeout(RETRY_S / 4):
                     await self._flush.wait()
             self._flush.clear()
-            self._replicas(self._clock())
+            now = self._clock()
+            self._replicas(now)
             try:
                 async with asyncio.timeout(self._timeout):
-                    if self._unsent and self._shared():
+                    if self._unsent and self._use_redis(now):
                         # Back from a fallback: the others see what was charged here
                         # without waiting for this replica's next limited request.
-                        await self._send_recent(self._clock())
+                        await self._send_recent(now)
                         self._set_fallback(False)
                     await self._send_adjustments()
             except REDIS_FAILURES as exc:
-                self._shas.clear()  # a restarted Redis has lost the scripts
-                # Lost: the window keeps what was reserved, never less than was used,
-                # except a passthrough's prompt known only from its answer.
+                self._lost()
+                # Settlements lost: the window keeps what was reserved, never less than
+                # was used, except a passthrough's prompt known only from its answer.
                 log.debug("tenant rate limits: settlements not sent: %r", exc)
 
     async def _send_adjustments(self) -> None:

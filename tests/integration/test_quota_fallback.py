@@ -5,11 +5,16 @@ of the last minute, so the other replicas count them until they leave the window
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+from typing import Any
+
 import pytest
 from redis.asyncio import Redis
 
 from kvgateway.config.model import TenantLimits
 from kvgateway.core.quota import REQUESTS, Charge, RateLimitHit
+from kvgateway.ledger.connect import REDIS_FAILURES
 from kvgateway.ledger.quotas import SharedQuotas
 from tests.support.eventually import eventually
 from tests.support.redis_server import RedisServer
@@ -78,5 +83,69 @@ async def test_scripts_lost_by_redis_are_loaded_again(redis_server: RedisServer)
         await client.script_flush()
         assert isinstance(await q.try_charge("x", LIMITS, 1, 1, 0.0), Charge)
         assert await client.get(KEY) == b"2"
+    finally:
+        await client.aclose()
+
+
+async def test_a_redis_restarted_empty_is_told_the_last_minute_before_the_next_charge(
+    redis_server: RedisServer,
+) -> None:
+    """Redis restarts without its data while this replica makes no call (another user of
+    the client met the broken connection): the next charge finds the scripts gone, sends
+    the last minute's charges first, and is judged with them, so a tenant at its limit
+    stays refused for the rest of its minute."""
+    client = Redis.from_url(redis_server.url, socket_timeout=0.5, socket_connect_timeout=0.5)
+    q = SharedQuotas(client, "t", "a", 0.5, shared=lambda: True, live=lambda: 1, clock=lambda: 0.0)
+    try:
+        got = [await q.try_charge("x", LIMITS, 1, 1, 0.0) for _ in range(6)]
+        assert all(isinstance(g, Charge) for g in got)
+        redis_server.stop()
+        redis_server.start()
+        with contextlib.suppress(*REDIS_FAILURES):
+            await client.ping()  # the broken connection, met by another caller
+        assert isinstance(await q.try_charge("x", LIMITS, 1, 1, 1.0), RateLimitHit)
+        assert await client.get(KEY) == b"6"
+    finally:
+        await client.aclose()
+
+
+async def test_a_charge_on_the_share_while_the_minute_is_sent_is_sent_too(
+    redis_server: RedisServer,
+) -> None:
+    """Back from a fallback the replica sends the last minute's charges; one it judges
+    on its share while that is under way (the ledger fell back again for a moment) is in
+    neither the batch nor Redis, and goes with the next send: Redis ends up with every
+    charge of the minute."""
+    client = Redis.from_url(redis_server.url, socket_timeout=0.5, socket_connect_timeout=0.5)
+    now, shared = [0.0], [True]
+    q = SharedQuotas(
+        client, "t", "a", 0.5, shared=lambda: shared[0], live=lambda: 2, clock=lambda: now[0]
+    )
+    sending, go_on = asyncio.Event(), asyncio.Event()
+    call = q._eval
+
+    async def slow_import(name: str, src: str, keys: list[str], args: list[str | int]) -> Any:
+        if name == "import":  # the batch is built; its round trip takes a while
+            sending.set()
+            await go_on.wait()
+        return await call(name, src, keys, args)
+
+    q._eval = slow_import  # type: ignore[method-assign]
+    try:
+        async with q.running():
+            assert isinstance(await q.try_charge("x", LIMITS, 1, 1, now[0]), Charge)
+            shared[0] = False  # the ledger's fallback: judged on the share, kept to send
+            assert isinstance(await q.try_charge("x", LIMITS, 1, 1, now[0]), Charge)
+            shared[0] = True
+            await asyncio.wait_for(sending.wait(), 5)  # the flush loop sends the minute
+            shared[0] = False
+            assert isinstance(await q.try_charge("x", LIMITS, 1, 1, now[0]), Charge)
+            shared[0] = True
+            go_on.set()
+
+            async def all_three() -> bool:
+                return await client.get(KEY) == b"3"
+
+            await eventually(all_three, timeout=5)
     finally:
         await client.aclose()
