@@ -19,7 +19,7 @@ from kvgateway.config.argtypes import port_number
 from kvgateway.config.load import load_config
 from kvgateway.config.model import POLICIES, GatewayConfig, Policy
 from kvgateway.config.yamlread import ConfigError
-from kvgateway.server.telemetry import setup_logging
+from kvgateway.server.observability import setup_logging
 from kvgateway.simulator.fleet import start_fleet
 from kvgateway.simulator.fleetconfig import NodeSpec, load_fleet_config
 

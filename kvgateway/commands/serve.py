@@ -32,10 +32,10 @@ from kvgateway.core.derived_limits import derive_all
 from kvgateway.ledger.connect import LedgerConfigError
 from kvgateway.server.app import STATE, create_app
 from kvgateway.server.appkeys import WORKER_GAUGES
+from kvgateway.server.observability import setup_logging
 from kvgateway.server.protocol import GatewayRunner
 from kvgateway.server.reload import Reloader, watch_file
 from kvgateway.server.state import GatewayState
-from kvgateway.server.telemetry import setup_logging
 from kvgateway.server.tenants import tenant_holdings
 
 log = logging.getLogger("kvgateway.server")

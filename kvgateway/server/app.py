@@ -38,18 +38,18 @@ from kvgateway.ledger.redis_ledger import RedisLedger
 from kvgateway.plan.planner import Planner
 from kvgateway.server import admin
 from kvgateway.server.appkeys import DNS, EXPOSITION, KV_EVENTS, MONITOR, STATE, WORKER_GAUGES
+from kvgateway.server.collectors import FleetCollector, TenantCollector
 from kvgateway.server.edge import auth_middleware, errors_middleware, request_id_middleware
 from kvgateway.server.exchange import Settle
 from kvgateway.server.ledger_view import LedgerMetrics, build_ledger
-from kvgateway.server.metrics import FleetCollector, GatewayMetrics
+from kvgateway.server.observability import from_environment
 from kvgateway.server.passthrough import PATHS as PASSTHROUGH_PATHS
 from kvgateway.server.passthrough import handle_passthrough
 from kvgateway.server.proxy import handle_completion
 from kvgateway.server.relay import Relay
 from kvgateway.server.reload import FleetMembers
 from kvgateway.server.state import Clock, GatewayState, Stages
-from kvgateway.server.telemetry import Tracing, from_environment
-from kvgateway.server.tenants import TenantCollector
+from kvgateway.server.telemetry import GatewayMetrics, Tracing
 from kvgateway.server.worker_gauges import WorkerGauges
 from kvgateway.tokens.counters import TokenCounters
 from kvgateway.tokens.encoding import EncodingCache

@@ -28,8 +28,7 @@ from kvgateway.core.quota import Charge, QuotaLedger, limit_headers
 from kvgateway.core.reservation import Reservation
 from kvgateway.core.tenancy import Tenancy
 from kvgateway.errors import ShuttingDown, UpstreamError
-from kvgateway.server.metrics import GatewayMetrics
-from kvgateway.server.telemetry import AccessRecord, log_access
+from kvgateway.server.telemetry import AccessRecord, GatewayMetrics, log_access
 from kvgateway.tokens.prompt_estimate import PromptCalibration
 from kvgateway.upstream.client import Usage
 

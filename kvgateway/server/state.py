@@ -21,9 +21,8 @@ from kvgateway.core.tenancy import Tenancy
 from kvgateway.ledger.redis_ledger import RedisLedger
 from kvgateway.plan.planner import Planner
 from kvgateway.server.exchange import Exchange, Settle
-from kvgateway.server.metrics import GatewayMetrics
 from kvgateway.server.relay import Relay
-from kvgateway.server.telemetry import Tracing
+from kvgateway.server.telemetry import GatewayMetrics, Tracing
 from kvgateway.tokens.counters import TokenCounters
 from kvgateway.tokens.prompt_estimate import PromptCalibration
 from kvgateway.upstream.node_pool import NodePool

@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from kvgateway.core.backends import Backend
 from kvgateway.core.quota import RATE_LIMITS
-from kvgateway.server.metrics import (
+from kvgateway.server.collectors import (
     ACCEPTING,
     HEALTHY,
     IN_FLIGHT,

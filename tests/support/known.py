@@ -17,9 +17,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvgateway.config.model import AuthConfig
 from kvgateway.core.quota import LocalQuotaLedger
 from kvgateway.core.tenancy import Tenancy
+from kvgateway.server.collectors import FleetCollector, TenantCollector
 from kvgateway.server.ledger_view import LedgerMetrics
-from kvgateway.server.metrics import FleetCollector, GatewayMetrics
-from kvgateway.server.tenants import TenantCollector
+from kvgateway.server.telemetry import GatewayMetrics
 from tests.support.tools import require_tool
 
 REPO = Path(__file__).resolve().parents[2]

@@ -7,7 +7,7 @@ import logging
 
 import aiohttp
 
-from kvgateway.server.telemetry import _JsonFormatter, _TextFormatter
+from kvgateway.server.observability import _JsonFormatter, _TextFormatter
 from tests.support.fleet import MODEL, StartFleet
 
 SECRET_PROMPT = "the secret prompt text"

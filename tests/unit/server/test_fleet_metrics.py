@@ -1,7 +1,7 @@
 """Per-backend series across reloads: one per backend name."""
 
 from kvgateway.core.fleet import Fleet
-from kvgateway.server.metrics import FleetCollector
+from kvgateway.server.collectors import FleetCollector
 from tests.unit.core.test_fleet import _config
 
 
@@ -44,7 +44,7 @@ def test_series_of_backends_gone_from_the_fleet_are_dropped() -> None:
     exposed one more time, or they would pile up for good."""
     from prometheus_client import CollectorRegistry
 
-    from kvgateway.server.metrics import GatewayMetrics
+    from kvgateway.server.telemetry import GatewayMetrics
 
     registry = CollectorRegistry()
     m = GatewayMetrics(registry)

@@ -21,8 +21,7 @@ from kvgateway.core.quota import OUTPUT, Charge, LocalQuotaLedger
 from kvgateway.core.tenancy import Tenancy
 from kvgateway.plan.planner import Plan, Planner
 from kvgateway.server.exchange import Answer, Exchange, Outcome, Settle
-from kvgateway.server.metrics import GatewayMetrics
-from kvgateway.server.telemetry import AccessRecord
+from kvgateway.server.telemetry import AccessRecord, GatewayMetrics
 from kvgateway.tokens.counters import TokenCounters
 from kvgateway.tokens.encoding import EncodingCache
 from kvgateway.tokens.prompt_estimate import PromptCalibration

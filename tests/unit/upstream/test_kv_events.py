@@ -22,7 +22,7 @@ from kvgateway.config.yamlread import ConfigError
 from kvgateway.core.cache_view import AllCleared, BlocksRemoved, BlocksStored
 from kvgateway.core.prefix_index import PrefixIndex
 from kvgateway.core.prefix_keys import block_keys
-from kvgateway.server.metrics import GatewayMetrics
+from kvgateway.server.telemetry import GatewayMetrics
 from kvgateway.simulator.block_pool import (
     AllBlocksCleared,
     BlockRemoved,
