@@ -19,7 +19,7 @@ from kvgateway.core.demand import PrefixHint
 from kvgateway.core.prefix_keys import block_keys
 from kvgateway.plan.openai_request import ParsedRequest
 from kvgateway.tokens.counters import TokenCounters
-from kvgateway.tokens.plans import flag, lax_int, part_text
+from kvgateway.tokens.plans import flag, lax_bool, lax_int, part_text
 from kvgateway.tokens.prompt_estimate import PromptCalibration, PromptEstimate
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's documented default
@@ -42,7 +42,7 @@ def truncates_to_fit(parsed: ParsedRequest) -> bool:
     passes -1 unless truncation is "disabled")."""
     body = parsed.body
     if parsed.kind == "responses":
-        return body.get("truncation") == "auto"
+        return bool(body.get("truncation", "disabled") != "disabled")  # null truncates too
     return lax_int(body.get("truncate_prompt_tokens")) == -1
 
 
@@ -154,15 +154,16 @@ def output_budget(
             return left, left
         return requested, None
     room = max(1, largest_context - prompt_bound) if largest_context else None
-    explicit_null = parsed.output_field in parsed.body and parsed.body[parsed.output_field] is None
     if parsed.kind != "completion":
         default = config.admission.default_output_tokens
         vllm_allows = room
-    else:
+    else:  # vLLM reads a completion's null max_tokens as its default too
         default = COMPLETIONS_DEFAULT_MAX_TOKENS
-        vllm_allows = room if explicit_null else COMPLETIONS_DEFAULT_MAX_TOKENS
+        vllm_allows = COMPLETIONS_DEFAULT_MAX_TOKENS
     if not config.admission.inject_default_output:
         return (vllm_allows or default), None
+    # Never below min_tokens: the node refuses max_tokens < min_tokens.
+    default = max(default, lax_int(parsed.body.get("min_tokens")) or 0)
     budget = min(default, room) if room is not None else default
     return budget, budget
 
@@ -246,7 +247,7 @@ def prefix_hint(
         keys,
         block,
         session[:256] if session else None,
-        credit=own and not cut and _shares_as_keyed(body),
+        credit=own and not cut and _shares_as_keyed(parsed),
     )
 
 
@@ -254,12 +255,19 @@ def _token_ids(prompt: Any) -> bool:
     return isinstance(prompt, list) and bool(prompt) and all(type(t) is int for t in prompt)
 
 
-def _shares_as_keyed(body: dict[str, Any]) -> bool:
+def _shares_as_keyed(parsed: ParsedRequest) -> bool:
     """Does the node share this prompt's blocks exactly as its ids say? Not with images
     or other media (vLLM's block hashes carry each item's content hash; the ids hold
-    placeholders), a ``cache_salt`` (its first block's hash carries the salt), or
-    ``prompt_logprobs`` (vLLM then reads nothing from its prefix cache)."""
-    if body.get("cache_salt") is not None or body.get("prompt_logprobs") is not None:
+    placeholders), a ``cache_salt`` (its first block's hash carries the salt), or prompt
+    logprobs (vLLM then reads nothing from its prefix cache): asked for, or implied by
+    ``echo`` (a chat's takes ``top_logprobs``, 0 by default; a completion's ``logprobs``
+    when set)."""
+    body = parsed.body
+    if any(body.get(k) is not None for k in ("cache_salt", "prompt_logprobs")):
+        return False
+    if body.get("prompt_logprob_token_ids") is not None:
+        return False
+    if lax_bool(body.get("echo")) and (parsed.kind == "chat" or body.get("logprobs") is not None):
         return False
     for source in (body.get("messages"), body.get("input")):
         if not isinstance(source, list):

@@ -34,7 +34,7 @@ class ParsedRequest:
     requested_output: int | None
     # Which field carries the output budget when the gateway has to set it.
     output_field: str
-    # Sequences the node runs per prompt: max(n, best_of).
+    # Sequences the node runs per prompt: n.
     sequences_per_prompt: int = 1
     # Completions with echo and max_tokens 0: the node returns the prompt and generates
     # nothing the client sees (vLLM still schedules one token).
@@ -217,14 +217,27 @@ def parse_chat(body: dict[str, Any], limits: Limits = Limits()) -> ParsedRequest
         if body.get(key) is not None and not isinstance(body[key], list):
             raise _type_error(key, "an array", body[key])
     mct = _opt_positive_int(body, "max_completion_tokens")
-    mt = _opt_positive_int(body, "max_tokens")
+    # vLLM reads max_tokens only without max_completion_tokens.
+    mt = _opt_positive_int(body, "max_tokens") if mct is None else None
     requested = mct if mct is not None else mt
     field = "max_completion_tokens" if mct is not None or mt is None else "max_tokens"
     return ParsedRequest("chat", body, model, stream, n, requested, field, sequences_per_prompt=n)
 
 
 def parse_completion(body: dict[str, Any]) -> ParsedRequest:
+    """A completions request. ``best_of`` is not read (vLLM >= 0.32 ignores it: ``n``
+    sequences run); ``prompt_embeds`` is refused (its sequences' lengths are not known
+    before the node decodes the tensors, so no room can be reserved for them)."""
     model, stream, n = _common(body, "completion")
+    if "n" in body and body["n"] is None:
+        raise _type_error("n", "an integer", None)  # vLLM's completions take no null n
+    if body.get("prompt_embeds") is not None:
+        raise BadRequest(
+            "'prompt_embeds' is not supported through this gateway: it cannot reserve KV "
+            "cache for embeddings it cannot count. Send the prompt as text or token ids.",
+            param="prompt_embeds",
+            code="unsupported_parameter",
+        )
     if "prompt" not in body or body["prompt"] is None:
         raise _missing("prompt")
     prompt = body["prompt"]
@@ -240,13 +253,6 @@ def parse_completion(body: dict[str, Any]) -> ParsedRequest:
         raise _type_error("echo", "a boolean", raw_echo)
     # vLLM takes max_tokens 0 only with echo (the prompt back, nothing generated).
     requested = _opt_positive_int(body, "max_tokens", minimum=0 if echo else 1)
-    best_of = _opt_positive_int(body, "best_of", MAX_N)
-    if best_of is not None and best_of < n:
-        raise BadRequest(
-            f"Invalid value for 'best_of': it must be at least n ({n}), got {best_of}.",
-            param="best_of",
-            code="invalid_value",
-        )
     return ParsedRequest(
         "completion",
         body,
@@ -255,7 +261,7 @@ def parse_completion(body: dict[str, Any]) -> ParsedRequest:
         n,
         requested,
         "max_tokens",
-        sequences_per_prompt=max(n, best_of or 0),
+        sequences_per_prompt=n,
         echo_only=requested == 0,
     )
 
