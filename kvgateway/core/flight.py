@@ -5,6 +5,7 @@ latest at its output bound; a queued one is a :func:`delayed` flight. Pure.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, fields
@@ -102,6 +103,17 @@ class Flight:
 
 def blocks_of(tokens: int, block: int) -> int:
     return -(-tokens // block)
+
+
+def expected_copies(paid: Iterable[float], held: Iterable[float]) -> float:
+    """Expected copies of a shared block: one per payer running (chances ``paid``), and
+    one more when no payer runs but another holder (chances ``held``) does (it keeps the
+    blocks it was credited: vLLM frees a cached block with its last user). Lengths are
+    independent, so that is P(no payer) x P(any other holder)."""
+    chances = list(paid)
+    return sum(chances) + math.prod(1.0 - a for a in chances) * (
+        1.0 - math.prod(1.0 - a for a in held)
+    )
 
 
 def delayed(f: Flight, steps: int) -> Flight:
@@ -343,8 +355,9 @@ def learned_curve(
 
     for g in groups:
         payers = chances(g.payers)
-        holders = chances(g.holders)
-        anyone = holders.max(axis=0) if len(g.holders) else np.zeros(len(steps))
-        mean += g.keys * np.maximum(payers.sum(axis=0), anyone)
+        others = chances(g.holders - g.payers)
+        none_paid = np.prod(1.0 - payers, axis=0)
+        mean += g.keys * (payers.sum(axis=0) + none_paid * (1.0 - np.prod(1.0 - others, axis=0)))
+        anyone = np.concatenate((payers, others)).max(axis=0, initial=0.0)
         most += g.keys * np.maximum((payers > 0.0).sum(axis=0), (anyone > 0.0).astype(np.int64))
     return [(float(x), float(v), int(m)) for x, v, m in zip(mean, var, most, strict=True)]

@@ -41,6 +41,7 @@ from kvgateway.core.flight import (
     blocks_of,
     curve_steps,
     delayed,
+    expected_copies,
     fixed_curve,
     is_static,
     learned_curve,
@@ -259,19 +260,22 @@ class NodeProjection:
         steps = self._base_steps(block)
         if added:
             steps = tuple(sorted({*steps, *curve_steps(added, block)}))
-        credit = [(f, self._credit_until(f)) for f in added]
+        credit = [(f, self._credit_holders(f)) for f in added]
         self._fill(block, steps)
         best = Peak(0.0, 0)
         for t in steps:
             mean, var, most = self._base_at(block, t)
-            for f, until in credit:
+            for f, holders in credit:
                 a, blocks, spread = f.blocks_at(t, block)
                 if a <= 0.0:
                     continue
-                held = a * f.credited if until is None or t < until else 0.0
-                mean += blocks - held
+                # Its credited blocks are another's copy while a holder runs; past that
+                # they are its own (the copy then lives on with it): the expected copy
+                # count is the book's once it is added.
+                cover = 1.0 - math.prod(1.0 - h.survival(t) for h in holders)
+                mean += blocks - a * cover * f.credited
                 var += spread
-                most += f.n * blocks_of(f.tokens_at(t), block) - (f.credited if held else 0)
+                most += f.n * blocks_of(f.tokens_at(t), block) - (f.credited if cover else 0)
             value = min(mean + z * math.sqrt(var), float(most)) if var > 0.0 else mean
             if value > best.blocks:
                 best = Peak(value, t)
@@ -288,20 +292,13 @@ class NodeProjection:
         mean, var, most = self._base_at(block, t)
         return Peak(min(mean + z * math.sqrt(var), float(most)) if var > 0.0 else mean, t)
 
-    def _credit_until(self, f: Flight) -> int | None:
-        """Until which step ``f``'s credited blocks stay held by an admitted flight (None:
-        for as long as projected)."""
+    def _credit_holders(self, f: Flight) -> tuple[Flight, ...]:
+        """The admitted flights holding ``f``'s credited blocks (its deepest credited
+        block: a holder of it holds every block before it)."""
         if not f.credited:
-            return 0
+            return ()
         key = f.keys[f.credited - 1]
-        until = 0
-        for other in self._flights.values():
-            if key in other.keys:
-                end = other.end
-                if end is None:
-                    return None
-                until = max(until, end)
-        return until
+        return tuple(other for other in self._flights.values() if key in other.keys)
 
     def _base_steps(self, block: int) -> tuple[int, ...]:
         steps = self._steps.get(block)
@@ -347,11 +344,11 @@ class NodeProjection:
             most += f.n * blocks_of(f.tokens_at(t), block) - tracked
         ids = static.ids
         for group in shared.groups():
-            copies = sum(alive.get(fid, float(fid in ids)) for fid in group.payers)
-            anyone = max((alive.get(fid, float(fid in ids)) for fid in group.holders), default=0.0)
-            mean += group.keys * max(copies, anyone)
+            paid = [alive.get(fid, float(fid in ids)) for fid in group.payers]
+            held = [alive.get(fid, float(fid in ids)) for fid in group.holders - group.payers]
+            mean += group.keys * expected_copies(paid, held)
             most += group.keys * max(
-                sum(1 for fid in group.payers if fid in alive or fid in ids), int(anyone > 0.0)
+                sum(1 for a in paid if a > 0.0), int(any(a > 0.0 for a in (*paid, *held)))
             )
         self._base[(block, t)] = (mean, var, most)
         return mean, var, most

@@ -526,3 +526,46 @@ def test_a_spread_summed_up_and_down_again_reads_as_none() -> None:
     proj.remove(3)
     assert proj.peak_at(BLOCK, 0, 2.0).blocks == 4.0
     assert proj.peak(BLOCK, 2.0).blocks == 4.0
+
+
+def test_the_check_of_a_credited_newcomer_is_the_book_it_joins() -> None:
+    """A newcomer credited the blocks of a holder that likely ends first is checked at the
+    curve the node books once it is admitted: its credited blocks are another's copy only
+    while a holder runs, then its own (the copy lives on with it)."""
+    shape = OutputShape([10] * 95 + [20_000] * 5)  # the holder (at 5 tokens) likely ends soon
+    keys = tuple(range(100, 300))  # 200 shared blocks
+    prompt = 200 * BLOCK + 10
+    for z in (0.0, 2.0):
+        proj = NodeProjection()
+        proj.add(Flight(1, prompt, 1, 20_000, keys=keys, scheduled=len(keys), shape=shape))
+        proj.progress(1, 5)
+        proj.add(Flight(3, 16, 1, 8_000))
+        proj.progress(3, 1)
+        newcomer = Flight(2, prompt, 1, 1_000, keys=keys, credited=proj.creditable(keys))
+        assert newcomer.credited == 200
+        checked = proj.peak(BLOCK, z, (newcomer,))
+        proj.add(newcomer)
+        assert checked.blocks == pytest.approx(proj.peak(BLOCK, z).blocks)
+
+
+def test_shared_blocks_count_while_any_of_their_holders_may_run() -> None:
+    """Four credited holders of blocks whose payer has ended, each running with chance
+    1/2 at a step: the blocks' expected copies there are P(any holder runs) = 15/16, not
+    the likeliest holder's 1/2."""
+    shape = OutputShape([10] * 50 + [1_000] * 50)
+    keys = tuple(range(100, 300))
+    prompt = 200 * BLOCK + 10
+    proj = NodeProjection()
+    proj.add(Flight(1, prompt, 1, 1_000, keys=keys, scheduled=len(keys)))
+    proj.progress(1, 5)
+    for fid in range(2, 6):
+        proj.add(Flight(fid, prompt, 1, 1_000, keys=keys, credited=200, shape=shape))
+        proj.progress(fid, 5)
+    proj.remove(1)
+    t = 20
+    holders = [f for f in proj.flights]
+    own = sum(f.survival(t) * (_blocks(f.tokens_at(t)) - 200) for f in holders)
+    assert {f.survival(t) for f in holders} == {0.5}
+    assert proj.peak_at(BLOCK, t).blocks == pytest.approx(own + 200 * (1 - 0.5**4))
+    # Read in one pass over several steps, as admission reads the curve: the same.
+    assert proj.peak(BLOCK, 0.0).blocks >= proj.peak_at(BLOCK, t).blocks
