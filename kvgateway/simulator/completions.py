@@ -25,7 +25,14 @@ from kvgateway.simulator.context_rule import (
     truncated,
 )
 from kvgateway.simulator.driver import RequestHandle
-from kvgateway.simulator.errors import ApiError, bad_request, error_body, injected_error, queue_full
+from kvgateway.simulator.errors import (
+    ApiError,
+    bad_request,
+    engine_dead,
+    error_body,
+    injected_error,
+    queue_full,
+)
 from kvgateway.simulator.generation import filler_text, token_json, token_text
 from kvgateway.simulator.node import NODE_KEY, SimNode
 from kvgateway.simulator.tokenizer import TemplateError
@@ -130,9 +137,11 @@ async def _generate(
     if drop_after is not None and not req.stream:
         _drop(request)
         return web.Response(status=499)
+    if node.driver.dead is not None:
+        raise engine_dead()
     limit = settings.max_num_queued_reqs
     if limit is not None and node.driver.in_flight + req.n > limit:
-        raise queue_full(node.driver.in_flight, limit)
+        raise queue_full()
 
     fmt = wire.ChunkFormat(
         chat=chat,

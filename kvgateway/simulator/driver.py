@@ -240,8 +240,12 @@ class EngineDriver:
         for r in results:
             if publisher is not None and r.kv_events:
                 publisher.publish(r.kv_events, self._wall_clock())
+            counted = 0
+            for seq in r.sampled:
+                counted += seq.num_preemptions - seq.preemptions_counted
+                seq.preemptions_counted = seq.num_preemptions
             self._metrics.record_step(
-                preemptions=len(r.preempted),
+                preemptions=counted,
                 prompt_tokens=r.prompt_tokens_done,
                 generation_tokens=len(r.sampled),
                 ttfts=r.ttfts,

@@ -104,6 +104,9 @@ class Sequence:
     finished_at: float | None = None
     finish_reason: str | None = None
     num_preemptions: int = 0
+    # Preemptions the node's counter shows: vLLM records one on the request and counts it
+    # when the request next produces output (after its recompute).
+    preemptions_counted: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -166,12 +166,24 @@ def model_not_found(model: str, served: str | None = None) -> ApiError:
     return ApiError(404, f"The model `{model}` does not exist.{aliases}", "NotFoundError", "model")
 
 
-def queue_full(in_flight: int, limit: int) -> ApiError:
+def queue_full() -> ApiError:
+    """vLLM's refusal past ``--max-num-queued-reqs`` (a GracefulHTTPError: its type is
+    the status's phrase)."""
     return ApiError(
         503,
-        f"The server is at capacity: {in_flight} requests in flight "
-        f"(--max-num-queued-reqs={limit}). Please retry later.",
-        "ServiceUnavailableError",
+        "The engine is currently busy and cannot accept new requests. Please try again "
+        "later or on a different instance.",
+        "Service Unavailable",
+    )
+
+
+def engine_dead() -> ApiError:
+    """vLLM's answer to a request that arrives once its engine has died, before any
+    response starts (``_preflight``: EngineDeadError, a 500)."""
+    return ApiError(
+        500,
+        "EngineCore encountered an issue. See stack trace (above) for the root cause.",
+        "InternalServerError",
     )
 
 

@@ -25,7 +25,7 @@ from kvgateway.simulator import wire
 from kvgateway.simulator.completions import ClientGone, wait_news
 from kvgateway.simulator.context_rule import check_sampling, output_budget
 from kvgateway.simulator.driver import RequestHandle
-from kvgateway.simulator.errors import ApiError, bad_request
+from kvgateway.simulator.errors import ApiError, bad_request, engine_dead
 from kvgateway.simulator.generation import filler_text, token_text
 from kvgateway.simulator.node import NODE_KEY
 from kvgateway.simulator.tokenizer import ChatMessage, TemplateError
@@ -195,13 +195,25 @@ async def handle_responses(request: web.Request) -> web.StreamResponse:
         prompt_ids = await node.tokenizer.encode_chat_request_async(req.chat, req.messages)
     except TemplateError as exc:
         raise bad_request(str(exc)) from exc
+    context = node.settings.max_model_len
     budget = output_budget(
-        node.settings.max_model_len,
+        context,
         len(prompt_ids),
         req.max_output_tokens,
         overflow=node.settings.context_overflow,
+        field="max_output_tokens",
     )
+    if len(prompt_ids) >= context:  # responses/serving.py, _validate_generator_input
+        raise ApiError(
+            400,
+            f"The engine prompt length {len(prompt_ids)} exceeds the max_model_len "
+            f"{context}. Please reduce prompt.",
+            "invalid_request_error",
+            "input",
+        )
     check_sampling(1, budget, 0)
+    if node.driver.dead is not None:
+        raise engine_dead()
     shapes = _Shapes(req, node.settings.model)
     handle = node.driver.submit(prompt_ids, budget, n=1, ignore_eos=False, min_tokens=0)
     poll = node.disconnect_poll_s
@@ -291,7 +303,8 @@ async def _stream(
                 "response.content_part.done", **at, content_index=0, part=shapes.text_part(text)
             )
             + event("response.output_item.done", output_index=0, item=item)
-            + event(f"response.{status}", response=shapes.response(status, [item], handle)),
+            # Completed whatever the status ("incomplete" when cut at its budget).
+            + event("response.completed", response=shapes.response(status, [item], handle)),
         )
         try:
             await resp.write_eof()

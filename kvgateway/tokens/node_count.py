@@ -82,6 +82,8 @@ _ENGINE = (
         r"\(at least 1\) is longer than the maximum model length of (\d+)"
     ),
     re.compile(r"Input prompt \((\d+) tokens\) is too long and exceeds limit of (\d+)"),
+    # vLLM >= 0.32's Responses API, a prompt of the whole context or more.
+    re.compile(r"engine prompt length (\d+) exceeds the max_model_len (\d+)"),
 )
 # vLLM >= 0.32: the prompt alone is past the context (text is counted to L + 1 at most).
 _NO_OUTPUT = re.compile(

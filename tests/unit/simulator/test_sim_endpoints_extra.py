@@ -109,7 +109,9 @@ async def test_responses_streaming_event_sequence(oai: openai.AsyncOpenAI, node:
         "response.content_part.done",
         "response.output_item.done",
     ]
-    assert kinds[-1] in ("response.completed", "response.incomplete")
+    # vLLM ends every stream with response.completed; a cut one says so in its status.
+    assert kinds[-1] == "response.completed"
+    assert events[-1].response.status in ("completed", "incomplete")  # type: ignore[union-attr]
     assert [e.sequence_number for e in events] == list(range(len(events)))
     deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     final = events[-1].response  # type: ignore[union-attr]
@@ -128,6 +130,28 @@ async def test_responses_too_long_is_vllms_context_error(node: SimClient) -> Non
     )
     assert status == 400
     assert body["error"]["message"].startswith("This model's maximum context length is")
+
+
+async def test_a_responses_prompt_of_the_whole_context_is_vllms_engine_error(
+    node: SimClient,
+) -> None:
+    """A prompt that fits the context but leaves no room for output: vLLM's Responses
+    API refuses it as "the engine prompt length" (its renderer passes it)."""
+
+    async def length(words: int) -> int:
+        messages = [{"role": "user", "content": "hello " * words}]
+        _, body = await node.post("/tokenize", {"model": TINY.model, "messages": messages})
+        return int(body["count"])
+
+    per_word = await length(11) - await length(10)
+    words = 10 + (TINY.max_model_len - await length(10)) // per_word
+    assert await length(words) == TINY.max_model_len  # the whole context, exactly
+    status, body = await node.post("/v1/responses", {"input": "hello " * words})
+    assert status == 400 and body["error"]["param"] == "input"
+    assert body["error"]["message"] == (
+        f"The engine prompt length {TINY.max_model_len} exceeds the max_model_len "
+        f"{TINY.max_model_len}. Please reduce prompt."
+    )
 
 
 async def test_responses_client_gone_frees_the_engine(sim: SimFactory) -> None:

@@ -93,7 +93,7 @@ async def test_max_num_queued_reqs_answers_503(sim: SimFactory) -> None:
     await _until(node, lambda s: s["running"] + s["waiting"] == 2)
     status, reply = await node.post("/v1/chat/completions", chat("hi", max_tokens=2))
     assert status == 503
-    assert reply["error"]["type"] == "ServiceUnavailableError" and reply["error"]["code"] == 503
+    assert reply["error"]["type"] == "Service Unavailable" and reply["error"]["code"] == 503
     for task in load:
         task.cancel()
     await asyncio.gather(*load, return_exceptions=True)

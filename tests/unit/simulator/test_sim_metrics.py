@@ -8,7 +8,10 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvgateway.simulator.driver import EngineDriver
+from kvgateway.simulator.metrics import NodeMetrics
 from kvgateway.simulator.profiles import TINY
+from kvgateway.simulator.settings import NodeSettings
 from tests.support.sim import SimClient, SimFactory, chat
 
 SAMPLE = Path(__file__).parents[2] / "data" / "vllm_metrics_sample.txt"
@@ -169,3 +172,27 @@ async def test_waiting_and_running_gauges_under_load(sim: SimFactory) -> None:
     assert (await node.wait_idle())["finished"]["length"] == 5
     # Queued requests spent simulated time waiting.
     assert await node.metric("vllm:request_queue_time_seconds_sum") > 0.5
+
+
+async def test_a_preemption_is_counted_once_its_request_produces_output_again() -> None:
+    """vLLM records a preemption on the request and counts it in
+    ``vllm:num_preemptions_total`` when the request next produces output (after its
+    recompute): a node's counter rises after the preempted work is back, not while it
+    waits; the engine's own count (``/sim/state``) rises at once."""
+    settings = NodeSettings(name="n", model="m", num_gpu_blocks=9, block_size=16, max_num_seqs=4)
+    metrics = NodeMetrics(settings)
+    driver = EngineDriver(settings, metrics, clock=lambda: 0.0)
+    for _ in range(2):  # each grows to 8 of the 8 usable blocks
+        driver.submit(list(range(16)), 100, ignore_eos=True)
+    labels = {"model_name": "m", "engine": settings.engine_label}
+
+    def counted() -> float:
+        value = metrics.registry.get_sample_value("vllm:num_preemptions_total", labels)
+        return value or 0.0
+
+    seen: list[tuple[int, float]] = []
+    while (step := driver.core.step(float("-inf"))) is not None:
+        driver._deliver([step])
+        seen.append((driver.core.num_preemptions, counted()))
+    assert any(engine > node for engine, node in seen)  # preempted, not yet counted
+    assert seen[-1][0] == seen[-1][1] >= 1  # counted once its request ran again

@@ -148,6 +148,11 @@ VLLM_NEW = (
             NodeCount(300, False, 256, 0),
         ),
         (
+            # vLLM >= 0.32's Responses API (responses/serving.py), a prompt of the context.
+            "The engine prompt length 4096 exceeds the max_model_len 4096. Please reduce prompt.",
+            NodeCount(4096, False, 4096, None),
+        ),
+        (
             "The decoder prompt (length 256) plus the number of requested output tokens (at "
             "least 1) is longer than the maximum model length of 256. Make sure that "
             "`max_model_len` is no smaller than the number of text tokens (prompt + "
