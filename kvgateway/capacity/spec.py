@@ -110,9 +110,15 @@ def _positive_float(data: Mapping[str, Any], key: str) -> float | None:
         return None
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise CapacityConfigError(key, f"expected a positive number, got {show(value)}")
-    if not math.isfinite(value) or value <= 0:
-        raise CapacityConfigError(key, f"expected a positive number, got {show(value)}")
+    if not math.isfinite(value) or value <= 0 or value > _LARGEST:
+        raise CapacityConfigError(
+            key, f"expected a positive number of at most {_LARGEST:,}, got {show(value)}"
+        )
     return float(value)
+
+
+# No memory size, ratio or count in a capacity block comes near this (GiB: a pebibyte).
+_LARGEST = 1 << 20
 
 
 def _non_negative_float(data: Mapping[str, Any], key: str) -> float | None:

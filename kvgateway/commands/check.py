@@ -11,6 +11,7 @@ from typing import Any
 
 import aiohttp
 
+from kvgateway.config.argtypes import positive_number
 from kvgateway.config.load import load_config
 from kvgateway.config.model import BackendConfig, GatewayConfig, ModelConfig
 from kvgateway.config.yamlread import ConfigError
@@ -34,7 +35,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     p.add_argument("--config", required=True)
     p.add_argument("--no-discover", action="store_true", help="do not contact the nodes")
-    p.add_argument("--timeout", type=float, default=3.0, help="per-node probe timeout (s)")
+    p.add_argument(
+        "--timeout", type=positive_number, default=3.0, help="per-node probe timeout (s)"
+    )
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=_main)
 

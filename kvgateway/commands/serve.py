@@ -24,6 +24,7 @@ from kvgateway.commands.workers import (
     supervise,
 )
 from kvgateway.config.argtypes import log_level, port_number, seconds
+from kvgateway.config.ledger import redis_url_problem
 from kvgateway.config.load import load_config
 from kvgateway.config.model import GatewayConfig
 from kvgateway.config.yamlread import ConfigError
@@ -37,6 +38,7 @@ from kvgateway.server.protocol import GatewayRunner
 from kvgateway.server.reload import Reloader, watch_file
 from kvgateway.server.state import GatewayState
 from kvgateway.server.tenants import tenant_holdings
+from kvgateway.tokens.encoding import EncodingCache
 
 log = logging.getLogger("kvgateway.server")
 
@@ -101,15 +103,16 @@ def _main(args: argparse.Namespace) -> int:
             )
             return 1
         watch_parent = args.supervisor_pid if how == "poll" else None
+    # The config's tokenizers, loaded once: the app counts with them, a reload keeps them.
+    encodings = EncodingCache()
     try:
-        config = load_config(args.config)
+        config = load_config(args.config, encodings=encodings)
     except ConfigError as exc:
         sys.stderr.write(f"gateway: invalid config: {exc}\n")
         return 2
-    if args.ledger_url and not args.ledger_url.startswith(("redis://", "rediss://")):
-        sys.stderr.write(
-            f"gateway: --ledger-url must be redis:// or rediss://, got {args.ledger_url!r}\n"
-        )
+    problem = redis_url_problem(args.ledger_url) if args.ledger_url else None
+    if problem is not None:
+        sys.stderr.write(f"gateway: --ledger-url: {problem}\n")
         return 2
     overrides = partial(_with_overrides, args)
     config = overrides(config)
@@ -141,6 +144,7 @@ def _main(args: argparse.Namespace) -> int:
             worker=args.worker_index,
             metrics_dir=args.metrics_dir,
             parent=watch_parent,
+            encodings=encodings,
         )
     )
     # Stopped and drained: a late SIGTERM (a group's, a supervisor's) must not turn the
@@ -200,6 +204,7 @@ async def serve(
     worker: int | None = None,
     metrics_dir: str | None = None,
     parent: int | None = None,
+    encodings: EncodingCache | None = None,
 ) -> None:
     """Serve until SIGINT/SIGTERM (or ``stop`` is set), then shut down in order:
     /ready fails, the listener closes, in-flight requests get ``shutdown_grace_s`` to
@@ -211,7 +216,9 @@ async def serve(
     except ConfigError as exc:
         raise SystemExit(f"gateway: invalid config: {exc}") from exc
     try:
-        app = create_app(config, derived=derived, worker=worker, metrics_dir=metrics_dir)
+        app = create_app(
+            config, derived=derived, worker=worker, metrics_dir=metrics_dir, encodings=encodings
+        )
     except LedgerConfigError as exc:
         raise SystemExit(f"gateway: {exc}") from exc
     # Draining is ours (see _shutdown); aiohttp only has to close what is left.

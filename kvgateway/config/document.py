@@ -49,6 +49,25 @@ class StrictLoader(yaml.SafeLoader):
                 self.check_duplicates(item, join(path, i), reading)
 
 
+# Values a document may hold once its aliases are expanded: a config of a thousand
+# backends holds a few tens of thousands; a few lines of nested aliases hold billions.
+MAX_VALUES = 200_000
+
+
+def _values(node: yaml.Node, sizes: dict[int, int]) -> int:
+    """How many values ``node`` holds with its aliases expanded (each node counted once:
+    an alias is the very node it names)."""
+    size = sizes.get(id(node))
+    if size is None:
+        size = 1
+        if isinstance(node, yaml.MappingNode):
+            size += sum(_values(k, sizes) + _values(v, sizes) for k, v in node.value)
+        elif isinstance(node, yaml.SequenceNode):
+            size += sum(_values(item, sizes) for item in node.value)
+        sizes[id(node)] = size = min(size, MAX_VALUES + 1)
+    return size
+
+
 def read_document(text: str, source: str, reading: Reading) -> Any:
     """The document's data; problems are recorded in ``reading`` (YAML syntax raises)."""
     loader = StrictLoader(text)
@@ -56,6 +75,10 @@ def read_document(text: str, source: str, reading: Reading) -> Any:
         node = loader.get_single_node()
         if node is None:
             return None
+        if _values(node, {}) > MAX_VALUES:
+            raise ConfigError(
+                "", f"{source}: more than {MAX_VALUES:,} values once its YAML aliases are expanded"
+            )
         loader.check_duplicates(node, "", reading)
         data = loader.construct_document(node)
     except yaml.YAMLError as exc:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,3 +41,19 @@ class LedgerConfig:
     @property
     def shared(self) -> bool:
         return bool(self.url)
+
+
+def redis_url_problem(url: str) -> str | None:
+    """What is wrong with ``url`` as the ledger's Redis (None: nothing)."""
+    expected = f"expected redis://HOST:PORT/DB or rediss://..., got {url!r}"
+    try:
+        parts = urlsplit(url)
+        _ = parts.port  # read lazily: a port that is not a number or past 65535 raises
+    except ValueError:
+        return expected
+    if parts.scheme not in ("redis", "rediss") or not parts.hostname:
+        return expected
+    db = parts.path.strip("/")
+    if db and not db.isdigit():
+        return f"the database after the host must be a number, got {url!r}"
+    return None

@@ -7,6 +7,7 @@ readers over an empty document to describe the format as a JSON Schema.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 from pathlib import Path
@@ -16,7 +17,7 @@ from kvgateway.capacity.errors import CapacityConfigError
 from kvgateway.capacity.estimate import estimate
 from kvgateway.capacity.spec import CapacitySpec
 from kvgateway.config.document import expand_env, read_document
-from kvgateway.config.ledger import LedgerConfig
+from kvgateway.config.ledger import LedgerConfig, redis_url_problem
 from kvgateway.config.model import (
     POLICIES,
     AdmissionConfig,
@@ -143,8 +144,8 @@ def _check_capacity(root: Section, tiers: tuple[TierConfig, ...], source: str) -
                 estimate(CapacitySpec.from_mapping(b.capacity, where, base_dir=base))
             except CapacityConfigError as exc:
                 root.reading.errors.append(ConfigError("", str(exc)))
-            except ValueError as exc:
-                root.reading.errors.append(ConfigError(where, str(exc)))
+            except (ValueError, ArithmeticError) as exc:  # a size past what can be computed
+                root.reading.errors.append(ConfigError(where, str(exc) or type(exc).__name__))
 
 
 def _check_unique(root: Section, names: list[str], where: str) -> None:
@@ -312,7 +313,9 @@ def _feedback(s: Section) -> LoadFeedbackConfig:
         interval_s=s.number("interval_s", d.interval_s),
         timeout_s=s.number("timeout_s", d.timeout_s),
         kv_high_watermark=high,
-        kv_low_watermark=s.number("kv_low_watermark", min(d.kv_low_watermark, high), maximum=high),
+        kv_low_watermark=s.number(
+            "kv_low_watermark", min(d.kv_low_watermark, high), maximum=high, fixed_maximum=False
+        ),
         max_waiting=s.integer("max_waiting", d.max_waiting, minimum=0),
         preemption_cooldown_s=s.number(
             "preemption_cooldown_s", d.preemption_cooldown_s, exclusive_min=False
@@ -324,8 +327,12 @@ def _feedback(s: Section) -> LoadFeedbackConfig:
 
 
 def _discovery(s: Section) -> DiscoveryConfig:
+    nameservers = s.str_list("nameservers")
+    for i, server in enumerate(nameservers):
+        if not _nameserver(server):
+            s.fail(f"nameservers[{i}]", f"expected an IP address, :PORT optional, got {server!r}")
     cfg = DiscoveryConfig(
-        nameservers=s.str_list("nameservers"),
+        nameservers=nameservers,
         timeout_s=s.number("timeout_s", DiscoveryConfig().timeout_s),
     )
     s.reject_unknown()
@@ -335,8 +342,9 @@ def _discovery(s: Section) -> DiscoveryConfig:
 def _ledger(s: Section) -> LedgerConfig:
     d = LedgerConfig()
     url = s.opt_str("url") or ""
-    if url and not url.startswith(("redis://", "rediss://")):
-        s.fail("url", f"expected a redis:// or rediss:// URL, got {url!r}")
+    problem = redis_url_problem(url) if url else None
+    if problem is not None:
+        s.fail("url", problem)
     lease = s.number("lease_s", d.lease_s)
     timeout = s.number("timeout_s", d.timeout_s)
     if timeout * 3 > lease:
@@ -350,9 +358,30 @@ def _ledger(s: Section) -> LedgerConfig:
         namespace=s.text("namespace", d.namespace),
         fallback_replicas=s.integer("fallback_replicas", d.fallback_replicas),
         credit_hold_s=s.number(
-            "credit_hold_s", d.credit_hold_s, maximum=lease / 4, exclusive_min=False
+            "credit_hold_s",
+            d.credit_hold_s,
+            maximum=lease / 4,
+            exclusive_min=False,
+            fixed_maximum=False,
         ),
         credit_max_requests=s.integer("credit_max_requests", d.credit_max_requests),
     )
     s.reject_unknown()
     return cfg
+
+
+def _nameserver(text: str) -> bool:
+    """``IP``, ``IP:PORT`` or ``[IPv6]:PORT``, as the resolver takes a nameserver."""
+    host, port = text, ""
+    if text.startswith("["):
+        host, _, rest = text[1:].partition("]")
+        if rest and not rest.startswith(":"):
+            return False
+        port = rest[1:]
+    elif text.count(":") == 1:
+        host, port = text.split(":")
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return not port or (port.isdigit() and 1 <= int(port) <= 65535)

@@ -75,9 +75,10 @@ def _class(s: Section) -> ClassConfig:
         floor_share=s.number(
             "floor_share", ClassConfig("").floor_share, maximum=1.0, exclusive_min=False
         ),
+        # Null or absent: admission.queue_timeout_s (a null is read, not unknown).
         queue_timeout_s=s.number("queue_timeout_s", 1.0, exclusive_min=False)
         if s.has("queue_timeout_s") or s.reading.schema_mode
-        else None,
+        else s.raw("queue_timeout_s"),
     )
     s.reject_unknown()
     return cfg
@@ -195,6 +196,9 @@ def read_keys_file(path: str, s: Section, key: str) -> list[tuple[str, str]]:
             lines = fh.read().splitlines()
     except OSError as exc:
         s.fail(key, f"cannot read {path!r}: {exc.strerror}")
+        return []
+    except UnicodeDecodeError:
+        s.fail(key, f"{path!r} is not a text file (UTF-8)")
         return []
     keys = []
     for number, raw in enumerate(lines, start=1):

@@ -4,7 +4,7 @@ timeouts and limits."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from urllib.parse import urlsplit
+from urllib.parse import SplitResult, urlsplit
 
 from kvgateway.config.model import (
     BackendConfig,
@@ -68,11 +68,11 @@ def _backend(
         # be one of them (two backends under one name).
         s.fail("name", f'"@" is kept for DNS group members (group@ip:port), got "{name}"')
     url = s.text("url").rstrip("/")
-    parts = urlsplit(url)
+    parts = _split(url)
     if not url:
         pass  # already reported
-    elif parts.scheme not in ("http", "https") or not parts.hostname:
-        s.fail("url", f'expected an http(s) URL, got "{url}"')
+    elif parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
+        s.fail("url", f'expected an http(s) URL (http://host:port), got "{url}"')
     elif parts.path not in ("", "/"):
         s.fail("url", "give the server root (e.g. http://host:8000), without /v1")
     return _backend_settings(s, url, tier, offload, models, timeouts)
@@ -167,13 +167,11 @@ def _kv_events(s: Section, key: str, *, bind: bool = False) -> str | None:
         if bind:
             s.fail("kv_events_bind", "needs kv_events: the address to bind")
         return None
-    parts = urlsplit(endpoint)
-    try:
-        port = parts.port
-    except ValueError:
-        port = None
+    parts = _split(endpoint)
+    port = parts.port if parts is not None else None
     if (
-        parts.scheme != "tcp"
+        parts is None
+        or parts.scheme != "tcp"
         or not parts.hostname
         or port is None
         or ("*" in endpoint and not bind)
@@ -182,3 +180,14 @@ def _kv_events(s: Section, key: str, *, bind: bool = False) -> str | None:
         s.fail(key, f'expected tcp://HOST:PORT (the node\'s {what}), got "{endpoint}"')
         return None
     return endpoint
+
+
+def _split(url: str) -> SplitResult | None:
+    """``url``'s parts, None if it cannot be read (a bracket left open, a port that is
+    not a number or past 65535)."""
+    try:
+        parts = urlsplit(url)
+        _ = parts.port  # read lazily: a bad one raises here
+    except ValueError:
+        return None
+    return parts

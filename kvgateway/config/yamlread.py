@@ -308,10 +308,13 @@ class Section:
         minimum: float = 0.0,
         maximum: float | None = None,
         exclusive_min: bool = True,
+        fixed_maximum: bool = True,
     ) -> float:
+        """``fixed_maximum`` False: ``maximum`` follows another key's value (the schema,
+        which cannot say so, leaves it out)."""
         note: dict[str, Any] = {"type": "number"}
         note["exclusiveMinimum" if exclusive_min else "minimum"] = minimum
-        if maximum is not None:
+        if maximum is not None and fixed_maximum:
             note["maximum"] = maximum
         self._note_typed(key, note, default)
         value = self._typed(key, default, (int, float))

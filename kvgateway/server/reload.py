@@ -39,7 +39,7 @@ def reload_config(
     the file's, as at start); False (old config kept) when it is invalid."""
     state = app[STATE]
     try:
-        base = load_config(path)
+        base = load_config(path, encodings=state.counters.encodings)
         if overrides is not None:
             base = overrides(base)
         # Members of DNS groups that survive the reload are kept, not drained.
@@ -84,14 +84,13 @@ def reload_config(
 
 def restart_only(old: GatewayConfig, new: GatewayConfig) -> list[str]:
     """Settings a reload changed that only a restart applies (the listener's keep-alive,
-    the log format, the DNS resolver); host, port and the ledger are said apart."""
+    the log format, the DNS resolver, tracing); host, port and the ledger are said apart."""
     out = [
         f"server.{key}"
         for key in ("keepalive_timeout_s", "log_format")
         if getattr(new.server, key) != getattr(old.server, key)
     ]
-    if new.discovery != old.discovery:
-        out.append("discovery")
+    out += [key for key in ("discovery", "tracing") if getattr(new, key) != getattr(old, key)]
     return out
 
 

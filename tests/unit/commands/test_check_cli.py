@@ -205,3 +205,9 @@ def test_check_says_how_each_model_is_counted(tmp_path, vocab_dirs) -> None:
     path.write_text(yaml.safe_dump(cfg))
     bad = run_check(path, "--no-discover")
     assert bad.returncode == 2 and "models[0].tokenizer.path: " in bad.stderr
+
+
+@pytest.mark.parametrize("timeout", ["nan", "0", "-1"])
+def test_check_refuses_a_timeout_that_is_not_a_positive_number(timeout: str) -> None:
+    result = run_check("config/demo.yaml", "--timeout", timeout)
+    assert result.returncode == 2 and "--timeout" in result.stderr, result.stderr

@@ -50,7 +50,7 @@ def test_more_than_one_worker_needs_a_shared_ledger(tmp_path: Path, capsys):
     assert main([*worker, "--metrics-dir", str(tmp_path)]) == 2
     assert "needs the shared ledger" in capsys.readouterr().err
     assert main(["serve", "--config", str(cfg), "--ledger-url", "http://r:1"]) == 2
-    assert "--ledger-url must be redis://" in capsys.readouterr().err
+    assert "--ledger-url: expected redis://" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("n", ["0", "-1"])

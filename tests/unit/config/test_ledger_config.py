@@ -39,7 +39,7 @@ def test_a_redis_ledger_reads_every_key():
 @pytest.mark.parametrize(
     ("ledger", "message"),
     [
-        ({"url": "http://r:6379"}, "ledger.url: expected a redis:// or rediss:// URL"),
+        ({"url": "http://r:6379"}, "ledger.url: expected redis://HOST:PORT/DB or rediss://"),
         ({"url": "redis://r", "lease_s": 3, "timeout_s": 2}, "ledger.timeout_s: must be at most"),
         ({"url": "redis://r", "lease_s": 0}, "ledger.lease_s"),
         ({"url": "redis://r", "port": 1}, "ledger.port"),
