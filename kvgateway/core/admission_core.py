@@ -91,13 +91,9 @@ class AdmissionCore:
     def decide(self, demand: Demand) -> Decision:
         index = self._index_for(demand.model)
         now = self._clock()
+        overflow = self._offload_overflow()
         decision = route(
-            self._policy(),
-            index,
-            demand,
-            self._router,
-            now,
-            offload_overflow=self._offload_overflow(),
+            self._policy(), index, demand, self._router, now, offload_overflow=overflow
         )
         if self._prefix is not None and demand.prefix is not None:
             decision = self._prefix.refine(index, demand, decision, now)
@@ -278,6 +274,9 @@ class AdmissionCore:
         if delay <= 0:
             self.release(r)
             return
+        if not gone and r.flight is not None:  # ended: held as it is until moved out
+            r.backend.projection.hold(r.flight.id)
+            self._adjust(r.backend, r.backend.resync_projected(), 0, 0)
         asyncio.get_running_loop().call_later(delay, self.release, r)
 
     def end_pause(self, b: Backend, now: float) -> bool:

@@ -123,6 +123,12 @@ def delayed(f: Flight, steps: int) -> Flight:
     return _Later(**{**values, "started": False, "delay": steps, "origin": 0})
 
 
+def frozen(f: Flight) -> Flight:
+    """``f`` holding what it holds now at every step (its blocks no longer shared)."""
+    grown = f.tokens_at(0) - f.prompt - f.ahead
+    return Flight(f.id, f.prompt, f.n, grown, grown, seen=False, ahead=f.ahead)
+
+
 class _Later(Flight):
     """A flight admitted later: it holds nothing before its start."""
 

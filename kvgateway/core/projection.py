@@ -9,9 +9,10 @@ end (or where a flight whose end is unknown reaches its bound).
 What the projection assumes, and why each assumption is safe:
 
 - A flight's end is projected only once the node reports its progress (a stream's
-  per-chunk usage). Before that (prefill, a queue inside the node) it is taken to grow
-  from its admission to its whole bound and stay there. A flight whose progress is never
-  reported (a non-streamed answer runs unseen) holds its whole bound from its admission.
+  per-chunk usage); before that it grows from its admission to its whole bound and stays
+  there. One never reported (a non-streamed answer) holds its whole bound from admission.
+  One that ended but whose blocks a KV connector still moves out holds what it held
+  (:meth:`NodeProjection.hold`).
 - A reported count may lag the node (a stream read late): a flight holds :data:`AHEAD`
   tokens more than reported, plus one per step the node took since (other flights'
   reports say), and ends no earlier than its report says.
@@ -43,6 +44,7 @@ from kvgateway.core.flight import (
     delayed,
     expected_copies,
     fixed_curve,
+    frozen,
     is_static,
     learned_curve,
 )
@@ -73,12 +75,11 @@ class Peak:
 
 class NodeProjection:
     """One node's flights and the curve they make, in blocks of ``block`` tokens (the
-    node's block size, passed to every reading: it is known once the node is probed).
+    node's block size, known once the node is probed, passed to every reading).
 
-    The curve of the flights admitted is kept per step read, until they change: an
-    admission round asks it about many candidates, each adding only its own part. The
-    flights whose holding never changes (:func:`~.flight.is_static`) are summed as they
-    come and go, so a change costs what the others cost, however many of them run."""
+    The curve is kept per step read until the flights change: an admission round asks
+    about many candidates, each adding only its own part. Flights whose holding never
+    changes (:func:`~.flight.is_static`) are summed as they come and go."""
 
     __slots__ = (
         "_base",
@@ -171,10 +172,15 @@ class NodeProjection:
             self._changed()
         return f
 
+    def hold(self, fid: int) -> None:
+        """``fid`` ended; its blocks stay until moved out: it holds what it holds now."""
+        f = self.remove(fid)
+        if f is not None:
+            self.add(frozen(f))
+
     def progress(self, fid: int, generated: int, prompt: int | None = None) -> bool:
-        """The node reports ``generated`` tokens per sequence for ``fid`` (and its own
-        count of the prompt). True when this is its first report (its end is now
-        projected: room may have appeared)."""
+        """The node reports ``generated`` tokens per sequence for ``fid`` (and its count of
+        the prompt). True on its first report (its end now projected: room may appear)."""
         f = self._flights.get(fid)
         if f is None or generated < f.generated:
             return False
@@ -269,9 +275,7 @@ class NodeProjection:
                 a, blocks, spread = f.blocks_at(t, block)
                 if a <= 0.0:
                     continue
-                # Its credited blocks are another's copy while a holder runs; past that
-                # they are its own (the copy then lives on with it): the expected copy
-                # count is the book's once it is added.
+                # Credited blocks are another's copy while a holder runs, then its own.
                 cover = 1.0 - math.prod(1.0 - h.survival(t) for h in holders)
                 mean += blocks - a * cover * f.credited
                 var += spread
@@ -354,10 +358,9 @@ class NodeProjection:
         return mean, var, most
 
     def _static_part(self, block: int) -> _Static:
-        """The flights whose holding is the same at every step (unseen and not started:
-        each holds its whole bound, or its learned length, until it ends), summed as
-        they come and go less what the shared blocks count for them, and the others,
-        read step by step."""
+        """The flights whose holding is the same at every step (unseen and not started),
+        summed as they come and go less what the shared blocks count for them, and the
+        others, read step by step."""
         static = self._static.get(block)
         if static is not None:
             return static

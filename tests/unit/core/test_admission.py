@@ -3,6 +3,7 @@ import random
 
 import pytest
 
+from kvgateway.core.reservation import Reservation
 from kvgateway.errors import ContextLengthExceeded, NoHealthyBackend, Saturated
 from tests.support.backends import admission_over, backend, demand, paused
 
@@ -286,6 +287,26 @@ async def test_release_waits_for_the_kv_connector_and_for_an_abort_to_land():
     assert b.in_flight == 1
     await asyncio.sleep(0.08)
     assert b.in_flight == 0 and b.reserved_tokens == 0
+
+
+async def test_a_request_that_ran_to_its_bound_holds_its_blocks_while_they_move_out():
+    """A projected request whose last report reached its max_tokens has ended; with a
+    KV connector's release delay its blocks are still on the node, so a newcomer that
+    fits only in their room waits until the delay is over."""
+    import dataclasses
+
+    b = backend("a", kv=64 * 16, seqs=64)
+    b.config = dataclasses.replace(b.config, release_delay_s=0.05)
+    adm = admission_over([b])
+    first = adm.try_admit(dataclasses.replace(demand(16 * 40, 20), projected=True))
+    assert isinstance(first, Reservation)
+    first.progress(20)  # its last chunk: ran to max_tokens
+    adm.release_after(first, gone=False)
+    assert b.projection.current_blocks(16) >= 41
+    later = dataclasses.replace(demand(16 * 40, 20), projected=True)
+    assert not isinstance(adm.try_admit(later), Reservation)
+    await asyncio.sleep(0.08)
+    assert first.released and isinstance(adm.try_admit(later), Reservation)
 
 
 async def test_a_waiter_that_gives_up_offers_the_room_it_held_back_to_those_behind():
