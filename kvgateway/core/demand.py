@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from kvgateway.core.backends import Backend
-from kvgateway.core.flight import AHEAD, FIRST_CHUNK_TOKENS, Flight
+from kvgateway.core.flight import FIRST_CHUNK_TOKENS, Flight, ahead_of
 from kvgateway.core.output_model import LearnedLengths
 from kvgateway.errors import ContextLengthExceeded
 
@@ -193,7 +193,8 @@ def flight_for(b: Backend, d: Demand, fid: int = 0) -> Flight:
         credited=credited,
         scheduled=min(len(keys), FIRST_CHUNK_TOKENS // block),
         shape=d.lengths.shape if d.lengths is not None else None,
-        ahead=AHEAD + b.config.num_speculative_tokens,
+        ahead=ahead_of(b.config.num_speculative_tokens),
+        rate=1 + b.config.num_speculative_tokens,
         seen=d.seen,
     )
 

@@ -43,8 +43,10 @@ class Flight:
     shape: OutputShape | None = None
     # Steps before it starts (a queued request's place in a plan; 0 for admitted ones).
     delay: int = 0
-    # Tokens held beyond the reported count: AHEAD, plus a draft model's lookahead.
+    # Tokens held beyond the reported count (:func:`ahead_of`), and tokens a sequence
+    # may grow by in one step: 1, or 1 + k where the node drafts k tokens a step.
     ahead: int = AHEAD
+    rate: int = 1
     # The node's step count (its projection's clock) when this flight had generated 0.
     origin: int = 0
     # False: it runs unseen (not streamed), so it holds its whole bound until it ends.
@@ -60,8 +62,8 @@ class Flight:
         """Tokens per sequence at step ``t`` from now, if it is still running."""
         if not self.seen:
             return self.prompt + self.bound + self.ahead
-        grown = min(self.bound, self.generated + max(0, t - self.delay))
-        return self.prompt + grown + self.behind + self.ahead
+        grown = min(self.bound, self.generated + self.rate * max(0, t - self.delay))
+        return self.prompt + grown + self.rate * self.behind + self.ahead
 
     @property
     def end(self) -> int | None:
@@ -89,7 +91,7 @@ class Flight:
         (``prompt + L`` from its admission if it is never seen), ``L`` its learned
         length: mean and variance come from the shape, a block added for rounding."""
         if not self.started and self.shape is not None:
-            grown = self.generated + max(0, t - self.delay)
+            grown = self.generated + self.rate * max(0, t - self.delay)
             cap = min(self.bound, grown) if self.seen else self.bound
             o = self.shape.outlook(self.generated - 1, cap, 0.5)
             tokens = self.prompt + o.expected + self.ahead
@@ -103,6 +105,15 @@ class Flight:
 
 def blocks_of(tokens: int, block: int) -> int:
     return -(-tokens // block)
+
+
+def ahead_of(k: int) -> int:
+    """Tokens a sequence holds beyond its reported count on a node drafting ``k`` tokens
+    a step: those being computed (1 + k: the drafts verified and the bonus token), one
+    step the scheduler may have allocated ahead (1 + k more), and the lookahead slots
+    its drafter writes (vLLM's num_lookahead_tokens: k, or k + 1 for fill-in drafting).
+    Without drafting, :data:`AHEAD`."""
+    return AHEAD + 3 * k + 1 if k else AHEAD
 
 
 def expected_copies(paid: Iterable[float], held: Iterable[float]) -> float:
@@ -171,7 +182,7 @@ def curve_steps(flights: tuple[Flight, ...], block: int) -> list[int]:
             horizon = max(horizon, end)
         else:
             reach = f.delay + max(0, f.bound - f.generated)
-            steps.add(reach)
+            steps.update((reach, f.delay + -(-max(0, f.bound - f.generated) // f.rate)))
             horizon = max(horizon, reach)
         if f.delay:
             steps.add(f.delay)
@@ -213,7 +224,7 @@ def fixed_curve(
     once, and ``#{r < s}`` is a prefix sum over residues (a Fenwick tree).
     """
     for f in flights:
-        if f.shape is not None or f.delay or not f.seen or type(f) is not Flight:
+        if f.shape is not None or f.delay or not f.seen or f.rate != 1 or type(f) is not Flight:
             return None
     counts = [0] * (block + 1)  # Fenwick tree over residues 0 .. block-1
 
@@ -313,11 +324,12 @@ def learned_curve(
         bound = col([f.bound for f in fs])
         delay = col([f.delay for f in fs])
         n = col([f.n for f in fs])
+        # Survival is read at the slowest growth (a token a step), size at the fastest.
         later = generated + np.maximum(0, t - delay)
-        grown = np.minimum(bound, later)
+        grown = np.minimum(bound, generated + col([f.rate for f in fs]) * (later - generated))
         tokens = np.where(
             col([f.seen for f in fs]),
-            col([f.prompt + f.behind + f.ahead for f in fs]) + grown,
+            col([f.prompt + f.rate * f.behind + f.ahead for f in fs]) + grown,
             col([f.prompt + f.bound + f.ahead for f in fs]),
         )
         blocks = -(-tokens // block)

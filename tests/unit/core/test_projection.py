@@ -4,6 +4,7 @@ answers whose progress is never reported."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass
 
@@ -11,10 +12,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvgateway.core.demand import flight_for
 from kvgateway.core.flight import AHEAD, FIRST_CHUNK_TOKENS, Flight, curve_steps
 from kvgateway.core.output_model import OutputShape
 from kvgateway.core.prefix_keys import SharedKeys
 from kvgateway.core.projection import NodeProjection, Peak
+from tests.support.backends import backend, demand
 
 BLOCK = 16
 
@@ -569,3 +572,47 @@ def test_shared_blocks_count_while_any_of_their_holders_may_run() -> None:
     assert proj.peak_at(BLOCK, t).blocks == pytest.approx(own + 200 * (1 - 0.5**4))
     # Read in one pass over several steps, as admission reads the curve: the same.
     assert proj.peak(BLOCK, 0.0).blocks >= proj.peak_at(BLOCK, t).blocks
+
+
+SPEC_K = 4
+
+
+def test_a_drafting_nodes_sequence_is_projected_with_the_slots_vllm_allocates() -> None:
+    """On a node drafting k tokens a step, vLLM's scheduler allocates, for a running
+    sequence, its computed tokens plus the 1 + k it verifies and up to k + 1 lookahead
+    slots its drafter writes (num_lookahead_tokens), one step of 1 + k possibly ahead of
+    the last report: the projection holds at least that."""
+    b = backend("a", kv=64 * BLOCK)
+    b.config = dataclasses.replace(b.config, num_speculative_tokens=SPEC_K)
+    f = flight_for(b, dataclasses.replace(demand(20, 100), projected=True), 1)
+    b.projection.add(f)
+    b.projection.progress(1, 6)
+    computed = 20 + 6 - 1 + (1 + SPEC_K)  # the report may lag a step of 1 + k tokens
+    vllm = _blocks(computed + (1 + SPEC_K) + (SPEC_K + 1))
+    assert b.projection.peak_at(BLOCK, 0).blocks >= vllm
+
+
+@pytest.mark.parametrize("fast", [1, 2], ids=["newcomer-drafts-well", "runner-drafts-well"])
+def test_sequences_drafting_at_any_rate_stay_within_the_projected_peak(fast: int) -> None:
+    """Two sequences on a drafting node, one accepting every draft (1 + k tokens a
+    step), the other none: whichever it is, no step needs more blocks (its slots as vLLM
+    allocates them) than the peak the newcomer was admitted at."""
+    b = backend("a", kv=1_000 * BLOCK)
+    b.config = dataclasses.replace(b.config, num_speculative_tokens=SPEC_K)
+    first = flight_for(b, dataclasses.replace(demand(16, 100), projected=True), 1)
+    b.projection.add(first)
+    b.projection.progress(1, 0)
+    newcomer = flight_for(b, dataclasses.replace(demand(16, 400), projected=True), 2)
+    admitted_at = b.projection.peak(BLOCK, 0.0, (newcomer,)).blocks
+    # The engine: per sequence [prompt, generated, tokens a step, bound].
+    seqs = {1: [16, 0, 1, 100], 2: [16, 0, 1, 400]}
+    seqs[fast][2] = 1 + SPEC_K
+    worst = 0
+    while seqs:
+        slots = (p + g + (1 + SPEC_K) + (SPEC_K + 1) for p, g, _, _ in seqs.values())
+        worst = max(worst, sum(_blocks(x) for x in slots))
+        for fid, s in list(seqs.items()):
+            s[1] = min(s[3], s[1] + s[2])
+            if s[1] >= s[3]:
+                del seqs[fid]
+    assert worst <= admitted_at
