@@ -118,6 +118,14 @@ async def etl_stream(url: str) -> bytes:
             return await r.read()
 
 
+def failed_once(fleet: Any, cause: str) -> None:
+    """The node ``only`` failed once with ``cause``: counted in the metrics, and in its
+    run of failures (health)."""
+    labels = {"backend": "only", "cause": cause}
+    assert fleet.state.metrics.registry.get_sample_value("gateway_upstream_failures_total", labels)
+    assert fleet.backend("only").consecutive_failures == 1
+
+
 async def tenant_view(url: str) -> dict[str, Any]:
     async with aiohttp.ClientSession() as s:
         headers = {"Authorization": "Bearer k-etl"}
@@ -499,9 +507,7 @@ async def test_an_answer_cut_while_its_body_is_read_is_the_nodes_failure(
         async with s.post(fleet.url + "/v1/chat/completions", json=chat(5), headers=headers) as r:
             assert r.status == 502
             assert (await r.json())["error"]["code"] == "upstream_reset"
-    labels = {"backend": "only", "cause": "reset"}
-    assert fleet.state.metrics.registry.get_sample_value("gateway_upstream_failures_total", labels)
-    assert fleet.backend("only").consecutive_failures == 1
+    failed_once(fleet, "reset")
 
 
 async def test_a_stream_that_ends_without_its_last_event_is_the_nodes_failure(
@@ -521,9 +527,7 @@ async def test_a_stream_that_ends_without_its_last_event_is_the_nodes_failure(
     fleet = await gateway_over(start_fleet, str(node.make_url("")).rstrip("/"))
     got = await etl_stream(fleet.url)
     assert b"ended the stream early" in got and got.endswith(b"data: [DONE]\n\n")
-    labels = {"backend": "only", "cause": "mid_stream"}
-    assert fleet.state.metrics.registry.get_sample_value("gateway_upstream_failures_total", labels)
-    assert fleet.backend("only").consecutive_failures == 1
+    failed_once(fleet, "mid_stream")
 
 
 async def test_a_queued_streams_first_event_wait_counts_from_when_it_was_sent(
