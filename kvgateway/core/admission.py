@@ -180,22 +180,22 @@ class Admission(AdmissionCore):
                 raise tenant_queue_full_error(name, gated, parked)
         else:
             wait = self.projected_wait(demand)
-            late = wait is not None and wait > timeout and not self._cut_soon(demand)
-            full = self._queue.waiters.waiting_for_room() >= self._queue_size()
-            # A waiter is displaced only for a newcomer that then waits.
-            if timeout <= 0 or (full and (late or not self._displace(ticket))):
-                raise Saturated(
-                    "Every backend that can hold this request is at its KV-cache budget "
-                    "and the admission queue is full. Retry later.",
-                    retry_after=1.0,  # refused at once: room may free any moment
-                )
-            if wait is not None and late:
-                # Even the soonest room the projection sees comes after the deadline.
+            if wait is not None and wait > timeout and not self._cut_soon(demand):
+                # Even the soonest room the projection sees comes after the deadline (full
+                # queue or not: its Retry-After is that wait).
                 raise Saturated(
                     f"No backend is projected to have room for this request "
                     f"({demand.tokens} KV tokens) within {stated:g}s (the soonest in "
                     f"{wait:.0f}s). Retry later.",
                     retry_after=max(1.0, wait),
+                )
+            full = self._queue.waiters.waiting_for_room() >= self._queue_size()
+            # A waiter is displaced only for a newcomer that then waits.
+            if timeout <= 0 or (full and not self._displace(ticket)):
+                raise Saturated(
+                    "Every backend that can hold this request is at its KV-cache budget "
+                    "and the admission queue is full. Retry later.",
+                    retry_after=1.0,  # refused at once: room may free any moment
                 )
         loop = asyncio.get_running_loop()
         waiter = Waiter(demand, loop.create_future(), since, self._queue.claims_of(demand), ticket)

@@ -237,12 +237,17 @@ class AdmissionQueue:
         )
 
     def never_passes_floors(self, demand: Demand) -> bool:
+        """Other classes' floors leave ``demand`` no room however the fleet is used: its
+        KV beside theirs in the whole fleet's, or its sequences beside the slots they
+        keep on every node of its model (usable now or not: a node down for a moment
+        makes nothing impossible)."""
+        nodes = self._index_for(demand.model).backends
         return self._tenancy is not None and self._tenancy.never_passes_floors(
             demand.tenant,
             demand.tokens,
             self._capacity(),
             seqs=demand.sequences,
-            slots=self._slots(),
+            slots=[b.max_num_seqs for b in nodes if b.limits.known],
         )
 
     def regate(self, w: Waiter) -> str | None:

@@ -24,7 +24,7 @@ three things of it:
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
@@ -157,17 +157,20 @@ class Tenancy:
         return None
 
     def never_passes_floors(
-        self, name: str, tokens: int, budget: int, *, seqs: int = 1, slots: int = 0
+        self, name: str, tokens: int, budget: int, *, seqs: int = 1, slots: Sequence[int] = ()
     ) -> bool:
         """Other classes' floors leave this request no room however the fleet is used:
-        each holds its floor or keeps it free, so ``tokens`` (and ``seqs`` of the
-        ``slots``) plus those floors must fit."""
+        each holds its floor or keeps it free, so ``tokens`` plus those floors must fit
+        the ``budget``, and ``seqs`` plus their share of a node's slots must fit one of
+        the nodes (``slots``: each node's) as the floors are kept per node."""
         auth = self._auth()
         own = auth.class_of(self.tenant(name))
         share = sum(c.floor_share for c in auth.classes if c.name != own)
         if share <= 0:
             return False
-        return tokens + share * budget > budget or (slots > 0 and seqs + share * slots > slots)
+        return tokens + share * budget > budget or (
+            bool(slots) and all(seqs + share * n > n for n in slots)
+        )
 
     def kept_on(self, klass: str) -> Callable[[str, int], float] | None:
         """For requests of class ``klass``: the slots of a node (its name, its

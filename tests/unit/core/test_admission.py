@@ -3,6 +3,7 @@ import random
 
 import pytest
 
+from kvgateway.core.demand import Demand
 from kvgateway.core.reservation import Reservation
 from kvgateway.errors import ContextLengthExceeded, NoHealthyBackend, Saturated
 from tests.support.backends import admission_over, backend, demand, paused
@@ -349,3 +350,27 @@ async def test_a_request_counts_as_unstarted_on_its_node_until_its_first_report(
     adm.release(r1)
     adm.release(r2)  # never reported: released unstarted
     assert b.unstarted == 0
+
+
+async def test_a_newcomer_projected_past_its_deadline_is_told_the_wait_even_when_full():
+    """A newcomer whose soonest projected room is ~8,000 s away gets that wait as its
+    Retry-After, whether or not the queue has room for it (not 1 s when it is full)."""
+    import dataclasses
+
+    def long_one() -> Demand:
+        return dataclasses.replace(demand(1_000, 32_000), projected=True)
+
+    for queue_size in (2, 1):  # room for the newcomer, then none
+        node = backend("o1", max_model_len=131_072, kv=40_000)
+        node.step_s = 0.25
+        adm = admission_over([node], queue_size=queue_size)
+        first = await adm.admit(long_one(), 1.0)
+        adm.progress(first, 1)  # running: the soonest room is known
+        queued = asyncio.create_task(adm.admit(long_one(), 100_000.0))
+        await asyncio.sleep(0)
+        with pytest.raises(Saturated) as err:
+            await adm.admit(long_one(), 5.0)
+        assert err.value.retry_after is not None and err.value.retry_after > 1_000
+        queued.cancel()
+        await asyncio.gather(queued, return_exceptions=True)
+        adm.release(first)

@@ -663,3 +663,42 @@ def test_class_floors_count_what_other_replicas_hold_in_each_class():
     t.elsewhere.unclassed_seqs = 50
     assert t.gate("b", 1, 10**9, seqs=30, slots=100) is None
     assert t.gate("b", 1, 10**9, seqs=31, slots=100) == CLASS_FLOOR
+
+
+FLOORED = (ClassConfig("interactive", floor_share=0.25), ClassConfig("batch"))
+
+
+async def test_sequences_no_node_holds_beside_its_slot_floor_are_refused_at_once():
+    """The interactive floor keeps a quarter of each 4-slot node: a batch request of 4
+    sequences can never run on either, however idle, and is refused at once with no
+    Retry-After (not after its whole queue timeout, with one clients retry for ever)."""
+    nodes = [backend("a", kv=100_000, seqs=4), backend("b", kv=100_000, seqs=4)]
+    adm, _ = make(nodes, auth(tenant("i", "interactive"), tenant("b", "batch"), classes=FLOORED))
+    started = asyncio.get_running_loop().time()
+    with pytest.raises(Saturated) as err:
+        await adm.admit(dataclasses.replace(demand(100, 100, n=4), tenant="b"), 1.0)
+    assert err.value.retry_after is None
+    assert asyncio.get_running_loop().time() - started < 0.5
+
+
+async def test_a_node_down_for_a_moment_leaves_the_slots_it_has_possible():
+    """Four batch sequences fit beside the floor only on the 16-slot node: while it is
+    down for a moment the request waits for it, and is served when it is back."""
+    small, large = backend("a", kv=100_000, seqs=4), backend("b", kv=100_000, seqs=16)
+    cfg = auth(tenant("i", "interactive"), tenant("b", "batch"), classes=FLOORED)
+    adm = admission_over(  # slots and budget as the gateway reads them: usable nodes'
+        [small, large],
+        queue_size=100,
+        tenancy=Tenancy(lambda: cfg),
+        budget=lambda: sum(b.budget_tokens for b in (small, large) if b.usable),
+        capacity=lambda: small.budget_tokens + large.budget_tokens,
+        slots=lambda: sum(b.max_num_seqs for b in (small, large) if b.usable),
+    )
+    d = dataclasses.replace(demand(100, 100, n=4), tenant="b")
+    large.healthy = False
+    waiting = asyncio.create_task(adm.admit(d, 5.0))
+    await asyncio.sleep(0.05)
+    assert not waiting.done()
+    large.healthy = True
+    adm.rebalance()
+    adm.release(await asyncio.wait_for(waiting, 1.0))
