@@ -242,7 +242,10 @@ def prefix_hint(
         # block holding it from the cache: of a prompt of exactly k full blocks, k - 1 can
         # be shared. The keys stop there (the last block's credit made a node preempt).
         shareable = (min(len(found), longest) - 1) // block
-        keys = tuple(block_keys(found, block, max_blocks=max(0, shareable)))
+        # A cache_salt is in the first block's hash (and in its events' extra keys).
+        salt = body.get("cache_salt")
+        extra = [(salt,)] if isinstance(salt, str) and salt else None
+        keys = tuple(block_keys(found, block, max_blocks=max(0, shareable), extra_keys=extra))
     return PrefixHint(
         keys,
         block,

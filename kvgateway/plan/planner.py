@@ -373,4 +373,10 @@ def upstream_body(plan: Plan, output_cut: int | None = None) -> bytes | None:
     if plan.usage_ask is not None and not plan.usage_ask.continuous:
         ask_node(body)
         changed = True
+    xargs = body.get("vllm_xargs")
+    if isinstance(xargs, dict) and "kv_cache_report_mode" in xargs:
+        # The node's KV events are the gateway's view of its cache: a client may not have
+        # every cached block reported again (its view would keep blocks gone from the node).
+        body["vllm_xargs"] = {k: v for k, v in xargs.items() if k != "kv_cache_report_mode"}
+        changed = True
     return json.dumps(body, separators=(",", ":")).encode() if changed else None

@@ -53,8 +53,16 @@ _STORED_FIELDS = (
 _REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
 
 
-def _as_tuple(value: Any) -> Any:
-    return tuple(_as_tuple(v) for v in value) if isinstance(value, list) else value
+# Lists nested deeper than this in an event are not vLLM's (extra keys nest two deep).
+_MAX_DEPTH = 16
+
+
+def _as_tuple(value: Any, depth: int = 0) -> Any:
+    if not isinstance(value, list):
+        return value
+    if depth >= _MAX_DEPTH:
+        raise EventDecodeError(f"lists nested more than {_MAX_DEPTH} deep")
+    return tuple(_as_tuple(v, depth + 1) for v in value)
 
 
 def _is_int(value: Any) -> bool:

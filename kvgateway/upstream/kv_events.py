@@ -16,9 +16,9 @@ gateway that starts beside a node that already serves learns what it holds.
 Losing events makes the index wrong, so sequence numbers are checked (:func:`classify_seq`):
 
 - the next number: apply;
-- a gap: ask the node's replay socket (if configured) for the missing batches; if it
-  cannot fill the gap in time, resync: clear the backend's precise view
-  (:meth:`PrefixIndex.clear`) and carry on from this batch;
+- a gap: ask the node's replay socket (if configured) for the missing batches (none seen
+  yet: what it holds); if it cannot fill the gap in time, resync: clear the backend's
+  precise view (:meth:`PrefixIndex.clear`) and carry on from this batch;
 - 0 after a higher number: the publisher restarted (a new engine, an empty cache): resync;
 - an older number: a duplicate after a replay, ignored.
 
@@ -169,7 +169,12 @@ class KVEventSubscriber:
     async def _read(self, sub: zmq.asyncio.Socket) -> None:
         while True:
             if await sub.poll(_POLL_MS):
-                await self.handle(await sub.recv_multipart())
+                frames = await sub.recv_multipart()
+                try:
+                    await self.handle(frames)
+                except Exception as exc:  # a batch no check foresaw: distrust it, read on
+                    self._errors += 1
+                    self._reject(f"a batch could not be handled: {exc!r}")
             linked = self._linked_at
             if linked is not None and asyncio.get_running_loop().time() - linked >= _SETTLE_S:
                 self._linked_at = None
@@ -240,7 +245,7 @@ class KVEventSubscriber:
         self._last = seq
         try:
             batch = decode_batch(payload)
-        except EventDecodeError as exc:
+        except (EventDecodeError, RecursionError, ValueError, TypeError) as exc:
             self._errors += 1
             self._tally(self.source.backend, EventCount.DECODE_ERRORS)
             self._reject(f"undecodable batch {seq}: {exc}")
@@ -271,12 +276,12 @@ class KVEventSubscriber:
 
     async def _replay(self, start: int, upto: int) -> bool:
         """Fetch batches ``start`` .. ``upto - 1`` from the replay socket; True if applied."""
-        # From batch 0 it is the whole buffer, as a catch-up: it takes as long.
         got = await self._fetch(start, _CATCH_UP_TIMEOUT_S if start == 0 else self._replay_timeout)
         if got is None:
             return False
         got = [(seq, payload) for seq, payload in got if seq < upto]
-        if [s for s, _ in got] != list(range(start, upto)):
+        first = got[0][0] if got and start == 0 else start
+        if [s for s, _ in got] != list(range(first, upto)):
             return False  # the node's buffer no longer holds them all
         for seq, payload in got:
             self._apply(seq, payload)

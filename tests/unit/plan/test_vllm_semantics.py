@@ -14,6 +14,8 @@ import pytest
 
 from kvgateway.config.load import parse_config
 from kvgateway.config.model import GatewayConfig
+from kvgateway.core.cache_view import BlocksStored
+from kvgateway.core.prefix_index import PrefixIndex
 from kvgateway.errors import BadRequest
 from kvgateway.plan.budget import output_budget, prefix_hint
 from kvgateway.plan.openai_request import parse_chat, parse_completion
@@ -142,3 +144,35 @@ async def test_a_responses_null_truncation_truncates_as_auto_does(planner: Plann
     absent = await planner.plan(body({}), "responses")  # "disabled": kept whole
     assert not absent.prompt.truncated
     assert absent.demand.longest_prompt > CONTEXT > null.demand.longest_prompt
+
+
+def test_a_salted_prompt_is_keyed_as_vllm_hashes_it() -> None:
+    """vLLM puts ``cache_salt`` in its first block's hash (and in that block's event, as
+    extra keys ``(salt,)``): the prompt's keys match the node holding its salted blocks,
+    not one holding the same prompt unsalted."""
+    ids = list(range(1000, 1000 + BLOCK * 8 + 5))
+    n = len(ids) // BLOCK
+    index = PrefixIndex()
+    tokens = tuple(ids[: n * BLOCK])
+    plain = BlocksStored(tuple(range(1, n + 1)), None, tokens, BLOCK, extra_keys=(None,) * n)
+    salted = BlocksStored(
+        tuple(range(101, n + 101)), None, tokens, BLOCK, extra_keys=(("s",), *(None,) * (n - 1))
+    )
+    index.apply_events("plain", [plain], now=0.0)
+    index.apply_events("salted", [salted], now=0.0)
+    parsed = parse_completion({"model": "m", "prompt": ids, "cache_salt": "s"})
+    hint = prefix_hint(parsed, ids, True, BLOCK, CONTEXT, None)
+    assert hint.keys and not hint.credit
+    assert index.matched_blocks("plain", hint.keys, now=0.0) == 0
+    assert index.matched_blocks("salted", hint.keys, now=0.0) == len(hint.keys)
+
+
+async def test_a_client_cannot_have_the_node_report_its_cache_again(planner: Planner) -> None:
+    """``vllm_xargs.kv_cache_report_mode`` makes vLLM publish a block stored again at
+    every cache hit but removed once: the gateway's view of the node would keep blocks it
+    evicted. The node is sent the request without it (the other xargs kept)."""
+    xargs = {"kv_cache_report_mode": "full", "other": 1}
+    raw = json.dumps({"model": "m", "messages": MSG, "max_tokens": 8, "vllm_xargs": xargs})
+    plan = await planner.plan(raw.encode(), "chat")
+    sent = upstream_body(plan)
+    assert sent is not None and json.loads(sent)["vllm_xargs"] == {"other": 1}

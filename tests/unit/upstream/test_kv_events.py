@@ -837,3 +837,51 @@ def test_a_dns_group_cannot_bind_one_address_for_all_its_members() -> None:
     with pytest.raises(ConfigError) as err:
         parse_config_text(text)
     assert "tiers[0].backends[0].kv_events_bind: a dns group's members" in str(err.value)
+
+
+def _nested(depth: int) -> bytes:
+    """A batch whose one event's extra keys hold lists nested ``depth`` deep."""
+    head = msgspec.msgpack.encode([1.0, [_stored(2, None, [2] * 4, extra_keys=[0])]])
+    assert head.endswith(b"\x91\x00")  # the last field: a one-element list holding 0
+    return head[:-1] + b"\x91" * depth + b"\xc0"
+
+
+async def test_a_batch_nested_past_any_vllm_layout_does_not_stop_the_reader(
+    zctx: zmq.asyncio.Context, publisher: Callable[[], _Publisher]
+) -> None:
+    """A batch nested 600 deep is distrusted (the view resyncs) and the reader goes on
+    reading: it never dies, leaving a stale view trusted as precise."""
+    pub = publisher()
+    index = PrefixIndex(resync_grace_s=0.0)
+    sub = KVEventSubscriber(KVEventSource("n", pub.endpoint, "kv"), index, zctx)
+    sub.start()
+    try:
+        await pub.subscribed()
+        await pub.send(_stored(1, None, [1] * 4))
+        await eventually(lambda: index.precise_keys("n") == set(block_keys([1] * 4, 4)))
+        await pub.sock.send_multipart([b"kv", (1).to_bytes(8, "big"), _nested(600)])
+        pub.seq = 2
+        await pub.send(_stored(3, None, [3] * 4))
+        await eventually(lambda: sub.statistics().last_seq == 2, timeout=2.0)
+        assert index.precise_keys("n") == set(block_keys([3] * 4, 4))
+    finally:
+        await sub.close()
+
+
+async def test_a_live_batch_before_the_catch_up_keeps_what_the_buffer_holds() -> None:
+    """A node's replay buffer that no longer reaches batch 0 (vLLM keeps the last
+    10,000): a live batch arriving before the link's catch-up applies what the buffer
+    holds before it, as the catch-up would, not a resync that drops it all."""
+    index = PrefixIndex(resync_grace_s=0.0)
+    source = KVEventSource("n", "tcp://127.0.0.1:1", "kv", replay_endpoint="tcp://127.0.0.1:2")
+    sub = KVEventSubscriber(source, index, zmq.asyncio.Context.instance())
+    a, b = [1] * 4, [2] * 4
+    buffer = [(20_000, _payload(_stored(1, None, a))), (20_001, _payload(_stored(2, 1, b)))]
+
+    async def replay_socket(start: int, timeout_s: float) -> list[tuple[int, bytes]]:
+        return [(seq, payload) for seq, payload in buffer if seq >= start]
+
+    sub._fetch = replay_socket  # type: ignore[method-assign]
+    await sub.handle([b"kv", (20_002).to_bytes(8, "big"), _payload(_stored(3, None, [3] * 4))])
+    await sub.catch_up()
+    assert set(block_keys(a + b, 4)) <= index.precise_keys("n")
