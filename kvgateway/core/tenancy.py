@@ -63,6 +63,10 @@ class Tenancy:
         self._auth = auth
         self._virtual: dict[str, float] = {}  # per class
         self._finish: dict[str, float] = {}  # per tenant
+        # Per tenant: the finish tags of requests tagged but not yet served nor refunded
+        # (by ticket seq), and the latest finish tag of one served (here or elsewhere).
+        self._waiting_tags: dict[str, dict[int, float]] = {}
+        self._served_finish: dict[str, float] = {}
         self._seq = 0
         self.tokens: Counter[str] = Counter()  # KV tokens held, per tenant
         self.requests: Counter[str] = Counter()  # admitted requests in flight, per tenant
@@ -98,6 +102,7 @@ class Tenancy:
         start = max(self._virtual.get(klass, 0.0), self._finish.get(t.name, 0.0))
         self._finish[t.name] = start + tokens / t.weight
         self._seq += 1
+        self._waiting_tags.setdefault(t.name, {})[self._seq] = self._finish[t.name]
         return Ticket(t.name, klass, auth.rank(t), start, self._seq)
 
     def advance(self, name: str, tokens: int) -> None:
@@ -107,15 +112,19 @@ class Tenancy:
         t = self.tenant(name)
         klass = self._auth().class_of(t)
         start = max(self._finish.get(t.name, 0.0), self._virtual.get(klass, 0.0))
-        self._finish[t.name] = start + tokens / t.weight
+        self._finish[t.name] = self._served_finish[t.name] = start + tokens / t.weight
 
     def refund(self, ticket: Ticket, tokens: int) -> None:
-        """A request tagged ``ticket`` was never served: if no later request of its
-        tenant was tagged since, its tenant's finish tag goes back to where it started
-        (as if it had never come; a later tag stays, or the tenant's order would change)."""
-        weight = self.tenant(ticket.tenant).weight
-        if self._finish.get(ticket.tenant) == ticket.start + tokens / weight:
-            self._finish[ticket.tenant] = ticket.start
+        """A request tagged ``ticket`` was never served: its tenant's finish tag goes back
+        to the latest of those served or still waiting (as if it had never come; tags
+        already given stay, or the tenant's order would change), whatever order its
+        requests give up in."""
+        waiting = self._waiting_tags.get(ticket.tenant, {})
+        waiting.pop(ticket.seq, None)
+        latest = max(waiting.values(), default=self._served_finish.get(ticket.tenant, 0.0))
+        self._finish[ticket.tenant] = max(latest, self._served_finish.get(ticket.tenant, 0.0))
+        if not waiting:
+            self._waiting_tags.pop(ticket.tenant, None)
 
     def gate(
         self,
@@ -194,6 +203,11 @@ class Tenancy:
 
     def granted(self, ticket: Ticket, tokens: int, seqs: int = 1, backend: str = "") -> None:
         klass = ticket.klass
+        waiting = self._waiting_tags.get(ticket.tenant, {})
+        tag = waiting.pop(ticket.seq, None)
+        if tag is not None:
+            served = self._served_finish.get(ticket.tenant, 0.0)
+            self._served_finish[ticket.tenant] = max(served, tag)
         self._virtual[klass] = max(self._virtual.get(klass, 0.0), ticket.start)
         self.tokens[ticket.tenant] += tokens
         self.granted_tokens[ticket.tenant] += tokens

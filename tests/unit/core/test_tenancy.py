@@ -702,3 +702,20 @@ async def test_a_node_down_for_a_moment_leaves_the_slots_it_has_possible():
     large.healthy = True
     adm.rebalance()
     adm.release(await asyncio.wait_for(waiting, 1.0))
+
+
+async def test_requests_that_all_give_up_leave_their_tenant_where_it_was():
+    """Five of x's requests wait behind a full node and all time out, the oldest first:
+    served nothing, x's next request is tagged where y's is, not behind the 5 x 1,008
+    KV tokens it never held."""
+    b = backend("a", kv=2048, max_model_len=2048)
+    cfg = auth(tenant("x"), tenant("y"), tenant("z", "batch"), classes=CLASSES)
+    tenancy = Tenancy(lambda: cfg)
+    adm = admission_over([b], queue_size=100, tenancy=tenancy, budget=lambda: b.budget_tokens)
+    hog = await adm.admit(of("z", 1900), 1.0)
+    waits = [asyncio.create_task(adm.admit(of("x", 900), 0.05 + 0.01 * i)) for i in range(5)]
+    assert all(
+        isinstance(r, Saturated) for r in await asyncio.gather(*waits, return_exceptions=True)
+    )
+    adm.release(hog)
+    assert tenancy.ticket("x", 100).start == tenancy.ticket("y", 100).start == 0.0
