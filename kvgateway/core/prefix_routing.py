@@ -128,7 +128,7 @@ class PrefixRouter:
         # reproduce), and what was routed where is the better guess.
         precise = any(
             self.index.is_precise(b.name, now)
-            and self.index.matched_blocks(b.name, hint.keys[:1], now)
+            and self.index.matched_blocks(b.name, hint.keys, now)
             for b in pool.values()
         )
         best = max(
@@ -160,13 +160,17 @@ class PrefixRouter:
     def _expected_blocks(
         self, name: str, keys: tuple[BlockKey, ...], now: float, precise: bool = True
     ) -> float:
-        """:meth:`PrefixIndex.expected_blocks` in O(log n) lookups: the matched run found by
-        bisection (a node holds a prompt's head whenever it holds its tail: the tail is
-        evicted first, and routing records whole prompts), weighted by the belief in its
-        deepest block (the oldest, so never an overestimate of the run's belief)."""
+        """:meth:`PrefixIndex.expected_blocks`: from the node's events, read whole; from
+        what was routed, in O(log n) lookups: the run found by bisection (a node holds a
+        prompt's head whenever it holds its tail: the tail is evicted first, and routing
+        records whole prompts), weighted by the belief in its deepest block (the oldest,
+        so never an overestimate of the run's belief)."""
         index = self.index
-        matched = index.matched_blocks if precise else index.routed_blocks
-        belief = index.expected_blocks if precise else index.routed_expected_blocks
+        if precise:
+            # Read whole: a hybrid model's hit also needs each sliding-window group to
+            # hold the blocks of its window before the hit's end (a block alone says not).
+            return index.expected_blocks(name, keys, now)
+        matched, belief = index.routed_blocks, index.routed_expected_blocks
 
         def held(i: int) -> bool:
             return matched(name, keys[i : i + 1], now) == 1

@@ -9,11 +9,12 @@ from dataclasses import replace
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvgateway.core.cache_view import BlocksStored
+from kvgateway.core.cache_view import BlocksRemoved, BlocksStored
 from kvgateway.core.demand import Demand, PrefixHint
 from kvgateway.core.prefix_index import PrefixIndex
 from kvgateway.core.prefix_keys import block_keys
 from kvgateway.core.prefix_routing import PrefixRouter, PrefixScoring
+from kvgateway.core.reservation import Reservation
 from kvgateway.core.routing import ModelIndex, Routed, eligible
 from kvgateway.core.shared_blocks import SharedBlocks
 from tests.support.backends import admission_over, backend, demand
@@ -188,3 +189,32 @@ def test_refine_with_events_finds_the_best_score_of_the_tier(seed):
         if isinstance(decision, Routed):
             best = _scan_best(router, adm._index_for("m"), d, decision.backend, clock[0])
             assert router._score(decision.backend, d, clock[0], None) == best
+
+
+def _hybrid_view(prompt: list[int], name: str) -> PrefixIndex:
+    """``name`` reports ``prompt`` cached in a full-attention group and in a 64-token
+    sliding-window group that freed all but its window's 4 blocks (as vLLM frees them)."""
+    index = PrefixIndex()
+    hashes = tuple(range(1000, 1000 + len(prompt) // 16))
+    tokens = tuple(prompt)
+    sliding = BlocksStored(hashes, None, tokens, 16, group_idx=0, kind="sliding_window", window=64)
+    full = BlocksStored(hashes, None, tokens, 16, group_idx=1, kind="full_attention")
+    index.apply_events(name, [sliding, full], now=0.0)
+    index.apply_events(name, [BlocksRemoved(hashes[:-4], group_idx=0)], now=0.0)
+    return index
+
+
+def test_a_hybrid_node_holding_the_prompt_is_scored_as_its_events_say() -> None:
+    """A hybrid model's node hits a prompt when its full-attention group holds the run
+    and its sliding group the window before the hit's end (not the prompt's head): it is
+    scored at the blocks its view matches, and a prompt goes to it over a freer node."""
+    prompt = list(range(100, 100 + 16 * 100))
+    keys = tuple(block_keys(prompt, 16))
+    bs = [backend("a", kv=40_000), backend("n", kv=38_000)]  # kv_aware alone picks "a"
+    index = _hybrid_view(prompt, "n")
+    assert index.matched_blocks("n", keys, now=1.0) == 100
+    adm, _, clock = make(bs, PrefixRouter(index))
+    clock[0] = 1.0
+    d = replace(demand(len(prompt) + 16), prefix=PrefixHint(keys, 16, None))
+    r = adm.try_admit(d)
+    assert isinstance(r, Reservation) and r.backend.name == "n"
