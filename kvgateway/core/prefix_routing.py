@@ -127,8 +127,7 @@ class PrefixRouter:
         # nowhere the gateway's ids may not be the node's (a chat template it cannot
         # reproduce), and what was routed where is the better guess.
         precise = any(
-            self.index.is_precise(b.name, now)
-            and self.index.matched_blocks(b.name, hint.keys, now)
+            self.index.is_precise(b.name, now) and self.index.matched_blocks(b.name, hint.keys, now)
             for b in pool.values()
         )
         best = max(
