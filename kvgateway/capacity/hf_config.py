@@ -75,6 +75,37 @@ def _refuse_unsupported(cfg: Mapping[str, Any], model_type: str) -> None:
             "chunked local attention (Llama 4) is not modelled; use the node's logged "
             "'GPU KV cache size' as kv_cache_tokens.",
         )
+    per_layer = [k for k in _PER_LAYER_SHAPES if k in cfg] or (
+        ["model_type"] if model_type.startswith(("gemma4", "gemma3n")) else []
+    )
+    if per_layer:
+        raise CapacityConfigError(
+            per_layer[0],
+            f"{model_type or 'this model'} gives its layers different KV shapes (or shares "
+            "KV between layers), which vLLM pages per layer type; not modelled: use the "
+            "node's logged 'GPU KV cache size' as kv_cache_tokens.",
+        )
+
+
+# Keys of configs whose layers differ in KV shape (Gemma 4's full layers) or share KV.
+_PER_LAYER_SHAPES = ("global_head_dim", "num_global_key_value_heads", "num_kv_shared_layers")
+# Where a config states its context, in vLLM's order (the smallest one given is the limit).
+_CONTEXT_KEYS = (
+    "max_position_embeddings",
+    "n_positions",
+    "max_seq_len",
+    "seq_length",
+    "model_max_length",
+    "max_target_positions",
+    "max_sequence_length",
+    "max_seq_length",
+    "seq_len",
+)
+
+
+def _context(cfg: Mapping[str, Any]) -> int | None:
+    found = [v for k in _CONTEXT_KEYS if type(v := cfg.get(k)) is int and v > 0]
+    return min(found, default=None)
 
 
 def _sliding_layers(
@@ -228,7 +259,16 @@ def arch_from_hf_config(
     num_layers = _int(cfg, "num_hidden_layers", "n_layer", "num_layers")
     assert num_layers is not None
     heads = _int(cfg, "num_attention_heads", "n_head", required=False)
-    kv_heads = _int(cfg, "num_key_value_heads", "num_kv_heads", "n_head_kv", required=False)
+    # In vLLM's order (model_arch_config_convertor): Falcon's, Llama's, ChatGLM's, Step's.
+    kv_heads = _int(
+        cfg,
+        "n_head_kv",
+        "num_kv_heads",
+        "num_key_value_heads",
+        "multi_query_group_num",
+        "num_attention_groups",
+        required=False,
+    )
     if kv_heads is None:
         kv_heads = 1 if cfg.get("multi_query") else heads
     kv_lora = _int(cfg, "kv_lora_rank", required=False)
@@ -282,9 +322,7 @@ def arch_from_hf_config(
         qk_rope_head_dim=rope if kv_lora is not None else None,
         sliding_window=window,
         sliding_layers=sliding,
-        max_position_embeddings=_int(
-            cfg, "max_position_embeddings", "n_positions", "max_sequence_length", required=False
-        ),
+        max_position_embeddings=_context(cfg),
         hidden_size=hidden,
         intermediate_size=intermediate,
         vocab_size=_int(cfg, "vocab_size", required=False),

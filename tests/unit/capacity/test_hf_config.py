@@ -163,3 +163,48 @@ def test_a_checkpoint_with_an_fp8_kv_cache_halves_the_bytes_under_auto() -> None
         arch = arch_from_hf_config({**base, "quantization_config": quant}, name="m")
         assert kv_bytes_per_token_per_layer(arch, 1, "auto") == 2048, quant
         assert kv_bytes_per_token_per_layer(arch, 1, "bfloat16") == 4096  # asked for: kept
+
+
+GLM4_9B = {  # THUDM/glm-4-9b-chat's config.json, the fields the KV size reads
+    "model_type": "chatglm",
+    "num_layers": 40,
+    "hidden_size": 4096,
+    "num_attention_heads": 32,
+    "kv_channels": 128,
+    "multi_query_attention": True,
+    "multi_query_group_num": 2,
+    "seq_length": 131072,
+    "padded_vocab_size": 151552,
+}
+
+
+def test_a_chatglm_config_reads_its_kv_groups_and_context_as_vllm_does() -> None:
+    """ChatGLM states its KV heads as ``multi_query_group_num`` and its context as
+    ``seq_length`` (vLLM's config convertor reads both): 2 KV heads, not the 32 query
+    heads (16x the KV bytes per token), and a 131,072-token context."""
+    arch = arch_from_hf_config(GLM4_9B, name="glm-4-9b-chat")
+    assert arch.num_kv_heads == 2 and arch.max_position_embeddings == 131_072
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [{"global_head_dim": 512}, {"num_global_key_value_heads": 2}, {"num_kv_shared_layers": 10}],
+)
+def test_layers_of_different_kv_shapes_are_refused_not_sized_as_one(
+    extra: dict[str, Any],
+) -> None:
+    """Gemma 4 gives its full-attention layers another head size (and KV heads) than its
+    sliding ones, and some configs share KV between layers: vLLM pages those per layer
+    type; sizing every layer alike would admit up to twice what the node holds."""
+    config = {
+        "model_type": "gemma4_text",
+        "num_hidden_layers": 30,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "sliding_window": 512,
+        **extra,
+    }
+    with pytest.raises(CapacityConfigError) as err:
+        arch_from_hf_config(config, name="gemma-4")
+    assert err.value.path == next(iter(extra))
