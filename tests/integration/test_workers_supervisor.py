@@ -308,3 +308,37 @@ def test_a_run_directory_is_removed_only_once_its_supervisor_is_gone(tmp_path: P
     finally:
         live.kill()
         live.wait()
+
+
+async def test_a_worker_restarted_after_the_file_changed_serves_where_the_others_do(
+    tmp_path: Path, node: str, redis_server: RedisServer
+) -> None:
+    """The file's port changed and was reloaded (a port change waits for a restart);
+    then a worker dies: its replacement listens on the port its siblings serve, not on
+    the file's new one."""
+    sups = Supervisors(tmp_path, node, redis_server.url, grace_s=1.0)
+    try:
+        sup = await sups.start()
+        workers = await sups.ready(sup)
+        (new_port,) = free_ports(1)
+        cfg = yaml.safe_load(sups.config.read_text())
+        cfg["server"]["port"] = new_port
+        sups.config.write_text(yaml.safe_dump(cfg))
+        os.kill(sup.pid, signal.SIGHUP)
+        await asyncio.sleep(1.0)
+        os.kill(workers[0], signal.SIGKILL)
+        fresh = await eventually(
+            lambda: set(_children(sup.pid)) - set(workers), timeout=20, what="a restart"
+        )
+        sups.workers |= fresh
+        await eventually(lambda: _serves(sups.port, 2), timeout=20, what="two listeners")
+        assert _port_free(new_port)
+    finally:
+        await sups.close()
+
+
+def _serves(port: int, listeners: int) -> bool:
+    """``port`` has ``listeners`` sockets listening on it (SO_REUSEPORT workers)."""
+    hexport = f":{port:04X} "
+    lines = Path("/proc/net/tcp").read_text().splitlines()[1:]
+    return sum(1 for line in lines if hexport in line and line.split()[3] == "0A") == listeners
