@@ -291,13 +291,24 @@ def supervise(args: argparse.Namespace, workers: int, port: int, previous_wait_s
         log.info("gateway: %d workers started (pids %s)", workers, [p.pid for p in procs.values()])
         backoff = {i: _RESTART_BACKOFF_S for i in procs}
         started = {i: time.monotonic() for i in procs}
+        # Dead workers and when each starts again: every worker is watched on its own
+        # (one waiting out its backoff holds no other up).
+        restart_at: dict[int, float] = {}
         while not stopping:
-            time.sleep(0.2)
+            time.sleep(0.05)
             for i, p in list(procs.items()):
-                code = p.poll()
-                if code is None or stopping:
+                if stopping:
+                    break
+                if i in restart_at:
+                    if time.monotonic() >= restart_at[i]:
+                        del restart_at[i]
+                        procs[i] = start(i)
+                        started[i] = time.monotonic()
                     continue
-                # Removes its gauges (live modes: see server/metrics.py); its counters
+                code = p.poll()
+                if code is None:
+                    continue
+                # Removes its gauges (live modes: see server/telemetry.py); its counters
                 # and histograms stay in the sums.
                 multiprocess.mark_process_dead(p.pid, metrics_dir)  # type: ignore[no-untyped-call]
                 # One that keeps dying (an invalid config on disk: a restarted worker
@@ -309,15 +320,14 @@ def supervise(args: argparse.Namespace, workers: int, port: int, previous_wait_s
                     "gateway worker %d (pid %d) exited with %d after %.0fs; restarting in %.0fs",
                     i, p.pid, code, lived, wait,
                 )  # fmt: skip
-                deadline = time.monotonic() + wait
-                while not stopping and time.monotonic() < deadline:
-                    time.sleep(0.05)
-                if stopping:
-                    break
-                procs[i] = start(i)
-                started[i] = time.monotonic()
+                restart_at[i] = time.monotonic() + wait
         # Told to stop: every worker is told, one started after the signal too.
         forward(signal.SIGTERM, None)
-        codes = [p.wait() for p in procs.values()]
+        ended = [p for i, p in procs.items() if i not in restart_at]  # the dead were said
+        for p in ended:
+            p.wait()
         os.close(lock)
-    return 0 if all(c == 0 for c in codes) else 1
+    # A worker our SIGTERM ended before it could handle one (still starting) stopped
+    # as told.
+    told_ok = {p.pid for p in ended if p.returncode == -signal.SIGTERM and p.pid in told}
+    return 0 if all(p.returncode == 0 or p.pid in told_ok for p in ended) else 1

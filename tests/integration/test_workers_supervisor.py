@@ -342,3 +342,49 @@ def _serves(port: int, listeners: int) -> bool:
     hexport = f":{port:04X} "
     lines = Path("/proc/net/tcp").read_text().splitlines()[1:]
     return sum(1 for line in lines if hexport in line and line.split()[3] == "0A") == listeners
+
+
+async def test_one_workers_backoff_holds_no_other_worker_up(
+    tmp_path: Path, node: str, redis_server: RedisServer
+) -> None:
+    """Worker 0 has died four times in a row (its next start 8 s away); worker 1 dies
+    once: it is started again after its own 1 s, not after worker 0's wait."""
+    sups = Supervisors(tmp_path, node, redis_server.url, grace_s=1.0)
+    try:
+        sup = await sups.start()
+        workers = await sups.ready(sup)
+        known, current = set(workers), workers[0]
+        for _ in range(3):  # worker 0's backoff: 1, 2, 4 s, so 8 s next
+            os.kill(current, signal.SIGKILL)
+            (current,) = await eventually(
+                lambda: set(_children(sup.pid)) - known, timeout=30, what="worker 0 back"
+            )
+            known.add(current)
+            sups.workers.add(current)
+        os.kill(current, signal.SIGKILL)
+        await asyncio.sleep(0.5)
+        os.kill(workers[1], signal.SIGKILL)
+        started = asyncio.get_running_loop().time()
+        fresh = await eventually(
+            lambda: set(_children(sup.pid)) - known, timeout=30, what="worker 1 back"
+        )
+        sups.workers |= fresh
+        assert asyncio.get_running_loop().time() - started < 3.0, sups.log()
+    finally:
+        await sups.close()
+
+
+async def test_a_plain_stop_soon_after_the_start_exits_zero(
+    tmp_path: Path, node: str, redis_server: RedisServer
+) -> None:
+    """SIGTERM while the workers still start (before they handle one themselves) is a
+    clean stop: the supervisor exits 0, as service managers expect."""
+    sups = Supervisors(tmp_path, node, redis_server.url, grace_s=1.0)
+    try:
+        sup = await sups.start()
+        await eventually(lambda: len(_children(sup.pid)) == 2, timeout=20, interval=0.02)
+        await asyncio.sleep(0.3)
+        sup.terminate()
+        assert await asyncio.wait_for(sup.wait(), 30) == 0, sups.log()[-1500:]
+    finally:
+        await sups.close()
