@@ -172,7 +172,7 @@ def _step_max_model_len(spec: CapacitySpec, est: CapacityEstimate, length: int) 
 
 
 def _blocks(est: CapacityEstimate, length: int) -> int:
-    return blocks_per_request(est.layout, length, est.block_size, est.max_num_batched_tokens)
+    return blocks_per_request(est.layout, length, est.block_size, est.in_flight_tokens)
 
 
 def _step_caps(spec: CapacitySpec, est: CapacityEstimate, length: int) -> Recommendation:

@@ -55,6 +55,9 @@ class CapacityEstimate:
     max_concurrency: float  # requests of target_len that fit at once (null block excluded)
     vllm_logged_concurrency: float  # what "Maximum concurrency for ..." would say
     max_num_batched_tokens: int
+    # Tokens scheduled but not yet freed, what a sliding-window group holds beyond its
+    # window (vLLM's max_in_flight_tokens): one batch per concurrent step.
+    in_flight_tokens: int
     tp: int
     pool: PoolBreakdown  # the limiting stage's, per GPU
     layout: lay.KVLayout  # model-wide, drafter layers included
@@ -70,7 +73,7 @@ class CapacityEstimate:
             self.num_gpu_blocks - 1,
             context_len,
             self.block_size,
-            self.max_num_batched_tokens,
+            self.in_flight_tokens,
         )
 
     @property
@@ -226,6 +229,13 @@ def _layout_notes(spec: CapacitySpec, layout: lay.KVLayout) -> list[str]:
     return notes
 
 
+def in_flight_tokens(max_num_batched_tokens: int, pp: int = 1) -> int:
+    """vLLM's ``max_in_flight_tokens``: a batch per concurrent step, 2 with asynchronous
+    scheduling (vLLM >= 0.32's default on GPUs), ``pp`` with pipeline parallelism (the
+    V1 runner schedules PP without it)."""
+    return max_num_batched_tokens * (2 if pp <= 1 else pp)
+
+
 def estimate(spec: CapacitySpec) -> CapacityEstimate:
     notes = [*spec.model.notes]
     mnbt = spec.max_num_batched_tokens or default_max_num_batched_tokens(spec.gpu_memory_gib)
@@ -246,8 +256,9 @@ def estimate(spec: CapacitySpec) -> CapacityEstimate:
         )
     elif blocks <= 1:
         notes.append("no KV blocks fit: the model does not run with these settings")
+    in_flight = in_flight_tokens(mnbt, spec.pp)
     kv_limit = lay.max_context_fitting(
-        layout, blocks - 1, spec.block_size, mnbt, _UNBOUNDED_CONTEXT
+        layout, blocks - 1, spec.block_size, in_flight, _UNBOUNDED_CONTEXT
     )
     # An explicit max_model_len above the config's limit (rope scaling) raises the cap.
     model_limit = max(spec.model.max_position_embeddings or 0, spec.max_model_len or 0)
@@ -260,7 +271,7 @@ def estimate(spec: CapacitySpec) -> CapacityEstimate:
             f"max_position_embeddings {limit}; vLLM refuses that unless rope scaling is "
             "configured"
         )
-    logged_concurrency = lay.concurrency(layout, blocks, target, spec.block_size, mnbt)
+    logged_concurrency = lay.concurrency(layout, blocks, target, spec.block_size, in_flight)
     result = CapacityEstimate(
         model_name=spec.model.name,
         bytes_per_token=per_layer * max(st.model_layers + st.draft_layers for st in stages),
@@ -276,6 +287,7 @@ def estimate(spec: CapacitySpec) -> CapacityEstimate:
         max_concurrency=0.0,
         vllm_logged_concurrency=logged_concurrency,
         max_num_batched_tokens=mnbt,
+        in_flight_tokens=in_flight,
         tp=spec.tp,
         pool=pool,
         layout=layout,

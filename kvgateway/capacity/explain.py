@@ -293,12 +293,12 @@ def _cross_check(facts: LogFacts, spec: CapacitySpec) -> tuple[CrossCheck | None
     if facts.needed_kv_gib is not None and facts.max_model_len:
         page = lay.page_bytes(est.layout, spec.block_size) * est.kv_layers_per_gpu
         blocks = lay.blocks_per_request(
-            est.layout, facts.max_model_len, spec.block_size, est.max_num_batched_tokens
+            est.layout, facts.max_model_len, spec.block_size, est.in_flight_tokens
         )
         # vLLM >= 0.32 estimates on the blocks beside the null block; older ones on all.
         usable_blocks = est.num_gpu_blocks - (1 if vllm_version(facts) >= (0, 32) else 0)
         vllm_max = lay.max_context_fitting(
-            est.layout, usable_blocks, bs, est.max_num_batched_tokens, facts.max_model_len
+            est.layout, usable_blocks, bs, est.in_flight_tokens, facts.max_model_len
         )
         predicted, logged = vllm_max, facts.estimated_max_model_len or vllm_max
         detail = (
@@ -327,10 +327,10 @@ def _cross_check(facts: LogFacts, spec: CapacitySpec) -> tuple[CrossCheck | None
     return CrossCheck(predicted, tokens, deviation, detail), logged_spec
 
 
-# vLLM's defaults for max_num_batched_tokens (API server: 2048, 8192 on >= 70 GiB GPUs;
-# offline LLM: 8192 / 16384): a hybrid model's logged count depends on it, and the log
-# does not say which applied.
-_DEFAULT_BATCHED = (2048, 8192, 16384)
+# The tokens in flight a hybrid model's logged count may assume: vLLM's defaults for
+# max_num_batched_tokens (API server: 2048, 8192 on >= 70 GiB GPUs; offline LLM: 8192 /
+# 16384), once or twice (asynchronous scheduling): the log does not say which applied.
+_DEFAULT_IN_FLIGHT = (2048, 4096, 8192, 16384, 32768)
 
 
 def _logged_forms(est: CapacityEstimate) -> list[tuple[int, int | None]]:
@@ -340,7 +340,7 @@ def _logged_forms(est: CapacityEstimate) -> list[tuple[int, int | None]]:
     max_model_len``: the same number for one-group models, more for hybrids."""
     forms: list[tuple[int, int | None]] = [(est.vllm_logged_tokens, None)]
     if est.layout.num_groups > 1:
-        for mnbt in dict.fromkeys((est.max_num_batched_tokens, *_DEFAULT_BATCHED)):
+        for mnbt in dict.fromkeys((est.in_flight_tokens, *_DEFAULT_IN_FLIGHT)):
             logged = lay.vllm_logged_tokens_at_length(
                 est.layout, est.num_gpu_blocks, est.block_size, mnbt, est.target_len
             )

@@ -20,8 +20,9 @@ All of it follows ``vllm/v1/core/kv_cache_utils.py``:
 * ``get_max_concurrency_for_kv_cache_config``: ``num_blocks / blocks_per_request``,
   again including the null block; per request a full-attention group needs
   ``cdiv(len, block_size)`` blocks and a sliding-window group
-  ``cdiv(min(window - 1 + max_num_batched_tokens, len), block_size) + 1``
-  (``SlidingWindowSpec.max_memory_usage_bytes``).
+  ``cdiv(min(window - 1 + in_flight, len), block_size) + 1``
+  (``SlidingWindowSpec.max_admission_blocks_per_request``; ``in_flight``: vLLM's
+  ``max_in_flight_tokens``, see :func:`kvgateway.capacity.estimate.in_flight_tokens`).
 """
 
 from __future__ import annotations
@@ -101,16 +102,16 @@ def num_gpu_blocks(layout: KVLayout, pool_bytes: int, block_size: int) -> int:
     return pool_bytes // page_bytes(layout, block_size) // layout.group_size
 
 
-def blocks_per_request(
-    layout: KVLayout, context_len: int, block_size: int, max_num_batched_tokens: int
-) -> int:
-    """Blocks one request of ``context_len`` tokens holds at its peak, all groups."""
+def blocks_per_request(layout: KVLayout, context_len: int, block_size: int, in_flight: int) -> int:
+    """Blocks one request of ``context_len`` tokens holds at its peak, all groups
+    (``in_flight``: the tokens scheduled but not yet freed, which a sliding window holds
+    beyond itself)."""
     total = 0
     for group in layout.groups:
         if group.sliding_window is None:
             total += cdiv(context_len, block_size)
         else:
-            live = min(group.sliding_window - 1 + max_num_batched_tokens, context_len)
+            live = min(group.sliding_window - 1 + in_flight, context_len)
             total += cdiv(live, block_size) + 1
     return total
 

@@ -367,5 +367,5 @@ def render_presets() -> str:
 
 def _logged_at_length(est: CapacityEstimate) -> int:
     return lay.vllm_logged_tokens_at_length(
-        est.layout, est.num_gpu_blocks, est.block_size, est.max_num_batched_tokens, est.target_len
+        est.layout, est.num_gpu_blocks, est.block_size, est.in_flight_tokens, est.target_len
     )

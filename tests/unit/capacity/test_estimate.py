@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 
 from kvgateway.capacity import CapacitySpec, estimate
+from kvgateway.capacity.layout import vllm_logged_tokens_at_length
 from kvgateway.capacity.memory import GIB
 
 
@@ -102,3 +103,22 @@ def test_hybrid_counts_every_group_conservatively() -> None:
     assert est.max_model_len_fit == 131_072
     assert est.max_concurrency > est.kv_cache_tokens / 131_072
     assert any("hybrid layout" in n for n in est.notes)
+
+
+def test_a_sliding_window_group_holds_the_tokens_in_flight_of_two_batches() -> None:
+    """A sliding-window layer keeps its window plus the tokens scheduled but not yet
+    freed: with asynchronous scheduling (vLLM 0.32's GPU default) two batches of
+    max_num_batched_tokens. The figures are vLLM 0.32's own (get_kv_cache_configs and
+    get_kv_cache_capacity, run on these inputs): gemma-3-27b with 16 GiB of KV refuses a
+    131,072-token context (it fits 105,152), and with 40 GiB its 32,768 blocks hold 2.225
+    such requests, logged as 291,658 tokens."""
+    gemma = {"preset": "gemma-3-27b", "max_model_len": 131_072, "max_num_batched_tokens": 8192}
+    small = estimate(spec(**gemma, kv_cache_memory_gib=16.0))
+    assert (small.max_model_len_fit, small.fits_target) == (105_152, False)
+    large = estimate(spec(**gemma, kv_cache_memory_gib=40.0))
+    assert large.num_gpu_blocks == 32_768 and large.in_flight_tokens == 16_384
+    assert large.vllm_logged_concurrency == pytest.approx(2.22518, abs=1e-4)
+    logged = vllm_logged_tokens_at_length(
+        large.layout, large.num_gpu_blocks, large.block_size, large.in_flight_tokens, 131_072
+    )
+    assert logged == 291_658
