@@ -296,15 +296,14 @@ class AdmissionCore:
         if not self._queue:
             return
         now = self._clock()
-        claimed: frozenset[str] = frozenset()
-        gone: set[Waiter] = set()
+        claimed, gone, held = frozenset[str](), set[Waiter](), set[tuple[str, str]]()
         for w in self._queue.ordered():
             if w.future.done():
                 gone.add(w)
                 self._queue.dequeued(w)
                 continue
             self._queue.reclaim(w)
-            if self._queue.regate(w) is not None:
+            if self._queue.regate_in_turn(w, held) is not None:
                 continue
             d = with_busy(w.demand, claimed) if claimed else w.demand
             decision = self.decide(d)
@@ -352,8 +351,7 @@ class AdmissionCore:
 
     def _walk(self, b: Backend) -> tuple[list[Waiter], list[Waiter]]:
         """One walk of :meth:`_offer`: the abandoned waiters it took out, those granted."""
-        pruned: list[Waiter] = []
-        granted: list[Waiter] = []
+        pruned, granted, held = list[Waiter](), list[Waiter](), set[tuple[str, str]]()
         if not self._queue.claimed(b.name):
             return pruned, granted
         now = self._clock()
@@ -367,7 +365,7 @@ class AdmissionCore:
                 continue
             if b.name not in w.claims:
                 continue
-            if self._queue.regate(w) is not None:
+            if self._queue.regate_in_turn(w, held) is not None:
                 continue
             routed = route_to(
                 self._index_for(w.demand.model), b, w.demand, now, offload_overflow=overflow

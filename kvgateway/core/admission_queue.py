@@ -85,6 +85,8 @@ class AdmissionQueue:
         # Per tenant: its waiters that its limits let through, waiting for room (count,
         # tokens): they count against those limits as if running.
         self._through: dict[str, list[int]] = {}
+        # Per class and model: its waiters held behind the other classes' floors.
+        self._floor_parked: Counter[tuple[str, str]] = Counter()
 
     def __len__(self) -> int:
         return len(self.waiters)
@@ -137,6 +139,7 @@ class AdmissionQueue:
         self.waiters.append(w)
         if w.gated is None:
             self._waits_for_room(w, 1)
+        self._park(w, 1)
         self._changed()
 
     def reclaim(self, w: Waiter) -> None:
@@ -161,7 +164,16 @@ class AdmissionQueue:
         """``w`` left the queue (taken out by the caller)."""
         if w.gated is None:
             self._waits_for_room(w, -1)
+        self._park(w, -1)
         self._changed()
+
+    def _park(self, w: Waiter, sign: int) -> None:
+        """Count ``w`` in (1) or out (-1) of its class's waiters behind the floors."""
+        if w.gated == CLASS_FLOOR and w.ticket is not None:
+            key = (w.ticket.klass, w.demand.model)
+            self._floor_parked[key] += sign
+            if self._floor_parked[key] <= 0:
+                del self._floor_parked[key]
 
     def _waits_for_room(self, w: Waiter, sign: int) -> None:
         """``w`` starts (1) or stops (-1) waiting for room: its claims, and its place
@@ -205,6 +217,12 @@ class AdmissionQueue:
             slots=self._slots(),
         )
         if gate is None and self._floors_fill_every_node(demand):
+            return CLASS_FLOOR
+        # A newcomer goes behind its class's requests the floors hold (they are asked
+        # again in order as room frees): else smaller ones would take each bit of room a
+        # held larger one waits for, and it would never pass.
+        parked = ticket is not None and self._floor_parked[(ticket.klass, demand.model)]
+        if gate is None and own is None and parked:
             return CLASS_FLOOR
         if gate is None and ticket is not None:
             older = self._tenancy.elsewhere.floor_waits.get((ticket.klass, demand.model))
@@ -258,7 +276,21 @@ class AdmissionQueue:
         if (gate is None) != (w.gated is None):
             self._waits_for_room(w, 1 if gate is None else -1)
             self._changed()
+        self._park(w, -1)
         w.gated = gate
+        self._park(w, 1)
+        return gate
+
+    def regate_in_turn(self, w: Waiter, held: set[tuple[str, str]]) -> str | None:
+        """:meth:`regate` in a walk in serving order (``held``: the walk's classes and
+        models with a waiter the floors still hold): one behind such a waiter of its class
+        stays held too, or smaller ones would take each bit of room it waits for."""
+        key = (w.ticket.klass, w.demand.model) if w.ticket is not None else None
+        if key in held and w.gated == CLASS_FLOOR:
+            return CLASS_FLOOR
+        gate = self.regate(w)
+        if gate == CLASS_FLOOR and key is not None:
+            held.add(key)
         return gate
 
     def ungated(self, tenant: str) -> list[Backend]:
@@ -267,12 +299,13 @@ class AdmissionQueue:
         through claim, to be offered to the queue (a tenant at its concurrency limit
         waits for any of its requests to end, wherever that one ran)."""
         opened: dict[str, Backend] = {}
+        held: set[tuple[str, str]] = set()
         for w in self.ordered():  # in serving order: the first let through go first
             if w.gated is None or w.future.done():
                 continue
             if w.tenant != tenant and w.gated != CLASS_FLOOR:
                 continue
-            if self.regate(w) is None:
+            if self.regate_in_turn(w, held) is None:
                 for b in self.claimed_by(w):
                     opened.setdefault(b.name, b)
         return list(opened.values())

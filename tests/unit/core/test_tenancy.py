@@ -7,6 +7,7 @@ import random
 import pytest
 
 from kvgateway.config.model import AuthConfig, ClassConfig, TenantConfig, TenantLimits
+from kvgateway.core.reservation import Reservation
 from kvgateway.core.tenancy import CLASS_FLOOR, MAX_CONCURRENT, MAX_KV_SHARE, Tenancy
 from kvgateway.errors import Saturated
 from tests.support.backends import admission_over, backend, demand
@@ -719,3 +720,33 @@ async def test_requests_that_all_give_up_leave_their_tenant_where_it_was():
     )
     adm.release(hog)
     assert tenancy.ticket("x", 100).start == tenancy.ticket("y", 100).start == 0.0
+
+
+async def test_a_request_the_floor_holds_is_not_starved_by_smaller_ones_of_its_class():
+    """Interactive keeps 30% of a 10k node; batch holds the rest in 512-token requests. A
+    2,000-token batch request waits for the floor to let it through; as each small one
+    ends another comes: the newcomers queue behind the held one, which is served."""
+    node = backend("a", kv=10_000, max_model_len=10_000, seqs=256)
+    floored = (ClassConfig("interactive", floor_share=0.3), ClassConfig("batch"))
+    cfg = auth(tenant("i", "interactive"), tenant("s", "batch"), tenant("g", "batch"),
+               classes=floored)  # fmt: skip
+    adm, _ = make([node], cfg)
+    held: list[Reservation] = []
+    while sum(r.tokens for r in held) + 512 <= 0.7 * node.budget_tokens:
+        held.append(await adm.admit(of("s", 400), 1.0))
+    big = asyncio.create_task(adm.admit(of("g", 1900), 2.0))
+    await asyncio.sleep(0)
+    newcomers = []
+    for _ in range(len(held)):
+        if big.done():
+            break
+        adm.release(held.pop(0))
+        newcomers.append(asyncio.create_task(adm.admit(of("s", 400), 2.0)))
+        await asyncio.sleep(0.005)
+    assert big.done() and not big.cancelled() and big.exception() is None
+    adm.release(big.result())
+    for r in held:
+        adm.release(r)
+    for later in await asyncio.gather(*newcomers, return_exceptions=True):
+        assert isinstance(later, Reservation), later  # each served in its turn
+        adm.release(later)
