@@ -71,6 +71,12 @@ class GatewayError(Exception):
             return dict(self.extra_headers)
         return {**self.extra_headers, "Retry-After": str(max(1, round(self.retry_after)))}
 
+    def never_succeeds(self) -> GatewayError:
+        """This answer says the request can never be served as it is: OpenAI's SDKs read
+        ``x-should-retry: false`` before the status, and do not send it again."""
+        self.extra_headers["x-should-retry"] = "false"
+        return self
+
 
 class BadRequest(GatewayError):
     status = 400

@@ -336,6 +336,9 @@ class GatewayConfig:
         for model in self.models:
             for name in (model.name, *model.aliases):
                 self._model_index[name] = model
+        # The name answers carry (the nodes'): a client may send it back.
+        for model in self.models:
+            self._model_index.setdefault(model.served_name, model)
 
     def resolve_model(self, name: str) -> ModelConfig | None:
         return self._model_index.get(name)

@@ -262,12 +262,14 @@ async def charge(
 def _refusal(tenant: str, hit: RateLimitHit, headers: dict[str, str]) -> RateLimited:
     unit = "requests" if hit.limit == REQUESTS else "tokens"
     if math.isinf(hit.retry_after_s):
-        return RateLimited(
+        never = RateLimited(
             f"Tenant '{tenant}': this request needs {hit.asked} {unit} but the "
             f"{hit.limit} limit is {hit.value}; it can never fit. Reduce the request.",
             param=hit.limit,
             limit_headers=headers,
         )
+        never.never_succeeds()
+        return never
     return RateLimited(
         f"Tenant '{tenant}' reached its {hit.limit} limit ({hit.value}; {hit.used} used in "
         f"the last minute, this request needs {hit.asked}). Retry in "

@@ -302,12 +302,14 @@ def tenant_queue_full_error(tenant: str, gate: str, waiting: int) -> Saturated:
 
 
 def floors_error(tenant: str, tokens: int) -> Saturated:
-    return Saturated(
+    refusal = Saturated(
         f"Tenant '{tenant}': this request needs {tokens} KV tokens, more than the other "
         "priority classes' floor_share leaves to its class; it can never be admitted. "
         "Reduce the request.",
         code=f"tenant_{CLASS_FLOOR}",
     )
+    refusal.never_succeeds()
+    return refusal
 
 
 def gated_error(tenant: str, gate: str, timeout: float) -> Saturated:

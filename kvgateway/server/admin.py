@@ -42,9 +42,13 @@ async def models(request: web.Request) -> web.Response:
 async def model(request: web.Request) -> web.Response:
     """``GET /v1/models/{id}`` (``client.models.retrieve``), from the gateway's own list."""
     wanted = request.match_info["model_id"]
-    for entry in _model_entries(request.app[STATE]):
-        if entry["id"] == wanted:
-            return web.json_response(entry)
+    state = request.app[STATE]
+    entries = {entry["id"]: entry for entry in _model_entries(state)}
+    if wanted in entries:
+        return web.json_response(entries[wanted])
+    model = state.live().resolve_model(wanted)  # the name answers carry (the nodes')
+    if model is not None and model.name in entries:
+        return web.json_response({**entries[model.name], "id": wanted})
     raise ModelNotFound(
         f"The model `{wanted}` does not exist or you do not have access to it.", param="model"
     )

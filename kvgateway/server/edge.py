@@ -60,8 +60,10 @@ def _client_request_id(request: web.Request) -> str:
 @web.middleware
 async def request_id_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     # The one place a request gets its id: handlers, errors and logs all read it here.
-    request[REQUEST_ID] = _client_request_id(request)
+    request[REQUEST_ID] = rid = _client_request_id(request)
     resp = await handler(request)
+    if not resp.prepared:  # every answer names its request (OpenAI SDKs read it)
+        resp.headers.setdefault("x-request-id", rid)
     end_unread_body(request, resp)
     return resp
 

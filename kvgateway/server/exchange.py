@@ -28,6 +28,7 @@ from kvgateway.core.quota import Charge, QuotaLedger, limit_headers
 from kvgateway.core.reservation import Reservation
 from kvgateway.core.tenancy import Tenancy
 from kvgateway.errors import ShuttingDown, UpstreamError
+from kvgateway.plan.budget import output_is_set
 from kvgateway.server.telemetry import AccessRecord, GatewayMetrics, log_access
 from kvgateway.tokens.prompt_estimate import PromptCalibration
 from kvgateway.upstream.client import Usage
@@ -356,8 +357,11 @@ class Settle:
                 answer.backend, plan.model.name, prompt.standin, usage.prompt_tokens
             )
         # One sequence's length per request: the mean of n sequences is narrower than the
-        # lengths it averages (and hides one cut at its cap), so n > 1 teaches nothing.
+        # lengths it averages (and hides one cut at its cap), so n > 1 teaches nothing; nor
+        # does a request that fixes its own length (ignore_eos, min_tokens).
         if output is None or plan.parsed.echo_only or plan.demand.sequences != 1:
+            return
+        if output_is_set(plan.parsed.body):
             return
         if self._outputs.observe(
             plan.model.name, ex.client, plan.output_tokens, output, cap=answer.cap

@@ -63,8 +63,7 @@ async def handle_completion(request: web.Request, kind: Kind) -> web.StreamRespo
         try:
             return await _count_and_forward(state, ex, kind)
         except ContextLengthExceeded as err:
-            if kind == "completion":
-                err.param = "prompt"
+            err.param = {"completion": "prompt", "responses": "input"}.get(kind, err.param)
             raise
 
     client = client_key(request.headers.get("Authorization", ""))

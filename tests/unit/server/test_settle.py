@@ -122,12 +122,16 @@ async def test_a_stream_without_usage_is_taught_by_its_own_count(
 
 
 async def test_what_teaches_nothing(counters: TokenCounters) -> None:
-    """No finished answer, or n > 1 (the lengths of n sequences are not one's): nothing
-    learned of output lengths."""
+    """No finished answer, n > 1 (the lengths of n sequences are not one's), or a request
+    that fixes its own length (ignore_eos, min_tokens: a load test's lengths are not its
+    client's): nothing learned of output lengths."""
     stage = _Stage()
     stage.settle.learn(_exchange(await _plan(counters, max_tokens=400), None))
     n3 = _exchange(await _plan(counters, max_tokens=400, n=3), Answer("a", Usage(230, 300)))
     stage.settle.learn(n3)
+    for fixed in ({"ignore_eos": True}, {"min_tokens": 300}):
+        plan = await _plan(counters, max_tokens=400, **fixed)
+        stage.settle.learn(_exchange(plan, Answer("a", Usage(230, 400))))
     assert stage.outputs.statistics().observations == 0
     assert n3.output_tokens == 300  # still what the tenant is charged
 
