@@ -115,8 +115,22 @@ class AdmissionQueue:
             self._tenancy.auth.aging_s,
             live=lambda w: not w.future.done(),
             claimed=claimed,
+            claims=self._claims_now,
         )
         return frozenset(ahead)
+
+    def _claims_now(self, w: Waiter) -> frozenset[str]:
+        """``w``'s claims but where other classes' floors keep it off now (aged up, too)."""
+        kept = w.demand.kept_slots
+        if kept is None:
+            return w.claims
+        index = self._index_for(w.demand.model)
+        return frozenset(
+            n
+            for n in w.claims
+            if (b := index.get(n)) is None
+            or b.free_seqs - kept(n, b.max_num_seqs) >= w.demand.sequences
+        )
 
     def claims_of(self, demand: Demand) -> frozenset[str]:
         """The backends routing could give this request: those that can hold it and it

@@ -164,10 +164,12 @@ class WaitQueue(Generic[W]):
         *,
         live: Callable[[W], bool],
         claimed: Set[str],
+        claims: Callable[[W], Set[str]] = lambda w: w.claims,
     ) -> set[str]:
         """Backends claimed by the live waiters served before a newcomer holding
-        ``ticket`` (a waiter kept by its tenant's own limit claims nothing). ``claimed``
-        holds at least every backend a waiter claims: the walk stops once all are in."""
+        ``ticket`` (a waiter kept by its tenant's own limit claims nothing; ``claims``:
+        what a waiter claims now). ``claimed`` holds at least every backend a waiter
+        claims: the walk stops once all are in."""
         mine = ticket.key(now, now, aging_s)
         names: set[str] = set()
         for w in self.ordered(now, aging_s):
@@ -179,7 +181,7 @@ class WaitQueue(Generic[W]):
                     break
                 continue
             if w.gated is None and live(w):
-                names |= w.claims
+                names |= claims(w)
                 if names >= claimed:
                     break
         return names

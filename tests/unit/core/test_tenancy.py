@@ -7,6 +7,7 @@ import random
 import pytest
 
 from kvgateway.config.model import AuthConfig, ClassConfig, TenantConfig, TenantLimits
+from kvgateway.core.demand import Demand
 from kvgateway.core.reservation import Reservation
 from kvgateway.core.tenancy import CLASS_FLOOR, MAX_CONCURRENT, MAX_KV_SHARE, Tenancy
 from kvgateway.errors import Saturated
@@ -750,3 +751,31 @@ async def test_a_request_the_floor_holds_is_not_starved_by_smaller_ones_of_its_c
     for later in await asyncio.gather(*newcomers, return_exceptions=True):
         assert isinstance(later, Reservation), later  # each served in its turn
         adm.release(later)
+
+
+async def test_a_batch_waiter_aged_up_does_not_hold_the_interactive_floors_slot():
+    """Node a keeps 1 of its 4 slots for interactive; batch holds the other 3, and node b
+    is full. A batch request waits (no room it may take); aged past interactive's rank it
+    still claims nothing on a, whose only free slot the floor keeps: an interactive chat
+    takes that slot at once."""
+    a, b = backend("a", kv=100_000, seqs=4), backend("b", kv=4096, seqs=4)
+    cfg = auth(tenant("i", "interactive"), tenant("b", "batch"), classes=FLOORED)
+    adm, clock = make([a, b], cfg)
+
+    def batch(prompt: int, *exclude: str) -> Demand:
+        d: Demand = of("b", prompt)
+        return dataclasses.replace(d, exclude=frozenset(exclude))
+
+    held = [await adm.admit(batch(3900, "a"), 1.0)]
+    while a.reserved_seqs < 3:
+        held.append(await adm.admit(batch(100, "b"), 1.0))
+    waiting = asyncio.create_task(adm.admit(batch(2000), 60.0))
+    await asyncio.sleep(0.01)
+    assert not waiting.done()
+    clock[0] += 11.0  # two aging periods: the batch waiter ranks with interactive
+    chat = await asyncio.wait_for(adm.admit(of("i", 100), 0.5), 1.0)
+    assert chat.backend is a
+    waiting.cancel()
+    await asyncio.gather(waiting, return_exceptions=True)
+    for r in (chat, *held):
+        adm.release(r)
