@@ -140,7 +140,7 @@ class Admission(AdmissionCore):
             # the fair-queuing order is given back (its tenant's next tag is not pushed
             # back by requests that never ran).
             if self._tenancy is not None and ticket is not None:
-                self._tenancy.refund(ticket, demand.tokens)
+                self._tenancy.refund(ticket)
             raise
 
     async def _admit_ticketed(

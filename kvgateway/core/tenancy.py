@@ -114,7 +114,7 @@ class Tenancy:
         start = max(self._finish.get(t.name, 0.0), self._virtual.get(klass, 0.0))
         self._finish[t.name] = self._served_finish[t.name] = start + tokens / t.weight
 
-    def refund(self, ticket: Ticket, tokens: int) -> None:
+    def refund(self, ticket: Ticket) -> None:
         """A request tagged ``ticket`` was never served: its tenant's finish tag goes back
         to the latest of those served or still waiting (as if it had never come; tags
         already given stay, or the tenant's order would change), whatever order its
