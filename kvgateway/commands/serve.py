@@ -132,11 +132,11 @@ def _main(args: argparse.Namespace) -> int:
     setup_logging(config.server.log_format, args.log_level)
     if args.workers > 1:
         server = config.server  # with the command line's overrides
-        previous_wait_s = server.drain_delay_s + server.shutdown_grace_s + DRAIN_MARGIN_S
+        drain_wait_s = server.drain_delay_s + server.shutdown_grace_s + DRAIN_MARGIN_S
         # Every worker, one restarted after the file changed too, listens where the
         # others do and shares their ledger (a reload keeps these; the file may not).
         args.host, args.port, args.ledger_url = server.host, server.port, config.ledger.url
-        return supervise(args, args.workers, config.server.port, previous_wait_s)
+        return supervise(args, args.workers, config.server.port, drain_wait_s)
     run(
         serve(
             config,

@@ -14,7 +14,8 @@ supervisor's workers took their ledger identities (``host:port/wN``) and wrote t
 holdings as zero. For the same reason a new supervisor first waits, bounded, for the
 workers of a previous run on its port that are still draining, and removes the metrics
 directories that dead runs left behind; a run whose supervisor lives (it holds a lock in
-its directory) is left alone, and on the same port refused.
+its directory) is left alone; on the same port, a second supervisor is refused (the
+port's lock).
 """
 
 from __future__ import annotations
@@ -49,6 +50,9 @@ _RESTART_BACKOFF_MAX_S = 60.0
 _STEADY_S = 30.0
 # In a run's metrics directory: held (flock) by its supervisor while it lives.
 _LOCK = "supervisor.lock"
+# In TMPDIR, one per port: held by the supervisor that serves the port, from before it
+# waits for a previous run's workers until its own have ended.
+_PORT_LOCK = "kvgateway-supervisor-{port}.lock"
 # <prefix><port>-<supervisor pid>-<mkdtemp's random part, no '-'>
 _RUN_PREFIX = "kvgateway-metrics-"
 _RUN_DIR = re.compile(rf"{_RUN_PREFIX}(\d+)-(\d+)-[a-z0-9_]+")
@@ -100,10 +104,6 @@ def bind_to_supervisor(supervisor: int) -> Literal["kernel", "poll", "orphaned"]
             how = "kernel"
     # Asked after the prctl: a parent that died before it reparented us already.
     return how if os.getppid() == supervisor else "orphaned"
-
-
-class SupervisorRunning(Exception):
-    """A live supervisor already runs workers on the port."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,14 +200,7 @@ def settle_previous_runs(tmp: Path, port: int, wait_s: float) -> None:
     for run in previous_runs(tmp):
         marker = str(run.path).encode()
         if run.supervisor != me and _held(run.path / _LOCK):
-            if run.port == port:
-                # Beside its workers ours would take their ledger identities and write
-                # their holdings as zero.
-                raise SupervisorRunning(
-                    f"another supervisor (pid {run.supervisor}) runs workers on port "
-                    f"{port}: stop it first (theirs and ours would share ledger identities)"
-                )
-            continue
+            continue  # a live run (on another port: the port's lock is ours)
         if run.supervisor != me and not (run.path / _LOCK).exists() and alive(run.supervisor):
             continue  # being made this instant (the lock comes next), or an older release's
         waiting = {p for p in run.workers - {me} if _runs(p, marker)}
@@ -231,9 +224,25 @@ def settle_previous_runs(tmp: Path, port: int, wait_s: float) -> None:
             shutil.rmtree(run.path, ignore_errors=True)
 
 
-def supervise(args: argparse.Namespace, workers: int, port: int, previous_wait_s: float) -> int:
-    """Run ``workers`` workers on ``port`` until told to stop. ``previous_wait_s``: how
-    long a previous run's draining workers on the port are waited for."""
+def take_port(tmp: Path, port: int) -> int | None:
+    """The port's lock, taken (its descriptor), or None when another live supervisor
+    holds it. Taken before the wait for a previous run: two supervisors started together
+    on one port would otherwise both wait, then both start workers under the same ledger
+    identities."""
+    fd = os.open(tmp / _PORT_LOCK.format(port=port), os.O_CREAT | os.O_RDWR, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def supervise(args: argparse.Namespace, workers: int, port: int, drain_wait_s: float) -> int:
+    """Run ``workers`` workers on ``port`` until told to stop. ``drain_wait_s``: how long
+    a worker takes at most to end once told (its drain delay and grace, and a margin);
+    a previous run's draining workers on the port are waited for as long, and one of
+    ours still running after it at our stop is killed."""
     stopping: list[int] = []
     procs: dict[int, subprocess.Popen[bytes]] = {}
 
@@ -256,78 +265,101 @@ def supervise(args: argparse.Namespace, workers: int, port: int, previous_wait_s
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, forward)
     tmp = Path(tempfile.gettempdir())
-    try:
-        settle_previous_runs(tmp, port, previous_wait_s)
-    except SupervisorRunning as exc:
-        log.error("gateway: %s", exc)
+    port_lock = take_port(tmp, port)
+    if port_lock is None:
+        # Beside its workers ours would take their ledger identities and write their
+        # holdings as zero.
+        log.error(
+            "gateway: another supervisor runs workers on port %d: stop it first "
+            "(theirs and ours would share ledger identities)",
+            port,
+        )
         return 1
-    me = os.getpid()
-    with tempfile.TemporaryDirectory(prefix=f"{_RUN_PREFIX}{port}-{me}-", dir=tmp) as metrics_dir:
-        # Held while this run lives: how the next supervisor tells a live run (a pid alone
-        # cannot say; a command line depends on how we were started).
-        # Held before it shows under its name (renamed into place), so a lock seen there
-        # that is not held is a dead run's.
-        taking = Path(metrics_dir) / (_LOCK + ".new")
-        lock = os.open(taking, os.O_CREAT | os.O_RDWR, 0o600)
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        taking.rename(Path(metrics_dir) / _LOCK)
-        env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": metrics_dir}
+    try:
+        settle_previous_runs(tmp, port, drain_wait_s)
+        me = os.getpid()
+        with tempfile.TemporaryDirectory(
+            prefix=f"{_RUN_PREFIX}{port}-{me}-", dir=tmp
+        ) as metrics_dir:
+            # Held while this run lives: how the next supervisor tells a live run (a pid alone
+            # cannot say; a command line depends on how we were started).
+            # Held before it shows under its name (renamed into place), so a lock seen there
+            # that is not held is a dead run's.
+            taking = Path(metrics_dir) / (_LOCK + ".new")
+            lock = os.open(taking, os.O_CREAT | os.O_RDWR, 0o600)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            taking.rename(Path(metrics_dir) / _LOCK)
+            env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": metrics_dir}
 
-        def start(i: int) -> subprocess.Popen[bytes]:
-            argv = worker_args(args, i, metrics_dir, workers=workers, supervisor=me)
-            cmd = [sys.executable, "-m", "kvgateway", *argv]
-            # SIGHUP ignored from the start (inherited across exec): one passed on while
-            # the worker still imports would end it; it reloads once its loop handles it.
-            return subprocess.Popen(  # the supervisor runs no threads
-                cmd,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                preexec_fn=_ignore_sighup,  # noqa: PLW1509
+            def start(i: int) -> subprocess.Popen[bytes]:
+                argv = worker_args(args, i, metrics_dir, workers=workers, supervisor=me)
+                cmd = [sys.executable, "-m", "kvgateway", *argv]
+                # SIGHUP ignored from the start (inherited across exec): one passed on while
+                # the worker still imports would end it; it reloads once its loop handles it.
+                return subprocess.Popen(  # the supervisor runs no threads
+                    cmd,
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    preexec_fn=_ignore_sighup,  # noqa: PLW1509
+                )
+
+            for i in range(workers):
+                if not stopping:
+                    procs[i] = start(i)
+            log.info(
+                "gateway: %d workers started (pids %s)", workers, [p.pid for p in procs.values()]
             )
-
-        for i in range(workers):
-            if not stopping:
-                procs[i] = start(i)
-        log.info("gateway: %d workers started (pids %s)", workers, [p.pid for p in procs.values()])
-        backoff = {i: _RESTART_BACKOFF_S for i in procs}
-        started = {i: time.monotonic() for i in procs}
-        # Dead workers and when each starts again: every worker is watched on its own
-        # (one waiting out its backoff holds no other up).
-        restart_at: dict[int, float] = {}
-        while not stopping:
-            time.sleep(0.05)
-            for i, p in list(procs.items()):
-                if stopping:
-                    break
-                if i in restart_at:
-                    if time.monotonic() >= restart_at[i]:
-                        del restart_at[i]
-                        procs[i] = start(i)
-                        started[i] = time.monotonic()
-                    continue
-                code = p.poll()
-                if code is None:
-                    continue
-                # Removes its gauges (live modes: see server/telemetry.py); its counters
-                # and histograms stay in the sums.
-                multiprocess.mark_process_dead(p.pid, metrics_dir)  # type: ignore[no-untyped-call]
-                # One that keeps dying (an invalid config on disk: a restarted worker
-                # reads the file) is retried less and less often, up to a minute apart.
-                lived = time.monotonic() - started[i]
-                wait = _RESTART_BACKOFF_S if lived > _STEADY_S else backoff[i]
-                backoff[i] = min(_RESTART_BACKOFF_MAX_S, wait * 2)
-                log.error(
-                    "gateway worker %d (pid %d) exited with %d after %.0fs; restarting in %.0fs",
-                    i, p.pid, code, lived, wait,
-                )  # fmt: skip
-                restart_at[i] = time.monotonic() + wait
-        # Told to stop: every worker is told, one started after the signal too.
-        forward(signal.SIGTERM, None)
-        ended = [p for i, p in procs.items() if i not in restart_at]  # the dead were said
-        for p in ended:
-            p.wait()
-        os.close(lock)
-    # A worker our SIGTERM ended before it could handle one (still starting) stopped
-    # as told.
-    told_ok = {p.pid for p in ended if p.returncode == -signal.SIGTERM and p.pid in told}
-    return 0 if all(p.returncode == 0 or p.pid in told_ok for p in ended) else 1
+            backoff = {i: _RESTART_BACKOFF_S for i in procs}
+            started = {i: time.monotonic() for i in procs}
+            # Dead workers and when each starts again: every worker is watched on its own
+            # (one waiting out its backoff holds no other up).
+            restart_at: dict[int, float] = {}
+            while not stopping:
+                time.sleep(0.05)
+                for i, p in list(procs.items()):
+                    if stopping:
+                        break
+                    if i in restart_at:
+                        if time.monotonic() >= restart_at[i]:
+                            del restart_at[i]
+                            procs[i] = start(i)
+                            started[i] = time.monotonic()
+                        continue
+                    code = p.poll()
+                    if code is None:
+                        continue
+                    # Removes its gauges (live modes: see server/telemetry.py); its counters
+                    # and histograms stay in the sums.
+                    multiprocess.mark_process_dead(p.pid, metrics_dir)  # type: ignore[no-untyped-call]
+                    # One that keeps dying (an invalid config on disk: a restarted worker
+                    # reads the file) is retried less and less often, up to a minute apart.
+                    lived = time.monotonic() - started[i]
+                    wait = _RESTART_BACKOFF_S if lived > _STEADY_S else backoff[i]
+                    backoff[i] = min(_RESTART_BACKOFF_MAX_S, wait * 2)
+                    log.error(
+                        "gateway worker %d (pid %d) exited with %d after %.0fs; restarting in %.0fs",
+                        i, p.pid, code, lived, wait,
+                    )  # fmt: skip
+                    restart_at[i] = time.monotonic() + wait
+            # Told to stop: every worker is told, one started after the signal too.
+            forward(signal.SIGTERM, None)
+            ended = [p for i, p in procs.items() if i not in restart_at]  # the dead were said
+            deadline = time.monotonic() + drain_wait_s
+            for p in ended:
+                try:
+                    p.wait(timeout=max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    log.error(
+                        "gateway worker (pid %d) did not end within %.0fs of the stop; killing it",
+                        p.pid,
+                        drain_wait_s,
+                    )
+                    p.kill()
+                    p.wait()
+            os.close(lock)
+        # A worker our SIGTERM ended before it could handle one (still starting) stopped
+        # as told.
+        told_ok = {p.pid for p in ended if p.returncode == -signal.SIGTERM and p.pid in told}
+        return 0 if all(p.returncode == 0 or p.pid in told_ok for p in ended) else 1
+    finally:
+        os.close(port_lock)

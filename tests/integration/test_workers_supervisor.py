@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from kvgateway.cli import build_parser
-from kvgateway.commands.workers import parse_run_dir, worker_args, writer_pids
+from kvgateway.commands.workers import DRAIN_MARGIN_S, parse_run_dir, worker_args, writer_pids
 from tests.support.eventually import eventually
 from tests.support.ledger_fleet import (
     chat,
@@ -191,7 +191,17 @@ async def test_a_new_supervisor_waits_for_the_old_workers_and_clears_their_metri
             )
             first.kill()
             await first.wait()
-            second = await sups.start()
+            # Two started together while the old workers drain: one waits and serves, the
+            # other is refused at once (both would start workers under one identity).
+            pair = [await sups.start(), await sups.start()]
+            done, _ = await asyncio.wait(
+                [asyncio.create_task(p.wait()) for p in pair],
+                timeout=20,
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+            assert [t.result() for t in done] == [1], sups.log()
+            (second,) = [p for p in pair if p.returncode is None]
+            assert "another supervisor" in sups.log(), sups.log()
 
             def started() -> list[int]:
                 assert second.returncode is None, sups.log()
@@ -386,5 +396,27 @@ async def test_a_plain_stop_soon_after_the_start_exits_zero(
         await asyncio.sleep(0.3)
         sup.terminate()
         assert await asyncio.wait_for(sup.wait(), 30) == 0, sups.log()[-1500:]
+    finally:
+        await sups.close()
+
+
+async def test_a_worker_that_never_ends_is_killed_after_the_drain_bound(
+    tmp_path: Path, node: str, redis_server: RedisServer
+) -> None:
+    """A worker that does not end once told (stopped here) is killed when the drain delay,
+    the grace and the margin have passed: the supervisor's stop is bounded, and it exits
+    1 (a worker did not stop as told)."""
+    sups = Supervisors(tmp_path, node, redis_server.url, grace_s=1.0)
+    try:
+        sup = await sups.start()
+        workers = await sups.ready(sup)
+        os.kill(workers[0], signal.SIGSTOP)
+        sup.terminate()
+        started = asyncio.get_running_loop().time()
+        assert await asyncio.wait_for(sup.wait(), 30) == 1, sups.log()[-1500:]
+        took = asyncio.get_running_loop().time() - started
+        assert 1.0 + DRAIN_MARGIN_S - 0.5 < took < 1.0 + DRAIN_MARGIN_S + 5, took
+        assert "did not end" in sups.log(), sups.log()
+        await _gone(workers, within_s=5.0)
     finally:
         await sups.close()
