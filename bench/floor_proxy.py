@@ -23,8 +23,9 @@ from typing import Any
 import uvloop
 from aiohttp import web
 
-from kvgateway.tokens.encoding import EncodingCache, EncodingSpec
+from kvgateway.tokens.encoding import EncodingCache
 from kvgateway.tokens.exact import ExactCounter
+from kvgateway.tokens.plans import EncodingSpec
 from kvgateway.upstream.node_pool import NodePool
 
 

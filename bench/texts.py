@@ -11,7 +11,8 @@ import functools
 import os
 from collections.abc import Callable
 
-from kvgateway.tokens.encoding import Encoder, EncodingCache, EncodingSpec
+from kvgateway.tokens.encoding import Encoder, EncodingCache
+from kvgateway.tokens.plans import EncodingSpec
 
 
 @functools.cache

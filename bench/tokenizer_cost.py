@@ -34,12 +34,12 @@ import tiktoken
 
 from bench.loadgen import BodyMaker, Workload
 from kvgateway.tokens.counting import PromptCounter, TextCache, TextCountCache
-from kvgateway.tokens.encoding import EncodingSpec, TokenizerConfig, load_encoding
+from kvgateway.tokens.encoding import load_encoding
 from kvgateway.tokens.engines import TiktokenEngine
 from kvgateway.tokens.exact import ExactCounter
 from kvgateway.tokens.lookahead_free import PATTERNS, lookahead_free, windows
 from kvgateway.tokens.modeldir import load_model_tokenizer
-from kvgateway.tokens.plans import plan_chat
+from kvgateway.tokens.plans import EncodingSpec, TokenizerConfig, plan_chat
 from tests.support import corpus, vocab
 
 

@@ -22,7 +22,7 @@ from kvgateway.config.model import (
     TimeoutConfig,
 )
 from kvgateway.config.yamlread import ConfigError
-from kvgateway.tokens.encoding import TokenizerConfig
+from kvgateway.tokens.plans import TokenizerConfig
 
 __all__ = [
     "AdmissionConfig",

@@ -37,15 +37,10 @@ from kvgateway.config.tenants import read_auth, read_keys
 from kvgateway.config.tiers import read_tier, read_timeouts
 from kvgateway.config.yamlread import ConfigError, Reading, Section
 from kvgateway.tokens.chat_template import TemplateError
-from kvgateway.tokens.encoding import (
-    EncodingCache,
-    EncodingError,
-    EncodingSpec,
-    TokenizerConfig,
-    spec_problem,
-)
+from kvgateway.tokens.encoding import EncodingCache, EncodingError, spec_problem
 from kvgateway.tokens.lookahead_free import PATTERNS
 from kvgateway.tokens.modeldir import TokenizerDirError
+from kvgateway.tokens.plans import EncodingSpec, TokenizerConfig
 
 
 def load_config(path: str, *, encodings: EncodingCache | None = None) -> GatewayConfig:

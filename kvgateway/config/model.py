@@ -13,7 +13,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from kvgateway.config.ledger import LedgerConfig
-from kvgateway.tokens.encoding import TokenizerConfig
+from kvgateway.tokens.plans import TokenizerConfig
 
 
 class Policy(StrEnum):

@@ -22,8 +22,9 @@ from typing import Any
 
 from kvgateway.simulator.settings import NodeSettings
 from kvgateway.tokens.chat_template import TemplateError
-from kvgateway.tokens.encoding import Encoder, EncodingCache, EncodingSpec
+from kvgateway.tokens.encoding import Encoder, EncodingCache
 from kvgateway.tokens.exact import ExactCounter
+from kvgateway.tokens.plans import EncodingSpec
 
 # Texts longer than this are tokenized in a worker thread so health probes and
 # streams on the same loop keep flowing (tiktoken releases the GIL while encoding).

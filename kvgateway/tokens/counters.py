@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvgateway.tokens.counting import PromptCounter, TextCache, TextCountCache
-from kvgateway.tokens.encoding import Encoder, EncodingCache, EncodingSpec, TokenizerConfig
+from kvgateway.tokens.encoding import Encoder, EncodingCache
 from kvgateway.tokens.exact import ExactCounter
-from kvgateway.tokens.plans import CountPlan, content_text
+from kvgateway.tokens.plans import CountPlan, EncodingSpec, TokenizerConfig, content_text
 from kvgateway.tokens.prompt_estimate import PromptEstimator
 
 # Stand-in ids for template tokens and images: outside every common vocabulary's text.

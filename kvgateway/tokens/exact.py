@@ -28,10 +28,9 @@ from typing import Any
 from kvgateway.tokens.chat_template import ChatTemplate, TemplateError, new_environment
 from kvgateway.tokens.conversation import conversation, tool_schemas
 from kvgateway.tokens.counting import PromptTokens, TextCache
-from kvgateway.tokens.encoding import TokenizerConfig
 from kvgateway.tokens.images import ImagePricing
 from kvgateway.tokens.modeldir import ModelTokenizer
-from kvgateway.tokens.plans import flag
+from kvgateway.tokens.plans import TokenizerConfig, flag
 from kvgateway.tokens.roles import as_system
 
 # Per-request templates compiled and kept (only when the config trusts them).

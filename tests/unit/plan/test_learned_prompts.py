@@ -6,7 +6,7 @@ from dataclasses import replace
 
 from kvgateway.config.model import ModelConfig
 from kvgateway.plan.budget import LEARNED_PROMPT_SAMPLES, learned_prompts
-from kvgateway.tokens.encoding import TokenizerConfig
+from kvgateway.tokens.plans import TokenizerConfig
 from kvgateway.tokens.prompt_estimate import PromptCalibration, PromptEstimate
 
 MODEL = ModelConfig(name="m", served_name="m", aliases=(), tokenizer=TokenizerConfig())

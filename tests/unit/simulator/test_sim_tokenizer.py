@@ -15,13 +15,14 @@ from kvgateway.simulator.cli import build_specs
 from kvgateway.simulator.fleetconfig import node_spec, parse_fleet_config
 from kvgateway.simulator.profiles import TINY
 from kvgateway.simulator.settings import SettingsError, apply_overrides
-from kvgateway.tokens.encoding import EncodingCache, EncodingSpec, load_encoding
+from kvgateway.tokens.encoding import EncodingCache, load_encoding
 from kvgateway.tokens.exact import ExactCounter
 from kvgateway.tokens.node_count import (
     parse_context_length_error,
     tokenize_body,
     tokenize_count,
 )
+from kvgateway.tokens.plans import EncodingSpec
 from tests.support import corpus, vocab
 from tests.support.sim import SimFactory
 from tests.unit.tokens.test_vs_transformers import THINKING

@@ -11,8 +11,8 @@ from kvgateway.tokens.counting import (
     TextCountCache,
     split_chunks,
 )
-from kvgateway.tokens.encoding import EncodingSpec, TokenizerConfig, load_encoding
-from kvgateway.tokens.plans import plan_chat, plan_completion
+from kvgateway.tokens.encoding import load_encoding
+from kvgateway.tokens.plans import EncodingSpec, TokenizerConfig, plan_chat, plan_completion
 
 ENC = load_encoding(EncodingSpec())
 CFG = TokenizerConfig()
@@ -181,8 +181,8 @@ async def test_pathological_pieces_are_bounded_and_over_counted():
     import time
 
     from kvgateway.tokens.counting import PromptCounter, TextCountCache
-    from kvgateway.tokens.encoding import EncodingCache, EncodingSpec
-    from kvgateway.tokens.plans import CountPlan
+    from kvgateway.tokens.encoding import EncodingCache
+    from kvgateway.tokens.plans import CountPlan, EncodingSpec
 
     enc = EncodingCache().get(EncodingSpec())
     counter = PromptCounter(enc, TextCountCache(1 << 20), None)
@@ -201,8 +201,8 @@ async def test_pathological_pieces_are_bounded_and_over_counted():
 
 async def test_counting_stops_past_the_limit_and_reports_over_it():
     from kvgateway.tokens.counting import PromptCounter, TextCountCache
-    from kvgateway.tokens.encoding import EncodingCache, EncodingSpec
-    from kvgateway.tokens.plans import CountPlan
+    from kvgateway.tokens.encoding import EncodingCache
+    from kvgateway.tokens.plans import CountPlan, EncodingSpec
 
     enc = EncodingCache().get(EncodingSpec())
     counter = PromptCounter(enc, TextCountCache(1 << 20), None)

@@ -145,7 +145,8 @@ async def test_an_image_of_unknown_size_makes_the_count_a_bound_not_a_count(
     # count (a 16k-context node would be refused every remote image): near a limit the
     # node's own count decides, and nothing is calibrated from it.
     from kvgateway.tokens.counting import PromptCounter, TextCountCache
-    from kvgateway.tokens.encoding import EncodingSpec, TokenizerConfig, load_encoding
+    from kvgateway.tokens.encoding import load_encoding
+    from kvgateway.tokens.plans import EncodingSpec, TokenizerConfig
     from kvgateway.tokens.prompt_estimate import PromptEstimator
 
     config = {"image_processor_type": "Qwen2VLImageProcessor", "max_pixels": 12845056}

@@ -19,7 +19,7 @@ import pytest
 import regex  # type: ignore[import-untyped]  # types-regex is not a dev dependency
 import tiktoken
 
-from kvgateway.tokens.encoding import EncodingSpec, load_encoding
+from kvgateway.tokens.encoding import load_encoding
 from kvgateway.tokens.engines import TiktokenEngine
 from kvgateway.tokens.lookahead_free import (
     _CUT_MARKER,
@@ -32,6 +32,7 @@ from kvgateway.tokens.lookahead_free import (
     windows,
 )
 from kvgateway.tokens.modeldir import ModelTokenizer
+from kvgateway.tokens.plans import EncodingSpec
 from tests.support import corpus, vocab
 
 ROOT = Path(__file__).resolve().parents[3]

@@ -7,9 +7,10 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from kvgateway.tokens.counting import PromptCounter, TextCountCache
-from kvgateway.tokens.encoding import EncodingSpec, TokenizerConfig, load_encoding
+from kvgateway.tokens.encoding import load_encoding
 from kvgateway.tokens.exact import ExactCounter
 from kvgateway.tokens.modeldir import ModelTokenizer
+from kvgateway.tokens.plans import EncodingSpec, TokenizerConfig
 from kvgateway.tokens.prompt_estimate import PromptEstimator
 from tests.support import corpus
 

@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvgateway.tokens.counting import PromptCounter, TextCountCache
-from kvgateway.tokens.encoding import EncodingSpec, TokenizerConfig, load_encoding
+from kvgateway.tokens.encoding import load_encoding
 from kvgateway.tokens.exact import ExactCounter
 from kvgateway.tokens.modeldir import ModelTokenizer
 from kvgateway.tokens.node_count import (
@@ -21,7 +21,7 @@ from kvgateway.tokens.node_count import (
     parse_context_length_error,
     readmission_prompt_tokens,
 )
-from kvgateway.tokens.plans import plan_chat
+from kvgateway.tokens.plans import EncodingSpec, TokenizerConfig, plan_chat
 from kvgateway.tokens.standin import (
     ASCII_OVERCOUNT,
     MAX_OVERCOUNT,

@@ -64,10 +64,10 @@ import transformers
 
 from kvgateway.tokens.chat_template import ChatTemplate, TemplateError
 from kvgateway.tokens.counting import PromptCounter, TextCountCache
-from kvgateway.tokens.encoding import EncodingCache, EncodingSpec, TokenizerConfig, load_encoding
+from kvgateway.tokens.encoding import EncodingCache, load_encoding
 from kvgateway.tokens.exact import ExactCounter
 from kvgateway.tokens.modeldir import ModelTokenizer, _templates
-from kvgateway.tokens.plans import plan_chat
+from kvgateway.tokens.plans import EncodingSpec, TokenizerConfig, plan_chat
 from kvgateway.tokens.standin import upper_bound
 from tests.support import corpus, templates
 
