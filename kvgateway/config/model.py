@@ -6,6 +6,7 @@ Nothing downstream reads raw YAML. The annotated reference is
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
@@ -280,6 +281,11 @@ class ClassConfig:
 DEFAULT_TENANT = "default"
 
 
+def key_digest(key: str) -> bytes:
+    """An API key's SHA-256 (bytes a header held that are not UTF-8 as they came)."""
+    return hashlib.sha256(key.encode("utf-8", "surrogateescape")).digest()
+
+
 @dataclass(frozen=True, slots=True)
 class AuthConfig:
     """Tenants: who may call, in which priority class, with which limits.
@@ -292,14 +298,40 @@ class AuthConfig:
     default_tenant: TenantConfig = TenantConfig(DEFAULT_TENANT)
     # A waiter is raised one class for every this many seconds it has waited.
     aging_s: float = 5.0
+    # Derived once (the config never changes): the tenants by name and by their keys'
+    # SHA-256, so that a request finds its tenant in one lookup however many there are.
+    _by_name: dict[str, TenantConfig] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+    _by_digest: dict[bytes, str] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+
+    def __post_init__(self) -> None:
+        for t in self.tenants:
+            self._by_name.setdefault(t.name, t)
+            for key in t.keys:
+                self._by_digest.setdefault(key_digest(key), t.name)
 
     @property
     def tenants(self) -> tuple[TenantConfig, ...]:
         return (self.default_tenant, *self.keys)
 
+    def tenant(self, name: str) -> TenantConfig:
+        """The tenant by name; one not in this config (gone with a reload) is the
+        default tenant."""
+        return self._by_name.get(name, self.default_tenant)
+
+    def owner(self, key: str) -> str | None:
+        """The tenant whose key ``key`` is. Found by the key's SHA-256: how long the
+        lookup takes depends on that digest (under the process's random hash seed),
+        which tells nothing of any configured key."""
+        return self._by_digest.get(key_digest(key))
+
     @property
     def open(self) -> bool:
-        return not any(t.keys for t in self.tenants)
+        """No key anywhere: every request is the default tenant's."""
+        return not self._by_digest
 
     def rank(self, tenant: TenantConfig) -> int:
         """0 for the highest class; a tenant without a class is in the lowest."""
@@ -311,8 +343,7 @@ class AuthConfig:
 
     def queue_timeout(self, tenant_name: str, default: float) -> float:
         """How long ``tenant_name``'s requests may wait for room."""
-        tenant = next((t for t in self.tenants if t.name == tenant_name), self.default_tenant)
-        own = self.classes[self.rank(tenant)].queue_timeout_s
+        own = self.classes[self.rank(self.tenant(tenant_name))].queue_timeout_s
         return default if own is None else own
 
 

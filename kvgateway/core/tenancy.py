@@ -77,7 +77,6 @@ class Tenancy:
         self.granted_tokens: Counter[str] = Counter()  # KV tokens ever granted, per tenant
         self.elsewhere = Elsewhere()
         # The tenants by name, for the config they were read from (a reload makes anew).
-        self._names: tuple[AuthConfig, dict[str, TenantConfig]] | None = None
 
     @property
     def auth(self) -> AuthConfig:
@@ -85,14 +84,7 @@ class Tenancy:
 
     def tenant(self, name: str) -> TenantConfig:
         """The tenant by name; one gone from the config (a reload) counts as the default."""
-        auth = self._auth()
-        names = self._names
-        if names is None or names[0] is not auth:
-            by_name: dict[str, TenantConfig] = {}
-            for t in auth.tenants:
-                by_name.setdefault(t.name, t)
-            names = self._names = (auth, by_name)
-        return names[1].get(name, auth.default_tenant)
+        return self._auth().tenant(name)
 
     def ticket(self, name: str, tokens: int) -> Ticket:
         """Tag a new request (start-time fair queuing within its class)."""

@@ -126,14 +126,20 @@ def tenant_for_key(auth: AuthConfig, header: str) -> str | None:
     gateway is open."""
     if auth.open:
         return auth.default_tenant.name
-    return key_owner(header, ((t.name, k) for t in auth.tenants for k in t.keys))
+    token = _bearer(header)
+    return auth.owner(token) if token else None
+
+
+def _bearer(header: str) -> str:
+    """The token of ``Authorization: Bearer <token>`` (empty if none)."""
+    return header[7:].strip() if header[:7].lower() == "bearer " else ""
 
 
 def key_owner(header: str, keys: Iterable[tuple[str, str]]) -> str | None:
     """Whose key (``(owner, key)`` pairs) the ``Authorization: Bearer`` header holds. An
     empty token never matches; every key is compared, in constant time, so timing tells
     nothing; header bytes that are not UTF-8 (surrogate escapes) are compared as bytes."""
-    token = header[7:].strip() if header[:7].lower() == "bearer " else ""
+    token = _bearer(header)
     if not token:
         return None
     given = token.encode("utf-8", "surrogateescape")
