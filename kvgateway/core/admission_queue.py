@@ -53,8 +53,7 @@ class AdmissionQueue:
     """The waiters, the backends they claim and the tenant limits holding them back.
 
     A waiter that its tenant's limits let through claims every backend routing could
-    give it (nobody after it may take room there); one held by a limit claims nothing.
-    """
+    give it (nobody after it may take room there); one held by a limit claims nothing."""
 
     def __init__(
         self,
@@ -221,14 +220,15 @@ class AdmissionQueue:
             if own is not None and own.gated is None:
                 ahead -= 1
                 ahead_tokens -= own.demand.tokens
+        totals = self._tenancy.reads_totals(demand.tenant)
         gate = self._tenancy.gate(
             demand.tenant,
             demand.tokens,
-            self._budget(),
+            self._budget() if totals else 0,
             ahead,
             ahead_tokens,
             seqs=demand.sequences,
-            slots=self._slots(),
+            slots=self._slots() if totals else 0,
         )
         if gate is None and self._floors_fill_every_node(demand):
             return CLASS_FLOOR

@@ -151,24 +151,30 @@ def tokens_on(b: Backend, d: Demand) -> int:
     """KV tokens ``d`` takes on ``b``: its own (as ``b`` serves it), plus speculative
     decoding's lookahead slots for each of its sequences (in whole blocks) where ``b``
     runs a draft model."""
-    d = served_as(b, d) or d
+    return _with_lookahead(b, served_as(b, d) or d)
+
+
+def _with_lookahead(b: Backend, served: Demand) -> int:
     k = b.config.num_speculative_tokens
     if not k:
-        return d.tokens
+        return served.tokens
     block = b.limits.block_size
-    return d.tokens + d.sequences * (-(-k // block) * block)
+    return served.tokens + served.sequences * (-(-k // block) * block)
 
 
 def can_ever_hold(b: Backend, d: Demand) -> bool:
     """``b`` could hold ``d`` if it were idle: limits known and large enough (health,
     pauses and current reservations aside)."""
-    if not b.limits.known:
+    limits = b.limits
+    if not limits.known:
         return False
-    served = served_as(b, d)
+    budget = b.budget_tokens
+    context = min(b.max_model_len, budget)  # b.context_limit, its limits known
+    served = cut_to(d, context, limits.block_size)
     return (
         served is not None
-        and fits_limits(b.context_limit, b.budget_tokens, b.max_num_seqs, served)
-        and b.budget_tokens >= tokens_on(b, served)
+        and fits_limits(context, budget, b.max_num_seqs, served)
+        and budget >= _with_lookahead(b, served)
     )
 
 

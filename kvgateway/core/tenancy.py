@@ -157,6 +157,17 @@ class Tenancy:
             return CLASS_FLOOR
         return None
 
+    def reads_totals(self, name: str) -> bool:
+        """Does :meth:`gate` read the fleet's KV budget and slots for ``name``'s requests
+        (a KV share limit, or another class's floor)? Without either they are not
+        summed: a sum over every backend per request."""
+        auth = self._auth()
+        t = self.tenant(name)
+        if t.limits.max_kv_share is not None:
+            return True
+        own = auth.class_of(t)
+        return any(c.floor_share > 0 for c in auth.classes if c.name != own)
+
     def never_passes_floors(
         self, name: str, tokens: int, budget: int, *, seqs: int = 1, slots: Sequence[int] = ()
     ) -> bool:

@@ -779,3 +779,31 @@ async def test_a_batch_waiter_aged_up_does_not_hold_the_interactive_floors_slot(
     await asyncio.gather(waiting, return_exceptions=True)
     for r in (chat, *held):
         adm.release(r)
+
+
+@pytest.mark.parametrize(
+    ("tenants", "classes", "reads"),
+    [
+        ((tenant("a"),), (ClassConfig("standard"),), False),
+        ((tenant("a", max_concurrent=4),), CLASSES, False),
+        ((tenant("a", max_kv_share=0.5),), CLASSES, True),
+        ((tenant("a"),), (ClassConfig("interactive", 0.2), ClassConfig("standard")), True),
+        # A class's own floor never holds it back: only the others' are read.
+        ((tenant("a", "interactive"),), (ClassConfig("interactive", 0.2), ClassConfig("b")), False),
+    ],
+)
+def test_the_fleets_totals_are_summed_only_for_a_limit_that_reads_them(tenants, classes, reads):
+    """The fleet's KV budget and slots (a sum over every backend) are read for a request
+    only when a KV share limit or another class's floor can hold it back: without either,
+    admission costs the same with 10 backends or 1,000."""
+    summed = []
+    backends = [backend(f"b{i}", kv=10_000) for i in range(3)]
+    adm = admission_over(
+        backends,
+        tenancy=Tenancy(lambda: auth(*tenants, classes=classes)),
+        budget=lambda: summed.append("budget") or 30_000,
+        slots=lambda: summed.append("slots") or 48,
+    )
+    outcome = adm.try_admit(of("a", 1000))
+    assert isinstance(outcome, Reservation)
+    assert bool(summed) == reads, summed
