@@ -3,6 +3,7 @@
 import asyncio
 import dataclasses
 import random
+from collections.abc import Callable
 
 import pytest
 
@@ -796,13 +797,21 @@ def test_the_fleets_totals_are_summed_only_for_a_limit_that_reads_them(tenants, 
     """The fleet's KV budget and slots (a sum over every backend) are read for a request
     only when a KV share limit or another class's floor can hold it back: without either,
     admission costs the same with 10 backends or 1,000."""
-    summed = []
+    summed: list[str] = []
+
+    def total(what: str, value: int) -> Callable[[], int]:
+        def read() -> int:
+            summed.append(what)
+            return value
+
+        return read
+
     backends = [backend(f"b{i}", kv=10_000) for i in range(3)]
     adm = admission_over(
         backends,
         tenancy=Tenancy(lambda: auth(*tenants, classes=classes)),
-        budget=lambda: summed.append("budget") or 30_000,
-        slots=lambda: summed.append("slots") or 48,
+        budget=total("budget", 30_000),
+        slots=total("slots", 48),
     )
     outcome = adm.try_admit(of("a", 1000))
     assert isinstance(outcome, Reservation)
