@@ -294,12 +294,9 @@ class _Fit:
     fixed: float = 0.0
     ratios: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))
     samples: int = 0  # reports seen
-
-    @property
-    def ratio(self) -> float:
-        if len(self.ratios) < MIN_RATIO_SAMPLES:
-            return 1.0
-        return statistics.median(self.ratios)
+    # The ratios' median once MIN_RATIO_SAMPLES are seen (1.0 before), kept as they
+    # change: every request reads every fit of its model.
+    ratio: float = 1.0
 
     def add(self, counted: int, reported: int) -> None:
         self.samples += 1
@@ -309,15 +306,16 @@ class _Fit:
             return
         r = (reported - self.fixed) / counted
         self.ratios.append(min(max(r, 1.0 / MAX_RATIO), MAX_RATIO))
-
-    def predict(self, counted: float) -> float:
-        return self.fixed + max(1.0, self.ratio) * counted
+        if len(self.ratios) >= MIN_RATIO_SAMPLES:
+            self.ratio = statistics.median(self.ratios)
 
 
 class PromptCalibration:
     def __init__(self, observe: Callable[[str, float], None] | None = None) -> None:
         # By model, then backend: a request reads its model's fits only.
         self._fits: dict[str, dict[str, _Fit]] = {}
+        # By model: the reports its fits saw (kept, not summed per request).
+        self._samples: dict[str, int] = {}
         self._observe = observe
 
     def _model_fits(self, model: str) -> Iterable[_Fit]:
@@ -333,9 +331,10 @@ class PromptCalibration:
         would bound every prompt for good)."""
         for model, fits in list(self._fits.items()):
             for name in [n for n in fits if n not in present]:
-                del fits[name]
+                self._samples[model] -= fits.pop(name).samples
             if not fits:
                 del self._fits[model]
+                del self._samples[model]
 
     def ratio(self, model: str) -> float:
         """The largest learned tokenizer ratio among ``model``'s backends (1.0 unknown)."""
@@ -350,7 +349,9 @@ class PromptCalibration:
         counted as ``counted``: the configured margin, then the largest prediction of any
         backend's fit (the backend is not chosen yet)."""
         base = counted * (1.0 + margin)
-        predicted = max((f.predict(base) for f in self._model_fits(model)), default=base)
+        predicted = max(
+            (f.fixed + max(1.0, f.ratio) * base for f in self._model_fits(model)), default=base
+        )
         return math.ceil(max(base, predicted) - 1e-9)
 
     def learned(self, model: str, counted: int, margin: float, min_samples: int) -> int | None:
@@ -358,7 +359,7 @@ class PromptCalibration:
         counted as ``counted`` (:meth:`scaled`), once they reported ``min_samples``
         prompts; None before. No worst-case vocabulary bound: for reservations that
         trade the guarantee for capacity (``output_reservation: learned``)."""
-        if sum(f.samples for f in self._model_fits(model)) < min_samples:
+        if self._samples.get(model, 0) < min_samples:
             return None
         return self.scaled(model, counted, margin)
 
@@ -368,3 +369,4 @@ class PromptCalibration:
         if self._observe is not None:
             self._observe(model, reported / estimated)
         self._fits.setdefault(model, {}).setdefault(backend, _Fit()).add(estimated, reported)
+        self._samples[model] = self._samples.get(model, 0) + 1
