@@ -252,6 +252,9 @@ class AdmissionCore:
             self._adjust(b, b.resync_projected(), -reservation.seqs, -1)
         else:
             self._adjust(b, -(reservation.tokens + shared), -reservation.seqs, -1)
+        if not b.in_flight:  # nothing left to report there (DNS names come and go)
+            self._reported.pop(b.name, None)
+            self._reoffered.pop(b.name, None)
         if reservation.ticket is not None and self._tenancy is not None:
             self._tenancy.released(reservation.ticket, reservation.tokens, reservation.seqs, b.name)
         self._offer(b)

@@ -225,7 +225,10 @@ class Tenancy:
         self.requests[ticket.tenant] -= 1
         self.class_tokens[klass] -= tokens
         self.class_seqs[klass] -= seqs
-        self.node_seqs.setdefault(backend, Counter())[klass] -= seqs
+        held = self.node_seqs.setdefault(backend, Counter())
+        held[klass] -= seqs
+        if not any(held.values()):
+            del self.node_seqs[backend]  # a node that holds none (DNS names come and go)
 
 
 def _floors_block(

@@ -141,3 +141,22 @@ async def test_nobody_is_displaced_for_a_newcomer_refused_on_its_projected_wait(
         await adm.admit(_of("i", 100, 100, projected=True), 5.0)
     assert adm.queue_depth == 1 and not queued.done()  # the batch request keeps its place
     queued.cancel()
+
+
+async def test_a_node_left_with_nothing_keeps_no_report_bookkeeping() -> None:
+    """Progress reports of a node's flights are tallied while a waiter claims it (to offer
+    the node again once they all reported); a node whose last request ended keeps no
+    tally (nodes come and go under new names)."""
+    node = backend("a", kv=1024)
+    adm = admission_over([node], clock=lambda: 0.0)
+    running = await adm.admit(_of("t", 100, 800, projected=True), 1.0)
+    running.progress(5)
+    queued = asyncio.create_task(adm.admit(_of("t", 600, 400, projected=True), 10_000.0))
+    await asyncio.sleep(0)
+    assert adm.queue_depth == 1
+    running.progress(6)
+    assert adm._reported.get("a") or adm._reoffered.get("a") is not None
+    adm.release(running)
+    adm.release(await asyncio.wait_for(queued, 1.0))  # the room freed goes to the waiter
+    assert node.in_flight == 0
+    assert "a" not in adm._reported and "a" not in adm._reoffered

@@ -816,3 +816,18 @@ def test_the_fleets_totals_are_summed_only_for_a_limit_that_reads_them(tenants, 
     outcome = adm.try_admit(of("a", 1000))
     assert isinstance(outcome, Reservation)
     assert bool(summed) == reads, summed
+
+
+def test_what_a_node_held_per_class_is_forgotten_once_it_holds_nothing() -> None:
+    """Nodes come and go under new names (DNS members): the per-node class counts keep
+    only nodes with requests on them, however many names have been seen."""
+    t = Tenancy(lambda: auth(tenant("a", "interactive"), tenant("b", "batch")))
+    held = []
+    for i in range(1_000):
+        ticket = t.ticket("a" if i % 2 else "b", 100)
+        t.granted(ticket, 100, 2, backend=f"node-{i}")
+        held.append((ticket, f"node-{i}"))
+    assert len(t.node_seqs) == 1_000
+    for ticket, name in held[:-1]:
+        t.released(ticket, 100, 2, backend=name)
+    assert t.node_seqs == {"node-999": {"interactive": 2}}
