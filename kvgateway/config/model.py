@@ -7,7 +7,7 @@ Nothing downstream reads raw YAML. The annotated reference is
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
@@ -153,8 +153,7 @@ class BackendConfig:
     # fetched again instead of forgetting the node's whole cache view; and the topic.
     kv_events_replay: str | None = None
     kv_events_topic: str = ""
-    # The gateway binds `kv_events` and the node's publisher connects to it: for a node
-    # whose --kv-events-config endpoint names a host (vLLM then connects, not binds).
+    # The gateway binds `kv_events` (the node's --kv-events-config names a host: it connects).
     kv_events_bind: bool = False
 
 
@@ -176,14 +175,10 @@ class DiscoveryConfig:
 
 @dataclass(frozen=True, slots=True)
 class DnsGroupConfig:
-    """Backends behind one DNS name (a Kubernetes headless Service).
-
-    ``lookup: address``: one member per A/AAAA record, on ``port``. ``lookup: srv``: one
-    member per SRV record (``_http._tcp.<service>``), on the record's own port, at the
-    addresses of its target. ``template`` carries the settings every member shares (model,
-    limits, timeouts); a member is the template with its own name
-    (``pool@10.0.0.5:8000``) and URL.
-    """
+    """Backends behind one DNS name (a Kubernetes headless Service): ``lookup: address``,
+    a member per A/AAAA record, on ``port``; ``lookup: srv``, a member per SRV record
+    (``_http._tcp.<service>``) on its port, at its target's addresses. A member is the
+    ``template`` (model, limits, timeouts) with its own name (``pool@10.0.0.5:8000``)."""
 
     name: str
     dns: str
@@ -200,20 +195,17 @@ class DnsGroupConfig:
         host = f"[{address}]" if ":" in address else address
         where = f"{host}:{self.port if port is None else port}"
         t = self.template
+
+        def at_host(endpoint: str | None) -> str | None:  # tcp://NAME:PORT, host for NAME
+            return None if endpoint is None else f"tcp://{host}:{urlsplit(endpoint).port}"
+
         return replace(
             t,
             name=f"{self.name}@{where}",
             url=f"{self.scheme}://{where}",
-            kv_events=_at_host(t.kv_events, host),
-            kv_events_replay=_at_host(t.kv_events_replay, host),
+            kv_events=at_host(t.kv_events),
+            kv_events_replay=at_host(t.kv_events_replay),
         )
-
-
-def _at_host(endpoint: str | None, host: str) -> str | None:
-    """``tcp://NAME:PORT`` with ``host`` for NAME."""
-    if endpoint is None:
-        return None
-    return f"tcp://{host}:{urlsplit(endpoint).port}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,8 +230,7 @@ class ServerConfig:
     # Seconds /ready fails before the listener closes, so load balancers (a Kubernetes
     # Service) stop sending new connections first.
     drain_delay_s: float = 0.0
-    # A connection that sends no complete request for this long is closed (idle
-    # keep-alive and half-sent headers alike); a body must arrive within body_timeout_s.
+    # A connection without a whole request head for this long is closed; a body: below.
     keepalive_timeout_s: float = 15.0
     body_timeout_s: float = 30.0
 
@@ -318,14 +309,12 @@ class AuthConfig:
         return (self.default_tenant, *self.keys)
 
     def tenant(self, name: str) -> TenantConfig:
-        """The tenant by name; one not in this config (gone with a reload) is the
-        default tenant."""
+        """The tenant by name; one not in this config (gone with a reload): the default."""
         return self._by_name.get(name, self.default_tenant)
 
     def owner(self, key: str) -> str | None:
-        """The tenant whose key ``key`` is. Found by the key's SHA-256: how long the
-        lookup takes depends on that digest (under the process's random hash seed),
-        which tells nothing of any configured key."""
+        """The tenant whose key ``key`` is, by its SHA-256: the lookup's time depends on
+        that digest (under the process's hash seed), which tells nothing of any key."""
         return self._by_digest.get(key_digest(key))
 
     @property
@@ -361,7 +350,9 @@ class GatewayConfig:
     ledger: LedgerConfig = field(default_factory=LedgerConfig)
     tracing: TracingConfig = TracingConfig()
     source: str = "<memory>"
-    _model_index: dict[str, ModelConfig] = field(default_factory=dict, compare=False)
+    _model_index: dict[str, ModelConfig] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     def __post_init__(self) -> None:
         for model in self.models:
@@ -382,18 +373,6 @@ class GatewayConfig:
     @property
     def dns_groups(self) -> tuple[DnsGroupConfig, ...]:
         return tuple(g for t in self.tiers for g in t.dns_groups)
-
-    def with_members(self, members: Mapping[str, Sequence[BackendConfig]]) -> GatewayConfig:
-        """This config (as read from the file) with each DNS group's ``members`` (by group
-        name) listed as backends of its tier, after the tier's own backends."""
-        tiers = tuple(
-            replace(
-                t,
-                backends=(*t.backends, *(m for g in t.dns_groups for m in members.get(g.name, ()))),
-            )
-            for t in self.tiers
-        )
-        return replace(self, tiers=tiers, _model_index={})
 
 
 class LiveConfig:

@@ -10,8 +10,8 @@ fleet, which adds the new members and drains the gone ones.
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from urllib.parse import urlsplit
 
 from kvgateway.config.model import BackendConfig, DnsGroupConfig, GatewayConfig
@@ -83,7 +83,7 @@ class DiscoveredMembers:
 
     @property
     def config(self) -> GatewayConfig:
-        return self._base.with_members(self._members)
+        return with_members(self._base, self._members)
 
     def members(self, group: str) -> tuple[BackendConfig, ...]:
         return self._members.get(group, ())
@@ -96,7 +96,7 @@ class DiscoveredMembers:
     def preview(self, base: GatewayConfig) -> GatewayConfig:
         """The config a reload to ``base`` would make, changing nothing (so a reload
         rejected after this leaves the members on the config still running)."""
-        return base.with_members(self._kept(base))
+        return with_members(base, self._kept(base))
 
     def rebase(self, base: GatewayConfig) -> GatewayConfig:
         """A new file config; members of groups that still exist are kept, rebuilt from it."""
@@ -116,3 +116,17 @@ class DiscoveredMembers:
                 rebuilt = (group.member(a, p) for a, p in canonical_endpoints(pairs))
                 kept[name] = tuple(sorted(rebuilt, key=lambda m: m.name))
         return kept
+
+
+def with_members(
+    config: GatewayConfig, members: Mapping[str, Sequence[BackendConfig]]
+) -> GatewayConfig:
+    """``config`` (as read from the file) with each DNS group's ``members`` (by group
+    name) listed as backends of its tier, after the tier's own backends."""
+    tiers = tuple(
+        replace(
+            t, backends=(*t.backends, *(m for g in t.dns_groups for m in members.get(g.name, ())))
+        )
+        for t in config.tiers
+    )
+    return replace(config, tiers=tiers)

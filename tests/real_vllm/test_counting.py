@@ -141,7 +141,7 @@ async def _gateway(aiohttp_server: Any, config: dict[str, Any], engine: str = "a
             )
             for m in cfg.models
         )
-        cfg = replace(cfg, models=models, _model_index={})
+        cfg = replace(cfg, models=models)
     server: TestServer = await aiohttp_server(create_app(cfg, encodings=ENCODINGS))
     fleet = state_of(server).fleet
     await eventually(
