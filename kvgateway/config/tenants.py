@@ -75,10 +75,8 @@ def _class(s: Section) -> ClassConfig:
         floor_share=s.number(
             "floor_share", ClassConfig("").floor_share, maximum=1.0, exclusive_min=False
         ),
-        # Null or absent: admission.queue_timeout_s (a null is read, not unknown).
-        queue_timeout_s=s.number("queue_timeout_s", 1.0, exclusive_min=False)
-        if s.has("queue_timeout_s") or s.reading.schema_mode
-        else s.raw("queue_timeout_s"),
+        # Null or absent: admission.queue_timeout_s.
+        queue_timeout_s=s.opt_number("queue_timeout_s", exclusive_min=False),
     )
     s.reject_unknown()
     return cfg
@@ -96,7 +94,7 @@ def _tenant(s: Section, classes: list[str], *, default_name: str | None = None) 
         output_tokens_per_minute=lim.opt_int("output_tokens_per_minute"),
         requests_per_minute=lim.opt_int("requests_per_minute"),
         max_concurrent=lim.opt_int("max_concurrent"),
-        max_kv_share=_opt_share(lim, "max_kv_share"),
+        max_kv_share=lim.opt_number("max_kv_share", maximum=1.0),
     )
     lim.reject_unknown()
     cfg = TenantConfig(
@@ -108,13 +106,6 @@ def _tenant(s: Section, classes: list[str], *, default_name: str | None = None) 
     )
     s.reject_unknown()
     return cfg
-
-
-def _opt_share(s: Section, key: str) -> float | None:
-    if s.has(key) or s.reading.schema_mode:
-        return s.number(key, 1.0, maximum=1.0)
-    s.raw(key)
-    return None
 
 
 def _name(s: Section, default: str | None = None) -> str:

@@ -300,6 +300,27 @@ class Section:
         self._note(key, schema)
         return None
 
+    def opt_number(
+        self,
+        key: str,
+        *,
+        minimum: float = 0.0,
+        maximum: float | None = None,
+        exclusive_min: bool = True,
+    ) -> float | None:
+        """A number (as :meth:`number` reads it), or None when absent or null: a setting
+        whose absence means something of its own (a limit not set, another key's value),
+        which the schema shows as no default."""
+        if self.has(key):
+            return self.number(key, minimum=minimum, maximum=maximum, exclusive_min=exclusive_min)
+        self.raw(key)
+        bounds: dict[str, Any] = {"type": "number"}
+        bounds["exclusiveMinimum" if exclusive_min else "minimum"] = minimum
+        if maximum is not None:
+            bounds["maximum"] = maximum
+        self._note(key, {"anyOf": [bounds, _ENV_STRING, {"type": "null"}]})
+        return None
+
     def number(
         self,
         key: str,

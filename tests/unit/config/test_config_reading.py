@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 import textwrap
+from typing import Any
 
 import jsonschema  # type: ignore[import-untyped]  # types-jsonschema is not a dev dependency
 import pytest
@@ -186,6 +187,54 @@ def test_schema_rejects_what_the_loader_rejects(bad):
     assert list(_validator().iter_errors(doc))
     with pytest.raises(ConfigError):
         parse_config_text(yaml.safe_dump(doc))
+
+
+@pytest.mark.parametrize(
+    ("auth", "ok"),
+    [
+        ({"classes": [{"name": "a", "queue_timeout_s": None}]}, True),
+        ({"classes": [{"name": "a", "queue_timeout_s": 0}]}, True),
+        ({"classes": [{"name": "a", "queue_timeout_s": -1}]}, False),
+        ({"keys": [{"name": "t", "key": "k", "limits": {"max_kv_share": None}}]}, True),
+        ({"keys": [{"name": "t", "key": "k", "limits": {"max_kv_share": 0.5}}]}, True),
+        ({"keys": [{"name": "t", "key": "k", "limits": {"max_kv_share": 0}}]}, False),
+        ({"keys": [{"name": "t", "key": "k", "limits": {"max_kv_share": 1.5}}]}, False),
+    ],
+)
+def test_settings_whose_absence_means_something_agree_in_schema_and_loader(auth, ok):
+    """A class's queue timeout (absent or null: admission.queue_timeout_s) and a tenant's
+    KV share (absent or null: unlimited) are taken or refused alike by the schema and the
+    loader, and the schema shows no default for either (they have none of their own)."""
+    doc = {
+        "models": [{"name": "m"}],
+        "tiers": [{"name": "t", "backends": [{"name": "a", "url": "http://h:1", "model": "m"}]}],
+        "auth": auth,
+    }
+    assert (not list(_validator().iter_errors(doc))) == ok
+    if ok:
+        parse_config_text(yaml.safe_dump(doc))
+    else:
+        with pytest.raises(ConfigError):
+            parse_config_text(yaml.safe_dump(doc))
+    schema = config_schema()
+    shares = _all(schema, "max_kv_share")  # the default tenant's and each key's
+    assert shares and all("default" not in p for p in shares)
+    # admission.queue_timeout_s has its default; a class's has none.
+    timeouts = sorted(str(p.get("default")) for p in _all(schema, "queue_timeout_s"))
+    assert timeouts == ["300.0", "None"], timeouts
+
+
+def _all(node: object, key: str) -> list[dict[str, Any]]:
+    found: list[dict[str, Any]] = []
+    if isinstance(node, dict):
+        for k, v in node.items():
+            if k == key and isinstance(v, dict):
+                found.append(v)
+            found += _all(v, key)
+    elif isinstance(node, list):
+        for v in node:
+            found += _all(v, key)
+    return found
 
 
 def test_schema_allows_env_references_in_numbers():
