@@ -224,18 +224,18 @@ def settle_previous_runs(tmp: Path, port: int, wait_s: float) -> None:
             shutil.rmtree(run.path, ignore_errors=True)
 
 
-def take_port(tmp: Path, port: int) -> int | None:
-    """The port's lock, taken (its descriptor), or None when another live supervisor
-    holds it. Taken before the wait for a previous run: two supervisors started together
-    on one port would otherwise both wait, then both start workers under the same ledger
-    identities."""
+def take_port(tmp: Path, port: int) -> bool:
+    """Take the port's lock for as long as this process lives (the kernel lets an flock
+    go with its holder); False when another live supervisor holds it. Taken before the
+    wait for a previous run: two supervisors started together on one port would
+    otherwise both wait, then both start workers under the same ledger identities."""
     fd = os.open(tmp / _PORT_LOCK.format(port=port), os.O_CREAT | os.O_RDWR, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
-        return None
-    return fd
+        return False
+    return True
 
 
 def supervise(args: argparse.Namespace, workers: int, port: int, drain_wait_s: float) -> int:
@@ -265,8 +265,7 @@ def supervise(args: argparse.Namespace, workers: int, port: int, drain_wait_s: f
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, forward)
     tmp = Path(tempfile.gettempdir())
-    port_lock = take_port(tmp, port)
-    if port_lock is None:
+    if not take_port(tmp, port):
         # Beside its workers ours would take their ledger identities and write their
         # holdings as zero.
         log.error(
@@ -275,91 +274,84 @@ def supervise(args: argparse.Namespace, workers: int, port: int, drain_wait_s: f
             port,
         )
         return 1
-    try:
-        settle_previous_runs(tmp, port, drain_wait_s)
-        me = os.getpid()
-        with tempfile.TemporaryDirectory(
-            prefix=f"{_RUN_PREFIX}{port}-{me}-", dir=tmp
-        ) as metrics_dir:
-            # Held while this run lives: how the next supervisor tells a live run (a pid alone
-            # cannot say; a command line depends on how we were started).
-            # Held before it shows under its name (renamed into place), so a lock seen there
-            # that is not held is a dead run's.
-            taking = Path(metrics_dir) / (_LOCK + ".new")
-            lock = os.open(taking, os.O_CREAT | os.O_RDWR, 0o600)
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            taking.rename(Path(metrics_dir) / _LOCK)
-            env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": metrics_dir}
+    settle_previous_runs(tmp, port, drain_wait_s)
+    me = os.getpid()
+    with tempfile.TemporaryDirectory(prefix=f"{_RUN_PREFIX}{port}-{me}-", dir=tmp) as metrics_dir:
+        # Held while this run lives: how the next supervisor tells a live run (a pid alone
+        # cannot say; a command line depends on how we were started).
+        # Held before it shows under its name (renamed into place), so a lock seen there
+        # that is not held is a dead run's.
+        taking = Path(metrics_dir) / (_LOCK + ".new")
+        lock = os.open(taking, os.O_CREAT | os.O_RDWR, 0o600)
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        taking.rename(Path(metrics_dir) / _LOCK)
+        env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": metrics_dir}
 
-            def start(i: int) -> subprocess.Popen[bytes]:
-                argv = worker_args(args, i, metrics_dir, workers=workers, supervisor=me)
-                cmd = [sys.executable, "-m", "kvgateway", *argv]
-                # SIGHUP ignored from the start (inherited across exec): one passed on while
-                # the worker still imports would end it; it reloads once its loop handles it.
-                return subprocess.Popen(  # the supervisor runs no threads
-                    cmd,
-                    env=env,
-                    stdin=subprocess.DEVNULL,
-                    preexec_fn=_ignore_sighup,  # noqa: PLW1509
-                )
-
-            for i in range(workers):
-                if not stopping:
-                    procs[i] = start(i)
-            log.info(
-                "gateway: %d workers started (pids %s)", workers, [p.pid for p in procs.values()]
+        def start(i: int) -> subprocess.Popen[bytes]:
+            argv = worker_args(args, i, metrics_dir, workers=workers, supervisor=me)
+            cmd = [sys.executable, "-m", "kvgateway", *argv]
+            # SIGHUP ignored from the start (inherited across exec): one passed on while
+            # the worker still imports would end it; it reloads once its loop handles it.
+            return subprocess.Popen(  # the supervisor runs no threads
+                cmd,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                preexec_fn=_ignore_sighup,  # noqa: PLW1509
             )
-            backoff = {i: _RESTART_BACKOFF_S for i in procs}
-            started = {i: time.monotonic() for i in procs}
-            # Dead workers and when each starts again: every worker is watched on its own
-            # (one waiting out its backoff holds no other up).
-            restart_at: dict[int, float] = {}
-            while not stopping:
-                time.sleep(0.05)
-                for i, p in list(procs.items()):
-                    if stopping:
-                        break
-                    if i in restart_at:
-                        if time.monotonic() >= restart_at[i]:
-                            del restart_at[i]
-                            procs[i] = start(i)
-                            started[i] = time.monotonic()
-                        continue
-                    code = p.poll()
-                    if code is None:
-                        continue
-                    # Removes its gauges (live modes: see server/telemetry.py); its counters
-                    # and histograms stay in the sums.
-                    multiprocess.mark_process_dead(p.pid, metrics_dir)  # type: ignore[no-untyped-call]
-                    # One that keeps dying (an invalid config on disk: a restarted worker
-                    # reads the file) is retried less and less often, up to a minute apart.
-                    lived = time.monotonic() - started[i]
-                    wait = _RESTART_BACKOFF_S if lived > _STEADY_S else backoff[i]
-                    backoff[i] = min(_RESTART_BACKOFF_MAX_S, wait * 2)
-                    log.error(
-                        "gateway worker %d (pid %d) exited with %d after %.0fs; restarting in %.0fs",
-                        i, p.pid, code, lived, wait,
-                    )  # fmt: skip
-                    restart_at[i] = time.monotonic() + wait
-            # Told to stop: every worker is told, one started after the signal too.
-            forward(signal.SIGTERM, None)
-            ended = [p for i, p in procs.items() if i not in restart_at]  # the dead were said
-            deadline = time.monotonic() + drain_wait_s
-            for p in ended:
-                try:
-                    p.wait(timeout=max(0.0, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    log.error(
-                        "gateway worker (pid %d) did not end within %.0fs of the stop; killing it",
-                        p.pid,
-                        drain_wait_s,
-                    )
-                    p.kill()
-                    p.wait()
-            os.close(lock)
-        # A worker our SIGTERM ended before it could handle one (still starting) stopped
-        # as told.
-        told_ok = {p.pid for p in ended if p.returncode == -signal.SIGTERM and p.pid in told}
-        return 0 if all(p.returncode == 0 or p.pid in told_ok for p in ended) else 1
-    finally:
-        os.close(port_lock)
+
+        for i in range(workers):
+            if not stopping:
+                procs[i] = start(i)
+        log.info("gateway: %d workers started (pids %s)", workers, [p.pid for p in procs.values()])
+        backoff = {i: _RESTART_BACKOFF_S for i in procs}
+        started = {i: time.monotonic() for i in procs}
+        # Dead workers and when each starts again: every worker is watched on its own
+        # (one waiting out its backoff holds no other up).
+        restart_at: dict[int, float] = {}
+        while not stopping:
+            time.sleep(0.05)
+            for i, p in list(procs.items()):
+                if stopping:
+                    break
+                if i in restart_at:
+                    if time.monotonic() >= restart_at[i]:
+                        del restart_at[i]
+                        procs[i] = start(i)
+                        started[i] = time.monotonic()
+                    continue
+                code = p.poll()
+                if code is None:
+                    continue
+                # Removes its gauges (live modes: see server/telemetry.py); its counters
+                # and histograms stay in the sums.
+                multiprocess.mark_process_dead(p.pid, metrics_dir)  # type: ignore[no-untyped-call]
+                # One that keeps dying (an invalid config on disk: a restarted worker
+                # reads the file) is retried less and less often, up to a minute apart.
+                lived = time.monotonic() - started[i]
+                wait = _RESTART_BACKOFF_S if lived > _STEADY_S else backoff[i]
+                backoff[i] = min(_RESTART_BACKOFF_MAX_S, wait * 2)
+                log.error(
+                    "gateway worker %d (pid %d) exited with %d after %.0fs; restarting in %.0fs",
+                    i, p.pid, code, lived, wait,
+                )  # fmt: skip
+                restart_at[i] = time.monotonic() + wait
+        # Told to stop: every worker is told, one started after the signal too.
+        forward(signal.SIGTERM, None)
+        ended = [p for i, p in procs.items() if i not in restart_at]  # the dead were said
+        deadline = time.monotonic() + drain_wait_s
+        for p in ended:
+            try:
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.error(
+                    "gateway worker (pid %d) did not end within %.0fs of the stop; killing it",
+                    p.pid,
+                    drain_wait_s,
+                )
+                p.kill()
+                p.wait()
+        os.close(lock)
+    # A worker our SIGTERM ended before it could handle one (still starting) stopped
+    # as told.
+    told_ok = {p.pid for p in ended if p.returncode == -signal.SIGTERM and p.pid in told}
+    return 0 if all(p.returncode == 0 or p.pid in told_ok for p in ended) else 1
