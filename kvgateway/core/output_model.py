@@ -44,6 +44,8 @@ CUT_SAMPLES = 32
 # length past every cap, so that it counts as running to the cap of whichever request
 # reads it (one capped at 129 says nothing about where a 256-token one stops).
 CENSORED = 1 << 40
+# Answers a group holds before its shape is made anew only every 1/32 of them.
+FRESH_FROM = 64
 # Outlooks an OutputShape keeps (forgotten all at once past this).
 _MEMO = 4096
 
@@ -206,18 +208,24 @@ class LearnedLengths:
     """One group's observed lengths, as they are when read: a request planned before
     anything was learned reads what is known by the time it is admitted."""
 
-    __slots__ = ("_cuts", "_min", "_ring", "_shape")
+    __slots__ = ("_cuts", "_fresh", "_min", "_ring", "_shape")
 
     def __init__(self, window: int, min_samples: int) -> None:
         self._ring: deque[int] = deque(maxlen=window)
         self._min = min_samples
         self._shape: OutputShape | None = None
         self._cuts: dict[float, int | None] = {}
+        self._fresh = 0  # answers added since the shape was made
 
     def add(self, value: int) -> None:
         self._ring.append(value)
-        self._shape = None
-        self._cuts.clear()
+        self._fresh += 1
+        # Past FRESH_FROM answers the shape is made anew once 1/32 of them are new: it
+        # moves little with each, and the flights admitted meanwhile share one shape
+        # (the projection reads each distinct shape in a pass of its own).
+        if len(self._ring) < FRESH_FROM or self._fresh * 32 >= len(self._ring):
+            self._shape = None
+            self._cuts.clear()
 
     @property
     def learning(self) -> bool:
@@ -252,6 +260,7 @@ class LearnedLengths:
             return None
         if self._shape is None:
             self._shape = OutputShape([*self._ring, CENSORED])
+            self._fresh = 0
         return self._shape
 
 

@@ -131,3 +131,22 @@ def test_a_sequence_cut_at_its_cap_counts_as_running_to_the_askers_cap() -> None
         m.observe("m", "k", 200, 90)
     shape = m.shape("m", "k", 256)
     assert shape is not None and shape.surviving(0, 100) < 0.1
+
+
+def test_a_groups_shape_is_made_anew_once_a_thirty_second_of_its_answers_is_new() -> None:
+    """Below 64 answers every answer is in the shape read next; from 64 the shape is kept
+    until 1/32 of the ring is new (flights admitted meanwhile share one shape, which the
+    projection reads in one pass), then holds every answer seen."""
+    model = OutputModel(window=512, min_samples=4)
+    group = model.group("m", "k", 1024)
+    for i in range(63):
+        model.observe("m", "k", 1024, 100 + i)
+        shape = group.shape
+        assert shape is None or shape.longest == 100 + i
+    kept = group.shape
+    model.observe("m", "k", 1024, 500)  # 1 new of 64
+    model.observe("m", "k", 1024, 501)  # 2 of 65
+    assert group.shape is kept
+    model.observe("m", "k", 1024, 502)  # 3 of 66: 3 x 32 >= 66
+    fresh = group.shape
+    assert fresh is not kept and fresh is not None and fresh.longest == 502
