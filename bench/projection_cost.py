@@ -11,7 +11,8 @@ the node's use read, and the oldest flight removed. Three kinds of flights on th
 
 Printed: microseconds of CPU per cycle, in this process, for each kind and count; then
 what a queue walk pays per waiter once the node's curve is read (running flights with
-learned lengths): a check that admits and one that is refused.
+learned lengths): a check that admits and one that is refused; and a whole walk of 100
+and 1,000 waiters of one client, none fitting.
 
     python -m bench.projection_cost [--flights 32,128,256] [--block 16]
 """
@@ -74,6 +75,27 @@ def check_us(flights: int, block: int, admit: bool, seconds: float = 0.5) -> flo
     return (time.process_time() - start) / checks * 1e6
 
 
+def walk_ms(flights: int, waiters: int, block: int, seconds: float = 0.5) -> float:
+    """Mean CPU milliseconds of one queue walk: ``waiters`` of one client (one learned
+    shape and bound, prompts of 100-2,000 tokens) checked in turn against ``flights``
+    running with learned lengths, the node's curve just changed, none fitting."""
+    proj = NodeProjection()
+    for i in range(flights):
+        proj.add(_flight(i, "learned"))
+        proj.progress(i, 1 + (i * 7) % 390)
+    budget = int(proj.peak(block, 2.0).blocks)
+    prompts = [100 + (k * 7919) % 1900 for k in range(waiters)]
+    walks = 0
+    start = time.process_time()
+    while time.process_time() - start < seconds:
+        proj.progress(0, 1)  # a change, as the release that starts a walk is
+        for k, prompt in enumerate(prompts):
+            newcomer = Flight(flights + k, prompt, 1, 400, shape=_SHAPE)
+            proj.fits(block, budget, 2.0, (newcomer,))
+        walks += 1
+    return (time.process_time() - start) / walks * 1e3
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--flights", default="32,128,256", help="flights on the node, comma-separated")
@@ -89,6 +111,10 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{n:>7} {check_us(n, args.block, True):>13.1f} {check_us(n, args.block, False):>13.1f}"
         )
+    print(f"\n{'flights':>7} {'waiters':>7} {'walk ms':>9}   (a queue walk, none fitting)")
+    for n in counts:
+        for waiters in (100, 1000):
+            print(f"{n:>7} {waiters:>7} {walk_ms(n, waiters, args.block):>9.2f}")
     return 0
 
 

@@ -164,6 +164,19 @@ SAMPLES_PER_BLOCK = 8
 MAX_SAMPLES = 128
 
 
+def likeness(f: Flight) -> tuple[object, ...] | None:
+    """What a newcomer's place in a curve depends on besides its prompt (its blocks at
+    every step grow with its prompt, its spread does not): of two newcomers alike, the
+    one with the longer prompt fits nowhere the other does not. None once started."""
+    if f.started:
+        return None
+    shape = None if f.shape is None else id(f.shape)
+    # Credited blocks count as their holders' while one runs: the deepest names them.
+    credit = f.keys[f.credited - 1] if f.credited else None
+    sizes = (f.n, f.bound, f.generated, f.delay, f.rate, f.ahead, f.behind)
+    return (type(f), f.seen, *sizes, shape, f.credited, credit)
+
+
 def is_static(f: Flight) -> bool:
     """Whether ``f`` holds the same at every step until it ends: unseen, not started."""
     return not (f.seen or f.started or f.delay)

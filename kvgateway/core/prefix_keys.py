@@ -103,6 +103,39 @@ class _KeyUse:
     holders: set[int] = field(default_factory=set)
 
 
+class ReadyKeys:
+    """Prompt blocks a node has cached or scheduled for its flights, counted per holder:
+    the leading ones of a newcomer's prompt are shareable."""
+
+    __slots__ = ("_count",)
+
+    def __init__(self) -> None:
+        self._count: dict[BlockKey, int] = {}
+
+    def mark(self, keys: tuple[BlockKey, ...]) -> None:
+        count = self._count
+        for key in keys:
+            count[key] = count.get(key, 0) + 1
+
+    def unmark(self, keys: tuple[BlockKey, ...]) -> None:
+        count = self._count
+        for key in keys:
+            left = count.get(key, 0) - 1
+            if left > 0:
+                count[key] = left
+            else:
+                count.pop(key, None)
+
+    def leading(self, keys: tuple[BlockKey, ...]) -> int:
+        """How many of ``keys``, from the first, are held."""
+        n = 0
+        for key in keys:
+            if key not in self._count:
+                break
+            n += 1
+        return n
+
+
 class SharedKeys:
     """Which flights hold and which paid for each prompt block shared on a node.
 

@@ -47,8 +47,9 @@ from kvgateway.core.flight import (
     frozen,
     is_static,
     learned_curve,
+    likeness,
 )
-from kvgateway.core.prefix_keys import BlockKey, SharedKeys
+from kvgateway.core.prefix_keys import BlockKey, ReadyKeys, SharedKeys
 
 # Variance (blocks squared) below which a sum kept as flights come and go reads as none.
 _NO_SPREAD = 1e-9
@@ -87,6 +88,7 @@ class NodeProjection:
         "_flights",
         "_held",
         "_ready",
+        "_refused",
         "_shared",
         "_started",
         "_static",
@@ -100,8 +102,10 @@ class NodeProjection:
         self._flights: dict[int, Flight] = {}
         self._shared = SharedKeys()
         # Prompt blocks the flights' node has cached or scheduled: shareable by newcomers.
-        self._ready: dict[BlockKey, int] = {}
+        self._ready = ReadyKeys()
         self._base: dict[tuple[int, int], tuple[float, float, int]] = {}
+        # Per kind of newcomer (:meth:`fits`), the shortest prompt refused since a change.
+        self._refused: dict[tuple[object, ...], tuple[int, tuple[Flight, ...]]] = {}
         self._steps: dict[int, tuple[int, ...]] = {}
         self._static: dict[int, _Static] = {}
         # Per block size, what each step-invariant flight holds (it never changes), and
@@ -138,6 +142,7 @@ class NodeProjection:
         return self._flights.get(fid)
 
     def _changed(self) -> None:
+        self._refused.clear()
         self._base.clear()
         self._steps.clear()
         self._static.clear()
@@ -151,7 +156,7 @@ class NodeProjection:
                 self._sum_in(block, f)
         else:
             self._varying[f.id] = f
-        self._mark_ready(f.keys[: f.scheduled])
+        self._ready.mark(f.keys[: f.scheduled])
         if f.credited:
             self._shared.add(f, self._flights)
         elif f.keys and len(self._shared):
@@ -168,7 +173,7 @@ class NodeProjection:
             self._shared.remove(fid)
             if f.started:
                 self._started -= 1
-            self._unready(f.keys if f.started else f.keys[: f.scheduled])
+            self._ready.unmark(f.keys if f.started else f.keys[: f.scheduled])
             self._changed()
         return f
 
@@ -194,7 +199,7 @@ class NodeProjection:
             f.started = True
             f.origin = self._clock - f.generated
             self._started += 1
-            self._mark_ready(f.keys[f.scheduled :])
+            self._ready.mark(f.keys[f.scheduled :])
         if self._clock < f.origin + f.generated:
             self._clock = f.origin + f.generated
             for other in self._varying.values():  # the node stepped past their reports
@@ -230,27 +235,9 @@ class NodeProjection:
             left = var - part[1]
             self._sums[block] = (mean - part[0], left if left > _NO_SPREAD else 0.0, most - part[2])
 
-    def _mark_ready(self, keys: tuple[BlockKey, ...]) -> None:
-        for key in keys:
-            self._ready[key] = self._ready.get(key, 0) + 1
-
-    def _unready(self, keys: tuple[BlockKey, ...]) -> None:
-        ready = self._ready
-        for key in keys:
-            left = ready.get(key, 0) - 1
-            if left > 0:
-                ready[key] = left
-            else:
-                ready.pop(key, None)
-
     def creditable(self, keys: tuple[BlockKey, ...]) -> int:
         """Leading ``keys`` an admitted flight holds (cached or scheduled by the node)."""
-        n = 0
-        for key in keys:
-            if key not in self._ready:
-                break
-            n += 1
-        return n
+        return self._ready.leading(keys)
 
     def current_blocks(self, block: int) -> int:
         """Blocks the flights hold now (as projected at step 0)."""
@@ -288,8 +275,20 @@ class NodeProjection:
         return best
 
     def fits(self, block: int, budget_blocks: int, z: float, extra: Iterable[Flight]) -> bool:
+        """Whether the curve with ``extra`` stays within ``budget_blocks``. Until the
+        flights change, a newcomer like one refused (:func:`~.flight.likeness`, beside
+        the same others) with a prompt no shorter is refused unread (queue walks)."""
+        added = tuple(extra)
+        alike = likeness(added[0]) if added else None
+        key = None if alike is None else (block, budget_blocks, z, alike, *map(id, added[1:]))
+        if key in self._refused and added[0].prompt >= self._refused[key][0]:
+            return False
         limit = budget_blocks + 1e-9
-        return self.peak(block, z, extra, above=limit).blocks <= limit
+        if self.peak(block, z, added, above=limit).blocks <= limit:
+            return True
+        if key is not None:  # the shortest refused yet; kept alive, their ids stay theirs
+            self._refused[key] = (added[0].prompt, added)
+        return False
 
     def peak_at(self, block: int, t: int, z: float = 0.0) -> Peak:
         """Blocks the admitted flights use at step ``t`` (``mean + z * stddev``)."""

@@ -664,3 +664,79 @@ def test_answers_of_nearly_one_length_never_outgrow_the_budget(seed: int) -> Non
             proj.progress(fid, generated)
         reports = [r for r in reports if r[0] > step]
         step += 1
+
+
+_LEARNED = OutputShape([30 + (k * 53) % 700 for k in range(48)])
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    running=st.lists(
+        st.tuples(st.integers(1, 900), st.integers(1, 600), st.booleans()), min_size=1, max_size=12
+    ),
+    prompts=st.lists(st.tuples(st.integers(1, 600), st.integers(0, 3)), min_size=2, max_size=25),
+    learned=st.booleans(),
+    room=st.integers(0, 40),
+)
+def test_a_refused_newcomer_answers_for_longer_prompts_alike_and_only_them(
+    running: list[tuple[int, int, bool]],
+    prompts: list[tuple[int, int]],
+    learned: bool,
+    room: int,
+):
+    """Checking newcomers one after another gives what reading the curve for each gives,
+    whatever refusals came before: a newcomer alike to a refused one (the same credit
+    for shared blocks among them) with a prompt no shorter never fits; a shorter one, or
+    another kind, is read anew."""
+    shape = _LEARNED if learned else None
+    proj = NodeProjection()
+    shared = (7, 8, 9)  # a system prompt's blocks, held by every other running flight
+    for i, (prompt, generated, started) in enumerate(running):
+        keys = shared if i % 2 == 0 and prompt >= 3 * BLOCK else ()
+        proj.add(Flight(i, prompt, 1, 700, shape=shape, keys=keys, scheduled=len(keys)))
+        if started:
+            proj.progress(i, generated)
+    z = 3.0
+    budget = int(proj.peak(BLOCK, z).blocks) + room  # newcomers near the edge
+    for k, (prompt, asked) in enumerate(prompts):
+        keys = shared[: prompt // BLOCK]
+        credit = min(asked, proj.creditable(keys))
+        f = Flight(1000 + k, prompt, 1, 700, shape=shape, keys=keys, credited=credit)
+        limit = budget + 1e-9
+        read = proj.peak(BLOCK, z, (f,), above=limit).blocks <= limit
+        assert proj.fits(BLOCK, budget, z, (f,)) is read
+
+
+def test_newcomers_alike_to_a_refused_one_are_refused_without_reading_the_curve(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    """A queue walk checks many waiters of one client against a full node: past the first
+    refusal, the longer prompts cost no reading, until the node's flights change."""
+    proj = NodeProjection()
+    for i in range(8):
+        proj.add(Flight(i, 400, 1, 700, shape=_LEARNED))
+        proj.progress(i, 10 + 40 * i)
+    budget = int(proj.peak(BLOCK, 3.0).blocks) + 2
+    reads = 0
+    peak = NodeProjection.peak
+
+    def counted(self: NodeProjection, *args: object, **kwargs: object) -> Peak:
+        nonlocal reads
+        reads += 1
+        return peak(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(NodeProjection, "peak", counted)
+    assert not proj.fits(BLOCK, budget, 3.0, (Flight(100, 600, 1, 700, shape=_LEARNED),))
+    assert reads == 1
+    for k, prompt in enumerate((600, 900, 2000)):
+        assert not proj.fits(BLOCK, budget, 3.0, (Flight(101 + k, prompt, 1, 700, shape=_LEARNED),))
+    assert reads == 1
+    # Another bound, or credit for shared blocks, makes another kind of newcomer: read once.
+    proj.fits(BLOCK, budget, 3.0, (Flight(110, 900, 1, 500, shape=_LEARNED),))
+    for fid, keys in ((111, (1, 2)), (112, (1, 2, 3)), (113, (1, 3))):
+        credited = Flight(fid, 900 + fid, 1, 700, shape=_LEARNED, keys=keys, credited=1)
+        assert not proj.fits(BLOCK, budget, 3.0, (credited,))
+    assert reads == 3
+    proj.progress(0, 60)  # the flights changed: what was refused is read again
+    proj.fits(BLOCK, budget, 3.0, (Flight(120, 900, 1, 700, shape=_LEARNED),))
+    assert reads == 4
