@@ -17,7 +17,10 @@ Workloads and what they compare:
             bounds each answer by the lengths learned, the default), and ``max_tokens``
             (``admission.output_reservation: max_tokens``). ``+warm``: the gateway
             serves the workload once (marked apart) before the measured run, as one
-            that has served before has learned its answers.
+            that has served before has learned its answers. In any workload,
+            ``+usage`` has the clients ask for usage on every chunk
+            (``continuous_usage_stats``, as the gateway asks the nodes): ``node+usage``
+            is the node alone serving what the gateway makes it serve.
   fleet     60 chats, 30 at a time, on S (4k context, 6,016 KV tokens) and L (16k,
             24,448): 42 short (300-2,500 prompt tokens) and 18 too long for S (4,500-
             12,000); outputs of 128-512 fixed. Modes: ``projected`` (kv_aware),
@@ -224,19 +227,19 @@ class _Got:
     end: float = 0.0  # time.monotonic() when the answer ended
 
 
-async def _one(client: AsyncOpenAI, model: str, req: Request) -> _Got:
+async def _one(client: AsyncOpenAI, model: str, req: Request, every: bool = False) -> _Got:
     """One request; a connection the server closed before answering (a keep-alive race
     with uvicorn's 5 s idle timeout, in every mode alike) is tried again, twice at most."""
     for attempt in range(3):
         try:
-            return await _once(client, model, req)
+            return await _once(client, model, req, every)
         except APIConnectionError:
             if attempt == 2:
                 return _Got(0)
     raise AssertionError("unreachable")
 
 
-async def _once(client: AsyncOpenAI, model: str, req: Request) -> _Got:
+async def _once(client: AsyncOpenAI, model: str, req: Request, every: bool) -> _Got:
     start = time.monotonic()
     got = _Got(200)
     try:
@@ -245,7 +248,7 @@ async def _once(client: AsyncOpenAI, model: str, req: Request) -> _Got:
             messages=[{"role": r, "content": c} for r, c in req.messages],  # type: ignore[misc]
             max_tokens=req.max_tokens,
             stream=True,
-            stream_options={"include_usage": True},
+            stream_options={"include_usage": True, "continuous_usage_stats": every},
             extra_body=_extra(req),
         )
         got.backend = raw.headers.get("x-gateway-backend", "-")
@@ -262,7 +265,7 @@ async def _once(client: AsyncOpenAI, model: str, req: Request) -> _Got:
     return got
 
 
-async def _run(url: str, model: str, w: Workload) -> list[_Got]:
+async def _run(url: str, model: str, w: Workload, every: bool = False) -> list[_Got]:
     client = AsyncOpenAI(base_url=url + "/v1", api_key="bench", timeout=1800, max_retries=0)
     limit = asyncio.Semaphore(w.concurrency or len(w.requests))
     done: dict[tuple[int, int], asyncio.Event] = {
@@ -273,7 +276,7 @@ async def _run(url: str, model: str, w: Workload) -> list[_Got]:
         if req.turn is not None and req.turn[1] > 0:
             await done[(req.turn[0], req.turn[1] - 1)].wait()
         async with limit:
-            got = await _one(client, model, req)
+            got = await _one(client, model, req, every)
         if req.turn is not None:
             done[req.turn].set()
         return got
@@ -332,8 +335,8 @@ def _gateway_config(nodes: list[RealNode], mode: str) -> dict[str, Any]:
             adm["budget_fraction"] = float(part.partition("=")[2])
         elif part.startswith("risk="):
             adm["preemption_risk"] = float(part.partition("=")[2])
-        elif part == "warm":
-            pass  # measure(): the gateway has served the workload once before the run
+        elif part in ("warm", "usage"):
+            pass  # measure(): served once before the run; the client asks usage per chunk
         elif part in ("length_aware", "round_robin"):
             config["routing"] = {"policy": part}
         elif part == "tiers":  # each node its own tier, in the order given
@@ -381,12 +384,13 @@ def measure(
 ) -> Result:
     """One run of ``w`` in ``mode`` (its prompts marked with ``run``, unique per run);
     with ``trace`` each node's readings over time go into it under ``mode/node``."""
-    warm = "warm" in mode.split("+")
+    parts = mode.split("+")
+    alone, warm, every = parts[0] == "node", "warm" in parts, "usage" in parts
     model = nodes[0].spec.served_name
     cpu = 0.0
     with contextlib.ExitStack() as stack:
         url, pid = nodes[0].url, 0
-        if mode != "node":
+        if not alone:
             url, pid = stack.enter_context(_gateway(nodes, mode))
             if warm:  # the gateway serves the workload once, marked apart, unmeasured
                 asyncio.run(_run(url, model, salted(w, run + WARM_MARK)))
@@ -396,10 +400,10 @@ def measure(
         pre = sum(n.metric("vllm:num_preemptions_total") for n in nodes)
         if pid:
             cpu = _cpu_seconds(pid)
-        gw = url if mode != "node" else None
+        gw = None if alone else url
         samplers = [stack.enter_context(KvSampler(n, gateway=gw)) for n in nodes]
         t0 = time.monotonic()
-        got = asyncio.run(_run(url, model, w))
+        got = asyncio.run(_run(url, model, w, every))
         wall = time.monotonic() - t0
         if pid:
             cpu = _cpu_seconds(pid) - cpu
@@ -420,7 +424,7 @@ def measure(
         requests=len(got),
         ok=len(ok),
         refused_429=sum(1 for g in got if g.status == 429),
-        node_400=sum(1 for g in got if g.node_400 or (mode == "node" and g.status == 400)),
+        node_400=sum(1 for g in got if g.node_400 or (alone and g.status == 400)),
         errors=sum(1 for g in got if g.status not in (200, 429) and not g.node_400),
         wall_s=round(wall, 2),
         output_tokens=out,

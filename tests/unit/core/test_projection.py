@@ -690,7 +690,7 @@ def test_a_refused_newcomer_answers_for_longer_prompts_alike_and_only_them(
     another kind, is read anew."""
     shape = _LEARNED if learned else None
     proj = NodeProjection()
-    shared = (7, 8, 9)  # a system prompt's blocks, held by every other running flight
+    shared: tuple[int, ...] = (7, 8, 9)  # a system prompt's blocks: every other flight's
     for i, (prompt, generated, started) in enumerate(running):
         keys = shared if i % 2 == 0 and prompt >= 3 * BLOCK else ()
         proj.add(Flight(i, prompt, 1, 700, shape=shape, keys=keys, scheduled=len(keys)))
