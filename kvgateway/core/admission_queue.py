@@ -50,9 +50,8 @@ def tenant_key(demand: Demand, ticket: Ticket | None) -> str:
 
 
 class AdmissionQueue:
-    """The waiters, the backends they claim and the tenant limits holding them back.
-
-    A waiter that its tenant's limits let through claims every backend routing could
+    """The waiters, the backends they claim and the tenant limits holding them back:
+    a waiter that its tenant's limits let through claims every backend routing could
     give it (nobody after it may take room there); one held by a limit claims nothing."""
 
     def __init__(
@@ -86,13 +85,13 @@ class AdmissionQueue:
         self._through: dict[str, list[int]] = {}
         # Per class and model: its waiters held behind the other classes' floors.
         self._floor_parked: Counter[tuple[str, str]] = Counter()
+        self._gated = 0  # waiters a tenant limit holds
 
     def __len__(self) -> int:
         return len(self.waiters)
 
     def ordered(self) -> Iterator[Waiter]:
-        """The waiters in the order they are served (arrival order without tenancy), as
-        a snapshot: the queue may change while it is read."""
+        """The waiters in serving order (arrival order without tenancy), as a snapshot."""
         if self._tenancy is None:
             return iter(self.waiters)
         return self.waiters.ordered(self._clock(), self._tenancy.auth.aging_s)
@@ -181,7 +180,8 @@ class AdmissionQueue:
         self._changed()
 
     def _park(self, w: Waiter, sign: int) -> None:
-        """Count ``w`` in (1) or out (-1) of its class's waiters behind the floors."""
+        """Count ``w`` in (1) or out (-1) of the waiters limits hold (and floors, by class)."""
+        self._gated += sign if w.gated is not None else 0
         if w.gated == CLASS_FLOOR and w.ticket is not None:
             key = (w.ticket.klass, w.demand.model)
             self._floor_parked[key] += sign
@@ -314,7 +314,7 @@ class AdmissionQueue:
         waits for any of its requests to end, wherever that one ran)."""
         opened: dict[str, Backend] = {}
         held: set[tuple[str, str]] = set()
-        for w in self.ordered():  # in serving order: the first let through go first
+        for w in self.ordered() if self._gated else ():  # serving order: first come first
             if w.gated is None or w.future.done():
                 continue
             if w.tenant != tenant and w.gated != CLASS_FLOOR:

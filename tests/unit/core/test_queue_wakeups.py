@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections.abc import Iterator
 
 import pytest
 
 from kvgateway.config.load import parse_config
 from kvgateway.config.model import AuthConfig, ClassConfig, TenantConfig, TenantLimits
 from kvgateway.core.admission import Admission
+from kvgateway.core.admission_queue import AdmissionQueue, Waiter
 from kvgateway.core.backends import Observed
 from kvgateway.core.demand import Demand
 from kvgateway.core.fleet import Fleet
@@ -160,3 +162,40 @@ async def test_a_node_left_with_nothing_keeps_no_report_bookkeeping() -> None:
     adm.release(await asyncio.wait_for(queued, 1.0))  # the room freed goes to the waiter
     assert node.in_flight == 0
     assert "a" not in adm._reported and "a" not in adm._reoffered
+
+
+async def test_a_release_walks_the_queue_for_held_waiters_only_while_a_limit_holds_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An ending request asks its tenant's held waiters again; while no limit holds any
+    waiter (all wait for room), that asks nobody and reads no queue. A waiter the limit
+    holds is asked again at the release that opens its limit."""
+    cfg = AuthConfig(keys=(_tenant("c", max_concurrent=3),), classes=CLASSES, aging_s=5.0)
+    small, big = backend("a", kv=1024, max_model_len=1024), backend("b", kv=4096)
+    nodes = [small, big]
+    adm = admission_over(nodes, tenancy=Tenancy(lambda: cfg), budget=lambda: 5120)
+    walks = 0
+    ordered = AdmissionQueue.ordered
+
+    def counted(self: AdmissionQueue) -> Iterator[Waiter]:
+        nonlocal walks
+        walks += 1
+        return ordered(self)
+
+    monkeypatch.setattr(AdmissionQueue, "ordered", counted)
+    held_big = await adm.admit(_of("c", 3000, 900), 1.0)  # too long for a; b full
+    on_small = await adm.admit(_of("c", 100), 1.0)
+    assert (held_big.backend, on_small.backend) == (big, small)
+    waiting = asyncio.create_task(adm.admit(_of("c", 2000, 900), 5.0))  # room on b only
+    await asyncio.sleep(0)
+    assert adm.queue_depth == 1 and walks == 0
+    adm.release(on_small)  # a's room: nobody claims it, no limit held anyone
+    assert walks == 0
+    await adm.admit(_of("c", 100), 1.0)  # on a: c's third
+    parked = asyncio.create_task(adm.admit(_of("c", 100), 5.0))  # max_concurrent: held
+    await asyncio.sleep(0)
+    assert adm.queue_depth == 2
+    adm.release(held_big)
+    assert (await asyncio.wait_for(waiting, 1.0)).backend is big
+    await asyncio.wait_for(parked, 1.0)
+    assert walks > 0
