@@ -314,7 +314,7 @@ class AdmissionQueue:
         waits for any of its requests to end, wherever that one ran)."""
         opened: dict[str, Backend] = {}
         held: set[tuple[str, str]] = set()
-        for w in self.ordered() if self._gated else ():  # serving order: first come first
+        for w in self.ordered() if self._gated else ():  # in serving order
             if w.gated is None or w.future.done():
                 continue
             if w.tenant != tenant and w.gated != CLASS_FLOOR:
