@@ -11,8 +11,10 @@ the node's use read, and the oldest flight removed. Three kinds of flights on th
 
 Printed: microseconds of CPU per cycle, in this process, for each kind and count; then
 what a queue walk pays per waiter once the node's curve is read (running flights with
-learned lengths): a check that admits and one that is refused; and a whole walk of 100
-and 1,000 waiters of one client, none fitting.
+learned lengths): a check that admits and one that is refused; a newcomer credited the
+shared blocks every flight holds (a common system prompt), checked again with nothing
+changed and after a change; and a whole walk of 100 and 1,000 waiters of one client,
+none fitting.
 
     python -m bench.projection_cost [--flights 32,128,256] [--block 16]
 """
@@ -75,6 +77,28 @@ def check_us(flights: int, block: int, admit: bool, seconds: float = 0.5) -> flo
     return (time.process_time() - start) / checks * 1e6
 
 
+def credited_us(flights: int, block: int, changed: bool, seconds: float = 0.5) -> float:
+    """Mean CPU microseconds of one check of a newcomer credited a system prompt's 8
+    blocks that every one of ``flights`` (running, learned lengths) holds; ``changed``:
+    the node's flights changed just before each (nothing kept from the last check)."""
+    keys = tuple(range(1, 9))
+    proj = NodeProjection()
+    for i in range(flights):
+        proj.add(
+            Flight(i, 1000, 1, 400, shape=_SHAPE, keys=keys, scheduled=8, credited=8 * (i > 0))
+        )
+        proj.progress(i, 1 + (i * 7) % 390)
+    checks = 0
+    start = time.process_time()
+    while time.process_time() - start < seconds:
+        if changed:
+            proj.progress(0, 1)
+        newcomer = Flight(flights + checks, 1000, 1, 400, shape=_SHAPE, keys=keys, credited=8)
+        proj.fits(block, 10**9, 2.0, (newcomer,))
+        checks += 1
+    return (time.process_time() - start) / checks * 1e6
+
+
 def walk_ms(flights: int, waiters: int, block: int, seconds: float = 0.5) -> float:
     """Mean CPU milliseconds of one queue walk: ``waiters`` of one client (one learned
     shape and bound, prompts of 100-2,000 tokens) checked in turn against ``flights``
@@ -111,6 +135,10 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{n:>7} {check_us(n, args.block, True):>13.1f} {check_us(n, args.block, False):>13.1f}"
         )
+    print(f"\n{'flights':>7} {'kept us':>13} {'changed us':>13}   (a credited newcomer's check)")
+    for n in counts:
+        kept, changed = credited_us(n, args.block, False), credited_us(n, args.block, True)
+        print(f"{n:>7} {kept:>13.1f} {changed:>13.1f}")
     print(f"\n{'flights':>7} {'waiters':>7} {'walk ms':>9}   (a queue walk, none fitting)")
     for n in counts:
         for waiters in (100, 1000):

@@ -5,8 +5,7 @@ latest at its output bound; a queued one is a :func:`delayed` flight. Pure.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, fields
 
@@ -114,17 +113,6 @@ def ahead_of(k: int) -> int:
     its drafter writes (vLLM's num_lookahead_tokens: k, or k + 1 for fill-in drafting).
     Without drafting, :data:`AHEAD`."""
     return AHEAD + 3 * k + 1 if k else AHEAD
-
-
-def expected_copies(paid: Iterable[float], held: Iterable[float]) -> float:
-    """Expected copies of a shared block: one per payer running (chances ``paid``), and
-    one more when no payer runs but another holder (chances ``held``) does (it keeps the
-    blocks it was credited: vLLM frees a cached block with its last user). Lengths are
-    independent, so that is P(no payer) x P(any other holder)."""
-    chances = list(paid)
-    return sum(chances) + math.prod(1.0 - a for a in chances) * (
-        1.0 - math.prod(1.0 - a for a in held)
-    )
 
 
 def delayed(f: Flight, steps: int) -> Flight:
@@ -305,6 +293,27 @@ def fixed_curve(
     return out
 
 
+def chances(fs: Sequence[Flight], t: np.ndarray) -> np.ndarray:
+    """Each flight's chance of still running at each of steps ``t`` (ascending), one row
+    a flight: :meth:`Flight.survival` for all at once."""
+    generated = np.asarray([f.generated for f in fs], dtype=np.int64)[:, None]
+    delay = np.asarray([f.delay for f in fs], dtype=np.int64)[:, None]
+    later = generated + np.maximum(0, t - delay)
+    a = np.ones(later.shape)
+    shapes: dict[int, tuple[OutputShape, list[int]]] = {}
+    for k, f in enumerate(fs):
+        if f.started and f.shape is not None:
+            shapes.setdefault(id(f.shape), (f.shape, []))[1].append(k)
+    for shape, ks in shapes.values():
+        now = shape.beyond_many(generated[ks, 0])[:, None]
+        ratio = shape.beyond_many(later[ks]) / np.where(now > 0.0, now, 1.0)
+        a[ks] = np.where(now > 0.0, np.minimum(1.0, ratio), 1.0)
+    last = int(t[-1]) + 1 if len(t) else 0
+    ends = np.asarray([f.end if f.end is not None else last for f in fs], dtype=np.int64)
+    a[t >= ends[:, None]] = 0.0
+    return a
+
+
 def learned_curve(
     flights: tuple[Flight, ...],
     steps: list[int],
@@ -336,31 +345,20 @@ def learned_curve(
         def col(values: list[int] | list[bool]) -> np.ndarray:
             return np.asarray(values, dtype=np.int64)[:, None]
 
-        generated = col([f.generated for f in fs])
-        bound = col([f.bound for f in fs])
-        delay = col([f.delay for f in fs])
         n = col([f.n for f in fs])
-        # Survival is read at the slowest growth (a token a step), size at the fastest.
-        later = generated + np.maximum(0, t - delay)
-        grown = np.minimum(bound, generated + col([f.rate for f in fs]) * (later - generated))
+        # Size at the fastest growth; survival (chances) at the slowest, a token a step.
+        steps_in = np.maximum(0, t - col([f.delay for f in fs]))
+        grown = np.minimum(
+            col([f.bound for f in fs]),
+            col([f.generated for f in fs]) + col([f.rate for f in fs]) * steps_in,
+        )
         tokens = np.where(
             col([f.seen for f in fs]),
             col([f.prompt + f.rate * f.behind + f.ahead for f in fs]) + grown,
             col([f.prompt + f.bound + f.ahead for f in fs]),
         )
         blocks = -(-tokens // block)
-        a = np.ones(blocks.shape)
-        shapes: dict[int, tuple[OutputShape, list[int]]] = {}
-        for k, f in enumerate(fs):
-            if f.started and f.shape is not None:
-                shapes.setdefault(id(f.shape), (f.shape, []))[1].append(k)
-        for shape, ks in shapes.values():
-            now = shape.beyond_many(generated[ks, 0])[:, None]
-            ratio = shape.beyond_many(later[ks]) / np.where(now > 0.0, now, 1.0)
-            a[ks] = np.where(now > 0.0, np.minimum(1.0, ratio), 1.0)
-        ends = col([f.end if f.end is not None else steps[-1] + 1 for f in fs])
-        a[t >= ends] = 0.0
-        alive[plain] = a
+        alive[plain] = a = chances(fs, t)
         fl = n.astype(float)
         mean += (a * blocks * fl).sum(axis=0)
         var += (fl * a * (1.0 - a) * blocks * blocks).sum(axis=0)
@@ -381,15 +379,15 @@ def learned_curve(
             most -= np.where(alive[i] > 0.0, held, 0)
     row = {f.id: i for i, f in enumerate(flights)}
 
-    def chances(ids: frozenset[int]) -> np.ndarray:
+    def rows(ids: frozenset[int]) -> np.ndarray:
         out = np.zeros((len(ids), len(steps)))
         for k, fid in enumerate(ids):
             out[k] = alive[row[fid]] if fid in row else float(fid in static)
         return out
 
     for g in groups:
-        payers = chances(g.payers)
-        others = chances(g.holders - g.payers)
+        payers = rows(g.payers)
+        others = rows(g.holders - g.payers)
         none_paid = np.prod(1.0 - payers, axis=0)
         mean += g.keys * (payers.sum(axis=0) + none_paid * (1.0 - np.prod(1.0 - others, axis=0)))
         anyone = np.concatenate((payers, others)).max(axis=0, initial=0.0)

@@ -23,6 +23,7 @@ holding each key (fed by :mod:`.cache_view`, read by :mod:`.prefix_index`).
 
 from __future__ import annotations
 
+import math
 from array import array
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -101,6 +102,17 @@ class KeyGroup:
 class _KeyUse:
     payers: set[int] = field(default_factory=set)
     holders: set[int] = field(default_factory=set)
+
+
+def expected_copies(paid: Iterable[float], held: Iterable[float]) -> float:
+    """Expected copies of a shared block: one per payer running (chances ``paid``), and
+    one more when no payer runs but another holder (chances ``held``) does (it keeps the
+    blocks it was credited: vLLM frees a cached block with its last user). Lengths are
+    independent, so that is P(no payer) x P(any other holder)."""
+    chances = list(paid)
+    return sum(chances) + math.prod(1.0 - a for a in chances) * (
+        1.0 - math.prod(1.0 - a for a in held)
+    )
 
 
 class ReadyKeys:

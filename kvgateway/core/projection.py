@@ -37,19 +37,21 @@ from collections.abc import Iterable
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
+import numpy as np
+
 from kvgateway.core.flight import (
     Flight,
     blocks_of,
+    chances,
     curve_steps,
     delayed,
-    expected_copies,
     fixed_curve,
     frozen,
     is_static,
     learned_curve,
     likeness,
 )
-from kvgateway.core.prefix_keys import BlockKey, ReadyKeys, SharedKeys
+from kvgateway.core.prefix_keys import BlockKey, ReadyKeys, SharedKeys, expected_copies
 
 # Variance (blocks squared) below which a sum kept as flights come and go reads as none.
 _NO_SPREAD = 1e-9
@@ -82,22 +84,6 @@ class NodeProjection:
     about many candidates, each adding only its own part. Flights whose holding never
     changes (:func:`~.flight.is_static`) are summed as they come and go."""
 
-    __slots__ = (
-        "_base",
-        "_clock",
-        "_flights",
-        "_held",
-        "_ready",
-        "_refused",
-        "_shared",
-        "_started",
-        "_static",
-        "_static_ids",
-        "_steps",
-        "_sums",
-        "_varying",
-    )
-
     def __init__(self) -> None:
         self._flights: dict[int, Flight] = {}
         self._shared = SharedKeys()
@@ -106,6 +92,7 @@ class NodeProjection:
         self._base: dict[tuple[int, int], tuple[float, float, int]] = {}
         # Per kind of newcomer (:meth:`fits`), the shortest prompt refused since a change.
         self._refused: dict[tuple[object, ...], tuple[int, tuple[Flight, ...]]] = {}
+        self._covers: dict[tuple[BlockKey, tuple[int, ...]], list[float]] = {}
         self._steps: dict[int, tuple[int, ...]] = {}
         self._static: dict[int, _Static] = {}
         # Per block size, what each step-invariant flight holds (it never changes), and
@@ -143,6 +130,7 @@ class NodeProjection:
 
     def _changed(self) -> None:
         self._refused.clear()
+        self._covers.clear()
         self._base.clear()
         self._steps.clear()
         self._static.clear()
@@ -253,17 +241,17 @@ class NodeProjection:
         steps = self._base_steps(block)
         if added:
             steps = tuple(sorted({*steps, *curve_steps(added, block)}))
-        credit = [(f, self._credit_holders(f)) for f in added]
+        credit = [(f, self._cover(f, steps)) for f in added]
         self._fill(block, steps)
         best = Peak(0.0, 0)
-        for t in steps:
+        for j, t in enumerate(steps):
             mean, var, most = self._base_at(block, t)
-            for f, holders in credit:
+            for f, covers in credit:
                 a, blocks, spread = f.blocks_at(t, block)
                 if a <= 0.0:
                     continue
                 # Credited blocks are another's copy while a holder runs, then its own.
-                cover = 1.0 - math.prod(1.0 - h.survival(t) for h in holders)
+                cover = covers[j]
                 mean += blocks - a * cover * f.credited
                 var += spread
                 most += f.n * blocks_of(f.tokens_at(t), block) - (f.credited if cover else 0)
@@ -295,13 +283,20 @@ class NodeProjection:
         mean, var, most = self._base_at(block, t)
         return Peak(min(mean + z * math.sqrt(var), float(most)) if var > 0.0 else mean, t)
 
-    def _credit_holders(self, f: Flight) -> tuple[Flight, ...]:
-        """The admitted flights holding ``f``'s credited blocks (its deepest credited
-        block: a holder of it holds every block before it)."""
+    def _cover(self, f: Flight, steps: tuple[int, ...]) -> list[float]:
+        """At each of ``steps``, the chance that an admitted flight holding ``f``'s
+        credited blocks still runs (a holder of its deepest credited block holds every
+        block before it); kept until the flights change (a walk asks it of many)."""
         if not f.credited:
-            return ()
+            return [0.0] * len(steps)
         key = f.keys[f.credited - 1]
-        return tuple(other for other in self._flights.values() if key in other.keys)
+        covers = self._covers.get((key, steps))
+        if covers is None:
+            holders = [other for other in self._flights.values() if key in other.keys]
+            alive = chances(holders, np.asarray(steps, dtype=np.int64)) if holders else None
+            covers = [0.0] * len(steps) if alive is None else (1.0 - np.prod(1.0 - alive, 0))
+            covers = self._covers[(key, steps)] = [float(c) for c in covers]
+        return covers
 
     def _base_steps(self, block: int) -> tuple[int, ...]:
         steps = self._steps.get(block)

@@ -8,12 +8,13 @@ import dataclasses
 import itertools
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvgateway.core.demand import flight_for
-from kvgateway.core.flight import AHEAD, FIRST_CHUNK_TOKENS, Flight, curve_steps
+from kvgateway.core.flight import AHEAD, FIRST_CHUNK_TOKENS, Flight, chances, curve_steps
 from kvgateway.core.output_model import OutputShape
 from kvgateway.core.prefix_keys import SharedKeys
 from kvgateway.core.projection import NodeProjection, Peak
@@ -740,3 +741,34 @@ def test_newcomers_alike_to_a_refused_one_are_refused_without_reading_the_curve(
     proj.progress(0, 60)  # the flights changed: what was refused is read again
     proj.fits(BLOCK, budget, 3.0, (Flight(120, 900, 1, 700, shape=_LEARNED),))
     assert reads == 4
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    flights=st.lists(
+        st.tuples(
+            st.integers(0, 700),
+            st.integers(1, 700),
+            st.booleans(),
+            st.booleans(),
+            st.integers(0, 40),
+        ),
+        min_size=1,
+        max_size=10,
+    ),
+    steps=st.lists(st.integers(0, 900), min_size=1, max_size=30, unique=True),
+)
+def test_chances_read_at_once_are_each_flights_survival(
+    flights: list[tuple[int, int, bool, bool, int]], steps: list[int]
+):
+    """The chances of running read for many flights and steps at once (a credited
+    newcomer's holders, a learned curve) are what each flight's survival says."""
+    fs = []
+    for i, (generated, bound, started, learned, delay) in enumerate(flights):
+        shape = _LEARNED if learned else None
+        f = Flight(i, 100, 1, bound, min(generated, bound), started, shape=shape, delay=delay)
+        fs.append(f)
+    t = np.asarray(sorted(steps), dtype=np.int64)
+    at_once = chances(fs, t)
+    for row, f in zip(at_once, fs, strict=True):
+        assert row.tolist() == pytest.approx([f.survival(int(x)) for x in t])
