@@ -229,9 +229,10 @@ def stop_reading(request: web.Request) -> None:
     aiohttp reads and drops what is left of it after the answer (``lingering_time``), so
     a client that sends its whole body before reading gets the answer, not a reset. For a
     30 MB body resent in a loop that reading was most of the event loop's time. So past
-    LINGER_BYTES the transport is paused instead: clients that read while they send
-    (aiohttp, httpx and so the OpenAI SDKs, curl) still get the answer; the connection
-    is closed when lingering ends, as it would be anyway for a body still arriving."""
+    LINGER_BYTES the transport is paused instead, and the connection closed when
+    lingering ends: a client that reads while it sends still gets the answer; one that
+    writes its whole body first (httpx, so the OpenAI SDKs) gets it only while the rest
+    fits the sockets' buffers, else a reset."""
     with contextlib.suppress(Exception):
         # Emptied first: draining a paused buffer would resume reading.
         request.content.read_nowait()
