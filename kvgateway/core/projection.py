@@ -293,8 +293,11 @@ class NodeProjection:
         covers = self._covers.get((key, steps))
         if covers is None:
             holders = [other for other in self._flights.values() if key in other.keys]
-            alive = chances(holders, np.asarray(steps, dtype=np.int64)) if holders else None
-            covers = [0.0] * len(steps) if alive is None else (1.0 - np.prod(1.0 - alive, 0))
+            if any(not h.started for h in holders):  # its end unknown: it runs throughout
+                covers = [1.0] * len(steps)
+            else:
+                alive = chances(holders, np.asarray(steps, dtype=np.int64)) if holders else None
+                covers = [0.0] * len(steps) if alive is None else 1.0 - np.prod(1.0 - alive, 0)
             covers = self._covers[(key, steps)] = [float(c) for c in covers]
         return covers
 
