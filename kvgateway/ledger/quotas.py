@@ -40,7 +40,7 @@ from kvgateway.core.quota import (
     RateLimitHit,
     RateStatus,
 )
-from kvgateway.ledger.connect import REDIS_FAILURES
+from kvgateway.ledger.connect import REDIS_FAILURES, stop_loops
 from kvgateway.ledger.quota_scripts import ADJUST, CHARGE, IMPORT, QuotaKeys
 
 log = logging.getLogger("kvgateway.ledger")
@@ -114,6 +114,7 @@ class SharedQuotas:
         self._unsent = False
         self._adjust: list[tuple[str, str, dict[str, int]]] = []  # tenant, ref, amounts
         self._flush = asyncio.Event()
+        self._closing = False
         self._shas: dict[str, str] = {}
 
     def _set_fallback(self, on: bool, reason: str = "") -> None:
@@ -280,13 +281,14 @@ class SharedQuotas:
     @contextlib.asynccontextmanager
     async def running(self) -> AsyncIterator[None]:
         """Send settlements until the block ends (then what is left, bounded)."""
+        self._closing = False
         task = asyncio.create_task(self._flush_loop(), name="quota-settle")
         try:
             yield
         finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            self._closing = True
+            self._flush.set()
+            await stop_loops([task], self._timeout * 2 + RETRY_S)
             with contextlib.suppress(*REDIS_FAILURES):
                 async with asyncio.timeout(self._timeout):
                     await self._send_adjustments()
@@ -296,6 +298,8 @@ class SharedQuotas:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(RETRY_S / 4):
                     await self._flush.wait()
+            if self._closing:
+                return  # what is left is sent once the block ends
             self._flush.clear()
             now = self._clock()
             self._replicas(now)

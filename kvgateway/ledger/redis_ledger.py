@@ -17,7 +17,7 @@ from kvgateway.core.admission import Admission
 from kvgateway.core.reservation import Amount
 from kvgateway.core.tenancy import Tenancy
 from kvgateway.ledger.calls import release_totals
-from kvgateway.ledger.connect import REDIS_FAILURES
+from kvgateway.ledger.connect import REDIS_FAILURES, stop_loops
 from kvgateway.ledger.scripts import Refused, parse_message
 from kvgateway.ledger.shared_book import SharedBook
 from kvgateway.ledger.snapshot import settled_holding
@@ -62,13 +62,7 @@ class RedisLedger(SharedBook):
                     yield
         finally:
             self._closing = True
-            for t in tasks:
-                t.cancel()
-            try:
-                async with asyncio.timeout(self._cfg.timeout_s * 4 + 1.0):
-                    await asyncio.gather(*tasks, return_exceptions=True)
-            except TimeoutError:
-                log.warning("ledger tasks did not stop in time: %s", [t.get_name() for t in tasks])
+            await stop_loops(tasks, self._cfg.timeout_s * 4 + 1.0)
             await self._leave()
             await self._calls.close()
 

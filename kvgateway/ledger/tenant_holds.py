@@ -32,7 +32,7 @@ from redis.asyncio import Redis
 
 from kvgateway.core.reservation import Reservation
 from kvgateway.core.tenancy import Tenancy
-from kvgateway.ledger.connect import REDIS_FAILURES
+from kvgateway.ledger.connect import REDIS_FAILURES, stop_loops
 from kvgateway.ledger.fallback import RequestLives, TenantFallback, TenantRecord, over_limit
 from kvgateway.ledger.quota_scripts import FLOOR_WAITS, GRANTED, HOLD
 from kvgateway.ledger.tenant_order import (
@@ -306,13 +306,8 @@ class TenantHolds:
         try:
             yield
         finally:
-            # The loop stops even if a Redis call swallowed its cancellation (the client
-            # turns some into connection errors, which a refresh survives).
             self._closing = True
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, TimeoutError):
-                async with asyncio.timeout(self._timeout * 2 + REFRESH_S):
-                    await task
+            await stop_loops([task], self._timeout * 2 + REFRESH_S)
 
     async def _loop(self) -> None:
         while not self._closing:

@@ -149,3 +149,42 @@ async def test_a_charge_on_the_share_while_the_minute_is_sent_is_sent_too(
             await eventually(all_three, timeout=5)
     finally:
         await client.aclose()
+
+
+async def test_the_settle_loop_ends_though_a_redis_call_swallowed_its_cancel(
+    redis_server: RedisServer,
+) -> None:
+    """On Python 3.11 the client's ``wait_for`` returns a reply that lands together with
+    the task's cancel, and the cancel is lost: the block still ends within its bound,
+    and the settlement still reaches Redis."""
+    client = Redis.from_url(redis_server.url, socket_timeout=0.5, socket_connect_timeout=0.5)
+    q = SharedQuotas(client, "t", "a", 0.5, shared=lambda: True, live=lambda: 1, clock=lambda: 0.0)
+    inside = asyncio.Event()
+    send = q._send_adjustments
+    calls = 0
+
+    async def swallowing() -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 1:  # the loop's send: the cancel lands in it and is lost
+            inside.set()
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.sleep(0.3)
+            return
+        await send()
+
+    q._send_adjustments = swallowing  # type: ignore[method-assign]
+    try:
+        charge = await q.try_charge("x", LIMITS, 1, 1, 0.0)
+        assert isinstance(charge, Charge)
+        loop = asyncio.get_running_loop()
+        async with asyncio.timeout(10):
+            async with q.running():
+                q.settle(charge, 0, 0.0, served=False)  # wakes the loop's send
+                await asyncio.wait_for(inside.wait(), 5)
+                started = loop.time()
+        assert loop.time() - started < 0.5 * 2 + 1.0
+        assert calls == 2  # the block's own send after the loop
+        assert await client.get(KEY) == b"0"  # the refund reached Redis
+    finally:
+        await client.aclose()

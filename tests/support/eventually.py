@@ -53,10 +53,13 @@ async def eventually(
     last: AssertionError | None = None
     label = what or getattr(check, "__name__", "condition")
     while True:
+        # A check that never answers fails like one that answers no.
+        bound = asyncio.timeout(max(deadline - time.monotonic(), interval))
         try:
             value = check()
             if inspect.isawaitable(value):
-                value = await value
+                async with bound:
+                    value = await value
             if value:
                 return value
             last = AssertionError(f"{label}: got {value!r}")
@@ -64,6 +67,10 @@ async def eventually(
             last = exc
         except not_yet as exc:
             last = AssertionError(f"{label}: {exc!r}")
+        except TimeoutError:
+            if not bound.expired():
+                raise
+            last = AssertionError(f"{label}: no answer")
         if time.monotonic() >= deadline:
             raise AssertionError(f"not true within {timeout} s: {last}") from last
         await asyncio.sleep(interval)
