@@ -29,6 +29,7 @@ log = logging.getLogger("kvgateway.upstream.monitor")
 _HEALTH_BODY_MAX = 64 * 1024
 
 RESTART_DELAY_S = 1.0
+CLOSE_S = 5.0
 
 
 class Monitor:
@@ -67,13 +68,22 @@ class Monitor:
         await asyncio.gather(*(self._check(b) for b in self._fleet.active))
 
     async def close(self) -> None:
+        """Stop the watchers, waiting at most :data:`CLOSE_S` (a probe's client may lose
+        a cancel that lands as its answer does; the watcher then ends with the process)."""
         tasks = list(self._tasks.values())
         self._tasks.clear()
         for t in tasks:
             t.cancel()
-        for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        if not tasks:
+            return
+        done, pending = await asyncio.wait(tasks, timeout=CLOSE_S)
+        for t in done:
+            if not t.cancelled() and (exc := t.exception()) is not None:
+                log.error("backend watcher %s had failed", t.get_name(), exc_info=exc)
+        if pending:
+            log.warning(
+                "backend watchers did not stop in time: %s", [t.get_name() for t in pending]
+            )
 
     async def _supervise(self, b: Backend) -> None:
         while not b.draining:

@@ -253,3 +253,28 @@ async def test_an_unhealthy_node_is_not_polled_in_a_tight_loop(
         await asyncio.sleep(1.5)
         await monitor.close()
     assert loops[0] <= 4, loops[0]  # one per health interval (1 s), not ~100 a second
+
+
+async def test_close_returns_within_its_bound_though_a_watcher_lost_its_cancel(monkeypatch):
+    """A watcher whose cancel was lost (a client that returns the answer landing with
+    it) does not hold the gateway's shutdown: close waits at most CLOSE_S for it."""
+    monkeypatch.setattr("kvgateway.upstream.monitor.CLOSE_S", 0.2)
+    fleet, adm, config = _monitored("http://127.0.0.1:9")
+    stop = asyncio.Event()
+
+    async def stubborn(b: Backend) -> None:
+        while not stop.is_set():
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.sleep(0.02)
+
+    async with aiohttp.ClientSession() as session:
+        monitor = _monitor(fleet, adm, config, session)
+        monitor._supervise = stubborn  # type: ignore[method-assign]
+        monitor.sync()
+        await asyncio.sleep(0.05)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        await monitor.close()
+        assert 0.2 <= loop.time() - started < 1.0
+    stop.set()
+    await asyncio.sleep(0.05)
