@@ -3,11 +3,8 @@ silent retries (a slow Redis must turn into the local-share fallback, not a long
 
 from __future__ import annotations
 
-import asyncio
-import logging
 import os
 import socket
-from collections.abc import Sequence
 
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.retry import Retry
@@ -19,8 +16,6 @@ from kvgateway.config.ledger import LedgerConfig
 # What a Redis call that failed raises: each caller falls back on its own, never fails
 # a request.
 REDIS_FAILURES = (RedisError, OSError, TimeoutError)
-
-log = logging.getLogger(__name__)
 
 # Connections to Redis per replica (each call holds one for ~0.1-1 ms; the listener one).
 POOL_CONNECTIONS = 32
@@ -61,20 +56,3 @@ def default_replica_id(port: int, worker: int | None = None) -> str:
     a systemd unit), so a restart replaces its old holdings instead of adding to them."""
     rid = f"{socket.gethostname()}:{port}"
     return rid if worker is None else f"{rid}/w{worker}"
-
-
-async def stop_loops(tasks: Sequence[asyncio.Task[None]], bound_s: float) -> None:
-    """Cancel the ledger's loops and wait for them, at most ``bound_s``. A cancel can be
-    lost inside a Redis call (on Python 3.11 the client's ``wait_for`` returns a reply
-    that lands together with it), so each loop also ends at its own closing flag, which
-    the caller sets first; the caller's own cancel is not swallowed here."""
-    for t in tasks:
-        t.cancel()
-    if not tasks:
-        return
-    done, pending = await asyncio.wait(tasks, timeout=bound_s)
-    for t in done:
-        if not t.cancelled() and (exc := t.exception()) is not None:
-            log.error("ledger task %s had failed", t.get_name(), exc_info=exc)
-    if pending:
-        log.warning("ledger tasks did not stop in time: %s", [t.get_name() for t in pending])

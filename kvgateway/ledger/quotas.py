@@ -40,8 +40,9 @@ from kvgateway.core.quota import (
     RateLimitHit,
     RateStatus,
 )
-from kvgateway.ledger.connect import REDIS_FAILURES, stop_loops
+from kvgateway.ledger.connect import REDIS_FAILURES
 from kvgateway.ledger.quota_scripts import ADJUST, CHARGE, IMPORT, QuotaKeys
+from kvgateway.tasks import stop_tasks
 
 log = logging.getLogger("kvgateway.ledger")
 
@@ -288,7 +289,7 @@ class SharedQuotas:
         finally:
             self._closing = True
             self._flush.set()
-            await stop_loops([task], self._timeout * 2 + RETRY_S)
+            await stop_tasks([task], self._timeout * 2 + RETRY_S, "quota settle loop", log)
             with contextlib.suppress(*REDIS_FAILURES):
                 async with asyncio.timeout(self._timeout):
                     await self._send_adjustments()

@@ -17,10 +17,11 @@ from kvgateway.core.admission import Admission
 from kvgateway.core.reservation import Amount
 from kvgateway.core.tenancy import Tenancy
 from kvgateway.ledger.calls import release_totals
-from kvgateway.ledger.connect import REDIS_FAILURES, stop_loops
+from kvgateway.ledger.connect import REDIS_FAILURES
 from kvgateway.ledger.scripts import Refused, parse_message
 from kvgateway.ledger.shared_book import SharedBook
 from kvgateway.ledger.snapshot import settled_holding
+from kvgateway.tasks import stop_tasks
 
 log = logging.getLogger("kvgateway.ledger")
 
@@ -62,7 +63,7 @@ class RedisLedger(SharedBook):
                     yield
         finally:
             self._closing = True
-            await stop_loops(tasks, self._cfg.timeout_s * 4 + 1.0)
+            await stop_tasks(tasks, self._cfg.timeout_s * 4 + 1.0, "ledger loops", log)
             await self._leave()
             await self._calls.close()
 

@@ -32,7 +32,7 @@ from redis.asyncio import Redis
 
 from kvgateway.core.reservation import Reservation
 from kvgateway.core.tenancy import Tenancy
-from kvgateway.ledger.connect import REDIS_FAILURES, stop_loops
+from kvgateway.ledger.connect import REDIS_FAILURES
 from kvgateway.ledger.fallback import RequestLives, TenantFallback, TenantRecord, over_limit
 from kvgateway.ledger.quota_scripts import FLOOR_WAITS, GRANTED, HOLD
 from kvgateway.ledger.tenant_order import (
@@ -46,6 +46,7 @@ from kvgateway.ledger.tenant_order import (
     write_grants,
     write_node_seqs,
 )
+from kvgateway.tasks import stop_tasks
 
 log = logging.getLogger("kvgateway.ledger")
 
@@ -307,7 +308,7 @@ class TenantHolds:
             yield
         finally:
             self._closing = True
-            await stop_loops([task], self._timeout * 2 + REFRESH_S)
+            await stop_tasks([task], self._timeout * 2 + REFRESH_S, "tenant holds loop", log)
 
     async def _loop(self) -> None:
         while not self._closing:

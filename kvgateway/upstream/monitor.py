@@ -21,6 +21,7 @@ from kvgateway.config.model import GatewayConfig
 from kvgateway.core.admission import Admission
 from kvgateway.core.backends import Backend, LimitSource
 from kvgateway.core.fleet import Fleet
+from kvgateway.tasks import stop_tasks
 from kvgateway.upstream import feedback, probe
 from kvgateway.upstream.client import read_capped
 
@@ -72,18 +73,7 @@ class Monitor:
         a cancel that lands as its answer does; the watcher then ends with the process)."""
         tasks = list(self._tasks.values())
         self._tasks.clear()
-        for t in tasks:
-            t.cancel()
-        if not tasks:
-            return
-        done, pending = await asyncio.wait(tasks, timeout=CLOSE_S)
-        for t in done:
-            if not t.cancelled() and (exc := t.exception()) is not None:
-                log.error("backend watcher %s had failed", t.get_name(), exc_info=exc)
-        if pending:
-            log.warning(
-                "backend watchers did not stop in time: %s", [t.get_name() for t in pending]
-            )
+        await stop_tasks(tasks, CLOSE_S, "backend watchers", log)
 
     async def _supervise(self, b: Backend) -> None:
         while not b.draining:
