@@ -13,7 +13,8 @@ Printed: microseconds of CPU per cycle, in this process, for each kind and count
 what a queue walk pays per waiter once the node's curve is read (running flights with
 learned lengths): a check that admits and one that is refused; a newcomer credited the
 shared blocks every flight holds (a common system prompt), checked again with nothing
-changed and after a change; and a whole walk of 100 and 1,000 waiters of one client,
+changed and after a change; an admission in a burst (newcomers with learned lengths added
+one after another, none started); and a whole walk of 100 and 1,000 waiters of one client,
 none fitting.
 
     python -m bench.projection_cost [--flights 32,128,256] [--block 16]
@@ -120,6 +121,22 @@ def walk_ms(flights: int, waiters: int, block: int, seconds: float = 0.5) -> flo
     return (time.process_time() - start) / walks * 1e3
 
 
+def burst_us(flights: int, block: int, seconds: float = 0.5) -> float:
+    """Mean CPU microseconds of one admission in a burst: newcomers with learned lengths
+    checked and added one after another to an empty node until ``flights`` are on it,
+    none started yet (no token reported: a burst's first seconds)."""
+    admissions = 0
+    start = time.process_time()
+    while time.process_time() - start < seconds:
+        proj = NodeProjection()
+        for i in range(flights):
+            newcomer = Flight(i, 300 + (i * 7919) % 1700, 1, 2048, shape=_SHAPE)
+            proj.fits(block, 10**9, 2.0, (newcomer,))
+            proj.add(newcomer)
+        admissions += flights
+    return (time.process_time() - start) / admissions * 1e6
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--flights", default="32,128,256", help="flights on the node, comma-separated")
@@ -139,6 +156,9 @@ def main(argv: list[str] | None = None) -> int:
     for n in counts:
         kept, changed = credited_us(n, args.block, False), credited_us(n, args.block, True)
         print(f"{n:>7} {kept:>13.1f} {changed:>13.1f}")
+    print(f"\n{'flights':>7} {'admission us':>13}   (a burst of learned newcomers, unstarted)")
+    for n in counts:
+        print(f"{n:>7} {burst_us(n, args.block):>13.1f}")
     print(f"\n{'flights':>7} {'waiters':>7} {'walk ms':>9}   (a queue walk, none fitting)")
     for n in counts:
         for waiters in (100, 1000):

@@ -366,11 +366,14 @@ def learned_curve(
     for i, f in enumerate(flights):
         if f.started or f.shape is None:
             continue
-        for j, step in enumerate(steps):  # a = 1 throughout
-            _, b, spread = f.blocks_at(step, block)
-            mean[j] += b
-            var[j] += spread
-            most[j] += f.n * blocks_of(f.tokens_at(step), block)
+        # As blocks_at reads it (a = 1 throughout), at every step at once.
+        grown = np.minimum(f.bound, f.generated + f.rate * np.maximum(0, t - f.delay))
+        cap = grown if f.seen else np.full(t.shape, f.bound)
+        expected, variance = f.shape.outlook_many(f.generated - 1, cap)
+        mean += f.n * ((f.prompt + expected + f.ahead) / block + 1.0)
+        var += f.n * variance / (block * block)
+        held = f.prompt + (grown + f.rate * f.behind if f.seen else f.bound) + f.ahead
+        most += f.n * -(-held // block)
         alive[i] = 1.0
     for i, f in enumerate(flights):
         held = tracked(f.id)

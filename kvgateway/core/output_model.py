@@ -82,6 +82,7 @@ class OutputShape:
         "_censored",
         "_memo",
         "_n",
+        "_prefix",
         "_sum",
         "_sum2",
         "_tail",
@@ -107,6 +108,7 @@ class OutputShape:
         # Outlooks read before: a projection reads the same few at every step it checks.
         self._memo: dict[tuple[int, int, float], Outlook] = {}
         self._array: np.ndarray | None = None
+        self._prefix: tuple[np.ndarray, np.ndarray] | None = None
 
     @property
     def size(self) -> int:
@@ -180,6 +182,31 @@ class OutputShape:
             self._memo.clear()
         seen = self._memo[key] = self._outlook(generated, max_tokens, q)
         return seen
+
+    def outlook_many(self, generated: int, caps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`outlook`'s mean and variance for each of ``caps`` (integers below
+        :data:`CENSORED`), at once: the same sums, so the same floats."""
+        if self._array is None:
+            self._array = np.asarray(self._values, dtype=np.int64)
+        if self._prefix is None:
+            finite = self._n - self._censored  # the caps never reach past these
+            self._prefix = (
+                np.asarray(self._sum[: finite + 1], dtype=np.int64),
+                np.asarray(self._sum2[: finite + 1], dtype=np.int64),
+            )
+        values, (s1, s2) = self._array, self._prefix
+        lo = bisect_right(self._values, generated)
+        count = self._n - lo
+        if count == 0:
+            return caps.astype(float), np.zeros(caps.shape)
+        hi = np.maximum(lo, np.searchsorted(values, caps, side="left"))
+        capped = self._n - hi
+        total = s1[hi] - s1[lo] + capped * caps
+        total2 = s2[hi] - s2[lo] + capped * caps * caps
+        mean = total / count
+        variance = np.maximum(0.0, total2 / count - mean * mean)
+        done = caps <= generated
+        return np.where(done, caps, mean), np.where(done, 0.0, variance)
 
     def _outlook(self, generated: int, max_tokens: int, q: float) -> Outlook:
         vals = self._values

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvgateway.core.output_model import ANY_KEY, OutputModel, bucket_of
+from kvgateway.core.output_model import ANY_KEY, CENSORED, OutputModel, OutputShape, bucket_of
 
 
 def test_buckets_are_powers_of_two():
@@ -150,3 +151,22 @@ def test_a_groups_shape_is_made_anew_once_a_thirty_second_of_its_answers_is_new(
     model.observe("m", "k", 1024, 502)  # 3 of 66: 3 x 32 >= 66
     fresh = group.shape
     assert fresh is not kept and fresh is not None and fresh.longest == 502
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 600), min_size=1, max_size=60),
+    censored=st.integers(0, 5),
+    generated=st.integers(-1, 700),
+    caps=st.lists(st.integers(1, 800), min_size=1, max_size=40),
+)
+def test_outlooks_read_at_once_are_the_outlooks_read_one_by_one(
+    lengths: list[int], censored: int, generated: int, caps: list[int]
+) -> None:
+    """For every cap, the mean and variance read for many caps at once are the very
+    floats one outlook gives (answers cut at their caps among those seen)."""
+    shape = OutputShape(lengths + [CENSORED] * censored)
+    mean, var = shape.outlook_many(generated, np.asarray(caps, dtype=np.int64))
+    for k, cap in enumerate(caps):
+        one = shape.outlook(generated, cap, 0.5)
+        assert (float(mean[k]), float(var[k])) == (one.expected, one.variance)
