@@ -41,6 +41,7 @@ _PROMPT = re.compile(rb'"prompt_tokens"\s*:\s*(\d{1,15})(?!\d)')
 # Inside a JSON string a quote is escaped, so this never matches generated text.
 _USAGE_FIELD = re.compile(rb',\s*"usage"\s*:\s*(?:null|\{[^{}]*(?:\{[^{}]*\}[^{}]*)*\})')
 _NO_CHOICES = re.compile(rb'"choices"\s*:\s*\[\s*\]')
+_FINGERPRINT = re.compile(rb'"system_fingerprint"\s*:\s*("(?:[^"\\]|\\.)*")')
 _CHOICE_INDEX = re.compile(rb'"choices"\s*:\s*\[\s*\{\s*"index"\s*:\s*(\d{1,9})(?!\d)')
 # Counting chunks where the node sends no usage: choice objects, role announcements.
 _CHOICE = re.compile(rb'"index"\s*:')
@@ -111,6 +112,7 @@ class UsageTap:
         self._one_choice = choices == 1
         self._per_choice: dict[int, int] = {}
         self.final = b""  # the usage-only chunk, once it came
+        self._held = b""  # a finish chunk and what followed it, waiting for the usage chunk
         # The node's count of the prompt, from the first usage it reported.
         self.prompt_tokens: int | None = None
 
@@ -124,7 +126,41 @@ class UsageTap:
 
     def feed(self, events: bytes) -> bytes:
         """Read a run of complete SSE events; the same events without what the client
-        did not ask for."""
+        did not ask for. A client that did not ask for usage gets the node's
+        ``system_fingerprint`` where the node alone puts it, on the finish chunk: vLLM
+        moves it to the usage chunk the gateway asked for, so a lone choice's finish
+        chunk waits for that chunk (they come one after the other) and takes it."""
+        out = self._strip(events)
+        if self._ask.include_usage or not self._one_choice:
+            return out
+        head = b""
+        if self._held:
+            self._held += out
+        else:
+            at = out.find(b'"finish_reason":"')
+            if at < 0:
+                return out
+            start = max(0, out.rfind(b"data:", 0, at))
+            head, self._held = out[:start], out[start:]
+        if self.final or b"[DONE]" in self._held:
+            return head + self._stamped()
+        return head
+
+    def flush(self) -> bytes:
+        """What :meth:`feed` still holds (the stream ended without its usage chunk)."""
+        held, self._held = self._held, b""
+        return held
+
+    def _stamped(self) -> bytes:
+        held = self.flush()
+        fp = _FINGERPRINT.search(self.final)
+        end = held.find(b"\n\n")
+        close = held.rfind(b"}", 0, end if end >= 0 else len(held))
+        if fp is None or close < 0 or b'"system_fingerprint"' in held[:close]:
+            return held
+        return held[:close] + b',"system_fingerprint":' + fp.group(1) + held[close:]
+
+    def _strip(self, events: bytes) -> bytes:
         if self.prompt_tokens is None and b'"prompt_tokens"' in events:
             m = _PROMPT.search(events)
             if m is not None:

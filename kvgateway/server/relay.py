@@ -199,6 +199,10 @@ class Relay:
         plan = ex.plan
         assert plan is not None
         done = False
+
+        def cut(message: str, code: str) -> bytes:  # what the tap holds goes first
+            return (tap.flush() if tap is not None else b"") + error_event(message, code)
+
         # The events holding the usage chunk: vLLM yields it and [DONE] apart, so it is often
         # not in the last read.
         usage = b""
@@ -246,25 +250,21 @@ class Relay:
             self._stream_failed(ex, r, str(err))
             rec.outcome = f"mid_stream_{err.cause}"
             await out.write(
-                error_event(
-                    f"Backend {r.backend.name} failed mid-stream: {err}", "upstream_" + err.cause
-                )
+                cut(f"Backend {r.backend.name} failed mid-stream: {err}", "upstream_" + err.cause)
             )
             done = True
         except TimeoutError:
             rec.outcome = Outcome.MID_STREAM_TOTAL_TIMEOUT
             ex.failures.append(Failure(r.backend.name, "timeout", retried=False))
             await out.write(
-                error_event(
-                    "The response exceeded the gateway's total timeout.", "upstream_timeout"
-                )
+                cut("The response exceeded the gateway's total timeout.", "upstream_timeout")
             )
             done = True
         if not done:
             rec.outcome = Outcome.MID_STREAM_TRUNCATED
             self._stream_failed(ex, r, "the stream ended before its last event")
             await out.write(
-                error_event(f"Backend {r.backend.name} ended the stream early.", "upstream_reset")
+                cut(f"Backend {r.backend.name} ended the stream early.", "upstream_reset")
             )
         elif rec.outcome == Outcome.PENDING:
             rec.outcome = Outcome.OK

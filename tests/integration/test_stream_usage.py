@@ -54,12 +54,16 @@ async def test_sdk_default_stream_sees_no_usage_and_is_charged_what_the_node_gen
     start_fleet: StartFleet,
 ) -> None:
     """The SDK's default stream sees no usage, yet is charged the node's 41 tokens:
-    counting chunks would charge one per chunk, a fraction of that (several tokens each)."""
+    counting chunks would charge one per chunk, a fraction of that (several tokens each).
+    Its last chunk carries the node's system_fingerprint, as from the node alone."""
     fleet = await _fleet(start_fleet)
     chunks = await _stream(fleet.url)
     assert all(c.usage is None and c.choices for c in chunks)
     assert len(chunks) < TOKENS // 2  # several tokens per chunk, as the node sent them
     assert chunks[-1].choices[0].finish_reason == "length"
+    # The fingerprint where the node alone puts it on such a stream: the last chunk.
+    assert [bool(c.system_fingerprint) for c in chunks] == [False] * (len(chunks) - 1) + [True]
+    assert chunks[-1].system_fingerprint.startswith("vllm-0.32.0-")
     assert await _charged(fleet.url) == TOKENS
     assert fleet.leaks() == {}
 

@@ -49,12 +49,17 @@ async def test_usage_reaches_the_client_as_it_asked_for_it(
     qwen_fleet: dict[str, RealNode], real_gateway: StartGateway
 ) -> None:
     """The gateway always asks the node for per-chunk usage; the client sees it only
-    where it asked: none, the final usage chunk, or usage on every chunk."""
+    where it asked: none, the final usage chunk, or usage on every chunk. A stream
+    without usage carries the node's system_fingerprint where the node alone puts it."""
     node = qwen_fleet["S"]
     gw = await real_gateway(gateway_config([node]))
     url = str(gw.make_url("")).rstrip("/")
     plain = await _chunks(url, _ask("usage plain", 12))
     assert all("usage" not in c or c["usage"] is None for c in plain)
+    # The node's fingerprint where the node alone puts it on such a stream: the last chunk.
+    alone = await _chunks(node.url, _ask("usage plain", 12))
+    prints = [[c.get("system_fingerprint") for c in chunks] for chunks in (plain, alone)]
+    assert prints[0] == prints[1] and prints[0][-1] and not any(prints[0][:-1])
     final = await _chunks(url, _ask("usage final", 12, stream_options={"include_usage": True}))
     usages = [c["usage"] for c in final if c.get("usage")]
     assert len(usages) == 1 and usages[0]["completion_tokens"] == 12

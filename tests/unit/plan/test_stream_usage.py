@@ -99,3 +99,54 @@ def test_a_hostile_nodes_endless_numbers_are_not_read() -> None:
     tap = UsageTap(NONE)
     tap.feed(b"data: " + body + b"\n\n")
     assert tap.completion_tokens is None
+
+
+FP = b',"system_fingerprint":"vllm-0.32.0-25dda68c"'
+
+
+def finish(done: int) -> bytes:
+    return chunk(0, "end", done).replace(b'"finish_reason":null', b'"finish_reason":"length"')
+
+
+def with_fingerprint(event: bytes) -> bytes:
+    return event[: event.rindex(b"}")] + FP + b"}\n\n"
+
+
+def test_a_default_stream_gets_the_fingerprint_on_its_finish_chunk() -> None:
+    """vLLM puts system_fingerprint on the usage chunk the gateway asked for; a client
+    that did not ask for usage finds it where the node alone puts it, on the finish
+    chunk, whether the usage chunk comes in the same read or a later one."""
+    for split in (False, True):
+        tap = UsageTap(NONE)
+        got = tap.feed(chunk(0, "a", 1))
+        rest = [finish(2), with_fingerprint(final(2)), b"data: [DONE]\n\n"]
+        if split:
+            got += tap.feed(rest[0])  # held until the usage chunk comes
+            assert got.count(b"data:") == 1
+            got += tap.feed(rest[1] + rest[2])
+        else:
+            got += tap.feed(b"".join(rest))
+        events = [json.loads(e[6:]) for e in got.split(b"\n\n") if e.startswith(b"data: {")]
+        assert [e["choices"][0]["finish_reason"] for e in events] == [None, "length"]
+        assert events[1]["system_fingerprint"] == "vllm-0.32.0-25dda68c"
+        assert "system_fingerprint" not in events[0] and got.endswith(b"data: [DONE]\n\n")
+
+
+def test_a_finish_chunk_held_for_the_fingerprint_is_not_lost() -> None:
+    """A stream that ends without its usage chunk (a node that sends none, or one that
+    fails) still relays its finish chunk: at [DONE], or through flush() before an error."""
+    tap = UsageTap(NONE)
+    assert tap.feed(finish(1)) == b""
+    out = tap.feed(b"data: [DONE]\n\n")
+    assert b'"finish_reason":"length"' in out and out.endswith(b"data: [DONE]\n\n")
+    assert b"usage" not in out and b"system_fingerprint" not in out
+    tap = UsageTap(NONE)
+    tap.feed(finish(1))
+    assert b'"finish_reason":"length"' in tap.flush() and tap.flush() == b""
+
+
+def test_a_client_asking_for_usage_or_many_choices_is_relayed_as_it_comes() -> None:
+    asked = UsageTap(FINAL)
+    assert b'"finish_reason":"length"' in asked.feed(finish(1))
+    many = UsageTap(NONE, choices=2)
+    assert b'"finish_reason":"length"' in many.feed(finish(1))
