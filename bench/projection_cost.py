@@ -17,17 +17,24 @@ changed and after a change; an admission in a burst (newcomers with learned leng
 one after another, none started); and a whole walk of 100 and 1,000 waiters of one client,
 none fitting.
 
-    python -m bench.projection_cost [--flights 32,128,256] [--block 16]
+With ``--fleet``: CPU per routed arrival on a saturated fleet whose every node's flights
+just reported progress (``bench.scale``'s synthetic fleet; see :func:`fleet_ms`).
+
+    python -m bench.projection_cost [--flights 32,128,256] [--block 16] [--fleet 10,100]
 """
 
 from __future__ import annotations
 
 import argparse
+import random
 import time
 
+from bench.scale import synthetic_gateway
+from kvgateway.core.demand import Demand, demand_tokens
 from kvgateway.core.flight import Flight
-from kvgateway.core.output_model import OutputShape
+from kvgateway.core.output_model import LearnedLengths, OutputShape, z_of
 from kvgateway.core.projection import NodeProjection
+from kvgateway.core.reservation import Reservation
 
 KINDS = ("unseen", "unstarted", "running", "learned")
 _SHAPE = OutputShape([20 + (k * 37) % 400 for k in range(64)])
@@ -137,11 +144,74 @@ def burst_us(flights: int, block: int, seconds: float = 0.5) -> float:
     return (time.process_time() - start) / admissions * 1e6
 
 
+def _learned(rnd: random.Random, prompt: int) -> Demand:
+    lengths = LearnedLengths(512, 32)
+    for k in range(512):
+        lengths.add(20 + (k * 37) % 600)
+    return Demand(
+        model="m",
+        prompt_tokens=prompt,
+        longest_prompt=prompt,
+        output_tokens=2048,
+        sequences=1,
+        tokens=demand_tokens([prompt], 2048, 1, 16),
+        projected=True,
+        lengths=lengths,
+        z=z_of(0.001),
+    )
+
+
+def fleet_ms(nodes: int, rounds: int = 10) -> tuple[float, float, float]:
+    """A fleet of ``nodes`` (``bench.scale``'s tiers) filled by arrivals with learned
+    lengths until 200 in a row are refused, every flight then started. Per round every
+    flight reports a token more (a step on every node), then 4 arrivals that do not fit
+    (7,000-token prompts) are routed. Returns (flights per node, CPU ms per round of
+    reports, CPU ms per refused arrival)."""
+    rnd = random.Random(nodes)
+    state = synthetic_gateway(nodes, "kv_aware", rnd)
+    adm, fleet = state.admission, state.fleet
+    for b in fleet.backends:  # empty: the flights below fill it
+        fleet.adjust(b, -b.reserved_tokens, -b.reserved_seqs, -b.in_flight)
+    held: list[tuple[Reservation, list[int]]] = []
+    misses = 0
+    while misses < 200:
+        r = adm.try_admit(_learned(rnd, rnd.randint(3000, 6000)))
+        if isinstance(r, Reservation):
+            held.append((r, [rnd.randint(1, 200)]))
+            r.progress(held[-1][1][0])
+            misses = 0
+        else:
+            misses += 1
+    reports = arrivals = 0.0
+    for _ in range(rounds):
+        start = time.process_time()
+        for r, generated in held:
+            generated[0] += 1
+            r.progress(generated[0])
+        middle = time.process_time()
+        for _ in range(4):
+            assert not isinstance(adm.try_admit(_learned(rnd, 7000)), Reservation)
+        reports += middle - start
+        arrivals += time.process_time() - middle
+    return len(held) / nodes, reports / rounds * 1e3, arrivals / (4 * rounds) * 1e3
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--flights", default="32,128,256", help="flights on the node, comma-separated")
     p.add_argument("--block", type=int, default=16, help="the node's KV block size (tokens)")
+    p.add_argument(
+        "--fleet",
+        default="",
+        help="instead: fleets of these many nodes, saturated (comma-separated)",
+    )
     args = p.parse_args(argv)
+    if args.fleet:
+        print(f"{'nodes':>6} {'flights/node':>12} {'reports ms':>11} {'arrival ms':>11}")
+        for n in (int(x) for x in args.fleet.split(",")):
+            per, reports, arrival = fleet_ms(n)
+            print(f"{n:>6} {per:>12.1f} {reports:>11.2f} {arrival:>11.3f}")
+        return 0
     counts = [int(x) for x in args.flights.split(",")]
     print(f"{'flights':>7} " + " ".join(f"{k + ' us':>13}" for k in KINDS))
     for n in counts:
