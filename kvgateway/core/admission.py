@@ -38,6 +38,7 @@ from kvgateway.core.demand import (
     Demand,
     can_ever_hold,
     context_error,
+    earliest_fit,
     flight_for,
     projected_budget,
 )
@@ -232,9 +233,8 @@ class Admission(AdmissionCore):
         for b in self._index_for(demand.model).backends:
             if not b.usable or not b.step_s or not can_ever_hold(b, demand):
                 continue
-            start = b.projection.earliest_start(
-                b.limits.block_size, flight_for(b, demand), projected_budget(b), demand.z
-            )
+            proj, block, budget = b.projection, b.limits.block_size, projected_budget(b)
+            start = earliest_fit(proj, block, flight_for(b, demand), budget, demand.z, stale=True)
             if start is None:
                 continue
             wait = start * b.step_s

@@ -88,12 +88,12 @@ class AdmissionCore:
 
     # ---- synchronous core -------------------------------------------------------
 
-    def decide(self, demand: Demand) -> Decision:
+    def decide(self, demand: Demand, stale: bool = False) -> Decision:
         index = self._index_for(demand.model)
         now = self._clock()
         overflow = self._offload_overflow()
         decision = route(
-            self._policy(), index, demand, self._router, now, offload_overflow=overflow
+            self._policy(), index, demand, self._router, now, offload_overflow=overflow, stale=stale
         )
         if self._prefix is not None and demand.prefix is not None:
             decision = self._prefix.refine(index, demand, decision, now)
@@ -191,12 +191,12 @@ class AdmissionCore:
         """Reserve now if the policy finds room that no waiter ahead of it claims."""
         if self._queue.gate(demand, ticket) is not None:
             return Wait()
-        decision = self.decide(demand)
+        decision = self.decide(demand, stale=True)
         if isinstance(decision, Routed) and self._queue.claimed(decision.backend.name):
             claimed = self._queue.claimed_ahead(ticket)
             if decision.backend.name in claimed:
                 first = decision
-                decision = self.decide(with_busy(demand, claimed))
+                decision = self.decide(with_busy(demand, claimed), stale=True)
                 if not isinstance(decision, Routed):
                     filled = self._backfill(demand, first, claimed)
                     if filled is None:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from kvgateway.core.backends import Backend
-from kvgateway.core.demand import Demand, can_ever_hold, flight_for, projected_budget
+from kvgateway.core.demand import Demand, can_ever_hold, earliest_fit, flight_for, projected_budget
 from kvgateway.core.flight import Flight, delayed
 from kvgateway.core.reservation import Reservation
 from kvgateway.core.routing import ModelIndex
@@ -375,7 +375,7 @@ def plan_of(b: Backend, w: Waiter) -> Plan | None:
     block = b.limits.block_size
     budget = projected_budget(b)
     head = flight_for(b, d)
-    start = proj.earliest_start(block, head, budget, d.z)
+    start = earliest_fit(proj, block, head, budget, d.z)
     kept = w.plans.get(b.name)
     if kept is not None and (start is None or kept - proj.clock < start):
         # A plan only moves earlier: a report not in yet makes the node look further

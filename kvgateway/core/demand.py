@@ -7,12 +7,13 @@ index and admission's queue claims alike.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 
 from kvgateway.core.backends import Backend
-from kvgateway.core.flight import FIRST_CHUNK_TOKENS, Flight, ahead_of
+from kvgateway.core.flight import FIRST_CHUNK_TOKENS, Flight, ahead_of, delayed
 from kvgateway.core.output_model import LearnedLengths
+from kvgateway.core.projection import NodeProjection
 from kvgateway.errors import ContextLengthExceeded
 
 
@@ -211,9 +212,35 @@ def projected_budget(b: Backend) -> int:
     return (b.budget_tokens - whole_life) // b.limits.block_size
 
 
-def projected_room(b: Backend, d: Demand) -> bool:
-    """``d`` fits ``b``'s projected curve, beside whatever holds its whole bound there."""
-    return b.projection.fits(b.limits.block_size, projected_budget(b), d.z, (flight_for(b, d),))
+def projected_room(b: Backend, d: Demand, stale: bool = False) -> bool:
+    """``d`` fits ``b``'s projected curve, beside whatever holds its whole bound there
+    (``stale``: a refusal may be read from a curve a few steps old, see ``fits``)."""
+    proj, block = b.projection, b.limits.block_size
+    return proj.fits(block, projected_budget(b), d.z, (flight_for(b, d),), stale=stale)
+
+
+def earliest_fit(
+    proj: NodeProjection,
+    block: int,
+    newcomer: Flight,
+    budget: int,
+    z: float,
+    ahead: Iterable[Flight] = (),
+    *,
+    stale: bool = False,
+) -> int | None:
+    """The first step at which ``newcomer`` fits ``proj`` (with ``ahead`` in the curve),
+    or None if that depends on a flight whose end is unknown (``stale``: starts refused
+    on a curve a few steps old, an estimate never early)."""
+    others = tuple(ahead)
+    if any(f.end is None for f in proj.flights):
+        starts = [0]
+    else:
+        starts = sorted({0, *(f.end for f in (*proj.flights, *others) if f.end)})
+    for start in starts:
+        if proj.fits(block, budget, z, (*others, delayed(newcomer, start)), stale=stale):
+            return start
+    return None
 
 
 def context_error(demand: Demand, largest: int) -> ContextLengthExceeded:

@@ -4,30 +4,13 @@ vLLM decodes every running sequence one token per engine step and frees its bloc
 its end, at the latest at its output bound: each :class:`Flight` grows a token a step
 from its current length and vanishes at its end. A newcomer fits if the curve, with it
 added, stays within the budget at every future step; it can only peak just before an
-end (or where a flight whose end is unknown reaches its bound).
-
-What the projection assumes, and why each assumption is safe:
-
-- A flight's end is projected only once the node reports its progress (a stream's
-  per-chunk usage); before that it grows from its admission to its whole bound and stays
-  there. One never reported (a non-streamed answer) holds its whole bound from admission.
-  One that ended but whose blocks a KV connector still moves out holds what it held
-  (:meth:`NodeProjection.hold`).
-- A reported count may lag the node (a stream read late): a flight holds :data:`AHEAD`
-  tokens more than reported, plus one per step the node took since (other flights'
-  reports say), and ends no earlier than its report says.
-- Blocks are counted as vLLM allocates them: ``ceil(tokens / block)`` per sequence.
-- Prompt blocks shared with another flight on the node (vLLM's prefix cache) count once
-  while any holder lives (:class:`SharedKeys`), plus each copy a flight paid for; vLLM
-  caches full blocks when it schedules them, so a holder's first prefill chunk
-  (:data:`FIRST_CHUNK_TOKENS`) is shared from its admission, the rest from its first token.
-- With learned output lengths (:class:`~kvgateway.core.output_model.OutputShape`) a
-  started flight ends early with the learned probability: the check is ``mean + z *
-  stddev`` of the blocks in use at each step (``z`` from the accepted preemption risk),
-  never more than every flight that may still run then holds. Without a shape, the bound
-  is the flight's ``max_tokens``: exact.
-
-Nothing here does I/O or reads a clock.
+end (or where a flight whose end is unknown reaches its bound). Each assumption errs on
+the safe side (docs/admission.md, "Admission by the projected peak"): an unreported
+flight grows to its whole bound and stays; a reported one holds :data:`AHEAD` tokens
+more plus a token per step the node took since; blocks are ``ceil(tokens / block)``
+per sequence; shared prompt blocks count once while a holder lives (:class:`SharedKeys`,
+:data:`FIRST_CHUNK_TOKENS`); with learned lengths the check is ``mean + z * stddev``,
+never more than every flight that may still run holds. No I/O, no clock.
 """
 
 from __future__ import annotations
@@ -44,7 +27,6 @@ from kvgateway.core.flight import (
     blocks_of,
     chances,
     curve_steps,
-    delayed,
     fixed_curve,
     frozen,
     is_static,
@@ -55,6 +37,9 @@ from kvgateway.core.prefix_keys import BlockKey, ReadyKeys, SharedKeys, expected
 
 # Variance (blocks squared) below which a sum kept as flights come and go reads as none.
 _NO_SPREAD = 1e-9
+# Steps of reports a curve may be behind and still refuse a newcomer (a refusal is safe;
+# "fits" is read fresh): routing across a saturated fleet re-reads fewer curves.
+STALE_STEPS = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,12 +62,9 @@ class Peak:
 
 
 class NodeProjection:
-    """One node's flights and the curve they make, in blocks of ``block`` tokens (the
-    node's block size, known once the node is probed, passed to every reading).
-
-    The curve is kept per step read until the flights change: an admission round asks
-    about many candidates, each adding only its own part. Flights whose holding never
-    changes (:func:`~.flight.is_static`) are summed as they come and go."""
+    """One node's flights and the curve they make, in blocks of ``block`` tokens (passed
+    to every reading). The curve is kept per step read until the flights change (reports
+    leave it stale: see :meth:`fits`); step-invariant flights are summed as they come."""
 
     def __init__(self) -> None:
         self._flights: dict[int, Flight] = {}
@@ -103,6 +85,7 @@ class NodeProjection:
         self._varying: dict[int, Flight] = {}
         self._started = 0
         self._clock = 0
+        self._stale, self._built = False, 0  # reports since the curve was read, and when
 
     def __len__(self) -> int:
         return len(self._flights)
@@ -129,6 +112,7 @@ class NodeProjection:
         return self._flights.get(fid)
 
     def _changed(self) -> None:
+        self._stale, self._built = False, self._clock
         self._refused.clear()
         self._covers.clear()
         self._base.clear()
@@ -196,7 +180,9 @@ class NodeProjection:
         # A first report may itself be late: at most a token a step since its admission.
         f.seen_at = min(self._clock, f.seen_at + f.generated) if first else self._clock
         f.behind = self._clock - f.seen_at
-        self._changed()
+        if first:  # it leaves the step-invariant sum
+            self._changed()
+        self._stale = True
         return first
 
     def _sum_in(self, block: int, f: Flight) -> None:
@@ -229,7 +215,12 @@ class NodeProjection:
 
     def current_blocks(self, block: int) -> int:
         """Blocks the flights hold now (as projected at step 0)."""
+        self._fresh()
         return math.ceil(self._base_at(block, 0)[0] - 1e-9)
+
+    def _fresh(self) -> None:
+        if self._stale:
+            self._changed()
 
     def peak(
         self, block: int, z: float, extra: Iterable[Flight] = (), above: float | None = None
@@ -237,7 +228,10 @@ class NodeProjection:
         """The curve's maximum from now on, with ``extra`` flights (not added) in it; or,
         given ``above``, its first reading past that, as soon as one is (the rest of the
         curve is then not read)."""
-        added = tuple(extra)
+        self._fresh()
+        return self._peak(block, z, tuple(extra), above)
+
+    def _peak(self, block: int, z: float, added: tuple[Flight, ...], above: float | None) -> Peak:
         steps = self._base_steps(block)
         if added:
             steps = tuple(sorted({*steps, *curve_steps(added, block)}))
@@ -262,17 +256,26 @@ class NodeProjection:
                     break
         return best
 
-    def fits(self, block: int, budget_blocks: int, z: float, extra: Iterable[Flight]) -> bool:
+    def fits(
+        self, block: int, budget_blocks: int, z: float, extra: Iterable[Flight], stale: bool = False
+    ) -> bool:
         """Whether the curve with ``extra`` stays within ``budget_blocks``. Until the
-        flights change, a newcomer like one refused (:func:`~.flight.likeness`, beside
-        the same others) with a prompt no shorter is refused unread (queue walks)."""
+        flights change, one like a newcomer refused (:func:`~.flight.likeness`, beside the
+        same others) with a prompt no shorter is refused unread. ``stale``: a refusal may
+        come from a curve read :data:`STALE_STEPS` steps ago; "fits" is read fresh."""
+        if self._stale and not (stale and self._clock - self._built <= STALE_STEPS):
+            self._changed()
         added = tuple(extra)
         alike = likeness(added[0]) if added else None
         key = None if alike is None else (block, budget_blocks, z, alike, *map(id, added[1:]))
         if key in self._refused and added[0].prompt >= self._refused[key][0]:
             return False
         limit = budget_blocks + 1e-9
-        if self.peak(block, z, added, above=limit).blocks <= limit:
+        room = self._peak(block, z, added, limit).blocks <= limit
+        if room and self._stale:
+            self._changed()
+            room = self._peak(block, z, added, limit).blocks <= limit
+        if room:
             return True
         if key is not None:  # the shortest refused yet; kept alive, their ids stay theirs
             self._refused[key] = (added[0].prompt, added)
@@ -280,6 +283,7 @@ class NodeProjection:
 
     def peak_at(self, block: int, t: int, z: float = 0.0) -> Peak:
         """Blocks the admitted flights use at step ``t`` (``mean + z * stddev``)."""
+        self._fresh()
         mean, var, most = self._base_at(block, t)
         return Peak(min(mean + z * math.sqrt(var), float(most)) if var > 0.0 else mean, t)
 
@@ -375,23 +379,3 @@ class NodeProjection:
             mean, var, most, self._static_ids, tuple(self._varying.values())
         )
         return static
-
-    def earliest_start(
-        self,
-        block: int,
-        newcomer: Flight,
-        budget_blocks: int,
-        z: float,
-        ahead: Iterable[Flight] = (),
-    ) -> int | None:
-        """The first step at which ``newcomer`` fits (with ``ahead`` in the curve), or
-        None if that depends on a flight whose end is unknown."""
-        others = tuple(ahead)
-        if self._static_ids or any(f.end is None for f in self._varying.values()):
-            starts = [0]
-        else:
-            starts = sorted({0, *(f.end for f in (*self._flights.values(), *others) if f.end)})
-        for start in starts:
-            if self.fits(block, budget_blocks, z, (*others, delayed(newcomer, start))):
-                return start
-        return None

@@ -192,23 +192,24 @@ class ModelIndex:
             tier.add(b)
 
 
-def _has_room(b: Backend, d: Demand) -> bool:
+def _has_room(b: Backend, d: Demand, stale: bool = False) -> bool:
     kept = d.kept_slots(b.name, b.max_num_seqs) if d.kept_slots is not None else 0.0
     if b.free_seqs - kept < d.sequences:
         return False
     if d.projected:
-        return projected_room(b, d)
+        return projected_room(b, d, stale)
     return b.free_tokens >= tokens_on(b, d)
 
 
-def eligible(b: Backend, d: Demand, now: float) -> bool:
-    """Can ``b`` take ``d`` right now (fits, healthy, accepting, has room)?"""
+def eligible(b: Backend, d: Demand, now: float, stale: bool = False) -> bool:
+    """Can ``b`` take ``d`` right now (fits, healthy, accepting, has room)? ``stale``:
+    see :func:`~.demand.projected_room`."""
     return (
         can_ever_hold(b, d)
         and b.name not in d.exclude
         and b.name not in d.busy
         and b.accepting(now)
-        and _has_room(b, d)
+        and _has_room(b, d, stale)
     )
 
 
@@ -241,12 +242,12 @@ def route_to(
 
 
 def route_kv_aware(
-    index: ModelIndex, d: Demand, now: float, *, offload_overflow: bool = False
+    index: ModelIndex, d: Demand, now: float, *, offload_overflow: bool = False, stale: bool = False
 ) -> Decision:
     """The indexed decision: looks at a few backends per tier, not all of them."""
 
     def accept(b: Backend) -> bool:
-        return eligible(b, d, now)
+        return eligible(b, d, now, stale)
 
     first_fit = _first_fit_tier(index, d)
     for tier in index.tiers:
@@ -269,11 +270,16 @@ def route_kv_aware(
                         b, RouteReason.OFFLOAD if first_fit is None else RouteReason.OVERFLOW
                     )
     # Nothing can take it now: the exact (slower) scan says why.
-    return kv_aware_scan(index.backends, d, now, offload_overflow=offload_overflow)
+    return kv_aware_scan(index.backends, d, now, offload_overflow=offload_overflow, stale=stale)
 
 
 def kv_aware_scan(
-    backends: Sequence[Backend], d: Demand, now: float, *, offload_overflow: bool = False
+    backends: Sequence[Backend],
+    d: Demand,
+    now: float,
+    *,
+    offload_overflow: bool = False,
+    stale: bool = False,
 ) -> Decision:
     """The reference decision over every backend (tier order): used to explain a miss,
     and by the tests as the oracle for :func:`route_kv_aware`."""
@@ -291,12 +297,12 @@ def kv_aware_scan(
             continue
         if best is not None and b.tier_index != best.tier_index:
             break
-        if eligible(b, d, now) and (best is None or _key_better(b, best)):
+        if eligible(b, d, now, stale) and (best is None or _key_better(b, best)):
             best = b
     if best is not None:
         return Routed(best, RouteReason.FIT if best.tier_index == first_fit else RouteReason.SPILL)
     if first_fit is None or offload_overflow:
-        offload = [b for b in could if b.offload and eligible(b, d, now)]
+        offload = [b for b in could if b.offload and eligible(b, d, now, stale)]
         if offload:
             first_tier = min(b.tier_index for b in offload)
             pick = min((b for b in offload if b.tier_index == first_tier), key=_sort_key)
@@ -353,8 +359,10 @@ def route(
     now: float,
     *,
     offload_overflow: bool = False,
+    stale: bool = False,
 ) -> Decision:
-    """Decide for one demand over one model's backends."""
+    """Decide for one demand over one model's backends (``stale``: kv_aware may take a
+    refusal from a projected curve a few steps old; an arrival's first look)."""
     if policy == Policy.KV_AWARE:
-        return route_kv_aware(index, d, now, offload_overflow=offload_overflow)
+        return route_kv_aware(index, d, now, offload_overflow=offload_overflow, stale=stale)
     return route_simple(policy, index.backends, d, state, now)

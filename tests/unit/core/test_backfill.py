@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from kvgateway.core.admission import Admission, Reservation
 from kvgateway.core.admission_core import REOFFER_S
 from kvgateway.core.backends import Backend
-from kvgateway.core.demand import Demand, flight_for, projected_budget
+from kvgateway.core.demand import Demand, earliest_fit, flight_for, projected_budget
 from tests.support.backends import admission_over, backend, demand
 
 BLOCK = 16
@@ -121,8 +121,8 @@ async def _engine(requests: list[tuple[int, int, int]], budget: int) -> None:
         if waiting:
             head = min(waiting)
             if head not in planned:
-                plan = b.projection.earliest_start(
-                    BLOCK, flight_for(b, demands[head]), projected_budget(b), 0.0
+                plan = earliest_fit(
+                    b.projection, BLOCK, flight_for(b, demands[head]), projected_budget(b), 0.0
                 )
                 if plan is not None:
                     planned[head] = step + plan

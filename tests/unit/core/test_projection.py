@@ -13,7 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvgateway.core.demand import flight_for
+from kvgateway.core import projection
+from kvgateway.core.demand import earliest_fit, flight_for
 from kvgateway.core.flight import AHEAD, FIRST_CHUNK_TOKENS, Flight, chances, curve_steps
 from kvgateway.core.output_model import OutputShape
 from kvgateway.core.prefix_keys import SharedKeys
@@ -142,7 +143,7 @@ def test_an_unstarted_flight_holds_its_whole_bound_forever() -> None:
     proj = NodeProjection()
     proj.add(Flight(1, prompt=32, n=1, bound=64))
     assert proj.peak(BLOCK, 0.0).blocks == _blocks(32 + 64 + AHEAD)
-    assert proj.earliest_start(BLOCK, Flight(2, 32, 1, 64), _blocks(96) + 2, 0.0) is None
+    assert earliest_fit(proj, BLOCK, Flight(2, 32, 1, 64), _blocks(96) + 2, 0.0) is None
 
 
 def test_an_unseen_flight_holds_its_whole_bound_from_its_admission() -> None:
@@ -163,7 +164,7 @@ def test_earliest_start_is_the_first_end_that_makes_room() -> None:
     proj.add(Flight(2, prompt=64, n=1, bound=100, generated=10, started=True))
     head = Flight(3, prompt=160, n=1, bound=40)
     budget = _blocks(64 + 100) + _blocks(160 + 40 + AHEAD)
-    start = proj.earliest_start(BLOCK, head, budget, 0.0)
+    start = earliest_fit(proj, BLOCK, head, budget, 0.0)
     assert start == 10  # when the first ends
     assert not proj.fits(BLOCK, budget, 0.0, (head,))
 
@@ -719,14 +720,14 @@ def test_newcomers_alike_to_a_refused_one_are_refused_without_reading_the_curve(
         proj.progress(i, 10 + 40 * i)
     budget = int(proj.peak(BLOCK, 3.0).blocks) + 2
     reads = 0
-    peak = NodeProjection.peak
+    peak = NodeProjection._peak
 
     def counted(self: NodeProjection, *args: object, **kwargs: object) -> Peak:
         nonlocal reads
         reads += 1
         return peak(self, *args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(NodeProjection, "peak", counted)
+    monkeypatch.setattr(NodeProjection, "_peak", counted)
     assert not proj.fits(BLOCK, budget, 3.0, (Flight(100, 600, 1, 700, shape=_LEARNED),))
     assert reads == 1
     for k, prompt in enumerate((600, 900, 2000)):
@@ -772,3 +773,69 @@ def test_chances_read_at_once_are_each_flights_survival(
     at_once = chances(fs, t)
     for row, f in zip(at_once, fs, strict=True):
         assert row.tolist() == pytest.approx([f.survival(int(x)) for x in t])
+
+
+def test_a_curve_some_reports_old_may_refuse_but_never_admits() -> None:
+    """Routing may take a refusal from a curve read before the flights' last reports (up
+    to STALE_STEPS steps of them): a flight nearer its end makes room the old curve does
+    not show. "Fits" is read on the current curve, and past STALE_STEPS so is all."""
+    proj = NodeProjection()
+    proj.add(Flight(1, 1000, 1, 100))
+    proj.add(Flight(2, 16, 1, 400))
+    proj.progress(1, 50)
+    proj.progress(2, 50)
+    budget = int(proj.peak(BLOCK, 0.0, (Flight(9, 46, 1, 200),)).blocks) - 1
+    assert not proj.fits(BLOCK, budget, 0.0, (Flight(10, 46, 1, 200),), stale=True)
+    proj.progress(1, 52)  # two steps on: its end, where the curve peaks, comes sooner
+    proj.progress(2, 52)
+    assert not proj.fits(BLOCK, budget, 0.0, (Flight(11, 46, 1, 200),), stale=True)
+    assert proj.fits(BLOCK, budget, 0.0, (Flight(12, 46, 1, 200),))  # read afresh
+    assert proj.fits(BLOCK, budget, 0.0, (Flight(13, 46, 1, 200),), stale=True)
+    budget -= 1
+    assert not proj.fits(BLOCK, budget, 0.0, (Flight(14, 46, 1, 200),), stale=True)
+    assert projection.STALE_STEPS < 15
+    for step in range(53, 68):  # 15 steps on: room again, seen though the read is stale
+        proj.progress(1, step)
+        proj.progress(2, step)
+    assert proj.fits(BLOCK, budget, 0.0, (Flight(15, 46, 1, 200),), stale=True)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    flights=st.lists(
+        st.tuples(st.integers(1, 400), st.integers(1, 300), st.integers(0, 300), st.booleans()),
+        min_size=2,
+        max_size=12,
+    ),
+    steps=st.integers(1, 12),
+    prompt=st.integers(1, 600),
+    learned=st.booleans(),
+)
+def test_a_stale_read_never_admits_what_a_fresh_one_refuses(
+    flights: list[tuple[int, int, int, bool]], steps: int, prompt: int, learned: bool
+) -> None:
+    """Whatever the flights, and whichever report since the curve was read (a flight
+    that does not report holds a token more for each step the others show),
+    ``fits(stale=True)`` admits only what the current curve admits."""
+    shape = _LEARNED if learned else None
+
+    def build() -> NodeProjection:
+        proj = NodeProjection()
+        for i, (p, bound, generated, _) in enumerate(flights):
+            proj.add(Flight(i, p, 1, bound, shape=shape))
+            proj.progress(i, min(bound, generated))
+        return proj
+
+    old, new = build(), build()
+    top = int(old.peak(BLOCK, 2.0, (Flight(500, prompt, 1, 300, shape=shape),)).blocks)
+    for proj in (old, new):
+        for _ in range(steps):
+            for i, (*_, reports) in enumerate(flights):
+                f = proj.get(i)
+                if f is not None and (reports or i == 0):
+                    proj.progress(i, f.generated + 1)
+    for budget in range(max(1, top - 12), top + 12):  # the first the old curve admits
+        newcomer = Flight(600 + budget, prompt, 1, 300, shape=shape)
+        if old.fits(BLOCK, budget, 2.0, (newcomer,), stale=True):
+            assert new.fits(BLOCK, budget, 2.0, (Flight(1, prompt, 1, 300, shape=shape),))
+            break
