@@ -182,7 +182,8 @@ class NodeProjection:
         f.behind = self._clock - f.seen_at
         if first:  # it leaves the step-invariant sum
             self._changed()
-        self._stale = True
+        else:
+            self._stale = True
         return first
 
     def _sum_in(self, block: int, f: Flight) -> None:
