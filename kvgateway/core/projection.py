@@ -5,7 +5,7 @@ its end, at the latest at its output bound: each :class:`Flight` grows a token a
 from its current length and vanishes at its end. A newcomer fits if the curve, with it
 added, stays within the budget at every future step; it can only peak just before an
 end (or where a flight whose end is unknown reaches its bound). Each assumption errs on
-the safe side (docs/admission.md, "Admission by the projected peak"): an unreported
+the safe side (docs/admission.md, "Admission by the projected KV peak"): an unreported
 flight grows to its whole bound and stays; a reported one holds :data:`AHEAD` tokens
 more plus a token per step the node took since; blocks are ``ceil(tokens / block)``
 per sequence; shared prompt blocks count once while a holder lives (:class:`SharedKeys`,
