@@ -158,7 +158,7 @@ def test_an_unseen_flight_holds_its_whole_bound_from_its_admission() -> None:
     assert proj.peak(BLOCK, 0.0, (streamed,)).blocks < 2 * _blocks(16 + 160 + AHEAD)
 
 
-def test_earliest_start_is_the_first_end_that_makes_room() -> None:
+def test_the_earliest_fit_is_the_first_end_that_makes_room() -> None:
     proj = NodeProjection()
     proj.add(Flight(1, prompt=64, n=1, bound=100, generated=90, started=True))
     proj.add(Flight(2, prompt=64, n=1, bound=100, generated=10, started=True))
